@@ -1,0 +1,176 @@
+"""Settings, read from environment variables (SPEC section 9).
+
+With nothing set, the project runs on its embedded default: a SQLite file under the project,
+no Redis, Celery tasks run eagerly. Values that are set but wrong stop the process with a
+message rather than being guessed at.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    lowered = raw.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ImproperlyConfigured(f"{name} must be a boolean (true/false), not {raw!r}")
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be an integer, not {raw!r}") from None
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+DEBUG = env_bool("DEBUG", False)
+_dev_secret = "insecure-development-key-only-for-the-embedded-default"
+SECRET_KEY = os.environ.get("SECRET_KEY") or ""
+if not SECRET_KEY:
+    if not DEBUG and os.environ.get("DATABASE_URL", "").startswith("postgres"):
+        raise ImproperlyConfigured("SECRET_KEY must be set when running on PostgreSQL")
+    SECRET_KEY = _dev_secret
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_htmx",
+    "policies",
+    "runs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+    "governance.middleware.JsonApiErrorsMiddleware",
+]
+
+ROOT_URLCONF = "governance.urls"
+WSGI_APPLICATION = "governance.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database --------------------------------------------------------------------------------
+DATABASE_URL = os.environ.get("DATABASE_URL") or f"sqlite:///{BASE_DIR / 'db.sqlite3'}"
+try:
+    _db = dj_database_url.parse(DATABASE_URL)
+except Exception as exc:  # the library raises a bare ValueError/KeyError on unknown schemes
+    raise ImproperlyConfigured(f"DATABASE_URL is not a database URL: {exc}") from None
+if _db["ENGINE"] == "django.db.backends.sqlite3":
+    # BEGIN IMMEDIATE makes SQLite take its write lock when a transaction starts, which
+    # serializes the checks of a run (SPEC 4.5) across threads and processes instead of
+    # failing one of two racing read-then-write transactions with "database is locked".
+    _db["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 20,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    # Tests share the database with server processes they start, so it must be a file.
+    _db["TEST"] = {"NAME": str(BASE_DIR / ".test-db.sqlite3")}
+elif _db["ENGINE"] == "django.db.backends.postgresql":
+    _db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60)
+    _db["CONN_HEALTH_CHECKS"] = True
+    # A fast connect timeout is what lets a check answer 503 quickly when PostgreSQL is down.
+    _db.setdefault("OPTIONS", {})["connect_timeout"] = env_int("DB_CONNECT_TIMEOUT", 2)
+else:
+    raise ImproperlyConfigured("DATABASE_URL must be a sqlite:// or postgres:// URL")
+DATABASES = {"default": _db}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis and Celery ------------------------------------------------------------------------
+REDIS_URL = os.environ.get("REDIS_URL") or None
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ALWAYS_EAGER = REDIS_URL is None
+CELERY_TASK_EAGER_PROPAGATES = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 60)}
+CELERY_TASK_ROUTES = {"runs.tasks.*": {"queue": "killswitch"}}
+CELERY_TASK_DEFAULT_QUEUE = "default"
+
+# --- Auth, sessions, security ----------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
+
+SECURE_HSTS_SECONDS = 0 if DEBUG else env_int("SECURE_HSTS_SECONDS", 31536000)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+SECURE_HSTS_PRELOAD = True
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", False)
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = BASE_DIR / "staticfiles"
+
+# --- The check API ---------------------------------------------------------------------------
+CHECK_MAX_BODY_BYTES = 64 * 1024
+DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "WARNING")},
+}

@@ -1,0 +1,11 @@
+from django.urls import path
+
+from runs.api import api
+
+from . import views
+
+urlpatterns = [
+    path("healthz", views.healthz, name="healthz"),
+    path("readyz", views.readyz, name="readyz"),
+    path("api/v1/", api.urls),
+]

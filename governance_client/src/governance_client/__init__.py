@@ -1,0 +1,1 @@
+"""Agent-side client for the agent governance check API."""

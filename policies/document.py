@@ -1,0 +1,186 @@
+"""The policy document of SPEC section 3: validation and normalization, no I/O.
+
+The YAML command, the browser editor and its import all go through `parse_document` /
+`parse_policy`, so the three produce identical versions and identical error messages.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
+
+from runs.rules import DEFAULT_REDACT
+
+SLUG = r"^[a-z0-9-]{1,50}$"
+POLICY_NAME = r"^[a-z0-9_-]{1,50}$"
+
+
+class DocumentError(Exception):
+    """An invalid document: ``errors`` maps a field path to what is wrong with it."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = errors
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+
+
+def _six_decimals(value: float | int | None) -> float | int | None:
+    if value is not None and Decimal(str(value)).as_tuple().exponent < -6:
+        raise ValueError("must have at most 6 decimals")
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StepLimits(_Strict):
+    max_steps: Annotated[StrictInt, Field(ge=1, le=10000)]
+    max_repeat_action: Annotated[StrictInt, Field(ge=1, le=1000)]
+    no_progress_window: Annotated[StrictInt, Field(ge=1, le=1000)]
+
+
+Number = StrictInt | StrictFloat
+
+
+class Budgets(_Strict):
+    max_seconds: Annotated[Number, Field(gt=0, le=31_536_000)] | None = 45
+    max_usd: Annotated[Number, Field(gt=0, le=1_000_000), AfterValidator(_six_decimals)] | None = (
+        1.0
+    )
+    max_tool_calls: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
+
+
+Pattern = Annotated[StrictStr, Field(min_length=1, max_length=200)]
+
+
+class Tools(_Strict):
+    allow: list[Pattern] | None = None
+    deny: list[Pattern] = []
+
+
+class RepeatKey(_Strict):
+    ignore_args: list[Annotated[StrictStr, Field(min_length=1, max_length=200)]] = []
+
+
+class OnRepeatedError(_Strict):
+    threshold: Annotated[StrictInt, Field(ge=1, le=1000)] = 3
+    action: Literal["nudge", "stop"] = "nudge"
+
+
+class PolicyDoc(_Strict):
+    name: Annotated[StrictStr, Field(pattern=POLICY_NAME)]
+    mode: Literal["enforce", "shadow"] = "enforce"
+    step_limits: StepLimits
+    budgets: Budgets = Budgets()
+    tools: Tools = Tools()
+    repeat_key: RepeatKey = RepeatKey()
+    on_repeated_error: OnRepeatedError = OnRepeatedError()
+    redact_args: list[Annotated[StrictStr, Field(min_length=1, max_length=200)]] = list(
+        DEFAULT_REDACT
+    )
+
+
+class TeamDoc(_Strict):
+    slug: Annotated[StrictStr, Field(pattern=SLUG)]
+    name: Annotated[StrictStr, Field(min_length=1, max_length=200)] | None = None
+    webhook_url: Annotated[StrictStr, Field(max_length=500)] | None = None
+    policies: list[PolicyDoc] = []
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
+
+    @field_validator("policies")
+    @classmethod
+    def _unique_names(cls, value: list[PolicyDoc]) -> list[PolicyDoc]:
+        names = [p.name for p in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"policy names must be unique in a team, repeated: {dupes}")
+        return value
+
+
+class Document(_Strict):
+    teams: list[TeamDoc]
+
+    @field_validator("teams")
+    @classmethod
+    def _unique_slugs(cls, value: list[TeamDoc]) -> list[TeamDoc]:
+        slugs = [t.slug for t in value]
+        dupes = sorted({s for s in slugs if slugs.count(s) > 1})
+        if dupes:
+            raise ValueError(f"team slugs must be unique, repeated: {dupes}")
+        return value
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part) in {"int", "float", "constrained-int", "constrained-float"} or "[" in str(
+            part
+        ):
+            continue  # pydantic names the union branch; the field is what people need
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "document"
+
+
+def _errors(exc: ValidationError, prefix: str = "") -> dict[str, str]:
+    errors: dict[str, str] = {}
+    for err in exc.errors():
+        path = _path(err["loc"])
+        if prefix:
+            path = f"{prefix}.{path}" if path != "document" else prefix
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        errors.setdefault(path, msg)
+    return errors
+
+
+def parse_document(data: Any) -> list[dict[str, Any]]:
+    """Validate a whole document; return its teams, each policy normalized (defaults filled)."""
+    if not isinstance(data, dict):
+        raise DocumentError({"document": "must be a mapping with a 'teams' list"})
+    try:
+        doc = Document.model_validate(data)
+    except ValidationError as exc:
+        raise DocumentError(_errors(exc)) from None
+    return [team.model_dump() for team in doc.teams]
+
+
+def parse_policy(data: Any) -> dict[str, Any]:
+    """Validate one policy (the browser editor); return it normalized."""
+    if not isinstance(data, dict):
+        raise DocumentError({"policy": "must be a mapping"})
+    try:
+        return PolicyDoc.model_validate(data).model_dump()
+    except ValidationError as exc:
+        raise DocumentError(_errors(exc)) from None
+
+
+def default_policy(name: str = "default") -> dict[str, Any]:
+    """The defaults a new policy gets (SPEC 3, from the seeds)."""
+    return parse_policy(
+        {
+            "name": name,
+            "step_limits": {"max_steps": 18, "max_repeat_action": 3, "no_progress_window": 4},
+        }
+    )

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+
+class Team(models.Model):
+    slug = models.SlugField(max_length=50, unique=True)
+    name = models.CharField(max_length=200)
+    webhook_url = models.URLField(max_length=500, null=True, blank=True)
+    webhook_secret = models.CharField(max_length=100, blank=True)
+    retention_days = models.PositiveIntegerField(default=90)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Role(models.TextChoices):
+    VIEWER = "viewer"
+    OPERATOR = "operator"
+    ADMIN = "admin"
+
+
+ROLE_RANK = {Role.VIEWER: 1, Role.OPERATOR: 2, Role.ADMIN: 3}
+
+
+class Membership(models.Model):
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=20, choices=Role.choices, default=Role.VIEWER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["user", "team"], name="one_membership_per_team")
+        ]
+
+
+class AgentKey(models.Model):
+    """A bearer token for agents. Only a hash is stored; the prefix finds the row."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="agent_keys")
+    name = models.CharField(max_length=100)
+    agent = models.CharField(max_length=100, blank=True)  # empty: any agent name
+    prefix = models.CharField(max_length=16, unique=True)
+    key_hash = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+
+class Policy(models.Model):
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="policies")
+    name = models.CharField(max_length=50)
+    # The newest version; runs pin the version they started with, so this only moves forward.
+    current = models.ForeignKey(
+        "PolicyVersion", null=True, on_delete=models.PROTECT, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(fields=["team", "name"], name="policy_name_per_team")
+        ]
+
+
+class PolicyVersion(models.Model):
+    """Immutable: a change to a policy writes a new version, never edits one."""
+
+    policy = models.ForeignKey(Policy, on_delete=models.CASCADE, related_name="versions")
+    version = models.PositiveIntegerField()
+    document = models.JSONField()  # one normalized policy of the policy document (SPEC 3)
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    source = models.CharField(max_length=20, default="api")  # yaml | dashboard | default
+
+    class Meta:
+        ordering = ["-version"]
+        constraints = [
+            models.UniqueConstraint(fields=["policy", "version"], name="one_version_number")
+        ]
+
+
+class OperatorEvent(models.Model):
+    """The operator audit log: who changed what, and when. Append-only."""
+
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.SET_NULL)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    actor_label = models.CharField(max_length=150)  # kept when the user is deleted
+    action = models.CharField(max_length=50)
+    target = models.CharField(max_length=200, blank=True)
+    detail = models.JSONField(default=dict, blank=True)
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]

@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+from policies.models import PolicyVersion, Team
+
+
+class Run(models.Model):
+    """One execution of an agent. Its counters are columns (queryable, shown on screens);
+    the rest of the per-run memory of SPEC 4.1 lives in ``memory``."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="runs")
+    agent = models.CharField(max_length=100)
+    policy_version = models.ForeignKey(PolicyVersion, on_delete=models.PROTECT, related_name="+")
+    status = models.CharField(max_length=20, default="running")
+    stop_reason = models.CharField(max_length=50, null=True, blank=True)
+    steps = models.PositiveIntegerField(default=0)
+    tool_calls = models.PositiveIntegerField(default=0)
+    cost_usd = models.DecimalField(max_digits=18, decimal_places=6, default=0)
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)  # when /finish was called
+    task = models.TextField(blank=True)
+    metadata = models.JSONField(default=dict, blank=True)
+    external_id = models.CharField(max_length=200, null=True, blank=True)
+    output = models.TextField(blank=True)
+    memory = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+        indexes = [
+            models.Index(fields=["team", "-started_at"], name="run_team_recent"),
+            models.Index(fields=["team", "status"], name="run_team_status"),
+            models.Index(fields=["team", "agent", "status"], name="run_team_agent_status"),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["team", "external_id"],
+                condition=models.Q(external_id__isnull=False),
+                name="external_id_per_team",
+            )
+        ]
+
+
+class Decision(models.Model):
+    """The audit log of the check: one row for every decision, allow and stop. Append-only."""
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="decisions")
+    step = models.PositiveIntegerField()
+    outcome = models.CharField(max_length=20)  # allow | stop | would_stop
+    reason = models.CharField(max_length=50)
+    action_name = models.CharField(max_length=200, blank=True)  # empty for a kill by fan-out
+    action_type = models.CharField(max_length=10, blank=True)
+    args = models.JSONField(null=True, blank=True)  # redacted per policy
+    repeat_key = models.CharField(max_length=250, blank=True)
+    repeat_count = models.PositiveIntegerField(default=0)
+    check_id = models.CharField(max_length=100, null=True, blank=True)
+    progress = models.JSONField(null=True, blank=True)
+    last_result = models.JSONField(null=True, blank=True)
+    cost_usd = models.DecimalField(max_digits=18, decimal_places=6, default=0)
+    # The answer as given (message, next_action, directive, shadow, usage, limits), so a
+    # check_id replay returns exactly the first answer and screens show what the agent saw.
+    answer = models.JSONField(default=dict)
+    at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["run", "check_id"],
+                condition=models.Q(check_id__isnull=False),
+                name="check_id_per_run",
+            )
+        ]
+
+
+class Scope(models.TextChoices):
+    GLOBAL = "global"
+    TEAM = "team"
+    AGENT = "agent"
+    RUN = "run"
+
+
+class KillSwitch(models.Model):
+    scope = models.CharField(max_length=10, choices=Scope.choices)
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE)
+    agent = models.CharField(max_length=100, blank=True)
+    run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.CASCADE)
+    # One string per covered target, so "at most one engaged switch per target" is a plain
+    # partial unique index (NULLs in team/run would make a composite one useless).
+    target = models.CharField(max_length=200)
+    reason = models.TextField()
+    engaged_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    engaged_by_label = models.CharField(max_length=150)
+    engaged_at = models.DateTimeField()
+    active = models.BooleanField(default=True)
+    released_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    released_by_label = models.CharField(max_length=150, blank=True)
+    released_at = models.DateTimeField(null=True, blank=True)
+    release_reason = models.TextField(blank=True)
+    fanout_done_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-engaged_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["target"], condition=models.Q(active=True), name="one_engaged_per_target"
+            )
+        ]
+
+
+class WebhookDelivery(models.Model):
+    """A kill-switch notification to a team's webhook and its delivery state."""
+
+    switch = models.ForeignKey(KillSwitch, on_delete=models.CASCADE, related_name="deliveries")
+    team = models.ForeignKey(Team, on_delete=models.CASCADE)
+    url = models.URLField(max_length=500)
+    payload = models.JSONField()
+    status = models.CharField(max_length=20, default="pending")  # pending|delivered|failed
+    attempts = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["switch", "team"], name="one_delivery_per_team")
+        ]
+
+
+class WebhookAttempt(models.Model):
+    delivery = models.ForeignKey(WebhookDelivery, on_delete=models.CASCADE, related_name="tries")
+    number = models.PositiveIntegerField()
+    at = models.DateTimeField()
+    status_code = models.PositiveIntegerField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    duration_ms = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["number"]

@@ -1,0 +1,16 @@
+"""Policy versions are immutable, so each process keeps the parsed rules by version id
+forever: the check never parses a policy document on the hot path."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from policies.models import PolicyVersion
+
+from .rules import Policy
+
+
+@lru_cache(maxsize=4096)
+def rules_for_version(version_id: int) -> Policy:
+    document = PolicyVersion.objects.values_list("document", flat=True).get(pk=version_id)
+    return Policy.from_document(document)

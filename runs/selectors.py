@@ -1,0 +1,83 @@
+"""Reads for runs, shared by the API and the dashboard."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.db.models import QuerySet
+from django.http import Http404
+from django.utils import timezone
+
+from policies.models import PolicyVersion, Team
+
+from .models import Decision, Run
+
+
+def policy_json(version: PolicyVersion) -> dict[str, Any]:
+    doc = version.document
+    return {
+        "name": doc["name"],
+        "version": version.version,
+        "mode": doc["mode"],
+        "step_limits": doc["step_limits"],
+        "budgets": doc["budgets"],
+    }
+
+
+def elapsed_s(run: Run, now: datetime | None = None) -> float:
+    end = run.ended_at or now or timezone.now()
+    return round(max(0.0, (end - run.started_at).total_seconds()), 3)
+
+
+def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
+    return {
+        "run_id": str(run.pk),
+        "agent": run.agent,
+        "status": run.status,
+        "stop_reason": run.stop_reason,
+        "steps": run.steps,
+        "tool_calls": run.tool_calls,
+        "cost_usd": float(run.cost_usd),
+        "elapsed_s": elapsed_s(run, now),
+        "started_at": run.started_at,
+        "ended_at": run.ended_at,
+        "policy": policy_json(run.policy_version),
+        "task": run.task,
+        "output": run.output,
+    }
+
+
+def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = None,
+                  limit: int = 50) -> QuerySet[Run]:
+    runs = Run.objects.filter(team=team).select_related("policy_version")
+    if status:
+        runs = runs.filter(status=status)
+    if agent:
+        runs = runs.filter(agent=agent)
+    return runs.order_by("-started_at")[:limit]
+
+
+def run_for_team(team: Team, run_id: Any) -> Run:
+    run = Run.objects.select_related("policy_version").filter(team=team, pk=run_id).first()
+    if run is None:
+        raise Http404("No such run.")
+    return run
+
+
+def decisions_of(run: Run, *, after: int = 0, limit: int = 100) -> QuerySet[Decision]:
+    return run.decisions.filter(id__gt=after).order_by("id")[:limit]
+
+
+def decision_json(d: Decision) -> dict[str, Any]:
+    return {
+        "id": d.pk,
+        "step": d.step,
+        "outcome": d.outcome,
+        "reason": d.reason,
+        "action": {"name": d.action_name, "type": d.action_type, "args": d.args}
+        if d.action_name else None,
+        "repeat_key": d.repeat_key,
+        "repeat_count": d.repeat_count,
+        "at": d.at,
+    }
