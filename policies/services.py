@@ -42,6 +42,7 @@ def _new_version(
     return version
 
 
+@transaction.atomic
 def policy_save(
     *, team: Team, document: dict[str, Any], actor: AbstractBaseUser | None, source: str
 ) -> PolicyVersion | None:
@@ -62,6 +63,7 @@ def policy_save(
     return version
 
 
+@transaction.atomic
 def team_ensure(*, slug: str, name: str | None = None, actor: AbstractBaseUser | None = None
                 ) -> tuple[Team, bool]:
     team, created = Team.objects.get_or_create(

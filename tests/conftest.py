@@ -1,0 +1,194 @@
+"""Shared fixtures: the stock users per team, agent keys, and real servers.
+
+`server` starts the production server command (granian, several worker processes) on the
+test database, so end-to-end tests talk HTTP to what a user would run. Tests that use it must
+commit their data: mark them ``django_db(transaction=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from django.conf import settings
+from django.contrib.auth.models import User
+
+from policies.models import Role, Team
+from policies.services import agent_key_create, membership_set, policy_save, team_ensure
+
+ROOT = Path(__file__).resolve().parent.parent
+ON_POSTGRES = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
+HAS_REDIS = bool(settings.REDIS_URL)
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    skip_pg = pytest.mark.skip(reason="needs DATABASE_URL=postgres://...")
+    skip_redis = pytest.mark.skip(reason="needs REDIS_URL (Redis and a Celery worker)")
+    for item in items:
+        if "postgres" in item.keywords and not ON_POSTGRES:
+            item.add_marker(skip_pg)
+        if "redis" in item.keywords and not HAS_REDIS:
+            item.add_marker(skip_redis)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_database_url() -> str:
+    db = settings.DATABASES["default"]
+    if ON_POSTGRES:
+        auth = db["USER"] + (f":{db['PASSWORD']}" if db.get("PASSWORD") else "")
+        return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    return f"sqlite:///{db['NAME']}"
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "DATABASE_URL": test_database_url(), "DEBUG": "false",
+           "SECRET_KEY": settings.SECRET_KEY, "PYTHONUNBUFFERED": "1", **extra}
+    if settings.REDIS_URL:
+        env["REDIS_URL"] = settings.REDIS_URL
+    return env
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def start_server(*, workers: int = 2, threads: int = 16, env: dict[str, str] | None = None
+                 ) -> Server:
+    """`manage.py serve`, the production command, on a free port; waits for /healthz."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--port", str(port), "--workers", str(workers),
+         "--threads", str(threads)],
+        cwd=ROOT, env=env or server_env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return Server(url=url, process=process)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    Server(url=url, process=process).stop()
+    raise RuntimeError("server did not become healthy in 30 s")
+
+
+@pytest.fixture(scope="session")
+def server(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Server]:
+    """One production server (2 worker processes) for the whole session."""
+    srv = start_server()
+    yield srv
+    srv.stop()
+
+
+# --- Stock data ------------------------------------------------------------------------------
+
+@dataclass
+class Agent:
+    """An agent's view of the API: a key and an HTTP client."""
+
+    token: str
+    http: httpx.Client
+
+    def start(self, agent: str = "support-bot", **body: Any) -> dict[str, Any]:
+        response = self.http.post("/api/v1/runs", json={"agent": agent, **body})
+        assert response.status_code in (200, 201), response.text
+        return response.json()
+
+    def check(self, run_id: str, name: str = "search.docs", args: dict[str, Any] | None = None,
+              **body: Any) -> dict[str, Any]:
+        response = self.http.post(
+            f"/api/v1/runs/{run_id}/check", json={"action": {"name": name, "args": args or {},
+                                                             **body.pop("action", {})}, **body}
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+@pytest.fixture
+def team(db: Any) -> Team:
+    return team_ensure(slug="support", name="Customer support")[0]
+
+
+@pytest.fixture
+def other_team(db: Any) -> Team:
+    return team_ensure(slug="billing", name="Billing")[0]
+
+
+def set_policy(team: Team, **changes: Any) -> None:
+    """Give the team's default policy new values (a new version), e.g.
+    ``set_policy(team, step_limits={"max_steps": 5}, mode="shadow")``."""
+    from policies.document import parse_policy
+
+    document = {**team.policies.get(name="default").current.document}
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(document.get(key), dict):
+            document[key] = {**document[key], **value}
+        else:
+            document[key] = value
+    policy_save(team=team, document=parse_policy(document), actor=None, source="test")
+
+
+@pytest.fixture
+def users(team: Team, other_team: Team) -> dict[str, User]:
+    """admin, operator, viewer of `team`; outsider is admin of `other_team` only."""
+    made = {}
+    for name, role, member_of in [
+        ("admin", Role.ADMIN, team), ("operator", Role.OPERATOR, team),
+        ("viewer", Role.VIEWER, team), ("outsider", Role.ADMIN, other_team),
+    ]:
+        user = User.objects.create_user(name, f"{name}@example.com", "pw-" + name + "-123")
+        membership_set(team=member_of, user=user, role=role, actor=None)
+        made[name] = user
+    made["superuser"] = User.objects.create_superuser("root", "root@example.com", "pw-root-123")
+    return made
+
+
+@pytest.fixture
+def agent_token(team: Team) -> str:
+    return agent_key_create(team=team, name="test-key").token
+
+
+@pytest.fixture
+def api(client: Any, agent_token: str) -> Any:
+    """Django's test client with the agent key: fast, in-process API calls."""
+    client.defaults["HTTP_AUTHORIZATION"] = f"Bearer {agent_token}"
+    return client
+
+
+@pytest.fixture
+def agent(server: Server, transactional_db: Any, team: Team, agent_token: str) -> Iterator[Agent]:
+    """An agent talking HTTP to the real multi-process server."""
+    with httpx.Client(base_url=server.url, timeout=30,
+                      headers={"Authorization": f"Bearer {agent_token}"}) as http:
+        yield Agent(token=agent_token, http=http)

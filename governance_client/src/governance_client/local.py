@@ -8,7 +8,7 @@ with the very repeat key the server uses (``governance_client.keys``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,7 +125,3 @@ class LocalLedger:
             usage={"steps": self.steps},
             **fields,
         )
-
-
-def matching(names: Iterable[str]) -> tuple[str, ...]:
-    return tuple(names)

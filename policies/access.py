@@ -1,0 +1,62 @@
+"""RBAC for the dashboard (SPEC section 7), enforced on the server for every view.
+
+An outsider gets 404 (the team's existence is not confirmed), a member whose role is too low
+gets 403, a superuser acts as an admin of every team.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.contrib.auth.views import redirect_to_login
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpRequest, HttpResponse
+
+from .models import ROLE_RANK, Membership, Role, Team
+
+
+def role_in(user: Any, team: Team) -> Role | None:
+    """The user's effective role in the team, or None for an outsider."""
+    if not user.is_authenticated:
+        return None
+    if user.is_superuser:
+        return Role.ADMIN
+    role = Membership.objects.filter(user=user, team=team).values_list("role", flat=True).first()
+    return Role(role) if role else None
+
+
+def can(role: Role | None, needed: Role) -> bool:
+    return role is not None and ROLE_RANK[role] >= ROLE_RANK[needed]
+
+
+def teams_of(user: Any) -> list[Team]:
+    if not user.is_authenticated:
+        return []
+    if user.is_superuser:
+        return list(Team.objects.all())
+    return list(Team.objects.filter(memberships__user=user).order_by("slug"))
+
+
+def team_view(needed: Role = Role.VIEWER) -> Callable[[Callable[..., HttpResponse]],
+                                                      Callable[..., HttpResponse]]:
+    """Decorate a view taking ``slug``: sets ``request.team`` and ``request.role``."""
+
+    def decorator(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+        @wraps(view)
+        def wrapper(request: HttpRequest, slug: str, *args: Any, **kwargs: Any) -> HttpResponse:
+            if not request.user.is_authenticated:
+                return redirect_to_login(request.get_full_path())
+            team = Team.objects.filter(slug=slug).first()
+            role = role_in(request.user, team) if team is not None else None
+            if team is None or role is None:
+                raise Http404("No such team.")
+            if not can(role, needed):
+                raise PermissionDenied(f"This needs the {needed.label} role.")
+            request.team, request.role = team, role  # type: ignore[attr-defined]
+            return view(request, slug, *args, **kwargs)
+
+        return wrapper
+
+    return decorator

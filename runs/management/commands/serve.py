@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+
+class Command(BaseCommand):
+    help = (
+        "Run the production web server: granian, WSGI interface, several worker processes. "
+        "See docs/serving.md for why WSGI and how the live streams are served."
+    )
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        parser.add_argument("--workers", type=int, default=int(os.environ.get("WEB_WORKERS", "2")))
+        parser.add_argument(
+            "--threads", type=int, default=int(os.environ.get("WEB_THREADS", "16")),
+            help="blocking threads per worker: requests in flight, live streams included",
+        )
+        parser.add_argument("--interface", choices=["wsgi", "asgi"], default="wsgi")
+
+    def handle(self, *args: Any, host: str, port: int, workers: int, threads: int,
+               interface: str, **options: Any) -> None:
+        granian = shutil.which("granian") or os.path.join(os.path.dirname(sys.executable),
+                                                            "granian")
+        if not os.path.exists(granian):
+            raise CommandError("granian is not installed (pip install -e .)")
+        target = f"governance.{interface}:application"
+        argv = [granian, "--interface", interface, "--host", host, "--port", str(port),
+                "--workers", str(workers), "--no-ws", "--respawn-failed-workers"]
+        if interface == "wsgi":
+            argv += ["--blocking-threads", str(threads)]
+        argv.append(target)
+        self.stdout.write(" ".join(argv[1:]))
+        sys.stdout.flush()
+        os.execv(granian, argv)
