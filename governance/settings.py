@@ -111,7 +111,7 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
     # Tests share the database with server processes they start, so it must be a file.
-    _db["TEST"] = {"NAME": str(BASE_DIR / ".test-db.sqlite3")}
+    _db["TEST"] = {"NAME": os.environ.get("TEST_SQLITE_PATH") or str(BASE_DIR / ".test-db.sqlite3")}
 elif _db["ENGINE"] == "django.db.backends.postgresql":
     _db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60)
     _db["CONN_HEALTH_CHECKS"] = True

@@ -124,8 +124,10 @@ class GovernanceClient:
         other ``ApiError``; ``GovernanceUnavailable`` only with ``fail_mode="closed"``.
         """
         body: dict[str, Any] = {"agent": agent}
-        optional = {"task": task, "policy": policy, "metadata": metadata, "external_id": external_id}
+        optional = {"task": task, "policy": policy, "metadata": metadata}
         body.update({k: v for k, v in optional.items() if v is not None})
+        if external_id is not None:
+            body["external_id"] = external_id
         try:
             # Without an external_id a replayed POST could start a second run, so only the
             # failures that prove the request was not processed are retried.
@@ -200,7 +202,9 @@ class GovernanceClient:
             if status >= 500:
                 raise GovernanceUnavailable(f"{method} {path}: HTTP {status}")
             return response
-        raise GovernanceUnavailable(f"{method} {path} failed after {attempts} attempt(s): {failure}")
+        raise GovernanceUnavailable(
+            f"{method} {path} failed after {attempts} attempt(s): {failure}"
+        )
 
     @staticmethod
     def _expect(response: httpx.Response, *ok: int) -> dict[str, Any]:
@@ -309,10 +313,10 @@ class Run:
             entry["error"] = normalize_text(text)[:TEXT_LIMIT]
         if digest is None and error is None and result is not None:
             digest = result_digest(result)
+        if digest is not None and len(digest) > DIGEST_LIMIT:
+            digest = hashlib.sha256(digest.encode()).hexdigest()
         if digest is not None:
-            entry["digest"] = (
-                digest if len(digest) <= DIGEST_LIMIT else hashlib.sha256(digest.encode()).hexdigest()
-            )
+            entry["digest"] = digest
         if summary is not None:
             entry["summary"] = summary[:TEXT_LIMIT]
         with self._lock:

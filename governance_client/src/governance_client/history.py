@@ -58,12 +58,12 @@ def compact_history(history: Sequence[Message], keep_full_last: int = 5) -> list
     for index, message in enumerate(history):
         message = dict(message)
         content = message.get("content")
-        if index < split and _is_tool_result(message) and isinstance(content, str):
-            if len(content) > MAX_FULL_CHARS:
-                omitted = len(content) - PREVIEW_CHARS
-                message["content"] = (
-                    f"[result truncated: {content[:PREVIEW_CHARS]}… ({omitted} more characters)]"
-                )
+        old = index < split and _is_tool_result(message)
+        if old and isinstance(content, str) and len(content) > MAX_FULL_CHARS:
+            omitted = len(content) - PREVIEW_CHARS
+            message["content"] = (
+                f"[result truncated: {content[:PREVIEW_CHARS]}… ({omitted} more characters)]"
+            )
         compact.append(message)
     return compact
 

@@ -172,7 +172,8 @@ class FakeGovernance:
     def _start(self, body: dict[str, Any]) -> httpx.Response:
         agent = body.get("agent")
         if not isinstance(agent, str) or not AGENT_RE.fullmatch(agent):
-            return _error(422, "invalid_request", "Invalid run.", {"agent": "[A-Za-z0-9._-]{1,100}"})
+            fields = {"agent": "must match [A-Za-z0-9._-]{1,100}"}
+            return _error(422, "invalid_request", "Invalid run.", fields)
         policy = body.get("policy") or "default"
         if policy not in self.policies:
             return _error(422, "invalid_request", "Invalid run.", {"policy": "unknown policy"})

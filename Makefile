@@ -1,0 +1,34 @@
+# The README's two commands are `make demo` and `make test`; everything else is here too.
+PY ?= .venv/bin/python
+PIP ?= .venv/bin/pip
+
+.PHONY: install demo serve worker test lint bench bench-quick
+
+.venv/bin/python:
+	python3 -m venv .venv
+
+install: .venv/bin/python
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ./governance_client[examples] -e '.[test]'
+
+demo: install
+	$(PY) manage.py migrate --noinput -v0
+	$(PY) manage.py demo
+
+serve:
+	$(PY) manage.py serve
+
+worker:
+	.venv/bin/celery -A governance worker -Q default,killswitch --concurrency 2 -l info
+
+test: install
+	$(PY) -m pytest
+
+lint:
+	.venv/bin/ruff check .
+
+bench: install
+	$(PY) -m bench
+
+bench-quick: install
+	$(PY) -m bench --quick
