@@ -16,7 +16,7 @@ from typing import Any
 from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.utils import timezone
-from ninja import NinjaAPI, Query, Schema
+from ninja import NinjaAPI, Query, Schema, Status
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.parser import Parser
 from ninja.security import HttpBearer
@@ -135,14 +135,14 @@ def _run_uuid(run_id: str) -> uuid.UUID:
 
 @api.post("/runs", response={200: s.RunStartOut, 201: s.RunStartOut, **ERRORS},
           summary="Start a run", operation_id="start_run")
-def start_run(request: HttpRequest, payload: s.RunStartIn) -> tuple[int, dict[str, Any]]:
+def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
     run, created = run_start(
         key=request.auth, agent=payload.agent, policy=payload.policy, task=payload.task,
         metadata=payload.metadata, external_id=payload.external_id,
     )
     body = selectors.run_json(run)
     started = {k: body[k] for k in ("run_id", "agent", "started_at", "policy")}
-    return (201 if created else 200), {**started, "status": run.status}
+    return Status(201 if created else 200, {**started, "status": run.status})
 
 
 class RunsFilter(Schema):

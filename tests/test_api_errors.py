@@ -1,0 +1,209 @@
+"""Bad input answers the right SPEC 5.3 error as JSON and changes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.test import Client
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policies.services import agent_key_create, agent_key_revoke
+from runs.models import Decision, Run
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def run_id(api):
+    return api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json").json()[
+        "run_id"]
+
+
+def post(api, path, body, raw=False):
+    data = body if raw else json.dumps(body)
+    return api.post(path, data, content_type="application/json")
+
+
+def assert_error(response, status, code):
+    assert response.status_code == status, response.content
+    assert response["Content-Type"].startswith("application/json")
+    body = response.json()
+    assert body["error"]["code"] == code
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def assert_nothing_counted(run_id):
+    run = Run.objects.get(pk=run_id)
+    assert (run.steps, run.tool_calls, run.status) == (0, 0, "running")
+    assert not Decision.objects.filter(run_id=run_id).exists()
+
+
+def test_it_answers_400_for_a_body_that_is_not_json(api, run_id):
+    for raw in ["{bad", "", "[1, 2", "NaN", '{"action": {"name": "x"}, "cost_usd": NaN}']:
+        response = post(api, f"/api/v1/runs/{run_id}/check", raw, raw=True)
+        if raw == "":
+            assert_error(response, 422, "invalid_request")
+        else:
+            assert_error(response, 400, "invalid_json")
+    assert_nothing_counted(run_id)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({}, "action"),
+        ({"action": {}}, "action.name"),
+        ({"action": {"name": ""}}, "action.name"),
+        ({"action": {"name": "x" * 201}}, "action.name"),
+        ({"action": {"name": "x", "args": [1]}}, "action.args"),
+        ({"action": {"name": "x", "args": "q"}}, "action.args"),
+        ({"action": {"name": "x", "type": "shell"}}, "action.type"),
+        ({"action": {"name": "x"}, "progress": "p" * 257}, "progress"),
+        ({"action": {"name": "x"}, "progress": True}, "progress"),
+        ({"action": {"name": "x"}, "progress": {"a": 1}}, "progress"),
+        ({"action": {"name": "x"}, "cost_usd": -0.01}, "cost_usd"),
+        ({"action": {"name": "x"}, "cost_usd": "0.1"}, "cost_usd"),
+        ({"action": {"name": "x"}, "last_result": {}}, "last_result.status"),
+        ({"action": {"name": "x"}, "last_result": {"status": "meh"}}, "last_result.status"),
+        ({"action": {"name": "x"}, "last_result": {"status": "ok", "digest": "d" * 129}},
+         "last_result.digest"),
+        ({"action": {"name": "x"}, "last_result": {"status": "error", "error": "e" * 2001}},
+         "last_result.error"),
+        ({"action": {"name": "x"}, "last_result": {"status": "ok", "summary": "s" * 2001}},
+         "last_result.summary"),
+        ({"action": {"name": "x"}, "check_id": "c" * 101}, "check_id"),
+    ],
+)
+def test_it_answers_422_naming_the_bad_field(api, run_id, body, field):
+    error = assert_error(post(api, f"/api/v1/runs/{run_id}/check", body), 422, "invalid_request")
+    assert field in error["fields"], error
+    assert_nothing_counted(run_id)
+
+
+def test_unknown_fields_are_ignored(api, run_id):
+    response = post(api, f"/api/v1/runs/{run_id}/check",
+                    {"action": {"name": "x", "color": "red"}, "mood": "happy"})
+    assert response.status_code == 200
+    assert response.json()["decision"] == "allow"
+
+
+def test_it_answers_413_for_a_check_body_over_64_kib(api, run_id):
+    big = {"action": {"name": "x", "args": {"blob": "a" * (64 * 1024)}}}
+    assert_error(post(api, f"/api/v1/runs/{run_id}/check", big), 413, "payload_too_large")
+    assert_nothing_counted(run_id)
+
+
+def test_deeply_nested_args_are_refused(api, run_id):
+    args: dict = {}
+    node = args
+    for _ in range(40):
+        node["n"] = {}
+        node = node["n"]
+    response = post(api, f"/api/v1/runs/{run_id}/check", {"action": {"name": "x", "args": args}})
+    assert_error(response, 422, "invalid_request")
+    assert_nothing_counted(run_id)
+
+
+def test_very_deep_json_is_refused_without_a_crash(api, run_id):
+    raw = '{"action": {"name": "x", "args": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}}"
+    response = post(api, f"/api/v1/runs/{run_id}/check", raw, raw=True)
+    assert response.status_code in (400, 413, 422)
+    assert_nothing_counted(run_id)
+
+
+@pytest.mark.parametrize("header", [None, "Bearer nope", "Bearer gov_aaaaaaaaaaaa_x", "Basic x"])
+def test_it_answers_401_without_a_valid_key(run_id, header):
+    client = Client()
+    extra = {"HTTP_AUTHORIZATION": header} if header else {}
+    response = client.post(f"/api/v1/runs/{run_id}/check", json.dumps({"action": {"name": "x"}}),
+                           content_type="application/json", **extra)
+    assert_error(response, 401, "unauthorized")
+    assert_nothing_counted(run_id)
+
+
+def test_a_revoked_key_is_refused(client, team):
+    new = agent_key_create(team=team, name="k")
+    agent_key_revoke(key=new.key, actor=None)
+    response = client.get("/api/v1/runs", HTTP_AUTHORIZATION=f"Bearer {new.token}")
+    assert_error(response, 401, "unauthorized")
+
+
+def test_a_key_with_a_right_prefix_and_wrong_secret_is_refused(client, team):
+    token = agent_key_create(team=team, name="k").token
+    forged = token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")
+    response = client.get("/api/v1/runs", HTTP_AUTHORIZATION=f"Bearer {forged}")
+    assert_error(response, 401, "unauthorized")
+
+
+@pytest.mark.parametrize("run", ["00000000-0000-0000-0000-000000000000", "not-a-uuid", "1"])
+def test_it_answers_404_for_an_unknown_run(api, run):
+    assert_error(post(api, f"/api/v1/runs/{run}/check", {"action": {"name": "x"}}), 404,
+                 "not_found")
+    assert_error(api.get(f"/api/v1/runs/{run}"), 404, "not_found")
+
+
+def test_it_answers_404_as_json_for_an_unknown_api_path(api):
+    assert_error(api.get("/api/v1/nothing-here"), 404, "not_found")
+
+
+def test_it_answers_405_as_json(api, run_id):
+    assert_error(api.get(f"/api/v1/runs/{run_id}/check"), 405, "method_not_allowed")
+    assert_error(api.delete(f"/api/v1/runs/{run_id}"), 405, "method_not_allowed")
+
+
+def test_it_answers_422_for_an_unknown_policy(api):
+    error = assert_error(post(api, "/api/v1/runs", {"agent": "bot", "policy": "nope"}), 422,
+                         "invalid_request")
+    assert "policy" in error["fields"]
+    assert not Run.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [({}, "agent"), ({"agent": "has space"}, "agent"), ({"agent": "x" * 101}, "agent"),
+     ({"agent": "a", "metadata": [1]}, "metadata"), ({"agent": "a", "external_id": ""},
+                                                       "external_id")],
+)
+def test_starting_a_run_validates_every_field(api, body, field):
+    error = assert_error(post(api, "/api/v1/runs", body), 422, "invalid_request")
+    assert field in error["fields"]
+    assert not Run.objects.exists()
+
+
+def test_finish_validates_its_status(api, run_id):
+    error = assert_error(post(api, f"/api/v1/runs/{run_id}/finish", {"status": "done"}), 422,
+                         "invalid_request")
+    assert "status" in error["fields"]
+    assert Run.objects.get(pk=run_id).finished_at is None
+
+
+@pytest.mark.parametrize("query", ["limit=0", "limit=501", "limit=x", "status=weird"])
+def test_listing_validates_its_query(api, query):
+    assert_error(api.get(f"/api/v1/runs?{query}"), 422, "invalid_request")
+
+
+def test_decisions_listing_validates_its_query(api, run_id):
+    assert_error(api.get(f"/api/v1/runs/{run_id}/decisions?limit=1001"), 422, "invalid_request")
+    assert_error(api.get(f"/api/v1/runs/{run_id}/decisions?after=-1"), 422, "invalid_request")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.sampled_from(["action", "name", "args", "type", "progress", "cost_usd",
+                                       "last_result", "status", "digest", "check_id"]) | st.text(
+        max_size=5), children, max_size=5),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=json_values | st.binary(max_size=200))
+def test_random_garbage_never_produces_a_5xx(api, run_id, body):
+    raw = body if isinstance(body, bytes) else json.dumps(body)
+    response = api.post(f"/api/v1/runs/{run_id}/check", raw, content_type="application/json")
+    assert response.status_code < 500
+    assert response["Content-Type"].startswith("application/json")
