@@ -78,13 +78,13 @@ class Server:
                 self.process.wait()
 
 
-def start_server(*, workers: int = 2, threads: int = 16, env: dict[str, str] | None = None
-                 ) -> Server:
+def start_server(*, workers: int = 2, threads: int = 16, env: dict[str, str] | None = None,
+                 interface: str = "wsgi") -> Server:
     """`manage.py serve`, the production command, on a free port; waits for /healthz."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "manage.py", "serve", "--port", str(port), "--workers", str(workers),
-         "--threads", str(threads)],
+         "--threads", str(threads), "--interface", interface],
         cwd=ROOT, env=env or server_env(), start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

@@ -1,0 +1,64 @@
+"""SPEC 4.5 with real concurrency: many threads, a multi-process server, one run."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from threading import Barrier
+
+import httpx
+import pytest
+
+from runs.models import Decision, Run
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+
+def fire(server_url: str, token: str, path: str, bodies: list[dict]) -> list[httpx.Response]:
+    """POST every body at once from its own thread, released together by a barrier."""
+    barrier = Barrier(len(bodies))
+
+    def one(body: dict) -> httpx.Response:
+        with httpx.Client(base_url=server_url, timeout=60,
+                          headers={"Authorization": f"Bearer {token}"}) as http:
+            barrier.wait()
+            return http.post(path, json=body)
+
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        return list(pool.map(one, bodies))
+
+
+def test_80_concurrent_checks_of_one_run_allow_exactly_max_steps(server, agent):
+    run = agent.start()
+    rid = run["run_id"]
+    bodies = [{"action": {"name": "fetch.page", "args": {"page": i}}} for i in range(80)]
+    responses = fire(server.url, agent.token, f"/api/v1/runs/{rid}/check", bodies)
+
+    assert [r.status_code for r in responses] == [200] * 80
+    answers = [r.json() for r in responses]
+    assert sum(a["decision"] == "allow" for a in answers) == 18
+    assert sorted(a["step"] for a in answers if a["decision"] == "allow") == list(range(1, 19))
+    audited = set(Decision.objects.filter(run_id=rid).values_list("id", flat=True))
+    assert {a["decision_id"] for a in answers} == audited
+    assert len(audited) == 80
+    assert Decision.objects.filter(run_id=rid, outcome="allow").count() == 18
+    run_row = Run.objects.get(pk=rid)
+    assert (run_row.status, run_row.stop_reason, run_row.steps) == ("stopped", "max_steps", 19)
+
+
+def test_concurrent_retries_of_one_check_id_count_once(server, agent):
+    run = agent.start()
+    rid = run["run_id"]
+    body = {"action": {"name": "fetch.page", "args": {}}, "check_id": "retry-me"}
+    responses = fire(server.url, agent.token, f"/api/v1/runs/{rid}/check", [body] * 20)
+    answers = [r.json() for r in responses]
+    assert {a["decision_id"] for a in answers} == {answers[0]["decision_id"]}
+    assert Run.objects.get(pk=rid).steps == 1
+    assert Decision.objects.filter(run_id=rid).count() == 1
+
+
+def test_concurrent_starts_with_one_external_id_make_one_run(server, agent):
+    bodies = [{"agent": "bot", "external_id": "ticket-77"}] * 20
+    responses = fire(server.url, agent.token, "/api/v1/runs", bodies)
+    assert sorted(r.status_code for r in responses) == [200] * 19 + [201]
+    assert len({r.json()["run_id"] for r in responses}) == 1
+    assert Run.objects.filter(external_id="ticket-77").count() == 1

@@ -1,0 +1,73 @@
+"""The production command serves everything on both interfaces; health endpoints answer."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.conftest import start_server
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_healthz_and_readyz_answer_json(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["checks"]["database"] == "ok"
+
+
+def test_the_openapi_document_is_public_and_names_every_endpoint(client):
+    doc = client.get("/api/v1/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    assert set(doc["paths"]) == {
+        "/api/v1/runs", "/api/v1/runs/{run_id}", "/api/v1/runs/{run_id}/decisions",
+        "/api/v1/runs/{run_id}/check", "/api/v1/runs/{run_id}/finish"}
+    check = doc["paths"]["/api/v1/runs/{run_id}/check"]["post"]
+    assert {"200", "401", "404", "413", "422", "503"} <= set(check["responses"])
+
+
+@pytest.mark.slow
+def test_readyz_says_unavailable_when_redis_is_unreachable():
+    from tests.conftest import server_env
+
+    env = server_env(REDIS_URL="redis://127.0.0.1:1/0")
+    srv = start_server(workers=1, env=env)
+    try:
+        response = httpx.get(f"{srv.url}/readyz", timeout=10)
+        assert response.status_code == 503
+        assert response.json()["checks"]["redis"].startswith("error")
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("interface", ["wsgi", "asgi"])
+def test_both_interfaces_serve_the_check(interface, team, agent_token):
+    srv = start_server(workers=2, interface=interface)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=20,
+                          headers={"Authorization": f"Bearer {agent_token}"}) as http:
+            run = http.post("/api/v1/runs", json={"agent": "bot"}).json()
+            answers = [http.post(f"/api/v1/runs/{run['run_id']}/check",
+                                 json={"action": {"name": "x"}}).json() for _ in range(4)]
+            assert [a["decision"] for a in answers] == ["allow"] * 3 + ["stop"]
+            assert http.get("/readyz").json()["checks"]["database"] == "ok"
+            bad = http.post(f"/api/v1/runs/{run['run_id']}/check", content=b"{nope")
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    finally:
+        srv.stop()
+
+
+def test_settings_refuse_a_bad_database_url():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=ROOT, capture_output=True, text=True,
+        env={"PATH": "/usr/bin:/bin", "DATABASE_URL": "mysql://x@y/z"},
+    )
+    assert result.returncode != 0
+    assert "DATABASE_URL" in result.stderr
