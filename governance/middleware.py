@@ -1,23 +1,62 @@
-"""Keeps every answer under /api/ JSON, including the ones Django makes before a view runs."""
+"""Cross-cutting HTTP concerns: JSON errors under /api/, throttling, security headers."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render, resolve_url
 
 from runs.api import error
 
+from .throttle import Throttle, source_of
+
+api_key_throttle = Throttle(
+    "api-key", limit=settings.THROTTLE_API_KEY_FAILURES, window=settings.THROTTLE_WINDOW_SECONDS
+)
+sign_in_throttle = Throttle(
+    "sign-in", limit=settings.THROTTLE_SIGN_IN_FAILURES, window=settings.THROTTLE_WINDOW_SECONDS
+)
+
+
+def _has_nul(body: bytes) -> bool:
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return False  # not JSON at all: the view answers 400 invalid_json
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
 
 class JsonApiErrorsMiddleware:
+    """Every answer under /api/ is JSON, including the ones Django makes before a view runs;
+    bodies over the limit get 413 before parsing; sources sending bad keys are throttled."""
+
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         if not request.path.startswith("/api/"):
             return self.get_response(request)
+        source = source_of(request)
+        wait = api_key_throttle.blocked_for(source)
+        if wait:
+            response = error(429, "rate_limited", "Too many requests with a bad agent key.")
+            response["Retry-After"] = str(int(wait) + 1)
+            return response
         if request.method in {"POST", "PUT", "PATCH"}:
             limit = settings.CHECK_MAX_BODY_BYTES
             try:
@@ -30,7 +69,13 @@ class JsonApiErrorsMiddleware:
                 too_big = True
             if too_big:
                 return error(413, "payload_too_large", f"The body is over {limit // 1024} KiB.")
+            if b"\\u0000" in request.body and _has_nul(request.body):
+                # PostgreSQL cannot store NUL in text or jsonb: refuse it as bad input.
+                return error(422, "invalid_request", "The request is not valid.",
+                             {"body": "strings must not contain NUL (\\u0000) characters"})
         response = self.get_response(request)
+        if response.status_code == 401:
+            api_key_throttle.failed(source)
         content_type = response.get("Content-Type", "")
         if response.status_code >= 400 and not content_type.startswith("application/json"):
             codes = {404: "not_found", 405: "method_not_allowed", 403: "forbidden"}
@@ -39,4 +84,35 @@ class JsonApiErrorsMiddleware:
             if response.has_header("Allow"):
                 replacement["Allow"] = response["Allow"]
             return replacement
+        return response
+
+
+class SignInThrottleMiddleware:
+    """Refuses sign-in attempts from a source that failed too often (counted by the
+    ``user_login_failed`` signal, see policies/apps.py)."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        if request.method == "POST" and request.path == resolve_url(settings.LOGIN_URL):
+            wait = sign_in_throttle.blocked_for(source_of(request))
+            if wait:
+                response = render(request, "429.html", {"wait": int(wait) + 1}, status=429)
+                response["Retry-After"] = str(int(wait) + 1)
+                return response
+        return self.get_response(request)
+
+
+class SecurityHeadersMiddleware:
+    """A Content-Security-Policy with no inline scripts: every script is a static file."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        response = self.get_response(request)
+        response.setdefault("Content-Security-Policy", settings.CONTENT_SECURITY_POLICY)
+        response.setdefault("Referrer-Policy", "same-origin")
+        response.setdefault("Permissions-Policy", "camera=(), microphone=(), geolocation=()")
         return response

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -74,10 +75,19 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "governance.middleware.SecurityHeadersMiddleware",
+    "governance.middleware.SignInThrottleMiddleware",
     "governance.middleware.JsonApiErrorsMiddleware",
 ]
 
 ROOT_URLCONF = "governance.urls"
+# Only the benchmark sets this, on the server it starts, to add its baseline endpoints
+# (bench/urls.py); nothing but a bench URLconf is accepted.
+_bench_urlconf = os.environ.get("BENCH_URLCONF") or ""
+if _bench_urlconf:
+    if not _bench_urlconf.startswith("bench."):
+        raise ImproperlyConfigured("BENCH_URLCONF may only name a module of the bench package")
+    ROOT_URLCONF = _bench_urlconf
 WSGI_APPLICATION = "governance.wsgi.application"
 
 TEMPLATES = [
@@ -135,6 +145,19 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 60)}
 CELERY_TASK_ROUTES = {"runs.tasks.*": {"queue": "killswitch"}}
 CELERY_TASK_DEFAULT_QUEUE = "default"
+# Audit retention (docs/reliability.md): `celery -A governance beat` runs the prune daily,
+# at a quiet hour; exports (JSON lines, one directory per team) go to AUDIT_EXPORT_DIR.
+CELERY_BEAT_SCHEDULE = {
+    "prune-audit-daily": {"task": "policies.tasks.prune_audit",
+                          "schedule": crontab(hour=3, minute=30)},
+}
+AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or BASE_DIR / "exports")
+
+if REDIS_URL:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                          "LOCATION": REDIS_URL, "KEY_PREFIX": "governance"}}
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 # --- Auth, sessions, security ----------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
@@ -154,6 +177,18 @@ SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", False)
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
+CSRF_COOKIE_HTTPONLY = False  # htmx reads no cookie: the token travels in hx-headers
+SECURE_CONTENT_TYPE_NOSNIFF = True
+# Scripts only from our own static files (no inline script, no eval); styles may be inline
+# because server-rendered SVG charts and htmx's indicator styles use them.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; connect-src 'self'; font-src 'self'; object-src 'none'; "
+    "base-uri 'self'; form-action 'self'; frame-ancestors 'none'"
+)
+THROTTLE_WINDOW_SECONDS = env_int("THROTTLE_WINDOW_SECONDS", 60)
+THROTTLE_API_KEY_FAILURES = env_int("THROTTLE_API_KEY_FAILURES", 30)
+THROTTLE_SIGN_IN_FAILURES = env_int("THROTTLE_SIGN_IN_FAILURES", 10)
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -167,6 +202,14 @@ STATIC_ROOT = BASE_DIR / "staticfiles"
 # --- The check API ---------------------------------------------------------------------------
 CHECK_MAX_BODY_BYTES = 64 * 1024
 DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
+
+# --- Dashboard live streams (docs/dashboard.md) --------------------------------------------
+# A stream holds a server thread under WSGI, so it ends after this many seconds and the
+# browser reconnects (resuming with Last-Event-ID).
+DASHBOARD_STREAM_SECONDS = env_int("DASHBOARD_STREAM_SECONDS", 60)
+# How often a stream looks at the database even without a wake-up (lost Redis messages,
+# another process's change without Redis, elapsed-time counters).
+DASHBOARD_STREAM_LOOK_S = env_int("DASHBOARD_STREAM_LOOK_S", 2)
 
 LOGGING = {
     "version": 1,

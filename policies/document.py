@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -33,6 +34,16 @@ class DocumentError(Exception):
     def __init__(self, errors: dict[str, str]):
         self.errors = errors
         super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+
+
+def _is_http_url(value: str) -> bool:
+    """An absolute http(s) URL with a host: something a notification can be POSTed to."""
+    if not value.startswith(("http://", "https://")) or any(c.isspace() for c in value):
+        return False
+    try:
+        return bool(urlsplit(value).hostname)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        return False
 
 
 def _six_decimals(value: float | int | None) -> float | int | None:
@@ -101,8 +112,8 @@ class TeamDoc(_Strict):
     @field_validator("webhook_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError("must be an http:// or https:// URL")
+        if value is not None and not _is_http_url(value):
+            raise ValueError("must be an http:// or https:// URL with a host")
         return value
 
     @field_validator("policies")
@@ -145,6 +156,10 @@ def _path(loc: tuple[Any, ...]) -> str:
 def _errors(exc: ValidationError, prefix: str = "") -> dict[str, str]:
     errors: dict[str, str] = {}
     for err in exc.errors():
+        if len(err["loc"]) > 1 and err["loc"][-1] == "int" and err["type"] == "int_type":
+            # The integer branch of a number field: the float branch's "a valid number" is the
+            # rule people need, not "a valid integer" for an amount that may have decimals.
+            continue
         path = _path(err["loc"])
         if prefix:
             path = f"{prefix}.{path}" if path != "document" else prefix

@@ -93,8 +93,9 @@ def policy_apply(
             before = {"name": team.name, "webhook_url": team.webhook_url}
             team.name, team.webhook_url = name, doc["webhook_url"]
             team.save(update_fields=["name", "webhook_url"])
+            after = {"name": name, "webhook_url": team.webhook_url}
             audit(actor=actor, action="team.update", team=team, target=team.slug,
-                  detail={"before": before, "after": {"name": name, "webhook_url": team.webhook_url}})
+                  detail={"before": before, "after": after})
             if not created:
                 changes.append(f"team {team.slug}: name/webhook updated")
         for policy in doc["policies"]:
@@ -145,6 +146,9 @@ def agent_key_authenticate(token: str) -> AgentKey | None:
     parts = token.split("_", 2)
     if len(parts) != 3 or parts[0] != KEY_PREFIX or len(parts[1]) != 12:
         return None
+    if not all(c in "0123456789abcdef" for c in parts[1]):
+        # Prefixes are hex; anything else (a NUL, say) is no key and must not reach a query.
+        return None
     key = (
         AgentKey.objects.select_related("team")
         .filter(prefix=parts[1], revoked_at__isnull=True)
@@ -186,3 +190,20 @@ def membership_remove(*, membership: Membership, actor: AbstractBaseUser | None)
     audit(actor=actor, action="member.remove", team=membership.team,
           target=membership.user.get_username(), detail={"role": membership.role})
     membership.delete()
+
+
+# --- Team settings ---------------------------------------------------------------------------
+
+@transaction.atomic
+def team_update_webhook(*, team: Team, webhook_url: str | None,
+                        actor: AbstractBaseUser | None) -> bool:
+    """Set the URL kill-switch notifications are POSTed to. Returns False when unchanged."""
+    team = Team.objects.select_for_update().get(pk=team.pk)
+    if team.webhook_url == webhook_url:
+        return False
+    before = team.webhook_url
+    team.webhook_url = webhook_url
+    team.save(update_fields=["webhook_url"])
+    audit(actor=actor, action="team.webhook", team=team, target=team.slug,
+          detail={"before": before, "after": webhook_url})
+    return True

@@ -16,7 +16,7 @@ from typing import Any
 from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.utils import timezone
-from ninja import NinjaAPI, Query, Schema, Status
+from ninja import NinjaAPI, Query, Status
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.parser import Parser
 from ninja.security import HttpBearer
@@ -115,9 +115,13 @@ def _on_service(request: HttpRequest, exc: ServiceError) -> HttpResponse:
 
 @api.exception_handler(Exception)
 def _on_exception(request: HttpRequest, exc: Exception) -> HttpResponse:
-    if isinstance(exc, OperationalError | InterfaceError | DatabaseError):
+    if isinstance(exc, OperationalError | InterfaceError):
         log.warning("store unavailable: %s", exc)
-        return error(503, "unavailable", "A store is unavailable; retry later. Nothing was decided.")
+        return error(503, "unavailable", "A store is unavailable; retry later. Nothing decided.")
+    if isinstance(exc, DatabaseError):
+        # Not an outage, but nothing was committed either: never let it look like an allow.
+        log.exception("database refused a write")
+        return error(503, "unavailable", "The store refused the write; nothing was decided.")
     log.exception("unexpected error in the agent API")
     return error(500, "internal", "Internal error.")
 
@@ -145,15 +149,9 @@ def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
     return Status(201 if created else 200, {**started, "status": run.status})
 
 
-class RunsFilter(Schema):
-    status: s.Literal["running", "stopped", "killed", "completed", "failed"] | None = None
-    agent: s.Annotated[str, s.Field(max_length=100)] | None = None
-    limit: s.Annotated[int, s.Field(ge=1, le=500)] = 50
-
-
 @api.get("/runs", response={200: s.RunsOut, **ERRORS}, summary="List runs",
          operation_id="list_runs")
-def list_runs(request: HttpRequest, filters: Query[RunsFilter]) -> dict[str, Any]:
+def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, Any]:
     runs = selectors.runs_for_team(
         request.auth.team, status=filters.status, agent=filters.agent, limit=filters.limit
     )
@@ -166,14 +164,9 @@ def get_run(request: HttpRequest, run_id: str) -> dict[str, Any]:
     return selectors.run_json(selectors.run_for_team(request.auth.team, _run_uuid(run_id)))
 
 
-class DecisionsFilter(Schema):
-    after: s.Annotated[int, s.Field(ge=0)] = 0
-    limit: s.Annotated[int, s.Field(ge=1, le=1000)] = 100
-
-
 @api.get("/runs/{run_id}/decisions", response={200: s.DecisionsOut, **ERRORS},
          summary="A run's decisions, in order", operation_id="list_decisions")
-def list_decisions(request: HttpRequest, run_id: str, filters: Query[DecisionsFilter]
+def list_decisions(request: HttpRequest, run_id: str, filters: Query[s.DecisionsFilter]
                    ) -> dict[str, Any]:
     run = selectors.run_for_team(request.auth.team, _run_uuid(run_id))
     rows = selectors.decisions_of(run, after=filters.after, limit=filters.limit)

@@ -77,6 +77,19 @@ def publish_run_event(run: Any, *, kind: str, decision_id: int | None = None) ->
         log.warning("could not publish a live event to Redis", exc_info=True)
 
 
+def publish_team_event(team_id: int, *, kind: str) -> None:
+    """A change that is not about one run (a kill switch engaged or released): screens of
+    the team look again, like for a run event."""
+    local_broker.publish(team_id)
+    client = redis_client()
+    if client is None:
+        return
+    try:
+        client.publish(f"{CHANNEL_PREFIX}{team_id}", json.dumps({"kind": kind, "run": None}))
+    except Exception:  # as for run events: a lost wake-up only delays a screen
+        log.warning("could not publish a live event to Redis", exc_info=True)
+
+
 def wakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0) -> Iterator[bool]:
     """Yield True when the team may have changed, False on a quiet poll interval.
 

@@ -223,8 +223,9 @@ class Decision:
         return STOP if self.outcome == STOP else ALLOW
 
 
-def _fmt_money(value: Decimal) -> str:
-    return f"{value.normalize():f}"
+def _plain(value: Decimal | float) -> str:
+    """A limit as people write it: ``45``, ``0.25``, ``31536000``, never ``3.1536e+07``."""
+    return f"{Decimal(str(value)).normalize():f}"
 
 
 def _denied(policy: Policy, name: str) -> str | None:
@@ -250,12 +251,13 @@ def _first_stop(
     elapsed = state.elapsed_s(now)
     if policy.max_seconds is not None and elapsed > policy.max_seconds:
         return "max_seconds", (
-            f"The run has lasted {elapsed:.1f} s, over max_seconds={policy.max_seconds:g}."
+            f"The run has lasted {elapsed:.1f} s, over "
+            f"max_seconds={_plain(policy.max_seconds)}."
         )
     if policy.max_usd is not None and state.cost_usd >= policy.max_usd:
         return "max_usd", (
-            f"The run has spent ${_fmt_money(state.cost_usd)}, reaching "
-            f"max_usd={_fmt_money(policy.max_usd)}."
+            f"The run has spent ${_plain(state.cost_usd)}, reaching "
+            f"max_usd={_plain(policy.max_usd)}."
         )
     if (
         policy.max_tool_calls is not None

@@ -17,19 +17,61 @@ from pydantic import AfterValidator, StrictFloat, StrictInt, StrictStr
 MAX_DEPTH = 32
 
 
-def _depth(value: Any, level: int = 0) -> int:
-    if level > MAX_DEPTH:
-        return level
+def _text_problem(text: str) -> str | None:
+    """Why a string cannot be stored as given, or None. PostgreSQL refuses NUL in text and
+    jsonb, and a lone surrogate cannot be encoded to UTF-8: both would otherwise surface
+    as a store error (503) or a crash instead of a 422 naming the field."""
+    if "\x00" in text:
+        return "must not contain NUL characters (\\u0000)"
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return "must be valid Unicode (no lone surrogate code points)"
+    return None
+
+
+def _json_problem(value: Any, containers: int = 1) -> str | None:
+    """Why a parsed JSON object cannot be stored as given (too deep, unstorable text, a
+    number too large to be finite), or None. One walk, bounded by MAX_DEPTH."""
+    if containers > MAX_DEPTH:
+        return f"must not nest deeper than {MAX_DEPTH} levels"
+    items: Any
     if isinstance(value, dict):
-        return max((_depth(v, level + 1) for v in value.values()), default=level + 1)
-    if isinstance(value, list):
-        return max((_depth(v, level + 1) for v in value), default=level + 1)
-    return level
+        for key in value:
+            problem = _text_problem(str(key))
+            if problem is not None:
+                return problem
+        items = value.values()
+    else:
+        items = value
+    for item in items:
+        if isinstance(item, str):
+            problem = _text_problem(item)
+        elif isinstance(item, float):
+            # 1e400 parses to inf, which no JSON column accepts.
+            problem = None if math.isfinite(item) else "must contain finite numbers only"
+        elif isinstance(item, dict | list):
+            problem = _json_problem(item, containers + 1)
+        else:
+            problem = None
+        if problem is not None:
+            return problem
+    return None
 
 
-def _shallow(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    if value is not None and _depth(value) > MAX_DEPTH:
-        raise ValueError(f"must not nest deeper than {MAX_DEPTH} levels")
+def _storable_json(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None:
+        problem = _json_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+    return value
+
+
+def _storable_text(value: str) -> str:
+    problem = _text_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
     return value
 
 
@@ -40,8 +82,11 @@ def _finite(value: float | int) -> float | int:
 
 
 Number = Annotated[StrictInt | StrictFloat, AfterValidator(_finite)]
-JsonObject = Annotated[dict[str, Any] | None, AfterValidator(_shallow)]
+JsonObject = Annotated[dict[str, Any] | None, AfterValidator(_storable_json)]
+# Every free-text field: what is accepted must be storable on every database.
+Text = Annotated[StrictStr, AfterValidator(_storable_text)]
 AGENT_PATTERN = r"^[A-Za-z0-9._-]{1,100}$"
+RunStatus = Literal["running", "stopped", "killed", "completed", "failed"]
 
 
 class ErrorBody(Schema):
@@ -56,10 +101,10 @@ class ErrorOut(Schema):
 
 class RunStartIn(Schema):
     agent: Annotated[StrictStr, Field(pattern=AGENT_PATTERN)]
-    policy: Annotated[StrictStr, Field(min_length=1, max_length=50)] | None = None
-    task: Annotated[StrictStr, Field(max_length=10_000)] | None = None
+    policy: Annotated[Text, Field(min_length=1, max_length=50)] | None = None
+    task: Annotated[Text, Field(max_length=10_000)] | None = None
     metadata: JsonObject = None
-    external_id: Annotated[StrictStr, Field(min_length=1, max_length=200)] | None = None
+    external_id: Annotated[Text, Field(min_length=1, max_length=200)] | None = None
 
 
 class LimitsOut(Schema):
@@ -102,7 +147,7 @@ class RunStartOut(Schema):
 class RunOut(Schema):
     run_id: UUID
     agent: str
-    status: Literal["running", "stopped", "killed", "completed", "failed"]
+    status: RunStatus
     stop_reason: str | None
     steps: int
     tool_calls: int
@@ -120,24 +165,24 @@ class RunsOut(Schema):
 
 
 class ActionIn(Schema):
-    name: Annotated[StrictStr, Field(min_length=1, max_length=200)]
+    name: Annotated[Text, Field(min_length=1, max_length=200)]
     args: JsonObject = None
     type: Literal["tool", "llm", "other"] = "tool"
 
 
 class LastResultIn(Schema):
     status: Literal["ok", "error"]
-    digest: Annotated[StrictStr, Field(max_length=128)] | None = None
-    error: Annotated[StrictStr, Field(max_length=2000)] | None = None
-    summary: Annotated[StrictStr, Field(max_length=2000)] | None = None
+    digest: Annotated[Text, Field(max_length=128)] | None = None
+    error: Annotated[Text, Field(max_length=2000)] | None = None
+    summary: Annotated[Text, Field(max_length=2000)] | None = None
 
 
 class CheckIn(Schema):
     action: ActionIn
-    progress: Annotated[StrictStr, Field(max_length=256)] | Number | None = None
+    progress: Annotated[Text, Field(max_length=256)] | Number | None = None
     last_result: LastResultIn | None = None
     cost_usd: Annotated[Number, Field(ge=0, le=1_000_000)] | None = None
-    check_id: Annotated[StrictStr, Field(min_length=1, max_length=100)] | None = None
+    check_id: Annotated[Text, Field(min_length=1, max_length=100)] | None = None
 
 
 class UsageOut(Schema):
@@ -175,7 +220,7 @@ class CheckOut(Schema):
 
 class FinishIn(Schema):
     status: Literal["completed", "failed", "stopped"]
-    output: Annotated[StrictStr, Field(max_length=100_000)] | None = None
+    output: Annotated[Text, Field(max_length=100_000)] | None = None
 
 
 class DecisionActionOut(Schema):
@@ -197,3 +242,15 @@ class DecisionOut(Schema):
 
 class DecisionsOut(Schema):
     decisions: list[DecisionOut]
+
+
+class RunsFilter(Schema):
+    status: RunStatus | None = None
+    # The agent-name pattern, not only a length: a NUL would reach the database as a 503.
+    agent: Annotated[str, Field(pattern=AGENT_PATTERN)] | None = None
+    limit: Annotated[int, Field(ge=1, le=500)] = 50
+
+
+class DecisionsFilter(Schema):
+    after: Annotated[int, Field(ge=0)] = 0
+    limit: Annotated[int, Field(ge=1, le=1000)] = 100

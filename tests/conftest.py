@@ -7,6 +7,7 @@ commit their data: mark them ``django_db(transaction=True)``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -25,6 +26,8 @@ from django.contrib.auth.models import User
 
 from policies.models import Role, Team
 from policies.services import agent_key_create, membership_set, policy_save, team_ensure
+
+pytest_plugins = ["tests.conftest_audit"]
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_POSTGRES = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
@@ -56,11 +59,13 @@ def test_database_url() -> str:
 
 
 def server_env(**extra: str) -> dict[str, str]:
+    # Suites send many bad keys from 127.0.0.1 on purpose; throttling has its own tests.
     env = {**os.environ, "DATABASE_URL": test_database_url(), "DEBUG": "false",
-           "SECRET_KEY": settings.SECRET_KEY, "PYTHONUNBUFFERED": "1", **extra}
+           "SECRET_KEY": settings.SECRET_KEY, "PYTHONUNBUFFERED": "1",
+           "THROTTLE_API_KEY_FAILURES": "100000"}
     if settings.REDIS_URL:
         env["REDIS_URL"] = settings.REDIS_URL
-    return env
+    return {**env, **extra}
 
 
 @dataclass
@@ -109,6 +114,21 @@ def server(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Server]:
     srv = start_server()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_throttles() -> Iterator[None]:
+    """Failure counts are per source, and every test comes from 127.0.0.1."""
+    from django.core.cache import cache
+
+    from governance.middleware import api_key_throttle, sign_in_throttle
+
+    for throttle in (api_key_throttle, sign_in_throttle):
+        throttle.reset()
+    # A test that stopped the cache's Redis must not break the next one.
+    with contextlib.suppress(Exception):
+        cache.clear()
+    yield
 
 
 # --- Stock data ------------------------------------------------------------------------------

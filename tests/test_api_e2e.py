@@ -30,8 +30,12 @@ def test_max_steps_18_stops_step_19(agent):
 
 def test_the_same_search_with_equivalent_args_is_stopped_at_the_fourth_call(agent):
     run = agent.start()
-    spellings = [{"query": "refund policy", "lang": "en"}, {"lang": "en", "query": " refund  policy"},
-                 {"query": "refund\tpolicy ", "lang": "en"}, {"lang": "en", "query": "refund policy"}]
+    spellings = [
+        {"query": "refund policy", "lang": "en"},
+        {"lang": "en", "query": " refund  policy"},
+        {"query": "refund\tpolicy ", "lang": "en"},
+        {"lang": "en", "query": "refund policy"},
+    ]
     answers = [agent.check(run["run_id"], "search.docs", args) for args in spellings]
     assert [a["decision"] for a in answers] == ["allow", "allow", "allow", "stop"]
     assert answers[3]["reason"] == "loop_detected"

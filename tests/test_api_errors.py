@@ -200,10 +200,20 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=json_values | st.binary(max_size=200))
 def test_random_garbage_never_produces_a_5xx(api, run_id, body):
     raw = body if isinstance(body, bytes) else json.dumps(body)
     response = api.post(f"/api/v1/runs/{run_id}/check", raw, content_type="application/json")
     assert response.status_code < 500
     assert response["Content-Type"].startswith("application/json")
+
+
+def test_nul_characters_are_refused_as_bad_input(api, run_id):
+    raw = '{"action": {"name": "x\\u0000y", "args": {"k": "v"}}}'
+    error = assert_error(post(api, f"/api/v1/runs/{run_id}/check", raw, raw=True), 422,
+                         "invalid_request")
+    assert "body" in error["fields"]
+    assert_nothing_counted(run_id)
+    assert_error(api.get("/api/v1/runs?agent=a%00b"), 422, "invalid_request")

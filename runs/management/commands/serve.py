@@ -5,6 +5,8 @@ import shutil
 import sys
 from typing import Any
 
+from django.conf import settings
+from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 
@@ -31,8 +33,13 @@ class Command(BaseCommand):
         if not os.path.exists(granian):
             raise CommandError("granian is not installed (pip install -e .)")
         target = f"governance.{interface}:application"
+        # The dashboard's CSS/JS (and htmx from django-htmx) are served by granian itself from
+        # STATIC_ROOT, so they cost no Python thread; collecting first keeps them current.
+        call_command("collectstatic", interactive=False, verbosity=0)
         argv = [granian, "--interface", interface, "--host", host, "--port", str(port),
-                "--workers", str(workers), "--no-ws", "--respawn-failed-workers"]
+                "--workers", str(workers), "--no-ws", "--respawn-failed-workers",
+                "--static-path-route", "/" + settings.STATIC_URL.strip("/"),
+                "--static-path-mount", str(settings.STATIC_ROOT)]
         if interface == "wsgi":
             argv += ["--blocking-threads", str(threads)]
         argv.append(target)
