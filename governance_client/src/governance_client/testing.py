@@ -55,11 +55,11 @@ class FakeRun:
     finished: bool = False
     repeat_counts: dict[str, int] = field(default_factory=dict)
     error_counts: dict[str, int] = field(default_factory=dict)
-    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     #: Every check body received (replays included), in order.
-    checks: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list, repr=False)
     #: Every decision answered (replays excluded), in order.
-    decisions: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list, repr=False)
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
 
     def as_json(self) -> dict[str, Any]:
@@ -234,9 +234,12 @@ class FakeGovernance:
         elif run.steps > self.max_steps:
             stop = "max_steps", f"Step {run.steps} exceeds max_steps={self.max_steps}."
         elif count >= self.max_repeat_action:
-            stop = "loop_detected", (
-                f"{name} was called {count} times with the same arguments "
-                f"(max_repeat_action={self.max_repeat_action})."
+            stop = (
+                "loop_detected",
+                (
+                    f"{name} was called {count} times with the same arguments "
+                    f"(max_repeat_action={self.max_repeat_action})."
+                ),
             )
         if stop is not None:
             run.status = "killed" if stop[0] == "killed" else "stopped"

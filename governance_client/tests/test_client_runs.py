@@ -1,0 +1,249 @@
+"""Runs: starting, error mapping, finishing, and the context manager."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from governance_client import (
+    ApiError,
+    GovernanceClient,
+    GovernanceUnavailable,
+    InvalidRequest,
+    KillSwitchEngaged,
+    RunFinished,
+)
+from governance_client.errors import api_error
+from governance_client.testing import FakeGovernance
+
+EDIT = {"path": "auth.py", "old": "user_id", "new": "account_id"}
+
+
+def test_start_run_sends_the_spec_body_and_returns_the_run() -> None:
+    fake = FakeGovernance()
+
+    run = fake.client().start_run(
+        "support-bot", task="refund", policy="default", metadata={"user": 7}, external_id="t-1"
+    )
+
+    (request,) = fake.requests
+    assert request.url.path == "/api/v1/runs"
+    assert request.headers["Authorization"] == "Bearer test-key"
+    assert json.loads(request.content) == {
+        "agent": "support-bot",
+        "task": "refund",
+        "policy": "default",
+        "metadata": {"user": 7},
+        "external_id": "t-1",
+    }
+    assert run.id in fake.runs
+    assert run.status == "running"
+    assert run.agent == "support-bot"
+    assert run.data["policy"]["step_limits"]["max_steps"] == 18
+
+
+def test_start_run_with_a_known_external_id_resumes_that_run() -> None:
+    fake = FakeGovernance()
+    client = fake.client()
+
+    first = client.start_run("bot", external_id="ticket-42")
+    second = client.start_run("bot", external_id="ticket-42")
+
+    assert first.id == second.id
+    assert len(fake.runs) == 1
+
+
+def test_start_run_raises_kill_switch_engaged() -> None:
+    fake = FakeGovernance()
+    fake.kill_switch = "global: incident 12"
+
+    with pytest.raises(KillSwitchEngaged) as raised:
+        fake.client().start_run("bot")
+
+    assert raised.value.status == 409
+    assert raised.value.code == "kill_switch_engaged"
+    assert "incident 12" in raised.value.message
+
+
+def test_start_run_raises_invalid_request_naming_the_field() -> None:
+    fake = FakeGovernance()
+
+    with pytest.raises(InvalidRequest) as raised:
+        fake.client().start_run("bot", policy="nope")
+
+    assert raised.value.status == 422
+    assert raised.value.code == "invalid_request"
+    assert set(raised.value.fields) == {"policy"}
+
+
+def test_it_raises_api_error_for_a_bad_key() -> None:
+    fake = FakeGovernance()
+    client = GovernanceClient("http://governance.test", "wrong", transport=fake.transport())
+
+    with pytest.raises(ApiError) as raised:
+        client.start_run("bot")
+
+    assert (raised.value.status, raised.value.code) == (401, "unauthorized")
+
+
+def test_an_error_without_a_json_body_is_still_an_api_error() -> None:
+    error = api_error(404, None)
+
+    assert type(error) is ApiError
+    assert (error.status, error.code, error.fields) == (404, "http_404", {})
+
+
+def test_start_run_fails_closed_with_an_exception() -> None:
+    fake = FakeGovernance()
+    fake.down = True
+
+    with pytest.raises(GovernanceUnavailable):
+        fake.client().start_run("bot")
+
+
+def test_start_run_never_replays_an_ambiguous_failure_without_an_external_id() -> None:
+    fake = FakeGovernance()
+    fake.fail_next(httpx.ReadTimeout, processed=True)
+
+    with pytest.raises(GovernanceUnavailable):
+        fake.client().start_run("bot")
+
+    assert len(fake.runs) == 1
+    assert len(fake.requests) == 1
+
+
+def test_start_run_retries_a_connection_error_without_an_external_id() -> None:
+    fake = FakeGovernance()
+    fake.fail_next(httpx.ConnectError, 503)
+
+    run = fake.client().start_run("bot")
+
+    assert list(fake.runs) == [run.id]
+
+
+def test_start_run_retries_any_failure_with_an_external_id() -> None:
+    fake = FakeGovernance()
+    fake.fail_next(httpx.ReadTimeout, processed=True)
+
+    run = fake.client().start_run("bot", external_id="ticket-1")
+
+    assert list(fake.runs) == [run.id]
+
+
+def test_the_context_manager_finishes_completed_with_the_output() -> None:
+    fake = FakeGovernance()
+
+    with fake.client().run("bot") as run:
+        run.check("answer", type="llm")
+        run.output = "Refund sent."
+
+    stored = fake.runs[run.id]
+    assert (stored.status, stored.output) == ("completed", "Refund sent.")
+    assert run.finished and run.status == "completed"
+
+
+def test_the_context_manager_finishes_failed_and_reraises() -> None:
+    fake = FakeGovernance()
+
+    with pytest.raises(RuntimeError, match="tool crashed"), fake.client().run("bot") as run:
+        run.output = "half done"
+        raise RuntimeError("tool crashed")
+
+    stored = fake.runs[run.id]
+    assert (stored.status, stored.output) == ("failed", "half done")
+
+
+def test_the_context_manager_finishes_a_stopped_run_with_its_partial_output() -> None:
+    fake = FakeGovernance(max_repeat_action=3)
+
+    with fake.client().run("bot") as run:
+        for _ in range(10):
+            decision = run.check("edit_file", EDIT)
+            if not decision.allowed:
+                run.output = decision.user_notice("auth.py: 3 matches replaced")
+                break
+
+    stored = fake.runs[run.id]
+    assert stored.status == "stopped"
+    assert stored.stop_reason == "loop_detected"  # the service keeps the stop reason
+    assert stored.output and stored.output.startswith("auth.py: 3 matches replaced")
+    assert json.loads(fake.requests[-1].content)["status"] == "stopped"
+
+
+def test_the_context_manager_reports_a_stop_even_if_the_block_then_raises() -> None:
+    fake = FakeGovernance(max_repeat_action=1)
+
+    with pytest.raises(KeyError), fake.client().run("bot") as run:
+        run.check("a")
+        run.check("a")
+        raise KeyError("after the stop")
+
+    assert json.loads(fake.requests[-1].content)["status"] == "stopped"
+
+
+def test_a_run_finished_inside_the_block_is_not_finished_again() -> None:
+    fake = FakeGovernance()
+
+    with fake.client().run("bot") as run:
+        run.finish("failed", output="gave up")
+
+    finishes = [r for r in fake.requests if r.url.path.endswith("/finish")]
+    assert len(finishes) == 1
+    assert fake.runs[run.id].status == "failed"
+
+
+def test_finishing_twice_is_idempotent() -> None:
+    fake = FakeGovernance()
+    run = fake.client().start_run("bot")
+
+    assert run.finish("completed", "done") is not None
+    assert run.finish("completed", "done") is None
+    assert fake.runs[run.id].status == "completed"
+
+
+def test_a_run_finished_elsewhere_is_not_an_error() -> None:
+    fake = FakeGovernance()
+    client = fake.client()
+    run = client.start_run("bot", external_id="e")
+    client.start_run("bot", external_id="e").finish("completed")
+
+    assert run.finish("completed") is None
+    assert run.finished
+
+
+def test_run_finished_is_an_api_error_with_its_code() -> None:
+    error = api_error(409, {"error": {"code": "run_finished", "message": "already finished"}})
+
+    assert isinstance(error, RunFinished)
+    assert error.code == "run_finished"
+
+
+def test_an_unreachable_service_on_exit_does_not_hide_the_agent_result() -> None:
+    fake = FakeGovernance()
+
+    with fake.client().run("bot") as run:
+        run.output = "done"
+        fake.down = True
+
+    assert not run.finished
+    assert fake.runs[run.id].status == "running"
+
+
+def test_the_client_closes_the_http_client_it_created_only() -> None:
+    fake = FakeGovernance()
+    with fake.client() as client:
+        pass
+    assert client._http.is_closed
+
+    shared = httpx.Client(transport=fake.transport())
+    with GovernanceClient("http://governance.test", "test-key", http_client=shared) as client:
+        client.start_run("bot")
+    assert not shared.is_closed
+    shared.close()
+
+
+def test_an_invalid_fail_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="fail_mode"):
+        GovernanceClient("http://x", "k", fail_mode="maybe")  # type: ignore[arg-type]
