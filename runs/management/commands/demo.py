@@ -44,19 +44,23 @@ class Command(BaseCommand):
             membership_set(team=team, user=user, role=role, actor=None)
         token = agent_key_create(team=team, name="demo key").token
         base = f"http://127.0.0.1:{port}"
-        self.stdout.write(self.style.SUCCESS(f"""
-Dashboard: {base}/   sign in as admin / demo-admin (superuser), operator / demo-operator,
-           or viewer / demo-viewer.
-Agent key (team support): {token}
-
-Try the check API (the 4th identical call is stopped with loop_detected):
-  KEY={token}
-  RUN=$(curl -s -X POST {base}/api/v1/runs -H "Authorization: Bearer $KEY" \\
-        -d '{{"agent": "curl-demo"}}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["run_id"])')
-  for i in 1 2 3 4; do curl -s -X POST {base}/api/v1/runs/$RUN/check \\
-        -H "Authorization: Bearer $KEY" \\
-        -d '{{"action": {{"name": "search.docs", "args": {{"query": "refund policy"}}}}}}'; echo; done
-"""))
+        run_id = "python3 -c 'import json,sys; print(json.load(sys.stdin)[\"run_id\"])'"
+        check = '{"action": {"name": "search.docs", "args": {"query": "refund policy"}}}'
+        lines = [
+            "",
+            f"Dashboard: {base}/  sign in as admin / demo-admin (superuser),",
+            "           operator / demo-operator, or viewer / demo-viewer.",
+            f"Agent key (team support): {token}",
+            "",
+            "Try the check API (the 4th identical call is stopped with loop_detected):",
+            f"  KEY={token}",
+            f'  RUN=$(curl -s -X POST {base}/api/v1/runs -H "Authorization: Bearer $KEY" \\',
+            f"        -d '{{\"agent\": \"curl-demo\"}}' | {run_id})",
+            f"  for i in 1 2 3 4; do curl -s -X POST {base}/api/v1/runs/$RUN/check \\",
+            f"        -H \"Authorization: Bearer $KEY\" -d '{check}'; echo; done",
+            "",
+        ]
+        self.stdout.write(self.style.SUCCESS("\n".join(lines)))
         if not no_agents:
             threading.Thread(target=self._agents, args=(base, token, agents), daemon=True).start()
         call_command("runserver", f"127.0.0.1:{port}", use_reloader=False)
