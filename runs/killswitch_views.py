@@ -1,0 +1,275 @@
+"""Kill switch screens (SPEC 6, 7): the team page, engage (team, agent, run) with a
+confirmation step, release, and the superuser's global switch. Views only translate between
+HTTP and runs/killswitch.py; RBAC is the team_view decorator's (outsider 404, low role 403).
+
+Engaging is two POSTs: the first (or a GET) shows what will stop and asks for a reason, the
+second carries ``confirmed`` and engages. Under htmx both answer fragments, so the run page
+can confirm in place and let its live timeline show the kill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import messages
+from django.contrib.auth.views import redirect_to_login
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect
+from django.urls import NoReverseMatch, reverse
+from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_http_methods, require_POST, require_safe
+
+from policies.access import can, team_view
+from policies.models import Role
+from policies.views import page
+
+from . import webhooks
+from .killswitch import (
+    AGENT_NAME,
+    MAX_REASON,
+    KillSwitchError,
+    Target,
+    covered_running,
+    engaged_for_team,
+    engaged_switch,
+    history_for_team,
+    killswitch_engage,
+    killswitch_release,
+    resolve_target,
+)
+from .models import KillSwitch, Run, Scope
+
+
+class ReasonForm(forms.Form):
+    reason = forms.CharField(
+        max_length=MAX_REASON, strip=True,
+        error_messages={"required": "A reason is required: it goes to the audit log."},
+        widget=forms.Textarea(attrs={"rows": 2, "maxlength": MAX_REASON}),
+    )
+
+
+def _safe_next(request: HttpRequest, fallback: str) -> str:
+    target = request.POST.get("next") or request.GET.get("next") or ""
+    if target and url_has_allowed_host_and_scheme(
+        target, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
+        return target
+    return fallback
+
+
+def _run_page(run: Run) -> str:
+    """The dashboard's run page; the kill switch page if that screen is not there."""
+    for name in ("run", "runs:run"):
+        try:
+            return reverse(name, args=[run.team.slug, run.pk])
+        except NoReverseMatch:
+            continue
+    return reverse("runs:killswitch", args=[run.team.slug])
+
+
+def _render(request: HttpRequest, full: str, fragment: str, context: dict[str, Any]
+            ) -> HttpResponse:
+    return page(request, fragment if request.htmx else full, context)
+
+
+def _engage_flow(request: HttpRequest, target: Target, *, action: str, cancel: str,
+                 done: str) -> HttpResponse:
+    """Show the confirmation (GET, or a POST without ``confirmed``), or engage."""
+    confirmed = request.method == "POST" and bool(request.POST.get("confirmed"))
+    if confirmed:
+        form = ReasonForm(request.POST)
+        if form.is_valid():
+            before = timezone.now()
+            switch = killswitch_engage(
+                scope=target.scope, team=target.team,
+                agent=target.agent, run=target.run, reason=form.cleaned_data["reason"],
+                actor=request.user,
+            )
+            already = switch.engaged_at < before
+            text = (f"Already engaged: {target.describe()}, by {switch.engaged_by_label}."
+                    if already else f"Kill switch engaged: {target.describe()}.")
+            if request.htmx:
+                response = page(request, "runs/_killswitch_done.html",
+                                {"switch": switch, "already": already, "message": text,
+                                 "target": target, "done_url": done})
+                response["HX-Trigger"] = "killswitch-changed"
+                return response
+            (messages.info if already else messages.success)(request, text)
+            return redirect(done)
+    else:
+        form = ReasonForm(initial={"reason": request.POST.get("reason", "")})
+    context = {
+        "target": target,
+        "scope_label": target.describe(),
+        "covered": covered_running(target).count(),
+        "engaged": engaged_switch(target),
+        "form": form,
+        "action_url": action,
+        "cancel_url": cancel,
+        "next": request.POST.get("next") or request.GET.get("next") or "",
+    }
+    return _render(request, "runs/killswitch_confirm.html", "runs/_killswitch_confirm.html",
+                   context)
+
+
+def _release_flow(request: HttpRequest, target: Target, *, action: str, done: str
+                  ) -> HttpResponse:
+    form = ReasonForm(request.POST if request.method == "POST" else None)
+    if request.method == "POST" and form.is_valid():
+        switch = killswitch_release(
+            scope=target.scope, team=target.team,
+            agent=target.agent, run=target.run, reason=form.cleaned_data["reason"],
+            actor=request.user,
+        )
+        if switch is None:
+            messages.info(request, f"Not engaged: {target.describe()}. Nothing to release.")
+        else:
+            messages.success(request, f"Released: {target.describe()}. New runs may start; "
+                                      "killed runs stay killed.")
+        return redirect(done)
+    context = {
+        "target": target,
+        "scope_label": target.describe(),
+        "engaged": engaged_switch(target),
+        "form": form,
+        "action_url": action,
+        "cancel_url": done,
+        "next": request.POST.get("next") or request.GET.get("next") or "",
+    }
+    return page(request, "runs/killswitch_release.html", context)
+
+
+# --- Team screens ----------------------------------------------------------------------------
+
+@require_safe
+@team_view(Role.VIEWER)
+def killswitch_page(request: HttpRequest, slug: str) -> HttpResponse:
+    team = request.team  # type: ignore[attr-defined]
+    role = request.role  # type: ignore[attr-defined]
+    deliveries = webhooks.deliveries_for_team(team)
+    return page(request, "runs/killswitch.html", {
+        "engaged": engaged_for_team(team),
+        "history": history_for_team(team),
+        "deliveries": deliveries,
+        "overdue": {d.pk for d in deliveries if webhooks.overdue(d)},
+        # The deliveries region looks again every few seconds while one is still pending.
+        "polling": any(d.status == webhooks.PENDING for d in deliveries),
+        "agents": list(Run.objects.filter(team=team).order_by("agent")
+                       .values_list("agent", flat=True).distinct()[:200]),
+        "running": Run.objects.filter(team=team, status="running").count(),
+        "may_engage": can(role, Role.OPERATOR),
+        "may_release": can(role, Role.ADMIN),
+        "max_attempts": webhooks.MAX_ATTEMPTS,
+    })
+
+
+def _team_run(team: Any, run_id: Any) -> Run:
+    """The team's run, or 404: another team's run is as absent as a missing one."""
+    try:
+        run = Run.objects.select_related("team").filter(team=team, pk=run_id).first()
+    except (ValueError, ValidationError):  # not a UUID
+        run = None
+    if run is None:
+        raise Http404("No such run.")
+    return run
+
+
+def _team_target(request: HttpRequest, data: Any) -> Target:
+    scope = data.get("scope") or Scope.TEAM
+    if scope not in (Scope.TEAM, Scope.AGENT):
+        raise Http404("Unknown scope.")
+    agent = (data.get("agent") or "").strip() if scope == Scope.AGENT else ""
+    if scope == Scope.AGENT and not AGENT_NAME.fullmatch(agent):
+        raise KillSwitchError("Name the agent: letters, digits, '.', '_' or '-', 1 to 100.")
+    return resolve_target(scope=scope, team=request.team, agent=agent)  # type: ignore[attr-defined]
+
+
+@require_http_methods(["GET", "POST"])
+@team_view(Role.OPERATOR)
+def killswitch_engage_view(request: HttpRequest, slug: str) -> HttpResponse:
+    page_url = reverse("runs:killswitch", args=[slug])
+    data = request.POST if request.method == "POST" else request.GET
+    try:
+        target = _team_target(request, data)
+    except KillSwitchError as exc:
+        messages.error(request, str(exc))
+        return redirect(page_url)
+    return _engage_flow(request, target, action=reverse("runs:killswitch-engage", args=[slug]),
+                        cancel=page_url, done=_safe_next(request, page_url))
+
+
+@require_http_methods(["GET", "POST"])
+@team_view(Role.OPERATOR)
+def killswitch_run_view(request: HttpRequest, slug: str, run_id: Any) -> HttpResponse:
+    run = _team_run(request.team, run_id)  # type: ignore[attr-defined]
+    run_page = _run_page(run)
+    return _engage_flow(request, resolve_target(scope=Scope.RUN, run=run),
+                        action=reverse("runs:killswitch-run", args=[slug, run.pk]),
+                        cancel=run_page, done=_safe_next(request, run_page))
+
+
+@require_http_methods(["GET", "POST"])
+@team_view(Role.ADMIN)
+def killswitch_release_view(request: HttpRequest, slug: str) -> HttpResponse:
+    team = request.team  # type: ignore[attr-defined]
+    page_url = reverse("runs:killswitch", args=[slug])
+    data = request.POST if request.method == "POST" else request.GET
+    try:
+        if data.get("scope") == Scope.RUN:
+            target = resolve_target(scope=Scope.RUN, run=_team_run(team, data.get("run")))
+        else:
+            target = _team_target(request, data)
+    except KillSwitchError as exc:
+        messages.error(request, str(exc))
+        return redirect(page_url)
+    return _release_flow(request, target, action=reverse("runs:killswitch-release", args=[slug]),
+                         done=_safe_next(request, page_url))
+
+
+# --- The global switch (superusers) ----------------------------------------------------------
+
+def _superuser(request: HttpRequest) -> HttpResponse | None:
+    if not request.user.is_authenticated:
+        return redirect_to_login(request.get_full_path())
+    if not request.user.is_superuser:
+        raise PermissionDenied("Only a superuser may engage or release the global kill switch.")
+    return None
+
+
+@require_safe
+def killswitch_global_page(request: HttpRequest) -> HttpResponse:
+    if (refusal := _superuser(request)) is not None:
+        return refusal
+    engaged = list(KillSwitch.objects.filter(active=True).select_related("team", "run")
+                   .order_by("engaged_at", "pk"))
+    return page(request, "runs/killswitch_global.html", {
+        "global_switch": next((s for s in engaged if s.scope == Scope.GLOBAL), None),
+        "engaged": [s for s in engaged if s.scope != Scope.RUN
+                    or (s.run is not None and s.run.status == "running")],
+        "history": list(KillSwitch.objects.filter(scope=Scope.GLOBAL)
+                        .order_by("-engaged_at", "-pk")[:50]),
+        "running": Run.objects.filter(status="running").count(),
+    })
+
+
+@require_http_methods(["GET", "POST"])
+def killswitch_global_engage(request: HttpRequest) -> HttpResponse:
+    if (refusal := _superuser(request)) is not None:
+        return refusal
+    page_url = reverse("runs:killswitch-global")
+    return _engage_flow(request, resolve_target(scope=Scope.GLOBAL),
+                        action=reverse("runs:killswitch-global-engage"), cancel=page_url,
+                        done=_safe_next(request, page_url))
+
+
+@require_POST
+def killswitch_global_release(request: HttpRequest) -> HttpResponse:
+    if (refusal := _superuser(request)) is not None:
+        return refusal
+    page_url = reverse("runs:killswitch-global")
+    return _release_flow(request, resolve_target(scope=Scope.GLOBAL),
+                         action=reverse("runs:killswitch-global-release"),
+                         done=_safe_next(request, page_url))

@@ -1,0 +1,51 @@
+"""Celery tasks of the kill switch, on the dedicated ``killswitch`` queue (the settings'
+CELERY_TASK_ROUTES send ``runs.tasks.*`` there) so a backlog of other work never delays a
+kill.
+
+Each task takes ids, calls a service and is idempotent: ``acks_late`` with
+``reject_on_worker_lost`` means a task whose worker dies is delivered again, and running it
+twice changes nothing the second time (runs/killswitch.py, runs/webhooks.py).
+"""
+
+from __future__ import annotations
+
+from celery import shared_task
+from django.db import DatabaseError, InterfaceError
+from kombu.exceptions import OperationalError as BrokerError
+
+from . import killswitch, webhooks
+from .models import KillSwitch, Scope
+
+# A run whose start transaction read "no switch" just before the engage committed can commit
+# just after the fan-out looked (PostgreSQL, READ COMMITTED): one more pass a little later
+# kills it even if it never checks again. Its checks were stopped anyway (SPEC 4.5).
+SWEEP_DELAY_S = 5.0
+
+# Store and broker errors (database restarting, connection lost, Redis unreachable while
+# scheduling a delivery) are worth retrying with backoff; a bug is not. Bounded: after that
+# the message is acked and the failure is in the worker log.
+_retry = {"autoretry_for": (DatabaseError, InterfaceError, BrokerError), "retry_backoff": True,
+          "retry_backoff_max": 60, "max_retries": 10}
+
+
+@shared_task(name="runs.tasks.killswitch_fanout", acks_late=True,
+             reject_on_worker_lost=True, **_retry)
+def killswitch_fanout_task(switch_id: int, sweep: bool = False) -> None:
+    result = killswitch.killswitch_fanout(switch_id=switch_id)
+    if result is None:
+        return
+    for delivery_id in result.deliveries:
+        webhooks.schedule_delivery(delivery_id, 1, 0)
+    killswitch.killswitch_fanout_done(switch_id=switch_id)
+    if sweep or killswitch_fanout_task.app.conf.task_always_eager:
+        return  # eager runs in one process with the engage: nothing can slip in between
+    if KillSwitch.objects.filter(pk=switch_id, active=True).exclude(scope=Scope.RUN).exists():
+        killswitch_fanout_task.apply_async((switch_id, True), countdown=SWEEP_DELAY_S)
+
+
+@shared_task(name="runs.tasks.webhook_deliver", acks_late=True,
+             reject_on_worker_lost=True, **_retry)
+def webhook_deliver_task(delivery_id: int, number: int = 1) -> None:
+    step = webhooks.attempt_delivery(delivery_id=delivery_id, number=number)
+    if step is not None:
+        webhooks.schedule_delivery(delivery_id, step.number, step.delay)

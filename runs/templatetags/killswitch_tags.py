@@ -1,0 +1,57 @@
+"""The kill-switch banner's data, for the base layout's include on every team page."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import template
+from django.http import HttpRequest
+from django.urls import reverse
+
+from policies.access import can, role_in
+from policies.models import Role, Team
+from runs.killswitch import describe_target, engaged_for_team
+from runs.models import KillSwitch, Scope
+
+register = template.Library()
+
+
+def release_url(switch: KillSwitch, team: Team, user: Any, role: Role | None) -> str | None:
+    """Where this user may release the switch, or None (SPEC 7): the global switch is the
+    superuser's; a team, agent or run switch is its team admins'."""
+    if switch.scope == Scope.GLOBAL:
+        return reverse("runs:killswitch-global-release") if user.is_superuser else None
+    if can(role, Role.ADMIN):
+        return reverse("runs:killswitch-release", args=[team.slug])
+    return None
+
+
+@register.simple_tag
+def killswitch_banner(team: Team | None, request: HttpRequest | None) -> list[dict[str, Any]]:
+    if team is None:
+        return []
+    switches = engaged_for_team(team)
+    if not switches:
+        return []
+    user = getattr(request, "user", None)
+    # The RBAC decorator leaves the role on the request; look it up only if it did not.
+    role = getattr(request, "role", None)
+    if role is None and user is not None:
+        role = role_in(user, team)
+    page = reverse("runs:killswitch", args=[team.slug])
+    return [
+        {
+            "switch": switch,
+            "label": describe_target(switch.scope, team=switch.team, agent=switch.agent,
+                                     run_id=switch.run_id),
+            "release_url": release_url(switch, team, user, role) if user is not None else None,
+            "page_url": page,
+        }
+        for switch in switches
+    ]
+
+
+@register.filter
+def scope_label(switch: KillSwitch) -> str:
+    return describe_target(switch.scope, team=switch.team, agent=switch.agent,
+                           run_id=switch.run_id)

@@ -1,0 +1,225 @@
+"""Kill-switch webhooks: signed POSTs to a team's ``webhook_url``, retried with capped
+exponential backoff, every attempt recorded (SPEC 6).
+
+Delivery is at least once. An attempt is claimed (its row written, ``in flight``) in one
+transaction, the POST is made outside any transaction, and its outcome recorded in another.
+Each task message carries the attempt number it is for, so a message the broker delivers
+twice (a worker lost before its ack, a visibility timeout shorter than a backoff delay)
+finds its attempt already claimed and stands down instead of starting a second retry chain.
+
+Receivers verify ``X-Governance-Signature: sha256=<hex>``, the HMAC-SHA256 of
+``"<X-Governance-Timestamp>.<raw body>"`` keyed with the team's webhook secret, and reject
+timestamps older than a few minutes (see ``verify`` and docs/killswitch.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import httpx
+from django.db import connections, transaction
+from django.utils import timezone
+
+from policies.models import Team
+
+from .models import KillSwitch, WebhookAttempt, WebhookDelivery
+
+log = logging.getLogger(__name__)
+
+PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+MAX_ATTEMPTS = 8
+BASE_DELAY_S = 1.0
+MAX_DELAY_S = 60.0
+TIMEOUT_S = 5.0
+# How long a claimed attempt may stay in flight before another worker calls it lost: the
+# POST's timeout plus slack for recording the outcome.
+LEASE_S = TIMEOUT_S + 2.0
+IN_FLIGHT = "in flight"
+INTERRUPTED = "interrupted: the worker stopped before the outcome was recorded"
+EVENT = "killswitch.engaged"
+SIGNATURE_HEADER = "X-Governance-Signature"
+TIMESTAMP_HEADER = "X-Governance-Timestamp"
+TOLERANCE_S = 300
+
+
+def backoff(number: int) -> float:
+    """Delay after failed attempt ``number`` before the next one: 1, 2, 4 ... capped."""
+    return min(MAX_DELAY_S, BASE_DELAY_S * 2 ** (number - 1))
+
+
+def payload_for(switch: KillSwitch, team: Team, killed: list[str]) -> dict[str, Any]:
+    """The JSON body; ``team`` is the notified team (a global switch notifies every team)."""
+    return {
+        "id": switch.pk,
+        "event": EVENT,
+        "scope": switch.scope,
+        "team": team.slug,
+        "agent": switch.agent or None,
+        "run": str(switch.run_id) if switch.run_id else None,
+        "reason": switch.reason,
+        "engaged_by": switch.engaged_by_label,
+        "engaged_at": switch.engaged_at.isoformat().replace("+00:00", "Z"),
+        "killed_runs": killed,
+    }
+
+
+def body_of(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign(secret: str, timestamp: str, body: bytes) -> str:
+    digest = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256)
+    return "sha256=" + digest.hexdigest()
+
+
+def verify(secret: str, timestamp: str, body: bytes, signature: str, *,
+           tolerance_s: float = TOLERANCE_S, now: float | None = None) -> bool:
+    """What a receiver does: a fresh timestamp and a matching signature, compared in
+    constant time. Old timestamps are refused so a captured request cannot be replayed."""
+    try:
+        age = (time.time() if now is None else now) - int(timestamp)
+    except ValueError:
+        return False
+    if abs(age) > tolerance_s:
+        return False
+    return hmac.compare_digest(sign(secret, timestamp, body), signature)
+
+
+@dataclass(frozen=True)
+class Next:
+    """Run attempt ``number`` of the delivery after ``delay`` seconds."""
+
+    number: int
+    delay: float
+
+
+def _claim(delivery_id: int, number: int) -> tuple[WebhookDelivery, WebhookAttempt] | Next | None:
+    """Under the delivery's lock: decide whether attempt ``number`` is this message's to make,
+    and if so record it in flight. Returns the claim, a later look (Next), or None (nothing
+    left to do: delivered, given up, or a duplicate message)."""
+    with transaction.atomic():
+        delivery = (WebhookDelivery.objects.select_for_update().select_related("team")
+                    .filter(pk=delivery_id).first())
+        if delivery is None or delivery.status != PENDING or delivery.attempts > number:
+            return None
+        now = timezone.now()
+        if delivery.attempts == number:
+            last = delivery.tries.filter(number=number).first()
+            age = (now - last.at).total_seconds() if last is not None else LEASE_S
+            if last is not None and last.status_code is None and last.error == IN_FLIGHT:
+                if age < LEASE_S:
+                    # Maybe another worker is on it right now; look again when its lease ends.
+                    return Next(number, LEASE_S - age)
+                last.error = INTERRUPTED
+                last.save(update_fields=["error"])
+                number += 1
+            elif age > backoff(number) + LEASE_S:
+                # Finished and failed, and its successor is overdue: the worker that should
+                # have scheduled it died first. Schedule it (a duplicate would stand down).
+                return Next(number + 1, 0)
+            else:
+                return None
+        if number > MAX_ATTEMPTS:
+            delivery.status = FAILED
+            delivery.save(update_fields=["status"])
+            return None
+        delivery.attempts = number
+        delivery.save(update_fields=["attempts"])
+        attempt = WebhookAttempt.objects.create(delivery=delivery, number=number, at=now,
+                                                error=IN_FLIGHT)
+    return delivery, attempt
+
+
+def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
+    body = body_of(delivery.payload)
+    # Fresh on every attempt, so a retry passes the receivers' age check.
+    timestamp = str(int(time.time()))
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": "agent-governance-webhook/1",
+        "X-Governance-Event": EVENT,
+        "X-Governance-Delivery": str(delivery.pk),
+        TIMESTAMP_HEADER: timestamp,
+        SIGNATURE_HEADER: sign(delivery.team.webhook_secret, timestamp, body),
+    }
+    try:
+        response = httpx.post(delivery.url, content=body, headers=headers, timeout=TIMEOUT_S,
+                              follow_redirects=False)
+    except httpx.HTTPError as exc:
+        return None, f"{type(exc).__name__}: {exc}"[:500]
+    if 200 <= response.status_code < 300:
+        return response.status_code, ""
+    return response.status_code, f"HTTP {response.status_code}: {response.text[:200]}"
+
+
+def attempt_delivery(*, delivery_id: int, number: int) -> Next | None:
+    """Make attempt ``number`` (or the one due instead) and record it. Returns when to try
+    next, or None when the delivery needs nothing more from this message."""
+    claim = _claim(delivery_id, number)
+    if not isinstance(claim, tuple):
+        return claim
+    delivery, attempt = claim
+    started = time.monotonic()
+    status_code, error = _post(delivery)
+    duration_ms = int((time.monotonic() - started) * 1000)
+    with transaction.atomic():
+        WebhookAttempt.objects.filter(pk=attempt.pk).update(
+            status_code=status_code, error=error, duration_ms=duration_ms
+        )
+        pending = WebhookDelivery.objects.filter(pk=delivery.pk, status=PENDING)
+        if not error:
+            pending.update(status=DELIVERED, delivered_at=timezone.now())
+            return None
+        if attempt.number >= MAX_ATTEMPTS:
+            pending.update(status=FAILED)
+            return None
+    log.info("webhook delivery %s attempt %s failed: %s", delivery.pk, attempt.number, error)
+    return Next(attempt.number + 1, backoff(attempt.number))
+
+
+def _deliver_in_thread(delivery_id: int, number: int) -> None:
+    try:
+        step = attempt_delivery(delivery_id=delivery_id, number=number)
+        if step is not None:
+            schedule_delivery(delivery_id, step.number, step.delay)
+    except Exception:
+        log.exception("webhook delivery %s failed in the background thread", delivery_id)
+    finally:
+        connections.close_all()  # this thread's own connections
+
+
+def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
+    """Start attempt ``number`` after ``delay`` seconds: a Celery task on the kill-switch
+    queue, or, in the embedded default (no Redis, eager tasks), a background thread, since
+    an eager task would run the whole backoff inside the engaging request."""
+    from governance.celery import app
+
+    if app.conf.task_always_eager:
+        timer = threading.Timer(delay, _deliver_in_thread, args=(delivery_id, number))
+        timer.daemon = True
+        timer.start()
+        return
+    from .tasks import webhook_deliver_task
+
+    webhook_deliver_task.apply_async((delivery_id, number), countdown=delay)
+
+
+def deliveries_for_team(team: Team, *, limit: int = 20) -> list[WebhookDelivery]:
+    return list(
+        WebhookDelivery.objects.filter(team=team).select_related("switch")
+        .prefetch_related("tries").order_by("-created_at", "-pk")[:limit]
+    )
+
+
+def overdue(delivery: WebhookDelivery) -> bool:
+    """A pending delivery with no attempt for long: no worker is taking it (for screens)."""
+    return (delivery.status == PENDING and delivery.attempts == 0
+            and timezone.now() - delivery.created_at > timedelta(minutes=1))
