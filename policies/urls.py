@@ -1,3 +1,33 @@
-from django.urls import path  # noqa: F401
+from django.contrib.auth import views as auth_views
+from django.urls import path
 
-urlpatterns: list = []
+from . import views
+
+T = "teams/<slug:slug>/"
+
+urlpatterns = [
+    path("", views.home, name="home"),
+    path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True),
+         name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("accounts/password/", auth_views.PasswordChangeView.as_view(),
+         name="password_change"),
+    path("accounts/password/done/", auth_views.PasswordChangeDoneView.as_view(),
+         name="password_change_done"),
+    path(T + "policies/", views.policies, name="policies"),
+    path(T + "policies.yaml", views.policies_export, name="policies_export"),
+    path(T + "policies-import", views.policies_import, name="policies_import"),
+    path(T + "policies-new", views.policy_new, name="policy_new"),
+    # "-" is the editor of a policy not saved yet (the new-policy form validates here too).
+    path(T + "policies/<slug:name>/", views.policy_detail, name="policy"),
+    path(T + "policies/<slug:name>/save", views.policy_save_view, name="policy_save"),
+    path(T + "policies/<slug:name>/validate", views.policy_validate, name="policy_validate"),
+    path(T + "policies/<slug:name>/history", views.policy_history, name="policy_history"),
+    path(T + "keys/", views.keys, name="keys"),
+    path(T + "keys/<int:key_id>/revoke", views.key_revoke, name="key_revoke"),
+    path(T + "members/", views.members, name="members"),
+    path(T + "members/<int:membership_id>/role", views.member_role, name="member_role"),
+    path(T + "members/<int:membership_id>/remove", views.member_remove, name="member_remove"),
+    path(T + "settings/", views.team_settings, name="team_settings"),
+    path(T + "audit/", views.audit_log, name="audit"),
+]

@@ -1,3 +1,12 @@
-from django.urls import path  # noqa: F401
+from django.urls import path
 
-urlpatterns: list = []
+from . import views
+
+urlpatterns = [
+    path("teams/<slug:slug>/", views.overview, name="overview"),
+    path("teams/<slug:slug>/stream", views.overview_stream, name="overview_stream"),
+    path("teams/<slug:slug>/runs/", views.runs_list, name="runs"),
+    path("teams/<slug:slug>/runs/stream", views.runs_stream, name="runs_stream"),
+    path("teams/<slug:slug>/runs/<uuid:run_id>/", views.run_detail, name="run"),
+    path("teams/<slug:slug>/runs/<uuid:run_id>/stream", views.run_stream, name="run_stream"),
+]

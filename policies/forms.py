@@ -1,0 +1,204 @@
+"""Dashboard forms. They only translate between HTML fields and the policy document / service
+arguments; validation of a policy is `policies.document.parse_policy`, so the browser shows the
+same messages as `apply_policies` does for the same mistake."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+from django import forms
+
+from .document import DocumentError, parse_policy
+from .models import Role
+
+# Form field -> path of the value in the policy document (and of its errors).
+FIELD_PATHS = {
+    "name": "name",
+    "mode": "mode",
+    "max_steps": "step_limits.max_steps",
+    "max_repeat_action": "step_limits.max_repeat_action",
+    "no_progress_window": "step_limits.no_progress_window",
+    "max_seconds": "budgets.max_seconds",
+    "max_usd": "budgets.max_usd",
+    "max_tool_calls": "budgets.max_tool_calls",
+    "tools_allow": "tools.allow",
+    "tools_deny": "tools.deny",
+    "ignore_args": "repeat_key.ignore_args",
+    "error_threshold": "on_repeated_error.threshold",
+    "error_action": "on_repeated_error.action",
+    "redact_args": "redact_args",
+}
+LIST_FIELDS = {"tools_allow", "tools_deny", "ignore_args", "redact_args"}
+OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls"}
+INT_RE = re.compile(r"^[+-]?\d+$")
+FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
+
+
+def _number(raw: str) -> Any:
+    """What YAML would read for this text: an int, a float, or (left to the validator to
+    refuse with its own message) the string itself."""
+    text = raw.strip()
+    if INT_RE.match(text):
+        return int(text)
+    if FLOAT_RE.match(text):
+        return float(text)
+    return text
+
+
+def _lines(raw: str) -> list[str]:
+    return [line.strip() for line in raw.replace(",", "\n").splitlines() if line.strip()]
+
+
+class PolicyForm(forms.Form):
+    """One policy. Every field is text on purpose: converting happens in `document()` and
+    judging in `parse_policy`, never in Django's field classes, so messages match the YAML's."""
+
+    name = forms.CharField(required=False, max_length=100)
+    mode = forms.ChoiceField(choices=[("enforce", "enforce"), ("shadow", "shadow")],
+                             required=False)
+    max_steps = forms.CharField(required=False, max_length=40)
+    max_repeat_action = forms.CharField(required=False, max_length=40)
+    no_progress_window = forms.CharField(required=False, max_length=40)
+    max_seconds = forms.CharField(required=False, max_length=40)
+    max_usd = forms.CharField(required=False, max_length=40)
+    max_tool_calls = forms.CharField(required=False, max_length=40)
+    restrict_tools = forms.BooleanField(required=False)
+    tools_allow = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
+    tools_deny = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
+    ignore_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    error_threshold = forms.CharField(required=False, max_length=40)
+    error_action = forms.ChoiceField(choices=[("nudge", "nudge"), ("stop", "stop")],
+                                     required=False)
+    redact_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+
+    def __init__(self, *args: Any, fixed_name: str | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.fixed_name = fixed_name
+        self.document_errors: dict[str, str] = {}
+        self.normalized: dict[str, Any] | None = None
+
+    @classmethod
+    def initial_from(cls, document: dict[str, Any]) -> dict[str, Any]:
+        steps, budgets, tools = document["step_limits"], document["budgets"], document["tools"]
+
+        def text(value: Any) -> str:
+            return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+        return {
+            "name": document["name"],
+            "mode": document["mode"],
+            "max_steps": text(steps["max_steps"]),
+            "max_repeat_action": text(steps["max_repeat_action"]),
+            "no_progress_window": text(steps["no_progress_window"]),
+            "max_seconds": text(budgets["max_seconds"]),
+            "max_usd": text(budgets["max_usd"]),
+            "max_tool_calls": text(budgets["max_tool_calls"]),
+            "restrict_tools": tools["allow"] is not None,
+            "tools_allow": "\n".join(tools["allow"] or []),
+            "tools_deny": "\n".join(tools["deny"]),
+            "ignore_args": "\n".join(document["repeat_key"]["ignore_args"]),
+            "error_threshold": text(document["on_repeated_error"]["threshold"]),
+            "error_action": document["on_repeated_error"]["action"],
+            "redact_args": "\n".join(document["redact_args"]),
+        }
+
+    def document(self) -> dict[str, Any]:
+        """The raw policy document these fields describe (not yet validated)."""
+        data = self.cleaned_data
+
+        def number(field: str) -> Any:
+            # An empty box is YAML's null: "no limit" for a budget, refused for a step limit.
+            raw = data.get(field) or ""
+            return _number(raw) if raw.strip() else None
+
+        threshold = data.get("error_threshold") or ""
+        return {
+            "name": self.fixed_name if self.fixed_name is not None else (data.get("name") or ""),
+            "mode": data.get("mode") or "enforce",
+            "step_limits": {
+                "max_steps": number("max_steps"),
+                "max_repeat_action": number("max_repeat_action"),
+                "no_progress_window": number("no_progress_window"),
+            },
+            "budgets": {f: number(f) for f in sorted(OPTIONAL_NUMBERS)},
+            "tools": {
+                "allow": _lines(data.get("tools_allow") or "")
+                if data.get("restrict_tools") else None,
+                "deny": _lines(data.get("tools_deny") or ""),
+            },
+            "repeat_key": {"ignore_args": _lines(data.get("ignore_args") or "")},
+            "on_repeated_error": {
+                "threshold": _number(threshold) if threshold.strip() else 3,
+                "action": data.get("error_action") or "nudge",
+            },
+            "redact_args": _lines(data.get("redact_args") or ""),
+        }
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        try:
+            self.normalized = parse_policy(self.document())
+        except DocumentError as exc:
+            self.document_errors = exc.errors
+            for path, message in exc.errors.items():
+                field = field_for_path(path)
+                self.add_error(field, f"{path}: {message}" if field is None else message)
+        return cleaned
+
+
+def field_for_path(path: str) -> str | None:
+    """The form field that shows an error at this document path (None: the whole form)."""
+    for field, prefix in FIELD_PATHS.items():
+        if path == prefix or path.startswith(prefix + "[") or path.startswith(prefix + "."):
+            return field
+    return None
+
+
+class ImportForm(forms.Form):
+    document = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 16}))
+    file = forms.FileField(required=False)
+
+    def data_of(self) -> Any:
+        """The parsed YAML; raises forms.ValidationError for text that is not YAML."""
+        upload = self.cleaned_data.get("file")
+        text = upload.read().decode("utf-8", "replace") if upload else self.cleaned_data.get(
+            "document") or ""
+        if not text.strip():
+            raise forms.ValidationError("Paste a YAML document or choose a file.")
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise forms.ValidationError(f"This is not valid YAML: {exc}") from None
+
+
+AGENT_RE = r"^[A-Za-z0-9._-]{1,100}$"
+
+
+class KeyForm(forms.Form):
+    name = forms.CharField(max_length=100)
+    agent = forms.RegexField(
+        regex=AGENT_RE, required=False, max_length=100,
+        help_text="Optional: the key may then only start runs of this agent.",
+        error_messages={"invalid": "Letters, digits, dot, dash and underscore only."},
+    )
+
+
+class MemberAddForm(forms.Form):
+    username = forms.CharField(max_length=150)
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.VIEWER)
+
+
+class MemberRoleForm(forms.Form):
+    role = forms.ChoiceField(choices=Role.choices)
+
+
+class WebhookForm(forms.Form):
+    webhook_url = forms.URLField(required=False, max_length=500, assume_scheme="https")
+
+    def clean_webhook_url(self) -> str | None:
+        url = self.cleaned_data.get("webhook_url") or None
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise forms.ValidationError("must be an http:// or https:// URL")
+        return url

@@ -1,0 +1,141 @@
+"""Reads for the dashboard's policy, key, member and audit screens. Every one is scoped by team."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from django.core.paginator import Page, Paginator
+from django.db.models import Q
+from django.http import Http404
+
+from .models import AgentKey, Membership, OperatorEvent, Policy, PolicyVersion, Team
+
+AUDIT_PER_PAGE = 50
+
+
+def policies_of(team: Team) -> list[Policy]:
+    return list(Policy.objects.filter(team=team).select_related("current__created_by")
+                .order_by("name"))
+
+
+def policy_of(team: Team, name: str) -> Policy:
+    policy = Policy.objects.filter(team=team, name=name).select_related("current").first()
+    if policy is None or policy.current is None:
+        raise Http404("No such policy.")
+    return policy
+
+
+def versions_of(policy: Policy) -> list[PolicyVersion]:
+    return list(policy.versions.select_related("created_by").order_by("-version"))
+
+
+def version_of(policy: Policy, number: Any) -> PolicyVersion | None:
+    try:
+        return policy.versions.filter(version=int(number)).first()
+    except (TypeError, ValueError):
+        return None
+
+
+def policy_yaml(document: dict[str, Any] | None) -> str:
+    if document is None:
+        return ""
+    return yaml.safe_dump(document, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+@dataclass(frozen=True)
+class DiffLine:
+    kind: str  # add | del | hunk | ctx | head
+    text: str
+
+
+def yaml_diff(before: dict[str, Any] | None, after: dict[str, Any] | None, *,
+              before_label: str, after_label: str) -> list[DiffLine]:
+    """A unified diff of two policy documents as their YAML: what an operator would review."""
+    lines = difflib.unified_diff(
+        policy_yaml(before).splitlines(), policy_yaml(after).splitlines(),
+        fromfile=before_label, tofile=after_label, lineterm="", n=3,
+    )
+    out = []
+    for line in lines:
+        if line.startswith(("---", "+++")):
+            kind = "head"
+        elif line.startswith("@@"):
+            kind = "hunk"
+        elif line.startswith("+"):
+            kind = "add"
+        elif line.startswith("-"):
+            kind = "del"
+        else:
+            kind = "ctx"
+        out.append(DiffLine(kind, line))
+    return out
+
+
+def team_document(team: Team) -> dict[str, Any]:
+    """The team in the `apply_policies` format (SPEC 3): applying it back changes nothing."""
+    return {
+        "teams": [{
+            "slug": team.slug,
+            "name": team.name,
+            "webhook_url": team.webhook_url,
+            "policies": [p.current.document for p in policies_of(team) if p.current],
+        }]
+    }
+
+
+def team_yaml(team: Team) -> str:
+    return yaml.safe_dump(team_document(team), sort_keys=False, allow_unicode=True)
+
+
+def keys_of(team: Team) -> list[AgentKey]:
+    return list(AgentKey.objects.filter(team=team).select_related("created_by")
+                .order_by("revoked_at", "-created_at"))
+
+
+def key_of(team: Team, key_id: int) -> AgentKey:
+    key = AgentKey.objects.filter(team=team, pk=key_id).select_related("team").first()
+    if key is None:
+        raise Http404("No such key.")
+    return key
+
+
+def members_of(team: Team) -> list[Membership]:
+    return list(Membership.objects.filter(team=team).select_related("user")
+                .order_by("user__username"))
+
+
+def membership_of(team: Team, membership_id: int) -> Membership:
+    membership = (Membership.objects.filter(team=team, pk=membership_id)
+                  .select_related("user", "team").first())
+    if membership is None:
+        raise Http404("No such member.")
+    return membership
+
+
+def admins_besides(team: Team, membership: Membership) -> int:
+    return Membership.objects.filter(team=team, role="admin").exclude(pk=membership.pk).count()
+
+
+def _audit_events(team: Team) -> Any:
+    # Global events (team NULL, e.g. the global kill switch) concern every team.
+    return OperatorEvent.objects.filter(Q(team=team) | Q(team__isnull=True))
+
+
+def audit_page(team: Team, *, action: str = "", actor: str = "", page: Any = 1) -> Page:
+    events = _audit_events(team).select_related("team")
+    if action:
+        events = events.filter(action=action)
+    if actor:
+        events = events.filter(actor_label=actor)
+    return Paginator(events.order_by("-at", "-id"), AUDIT_PER_PAGE).get_page(page)
+
+
+def audit_choices(team: Team) -> dict[str, list[str]]:
+    events = _audit_events(team)
+    return {
+        "actions": sorted(set(events.values_list("action", flat=True))),
+        "actors": sorted(set(events.values_list("actor_label", flat=True))),
+    }

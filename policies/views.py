@@ -1,0 +1,347 @@
+"""Dashboard screens for people (SPEC section 7): home, policies, keys, members, team settings,
+the operator audit log. Every team view goes through `team_view(Role.X)`: outsiders get 404, a
+role too low gets 403. Reads are in selectors, writes in services; views only translate."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlencode
+
+from django import forms
+from django.contrib import messages
+from django.contrib.auth import get_user_model
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.utils.text import slugify
+from django.views.decorators.http import require_POST, require_safe
+
+from runs.dashboard import running_on_old_versions
+
+from . import selectors
+from .access import can, team_view, teams_of
+from .document import DocumentError, default_policy
+from .forms import (
+    FIELD_PATHS,
+    ImportForm,
+    KeyForm,
+    MemberAddForm,
+    MemberRoleForm,
+    PolicyForm,
+    WebhookForm,
+)
+from .models import Policy, Role, Team
+from .services import (
+    agent_key_create,
+    agent_key_revoke,
+    membership_remove,
+    membership_set,
+    policy_apply,
+    policy_save,
+    team_update_webhook,
+)
+
+NEW_TOKEN_SESSION_KEY = "dashboard:new-agent-token"
+
+
+def page(request: HttpRequest, template: str, context: dict[str, Any] | None = None,
+         *, status: int = 200) -> HttpResponse:
+    """Render a team screen with what the layout needs: the team, the role, the team
+    switcher and what the role may do (so templates hide controls the server would refuse)."""
+    team: Team | None = getattr(request, "team", None)
+    role: Role | None = getattr(request, "role", None)
+    base = {
+        "team": team,
+        "role": role,
+        "teams": teams_of(request.user),
+        "can_operate": can(role, Role.OPERATOR),
+        "can_admin": can(role, Role.ADMIN),
+    }
+    return render(request, template, {**base, **(context or {})}, status=status)
+
+
+@require_safe
+@login_required
+def home(request: HttpRequest) -> HttpResponse:
+    teams = teams_of(request.user)
+    if len(teams) == 1:
+        return redirect("overview", slug=teams[0].slug)
+    return page(request, "home.html", {"team_list": teams})
+
+
+# --- Policies ----------------------------------------------------------------------------------
+
+@team_view(Role.VIEWER)
+@require_safe
+def policies(request: HttpRequest, slug: str) -> HttpResponse:
+    rows = [(p, running_on_old_versions(request.team, p)) for p in
+            selectors.policies_of(request.team)]
+    return page(request, "policies/list.html", {"rows": rows})
+
+
+def _editor(request: HttpRequest, policy: Policy | None, form: PolicyForm, *,
+            status: int = 200) -> HttpResponse:
+    return page(request, "policies/edit.html", {
+        "policy": policy,
+        "form": form,
+        "field_paths": FIELD_PATHS,
+        "old_running": running_on_old_versions(request.team, policy) if policy else 0,
+    }, status=status)
+
+
+@team_view(Role.VIEWER)
+@require_safe
+def policy_detail(request: HttpRequest, slug: str, name: str) -> HttpResponse:
+    policy = selectors.policy_of(request.team, name)
+    form = PolicyForm(initial=PolicyForm.initial_from(policy.current.document),
+                      fixed_name=policy.name)
+    return _editor(request, policy, form)
+
+
+@team_view(Role.ADMIN)
+@require_POST
+def policy_save_view(request: HttpRequest, slug: str, name: str) -> HttpResponse:
+    policy = selectors.policy_of(request.team, name)
+    form = PolicyForm(request.POST, fixed_name=policy.name)
+    if not form.is_valid():
+        return _editor(request, policy, form, status=422)
+    version = policy_save(team=request.team, document=form.normalized, actor=request.user,
+                          source="dashboard")
+    if version is None:
+        messages.info(request, "Nothing changed: no new version.")
+    else:
+        messages.success(request, f"Saved {policy.name} as version {version.version}. New runs "
+                                  "use it; running runs keep the version they started with.")
+    return redirect("policy", slug=slug, name=policy.name)
+
+
+@team_view(Role.ADMIN)
+def policy_new(request: HttpRequest, slug: str) -> HttpResponse:
+    if request.method == "POST":
+        form = PolicyForm(request.POST)
+        if form.is_valid() and Policy.objects.filter(team=request.team,
+                                                     name=form.normalized["name"]).exists():
+            form.add_error("name", "a policy with this name already exists")
+        if not form.is_valid():
+            return _editor(request, None, form, status=422)
+        policy_save(team=request.team, document=form.normalized, actor=request.user,
+                    source="dashboard")
+        messages.success(request, f"Created policy {form.normalized['name']}.")
+        return redirect("policy", slug=slug, name=form.normalized["name"])
+    initial = PolicyForm.initial_from(default_policy("new-policy"))
+    initial["name"] = ""
+    return _editor(request, None, PolicyForm(initial=initial))
+
+
+@team_view(Role.ADMIN)
+@require_POST
+def policy_validate(request: HttpRequest, slug: str, name: str) -> HttpResponse:
+    """Inline validation for htmx: the field errors of the form as it stands, as out-of-band
+    swaps into each field's error slot, so the inputs (and the caret) are left alone."""
+    fixed = None if name == "-" else selectors.policy_of(request.team, name).name
+    form = PolicyForm(request.POST, fixed_name=fixed)
+    form.is_valid()
+    return render(request, "policies/_validation.html", {
+        "form": form,
+        "slots": [(field, form.errors.get(field, [])) for field in FIELD_PATHS],
+    })
+
+
+@team_view(Role.VIEWER)
+@require_safe
+def policy_history(request: HttpRequest, slug: str, name: str) -> HttpResponse:
+    policy = selectors.policy_of(request.team, name)
+    versions = selectors.versions_of(policy)
+    newest = versions[0]
+    b = selectors.version_of(policy, request.GET.get("b")) or newest
+    default_a = next((v for v in versions if v.version < b.version), None)
+    a = selectors.version_of(policy, request.GET.get("a")) if request.GET.get("a") else default_a
+    diff = selectors.yaml_diff(
+        a.document if a else None, b.document,
+        before_label=f"version {a.version}" if a else "(nothing)",
+        after_label=f"version {b.version}",
+    )
+    return page(request, "policies/history.html", {
+        "policy": policy, "versions": versions, "a": a, "b": b, "diff": diff,
+    })
+
+
+@team_view(Role.VIEWER)
+@require_safe
+def policies_export(request: HttpRequest, slug: str) -> HttpResponse:
+    response = HttpResponse(selectors.team_yaml(request.team),
+                            content_type="application/yaml; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{slugify(slug)}-policies.yaml"'
+    return response
+
+
+def _foreign_slugs(data: Any, slug: str) -> dict[str, str]:
+    """Errors for every team of the document that is not this one: an import here may only
+    change this team, whatever the importing admin may do elsewhere."""
+    errors: dict[str, str] = {}
+    teams = data.get("teams") if isinstance(data, dict) else None
+    if isinstance(teams, list):
+        for i, entry in enumerate(teams):
+            other = entry.get("slug") if isinstance(entry, dict) else None
+            if other != slug:
+                errors[f"teams[{i}].slug"] = f"this import is for team {slug!r} only"
+    return errors
+
+
+@team_view(Role.ADMIN)
+def policies_import(request: HttpRequest, slug: str) -> HttpResponse:
+    form = ImportForm(request.POST or None, request.FILES or None)
+    errors: dict[str, str] = {}
+    changes: list[str] | None = None
+    if request.method == "POST" and form.is_valid():
+        try:
+            data = form.data_of()
+        except forms.ValidationError as exc:
+            form.add_error(None, exc)
+        else:
+            errors = _foreign_slugs(data, slug)
+            if not errors:
+                try:
+                    changes = policy_apply(data=data, actor=request.user, source="dashboard")
+                except DocumentError as exc:
+                    errors = exc.errors
+    if changes is not None:
+        messages.success(request, "Imported: " + ("; ".join(changes) or "nothing changed."))
+        return redirect("policies", slug=slug)
+    status = 422 if request.method == "POST" else 200
+    return page(request, "policies/import.html", {
+        "form": form, "errors": sorted(errors.items()),
+        "example": selectors.team_yaml(request.team),
+    }, status=status)
+
+
+# --- Agent keys ------------------------------------------------------------------------------
+
+@team_view(Role.ADMIN)
+def keys(request: HttpRequest, slug: str) -> HttpResponse:
+    form = KeyForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        new = agent_key_create(team=request.team, name=form.cleaned_data["name"],
+                               agent=form.cleaned_data["agent"] or "", actor=request.user)
+        # Shown once on the next page, then gone: the session keeps it for one redirect only.
+        request.session[NEW_TOKEN_SESSION_KEY] = {"token": new.token, "name": new.key.name}
+        return redirect("keys", slug=slug)
+    return page(request, "policies/keys.html", {
+        "form": form,
+        "keys": selectors.keys_of(request.team),
+        "new_token": request.session.pop(NEW_TOKEN_SESSION_KEY, None),
+    }, status=422 if request.method == "POST" else 200)
+
+
+@team_view(Role.ADMIN)
+@require_POST
+def key_revoke(request: HttpRequest, slug: str, key_id: int) -> HttpResponse:
+    key = selectors.key_of(request.team, key_id)
+    agent_key_revoke(key=key, actor=request.user)
+    messages.success(request, f"Revoked key {key.name}: agents using it get 401 from now on.")
+    return redirect("keys", slug=slug)
+
+
+# --- Members and team settings -----------------------------------------------------------------
+
+def _members_page(request: HttpRequest, form: MemberAddForm, *, status: int = 200
+                  ) -> HttpResponse:
+    return page(request, "policies/members.html", {
+        "form": form, "members": selectors.members_of(request.team), "roles": Role.choices,
+    }, status=status)
+
+
+@team_view(Role.ADMIN)
+def members(request: HttpRequest, slug: str) -> HttpResponse:
+    form = MemberAddForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        user = get_user_model().objects.filter(
+            username=form.cleaned_data["username"], is_active=True).first()
+        if user is None:
+            form.add_error("username", "No active user has this username.")
+        elif request.team.memberships.filter(user=user).exists():
+            form.add_error("username", "Already a member: change the role in the list.")
+        else:
+            membership_set(team=request.team, user=user, role=form.cleaned_data["role"],
+                           actor=request.user)
+            messages.success(request, f"Added {user.get_username()}.")
+            return redirect("members", slug=slug)
+    return _members_page(request, form, status=422 if request.method == "POST" else 200)
+
+
+def _would_orphan(request: HttpRequest, membership: Any, new_role: str | None) -> bool:
+    # A team must keep an admin: otherwise only a superuser could manage it again.
+    return (membership.role == Role.ADMIN and new_role != Role.ADMIN
+            and selectors.admins_besides(request.team, membership) == 0)
+
+
+@team_view(Role.ADMIN)
+@require_POST
+def member_role(request: HttpRequest, slug: str, membership_id: int) -> HttpResponse:
+    membership = selectors.membership_of(request.team, membership_id)
+    form = MemberRoleForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "Choose viewer, operator or admin.")
+    elif _would_orphan(request, membership, form.cleaned_data["role"]):
+        messages.error(request, "The team's last admin cannot be demoted.")
+    else:
+        membership_set(team=request.team, user=membership.user, role=form.cleaned_data["role"],
+                       actor=request.user)
+        messages.success(request, f"{membership.user.get_username()} is now "
+                                  f"{form.cleaned_data['role']}.")
+    return redirect("members", slug=slug)
+
+
+@team_view(Role.ADMIN)
+@require_POST
+def member_remove(request: HttpRequest, slug: str, membership_id: int) -> HttpResponse:
+    membership = selectors.membership_of(request.team, membership_id)
+    if _would_orphan(request, membership, None):
+        messages.error(request, "The team's last admin cannot be removed.")
+    else:
+        membership_remove(membership=membership, actor=request.user)
+        messages.success(request, f"Removed {membership.user.get_username()}.")
+    return redirect("members", slug=slug)
+
+
+@team_view(Role.ADMIN)
+def team_settings(request: HttpRequest, slug: str) -> HttpResponse:
+    form = WebhookForm(request.POST or None,
+                       initial={"webhook_url": request.team.webhook_url or ""})
+    if request.method == "POST" and form.is_valid():
+        changed = team_update_webhook(team=request.team,
+                                      webhook_url=form.cleaned_data["webhook_url"],
+                                      actor=request.user)
+        messages.success(request, "Webhook saved." if changed else "Nothing changed.")
+        return redirect("team_settings", slug=slug)
+    return page(request, "policies/settings.html", {"form": form},
+                status=422 if request.method == "POST" else 200)
+
+
+# --- Operator audit log --------------------------------------------------------------------------
+
+@team_view(Role.VIEWER)
+@require_safe
+def audit_log(request: HttpRequest, slug: str) -> HttpResponse:
+    action = request.GET.get("action", "")[:50]
+    actor = request.GET.get("actor", "")[:150]
+    events = selectors.audit_page(request.team, action=action, actor=actor,
+                                  page=request.GET.get("page") or 1)
+    rows = []
+    for event in events.object_list:
+        diff = None
+        if event.action == "policy.version" and isinstance(event.detail, dict):
+            version = event.detail.get("version")
+            diff = selectors.yaml_diff(
+                event.detail.get("before"), event.detail.get("after"),
+                before_label=f"version {version - 1}" if isinstance(version, int) and
+                version > 1 else "(nothing)",
+                after_label=f"version {version}",
+            )
+        rows.append({"event": event, "diff": diff})
+    query = {k: v for k, v in (("action", action), ("actor", actor)) if v}
+    return page(request, "policies/audit.html", {
+        "events": events, "rows": rows, "action": action, "actor": actor,
+        "choices": selectors.audit_choices(request.team),
+        "filter_query": urlencode(query),
+    })

@@ -1,0 +1,150 @@
+"""Reads for the operator dashboard (SPEC section 7): runs lists, overview figures, timelines.
+
+Every function takes the team first and filters by it, so a view cannot show another team's
+rows by passing the wrong id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.core.paginator import Page, Paginator
+from django.db.models import Count, Max, Q
+from django.db.models.functions import TruncHour
+from django.utils import timezone
+
+from policies.models import Policy, Team
+
+from .models import Decision, KillSwitch, Run, Scope
+
+RUN_STATUSES = ("running", "stopped", "killed", "completed", "failed")
+TERMINAL_STOPS = ("stopped", "killed")
+RUNS_PER_PAGE = 25
+
+
+@dataclass(frozen=True)
+class RunFilters:
+    status: str = ""
+    agent: str = ""
+    stop_reason: str = ""
+    page: int = 1
+
+    @classmethod
+    def from_query(cls, query: Any) -> RunFilters:
+        status = query.get("status", "")
+        try:
+            page = max(1, int(query.get("page") or 1))
+        except ValueError:
+            page = 1
+        return cls(
+            status=status if status in RUN_STATUSES else "",
+            agent=(query.get("agent") or "")[:100],
+            stop_reason=(query.get("stop_reason") or "")[:50],
+            page=page,
+        )
+
+    def query(self, *, page: int | None = None) -> str:
+        """The query string of these filters (for links and the stream URL)."""
+        from urllib.parse import urlencode
+
+        pairs = [("status", self.status), ("agent", self.agent),
+                 ("stop_reason", self.stop_reason)]
+        number = self.page if page is None else page
+        if number > 1:
+            pairs.append(("page", str(number)))
+        return urlencode([(k, v) for k, v in pairs if v])
+
+
+def runs_page(team: Team, filters: RunFilters) -> Page:
+    runs = Run.objects.filter(team=team).select_related("policy_version__policy")
+    if filters.status:
+        runs = runs.filter(status=filters.status)
+    if filters.agent:
+        runs = runs.filter(agent=filters.agent)
+    if filters.stop_reason:
+        runs = runs.filter(stop_reason=filters.stop_reason)
+    paginator = Paginator(runs.order_by("-started_at", "-pk"), RUNS_PER_PAGE)
+    return paginator.get_page(filters.page)
+
+
+def run_filter_choices(team: Team) -> dict[str, list[str]]:
+    runs = Run.objects.filter(team=team)
+    return {
+        "statuses": list(RUN_STATUSES),
+        "agents": sorted(runs.values_list("agent", flat=True).distinct()),
+        "stop_reasons": sorted(
+            runs.exclude(stop_reason__isnull=True).values_list("stop_reason", flat=True).distinct()
+        ),
+    }
+
+
+def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
+    running = Run.objects.filter(team=team, status="running").select_related(
+        "policy_version__policy"
+    )
+    return list(running.order_by("-started_at")[:limit]), running.count()
+
+
+@dataclass(frozen=True)
+class HourlyActivity:
+    hours: list[datetime]  # the start of each hour bucket, oldest first
+    started: list[int]
+    stops: dict[str, list[int]]  # stop reason -> count per hour
+
+
+def hourly_activity(team: Team, *, now: datetime | None = None, hours: int = 24
+                    ) -> HourlyActivity:
+    """Runs started and runs stopped (by reason) per hour over the last ``hours`` hours."""
+    now = now or timezone.now()
+    last = now.replace(minute=0, second=0, microsecond=0)
+    buckets = [last - timedelta(hours=hours - 1 - i) for i in range(hours)]
+    index = {b: i for i, b in enumerate(buckets)}
+    since = buckets[0]
+    started = [0] * hours
+    for row in (Run.objects.filter(team=team, started_at__gte=since)
+                .annotate(h=TruncHour("started_at")).values("h").annotate(n=Count("pk"))):
+        if row["h"] in index:
+            started[index[row["h"]]] += row["n"]
+    stops: dict[str, list[int]] = {}
+    for row in (Run.objects.filter(team=team, ended_at__gte=since, status__in=TERMINAL_STOPS)
+                .exclude(stop_reason__isnull=True)
+                .annotate(h=TruncHour("ended_at")).values("h", "stop_reason")
+                .annotate(n=Count("pk"))):
+        if row["h"] in index:
+            stops.setdefault(row["stop_reason"], [0] * hours)[index[row["h"]]] += row["n"]
+    return HourlyActivity(hours=buckets, started=started, stops=dict(sorted(stops.items())))
+
+
+def top_loops(team: Team, *, since: datetime, limit: int = 5) -> list[dict[str, Any]]:
+    """The repeat keys most often stopped as loops: which tools agents get stuck on."""
+    return list(
+        Decision.objects.filter(run__team=team, reason="loop_detected", at__gte=since)
+        .exclude(repeat_key="")
+        .values("action_name", "repeat_key")
+        .annotate(stops=Count("pk"), runs=Count("run", distinct=True), last=Max("at"))
+        .order_by("-stops", "-last")[:limit]
+    )
+
+
+def switches_covering(team: Team) -> list[KillSwitch]:
+    """Engaged kill switches that stop this team's runs (global, team or one of its agents)."""
+    return list(
+        KillSwitch.objects.filter(active=True).filter(
+            Q(scope=Scope.GLOBAL) | Q(scope__in=[Scope.TEAM, Scope.AGENT], team=team)
+        ).order_by("engaged_at")
+    )
+
+
+def timeline(run: Run, *, after: int = 0, limit: int = 2000) -> list[Decision]:
+    return list(run.decisions.filter(id__gt=after).order_by("id")[:limit])
+
+
+def running_on_old_versions(team: Team, policy: Policy) -> int:
+    """Running runs that keep an older version of this policy (runs pin their version)."""
+    return (
+        Run.objects.filter(team=team, status="running", policy_version__policy=policy)
+        .exclude(policy_version_id=policy.current_id)
+        .count()
+    )

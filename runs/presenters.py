@@ -1,0 +1,193 @@
+"""What the run screens show, computed once for the page and for its live stream.
+
+The page renders each partial with these contexts and the stream re-renders the same partials
+with the same contexts, so a live update can never look different from a reload.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from django.utils import timezone
+
+from policies.models import Team
+
+from . import dashboard
+from .models import Decision, Run
+from .selectors import elapsed_s
+
+ARGS_PREVIEW_CHARS = 80
+ARGS_FULL_CHARS = 4000
+SUMMARY_CHARS = 160
+
+REASON_LABELS = {
+    "step_ok": "step ok",
+    "killed": "killed",
+    "max_steps": "max steps",
+    "tool_denied": "tool denied",
+    "max_seconds": "max seconds",
+    "max_usd": "max USD",
+    "max_tool_calls": "max tool calls",
+    "loop_detected": "loop detected",
+    "no_progress": "no progress",
+    "repeated_error": "repeated error",
+    "agent_stopped": "agent stopped",
+    "run_finished": "run finished",
+}
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclass(frozen=True)
+class StepRow:
+    id: int
+    step: int
+    action: str
+    action_type: str
+    args_preview: str
+    args_full: str
+    args_cut: bool
+    outcome: str
+    reason: str
+    result_status: str
+    result_summary: str
+    result_full: str
+    cost: Decimal
+    at: datetime
+    message: str
+    directive: str
+    shadow_reason: str
+
+
+def step_row(d: Decision) -> StepRow:
+    args_json = json.dumps(d.args, ensure_ascii=False, sort_keys=True) if d.args else "{}"
+    full = json.dumps(d.args, ensure_ascii=False, indent=2, sort_keys=True) if d.args else "{}"
+    last = d.last_result or {}
+    summary = last.get("summary") or last.get("error") or ""
+    answer = d.answer or {}
+    directive = answer.get("directive") or {}
+    shadow = answer.get("shadow") or {}
+    return StepRow(
+        id=d.pk,
+        step=d.step,
+        action=d.action_name,
+        action_type=d.action_type,
+        args_preview=_cut(args_json, ARGS_PREVIEW_CHARS),
+        args_full=_cut(full, ARGS_FULL_CHARS),
+        args_cut=len(args_json) > ARGS_PREVIEW_CHARS,
+        outcome=d.outcome,
+        reason=d.reason,
+        result_status=last.get("status", ""),
+        result_summary=_cut(summary, SUMMARY_CHARS),
+        result_full=summary if len(summary) > SUMMARY_CHARS else "",
+        cost=d.cost_usd,
+        at=d.at,
+        message=answer.get("message") or "",
+        directive=directive.get("content", "") if isinstance(directive, dict) else "",
+        shadow_reason=shadow.get("reason", "") if isinstance(shadow, dict) else "",
+    )
+
+
+@dataclass(frozen=True)
+class Counter:
+    label: str
+    value: str
+    limit: str  # empty when the policy sets no limit
+    percent: float  # 0..100, for the bar
+    level: str  # ok | warn | over
+
+
+def _counter(label: str, value: float, limit: float | None, fmt: str) -> Counter:
+    if limit is None or limit <= 0:
+        return Counter(label, fmt.format(value), "", 0.0, "ok")
+    ratio = value / limit
+    level = "over" if ratio >= 1 else "warn" if ratio >= 0.75 else "ok"
+    return Counter(label, fmt.format(value), fmt.format(limit), round(min(ratio, 1.0) * 100, 1),
+                   level)
+
+
+def counters(run: Run, now: datetime | None = None) -> list[Counter]:
+    doc = run.policy_version.document
+    steps, budgets = doc["step_limits"], doc["budgets"]
+    max_usd = budgets.get("max_usd")
+    return [
+        _counter("Steps", run.steps, steps["max_steps"], "{:g}"),
+        _counter("Cost", float(run.cost_usd), None if max_usd is None else float(max_usd),
+                 "${:,.2f}"),
+        _counter("Time", elapsed_s(run, now or timezone.now()), budgets.get("max_seconds"),
+                 "{:.0f} s"),
+        _counter("Tool calls", run.tool_calls, budgets.get("max_tool_calls"), "{:g}"),
+    ]
+
+
+@dataclass(frozen=True)
+class Banner:
+    status: str
+    reason: str
+    message: str
+    next_action: str
+    output: str
+    ended_at: datetime | None
+
+
+def banner(run: Run) -> Banner | None:
+    """The stop banner: why the run ended and its partial response. None while it runs."""
+    if run.status == "running":
+        return None
+    message = next_action = ""
+    if run.stop_reason:
+        stop = (run.decisions.filter(outcome="stop", reason=run.stop_reason)
+                .order_by("id").only("answer").first())
+        if stop is not None:
+            message = stop.answer.get("message") or ""
+            next_action = stop.answer.get("next_action") or ""
+    return Banner(status=run.status, reason=run.stop_reason or "", message=message,
+                  next_action=next_action, output=run.output, ended_at=run.ended_at)
+
+
+def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
+    """The context of every live partial of the run page except the timeline rows."""
+    doc = run.policy_version.document
+    return {
+        "run": run,
+        "policy_doc": doc,
+        "counters": counters(run, now),
+        "banner": banner(run),
+        "elapsed": elapsed_s(run, now),
+    }
+
+
+def overview_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
+    """The context of the overview's live partials."""
+    from .charts import activity_chart
+
+    now = now or timezone.now()
+    running, running_count = dashboard.running_runs(team)
+    return {
+        "team": team,
+        "running": running,
+        "running_count": running_count,
+        "chart": activity_chart(dashboard.hourly_activity(team, now=now)),
+        "loops": dashboard.top_loops(team, since=now - timedelta(hours=24)),
+        "switches": dashboard.switches_covering(team),
+        "now": now,
+    }
+
+
+def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, Any]:
+    page = dashboard.runs_page(team, filters)
+    return {
+        "team": team,
+        "filters": filters,
+        "page": page,
+        "runs": list(page.object_list),
+        "prev_query": filters.query(page=page.previous_page_number())
+        if page.has_previous() else None,
+        "next_query": filters.query(page=page.next_page_number()) if page.has_next() else None,
+    }

@@ -1,0 +1,62 @@
+// Live screens: shows the state of the server-sent event stream and keeps it resumable.
+// Loaded as a static file (the CSP allows no inline script); htmx's sse extension does the
+// swapping, this only listens to its events.
+(function () {
+  "use strict";
+  var GRACE_MS = 2500; // a stream ends every minute by design: only a longer gap is news
+  var LABELS = {
+    connecting: "Connecting…",
+    live: "Live",
+    down: "Disconnected, reconnecting…",
+    ended: "Finished",
+  };
+  var downTimer = null;
+
+  function show(state) {
+    var el = document.querySelector("[data-live-status]");
+    if (!el) return;
+    el.dataset.state = state;
+    el.textContent = LABELS[state];
+  }
+
+  document.addEventListener("htmx:sseOpen", function () {
+    clearTimeout(downTimer);
+    downTimer = null;
+    show("live");
+  });
+
+  document.addEventListener("htmx:sseError", function () {
+    if (downTimer === null) {
+      downTimer = setTimeout(function () { downTimer = null; show("down"); }, GRACE_MS);
+    }
+  });
+
+  document.addEventListener("htmx:sseClose", function (evt) {
+    if (evt.detail && evt.detail.type === "message") {
+      clearTimeout(downTimer);
+      show("ended");
+    }
+  });
+
+  // A timeline row already on the page (same decision id) is not appended twice.
+  document.addEventListener("htmx:sseBeforeMessage", function (evt) {
+    var message = evt.detail;
+    if (message && message.type === "step" && message.lastEventId &&
+        document.getElementById("step-" + message.lastEventId)) {
+      evt.preventDefault();
+    }
+  });
+
+  // The browser resends Last-Event-ID when it reconnects by itself; when the extension has to
+  // build a new EventSource (after a hard failure) that id would be lost, so the stream URL
+  // carries it too.
+  document.addEventListener("htmx:sseMessage", function (evt) {
+    var message = evt.detail;
+    if (!message || !message.lastEventId) return;
+    var source = evt.target.closest("[sse-connect]");
+    if (!source) return;
+    var url = new URL(source.getAttribute("sse-connect"), window.location.href);
+    url.searchParams.set("after", message.lastEventId);
+    source.setAttribute("sse-connect", url.pathname + url.search);
+  });
+})();

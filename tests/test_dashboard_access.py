@@ -1,0 +1,194 @@
+"""RBAC of every dashboard URL (SPEC 7): anonymous is sent to sign in, an outsider gets 404,
+a role too low gets 403, a superuser may do everything; and nothing of another team leaks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.urls import reverse
+
+from policies.models import AgentKey, Membership, OperatorEvent
+from policies.services import agent_key_create
+from runs.models import Run
+
+pytestmark = pytest.mark.django_db
+
+VIEWER, OPERATOR, ADMIN = "viewer", "operator", "admin"
+RANK = {VIEWER: 1, OPERATOR: 2, ADMIN: 3}
+
+
+def make_run(team: Any) -> Run:
+    from django.utils import timezone
+
+    policy = team.policies.get(name="default")
+    return Run.objects.create(team=team, agent="support-bot", policy_version=policy.current,
+                              started_at=timezone.now())
+
+
+@pytest.fixture
+def world(users: dict[str, Any], team: Any) -> dict[str, Any]:
+    run = make_run(team)
+    key = agent_key_create(team=team, name="k1").key
+    viewer_membership = Membership.objects.get(team=team, user=users["viewer"])
+    return {"run": run, "key": key, "membership": viewer_membership}
+
+
+def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """(method, url, role needed, POST data) for every dashboard URL of a team."""
+    s = team.slug
+    run = world["run"].pk
+
+    def u(url_name: str, /, **kw: Any) -> str:
+        return reverse(url_name, kwargs={"slug": s, **kw})
+
+    policy_post = {"mode": "enforce", "max_steps": "7", "max_repeat_action": "3",
+                   "no_progress_window": "4", "max_seconds": "45", "max_usd": "1",
+                   "error_threshold": "3", "error_action": "nudge", "redact_args": "password"}
+    return [
+        ("GET", u("overview"), VIEWER, {}),
+        ("GET", u("runs"), VIEWER, {}),
+        ("GET", u("run", run_id=run), VIEWER, {}),
+        ("GET", u("policies"), VIEWER, {}),
+        ("GET", u("policies_export"), VIEWER, {}),
+        ("GET", u("policy", name="default"), VIEWER, {}),
+        ("GET", u("policy_history", name="default"), VIEWER, {}),
+        ("GET", u("audit"), VIEWER, {}),
+        ("GET", u("policy_new"), ADMIN, {}),
+        ("GET", u("policies_import"), ADMIN, {}),
+        ("GET", u("keys"), ADMIN, {}),
+        ("GET", u("members"), ADMIN, {}),
+        ("GET", u("team_settings"), ADMIN, {}),
+        ("POST", u("policy_save", name="default"), ADMIN, policy_post),
+        ("POST", u("policy_validate", name="default"), ADMIN, policy_post),
+        ("POST", u("policy_new"), ADMIN, {**policy_post, "name": "fresh"}),
+        ("POST", u("policies_import"), ADMIN,
+         {"document": f"teams:\n  - slug: {s}\n    name: Renamed\n"}),
+        ("POST", u("keys"), ADMIN, {"name": "made-by-test"}),
+        ("POST", u("key_revoke", key_id=world["key"].pk), ADMIN, {}),
+        ("POST", u("members"), ADMIN, {"username": "superuserless", "role": "viewer"}),
+        ("POST", u("member_role", membership_id=world["membership"].pk), ADMIN,
+         {"role": "operator"}),
+        ("POST", u("member_remove", membership_id=world["membership"].pk), ADMIN, {}),
+        ("POST", u("team_settings"), ADMIN, {"webhook_url": "https://example.com/hook"}),
+    ]
+
+
+STREAMS = ["overview_stream", "runs_stream", "run_stream"]
+
+
+@pytest.fixture(autouse=True)
+def _fast_hashing(settings: Any) -> None:
+    # Autouse runs before `users` hashes five passwords; the real hasher is tested elsewhere.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+def signed_in(name: str) -> Client:
+    client = Client()
+    username = "root" if name == "superuser" else name
+    client.force_login(User.objects.get(username=username))
+    return client
+
+
+def test_anonymous_is_sent_to_sign_in_everywhere(team, world):
+    client = Client()
+    for method, url, _, data in urls(team, world):
+        response = client.post(url, data) if method == "POST" else client.get(url)
+        assert response.status_code == 302, (method, url)
+        assert response["Location"].startswith(reverse("login")), (method, url)
+
+
+@pytest.mark.parametrize("who", ["viewer", "operator", "admin", "superuser"])
+def test_members_get_exactly_what_their_role_allows(who, team, world):
+    role = ADMIN if who == "superuser" else who
+    for method, url, needed, data in urls(team, world):
+        client = signed_in(who)
+        before = OperatorEvent.objects.count()
+        response = client.post(url, data) if method == "POST" else client.get(url)
+        if RANK[role] >= RANK[needed]:
+            assert response.status_code in (200, 302, 422), (who, method, url,
+                                                             response.status_code)
+        else:
+            assert response.status_code == 403, (who, method, url, response.status_code)
+            assert b"Not allowed" in response.content
+            # A refused write changes nothing and audits nothing.
+            assert OperatorEvent.objects.count() == before, (who, method, url)
+
+
+def test_an_outsider_gets_404_and_changes_nothing(team, world, users):
+    client = signed_in("outsider")  # admin of another team
+    events = OperatorEvent.objects.filter(team=team).count()
+    keys = AgentKey.objects.filter(team=team, revoked_at__isnull=True).count()
+    for method, url, _, data in urls(team, world):
+        response = client.post(url, data) if method == "POST" else client.get(url)
+        assert response.status_code == 404, (method, url)
+        assert b"Customer support" not in response.content
+    assert OperatorEvent.objects.filter(team=team).count() == events
+    assert AgentKey.objects.filter(team=team, revoked_at__isnull=True).count() == keys
+    assert Membership.objects.filter(team=team, user=users["viewer"], role="viewer").exists()
+
+
+def test_a_run_of_another_team_is_404_even_under_my_team(team, other_team, users):
+    foreign = make_run(other_team)
+    client = signed_in("admin")
+    for name in ("run", "run_stream"):
+        url = reverse(name, kwargs={"slug": team.slug, "run_id": foreign.pk})
+        assert client.get(url).status_code == 404
+
+
+def test_another_teams_key_and_membership_cannot_be_reached_through_my_team(
+        team, other_team, users):
+    foreign_key = agent_key_create(team=other_team, name="theirs").key
+    foreign_membership = Membership.objects.get(team=other_team, user=users["outsider"])
+    client = signed_in("admin")
+    assert client.post(reverse("key_revoke", kwargs={"slug": team.slug,
+                                                     "key_id": foreign_key.pk})).status_code == 404
+    assert client.post(reverse("member_remove", kwargs={
+        "slug": team.slug, "membership_id": foreign_membership.pk})).status_code == 404
+    foreign_key.refresh_from_db()
+    assert foreign_key.revoked_at is None
+    assert Membership.objects.filter(pk=foreign_membership.pk).exists()
+
+
+@pytest.mark.parametrize("name", STREAMS)
+def test_streams_follow_the_same_rules(name, team, world, settings):
+    settings.DASHBOARD_STREAM_SECONDS = 0
+    kwargs: dict[str, Any] = {"slug": team.slug}
+    if name == "run_stream":
+        kwargs["run_id"] = world["run"].pk
+    url = reverse(name, kwargs=kwargs)
+    assert Client().get(url).status_code == 302
+    assert signed_in("outsider").get(url).status_code == 404
+    response = signed_in("viewer").get(url)
+    assert response.status_code == 200
+    assert response["Content-Type"] == "text/event-stream"
+    response.close()
+
+
+def test_get_only_pages_refuse_post_and_post_only_endpoints_refuse_get(team, world):
+    client = signed_in("admin")
+    assert client.post(reverse("overview", kwargs={"slug": team.slug})).status_code == 405
+    assert client.get(reverse("key_revoke", kwargs={"slug": team.slug,
+                                                    "key_id": world["key"].pk})).status_code == 405
+
+
+def test_posts_without_a_csrf_token_are_refused(team, world):
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(User.objects.get(username="admin"))
+    response = client.post(reverse("keys", kwargs={"slug": team.slug}), {"name": "x"})
+    assert response.status_code == 403
+    assert not AgentKey.objects.filter(name="x").exists()
+
+
+def test_the_team_switcher_lists_only_my_teams(team, other_team, users):
+    page = signed_in("viewer").get(reverse("overview", kwargs={"slug": team.slug}))
+    assert b"Customer support" in page.content
+    assert b"Billing" not in page.content
+    page = signed_in("superuser").get(reverse("overview", kwargs={"slug": team.slug}))
+    assert b"Billing" in page.content
+
+
+def test_unknown_team_is_404_for_a_superuser_too(users):
+    assert signed_in("superuser").get("/teams/nope/").status_code == 404

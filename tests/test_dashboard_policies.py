@@ -1,0 +1,239 @@
+"""The policy editor: inline validation with the YAML's messages, versions, diffs, export and
+import, and what the page says about running runs on older versions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from django.test import Client
+from django.urls import reverse
+
+from policies.document import DocumentError, parse_document
+from policies.models import OperatorEvent, Policy, Team
+from policies.services import agent_key_create
+from runs.policy_cache import rules_for_version
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _fast(settings: Any) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    rules_for_version.cache_clear()
+
+
+@pytest.fixture
+def admin(users: dict[str, Any]) -> Client:
+    client = Client()
+    client.force_login(users["admin"])
+    return client
+
+
+def form_data(**changes: str) -> dict[str, str]:
+    data = {"mode": "enforce", "max_steps": "18", "max_repeat_action": "3",
+            "no_progress_window": "4", "max_seconds": "45", "max_usd": "1", "max_tool_calls": "",
+            "tools_deny": "", "ignore_args": "", "error_threshold": "3", "error_action": "nudge",
+            "redact_args": "password\napi_key\ntoken\nsecret\nauthorization"}
+    return {**data, **changes}
+
+
+def yaml_error(team: Team, policy_changes: dict[str, Any]) -> dict[str, str]:
+    """What `apply_policies` says about the same mistake."""
+    policy = {"name": "default",
+              "step_limits": {"max_steps": 18, "max_repeat_action": 3, "no_progress_window": 4}}
+    for path, value in policy_changes.items():
+        section, _, key = path.rpartition(".")
+        (policy.setdefault(section, {}) if section else policy)[key] = value
+    with pytest.raises(DocumentError) as caught:
+        parse_document({"teams": [{"slug": team.slug, "policies": [policy]}]})
+    return {k.split(".", 2)[-1].split("].", 1)[-1]: v for k, v in caught.value.errors.items()}
+
+
+def current(team: Team) -> dict[str, Any]:
+    return Policy.objects.get(team=team, name="default").current.document
+
+
+def test_saving_the_form_creates_a_new_version_audited_with_source_dashboard(team, admin):
+    url = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    response = admin.post(url, form_data(max_steps="7", mode="shadow", max_tool_calls="5",
+                                         restrict_tools="on", tools_allow="search.*\ncrm.*"))
+    assert response.status_code == 302
+    policy = Policy.objects.get(team=team, name="default")
+    assert policy.current.version == 2 and policy.current.source == "dashboard"
+    doc = policy.current.document
+    assert doc["step_limits"]["max_steps"] == 7 and doc["mode"] == "shadow"
+    assert doc["budgets"]["max_tool_calls"] == 5 and doc["tools"]["allow"] == ["search.*", "crm.*"]
+    event = OperatorEvent.objects.get(action="policy.version", detail__version=2)
+    assert event.actor_label == "admin" and event.detail["source"] == "dashboard"
+
+
+def test_saving_unchanged_values_creates_no_version(team, admin):
+    admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "default"}),
+               form_data())
+    assert Policy.objects.get(team=team, name="default").current.version == 1
+
+
+def test_an_empty_budget_means_no_limit_and_an_unchecked_allow_list_means_all_tools(team, admin):
+    admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "default"}),
+               form_data(max_usd="", tools_allow="ignored.*"))
+    doc = current(team)
+    assert doc["budgets"]["max_usd"] is None and doc["tools"]["allow"] is None
+
+
+@pytest.mark.parametrize(("field", "value", "path", "yaml_value"), [
+    ("max_steps", "0", "step_limits.max_steps", 0),
+    ("max_steps", "abc", "step_limits.max_steps", "abc"),
+    ("max_steps", "2.5", "step_limits.max_steps", 2.5),
+    ("max_usd", "0.1234567", "budgets.max_usd", 0.1234567),
+    ("max_seconds", "-1", "budgets.max_seconds", -1),
+    ("mode", "sideways", "mode", "sideways"),
+])
+def test_errors_match_the_yaml_ones_and_change_nothing(team, admin, field, value, path,
+                                                        yaml_value):
+    response = admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "default"}),
+                          form_data(**{field: value}))
+    expected = yaml_error(team, {path: yaml_value})[path]
+    if field == "mode":  # a select: Django refuses a value that is not an option first
+        assert response.status_code == 422
+    else:
+        assert response.status_code == 422
+        assert expected in response.content.decode()
+    assert Policy.objects.get(team=team, name="default").current.version == 1
+
+
+def test_inline_validation_returns_out_of_band_field_errors(team, admin):
+    url = reverse("policy_validate", kwargs={"slug": team.slug, "name": "default"})
+    response = admin.post(url, form_data(max_steps="0", max_usd="-2"), HTTP_HX_REQUEST="true")
+    html = response.content.decode()
+    assert response.status_code == 200
+    assert 'id="err-max_steps"' in html and 'hx-swap-oob="true"' in html
+    assert yaml_error(team, {"step_limits.max_steps": 0})["step_limits.max_steps"] in html
+    assert "2 fields to fix" in html
+    ok = admin.post(url, form_data(), HTTP_HX_REQUEST="true").content.decode()
+    assert "Valid." in ok
+    assert Policy.objects.get(team=team, name="default").current.version == 1
+
+
+def test_a_new_policy_can_be_created_and_names_are_validated(team, admin):
+    url = reverse("policy_new", kwargs={"slug": team.slug})
+    assert admin.get(url).status_code == 200
+    bad = admin.post(url, form_data(name="Bad Name"))
+    assert bad.status_code == 422 and "pattern" in bad.content.decode()
+    assert admin.post(url, form_data(name="strict", max_steps="5")).status_code == 302
+    assert Policy.objects.get(team=team, name="strict").current.document["step_limits"][
+        "max_steps"] == 5
+    again = admin.post(url, form_data(name="strict"))
+    assert again.status_code == 422 and "already exists" in again.content.decode()
+
+
+def test_the_page_counts_running_runs_on_older_versions(team, admin):
+    token = agent_key_create(team=team, name="k").token
+    started = Client().post("/api/v1/runs", {"agent": "a"}, content_type="application/json",
+                            HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert started.status_code == 201
+    admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "default"}),
+               form_data(max_steps="9"))
+    html = admin.get(reverse("policy", kwargs={"slug": team.slug, "name": "default"})
+                     ).content.decode()
+    assert 'data-old-running="1"' in html and "running runs keep the version" in html
+    listing = admin.get(reverse("policies", kwargs={"slug": team.slug})).content.decode()
+    assert "1 running run" in listing
+
+
+def test_history_shows_a_diff_between_any_two_versions(team, admin):
+    save = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    admin.post(save, form_data(max_steps="10"))
+    admin.post(save, form_data(max_steps="12", mode="shadow"))
+    url = reverse("policy_history", kwargs={"slug": team.slug, "name": "default"})
+    latest = admin.get(url).content.decode()
+    assert "v2 → v3" in latest
+    assert "-  max_steps: 10" in latest and "+  max_steps: 12" in latest
+    chosen = admin.get(url, {"a": 1, "b": 3}).content.decode()
+    assert "-  max_steps: 18" in chosen and "+mode: shadow" in chosen
+
+
+def test_export_is_the_apply_policies_format_and_imports_back_unchanged(team, admin):
+    export = admin.get(reverse("policies_export", kwargs={"slug": team.slug}))
+    assert export["Content-Type"].startswith("application/yaml")
+    data = yaml.safe_load(export.content)
+    assert data["teams"][0]["slug"] == team.slug
+    parse_document(data)  # valid for apply_policies
+    response = admin.post(reverse("policies_import", kwargs={"slug": team.slug}),
+                          {"document": export.content.decode()})
+    assert response.status_code == 302
+    assert Policy.objects.get(team=team, name="default").current.version == 1
+
+
+def test_import_applies_the_document_for_this_team(team, admin):
+    document = f"""
+teams:
+  - slug: {team.slug}
+    name: Support team
+    policies:
+      - name: default
+        step_limits: {{max_steps: 5, max_repeat_action: 2, no_progress_window: 3}}
+      - name: batch
+        mode: shadow
+        step_limits: {{max_steps: 50, max_repeat_action: 5, no_progress_window: 8}}
+"""
+    response = admin.post(reverse("policies_import", kwargs={"slug": team.slug}),
+                          {"document": document})
+    assert response.status_code == 302
+    assert current(team)["step_limits"]["max_steps"] == 5
+    assert Policy.objects.get(team=team, name="batch").current.source == "dashboard"
+    team.refresh_from_db()
+    assert team.name == "Support team"
+
+
+def test_import_refuses_a_document_naming_another_team(team, other_team, admin):
+    document = f"""
+teams:
+  - slug: {team.slug}
+    policies:
+      - name: default
+        step_limits: {{max_steps: 5, max_repeat_action: 2, no_progress_window: 3}}
+  - slug: {other_team.slug}
+    name: Taken over
+"""
+    response = admin.post(reverse("policies_import", kwargs={"slug": team.slug}),
+                          {"document": document})
+    html = response.content.decode()
+    assert response.status_code == 422
+    assert "teams[1].slug" in html and "only" in html
+    assert current(team)["step_limits"]["max_steps"] == 18  # nothing half applied
+    other_team.refresh_from_db()
+    assert other_team.name == "Billing"
+
+
+def test_import_shows_each_invalid_field_and_applies_nothing(team, admin):
+    document = f"""
+teams:
+  - slug: {team.slug}
+    policies:
+      - name: default
+        step_limits: {{max_steps: 0, max_repeat_action: 2, no_progress_window: 3}}
+        colour: blue
+"""
+    html = admin.post(reverse("policies_import", kwargs={"slug": team.slug}),
+                      {"document": document}).content.decode()
+    assert "teams[0].policies[0].step_limits.max_steps" in html
+    assert "teams[0].policies[0].colour" in html and "unknown field" in html
+    assert current(team)["step_limits"]["max_steps"] == 18
+
+
+def test_import_of_text_that_is_not_yaml_says_so(team, admin):
+    html = admin.post(reverse("policies_import", kwargs={"slug": team.slug}),
+                      {"document": "teams: [unclosed"}).content.decode()
+    assert "not valid YAML" in html
+
+
+def test_a_viewer_sees_the_policy_read_only(team, users):
+    client = Client()
+    client.force_login(users["viewer"])
+    html = client.get(reverse("policy", kwargs={"slug": team.slug, "name": "default"})
+                      ).content.decode()
+    assert "<fieldset disabled>" in html.replace(" >", ">")
+    assert "hx-post" not in html and "Save as version" not in html
+    assert "Read only" in html
