@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from django.conf import settings
+from django.contrib.auth.hashers import PBKDF2PasswordHasher
 from django.contrib.auth.models import User
 
 from policies.models import Role, Team
@@ -32,6 +33,10 @@ pytest_plugins = ["tests.conftest_audit"]
 ROOT = Path(__file__).resolve().parent.parent
 ON_POSTGRES = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
 HAS_REDIS = bool(settings.REDIS_URL)
+
+
+class FastPBKDF2PasswordHasher(PBKDF2PasswordHasher):
+    iterations = 1
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
@@ -116,6 +121,17 @@ def server(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Server]:
     srv.stop()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fast_password_hashing() -> Iterator[None]:
+    """The stock users are made for nearly every test; the production hasher is slow on
+    purpose. One PBKDF2 iteration keeps the hash format, so servers started by tests (with the
+    real hasher) still accept these passwords in browser sign-ins."""
+    from django.test import override_settings
+
+    with override_settings(PASSWORD_HASHERS=["tests.conftest.FastPBKDF2PasswordHasher"]):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_throttles() -> Iterator[None]:
     """Failure counts are per source, and every test comes from 127.0.0.1."""
@@ -125,6 +141,11 @@ def _fresh_throttles() -> Iterator[None]:
 
     for throttle in (api_key_throttle, sign_in_throttle):
         throttle.reset()
+    # Rolled-back tests hand their ids out again on SQLite: a parsed policy cached by
+    # version id in one test must not be another test's version of the same id.
+    from runs.policy_cache import rules_for_version
+
+    rules_for_version.cache_clear()
     # A test that stopped the cache's Redis must not break the next one.
     with contextlib.suppress(Exception):
         cache.clear()
