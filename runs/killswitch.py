@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
@@ -373,6 +373,22 @@ def killswitch_fanout_done(*, switch_id: int) -> None:
     KillSwitch.objects.filter(pk=switch_id, fanout_done_at__isnull=True).update(
         fanout_done_at=timezone.now()
     )
+
+
+STALE_AFTER = timedelta(minutes=1)
+
+
+def stale_work(*, now: datetime | None = None) -> tuple[list[int], list[tuple[int, int]]]:
+    """Fan-outs not finished and pending deliveries not attempted for a while: the switch
+    ids to fan out again, and (delivery id, attempt number) pairs to try again."""
+    cutoff = (now or timezone.now()) - STALE_AFTER
+    fanouts = list(KillSwitch.objects.filter(fanout_done_at__isnull=True, engaged_at__lt=cutoff)
+                   .values_list("pk", flat=True))
+    # Every old pending delivery is named; the delivery's own claim (runs/webhooks.py) lets
+    # a message through only when its attempt is really due, so a live chain is not doubled.
+    deliveries = [(pk, max(attempts, 1)) for pk, attempts in WebhookDelivery.objects.filter(
+        status=PENDING, created_at__lt=cutoff).values_list("pk", "attempts")]
+    return fanouts, deliveries
 
 
 # --- Reads for screens ---------------------------------------------------------------------

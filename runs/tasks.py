@@ -49,3 +49,16 @@ def webhook_deliver_task(delivery_id: int, number: int = 1) -> None:
     step = webhooks.attempt_delivery(delivery_id=delivery_id, number=number)
     if step is not None:
         webhooks.schedule_delivery(delivery_id, step.number, step.delay)
+
+
+@shared_task(name="runs.tasks.killswitch_sweep", acks_late=True, **_retry)
+def killswitch_sweep_task() -> dict[str, int]:
+    """Beat, every minute: restart what an outage left behind. A switch engaged while the
+    broker was down never got its fan-out task, and a delivery whose chain died with its
+    worker has nothing scheduled; both are idempotent, so restarting them twice is harmless."""
+    fanouts, deliveries = killswitch.stale_work()
+    for switch_id in fanouts:
+        killswitch_fanout_task.delay(switch_id)
+    for delivery_id, number in deliveries:
+        webhooks.schedule_delivery(delivery_id, number, 0)
+    return {"fanouts": len(fanouts), "deliveries": len(deliveries)}

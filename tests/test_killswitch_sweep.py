@@ -1,0 +1,48 @@
+"""The beat sweep restarts kill-switch work an outage left behind."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from runs.killswitch import stale_work
+from runs.models import KillSwitch, WebhookDelivery
+from runs.tasks import killswitch_sweep_task
+
+pytestmark = pytest.mark.django_db
+
+
+def make_switch(team, *, ago: timedelta, done: bool) -> KillSwitch:
+    at = timezone.now() - ago
+    return KillSwitch.objects.create(
+        scope="team", team=team, target=f"team:{team.pk}", reason="r", engaged_by_label="ops",
+        engaged_at=at, fanout_done_at=at if done else None)
+
+
+def test_it_names_only_old_unfinished_fanouts(team, other_team):
+    old = make_switch(team, ago=timedelta(minutes=5), done=False)
+    make_switch(other_team, ago=timedelta(seconds=5), done=False)
+    assert stale_work()[0] == [old.pk]
+
+
+def test_it_names_old_pending_deliveries_with_their_next_attempt(team):
+    switch = make_switch(team, ago=timedelta(minutes=5), done=True)
+    delivery = WebhookDelivery.objects.create(switch=switch, team=team, url="http://x.invalid/",
+                                              payload={}, attempts=2)
+    WebhookDelivery.objects.filter(pk=delivery.pk).update(
+        created_at=timezone.now() - timedelta(minutes=5))
+    assert stale_work()[1] == [(delivery.pk, 2)]
+    WebhookDelivery.objects.filter(pk=delivery.pk).update(status="delivered")
+    assert stale_work()[1] == []
+
+
+def test_the_sweep_finishes_a_fanout_the_broker_never_got(team, agent_token, api):
+    run = api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json").json()
+    make_switch(team, ago=timedelta(minutes=5), done=False)
+    assert killswitch_sweep_task() == {"fanouts": 1, "deliveries": 0}
+    from runs.models import Run
+
+    assert Run.objects.get(pk=run["run_id"]).status == "killed"
+    assert stale_work() == ([], [])
