@@ -127,6 +127,14 @@ elif _db["ENGINE"] == "django.db.backends.postgresql":
     _db["CONN_HEALTH_CHECKS"] = True
     # A fast connect timeout is what lets a check answer 503 quickly when PostgreSQL is down.
     _db.setdefault("OPTIONS", {})["connect_timeout"] = env_int("DB_CONNECT_TIMEOUT", 2)
+    # A host that vanishes without closing sockets must not hang checks for the kernel's
+    # retransmission timeout (~15 min): keepalives and a TCP user timeout bound it, and an
+    # abandoned transaction cannot hold a run's lock for long.
+    _db["OPTIONS"].update({
+        "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 2, "keepalives_count": 3,
+        "tcp_user_timeout": 2000,
+        "options": "-c idle_in_transaction_session_timeout=10000",
+    })
 else:
     raise ImproperlyConfigured("DATABASE_URL must be a sqlite:// or postgres:// URL")
 DATABASES = {"default": _db}
@@ -134,7 +142,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis and Celery ------------------------------------------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL") or None
-CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_BROKER_URL = REDIS_URL or "memory://localhost/"
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_ALWAYS_EAGER = REDIS_URL is None
 CELERY_TASK_EAGER_PROPAGATES = True
@@ -150,6 +158,8 @@ CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_BEAT_SCHEDULE = {
     "prune-audit-daily": {"task": "policies.tasks.prune_audit",
                           "schedule": crontab(hour=3, minute=30)},
+    # Restarts kill-switch fan-outs and webhook deliveries that an outage left behind.
+    "killswitch-sweep": {"task": "runs.tasks.killswitch_sweep", "schedule": 60.0},
 }
 AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or BASE_DIR / "exports")
 
@@ -201,6 +211,9 @@ STATIC_ROOT = BASE_DIR / "staticfiles"
 
 # --- The check API ---------------------------------------------------------------------------
 CHECK_MAX_BODY_BYTES = 64 * 1024
+# Prometheus metrics (runs/metrics.py): off when unset; when set, /metrics answers only a
+# scraper sending "Authorization: Bearer <METRICS_TOKEN>".
+METRICS_TOKEN = os.environ.get("METRICS_TOKEN") or ""
 DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 
 # --- Dashboard live streams (docs/dashboard.md) --------------------------------------------

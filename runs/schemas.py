@@ -6,6 +6,7 @@ cannot disagree. Unknown request fields are ignored, as the contract says.
 
 from __future__ import annotations
 
+import json
 import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -75,6 +76,17 @@ def _storable_text(value: str) -> str:
     return value
 
 
+METADATA_MAX_BYTES = 16 * 1024
+
+
+def _small_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    # Stored with the run and shown on every run page: a label set, not a document store.
+    if value is not None and len(json.dumps(value, ensure_ascii=False).encode()) > \
+            METADATA_MAX_BYTES:
+        raise ValueError(f"must be at most {METADATA_MAX_BYTES // 1024} KiB as JSON")
+    return value
+
+
 def _finite(value: float | int) -> float | int:
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError("must be a finite number")
@@ -82,6 +94,10 @@ def _finite(value: float | int) -> float | int:
 
 
 Number = Annotated[StrictInt | StrictFloat, AfterValidator(_finite)]
+# Bounds on each branch, not on the union: only there do they reach the OpenAPI document as
+# minimum/maximum (on a union pydantic emits raw "ge"/"le", which JSON Schema ignores).
+Money = (Annotated[StrictInt, Field(ge=0, le=1_000_000)]
+         | Annotated[StrictFloat, Field(ge=0, le=1_000_000)])
 JsonObject = Annotated[dict[str, Any] | None, AfterValidator(_storable_json)]
 # Every free-text field: what is accepted must be storable on every database.
 Text = Annotated[StrictStr, AfterValidator(_storable_text)]
@@ -103,7 +119,8 @@ class RunStartIn(Schema):
     agent: Annotated[StrictStr, Field(pattern=AGENT_PATTERN)]
     policy: Annotated[Text, Field(min_length=1, max_length=50)] | None = None
     task: Annotated[Text, Field(max_length=10_000)] | None = None
-    metadata: JsonObject = None
+    metadata: Annotated[JsonObject, AfterValidator(_small_metadata),
+                        Field(description="Any JSON object, at most 16 KiB as JSON.")] = None
     external_id: Annotated[Text, Field(min_length=1, max_length=200)] | None = None
 
 
@@ -181,7 +198,7 @@ class CheckIn(Schema):
     action: ActionIn
     progress: Annotated[Text, Field(max_length=256)] | Number | None = None
     last_result: LastResultIn | None = None
-    cost_usd: Annotated[Number, Field(ge=0, le=1_000_000)] | None = None
+    cost_usd: Money | None = None
     check_id: Annotated[Text, Field(min_length=1, max_length=100)] | None = None
 
 
