@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 
@@ -90,6 +91,11 @@ class JsonApiErrorsMiddleware:
         return response
 
 
+@functools.cache
+def _login_path() -> str:
+    return resolve_url(settings.LOGIN_URL)
+
+
 class SignInThrottleMiddleware:
     """Refuses sign-in attempts from a source that failed too often (counted by the
     ``user_login_failed`` signal, see policies/apps.py)."""
@@ -98,7 +104,7 @@ class SignInThrottleMiddleware:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        if request.method == "POST" and request.path == resolve_url(settings.LOGIN_URL):
+        if request.method == "POST" and request.path == _login_path():
             wait = sign_in_throttle.blocked_for(source_of(request))
             if wait:
                 response = render(request, "429.html", {"wait": int(wait) + 1}, status=429)

@@ -1,12 +1,14 @@
 from django.urls import include, path
 
 from runs.api import api
+from runs.metrics import metrics_view
 
 from . import views
 
 urlpatterns = [
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
+    path("metrics", metrics_view, name="metrics"),
     path("api/v1/", api.urls),
     path("", include("runs.killswitch_urls")),
     path("", include("runs.urls")),

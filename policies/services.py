@@ -7,10 +7,12 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from .document import default_policy, parse_document
@@ -64,14 +66,15 @@ def policy_save(
 
 
 @transaction.atomic
-def team_ensure(*, slug: str, name: str | None = None, actor: AbstractBaseUser | None = None
-                ) -> tuple[Team, bool]:
+def team_ensure(*, slug: str, name: str | None = None, actor: AbstractBaseUser | None = None,
+                with_default: bool = True) -> tuple[Team, bool]:
+    """Get or create a team; with ``with_default``, give it the default policy if it has none."""
     team, created = Team.objects.get_or_create(
         slug=slug, defaults={"name": name or slug, "webhook_secret": secrets.token_hex(32)}
     )
     if created:
         audit(actor=actor, action="team.create", team=team, target=slug)
-    if not Policy.objects.filter(team=team, name="default").exists():
+    if with_default and not Policy.objects.filter(team=team, name="default").exists():
         policy_save(team=team, document=default_policy(), actor=actor, source="default")
     return team, created
 
@@ -85,7 +88,9 @@ def policy_apply(
     teams = parse_document(data)
     changes: list[str] = []
     for doc in teams:
-        team, created = team_ensure(slug=doc["slug"], name=doc["name"], actor=actor)
+        # The file's own `default`, if it names one, is the team's first version of it.
+        team, created = team_ensure(slug=doc["slug"], name=doc["name"], actor=actor,
+                                    with_default=False)
         if created:
             changes.append(f"team {team.slug}: created")
         name = doc["name"] or doc["slug"]
@@ -102,6 +107,7 @@ def policy_apply(
             version = policy_save(team=team, document=policy, actor=actor, source=source)
             if version is not None:
                 changes.append(f"policy {team.slug}/{policy['name']}: version {version.version}")
+        team_ensure(slug=team.slug, actor=actor)
     return changes
 
 
@@ -140,30 +146,85 @@ def agent_key_revoke(*, key: AgentKey, actor: AbstractBaseUser | None) -> None:
               detail={"prefix": key.prefix})
 
 
-def agent_key_authenticate(token: str) -> AgentKey | None:
-    """The live key for a bearer token, or None. Not cached: a revocation holds on the very
-    next request in every process."""
+@dataclass(frozen=True, slots=True)
+class KeyClaim:
+    """A bearer token that has the shape of an agent key: the prefix that finds its row and
+    the hash that row must hold. Parsing needs no database, so the check can look the key up
+    in the same statement that locks the run (runs/check_store.py)."""
+
+    prefix: str
+    digest: str
+
+
+def agent_key_claim(token: str) -> KeyClaim | None:
+    """The claim a token makes, or None when it cannot be a key at all."""
     parts = token.split("_", 2)
     if len(parts) != 3 or parts[0] != KEY_PREFIX or len(parts[1]) != 12:
         return None
     if not all(c in "0123456789abcdef" for c in parts[1]):
         # Prefixes are hex; anything else (a NUL, say) is no key and must not reach a query.
         return None
-    key = (
-        AgentKey.objects.select_related("team")
-        .filter(prefix=parts[1], revoked_at__isnull=True)
-        .first()
-    )
-    if key is None or not hmac.compare_digest(key.key_hash, _hash(token)):
+    return KeyClaim(prefix=parts[1], digest=_hash(token))
+
+
+def agent_key_matches(claim: KeyClaim, key_hash: str) -> bool:
+    """Constant-time comparison, so response timing says nothing about the stored hash."""
+    return hmac.compare_digest(key_hash, claim.digest)
+
+
+def _auth_query() -> tuple[str, list[str], list[str]]:
+    """The key-and-team SELECT of agent_key_authenticate, from the models' own columns."""
+    key_fields = [f.attname for f in AgentKey._meta.concrete_fields]
+    team_fields = [f.attname for f in Team._meta.concrete_fields]
+    columns = [f"k.{AgentKey._meta.get_field(n).column}" for n in key_fields] + \
+        [f"t.{Team._meta.get_field(n).column}" for n in team_fields]
+    sql = (f"SELECT {', '.join(columns)} FROM {AgentKey._meta.db_table} k "
+           f"JOIN {Team._meta.db_table} t ON t.id = k.team_id "
+           "WHERE k.prefix = %s AND k.revoked_at IS NULL")
+    return sql, key_fields, team_fields
+
+
+_AUTH_QUERY = _auth_query()
+
+
+def agent_key_authenticate(token: str) -> AgentKey | None:
+    """The live key (its team loaded) for a bearer token, or None. Not cached: a revocation
+    holds on the very next request in every process.
+
+    One plain SELECT rather than a queryset: every API request but the check (which looks
+    the key up in its locking statement) starts here, and building the ORM query cost more
+    than running it (docs/performance.md)."""
+    claim = agent_key_claim(token)
+    if claim is None:
         return None
+    sql, key_fields, team_fields = _AUTH_QUERY
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [claim.prefix])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    # What the ORM's converters would do here: SQLite hands back naive UTC datetimes.
+    values = [v.replace(tzinfo=UTC) if isinstance(v, datetime) and v.tzinfo is None else v
+              for v in row]
+    key = AgentKey.from_db(connection.alias, key_fields, values[:len(key_fields)])
+    if not agent_key_matches(claim, key.key_hash):
+        return None
+    key.team = Team.from_db(connection.alias, team_fields, values[len(key_fields):])
     return key
 
 
-def agent_key_touch(key: AgentKey) -> None:
-    """Record use at most once a minute, so the hot path rarely writes for it."""
+TOUCH_EVERY = timedelta(seconds=60)
+
+
+def agent_key_touch(key_id: int, last_used_at: datetime | None) -> None:
+    """Record use at most once a minute, so the hot path rarely writes for it. The condition
+    is repeated in the UPDATE so that processes racing on a stale value write once."""
     now = timezone.now()
-    if key.last_used_at is None or (now - key.last_used_at).total_seconds() > 60:
-        AgentKey.objects.filter(pk=key.pk).update(last_used_at=now)
+    if last_used_at is not None and now - last_used_at <= TOUCH_EVERY:
+        return
+    AgentKey.objects.filter(
+        Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - TOUCH_EVERY), pk=key_id
+    ).update(last_used_at=now)
 
 
 # --- Memberships -----------------------------------------------------------------------------

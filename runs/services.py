@@ -3,20 +3,33 @@ so the checks of one run are serialized in every process (SPEC 4.5)."""
 
 from __future__ import annotations
 
+import logging
+import uuid
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from policies.models import AgentKey, Policy, Team
+from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 
-from . import rules
+from . import metrics, rules
+from .check_store import (
+    DecisionRow,
+    DuplicateCheck,
+    RunRow,
+    RunUpdate,
+    StaleConnection,
+    check_transaction,
+)
 from .events import publish_run_event
-from .models import Decision, KillSwitch, Run, Scope
+from .models import KillSwitch, Run, Scope
 from .policy_cache import rules_for_version
+
+log = logging.getLogger(__name__)
 
 
 class ServiceError(Exception):
@@ -103,6 +116,9 @@ def run_start(
             )
     except IntegrityError:
         # Two starts raced with one external_id: the loser answers with the winner's run.
+        # Without an external_id the error is something else, never another run's start.
+        if external_id is None:
+            raise
         existing = Run.objects.filter(team=team, external_id=external_id).first()
         if existing is None:
             raise
@@ -139,30 +155,62 @@ def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Po
     }
 
 
-def run_check(*, team: Team, run_id: Any, req: CheckRequest) -> dict[str, Any]:
-    """Decide one check: lock the run, apply the pure rules, store state and audit record
-    together, answer. Returns the JSON answer of SPEC 5.2."""
-    with transaction.atomic():
-        run = (
-            Run.objects.select_for_update()
-            .filter(team=team, pk=run_id)
-            .only("id", "team_id", "agent", "policy_version_id", "status", "stop_reason",
-                  "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory")
-            .first()
-        )
+UNAUTHORIZED = "A valid agent key is required (Authorization: Bearer)."
+
+
+def _row_state(run: RunRow) -> rules.RunState:
+    return rules.RunState(
+        started_at=run.started_at, status=run.status, stop_reason=run.stop_reason,
+        ended_at=run.ended_at, steps=run.steps, tool_calls=run.tool_calls,
+        cost_usd=Decimal(run.cost_usd),
+    ).load_memory(run.memory)
+
+
+def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[str, Any]:
+    """Decide one check and answer it (SPEC 4, 5.2): authenticate the key, lock the run,
+    apply the pure rules, store the new state and the audit record in one transaction.
+
+    The key is looked up in the statement that locks the run (runs/check_store.py), so a
+    check costs two round trips to PostgreSQL; a revoked or unknown key answers 401, another
+    team's run 404, before anything is written.
+    """
+    for attempt in (1, 2):
+        try:
+            return _check_once(claim=claim, run_id=run_id, req=req)
+        except DuplicateCheck:
+            # A retry of this check_id committed while we waited for the run's lock: the
+            # second attempt reads its answer (at most once: that answer now exists).
+            if attempt == 2:
+                raise
+        except StaleConnection as exc:
+            # A persistent connection that died while idle (PostgreSQL restarted) fails the
+            # first statement. Retried once on a new connection, which is what Django's
+            # per-request health check would do, without that check's extra round trip on
+            # every request. Nothing was written: it was the locking read that failed.
+            connection.close()
+            if attempt == 2:
+                raise OperationalError("the database connection broke twice") from exc
+    raise AssertionError("unreachable")
+
+
+def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[str, Any]:
+    with check_transaction() as tx:
+        locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=req.check_id)
+        if locked is None or not agent_key_matches(claim, locked.key_hash):
+            raise ServiceError(401, "unauthorized", UNAUTHORIZED)
+        run = locked.run
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
-        policy = rules_for_version(run.policy_version_id)
-        state = state_of(run)
-        if req.check_id is not None:
-            first = Decision.objects.filter(run=run, check_id=req.check_id).first()
-            if first is not None and (
-                state.status == rules.RUNNING or first.answer.get("decision") == rules.STOP
-            ):
-                return {**first.answer, "decision_id": first.pk}
-            check_id = None if first is not None else req.check_id
-        else:
+        state = _row_state(run)
+        check_id = req.check_id
+        if locked.first is not None:
+            first_id, first_answer = locked.first
+            if state.status == rules.RUNNING or first_answer.get("decision") == rules.STOP:
+                return {**first_answer, "decision_id": first_id}
+            # The first answer was an allow and the run is over: answer the run's stop, as
+            # a new audited decision (the retry must not leak an allow, SPEC 4.5).
             check_id = None
+        policy = rules_for_version(run.policy_version_id)
         now = timezone.now()
         last = req.last_result
         check = rules.Check(
@@ -173,25 +221,34 @@ def run_check(*, team: Team, run_id: Any, req: CheckRequest) -> dict[str, Any]:
             ) if last else None,
             cost_usd=req.cost_usd,
         )
-        kill = None
-        if state.status == rules.RUNNING:
-            switch = covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.pk)
-            kill = describe_switch(switch) if switch is not None else None
+        kill = describe_switch(locked.switch) if locked.switch is not None else None
         decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill)
         answer = _answer_of(decision, new_state, policy, now)
+        update = None
         if new_state is not state:
-            _store_state(run, new_state)
-            run.save(update_fields=["status", "stop_reason", "ended_at", "steps", "tool_calls",
-                                    "cost_usd", "memory"])
-        row = Decision.objects.create(
-            run=run, step=decision.step, outcome=decision.outcome, reason=decision.reason,
+            update = RunUpdate(
+                status=new_state.status, stop_reason=new_state.stop_reason,
+                ended_at=new_state.ended_at, steps=new_state.steps,
+                tool_calls=new_state.tool_calls, cost_usd=new_state.cost_usd,
+                memory=new_state.memory(),
+            )
+        decision_id = tx.write(run_id=run.id, update=update, row=DecisionRow(
+            step=decision.step, outcome=decision.outcome, reason=decision.reason,
             action_name=req.name, action_type=req.type,
             args=rules.redact(req.args, policy.redact_args), repeat_key=decision.repeat_key,
             repeat_count=decision.repeat_count, check_id=check_id, progress=req.progress,
             last_result=last, cost_usd=req.cost_usd, answer=answer, at=now,
-        )
-    publish_run_event(run, kind="decision", decision_id=row.pk)
-    return {**answer, "decision_id": row.pk}
+        ))
+    # Committed: the agent must get this answer, so nothing below may raise (each of these
+    # only logs its own failure).
+    metrics.decision_made(team=locked.team_slug, outcome=decision.outcome,
+                          reason=decision.reason, db_seconds=tx.db_seconds)
+    try:
+        agent_key_touch(locked.key_id, locked.key_last_used_at)
+    except DatabaseError:
+        log.warning("could not record the agent key's last use", exc_info=True)
+    publish_run_event(run, kind="decision", decision_id=decision_id)
+    return {**answer, "decision_id": decision_id}
 
 
 def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> Run:

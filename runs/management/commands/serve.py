@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 from typing import Any
 
 from django.conf import settings
@@ -43,6 +44,21 @@ class Command(BaseCommand):
         if interface == "wsgi":
             argv += ["--blocking-threads", str(threads)]
         argv.append(target)
+        if os.environ.get("METRICS_TOKEN"):
+            _prepare_metrics_dir()
         self.stdout.write(" ".join(argv[1:]))
         sys.stdout.flush()
         os.execv(granian, argv)
+
+
+def _prepare_metrics_dir() -> None:
+    """Metrics on: the workers share prometheus_client's multiprocess files, in a directory
+    emptied at each start so that counts never mix two servers' lives (runs/metrics.py)."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        path = tempfile.mkdtemp(prefix="governance-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # inherited by the exec'd granian
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if name.endswith(".db"):
+            os.remove(os.path.join(path, name))

@@ -1,0 +1,188 @@
+"""`python -m bench` (make bench) and `python -m bench --quick` (make bench-quick, CI).
+
+Exit status: 0 when the benchmark ran and every correctness check held (no errors, audit
+rows = decisions returned at every point, no leaked allow under the kill switch, /metrics
+consistent); 1 otherwise. Timings never fail it: they are reported against the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from . import report, stack
+from . import scenarios as sc
+
+PHASES = ("micro", "points", "soak", "killswitch", "stream", "metrics")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true",
+                        help="short phases: proves the benchmark and the audit invariant "
+                             "(CI), under 2 minutes")
+    parser.add_argument("--agents", default="1,8,32,128",
+                        help="comma-separated concurrency points (default 1,8,32,128)")
+    parser.add_argument("--seconds", type=float,
+                        help="seconds per point and scenario (default 12, quick 3)")
+    parser.add_argument("--workers", type=int, default=2, help="server worker processes")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads per worker (default: the serve command's default)")
+    parser.add_argument("--soak-seconds", type=float,
+                        help="soak length at 32 agents (default 150, quick 10; 600 for the "
+                             "10-minute soak)")
+    parser.add_argument("--only", default="",
+                        help=f"comma-separated phases to run, of: {', '.join(PHASES)}")
+    parser.add_argument("--scenarios", default="real,durable,bare",
+                        help="check endpoints to load (default real,durable,bare)")
+    parser.add_argument("--no-history", action="store_true",
+                        help="do not append this run to bench/history.jsonl")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    quick = args.quick
+    seconds = args.seconds or (3.0 if quick else 12.0)
+    # Full mode splits each point into slices alternating between the scenarios.
+    rounds = 1 if quick else 3
+    warmup = 0.5 if quick else 1.0
+    soak_seconds = args.soak_seconds or (10.0 if quick else 150.0)
+    points = [int(a) for a in args.agents.split(",") if a]
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    phases = set(args.only.split(",")) if args.only else set(PHASES)
+    started = time.monotonic()
+
+    stack.ensure_database()
+    stack.manage("migrate", "--noinput", "-v0")
+    stack.setup_django()
+    threads = args.threads or serve_default_threads()
+    print(f"bench: {'quick' if quick else 'full'} mode, {args.workers} workers x {threads} "
+          f"threads, points {points}, {seconds:g} s each; database {stack.DB_NAME}, redis "
+          f"{stack.REDIS_URL}", flush=True)
+    sc.reset_runs()
+    team = sc.seed_team("bench")
+    results: dict[str, Any] = {
+        "mode": "quick" if quick else "full",
+        # A partial run (--only) is stored under its own name, never over a whole run's.
+        "name": ("quick" if quick else "full") + (
+            "" if phases == set(PHASES) else "-" + "-".join(p for p in PHASES if p in phases)),
+        "phases": [p for p in PHASES if p in phases],
+        "started_at": report.now_iso(),
+        "commit": report.commit(),
+        "machine": stack.machine_description(),
+        "server": {"workers": args.workers, "threads": threads},
+        "seconds_per_point": seconds,
+        "slices_per_point": rounds,
+        "points": [],
+    }
+    if "micro" in phases:
+        from . import micro
+
+        results["micro"] = micro.measure(quick=quick)
+        print(report.micro_line(results["micro"]), flush=True)
+
+    with stack.Server(workers=args.workers, threads=threads) as server:
+        if "points" in phases:
+            # One short unmeasured round first: imports, caches, connections, prepared
+            # statements are then warm for every scenario alike.
+            for scenario in scenarios:
+                sc.load_point(server, team, scenario=scenario, agents=8, seconds=1.5,
+                              warmup=0.5)
+            for agents in points:
+                for point in sc.interleaved_points(
+                        server, team, scenarios=scenarios, agents=agents, rounds=rounds,
+                        seconds=seconds / rounds, warmup=warmup):
+                    results["points"].append(point)
+                    print(report.point_line(point), flush=True)
+        if "soak" in phases:
+            results["soak"] = sc.soak(server, team, agents=32, seconds=soak_seconds,
+                                      sample_every=max(1.0, soak_seconds / 30))
+            print(report.soak_line(results["soak"]), flush=True)
+        if "killswitch" in phases:
+            worker = stack.CeleryWorker().start()  # the fan-out, as in production
+            try:
+                ks_team = sc.seed_team("bench-ks")
+                results["killswitch"] = sc.killswitch(
+                    server, ks_team, agents=32, before_s=2.0 if quick else 4.0,
+                    after_s=4.0 if quick else 8.0)
+            finally:
+                worker.stop()
+            print(report.killswitch_line(results["killswitch"]), flush=True)
+        if "stream" in phases:
+            results["stream"] = live_stream(server, team, quick=quick)
+            print(report.live_line(results["stream"]), flush=True)
+
+    if "metrics" in phases:
+        results["metrics"] = metrics_cost(team, args.workers, threads, seconds, warmup,
+                                          rounds=1 if quick else 3)
+        print(report.metrics_line(results["metrics"]), flush=True)
+
+    results["elapsed_s"] = round(time.monotonic() - started, 1)
+    return 0 if report.finish(results, history=not args.no_history) else 1
+
+
+def live_stream(server: stack.Server, team: sc.Team, *, quick: bool) -> dict[str, Any]:
+    from django.urls import NoReverseMatch, reverse
+
+    from . import live
+
+    try:
+        reverse("run_stream", args=["x", "00000000-0000-0000-0000-000000000000"])
+    except NoReverseMatch:
+        return {"measured": False, "why": "no dashboard run stream in this build"}
+    return live.measure(server, team_slug=team.slug, team_id=team.team_id, token=team.token,
+                        runs=200, watched=8, agents=20, seconds=5.0 if quick else 15.0)
+
+
+def metrics_cost(team: sc.Team, workers: int, threads: int, seconds: float, warmup: float,
+                 rounds: int) -> dict[str, Any]:
+    """The 32-agent real-check point with metrics off and on: `rounds` slices of each, every
+    slice on a fresh server (metrics are chosen when a server starts), alternating off and on
+    so that both see the same drift of the machine's load."""
+    slices: dict[str, list[sc.Slice]] = {"off": [], "on": []}
+    scrape: dict[str, Any] = {}
+    for _ in range(rounds):
+        for label in ("off", "on"):
+            with stack.Server(workers=workers, threads=threads, metrics=label == "on") as server:
+                warm = sc.run_slice(server, team, scenario=sc.REAL, agents=8, seconds=1.5,
+                                    warmup=0.5)  # imports, connections, prepared statements
+                measured = sc.run_slice(server, team, scenario=sc.REAL, agents=32,
+                                        seconds=seconds / rounds, warmup=warmup)
+                slices[label].append(measured)
+                if label == "on":
+                    # Every decision this server made, the warm-up's included, is counted.
+                    scrape = sc.scrape_metrics(server)
+                    scrape["decisions_expected"] = warm.rows + measured.rows
+    off = sc.summarize(slices["off"], scenario=sc.REAL, agents=32)
+    on = sc.summarize(slices["on"], scenario=sc.REAL, agents=32)
+    return {
+        "off_checks_per_s": off["checks_per_s"],
+        "on_checks_per_s": on["checks_per_s"],
+        "cost_pct": round((off["checks_per_s"] - on["checks_per_s"]) * 100
+                          / off["checks_per_s"], 1) if off["checks_per_s"] else None,
+        "off_worker_cpu_ms_per_check": off["server_cpu_ms_per_check"],
+        "on_worker_cpu_ms_per_check": on["server_cpu_ms_per_check"],
+        "off_p99_ms": off["p99_ms"],
+        "on_p99_ms": on["p99_ms"],
+        "errors": off["errors"] + on["errors"],
+        "audit_ok": off["audit_ok"] and on["audit_ok"],
+        "scrape": scrape,
+        "slices": {label: [round(x.stats.checks_in_window / max(
+            1e-9, x.stats.window_end - x.stats.window_start), 1) for x in xs]
+            for label, xs in slices.items()},
+    }
+
+
+def serve_default_threads() -> int:
+    """The serve command's own default, so the benchmark measures what production runs."""
+    from runs.management.commands.serve import Command
+
+    parser = Command().create_parser("manage.py", "serve")
+    return int(parser.parse_args([]).threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,164 @@
+"""The live stream under load: from a decision to its event on a connected SSE client.
+
+200 runs are running; agents check them at a steady pace (each run about once a second) while
+an operator's browser, simulated by SSE clients with a logged-in session, watches a few of the
+run pages (`teams/<slug>/runs/<id>/stream`, the dashboard's timeline stream). For every
+decision on a watched run, the latency is the time from the agent receiving the answer to the
+stream delivering the `step` event with that decision's id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from . import agents as ag
+from .client import Connection, HttpError
+from .stack import Server
+
+
+def session_cookie(team_id: int) -> str:
+    """A viewer of the team, logged in through Django's session machinery."""
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    from policies.models import Role, Team
+    from policies.services import membership_set
+
+    user, _ = User.objects.get_or_create(username="bench-viewer")
+    membership_set(team=Team.objects.get(pk=team_id), user=user, role=Role.VIEWER, actor=None)
+    client = Client()
+    client.force_login(user)
+    return str(client.cookies["sessionid"].value)
+
+
+async def _watch(port: int, path: str, cookie: str, seen: dict[int, float],
+                 stop: asyncio.Event, errors: list[str]) -> None:
+    """Read one SSE stream, noting when each event id arrives; reconnects when the server
+    ends the stream (streams have a bounded lifetime)."""
+    last_id = ""
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError as exc:
+            errors.append(f"sse connect: {exc}")
+            return
+        head = (f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: text/event-stream\r\n"
+                f"Cookie: sessionid={cookie}\r\n")
+        if last_id:
+            head += f"Last-Event-ID: {last_id}\r\n"
+        writer.write((head + "\r\n").encode())
+        try:
+            status_line = await reader.readuntil(b"\r\n")
+            if b" 200 " not in status_line:
+                errors.append(f"sse status {status_line.decode(errors='replace').strip()}")
+                return
+            await reader.readuntil(b"\r\n\r\n")
+            buffer = b""
+            while not stop.is_set():
+                try:
+                    chunk = await asyncio.wait_for(reader.read(65536), 0.5)
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    break
+                now = time.monotonic()
+                buffer += chunk
+                # Chunked framing interleaves size lines; event fields are whole lines, so
+                # scanning lines for "id: " is enough here.
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"id:"):
+                        value = line[3:].strip().decode()
+                        if value.isdigit():
+                            seen.setdefault(int(value), now)
+                            last_id = value
+        finally:
+            writer.close()
+
+
+async def _agent(port: int, token: str, runs: list[str], per_run_interval: float,
+                 deadline: float, answered: dict[int, tuple[str, float]],
+                 errors: list[str]) -> None:
+    conn = Connection("127.0.0.1", port, token=token)
+    step = 0
+    try:
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            for run_id in runs:
+                body = ag.script(ag.NORMAL, uuid.uuid4().hex)[1 + step % 18]
+                try:
+                    status, answer = await conn.post_json(f"/api/v1/runs/{run_id}/check", body)
+                except HttpError as exc:
+                    errors.append(f"check {exc}")
+                    continue
+                if status == 200 and isinstance(answer, dict):
+                    answered[int(answer["decision_id"])] = (run_id, time.monotonic())
+                else:
+                    errors.append(f"check {status}")
+            step += 1
+            await asyncio.sleep(max(0.0, per_run_interval - (time.monotonic() - started)))
+    finally:
+        await conn.close()
+
+
+def measure(server: Server, *, team_slug: str, team_id: int, token: str, runs: int = 200,
+            watched: int = 8, agents: int = 20, seconds: float = 15.0) -> dict[str, Any]:
+    from django.urls import reverse
+
+    from .scenarios import reset_runs
+
+    reset_runs()
+    cookie = session_cookie(team_id)
+
+    async def drive() -> dict[str, Any]:
+        conn = Connection("127.0.0.1", server.port, token=token)
+        run_ids = []
+        for i in range(runs):
+            status, body = await conn.post_json("/api/v1/runs", {"agent": f"bench-agent-{i % 16}"})
+            if status != 201:
+                raise RuntimeError(f"could not start run {i}: {status} {body}")
+            run_ids.append(body["run_id"])
+        await conn.close()
+        watched_ids = run_ids[:watched]
+        seen: dict[int, float] = {}
+        answered: dict[int, tuple[str, float]] = {}
+        errors: list[str] = []
+        stop = asyncio.Event()
+        streams = [
+            asyncio.ensure_future(_watch(
+                server.port, reverse("run_stream", args=[team_slug, run_id]), cookie, seen, stop,
+                errors))
+            for run_id in watched_ids
+        ]
+        await asyncio.sleep(1.5)  # the streams are connected and have sent their first frames
+        deadline = time.monotonic() + seconds
+        share = [run_ids[i::agents] for i in range(agents)]
+        await asyncio.gather(*(_agent(server.port, token, mine, 1.0, deadline, answered, errors)
+                               for mine in share))
+        await asyncio.sleep(3.0)  # the last events arrive
+        stop.set()
+        await asyncio.gather(*streams, return_exceptions=True)
+        watched_set = set(watched_ids)
+        latencies = [max(0.0, seen[d] - t) for d, (run_id, t) in answered.items()
+                     if run_id in watched_set and d in seen]
+        expected = sum(1 for run_id, _ in answered.values() if run_id in watched_set)
+        return {
+            "measured": True,
+            "running_runs": runs,
+            "watched_runs": watched,
+            "checks_per_s": round(len(answered) / seconds, 1),
+            "events": len(latencies),
+            "events_expected": expected,
+            "events_missing": expected - len(latencies),
+            "p50_ms": round(ag.percentile(latencies, 50) * 1000, 1),
+            "p95_ms": round(ag.percentile(latencies, 95) * 1000, 1),
+            "p99_ms": round(ag.percentile(latencies, 99) * 1000, 1),
+            "max_ms": round(max(latencies, default=0.0) * 1000, 1),
+            "errors": len(errors),
+            "error_kinds": sorted(set(errors))[:5],
+        }
+
+    return asyncio.run(drive())

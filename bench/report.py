@@ -1,0 +1,295 @@
+"""Printing and storing results: one line per measurement while it runs, then the one-screen
+summary, the results JSON and chart under bench/results/, and a line in bench/history.jsonl.
+
+Correctness decides the exit status (errors, audit rows = decisions, leaked allows, metrics
+that add up); timings are compared with the targets and reported, never enforced, because
+the machine is shared and a timing can only be judged by a person looking at the ratios.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from .stack import ROOT
+
+RESULTS = ROOT / "bench" / "results"
+HISTORY = ROOT / "bench" / "history.jsonl"
+TARGET_AGENTS = 32
+
+
+def point_line(p: dict[str, Any]) -> str:
+    return (f"  {p['scenario']:8} {p['agents']:4} agents {p['checks_per_s']:8.1f} checks/s  "
+            f"p50 {p['p50_ms']:6.1f}  p95 {p['p95_ms']:6.1f}  p99 {p['p99_ms']:6.1f} ms  "
+            f"errors {p['errors']}  audit {p['audit_rows']}/{p['decisions_returned']}  "
+            f"worker cpu {p['server_cpu_ms_per_check']:.2f} ms/check")
+
+
+def micro_line(m: dict[str, Any]) -> str:
+    return "  in-process costs (us per check): " + ", ".join(f"{k.removesuffix('_us')} {v}"
+                                                   for k, v in m.items())
+
+
+def soak_line(s: dict[str, Any]) -> str:
+    rss = ", ".join(f"{v[0]}->{v[-1]} MiB" for v in s["rss_mib"].values())
+    return (f"  soak {s['agents']} agents {s['seconds']:g} s: {s['checks_per_s']} checks/s, "
+            f"p99 {s['p99_ms']} ms, errors {s['errors']}, audit "
+            f"{s['audit_rows']}/{s['decisions_returned']}, worker RSS {rss} "
+            f"(growth after warm-up {s['rss_growth_max_pct']}%)")
+
+
+def killswitch_line(k: dict[str, Any]) -> str:
+    return (f"  kill switch ({k['method']}, {k['agents']} agents): engage command took "
+            f"{k['engage_s']} s; {k['covered_runs']} runs running at the commit, all over "
+            f"{k['all_covered_stopped_s']} s after it ({k['killed_by_check']} killed answers, "
+            f"{k['killed_by_fanout']} by the fan-out); leaked allows {k['leaked_allows']}; "
+            f"errors {k['errors']}")
+
+
+def metrics_line(m: dict[str, Any]) -> str:
+    return (f"  metrics at {TARGET_AGENTS} agents: off {m['off_checks_per_s']} checks/s "
+            f"({m['off_worker_cpu_ms_per_check']} ms worker CPU/check), on "
+            f"{m['on_checks_per_s']} checks/s ({m['on_worker_cpu_ms_per_check']} ms): cost "
+            f"{m['cost_pct']}%; /metrics {m['scrape'].get('status')} with the token, "
+            f"{m['scrape'].get('anonymous_status')} without; decisions counted "
+            f"{m['scrape'].get('decisions_counted')} = audit rows "
+            f"{m['scrape'].get('decisions_expected')}")
+
+
+def live_line(s: dict[str, Any]) -> str:
+    if not s.get("measured"):
+        return f"  live stream: not measured ({s.get('why')})"
+    return (f"  live stream ({s['running_runs']} running runs, {s['watched_runs']} watched, "
+            f"{s['checks_per_s']} checks/s): decision to event p50 {s['p50_ms']} ms, p95 "
+            f"{s['p95_ms']} ms, p99 {s['p99_ms']} ms over {s['events']} events "
+            f"({s['events_missing']} missing), errors {s['errors']}")
+
+
+def _point(results: dict[str, Any], scenario: str, agents: int) -> dict[str, Any] | None:
+    return next((p for p in results["points"]
+                 if p["scenario"] == scenario and p["agents"] == agents), None)
+
+
+def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for agents in sorted({p["agents"] for p in results["points"]}):
+        real, durable, bare = (_point(results, s, agents) for s in ("real", "durable", "bare"))
+        if real is None:
+            continue
+        rows.append({
+            "agents": agents,
+            "real_over_durable": round(real["checks_per_s"] / durable["checks_per_s"], 2)
+            if durable and durable["checks_per_s"] else None,
+            "real_over_bare": round(real["checks_per_s"] / bare["checks_per_s"], 2)
+            if bare and bare["checks_per_s"] else None,
+            "cpu_real_over_durable": round(
+                real["server_cpu_ms_per_check"] / durable["server_cpu_ms_per_check"], 2)
+            if durable and durable["server_cpu_ms_per_check"] else None,
+        })
+    return rows
+
+
+def correctness(results: dict[str, Any]) -> list[str]:
+    """Every failed correctness check, in words (empty: all held)."""
+    failed = []
+    for p in results["points"]:
+        if p["errors"]:
+            failed.append(f"{p['scenario']} at {p['agents']} agents: {p['errors']} errors "
+                          f"{p['error_kinds']}")
+        if not p["audit_ok"]:
+            failed.append(f"{p['scenario']} at {p['agents']} agents: audit rows "
+                          f"{p['audit_rows']} != decisions {p['decisions_returned']}")
+    soak = results.get("soak")
+    if soak and (soak["errors"] or not soak["audit_ok"]):
+        failed.append(f"soak: errors {soak['error_kinds']}, audit "
+                      f"{soak['audit_rows']}/{soak['decisions_returned']}")
+    ks = results.get("killswitch")
+    if ks and not ks["ok"]:
+        failed.append(f"kill switch: leaked allows {ks['leaked_allows']}, errors "
+                      f"{ks['error_kinds']}, runs still running "
+                      f"{ks['covered_runs_still_running']}")
+    metrics = results.get("metrics")
+    if metrics:
+        scrape = metrics["scrape"]
+        if metrics["errors"] or not metrics["audit_ok"]:
+            failed.append(f"metrics points: errors {metrics['errors']}, audit ok "
+                          f"{metrics['audit_ok']}")
+        if scrape.get("status") != 200 or scrape.get("anonymous_status") != 401:
+            failed.append(f"/metrics answered {scrape.get('status')} with the token and "
+                          f"{scrape.get('anonymous_status')} without")
+        if scrape.get("decisions_counted") != scrape.get("decisions_expected"):
+            failed.append(f"/metrics counted {scrape.get('decisions_counted')} decisions, the "
+                          f"audit log has {scrape.get('decisions_expected')}")
+    live = results.get("stream")
+    if live and live.get("measured") and live["errors"]:
+        failed.append(f"live stream: errors {live['error_kinds']}")
+    return failed
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) — met None when not measured in this run."""
+    out: list[tuple[str, str, bool | None]] = []
+    ratio = next((r for r in ratios(results) if r["agents"] == TARGET_AGENTS), None)
+    real = _point(results, "real", TARGET_AGENTS)
+    if ratio and ratio["real_over_durable"] is not None:
+        out.append(("real >= 0.7 x durable at 32 agents", f"{ratio['real_over_durable']}x",
+                    ratio["real_over_durable"] >= 0.7))
+    if real:
+        out.append(("p99 <= 50 ms at 32 agents", f"{real['p99_ms']} ms", real["p99_ms"] <= 50))
+        out.append(("0 errors at 32 agents", str(real["errors"]), real["errors"] == 0))
+    soak = results.get("soak")
+    if soak:
+        out.append(("worker RSS growth <= 10% in the soak", f"{soak['rss_growth_max_pct']}%",
+                    soak["rss_ok"]))
+    metrics = results.get("metrics")
+    if metrics and metrics.get("cost_pct") is not None:
+        out.append(("metrics cost < 5%", f"{metrics['cost_pct']}%", metrics["cost_pct"] < 5))
+    ks = results.get("killswitch")
+    if ks:
+        out.append(("kill switch: 0 leaked allows", str(ks["leaked_allows"]),
+                    ks["leaked_allows"] == 0))
+    return out
+
+
+def summary(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    lines = [
+        f"Agent governance benchmark: {results['mode']} mode, {results['started_at']}, "
+        f"commit {results['commit']}",
+        f"Machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['memory_gib']} GiB, PostgreSQL "
+        f"{m['postgresql']}, Python {m['python']}, load average at start "
+        f"{m['load_average_at_start']:.1f}; server {results['server']['workers']} workers x "
+        f"{results['server']['threads']} threads; {results['seconds_per_point']:g} s per point "
+        f"in {results.get('slices_per_point', 1)} slice(s) alternating between scenarios",
+        "",
+        "agents scenario  checks/s   p50 ms   p95 ms   p99 ms  errors  audit rows = decisions",
+    ]
+    for p in results["points"]:
+        audit = "none written" if p["scenario"] == "bare" else \
+            f"{p['audit_rows']} = {p['decisions_returned']}"
+        lines.append(f"{p['agents']:6} {p['scenario']:8} {p['checks_per_s']:9.1f} "
+                     f"{p['p50_ms']:8.1f} {p['p95_ms']:8.1f} {p['p99_ms']:8.1f} "
+                     f"{p['errors']:7}  {audit} {'ok' if p['audit_ok'] else 'MISMATCH'}")
+    rows = ratios(results)
+    if rows:
+        lines.append("")
+        lines.append("ratios  agents: real/durable  real/bare  (worker CPU per check "
+                     "real/durable)")
+        for r in rows:
+            lines.append(f"        {r['agents']:6}: {r['real_over_durable']!s:>12}  "
+                         f"{r['real_over_bare']!s:>9}  ({r['cpu_real_over_durable']})")
+    lines.append("")
+    for key, fmt in (("micro", micro_line), ("soak", soak_line), ("killswitch", killswitch_line),
+                     ("stream", live_line), ("metrics", metrics_line)):
+        if key in results:
+            lines.append(fmt(results[key]).strip())
+    lines.append("")
+    lines.append("targets:")
+    for name, measured, met in targets(results):
+        verdict = "met" if met else ("NOT MET" if met is False else "not measured")
+        lines.append(f"  {name}: {measured} ({verdict})")
+    failed = correctness(results)
+    lines.append("correctness: " + ("all checks held" if not failed else "FAILED"))
+    lines.extend(f"  - {f}" for f in failed)
+    lines.append(f"elapsed {results['elapsed_s']} s")
+    return "\n".join(lines)
+
+
+def chart(results: dict[str, Any], path: Path) -> str | None:
+    """Throughput and p99 against concurrency, per scenario. None when matplotlib is absent
+    (a bench-only dependency): the JSON and the summary carry the same numbers."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for scenario, style in (("real", "o-"), ("durable", "s--"), ("bare", "^:")):
+        points = sorted((p for p in results["points"] if p["scenario"] == scenario),
+                        key=lambda p: p["agents"])
+        if not points:
+            continue
+        xs = [p["agents"] for p in points]
+        left.plot(xs, [p["checks_per_s"] for p in points], style, label=scenario)
+        right.plot(xs, [p["p99_ms"] for p in points], style, label=scenario)
+    agents = sorted({p["agents"] for p in results["points"]})
+    for ax, title, unit in ((left, "Throughput", "checks/s"), (right, "p99 latency", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(agents, [str(a) for a in agents])
+        ax.set_xlabel("simulated agents")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    right.axhline(50, color="grey", linewidth=0.8)
+    fig.suptitle(f"check endpoint, {results['mode']} mode, {results['started_at'][:16]}, "
+                 f"{results['server']['workers']}x{results['server']['threads']} granian")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path.relative_to(ROOT))
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=10, check=False)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def history_line(results: dict[str, Any]) -> dict[str, Any]:
+    real = _point(results, "real", TARGET_AGENTS) or {}
+    ratio = next((r for r in ratios(results) if r["agents"] == TARGET_AGENTS), {})
+    return {
+        "at": results["started_at"],
+        "commit": results["commit"],
+        "mode": results["mode"],
+        "phases": results["phases"],
+        "server": f"{results['server']['workers']}x{results['server']['threads']}",
+        "load_average_at_start": round(results["machine"]["load_average_at_start"], 1),
+        "real_32_checks_per_s": real.get("checks_per_s"),
+        "real_32_p99_ms": real.get("p99_ms"),
+        "real_32_worker_cpu_ms": real.get("server_cpu_ms_per_check"),
+        "real_over_durable_32": ratio.get("real_over_durable"),
+        "real_over_bare_32": ratio.get("real_over_bare"),
+        "metrics_cost_pct": (results.get("metrics") or {}).get("cost_pct"),
+        "soak_rss_growth_pct": (results.get("soak") or {}).get("rss_growth_max_pct"),
+        "killswitch_all_stopped_s": (results.get("killswitch") or {}).get(
+            "all_covered_stopped_s"),
+        "live_p99_ms": (results.get("stream") or {}).get("p99_ms"),
+        "correct": not correctness(results),
+    }
+
+
+def finish(results: dict[str, Any], *, history: bool) -> bool:
+    """Store, print, and say whether every correctness check held."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path = RESULTS / f"{results['name']}.json"
+    png = chart(results, RESULTS / f"{results['name']}.png") if results["points"] else None
+    results["chart"] = png
+    results["correctness_failures"] = correctness(results)
+    json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    if history:
+        with HISTORY.open("a") as out:
+            out.write(json.dumps(history_line(results)) + "\n")
+    print()
+    print(summary(results))
+    if png:
+        chart_note = f", chart: {png}"
+    elif results["points"]:
+        chart_note = ", no chart (matplotlib is not installed)"
+    else:
+        chart_note = ""
+    print(f"results: {json_path.relative_to(ROOT)}{chart_note}")
+    return not results["correctness_failures"]
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

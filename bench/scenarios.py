@@ -1,0 +1,353 @@
+"""The measurements: throughput points, metrics cost, soak, kill switch, live stream.
+
+Every function returns plain JSON-ready dicts; bench/__main__.py orders them and
+bench/report.py prints and stores them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from . import agents as ag
+from .stack import ROOT, Server, base_env
+
+REAL, DURABLE, BARE = "real", "durable", "bare"
+CHECK_PATHS: dict[str, ag.CheckPath] = {
+    REAL: ag.real_check_path,
+    DURABLE: lambda run_id: f"/api/bench/runs/{run_id}/durable",
+    BARE: lambda run_id: f"/api/bench/runs/{run_id}/bare",
+}
+
+
+@dataclass
+class Team:
+    slug: str
+    team_id: int
+    token: str
+
+
+def seed_team(slug: str) -> Team:
+    """The benchmark's team with its policy (bench/agents.py BENCH_POLICY) and a new key."""
+    from policies.document import default_policy, parse_policy
+    from policies.models import Team as TeamModel
+    from policies.services import agent_key_create, policy_save, team_ensure
+
+    team, _ = team_ensure(slug=slug, name=f"Benchmark {slug}")
+    document = default_policy()
+    for key, value in ag.BENCH_POLICY.items():
+        document[key] = {**document[key], **value}
+    policy_save(team=team, document=parse_policy(document), actor=None, source="bench")
+    token = agent_key_create(team=TeamModel.objects.get(pk=team.pk),
+                             name=f"bench-{uuid.uuid4().hex[:6]}").token
+    return Team(slug=slug, team_id=team.pk, token=token)
+
+
+def reset_runs() -> None:
+    """Every point starts from the same empty tables, so no point pays for an earlier one's
+    rows (the teams, policies and keys stay)."""
+    from django.db import connection
+
+    from policies.retention import audit_maintenance
+
+    # The audit tables refuse TRUNCATE outside a maintenance transaction (docs/reliability.md).
+    with audit_maintenance(), connection.cursor() as cursor:
+        cursor.execute("TRUNCATE runs_run, runs_decision, runs_killswitch RESTART IDENTITY CASCADE")
+
+
+def decision_rows(*, after_id: int = 0, with_action: bool | None = None) -> int:
+    from django.db import connection
+
+    sql = "SELECT count(*) FROM runs_decision WHERE id > %s"
+    if with_action is True:
+        sql += " AND action_name <> ''"
+    elif with_action is False:
+        sql += " AND action_name = ''"
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [after_id])
+        row = cursor.fetchone()
+    return int(row[0]) if row else 0
+
+
+def max_decision_id() -> int:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT coalesce(max(id), 0) FROM runs_decision")
+        row = cursor.fetchone()
+    return int(row[0]) if row else 0
+
+
+@dataclass
+class Slice:
+    """One stretch of load on one endpoint, with what the database and the CPUs saw."""
+
+    stats: ag.LoadStats
+    rows: int
+    cpu_server: float
+    cpu_client: float
+
+
+def run_slice(server: Server, team: Team, *, scenario: str, agents: int, seconds: float,
+              warmup: float) -> Slice:
+    """`agents` agents for `seconds` against one check endpoint, from empty run tables; the
+    audit rows written are counted against the decisions the agents received."""
+    reset_runs()
+    before = max_decision_id()
+    opts = ag.AgentOptions(host="127.0.0.1", port=server.port, token=team.token,
+                           check_path=CHECK_PATHS[scenario], verify_answers=scenario == REAL)
+    cpu_server0, cpu_client0 = server.cpu(), time.process_time()
+    stats = asyncio.run(ag.run_load(opts, agents, seconds, warmup))
+    cpu_server, cpu_client = server.cpu() - cpu_server0, time.process_time() - cpu_client0
+    return Slice(stats=stats, rows=decision_rows(after_id=before), cpu_server=cpu_server,
+                 cpu_client=cpu_client)
+
+
+def load_point(server: Server, team: Team, *, scenario: str, agents: int, seconds: float,
+               warmup: float) -> dict[str, Any]:
+    """One point made of one slice."""
+    return summarize([run_slice(server, team, scenario=scenario, agents=agents,
+                                seconds=seconds, warmup=warmup)],
+                     scenario=scenario, agents=agents)
+
+
+def interleaved_points(server: Server, team: Team, *, scenarios: list[str], agents: int,
+                       rounds: int, seconds: float, warmup: float) -> list[dict[str, Any]]:
+    """The scenarios' points at one concurrency, measured in alternating slices (real,
+    durable, bare, real, ...): on a machine whose load drifts, every scenario sees the same
+    drift, which is what makes their ratios meaningful."""
+    slices: dict[str, list[Slice]] = {s: [] for s in scenarios}
+    for _ in range(rounds):
+        for scenario in scenarios:
+            slices[scenario].append(run_slice(server, team, scenario=scenario, agents=agents,
+                                              seconds=seconds, warmup=warmup))
+    return [summarize(slices[s], scenario=s, agents=agents) for s in scenarios]
+
+
+def summarize(slices: list[Slice], *, scenario: str, agents: int) -> dict[str, Any]:
+    window = sum(max(1e-9, x.stats.window_end - x.stats.window_start) for x in slices)
+    lat = [v for x in slices for v in x.stats.check_latencies]
+    checks = sum(x.stats.checks_total for x in slices)
+    errors: Counter[str] = Counter()
+    outcomes: Counter[str] = Counter()
+    returned = distinct = rows = 0
+    audit_ok = True
+    for x in slices:
+        st = x.stats
+        errors.update(st.errors)
+        outcomes.update(st.outcomes)
+        rows += x.rows
+        if scenario == BARE:
+            # The bare endpoint writes nothing and answers decision_id 0: no row may appear.
+            audit_ok = audit_ok and x.rows == 0
+            returned += st.decisions_returned
+            distinct += st.decisions_returned
+        else:
+            # Decision ids restart with each slice's empty tables: compare slice by slice.
+            audit_ok = audit_ok and x.rows == len(st.decision_ids) == st.decisions_returned
+            returned += st.decisions_returned
+            distinct += len(st.decision_ids)
+    return {
+        "scenario": scenario,
+        "agents": agents,
+        "seconds": round(window, 1),
+        "slices": len(slices),
+        "checks_per_s": round(sum(x.stats.checks_in_window for x in slices) / window, 1),
+        "requests_per_s": round(sum(x.stats.requests_in_window for x in slices) / window, 1),
+        "p50_ms": round(ag.percentile(lat, 50) * 1000, 2),
+        "p95_ms": round(ag.percentile(lat, 95) * 1000, 2),
+        "p99_ms": round(ag.percentile(lat, 99) * 1000, 2),
+        "max_ms": round(max(lat, default=0.0) * 1000, 2),
+        "checks": checks,
+        "errors": sum(errors.values()),
+        "error_kinds": dict(errors),
+        "decisions_returned": distinct,
+        "duplicate_decision_ids": returned - distinct,
+        "audit_rows": rows,
+        "audit_ok": audit_ok,
+        "runs_started": sum(x.stats.runs_started for x in slices),
+        "runs_finished": sum(x.stats.runs_finished for x in slices),
+        "reconnects": sum(x.stats.reconnects for x in slices),
+        "outcomes": dict(outcomes),
+        # Worker CPU per check includes the runs' starts and finishes (about one of each per
+        # 17 checks): a rate that a noisy neighbour disturbs less than throughput.
+        "server_cpu_ms_per_check": round(
+            sum(x.cpu_server for x in slices) * 1000 / max(1, checks), 3),
+        "client_cpu_ms_per_check": round(
+            sum(x.cpu_client for x in slices) * 1000 / max(1, checks), 3),
+    }
+
+
+# --- Metrics ---------------------------------------------------------------------------------
+
+def scrape_metrics(server: Server) -> dict[str, Any]:
+    """Read /metrics once: is it protected, and does the decision counter add up?"""
+    import httpx
+
+    anonymous = httpx.get(f"{server.url}/metrics", timeout=10)
+    response = httpx.get(f"{server.url}/metrics", timeout=10,
+                         headers={"Authorization": f"Bearer {server.metrics_token}"})
+    decisions = 0.0
+    families: set[str] = set()
+    for line in response.text.splitlines():
+        if line.startswith("# TYPE "):
+            families.add(line.split()[2])
+        elif line.startswith("governance_decisions_total{"):
+            decisions += float(line.rsplit(" ", 1)[1])
+    return {"status": response.status_code, "anonymous_status": anonymous.status_code,
+            "decisions_counted": int(decisions), "families": sorted(families)}
+
+
+# --- Soak ------------------------------------------------------------------------------------
+
+def soak(server: Server, team: Team, *, agents: int, seconds: float, sample_every: float
+         ) -> dict[str, Any]:
+    """`agents` agents for `seconds`, sampling the RSS of every granian worker process.
+
+    Growth is measured from the first sample taken after a fifth of the soak (imports,
+    caches and connection pools are warm by then) to the last one.
+    """
+    samples: list[tuple[float, dict[int, int]]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        start = time.monotonic()
+        while not stop.wait(sample_every):
+            samples.append((time.monotonic() - start, server.rss()))
+
+    reset_runs()
+    before = max_decision_id()
+    sampler = threading.Thread(target=sample, daemon=True)
+    samples.append((0.0, server.rss()))
+    sampler.start()
+    opts = ag.AgentOptions(host="127.0.0.1", port=server.port, token=team.token)
+    cpu_server0, cpu_client0 = server.cpu(), time.process_time()
+    stats = asyncio.run(ag.run_load(opts, agents, seconds, min(10.0, seconds / 5)))
+    stop.set()
+    sampler.join()
+    samples.append((seconds, server.rss()))
+    point = summarize([Slice(stats=stats, rows=decision_rows(after_id=before),
+                             cpu_server=server.cpu() - cpu_server0,
+                             cpu_client=time.process_time() - cpu_client0)],
+                      scenario="soak", agents=agents)
+    base_t = seconds / 5
+    base = next((s for t, s in samples if t >= base_t), samples[-1][1])
+    last = samples[-1][1]
+    growth = {
+        str(pid): round((last.get(pid, 0) - rss) * 100 / rss, 1)
+        for pid, rss in base.items() if rss and pid in last
+    }
+    return {
+        **point,
+        "rss_mib": {str(pid): [round(s.get(pid, 0) / 2**20, 1) for _, s in samples]
+                    for pid in last},
+        "rss_sample_times_s": [round(t, 1) for t, _ in samples],
+        "rss_growth_pct": growth,
+        "rss_growth_max_pct": max(growth.values(), default=0.0),
+        "rss_ok": bool(growth) and max(growth.values()) <= 10.0,
+        "workers_restarted": sorted(base) != sorted(last),
+    }
+
+
+# --- Kill switch under load ------------------------------------------------------------------
+
+def _engage(team: Team, reason: str) -> tuple[str, float]:
+    """Engage the team kill switch the way an operator would, and return when it returned.
+
+    `manage.py killswitch` when the command exists; otherwise an engaged KillSwitch row is
+    written directly (the check reads engaged rows, so the check path is measured the same;
+    only the Celery fan-out is then not exercised)."""
+    from django.core.management import get_commands
+
+    if "killswitch" in get_commands():
+        env = base_env()
+        subprocess.run([sys.executable, "manage.py", "killswitch", "engage", "--scope", "team",
+                        "--team", team.slug, "--reason", reason], cwd=ROOT, env=env,
+                       check=True, capture_output=True, timeout=60)
+        return "manage.py killswitch engage", time.monotonic()
+    from django.utils import timezone
+
+    from runs.models import KillSwitch
+
+    KillSwitch.objects.create(scope="team", team_id=team.team_id, target=f"team:{team.team_id}",
+                              reason=reason, engaged_by_label="bench", engaged_at=timezone.now())
+    return "direct KillSwitch insert (no killswitch command yet)", time.monotonic()
+
+
+def _release(team: Team) -> None:
+    from django.core.management import get_commands
+
+    if "killswitch" in get_commands():
+        subprocess.run([sys.executable, "manage.py", "killswitch", "release", "--scope", "team",
+                        "--team", team.slug, "--reason", "benchmark over"], cwd=ROOT,
+                       env=base_env(), check=False, capture_output=True, timeout=60)
+    from runs.models import KillSwitch
+
+    KillSwitch.objects.filter(team_id=team.team_id, active=True).update(active=False)
+
+
+def killswitch(server: Server, team: Team, *, agents: int, before_s: float, after_s: float
+               ) -> dict[str, Any]:
+    """Engage the team switch while `agents` agents run. Every check sent after the engage
+    command returned must answer stop/killed (leaked allows = 0), and every run that was
+    running when the switch committed must be over. How long that took is read from the
+    database's own timestamps: the switch's `engaged_at` and the covered runs' `ended_at`."""
+    from django.db.models import Max, Q
+
+    from runs.models import Decision, KillSwitch, Run
+
+    reset_runs()
+    opts = ag.AgentOptions(host="127.0.0.1", port=server.port, token=team.token,
+                           record_answers=True)
+    result: dict[str, Any] = {}
+
+    async def drive() -> ag.LoadStats:
+        stats_task = asyncio.ensure_future(ag.run_load(opts, agents, before_s + after_s, 0.0))
+        await asyncio.sleep(before_s)
+        engage_started = time.monotonic()
+        how, returned = await asyncio.to_thread(_engage, team, "benchmark: kill under load")
+        result.update(method=how, engage_s=round(returned - engage_started, 3),
+                      engage_returned=returned)
+        return await stats_task
+
+    stats = asyncio.run(drive())
+    returned = result.pop("engage_returned")
+    switch = (KillSwitch.objects.filter(team_id=team.team_id, scope="team")
+              .order_by("-engaged_at").first())
+    leaked = [a for a in stats.answers if a[1] >= returned and a[2] == "allow"]
+    killed_answers = sum(1 for a in stats.answers if a[3] == "killed")
+    covered = Run.objects.none()
+    stopped_s = None
+    if switch is not None:
+        engaged_at = switch.engaged_at
+        covered = Run.objects.filter(Q(ended_at__isnull=True) | Q(ended_at__gte=engaged_at),
+                                     team_id=team.team_id, started_at__lt=engaged_at)
+        last_end = covered.aggregate(last=Max("ended_at"))["last"]
+        if last_end is not None and not covered.filter(status="running").exists():
+            stopped_s = round(max(0.0, (last_end - engaged_at).total_seconds()), 3)
+    still_running = covered.filter(status="running").count()
+    by_fanout = Decision.objects.filter(run__team_id=team.team_id, action_name="",
+                                        reason="killed").count()
+    _release(team)
+    return {
+        **result,
+        "agents": agents,
+        "covered_runs": covered.count(),
+        "all_covered_stopped_s": stopped_s,
+        "covered_runs_still_running": still_running,
+        "killed_by_check": killed_answers,
+        "killed_by_fanout": by_fanout,
+        "checks": stats.checks_total,
+        "leaked_allows": len(leaked),
+        "refused_starts": stats.refused_starts,
+        "errors": sum(stats.errors.values()),
+        "error_kinds": dict(stats.errors),
+        "ok": switch is not None and not leaked and not stats.errors and still_running == 0,
+    }

@@ -1,0 +1,272 @@
+"""The production stack the benchmark runs against: its database, the server, a Celery worker.
+
+Everything here starts real processes with the same commands the README gives for
+production (`manage.py serve`, `celery -A governance worker`), pointed at a database and a
+Redis db of the benchmark's own, so a benchmark never touches data it did not make.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+DB_NAME = os.environ.get("BENCH_DB_NAME", "governance_bench")
+REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/6")
+SECRET_KEY = "bench-only-secret-key-not-used-anywhere-else"
+LOG_DIR = Path(tempfile.gettempdir()) / "governance-bench"
+
+
+def database_url() -> str:
+    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+    return f"{base}/{DB_NAME}".replace("postgresql://", "postgres://", 1)
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """The environment of every process of the benchmark's stack."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "governance.settings",
+        "DATABASE_URL": database_url(),
+        "REDIS_URL": REDIS_URL,
+        "SECRET_KEY": SECRET_KEY,
+        "DEBUG": "false",
+        "PYTHONUNBUFFERED": "1",
+        "LOG_LEVEL": "WARNING",
+    }
+    # Metrics are switched on per server by the caller, never inherited by accident.
+    env.pop("METRICS_TOKEN", None)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.update(extra)
+    return env
+
+
+def ensure_database() -> None:
+    """Create the benchmark's database if it is missing (PostgreSQL, trust auth)."""
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [DB_NAME]).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{DB_NAME}"')
+
+
+def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> str:
+    result = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=env or base_env(),
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+    return result.stdout
+
+
+def setup_django() -> None:
+    """Configure Django in this process against the benchmark's database (for seeding and
+    counting audit rows; the load itself goes over HTTP)."""
+    for key, value in base_env().items():
+        if key in {"DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DEBUG"}:
+            os.environ[key] = value
+    import django
+
+    django.setup()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    task_dir = Path(f"/proc/{pid}/task")
+    try:
+        for task in task_dir.iterdir():
+            text = (task / "children").read_text()
+            found += [int(p) for p in text.split()]
+    except OSError:
+        pass
+    return found
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size from /proc (VmRSS), 0 when the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process, from /proc/PID/stat."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+@dataclass
+class Server:
+    """`manage.py serve` (granian, WSGI, several worker processes) on a free port."""
+
+    workers: int
+    threads: int
+    metrics: bool = False
+    urlconf: str = "bench.urls"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    metrics_token: str = "bench-metrics-token"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Server:
+        self.port = free_port()
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOG_DIR / f"server-{self.port}.log"
+        env = base_env(BENCH_URLCONF=self.urlconf, **self.extra_env)
+        if self.metrics:
+            env["METRICS_TOKEN"] = self.metrics_token
+        log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "manage.py", "serve", "--port", str(self.port),
+             "--workers", str(self.workers), "--threads", str(self.threads)],
+            cwd=ROOT, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.process.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200 and \
+                        len(self.worker_pids()) >= self.workers:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not become ready in 60 s: {self.log_tail()}")
+
+    def worker_pids(self) -> list[int]:
+        """The granian worker processes (children of the granian main process)."""
+        if self.process is None:
+            return []
+        return sorted(_children(self.process.pid))
+
+    def rss(self) -> dict[int, int]:
+        return {pid: rss_bytes(pid) for pid in self.worker_pids()}
+
+    def cpu(self) -> float:
+        return sum(cpu_seconds(pid) for pid in self.worker_pids())
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+@dataclass
+class CeleryWorker:
+    """One Celery worker on the kill switch queue, as in production (`make worker`)."""
+
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> CeleryWorker:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        log = (LOG_DIR / "celery.log").open("wb")
+        celery = str(Path(sys.executable).with_name("celery"))
+        self.process = subprocess.Popen(
+            [celery, "-A", "governance", "worker", "-Q", "default,killswitch",
+             "--concurrency", "1", "-l", "warning", "--without-gossip", "--without-mingle"],
+            cwd=ROOT, env=base_env(), start_new_session=True, stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        time.sleep(3)  # no readiness probe without a result backend; startup takes ~2 s
+        if self.process.poll() is not None:
+            raise RuntimeError("the Celery worker exited at once; see " + str(LOG_DIR))
+        return self
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def machine_description() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu_model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_kib = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+    except OSError:
+        pass
+    pg_version = ""
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN_URL, connect_timeout=5) as conn:
+            row = conn.execute("SHOW server_version").fetchone()
+            pg_version = row[0] if row else ""
+    except Exception:  # a description, never a reason to fail the benchmark
+        pg_version = "unknown"
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "memory_gib": round(mem_kib / 1024 / 1024, 1),
+        "python": sys.version.split()[0],
+        "postgresql": pg_version,
+        "load_average_at_start": os.getloadavg()[0],
+    }

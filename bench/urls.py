@@ -1,0 +1,18 @@
+"""The benchmark server's URLconf: the product's URLs plus the two baselines.
+
+Selected by `BENCH_URLCONF=bench.urls`, which only the benchmark sets on the server it starts;
+production URLs (governance/urls.py) never include these endpoints. They sit under /api/ so
+the same middleware runs for them as for the real check.
+"""
+
+from __future__ import annotations
+
+from django.urls import include, path
+
+from . import views
+
+urlpatterns = [
+    path("api/bench/runs/<str:run_id>/bare", views.bare, name="bench-bare"),
+    path("api/bench/runs/<str:run_id>/durable", views.durable, name="bench-durable"),
+    path("", include("governance.urls")),
+]

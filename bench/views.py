@@ -1,0 +1,65 @@
+"""The two baselines, served only by the benchmark's own server process (bench/urls.py).
+
+- `bare`: parses the check body and answers a fixed JSON decision. No database, no auth, no
+  validation: what Django, its middleware and granian cost per request, the ceiling.
+- `durable`: the least a durable check can do: one transaction with one
+  `UPDATE ... RETURNING` of the run and one `INSERT` of an audit row, raw SQL, no logic, no
+  auth, no validation, through Django's `transaction.atomic` as a plain implementation would.
+
+The real check is reported as ratios of these, measured in the same run on the same server
+and database, so a noisy machine moves all three together.
+"""
+
+from __future__ import annotations
+
+import json
+
+from django.db import connection, transaction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+
+ANSWER = {
+    "decision": "allow", "reason": "step_ok", "decision_id": 0, "step": 1,
+    "repeat_key": "search.docs:0123456789abcdef0123456789abcdef", "repeat_count": 1,
+    "message": None, "next_action": None,
+    "usage": {"steps": 1, "tool_calls": 1, "cost_usd": 0.0012, "elapsed_s": 0.1},
+    "limits": {"max_steps": 30, "max_repeat_action": 3, "no_progress_window": 4,
+               "max_seconds": 3600, "max_usd": 50.0, "max_tool_calls": None},
+    "directive": None, "shadow": None,
+}
+
+UPDATE_RUN = "UPDATE runs_run SET steps = steps + 1 WHERE id = %s RETURNING steps"
+INSERT_DECISION = """
+INSERT INTO runs_decision (run_id, step, outcome, reason, action_name, action_type, args,
+    repeat_key, repeat_count, check_id, progress, last_result, cost_usd, answer, at)
+VALUES (%s, %s, 'allow', 'step_ok', %s, %s, %s, '', 1, %s, %s, %s, %s, %s, %s)
+RETURNING id
+"""
+
+
+@csrf_exempt
+def bare(request: HttpRequest, run_id: str) -> HttpResponse:
+    json.loads(request.body)
+    return HttpResponse(json.dumps(ANSWER), content_type="application/json")
+
+
+@csrf_exempt
+def durable(request: HttpRequest, run_id: str) -> HttpResponse:
+    body = json.loads(request.body)
+    action = body.get("action") or {}
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(UPDATE_RUN, [run_id])
+        row = cursor.fetchone()
+        if row is None:
+            return JsonResponse({"error": {"code": "not_found"}}, status=404)
+        answer = {**ANSWER, "step": row[0]}
+        cursor.execute(INSERT_DECISION, [
+            run_id, row[0], action.get("name", ""), action.get("type", "tool"),
+            json.dumps(action.get("args")), body.get("check_id"),
+            json.dumps(body.get("progress")), json.dumps(body.get("last_result")),
+            body.get("cost_usd") or 0, json.dumps(answer), timezone.now(),
+        ])
+        (decision_id,) = cursor.fetchone()
+    return HttpResponse(json.dumps({**answer, "decision_id": decision_id}),
+                        content_type="application/json")

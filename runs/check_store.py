@@ -1,0 +1,420 @@
+"""The check's reads and writes: the database side of every agent step (SPEC 4.5).
+
+`run_check` (runs/services.py) needs, in one transaction: the agent key, the run locked
+against concurrent checks, the engaged kill switch that covers the run, and the earlier
+answer to a retried `check_id`; then it writes the run's new state and the audit record.
+The decision itself is computed by the pure rules in between, never in SQL.
+
+On PostgreSQL that is two network round trips, each one message with a prepared statement:
+
+1. `BEGIN; EXECUTE lock`: one SELECT that finds the key by its prefix (not revoked; the hash
+   is compared in Python, in constant time), locks the run of the key's team `FOR UPDATE`,
+   and reads the covering kill switch and the `check_id` replay in lateral subqueries;
+2. `EXECUTE write; COMMIT`: one statement that updates the run and inserts the decision (a
+   data-modifying CTE), returning the decision's id.
+
+Why not the ORM here: on the benchmark machine one ORM query cost more Python (about half a
+millisecond, mostly building the SQL) than this path's two statements together. And planning
+the LOCK statement costs PostgreSQL more than executing it, hence prepared statements, which
+Django leaves off by default for the sake of connection poolers (see docs/performance.md
+about PgBouncer). Django's connection is used as is: one connection per thread, Django's
+lifetime handling, errors translated by `wrap_database_errors` so that the API answers 503
+when PostgreSQL is down.
+
+Elsewhere (SQLite, the embedded default, or a caller already inside `transaction.atomic`,
+as in tests) `OrmCheck` does the same reads and writes through the ORM inside
+`transaction.atomic()`, where SQLite's BEGIN IMMEDIATE serializes the checks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any, Protocol
+
+import psycopg
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    ProgrammingError,
+    connection,
+    transaction,
+)
+
+from policies.models import AgentKey
+
+from .models import Decision, KillSwitch, Run
+
+RUNNING = "running"
+
+
+@dataclass(slots=True)
+class RunRow:
+    """The run columns the check reads; `pk` and `team_id` also serve publish_run_event."""
+
+    id: uuid.UUID
+    team_id: int
+    agent: str
+    policy_version_id: int
+    status: str
+    stop_reason: str | None
+    steps: int
+    tool_calls: int
+    cost_usd: Decimal
+    started_at: datetime
+    ended_at: datetime | None
+    memory: dict[str, Any]
+
+    @property
+    def pk(self) -> uuid.UUID:
+        return self.id
+
+
+@dataclass(slots=True)
+class Locked:
+    """What the locking read found. `run` is None when the key's team has no such run."""
+
+    key_id: int
+    key_hash: str
+    key_last_used_at: datetime | None
+    team_id: int
+    team_slug: str
+    run: RunRow | None
+    switch: KillSwitch | None  # unsaved, for describe_switch
+    first: tuple[int, dict[str, Any]] | None  # (decision id, answer) for this check_id
+
+
+@dataclass(slots=True)
+class RunUpdate:
+    status: str
+    stop_reason: str | None
+    ended_at: datetime | None
+    steps: int
+    tool_calls: int
+    cost_usd: Decimal
+    memory: dict[str, Any]
+
+
+@dataclass(slots=True)
+class DecisionRow:
+    step: int
+    outcome: str
+    reason: str
+    action_name: str
+    action_type: str
+    args: Any
+    repeat_key: str
+    repeat_count: int
+    check_id: str | None
+    progress: Any
+    last_result: Any
+    cost_usd: Decimal
+    answer: dict[str, Any]
+    at: datetime
+
+
+class DuplicateCheck(Exception):
+    """A concurrent retry of the same check_id committed first; the caller starts over and
+    then finds that first answer (PostgreSQL only, see PostgresCheck.write)."""
+
+
+class StaleConnection(Exception):
+    """The connection broke before anything was written (e.g. PostgreSQL restarted while it
+    sat in Django's pool): the caller may retry once on a new connection."""
+
+
+class CheckTransaction(Protocol):
+    db_seconds: float
+
+    def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None) -> Locked | None:
+        ...
+
+    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
+        ...
+
+
+@contextmanager
+def check_transaction() -> Iterator[CheckTransaction]:
+    """One check's transaction: committed by `write`, rolled back on any other way out."""
+    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+        tx = PostgresCheck()
+        try:
+            yield tx
+        finally:
+            tx.end()
+    else:
+        with transaction.atomic():
+            yield OrmCheck()
+
+
+# --- PostgreSQL: two round trips ------------------------------------------------------------
+
+# The switch subquery mirrors services.covering_switch (and killswitch.cover_q): keep the
+# three in step. It reads with the statement's snapshot, taken when the statement started,
+# so a switch whose engage committed before this check began is always seen (SPEC 4.5).
+LOCK_SQL = """
+SELECT k.id, k.key_hash, k.last_used_at, k.team_id, t.slug,
+       r.id, r.agent, r.policy_version_id, r.status, r.stop_reason, r.steps, r.tool_calls,
+       r.cost_usd, r.started_at, r.ended_at, r.memory,
+       s.scope, s.agent, s.reason, s.engaged_by_label,
+       d.id, d.answer
+FROM policies_agentkey k
+JOIN policies_team t ON t.id = k.team_id
+LEFT JOIN LATERAL (
+    SELECT id, team_id, agent, policy_version_id, status, stop_reason, steps, tool_calls,
+           cost_usd, started_at, ended_at, memory
+    FROM runs_run WHERE id = $1 AND team_id = k.team_id
+    FOR UPDATE
+) r ON true
+LEFT JOIN LATERAL (
+    SELECT ks.scope, ks.agent, ks.reason, ks.engaged_by_label
+    FROM runs_killswitch ks
+    WHERE ks.active AND r.status = 'running' AND (
+        ks.scope = 'global'
+        OR (ks.scope = 'team' AND ks.team_id = r.team_id)
+        OR (ks.scope = 'agent' AND ks.team_id = r.team_id AND ks.agent = r.agent)
+        OR (ks.scope = 'run' AND ks.run_id = r.id))
+    ORDER BY ks.engaged_at
+    LIMIT 1
+) s ON true
+LEFT JOIN LATERAL (
+    SELECT id, answer FROM runs_decision WHERE run_id = r.id AND check_id = $2
+) d ON true
+WHERE k.prefix = $3 AND k.revoked_at IS NULL
+"""
+
+# The write takes the decision (and the run's new state) as one JSON document each, unpacked
+# by jsonb_populate_record: one literal to quote instead of twenty-two, one json.dumps.
+_COLUMNS = ("run_id, step, outcome, reason, action_name, action_type, args, repeat_key, "
+            "repeat_count, check_id, progress, last_result, cost_usd, answer, at")
+INSERT_SQL = f"""
+INSERT INTO runs_decision ({_COLUMNS})
+SELECT {_COLUMNS} FROM jsonb_populate_record(NULL::runs_decision, $1)
+RETURNING id
+"""
+# A data-modifying CTE runs even though the INSERT does not read it: one statement for the
+# state change and its audit record.
+UPDATE_AND_INSERT_SQL = """
+WITH run AS (
+    UPDATE runs_run r SET status = n.status, stop_reason = n.stop_reason,
+        ended_at = n.ended_at, steps = n.steps, tool_calls = n.tool_calls,
+        cost_usd = n.cost_usd, memory = n.memory
+    FROM jsonb_populate_record(NULL::runs_run, $2) n
+    WHERE r.id = n.id
+)""" + INSERT_SQL
+
+# Prepared once per connection with SQL PREPARE, then run with EXECUTE in the same simple-query
+# message as BEGIN (and COMMIT): two round trips, and PostgreSQL plans the LOCK statement
+# once per connection instead of on every check (planning it costs more than running it).
+# Protocol-level prepared statements would need pipeline mode to keep two round trips, and
+# psycopg's pipeline costs more Python per check than the query strings this builds.
+PREPARE_SQL = (
+    f"PREPARE governance_check_lock(uuid, text, text) AS {LOCK_SQL};"
+    f"PREPARE governance_check_insert(jsonb) AS {INSERT_SQL};"
+    f"PREPARE governance_check_update_insert(jsonb, jsonb) AS {UPDATE_AND_INSERT_SQL};"
+)
+EXECUTE_LOCK = "BEGIN; EXECUTE governance_check_lock(%s, %s, %s)"
+EXECUTE_INSERT = "EXECUTE governance_check_insert(%s); COMMIT"
+EXECUTE_UPDATE_INSERT = "EXECUTE governance_check_update_insert(%s, %s); COMMIT"
+
+# The connections (Django's, one per thread) on which the statements are prepared.
+_prepared: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _scalar(value: Any) -> str:
+    # The only non-JSON values of a row: PostgreSQL reads them back from their text form.
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, Decimal | uuid.UUID):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _dumps(document: dict[str, Any]) -> str:
+    return json.dumps(document, separators=(",", ":"), default=_scalar)
+
+
+def _loaded(value: Any) -> Any:
+    # Django registers a text loader for jsonb on its connections (JSONField decodes itself).
+    return json.loads(value) if isinstance(value, str) else value
+
+
+class PostgresCheck:
+    def __init__(self) -> None:
+        connection.ensure_connection()
+        self.raw: psycopg.Connection[Any] = connection.connection
+        # Client-side binding (what Django's own cursors do): the parameters become literals
+        # of the EXECUTE, which is what lets BEGIN and COMMIT share its message.
+        self.cursor: psycopg.ClientCursor[Any] = psycopg.ClientCursor(self.raw)
+        self.open = False
+        self.db_seconds = 0.0
+
+    def _prepare(self) -> None:
+        if self.raw not in _prepared:
+            self.cursor.execute(PREPARE_SQL)
+            _prepared.add(self.raw)
+
+    def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None) -> Locked | None:
+        cursor = self.cursor
+        started = time.perf_counter()
+        try:
+            with connection.wrap_database_errors:
+                self._prepare()
+                self.open = True
+                cursor.execute(EXECUTE_LOCK, (run_id, check_id, prefix))
+                cursor.nextset()  # past BEGIN's result, to the SELECT's
+                row = cursor.fetchone()
+        except (OperationalError, InterfaceError, ProgrammingError) as exc:
+            missing = isinstance(exc.__cause__, psycopg.errors.InvalidSqlStatementName)
+            if missing or self.raw.broken or self.raw.closed:
+                # The connection died while idle, or its session lost the prepared statements
+                # (DISCARD ALL): nothing was read or written, a new connection may retry.
+                _prepared.discard(self.raw)
+                raise StaleConnection() from exc
+            raise
+        finally:
+            self.db_seconds += time.perf_counter() - started
+        if row is None:
+            return None
+        run = None
+        if row[5] is not None:
+            run = RunRow(
+                id=row[5], team_id=row[3], agent=row[6], policy_version_id=row[7],
+                status=row[8], stop_reason=row[9], steps=row[10], tool_calls=row[11],
+                cost_usd=row[12], started_at=row[13], ended_at=row[14],
+                memory=_loaded(row[15]) or {},
+            )
+        switch = None
+        if row[16] is not None:
+            switch = KillSwitch(scope=row[16], agent=row[17], reason=row[18],
+                                engaged_by_label=row[19], team_id=row[3])
+        first = (int(row[20]), _loaded(row[21])) if row[20] is not None else None
+        return Locked(key_id=row[0], key_hash=row[1], key_last_used_at=row[2], team_id=row[3],
+                      team_slug=row[4], run=run, switch=switch, first=first)
+
+    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
+        decision = _dumps({
+            "run_id": run_id, "step": row.step, "outcome": row.outcome, "reason": row.reason,
+            "action_name": row.action_name, "action_type": row.action_type, "args": row.args,
+            "repeat_key": row.repeat_key, "repeat_count": row.repeat_count,
+            "check_id": row.check_id, "progress": row.progress, "last_result": row.last_result,
+            "cost_usd": row.cost_usd, "answer": row.answer, "at": row.at,
+        })
+        if update is not None:
+            sql = EXECUTE_UPDATE_INSERT
+            params: tuple[Any, ...] = (decision, _dumps({
+                "id": run_id, "status": update.status, "stop_reason": update.stop_reason,
+                "ended_at": update.ended_at, "steps": update.steps,
+                "tool_calls": update.tool_calls, "cost_usd": update.cost_usd,
+                "memory": update.memory,
+            }))
+        else:
+            sql, params = EXECUTE_INSERT, (decision,)
+        cursor = self.cursor
+        started = time.perf_counter()
+        try:
+            with connection.wrap_database_errors:
+                cursor.execute(sql, params)
+                written = cursor.fetchone()
+        except IntegrityError as exc:
+            cause = getattr(exc.__cause__, "diag", None)
+            if cause is not None and cause.constraint_name == "check_id_per_run":
+                # Both retries read "no earlier answer" with snapshots taken before the
+                # other committed; the unique index refuses the second audit record.
+                raise DuplicateCheck() from exc
+            raise
+        finally:
+            self.db_seconds += time.perf_counter() - started
+        # An error in the INSERT skips the COMMIT of the same message; past this point the
+        # COMMIT ran (psycopg raises for an error in any statement of the message).
+        self.open = False
+        assert written is not None
+        return int(written[0])
+
+    def end(self) -> None:
+        """Roll back whatever is still open (a refusal, a replay, an error)."""
+        if not self.open:
+            return
+        self.open = False
+        started = time.perf_counter()
+        # A connection that broke is closed by Django at the end of the request
+        # (wrap_database_errors marks it); nothing more to do for it here.
+        with suppress(DatabaseError), connection.wrap_database_errors:
+            self.cursor.execute("ROLLBACK")
+        self.db_seconds += time.perf_counter() - started
+
+
+# --- Elsewhere: the ORM inside transaction.atomic() ------------------------------------------
+
+class OrmCheck:
+    """The portable path: the same reads and writes as PostgresCheck, statement by statement.
+    On SQLite the surrounding BEGIN IMMEDIATE is the lock."""
+
+    def __init__(self) -> None:
+        self.db_seconds = 0.0
+
+    def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None) -> Locked | None:
+        from .services import covering_switch
+
+        started = time.perf_counter()
+        try:
+            key = (AgentKey.objects.select_related("team")
+                   .filter(prefix=prefix, revoked_at__isnull=True).first())
+            if key is None:
+                return None
+            run_row = (
+                Run.objects.select_for_update().filter(team_id=key.team_id, pk=run_id)
+                .only("id", "team_id", "agent", "policy_version_id", "status", "stop_reason",
+                      "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory")
+                .first()
+            )
+            run = switch = first = None
+            if run_row is not None:
+                run = RunRow(
+                    id=run_row.pk, team_id=run_row.team_id, agent=run_row.agent,
+                    policy_version_id=run_row.policy_version_id, status=run_row.status,
+                    stop_reason=run_row.stop_reason, steps=run_row.steps,
+                    tool_calls=run_row.tool_calls, cost_usd=Decimal(run_row.cost_usd),
+                    started_at=run_row.started_at, ended_at=run_row.ended_at,
+                    memory=run_row.memory or {},
+                )
+                if run.status == RUNNING:
+                    switch = covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
+                if check_id is not None:
+                    found = (Decision.objects.filter(run_id=run.id, check_id=check_id)
+                             .values_list("id", "answer").first())
+                    first = (found[0], found[1]) if found is not None else None
+            return Locked(key_id=key.pk, key_hash=key.key_hash,
+                          key_last_used_at=key.last_used_at, team_id=key.team_id,
+                          team_slug=key.team.slug, run=run, switch=switch, first=first)
+        finally:
+            self.db_seconds += time.perf_counter() - started
+
+    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
+        started = time.perf_counter()
+        try:
+            if update is not None:
+                Run.objects.filter(pk=run_id).update(
+                    status=update.status, stop_reason=update.stop_reason,
+                    ended_at=update.ended_at, steps=update.steps, tool_calls=update.tool_calls,
+                    cost_usd=update.cost_usd, memory=update.memory,
+                )
+            decision = Decision.objects.create(
+                run_id=run_id, step=row.step, outcome=row.outcome, reason=row.reason,
+                action_name=row.action_name, action_type=row.action_type, args=row.args,
+                repeat_key=row.repeat_key, repeat_count=row.repeat_count,
+                check_id=row.check_id, progress=row.progress, last_result=row.last_result,
+                cost_usd=row.cost_usd, answer=row.answer, at=row.at,
+            )
+            return int(decision.pk)
+        finally:
+            self.db_seconds += time.perf_counter() - started

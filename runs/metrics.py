@@ -1,0 +1,153 @@
+"""Prometheus metrics of the check, served at /metrics (docs/performance.md, "Metrics").
+
+Off unless `METRICS_TOKEN` is set: then prometheus_client is imported, every check records
+its decision and timings, and /metrics answers a scraper that sends
+`Authorization: Bearer <METRICS_TOKEN>` (401 otherwise; 404 while metrics are off, so an
+unconfigured deployment exposes nothing).
+
+Several worker processes answer requests, so the numbers live in prometheus_client's
+multiprocess files: `manage.py serve` points PROMETHEUS_MULTIPROC_DIR at a fresh directory
+when metrics are on, and any worker's /metrics adds up every worker's files. A server started
+another way without that variable gets per-process numbers, which only say what the process
+that answered the scrape saw.
+
+Exported:
+- governance_decisions_total{team, outcome, reason}: decisions audited by the check;
+- governance_check_seconds: time to answer a check, in the view (validation included);
+- governance_check_db_seconds: of which spent waiting for the database;
+- governance_kill_switches_engaged{scope}: engaged switches, read from the database when
+  scraped (the switch rows are the authority, no process keeps a copy).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from django.conf import settings
+from django.db import DatabaseError, connection
+from django.http import Http404, HttpRequest, HttpResponse
+from django.views.decorators.cache import never_cache
+
+log = logging.getLogger(__name__)
+
+# Check latencies sit around a millisecond or two on an idle server and tens under load.
+LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+DB_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+SCOPES = ("global", "team", "agent", "run")
+
+
+class _Metrics:
+    """The metric objects, created on first use so that with metrics off prometheus_client
+    is never imported and recording costs one settings lookup."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.decisions = Counter("governance_decisions", "Check decisions, as audited.",
+                                 ["team", "outcome", "reason"])
+        self.check_seconds = Histogram("governance_check_seconds",
+                                       "Time to answer a check, in the view.",
+                                       buckets=LATENCY_BUCKETS)
+        self.check_db_seconds = Histogram("governance_check_db_seconds",
+                                          "Time a check spent waiting for the database.",
+                                          buckets=DB_BUCKETS)
+
+
+_metrics: _Metrics | None = None
+_lock = threading.Lock()
+
+
+def _get() -> _Metrics | None:
+    global _metrics
+    if not settings.METRICS_TOKEN:
+        return None
+    if _metrics is None:
+        with _lock:  # a worker's threads answer their first checks at once
+            if _metrics is None:
+                _metrics = _Metrics()
+    return _metrics
+
+
+def decision_made(*, team: str, outcome: str, reason: str, db_seconds: float) -> None:
+    """Called after the decision committed: it must never fail the answer."""
+    try:
+        m = _get()
+        if m is not None:
+            m.decisions.labels(team, outcome, reason).inc()
+            m.check_db_seconds.observe(db_seconds)
+    except Exception:
+        log.warning("metrics: could not record a decision", exc_info=True)
+
+
+def check_answered(seconds: float) -> None:
+    try:
+        m = _get()
+        if m is not None:
+            m.check_seconds.observe(seconds)
+    except Exception:
+        log.warning("metrics: could not record a check's latency", exc_info=True)
+
+
+class KillSwitchCollector:
+    """Engaged switches by scope, counted in the database at scrape time."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT scope, count(*) FROM runs_killswitch WHERE active GROUP BY scope")
+                counts = dict(cursor.fetchall())
+        except DatabaseError:
+            log.warning("metrics: could not count kill switches", exc_info=True)
+            return
+        family = GaugeMetricFamily("governance_kill_switches_engaged",
+                                   "Kill switches engaged now, by scope.", labels=["scope"])
+        for scope in SCOPES:
+            family.add_metric([scope], counts.get(scope, 0))
+        yield family
+
+
+_registry: Any = None
+
+
+def registry() -> Any:
+    """What /metrics exposes: every worker's files in multiprocess mode, else this process."""
+    global _registry
+    if _registry is None:
+        from prometheus_client import REGISTRY, CollectorRegistry
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        _get()  # the metric families exist (at zero) from the first scrape
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            built = CollectorRegistry()
+            MultiProcessCollector(built)
+        else:
+            built = REGISTRY
+        built.register(KillSwitchCollector())
+        _registry = built
+    return _registry
+
+
+@never_cache
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    token = settings.METRICS_TOKEN
+    if not token:
+        raise Http404("metrics are off")
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                             token.encode()):
+        response = HttpResponse("A valid metrics token is required.\n", status=401,
+                                content_type="text/plain")
+        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        return response
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return HttpResponse(generate_latest(registry()), content_type=CONTENT_TYPE_LATEST)
