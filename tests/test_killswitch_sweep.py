@@ -38,11 +38,18 @@ def test_it_names_old_pending_deliveries_with_their_next_attempt(team):
     assert stale_work()[1] == []
 
 
-def test_the_sweep_finishes_a_fanout_the_broker_never_got(team, agent_token, api, monkeypatch):
+@pytest.fixture
+def eager_tasks():
+    """The tasks the sweep enqueues run here and now, as a worker would run them."""
     from governance.celery import app
 
-    # The task it enqueues runs here and now, as a worker would run it.
-    monkeypatch.setattr(app.conf, "task_always_eager", True)
+    previous = app.conf.task_always_eager
+    app.conf.task_always_eager = True
+    yield
+    app.conf.task_always_eager = previous
+
+
+def test_the_sweep_finishes_a_fanout_the_broker_never_got(team, agent_token, api, eager_tasks):
     run = api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json").json()
     make_switch(team, ago=timedelta(minutes=5), done=False)
     assert killswitch_sweep_task() == {"fanouts": 1, "deliveries": 0}
