@@ -186,21 +186,25 @@ class Server:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_group(self.process)
 
     def __enter__(self) -> Server:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def stop_group(process: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM the process group (granian's or Celery's workers included), SIGKILL if slow."""
+    if process is None or process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 @dataclass
@@ -225,15 +229,7 @@ class CeleryWorker:
         return self
 
     def stop(self) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_group(self.process)
 
 
 def machine_description() -> dict[str, Any]:
