@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +18,11 @@ from policies.models import Policy, Team
 from tests.conftest import ROOT, Agent, Server, server_env, start_server
 
 CHROMIUM = "/usr/bin/chromium"
-SCREENSHOTS = ROOT / "docs" / "screenshots"
+# The README's screenshots are refreshed with `UPDATE_SCREENSHOTS=1 make test`; an ordinary
+# run writes them aside so that testing never dirties the work tree.
+SCREENSHOTS = (ROOT / "docs" / "screenshots" if os.environ.get("UPDATE_SCREENSHOTS")
+               else Path(tempfile.gettempdir()) / "governance-screenshots")
+SCREENSHOTS.mkdir(parents=True, exist_ok=True)
 
 pytestmark = [
     pytest.mark.browser,
