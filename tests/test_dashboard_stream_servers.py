@@ -85,3 +85,18 @@ def test_the_asgi_application_streams_without_buffering(asgi_server, agent, user
     run_id = agent.start()["run_id"]
     ids, delay = read_step_while_checking(asgi_server, agent, run_id)
     assert len(ids) == 1 and delay < 3  # the 20 s stream was not buffered to its end
+
+
+def test_a_stream_keeps_working_without_redis_by_looking_at_the_database(agent, users):
+    """Redis is never the authority: a server that cannot reach it still answers checks and
+    its live screens fall back to reading the database every few seconds."""
+    dead = start_server(workers=1, env=server_env(REDIS_URL="redis://127.0.0.1:1/0",
+                                                  DASHBOARD_STREAM_LOOK_S="1"))
+    try:
+        agent.http.base_url = dead.url
+        run_id = agent.start()["run_id"]
+        ids, delay = read_step_while_checking(dead, agent, run_id)
+        assert len(ids) == 1 and delay < 3
+        assert httpx.get(f"{dead.url}/readyz", timeout=10).status_code == 503
+    finally:
+        dead.stop()
