@@ -20,6 +20,7 @@ import hashlib
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -77,13 +78,13 @@ class Partials:
         return frames
 
 
-class Source:
+class Source(ABC):
     """What one screen streams. ``frames`` returns what changed since its last call."""
 
     team_id: int
 
-    def frames(self) -> list[Frame]:
-        raise NotImplementedError
+    @abstractmethod
+    def frames(self) -> list[Frame]: ...
 
     def finished(self) -> bool:
         """True when nothing on the screen can change any more: the stream says "end"."""
