@@ -119,6 +119,24 @@ def server(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Server]:
     srv = start_server()
     yield srv
     srv.stop()
+    _wait_for_other_sessions_to_close(django_db_blocker)
+
+
+def _wait_for_other_sessions_to_close(django_db_blocker: Any, timeout: float = 10) -> None:
+    """PostgreSQL ends a dead client's backend a moment after the client exits; dropping the
+    test database before that fails with "is being accessed by other users"."""
+    if not ON_POSTGRES:
+        return
+    from django.db import connection
+
+    deadline = time.monotonic() + timeout
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                           "current_database() AND pid <> pg_backend_pid()")
+            if cursor.fetchone()[0] == 0:
+                return
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="session", autouse=True)
