@@ -98,7 +98,8 @@ def run_start(
         if existing is not None:
             return existing, False
     name = policy or "default"
-    policy_row = Policy.objects.filter(team=team, name=name).only("current_id").first()
+    # The version comes along: the answer shows it, without a query of its own.
+    policy_row = Policy.objects.filter(team=team, name=name).select_related("current").first()
     if policy_row is None or policy_row.current_id is None:
         raise ServiceError(422, "invalid_request", f"Unknown policy {name!r}.",
                            {"policy": f"no policy named {name!r} in this team"})
@@ -110,7 +111,7 @@ def run_start(
                 raise ServiceError(409, "kill_switch_engaged",
                                    f"No new run may start: {describe_switch(switch)}.")
             run = Run.objects.create(
-                team=team, agent=agent, policy_version_id=policy_row.current_id,
+                team=team, agent=agent, policy_version=policy_row.current,
                 started_at=timezone.now(), task=task or "", metadata=metadata,
                 external_id=external_id,
             )
@@ -253,7 +254,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
 
 def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> Run:
     with transaction.atomic():
-        run = Run.objects.select_for_update().filter(team=team, pk=run_id).first()
+        run = (Run.objects.select_for_update(of=("self",)).select_related("policy_version")
+               .filter(team=team, pk=run_id).first())
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         now = timezone.now()
