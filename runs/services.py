@@ -66,7 +66,8 @@ def describe_switch(switch: KillSwitch) -> str:
     return f"{what}, engaged by {switch.engaged_by_label}: {switch.reason}"
 
 
-def state_of(run: Run) -> rules.RunState:
+def state_of(run: Run | RunRow) -> rules.RunState:
+    """The rules' view of a run, from the ORM row or the check's own read (same fields)."""
     return rules.RunState(
         started_at=run.started_at,
         status=run.status,
@@ -159,14 +160,6 @@ def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Po
 UNAUTHORIZED = "A valid agent key is required (Authorization: Bearer)."
 
 
-def _row_state(run: RunRow) -> rules.RunState:
-    return rules.RunState(
-        started_at=run.started_at, status=run.status, stop_reason=run.stop_reason,
-        ended_at=run.ended_at, steps=run.steps, tool_calls=run.tool_calls,
-        cost_usd=Decimal(run.cost_usd),
-    ).load_memory(run.memory)
-
-
 def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[str, Any]:
     """Decide one check and answer it (SPEC 4, 5.2): authenticate the key, lock the run,
     apply the pure rules, store the new state and the audit record in one transaction.
@@ -202,7 +195,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
         run = locked.run
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
-        state = _row_state(run)
+        state = state_of(run)
         check_id = req.check_id
         if locked.first is not None:
             first_id, first_answer = locked.first
