@@ -9,7 +9,9 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from asgiref.sync import SyncToAsync
 from django.contrib.auth.models import User
+from django.db import connections
 from django.test import AsyncClient, Client
 from django.urls import reverse
 from django.utils import timezone
@@ -290,6 +292,14 @@ def test_the_stream_of_another_teams_run_is_404(team, other_team, users):
     assert response.status_code == 404
 
 
+def check_then_close(*args: Any) -> dict[str, Any]:
+    """`check` from a thread that is not Django's: its connection is closed before it ends."""
+    try:
+        return check(*args)
+    finally:
+        connections.close_all()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_under_asgi_the_stream_is_async_and_not_buffered(team, users, settings):
     """Django buffers a sync iterator under ASGI: the ASGI path must hand out an async one
@@ -308,14 +318,20 @@ def test_under_asgi_the_stream_is_async_and_not_buffered(team, users, settings):
         assert (await stream.__anext__()).startswith(b"retry: ")
         await stream.__anext__()  # the initial partials
         began = time.monotonic()
-        decided = await asyncio.to_thread(check, team, run, "async.tool", {})
+        decided = await asyncio.to_thread(check_then_close, team, run, "async.tool", {})
         seen = ""
         while '"step"' not in seen and f"id: {decided['decision_id']}" not in seen:
             seen += (await asyncio.wait_for(stream.__anext__(), timeout=5)).decode()
         await stream.aclose()
         return time.monotonic() - began, seen
 
-    took, seen = asyncio.run(scenario())
+    try:
+        took, seen = asyncio.run(scenario())
+    finally:
+        # The view's sync parts ran in asgiref's one shared thread, whose database connection
+        # the test client never closes: left open, it keeps PostgreSQL from dropping the test
+        # database at the end of the session.
+        SyncToAsync.single_thread_executor.submit(connections.close_all).result()
     assert "async.tool" in seen
     assert took < 3  # arrived on the wake-up, long before the 8 s lifetime ended
 
