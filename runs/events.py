@@ -1,7 +1,7 @@
 """Live-update notifications for screens.
 
-The database is the source of truth for what a screen shows; an event only says "team T /
-run R changed, look again". Without Redis (embedded default) notifications stay in this
+The database is the source of truth for what a screen shows; an event only says "team T
+changed, look again". Without Redis (embedded default) notifications stay in this
 process; with Redis they go through pub/sub so a browser connected to one server process
 hears about a check answered by another. Publishing never fails a request: a screen that
 misses a wake-up catches up on its next poll.
@@ -9,8 +9,9 @@ misses a wake-up catches up on its next poll.
 
 from __future__ import annotations
 
-import json
+import atexit
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -65,29 +66,84 @@ def redis_client() -> Any:
         return _redis_client
 
 
-def publish_run_event(run: Any, *, kind: str, decision_id: int | None = None) -> None:
-    local_broker.publish(run.team_id)
-    client = redis_client()
-    if client is None:
-        return
-    message = json.dumps({"kind": kind, "run": str(run.pk), "decision": decision_id})
-    try:
-        client.publish(f"{CHANNEL_PREFIX}{run.team_id}", message)
-    except Exception:  # Redis is never the authority: a lost wake-up only delays a screen
-        log.warning("could not publish a live event to Redis", exc_info=True)
+class RedisPublisher:
+    """Sends the wake-ups to Redis from one thread of this process, off the request path.
+
+    A check only marks its team as changed (a set insert under a lock); the thread publishes
+    one message per changed team as soon as it runs. Under load, the checks of a team that
+    arrive while a publish is on the wire become one message: the message only ever said
+    "look again", so nothing is lost, and the check saves a Redis round trip (about a tenth of
+    its CPU on the benchmark's machine). A slow or unreachable Redis delays wake-ups and never
+    a check.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        # A forked child (granian and Celery workers) has none of the parent's threads.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: set[int] = set()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def mark(self, team_id: int) -> None:
+        with self._cond:
+            self._pending.add(team_id)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="live-events",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 1.0) -> bool:
+        """Wait until every marked team was published (or given up on); False on timeout.
+        Called at exit, so a command that engages a kill switch still wakes the screens."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._busy,
+                                       timeout=timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._pending))
+                teams, self._pending, self._busy = self._pending, set(), True
+            try:
+                self._send(teams)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    @staticmethod
+    def _send(teams: set[int]) -> None:
+        client = redis_client()
+        if client is None:
+            return
+        try:
+            pipe = client.pipeline(transaction=False)
+            for team_id in teams:
+                pipe.publish(f"{CHANNEL_PREFIX}{team_id}", b"changed")
+            pipe.execute()
+        except Exception:  # Redis is never the authority: a lost wake-up only delays a screen
+            log.warning("could not publish live events to Redis", exc_info=True)
 
 
-def publish_team_event(team_id: int, *, kind: str) -> None:
-    """A change that is not about one run (a kill switch engaged or released): screens of
-    the team look again, like for a run event."""
+redis_publisher = RedisPublisher()
+atexit.register(redis_publisher.flush)
+
+
+def publish_team_event(team_id: int) -> None:
+    """Screens of this team look again: a run started, decided or ended, or a kill switch
+    changed. Never raises and never waits for Redis."""
     local_broker.publish(team_id)
-    client = redis_client()
-    if client is None:
-        return
-    try:
-        client.publish(f"{CHANNEL_PREFIX}{team_id}", json.dumps({"kind": kind, "run": None}))
-    except Exception:  # as for run events: a lost wake-up only delays a screen
-        log.warning("could not publish a live event to Redis", exc_info=True)
+    if settings.REDIS_URL:
+        redis_publisher.mark(team_id)
+
+
+def publish_run_event(run: Any) -> None:
+    publish_team_event(run.team_id)
 
 
 def wakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0) -> Iterator[bool]:

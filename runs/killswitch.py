@@ -156,9 +156,9 @@ def _team_ids(target_team: Team | None) -> list[int]:
     return list(Team.objects.values_list("pk", flat=True))
 
 
-def _wake(team: Team | None, kind: str) -> None:
+def _wake(team: Team | None) -> None:
     for team_id in _team_ids(team):
-        publish_team_event(team_id, kind=kind)
+        publish_team_event(team_id)
 
 
 def _enqueue_fanout(switch_id: int) -> None:
@@ -228,7 +228,7 @@ def killswitch_engage(
         )
         # Never enqueue inside the transaction: a worker could read before the commit.
         transaction.on_commit(partial(_enqueue_fanout, switch.pk), robust=True)
-    _wake(target.team, "killswitch")
+    _wake(target.team)
     return switch
 
 
@@ -259,7 +259,7 @@ def killswitch_release(
                     "run": str(target.run.pk) if target.run else None, "reason": reason,
                     "at": now.isoformat(), "engaged_at": switch.engaged_at.isoformat()},
         )
-    _wake(target.team, "killswitch")
+    _wake(target.team)
     return switch
 
 
@@ -306,11 +306,11 @@ def _kill_one(switch: KillSwitch, run_id: Any) -> str | None:
             return None
         run.status, run.stop_reason, run.ended_at = new.status, new.stop_reason, new.ended_at
         run.save(update_fields=["status", "stop_reason", "ended_at"])
-        row = Decision.objects.create(
+        Decision.objects.create(
             run=run, step=new.steps, outcome=rules.STOP, reason="killed", action_name="",
             action_type="", args=None, answer=_kill_answer(switch, run, new, now), at=now,
         )
-    publish_run_event(run, kind="decision", decision_id=row.pk)
+    publish_run_event(run)
     return str(run.pk)
 
 

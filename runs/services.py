@@ -125,7 +125,7 @@ def run_start(
         if existing is None:
             raise
         return existing, False
-    publish_run_event(run, kind="run")
+    publish_run_event(run)
     return run, True
 
 
@@ -241,7 +241,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
         agent_key_touch(locked.key_id, locked.key_last_used_at)
     except DatabaseError:
         log.warning("could not record the agent key's last use", exc_info=True)
-    publish_run_event(run, kind="decision", decision_id=decision_id)
+    publish_run_event(run)
     return {**answer, "decision_id": decision_id}
 
 
@@ -262,5 +262,5 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> R
         if output is not None:
             run.output = output
         run.save()
-    publish_run_event(run, kind="run")
+    publish_run_event(run)
     return run
