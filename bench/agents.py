@@ -98,6 +98,12 @@ class LoadStats:
     window_start: float = 0.0
     window_end: float = 0.0
     check_latencies: list[float] = field(default_factory=list)  # seconds, inside the window
+    # Starts and finishes: an agent waits for them too, so a server that answered checks fast
+    # by making these wait would show here.
+    other_latencies: list[float] = field(default_factory=list)
+    # Agents that got at least one check answered inside the window: a server that served
+    # some connections and starved the others would look fast on the served ones.
+    agents_served: set[int] = field(default_factory=set)
     checks_in_window: int = 0
     requests_in_window: int = 0
     checks_total: int = 0
@@ -115,9 +121,11 @@ class LoadStats:
     def in_window(self, t: float) -> bool:
         return self.window_start <= t <= self.window_end
 
-    def record_check(self, sent: float, done: float, status: int, answer: Any) -> None:
+    def record_check(self, sent: float, done: float, status: int, answer: Any,
+                     agent: int = 0) -> None:
         self.checks_total += 1
         if self.in_window(done):
+            self.agents_served.add(agent)
             self.checks_in_window += 1
             self.requests_in_window += 1
             self.check_latencies.append(done - sent)
@@ -128,9 +136,10 @@ class LoadStats:
         else:
             self.errors[f"check {status}"] += 1
 
-    def record_other(self, done: float) -> None:
+    def record_other(self, sent: float, done: float) -> None:
         if self.in_window(done):
             self.requests_in_window += 1
+            self.other_latencies.append(done - sent)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -169,6 +178,7 @@ async def agent(index: int, opts: AgentOptions, stats: LoadStats, deadline: floa
             kind = KIND_CYCLE[(index * 3 + run_no) % len(KIND_CYCLE)]
             run_no += 1
             seed = uuid.uuid4().hex
+            sent = time.monotonic()
             try:
                 status, started = await conn.post_json("/api/v1/runs", {
                     "agent": name, "task": f"Answer ticket {seed[:8]} about a refund",
@@ -179,7 +189,7 @@ async def agent(index: int, opts: AgentOptions, stats: LoadStats, deadline: floa
                 await asyncio.sleep(0.05)
                 continue
             done = time.monotonic()
-            stats.record_other(done)
+            stats.record_other(sent, done)
             if status == 409:
                 # A kill switch covers the agent: a real agent would wait; so does this one.
                 stats.refused_starts += 1
@@ -205,7 +215,7 @@ async def agent(index: int, opts: AgentOptions, stats: LoadStats, deadline: floa
                     last = None
                     break
                 done = time.monotonic()
-                stats.record_check(sent, done, status, last)
+                stats.record_check(sent, done, status, last, index)
                 if status != 200:
                     break
                 if opts.record_answers:
@@ -223,6 +233,7 @@ async def agent(index: int, opts: AgentOptions, stats: LoadStats, deadline: floa
                     if got != EXPECTED_END[kind]:
                         stats.errors[f"unexpected answer {got} ({kind})"] += 1
             stopped = isinstance(last, dict) and last.get("decision") == "stop"
+            sent = time.monotonic()
             try:
                 status, _ = await conn.post_json(f"/api/v1/runs/{run_id}/finish", {
                     "status": "stopped" if stopped else "completed",
@@ -231,7 +242,7 @@ async def agent(index: int, opts: AgentOptions, stats: LoadStats, deadline: floa
             except HttpError as exc:
                 stats.errors[f"finish {exc}"] += 1
                 continue
-            stats.record_other(time.monotonic())
+            stats.record_other(sent, time.monotonic())
             if status != 200:
                 stats.errors[f"finish {status}"] += 1
             else:

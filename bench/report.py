@@ -99,6 +99,9 @@ def correctness(results: dict[str, Any]) -> list[str]:
         if p["errors"]:
             failed.append(f"{p['scenario']} at {p['agents']} agents: {p['errors']} errors "
                           f"{p['error_kinds']}")
+        if p.get("agents_starved"):
+            failed.append(f"{p['scenario']} at {p['agents']} agents: {p['agents_starved']} "
+                          "agents got no check answered in a measured slice")
         if not p["audit_ok"]:
             failed.append(f"{p['scenario']} at {p['agents']} agents: audit rows "
                           f"{p['audit_rows']} != decisions {p['decisions_returned']}")
@@ -165,13 +168,15 @@ def summary(results: dict[str, Any]) -> str:
         f"{results['server']['threads']} threads; {results['seconds_per_point']:g} s per point "
         f"in {results.get('slices_per_point', 1)} slice(s) alternating between scenarios",
         "",
-        "agents scenario  checks/s   p50 ms   p95 ms   p99 ms  errors  audit rows = decisions",
+        "agents scenario  checks/s   p50 ms   p95 ms   p99 ms  start/finish p99  errors  "
+        "audit rows = decisions",
     ]
     for p in results["points"]:
         audit = "none written" if p["scenario"] == "bare" else \
             f"{p['audit_rows']} = {p['decisions_returned']}"
         lines.append(f"{p['agents']:6} {p['scenario']:8} {p['checks_per_s']:9.1f} "
                      f"{p['p50_ms']:8.1f} {p['p95_ms']:8.1f} {p['p99_ms']:8.1f} "
+                     f"{p.get('start_finish_p99_ms', 0.0):17.1f} "
                      f"{p['errors']:7}  {audit} {'ok' if p['audit_ok'] else 'MISMATCH'}")
     rows = ratios(results)
     if rows:

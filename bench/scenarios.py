@@ -134,6 +134,7 @@ def interleaved_points(server: Server, team: Team, *, scenarios: list[str], agen
 def summarize(slices: list[Slice], *, scenario: str, agents: int) -> dict[str, Any]:
     window = sum(max(1e-9, x.stats.window_end - x.stats.window_start) for x in slices)
     lat = [v for x in slices for v in x.stats.check_latencies]
+    other = [v for x in slices for v in x.stats.other_latencies]
     checks = sum(x.stats.checks_total for x in slices)
     errors: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
@@ -165,6 +166,9 @@ def summarize(slices: list[Slice], *, scenario: str, agents: int) -> dict[str, A
         "p95_ms": round(ag.percentile(lat, 95) * 1000, 2),
         "p99_ms": round(ag.percentile(lat, 99) * 1000, 2),
         "max_ms": round(max(lat, default=0.0) * 1000, 2),
+        "start_finish_p50_ms": round(ag.percentile(other, 50) * 1000, 2),
+        "start_finish_p99_ms": round(ag.percentile(other, 99) * 1000, 2),
+        "agents_starved": max(agents - len(x.stats.agents_served) for x in slices),
         "checks": checks,
         "errors": sum(errors.values()),
         "error_kinds": dict(errors),
