@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from uuid import UUID
 
 from ninja import Field, Schema
-from pydantic import AfterValidator, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, StrictFloat, StrictInt, StrictStr
 
 MAX_DEPTH = 32
 
@@ -181,20 +181,23 @@ class RunsOut(Schema):
     runs: list[RunOut]
 
 
-class ActionIn(Schema):
+# The check's input models are plain pydantic models: ninja's Schema wraps every nested object
+# in a getter for Django model attributes, which a JSON body never needs, and made validating
+# a check body take about 40 µs instead of 7 (docs/performance.md).
+class ActionIn(BaseModel):
     name: Annotated[Text, Field(min_length=1, max_length=200)]
     args: JsonObject = None
     type: Literal["tool", "llm", "other"] = "tool"
 
 
-class LastResultIn(Schema):
+class LastResultIn(BaseModel):
     status: Literal["ok", "error"]
     digest: Annotated[Text, Field(max_length=128)] | None = None
     error: Annotated[Text, Field(max_length=2000)] | None = None
     summary: Annotated[Text, Field(max_length=2000)] | None = None
 
 
-class CheckIn(Schema):
+class CheckIn(BaseModel):
     action: ActionIn
     progress: Annotated[Text, Field(max_length=256)] | Number | None = None
     last_result: LastResultIn | None = None
