@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -79,12 +80,6 @@ def state_of(run: Run | RunRow) -> rules.RunState:
     ).load_memory(run.memory)
 
 
-def _store_state(run: Run, state: rules.RunState) -> None:
-    run.status, run.stop_reason, run.ended_at = state.status, state.stop_reason, state.ended_at
-    run.steps, run.tool_calls, run.cost_usd = state.steps, state.tool_calls, state.cost_usd
-    run.memory = state.memory()
-
-
 def run_start(
     *, key: AgentKey, agent: str, policy: str | None, task: str | None,
     metadata: dict[str, Any] | None, external_id: str | None,
@@ -105,17 +100,21 @@ def run_start(
         raise ServiceError(422, "invalid_request", f"Unknown policy {name!r}.",
                            {"policy": f"no policy named {name!r} in this team"})
     metadata = rules.redact(metadata or {}, rules_for_version(policy_row.current_id).redact_args)
+    run = Run(team=team, agent=agent, policy_version=policy_row.current,
+              started_at=timezone.now(), task=task or "", metadata=metadata,
+              external_id=external_id)
     try:
-        with transaction.atomic():
+        for _ in range(2):
+            if _insert_unless_switched(run):
+                break
             switch = covering_switch(team_id=team.pk, agent=agent, run_id=None)
             if switch is not None:
                 raise ServiceError(409, "kill_switch_engaged",
                                    f"No new run may start: {describe_switch(switch)}.")
-            run = Run.objects.create(
-                team=team, agent=agent, policy_version=policy_row.current,
-                started_at=timezone.now(), task=task or "", metadata=metadata,
-                external_id=external_id,
-            )
+            # Released between the two statements: the start is tried once more.
+        else:
+            raise ServiceError(409, "kill_switch_engaged",
+                               "No new run may start: a kill switch covers it.")
     except IntegrityError:
         # Two starts raced with one external_id: the loser answers with the winner's run.
         # Without an external_id the error is something else, never another run's start.
@@ -127,6 +126,41 @@ def run_start(
         return existing, False
     publish_run_event(run)
     return run, True
+
+
+# Mirrors covering_switch for a run that does not exist yet (a run switch cannot cover it).
+_NOT_SWITCHED = """
+WHERE NOT EXISTS (
+    SELECT 1 FROM runs_killswitch ks WHERE ks.active = %s AND (
+        ks.scope = 'global'
+        OR (ks.scope = 'team' AND ks.team_id = %s)
+        OR (ks.scope = 'agent' AND ks.team_id = %s AND ks.agent = %s)))
+"""
+
+
+def _insert_unless_switched(run: Run) -> bool:
+    """Insert a new run unless an engaged kill switch covers it; False when one does.
+
+    One statement, so the switch is read with the snapshot of the insert itself (a switch
+    committed before the start began is always seen, SPEC 4.5) and no transaction has to be
+    opened around a read and a write: one round trip instead of four, and no ORM query to
+    build, on a request every run makes (docs/performance.md). The values are prepared by the
+    model's own fields, as `Run.objects.create` would.
+    """
+    fields = Run._meta.concrete_fields
+    columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
+    values = [f.get_db_prep_save(getattr(run, f.attname), connection) for f in fields]
+    sql = (f"INSERT INTO {connection.ops.quote_name(Run._meta.db_table)} ({columns}) "
+           f"SELECT {', '.join(['%s'] * len(fields))} {_NOT_SWITCHED}")
+    # Inside a caller's transaction (tests, scripts) a savepoint keeps that transaction usable
+    # after a refused insert (a duplicate external_id); on its own the statement is atomic.
+    guard = transaction.atomic() if connection.in_atomic_block else nullcontext()
+    with guard, connection.cursor() as cursor:
+        cursor.execute(sql, [*values, True, run.team_id, run.team_id, run.agent])
+        inserted = cursor.rowcount == 1
+    if inserted:
+        run._state.adding, run._state.db = False, connection.alias
+    return inserted
 
 
 @dataclass(frozen=True)
@@ -246,9 +280,14 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
 
 
 def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> Run:
-    with transaction.atomic():
-        run = (Run.objects.select_for_update(of=("self",)).select_related("policy_version")
-               .filter(team=team, pk=run_id).first())
+    """Finish a run (SPEC 5.1) without a transaction around a read and a write: the run is
+    read, `rules.finish` decides, and the update applies only if the run is still as read.
+    A check that stopped the run or another finish in between makes it match nothing, and the
+    finish is decided again on the new row; that can happen at most twice, since a run's
+    status and its finish each change once. Two round trips instead of four, on a request
+    every run makes (docs/performance.md)."""
+    for _ in range(3):
+        run = Run.objects.select_related("policy_version").filter(team=team, pk=run_id).first()
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         now = timezone.now()
@@ -257,10 +296,16 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> R
                                      already_finished=run.finished_at is not None, now=now)
         except rules.FinishError:
             raise ServiceError(409, "run_finished", "This run was already finished.") from None
-        _store_state(run, new_state)
-        run.finished_at = now
+        # Finishing changes only these: the counters and the memory stay as the last check
+        # left them, and are not written back.
+        changes = {"status": new_state.status, "stop_reason": new_state.stop_reason,
+                   "ended_at": new_state.ended_at, "finished_at": now}
         if output is not None:
-            run.output = output
-        run.save()
-    publish_run_event(run)
-    return run
+            changes["output"] = output
+        if Run.objects.filter(pk=run.pk, status=run.status, finished_at__isnull=True
+                              ).update(**changes):
+            for name, value in changes.items():
+                setattr(run, name, value)
+            publish_run_event(run)
+            return run
+    raise OperationalError("the run kept changing while it was being finished")

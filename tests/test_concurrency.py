@@ -62,3 +62,52 @@ def test_concurrent_starts_with_one_external_id_make_one_run(server, agent):
     assert sorted(r.status_code for r in responses) == [200] * 19 + [201]
     assert len({r.json()["run_id"] for r in responses}) == 1
     assert Run.objects.filter(external_id="ticket-77").count() == 1
+
+
+def test_concurrent_finishes_of_one_run_finish_it_once(server, agent):
+    rid = agent.start()["run_id"]
+    bodies = [{"status": "completed", "output": f"answer {i}"} for i in range(20)]
+    responses = fire(server.url, agent.token, f"/api/v1/runs/{rid}/finish", bodies)
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200] + [409] * 19
+    assert all(r.json()["error"]["code"] == "run_finished" for r in responses
+               if r.status_code == 409)
+    winner = next(r.json() for r in responses if r.status_code == 200)
+    run_row = Run.objects.get(pk=rid)
+    assert (run_row.status, run_row.output) == ("completed", winner["output"])
+    assert run_row.finished_at is not None
+
+
+def test_a_finish_racing_the_checks_never_overwrites_their_stop(server, agent):
+    """The finish writes only if the run is still as it read it: a max_steps stop committed
+    in between must survive it (the run stays stopped, not completed)."""
+    for _ in range(6):
+        rid = agent.start()["run_id"]
+        path = f"/api/v1/runs/{rid}"
+        checks = [{"action": {"name": "fetch.page", "args": {"page": i}}} for i in range(24)]
+        barrier = Barrier(len(checks) + 1)
+
+        def check(body: dict, path: str = path, barrier: Barrier = barrier) -> httpx.Response:
+            with httpx.Client(base_url=server.url, timeout=60,
+                              headers={"Authorization": f"Bearer {agent.token}"}) as http:
+                barrier.wait()
+                return http.post(f"{path}/check", json=body)
+
+        def finish(path: str = path, barrier: Barrier = barrier) -> httpx.Response:
+            with httpx.Client(base_url=server.url, timeout=60,
+                              headers={"Authorization": f"Bearer {agent.token}"}) as http:
+                barrier.wait()
+                return http.post(f"{path}/finish", json={"status": "completed"})
+
+        with ThreadPoolExecutor(max_workers=len(checks) + 1) as pool:
+            finished = pool.submit(finish)
+            answers = [f.result().json() for f in [pool.submit(check, b) for b in checks]]
+            assert finished.result().status_code == 200
+        run_row = Run.objects.get(pk=rid)
+        stopped_by_check = Decision.objects.filter(run_id=rid, reason="max_steps").exists()
+        if stopped_by_check:
+            assert (run_row.status, run_row.stop_reason) == ("stopped", "max_steps")
+        else:
+            assert (run_row.status, run_row.stop_reason) == ("completed", None)
+        assert sum(a["decision"] == "allow" for a in answers) <= 18
+        assert run_row.finished_at is not None
