@@ -158,9 +158,10 @@ def check_transaction() -> Iterator[CheckTransaction]:
 
 # --- PostgreSQL: two round trips ------------------------------------------------------------
 
-# The switch subquery mirrors services.covering_switch (and killswitch.cover_q): keep the
-# three in step. It reads with the statement's snapshot, taken when the statement started,
-# so a switch whose engage committed before this check began is always seen (SPEC 4.5).
+# The switch subquery mirrors services.covering_switch (and killswitch.cover_q, and the
+# start's services._NOT_SWITCHED): keep the four in step. It reads with the statement's
+# snapshot, taken when the statement started, so a switch whose engage committed before this
+# check began is always seen (SPEC 4.5).
 LOCK_SQL = """
 SELECT k.id, k.key_hash, k.last_used_at, k.team_id, t.slug,
        r.id, r.agent, r.policy_version_id, r.status, r.stop_reason, r.steps, r.tool_calls,

@@ -44,8 +44,9 @@ class ServiceError(Exception):
 def covering_switch(*, team_id: int, agent: str, run_id: Any | None) -> KillSwitch | None:
     """The engaged kill switch that covers a run (or a run about to start), if any.
 
-    Read inside the caller's transaction, after the run lock: a switch committed before this
-    statement starts is always seen, which is the promise of SPEC 4.5.
+    For a check it is read inside the transaction, after the run lock: a switch committed
+    before this statement starts is always seen, which is the promise of SPEC 4.5. A start
+    reads it only to name the switch that refused it (`_insert_unless_switched`).
     """
     cover = (
         Q(scope=Scope.GLOBAL)
