@@ -25,7 +25,9 @@ def point_line(p: dict[str, Any]) -> str:
     return (f"  {p['scenario']:8} {p['agents']:4} agents {p['checks_per_s']:8.1f} checks/s  "
             f"p50 {p['p50_ms']:6.1f}  p95 {p['p95_ms']:6.1f}  p99 {p['p99_ms']:6.1f} ms  "
             f"errors {p['errors']}  audit {p['audit_rows']}/{p['decisions_returned']}  "
-            f"worker cpu {p['server_cpu_ms_per_check']:.2f} ms/check")
+            f"cpu ms/check: workers {p['server_cpu_ms_per_check']:.2f}, PostgreSQL "
+            f"{p.get('postgres_cpu_ms_per_check', 0.0):.2f}, load generator "
+            f"{p['client_cpu_ms_per_check']:.2f}")
 
 
 def micro_line(m: dict[str, Any]) -> str:
@@ -186,6 +188,15 @@ def summary(results: dict[str, Any]) -> str:
         for r in rows:
             lines.append(f"        {r['agents']:6}: {r['real_over_durable']!s:>12}  "
                          f"{r['real_over_bare']!s:>9}  ({r['cpu_real_over_durable']})")
+        at = [p for p in results["points"] if p["agents"] == TARGET_AGENTS]
+        if at:
+            lines.append("")
+            lines.append(f"CPU per check at {TARGET_AGENTS} agents, ms (starts and finishes "
+                         "included): workers / PostgreSQL / load generator")
+            for p in at:
+                lines.append(f"  {p['scenario']:8} {p['server_cpu_ms_per_check']:6.2f} / "
+                             f"{p.get('postgres_cpu_ms_per_check', 0.0):6.2f} / "
+                             f"{p['client_cpu_ms_per_check']:6.2f}")
     lines.append("")
     for key, fmt in (("micro", micro_line), ("soak", soak_line), ("killswitch", killswitch_line),
                      ("stream", live_line), ("metrics", metrics_line)):

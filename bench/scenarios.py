@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import agents as ag
-from .stack import ROOT, Server, base_env
+from .stack import ROOT, Server, base_env, postgres_cpu_seconds
 
 REAL, DURABLE, BARE = "real", "durable", "bare"
 CHECK_PATHS: dict[str, ag.CheckPath] = {
@@ -93,6 +93,7 @@ class Slice:
     rows: int
     cpu_server: float
     cpu_client: float
+    cpu_postgres: float = 0.0
 
 
 def run_slice(server: Server, team: Team, *, scenario: str, agents: int, seconds: float,
@@ -104,10 +105,12 @@ def run_slice(server: Server, team: Team, *, scenario: str, agents: int, seconds
     opts = ag.AgentOptions(host="127.0.0.1", port=server.port, token=team.token,
                            check_path=CHECK_PATHS[scenario], verify_answers=scenario == REAL)
     cpu_server0, cpu_client0 = server.cpu(), time.process_time()
+    cpu_postgres0 = postgres_cpu_seconds()
     stats = asyncio.run(ag.run_load(opts, agents, seconds, warmup))
     cpu_server, cpu_client = server.cpu() - cpu_server0, time.process_time() - cpu_client0
+    cpu_postgres = postgres_cpu_seconds() - cpu_postgres0
     return Slice(stats=stats, rows=decision_rows(after_id=before), cpu_server=cpu_server,
-                 cpu_client=cpu_client)
+                 cpu_client=cpu_client, cpu_postgres=cpu_postgres)
 
 
 def load_point(server: Server, team: Team, *, scenario: str, agents: int, seconds: float,
@@ -186,6 +189,8 @@ def summarize(slices: list[Slice], *, scenario: str, agents: int) -> dict[str, A
             sum(x.cpu_server for x in slices) * 1000 / max(1, checks), 3),
         "client_cpu_ms_per_check": round(
             sum(x.cpu_client for x in slices) * 1000 / max(1, checks), 3),
+        "postgres_cpu_ms_per_check": round(
+            sum(x.cpu_postgres for x in slices) * 1000 / max(1, checks), 3),
     }
 
 

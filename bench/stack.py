@@ -122,6 +122,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
+def postgres_cpu_seconds() -> float:
+    """CPU time of every PostgreSQL process on this machine (backends, WAL writer, and through
+    the postmaster's children counters, the backends that exited). The benchmark's database
+    shares the server with nothing busy while it runs, so a difference of two readings is
+    what the load cost PostgreSQL."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != "postgres":
+                continue
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        total += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return total / ticks
+
+
 @dataclass
 class Server:
     """`manage.py serve` (granian, WSGI, several worker processes) on a free port."""
