@@ -3,6 +3,7 @@ so the checks of one run are serialized in every process (SPEC 4.5)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from contextlib import nullcontext
@@ -139,6 +140,15 @@ WHERE NOT EXISTS (
 """
 
 
+@functools.cache
+def _start_sql(vendor: str) -> str:
+    """The start's INSERT, built once per database backend (the quoting is the backend's)."""
+    fields = Run._meta.concrete_fields
+    columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
+    return (f"INSERT INTO {connection.ops.quote_name(Run._meta.db_table)} ({columns}) "
+            f"SELECT {', '.join(['%s'] * len(fields))} {_NOT_SWITCHED}")
+
+
 def _insert_unless_switched(run: Run) -> bool:
     """Insert a new run unless an engaged kill switch covers it; False when one does.
 
@@ -149,10 +159,8 @@ def _insert_unless_switched(run: Run) -> bool:
     model's own fields, as `Run.objects.create` would.
     """
     fields = Run._meta.concrete_fields
-    columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
     values = [f.get_db_prep_save(getattr(run, f.attname), connection) for f in fields]
-    sql = (f"INSERT INTO {connection.ops.quote_name(Run._meta.db_table)} ({columns}) "
-           f"SELECT {', '.join(['%s'] * len(fields))} {_NOT_SWITCHED}")
+    sql = _start_sql(connection.vendor)
     # Inside a caller's transaction (tests, scripts) a savepoint keeps that transaction usable
     # after a refused insert (a duplicate external_id); on its own the statement is atomic.
     guard = transaction.atomic() if connection.in_atomic_block else nullcontext()
