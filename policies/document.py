@@ -10,6 +10,7 @@ from decimal import Decimal
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
+from governance_client.rules import DEFAULT_REDACT
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -21,8 +22,6 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
-
-from runs.rules import DEFAULT_REDACT
 
 SLUG = r"^[a-z0-9-]{1,50}$"
 POLICY_NAME = r"^[a-z0-9_-]{1,50}$"

@@ -28,9 +28,9 @@ from typing import IO, Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connections, transaction
 from django.utils import timezone
+from governance_client.rules import TERMINAL
 
 from runs.models import Decision, Run
-from runs.rules import TERMINAL
 
 from .models import OperatorEvent, Team
 

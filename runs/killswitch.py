@@ -22,10 +22,10 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
+from governance_client import rules
 from policies.models import Team
 from policies.services import audit
 
-from . import rules
 from .events import publish_run_event, publish_team_event
 from .models import Decision, KillSwitch, Run, Scope, WebhookDelivery
 from .policy_cache import rules_for_version

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from policies.models import PolicyVersion
+from governance_client.rules import Policy
 
-from .rules import Policy
+from policies.models import PolicyVersion
 
 
 @lru_cache(maxsize=4096)

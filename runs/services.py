@@ -15,10 +15,11 @@ from django.db import DatabaseError, IntegrityError, OperationalError, connectio
 from django.db.models import Q
 from django.utils import timezone
 
+from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 
-from . import metrics, rules
+from . import metrics
 from .check_store import (
     DecisionRow,
     DuplicateCheck,

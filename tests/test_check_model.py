@@ -1,6 +1,6 @@
 """Model-based test of the check API: a hypothesis state machine drives runs through the real
 API (Django's test client, real database) and compares every answer with a small model of
-SPEC section 4 written here, independently of runs/rules.py.
+SPEC section 4 written here, independently of governance_client/rules.py.
 
 The model knows nothing of hashes or canonical JSON: actions, args, progress values and error
 texts are drawn from equivalence classes (spellings the SPEC says are the same thing), and the

@@ -1,6 +1,6 @@
-"""The pure decision rules of SPEC section 4 (runs/rules.py), rule by rule and boundary by
-boundary, in the order of SPEC 4.4, then terminal runs, shadow mode, the kill switch, finish,
-kill, redaction, replays and the seed scenarios.
+"""The pure decision rules of SPEC section 4 (governance_client/rules.py), rule by rule and
+boundary by boundary, in the order of SPEC 4.4, then terminal runs, shadow mode, the kill
+switch, finish, kill, redaction, replays and the seed scenarios.
 
 Everything here is pure: no database, no clock (``now`` is passed in), no network.
 """
@@ -16,9 +16,7 @@ from typing import Any
 
 import pytest
 from governance_client.keys import repeat_key
-
-from policies.document import default_policy
-from runs.rules import (
+from governance_client.rules import (
     ALLOW,
     KILLED,
     REASONS,
@@ -40,6 +38,8 @@ from runs.rules import (
     replay_allowed,
     terminal_decision,
 )
+
+from policies.document import default_policy
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 

@@ -19,10 +19,7 @@ from fractions import Fraction
 from typing import Any
 
 from governance_client.keys import repeat_key
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
-
-from runs.rules import (
+from governance_client.rules import (
     ALLOW,
     RUNNING,
     STOP,
@@ -35,6 +32,8 @@ from runs.rules import (
     RunState,
     evaluate,
 )
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 FAST = settings(max_examples=75, deadline=None)

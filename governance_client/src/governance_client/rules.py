@@ -15,7 +15,7 @@ from decimal import Decimal
 from fnmatch import fnmatchcase
 from typing import Any
 
-from governance_client.keys import canonical, normalize_text, repeat_key
+from .keys import canonical, normalize_text, repeat_key
 
 RUNNING = "running"
 STOPPED = "stopped"
