@@ -1,5 +1,5 @@
 """In-process costs of the check's request handling, without HTTP or database: what ninja's
-generic machinery would cost per check, against what the check does instead (runs/api.py).
+generic machinery would cost per check, against what the check does instead (runs/check/api.py).
 
 Reported as microseconds of CPU per call, best of several rounds, so that a busy machine
 disturbs it less than the load points.
@@ -43,9 +43,9 @@ def measure(*, quick: bool) -> dict[str, float]:
     from django.http import HttpResponse
     from django.test import RequestFactory, override_settings
 
-    from runs import metrics
-    from runs import schemas as s
-    from runs.api import _check_payload
+    from runs.check import metrics
+    from runs.check import schemas as s
+    from runs.check.api import _check_payload
 
     rounds, calls = (3, 300) if quick else (7, 1000)
     body = json.dumps(ag.script(ag.NORMAL, "0123456789abcdef0123")[5]).encode()

@@ -55,7 +55,7 @@ def reset_runs() -> None:
     rows (the teams, policies and keys stay)."""
     from django.db import connection
 
-    from policies.retention import audit_maintenance
+    from runs.audit.retention import audit_maintenance
 
     # The audit tables refuse TRUNCATE outside a maintenance transaction (docs/reliability.md).
     with audit_maintenance(), connection.cursor() as cursor:

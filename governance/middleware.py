@@ -11,7 +11,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render, resolve_url
 
-from runs.api import error
+from runs.check.api import error
 
 from .throttle import Throttle, source_of
 

@@ -211,7 +211,7 @@ STATIC_ROOT = BASE_DIR / "staticfiles"
 
 # --- The check API ---------------------------------------------------------------------------
 CHECK_MAX_BODY_BYTES = 64 * 1024
-# Prometheus metrics (runs/metrics.py): off when unset; when set, /metrics answers only a
+# Prometheus metrics (runs/check/metrics.py): off when unset; when set, /metrics answers only a
 # scraper sending "Authorization: Bearer <METRICS_TOKEN>".
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN") or ""
 DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024

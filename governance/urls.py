@@ -1,7 +1,7 @@
 from django.urls import include, path
 
-from runs.api import api
-from runs.metrics import metrics_view
+from runs.check.api import api
+from runs.check.metrics import metrics_view
 
 from . import views
 
@@ -10,7 +10,7 @@ urlpatterns = [
     path("readyz", views.readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),
     path("api/v1/", api.urls),
-    path("", include("runs.killswitch_urls")),
-    path("", include("runs.urls")),
+    path("", include("runs.killswitch.urls")),
+    path("", include("runs.dashboard.urls")),
     path("", include("policies.urls")),
 ]

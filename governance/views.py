@@ -5,7 +5,7 @@ from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 
-from runs.events import redis_client
+from runs.live.events import redis_client
 
 
 @never_cache

@@ -150,7 +150,7 @@ def agent_key_revoke(*, key: AgentKey, actor: AbstractBaseUser | None) -> None:
 class KeyClaim:
     """A bearer token that has the shape of an agent key: the prefix that finds its row and
     the hash that row must hold. Parsing needs no database, so the check can look the key up
-    in the same statement that locks the run (runs/check_store.py)."""
+    in the same statement that locks the run (runs/check/check_store.py)."""
 
     prefix: str
     digest: str

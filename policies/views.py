@@ -16,7 +16,7 @@ from django.shortcuts import redirect, render
 from django.utils.text import slugify
 from django.views.decorators.http import require_POST, require_safe
 
-from runs.dashboard import running_on_old_versions
+from runs.dashboard.selectors import running_on_old_versions
 
 from . import selectors
 from .access import can, team_view, teams_of

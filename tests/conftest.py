@@ -172,7 +172,7 @@ def _fresh_throttles() -> Iterator[None]:
         throttle.reset()
     # Rolled-back tests hand their ids out again on SQLite: a parsed policy cached by
     # version id in one test must not be another test's version of the same id.
-    from runs.policy_cache import rules_for_version
+    from runs.check.policy_cache import rules_for_version
 
     rules_for_version.cache_clear()
     # A test that stopped the cache's Redis must not break the next one.

@@ -24,7 +24,7 @@ def _audit_tables_flushable() -> Iterator[None]:
         return
     from django.db.backends.postgresql.operations import DatabaseOperations
 
-    from policies.retention import MAINTENANCE_SETTING
+    from runs.audit.retention import MAINTENANCE_SETTING
 
     original = DatabaseOperations.execute_sql_flush
 

@@ -1,6 +1,6 @@
 """Schemathesis against the running server's own /api/v1/openapi.json: generated requests,
 valid and invalid, to every operation, and sequences that follow a started run through the
-OpenAPI links (runs/api.py). No 5xx, and every answer conforms to the published schema."""
+OpenAPI links (runs/check/api.py). No 5xx, and every answer conforms to the published schema."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ from django.contrib.auth.models import User
 from django.db import DatabaseError, connection, transaction
 
 from policies.models import OperatorEvent, Team
-from policies.retention import audit_maintenance
 from policies.services import audit
+from runs.audit.retention import audit_maintenance
 from runs.models import Decision, Run
 
 pytestmark = [pytest.mark.django_db, pytest.mark.postgres]

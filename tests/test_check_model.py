@@ -35,7 +35,7 @@ from policies.models import Team
 from policies.services import agent_key_create, policy_save, team_ensure
 
 # Transactional: outside a test transaction the check takes its production path on
-# PostgreSQL (runs/check_store.py), not the ORM fallback used inside an atomic block.
+# PostgreSQL (runs/check/check_store.py), not the ORM fallback used inside an atomic block.
 pytestmark = pytest.mark.django_db(transaction=True)
 
 # --- The model ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from django.urls import reverse
 from policies.document import DocumentError, parse_document
 from policies.models import OperatorEvent, Policy, Team
 from policies.services import agent_key_create
-from runs.policy_cache import rules_for_version
+from runs.check.policy_cache import rules_for_version
 
 pytestmark = pytest.mark.django_db
 

@@ -18,8 +18,8 @@ from django.utils import timezone
 
 from policies.models import Team
 from policies.services import agent_key_create
+from runs.check.policy_cache import rules_for_version
 from runs.models import Decision, KillSwitch, Run
-from runs.policy_cache import rules_for_version
 from tests.conftest import set_policy
 
 

@@ -1,4 +1,4 @@
-"""Live-update wake-ups (runs/events.py): the in-process broker, and Redis through the
+"""Live-update wake-ups (runs/live/events.py): the in-process broker, and Redis through the
 publisher thread, which coalesces a team's wake-ups and never holds a request."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from runs import events
-from runs.events import CHANNEL_PREFIX, publish_team_event, redis_publisher, wakeups
+from runs.live import events
+from runs.live.events import CHANNEL_PREFIX, publish_team_event, redis_publisher, wakeups
 
 
 def unused_team_id() -> int:

@@ -20,14 +20,14 @@ from django.utils import timezone
 
 from governance.celery import app as celery_app
 from policies.models import OperatorEvent
-from runs import webhooks
-from runs.killswitch import (
+from runs.killswitch.services import (
     KillSwitchError,
     killswitch_engage,
     killswitch_fanout,
     killswitch_release,
 )
 from runs.models import Decision, KillSwitch, Run, WebhookAttempt, WebhookDelivery
+from runs.webhooks import delivery as webhooks
 from tests.conftest import set_policy
 from tests.workers import Receiver, wait_for
 
@@ -253,7 +253,7 @@ def test_the_engage_refuses_to_run_inside_an_open_transaction(team):
 
 def test_a_broker_outage_does_not_fail_the_engage_and_the_runs_are_still_killed(
         api, team, commit, monkeypatch):
-    from runs.tasks import killswitch_fanout_task
+    from runs.killswitch.tasks import killswitch_fanout_task
 
     def broker_down(*args: Any, **kwargs: Any) -> None:
         raise ConnectionError("Redis is down")

@@ -17,10 +17,10 @@ import pytest
 
 from policies.models import Team
 from policies.services import agent_key_create, team_ensure
-from runs import webhooks
-from runs.killswitch import killswitch_engage
+from runs.check.services import run_start
+from runs.killswitch.services import killswitch_engage
 from runs.models import Decision, KillSwitch, Run, WebhookDelivery
-from runs.services import run_start
+from runs.webhooks import delivery as webhooks
 from tests.conftest import HAS_REDIS, set_policy
 from tests.workers import Receiver, Worker, wait_for, workers_fixture  # noqa: F401 (fixture)
 from tests.workers import new_worker as start_worker_for

@@ -7,9 +7,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from runs.killswitch import stale_work
+from runs.killswitch.services import stale_work
+from runs.killswitch.tasks import killswitch_sweep_task
 from runs.models import KillSwitch, WebhookDelivery
-from runs.tasks import killswitch_sweep_task
 
 pytestmark = pytest.mark.django_db
 

@@ -19,8 +19,8 @@ from django.test import Client
 from django.utils import timezone
 
 from policies.models import OperatorEvent, Team
-from policies.retention import prune_audit
 from policies.services import agent_key_create, audit, team_ensure
+from runs.audit.retention import prune_audit
 from runs.models import Decision, Run
 from tests.conftest import ON_POSTGRES
 
@@ -196,7 +196,7 @@ def test_the_command_refuses_an_unknown_team(world: dict[str, Any], tmp_path: Pa
 
 def test_the_daily_task_prunes_into_the_configured_directory(
         world: dict[str, Any], tmp_path: Path, settings: Any) -> None:
-    from policies.tasks import prune_audit as task
+    from runs.audit.tasks import prune_audit as task
 
     settings.AUDIT_EXPORT_DIR = tmp_path
     results = task.apply().get()

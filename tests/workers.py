@@ -86,7 +86,7 @@ def start_worker(*, visibility_timeout: int = 5, env: dict[str, str] | None = No
 
 def purge_broker() -> None:
     """Drop queued and unacked messages left by an earlier test (their ids mean nothing now)."""
-    from runs.events import redis_client
+    from runs.live.events import redis_client
 
     client = redis_client()
     if client is not None:
@@ -148,7 +148,7 @@ class Receiver:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def start(self) -> Receiver:
-        from runs.webhooks import verify
+        from runs.webhooks.delivery import verify
 
         receiver = self
 

@@ -10,7 +10,7 @@ from django.urls import reverse
 
 from policies.access import can, role_in
 from policies.models import Role, Team
-from runs.killswitch import describe_target, engaged_for_team
+from runs.killswitch.services import describe_target, engaged_for_team
 from runs.models import KillSwitch, Scope
 
 register = template.Library()

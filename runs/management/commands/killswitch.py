@@ -8,7 +8,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from policies.models import Team
-from runs.killswitch import (
+from runs.killswitch.services import (
     KillSwitchError,
     covered_running,
     describe_target,

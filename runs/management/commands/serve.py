@@ -53,7 +53,7 @@ class Command(BaseCommand):
 
 def _prepare_metrics_dir() -> None:
     """Metrics on: the workers share prometheus_client's multiprocess files, in a directory
-    emptied at each start so that counts never mix two servers' lives (runs/metrics.py)."""
+    emptied at each start so that counts never mix two servers' lives (runs/check/metrics.py)."""
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not path:
         path = tempfile.mkdtemp(prefix="governance-metrics-")

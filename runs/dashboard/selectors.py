@@ -16,8 +16,7 @@ from django.db.models.functions import TruncHour
 from django.utils import timezone
 
 from policies.models import Policy, Team
-
-from .models import Decision, KillSwitch, Run, Scope
+from runs.models import Decision, KillSwitch, Run, Scope
 
 RUN_STATUSES = ("running", "stopped", "killed", "completed", "failed")
 TERMINAL_STOPS = ("stopped", "killed")

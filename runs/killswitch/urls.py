@@ -3,7 +3,7 @@ module can change without touching these: the run page links to ``runs:killswitc
 
 from django.urls import path
 
-from . import killswitch_views as views
+from runs.killswitch import views
 
 app_name = "runs"
 

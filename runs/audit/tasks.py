@@ -7,7 +7,7 @@ from typing import Any
 from celery import shared_task
 from django.conf import settings
 
-from . import retention
+from runs.audit import retention
 
 
 @shared_task(name="policies.tasks.prune_audit")

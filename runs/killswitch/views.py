@@ -1,6 +1,7 @@
 """Kill switch screens (SPEC 6, 7): the team page, engage (team, agent, run) with a
 confirmation step, release, and the superuser's global switch. Views only translate between
-HTTP and runs/killswitch.py; RBAC is the team_view decorator's (outsider 404, low role 403).
+HTTP and runs/killswitch/services.py;
+RBAC is the team_view decorator's (outsider 404, low role 403).
 
 Engaging is two POSTs: the first (or a GET) shows what will stop and asks for a reason, the
 second carries ``confirmed`` and engages. Under htmx both answer fragments, so the run page
@@ -25,9 +26,7 @@ from django.views.decorators.http import require_http_methods, require_POST, req
 from policies.access import can, team_view
 from policies.models import Role
 from policies.views import page
-
-from . import webhooks
-from .killswitch import (
+from runs.killswitch.services import (
     AGENT_NAME,
     MAX_REASON,
     KillSwitchError,
@@ -40,7 +39,8 @@ from .killswitch import (
     killswitch_release,
     resolve_target,
 )
-from .models import KillSwitch, Run, Scope
+from runs.models import KillSwitch, Run, Scope
+from runs.webhooks import delivery as webhooks
 
 
 class ReasonForm(forms.Form):

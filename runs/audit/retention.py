@@ -30,9 +30,8 @@ from django.db import connections, transaction
 from django.utils import timezone
 from governance_client.rules import TERMINAL
 
+from policies.models import OperatorEvent, Team
 from runs.models import Decision, Run
-
-from .models import OperatorEvent, Team
 
 MAINTENANCE_SETTING = "governance.audit_maintenance"
 BATCH = 500

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .dashboard import HourlyActivity
+from runs.dashboard.selectors import HourlyActivity
 
 REASON_COLORS = {
     "killed": "#7c3aed",

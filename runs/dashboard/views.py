@@ -1,5 +1,5 @@
 """Dashboard screens for runs (SPEC section 7): the team overview, the live runs list and the
-live run page, and their server-sent event streams (runs/stream.py)."""
+live run page, and their server-sent event streams (runs/dashboard/stream.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,16 @@ from django.views.decorators.http import require_safe
 from policies.access import team_view
 from policies.models import Role
 from policies.views import page
-
-from . import dashboard, presenters, selectors
-from .stream import OverviewSource, RunsListSource, RunSource, last_event_id, sse_response
+from runs.audit import selectors
+from runs.dashboard import presenters
+from runs.dashboard import selectors as dashboard
+from runs.dashboard.stream import (
+    OverviewSource,
+    RunsListSource,
+    RunSource,
+    last_event_id,
+    sse_response,
+)
 
 
 @team_view(Role.VIEWER)

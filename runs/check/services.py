@@ -18,9 +18,8 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
-
-from . import metrics
-from .check_store import (
+from runs.check import metrics
+from runs.check.check_store import (
     DecisionRow,
     DuplicateCheck,
     RunRow,
@@ -28,9 +27,9 @@ from .check_store import (
     StaleConnection,
     check_transaction,
 )
-from .events import publish_run_event
-from .models import KillSwitch, Run, Scope
-from .policy_cache import rules_for_version
+from runs.check.policy_cache import rules_for_version
+from runs.live.events import publish_run_event
+from runs.models import KillSwitch, Run, Scope
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +207,7 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[
     """Decide one check and answer it (SPEC 4, 5.2): authenticate the key, lock the run,
     apply the pure rules, store the new state and the audit record in one transaction.
 
-    The key is looked up in the statement that locks the run (runs/check_store.py), so a
+    The key is looked up in the statement that locks the run (runs/check/check_store.py), so a
     check costs two round trips to PostgreSQL; a revoked or unknown key answers 401, another
     team's run 404, before anything is written.
     """

@@ -4,7 +4,7 @@ kill.
 
 Each task takes ids, calls a service and is idempotent: ``acks_late`` with
 ``reject_on_worker_lost`` means a task whose worker dies is delivered again, and running it
-twice changes nothing the second time (runs/killswitch.py, runs/webhooks.py).
+twice changes nothing the second time (runs/killswitch/services.py, runs/webhooks/delivery.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from celery import shared_task
 from django.db import DatabaseError, InterfaceError
 from kombu.exceptions import OperationalError as BrokerError
 
-from . import killswitch, webhooks
-from .models import KillSwitch, Scope
+from runs.killswitch import services as killswitch
+from runs.models import KillSwitch, Scope
+from runs.webhooks import delivery as webhooks
 
 # A run whose start transaction read "no switch" just before the engage committed can commit
 # just after the fan-out looked (PostgreSQL, READ COMMITTED): one more pass a little later

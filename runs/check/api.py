@@ -1,4 +1,4 @@
-"""The agent HTTP API (SPEC section 5): thin views over runs/services.py.
+"""The agent HTTP API (SPEC section 5): thin views over runs/check/services.py.
 
 django-ninja is used for one reason: the pydantic schemas that validate each request also
 generate /api/v1/openapi.json, so the published contract is the code. Its own error shapes
@@ -26,10 +26,10 @@ from ninja.security import HttpBearer
 from pydantic import ValidationError as PydanticValidationError
 
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
-
-from . import metrics, selectors
-from . import schemas as s
-from .services import CheckRequest, ServiceError, run_check, run_finish, run_start
+from runs.audit import selectors
+from runs.check import metrics
+from runs.check import schemas as s
+from runs.check.services import CheckRequest, ServiceError, run_check, run_finish, run_start
 
 log = logging.getLogger(__name__)
 MICRO = Decimal("0.000001")

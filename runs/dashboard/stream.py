@@ -33,11 +33,10 @@ from django.http import HttpRequest, StreamingHttpResponse
 from django.template.loader import render_to_string
 
 from policies.models import Team
-
-from .dashboard import RunFilters, timeline
-from .events import wakeups
-from .models import Run
-from .presenters import overview_context, run_context, runs_list_context, step_row
+from runs.dashboard.presenters import overview_context, run_context, runs_list_context, step_row
+from runs.dashboard.selectors import RunFilters, timeline
+from runs.live.events import wakeups
+from runs.models import Run
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,7 @@ from django.http import Http404
 from django.utils import timezone
 
 from policies.models import PolicyVersion, Team
-
-from .models import Decision, Run
+from runs.models import Decision, Run
 
 
 def policy_json(version: PolicyVersion) -> dict[str, Any]:

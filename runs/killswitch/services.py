@@ -1,7 +1,7 @@
 """Kill switch services (SPEC 6): engage, release, and the fan-out the Celery tasks run.
 
 The switch row is the authority. The check reads engaged switches inside its transaction,
-after locking the run (runs/services.py), so the commit of the engage transaction is the
+after locking the run (runs/check/services.py), so the commit of the engage transaction is the
 moment from which every check of a covered run stops, in every process, with nothing in
 between (no cache, no queue). Everything after that commit is fan-out: marking the covered
 runs ``killed`` with an audit record, waking screens, notifying webhooks. It runs on Celery,
@@ -25,12 +25,11 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import Team
 from policies.services import audit
-
-from .events import publish_run_event, publish_team_event
-from .models import Decision, KillSwitch, Run, Scope, WebhookDelivery
-from .policy_cache import rules_for_version
-from .services import describe_switch, state_of
-from .webhooks import PENDING, payload_for
+from runs.check.policy_cache import rules_for_version
+from runs.check.services import describe_switch, state_of
+from runs.live.events import publish_run_event, publish_team_event
+from runs.models import Decision, KillSwitch, Run, Scope, WebhookDelivery
+from runs.webhooks.delivery import PENDING, payload_for
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +161,7 @@ def _wake(team: Team | None) -> None:
 
 
 def _enqueue_fanout(switch_id: int) -> None:
-    from .tasks import killswitch_fanout_task
+    from runs.killswitch.tasks import killswitch_fanout_task
 
     try:
         killswitch_fanout_task.delay(switch_id)
@@ -384,7 +383,7 @@ def stale_work(*, now: datetime | None = None) -> tuple[list[int], list[tuple[in
     cutoff = (now or timezone.now()) - STALE_AFTER
     fanouts = list(KillSwitch.objects.filter(fanout_done_at__isnull=True, engaged_at__lt=cutoff)
                    .values_list("pk", flat=True))
-    # Every old pending delivery is named; the delivery's own claim (runs/webhooks.py) lets
+    # Every old pending delivery is named; the delivery's own claim (runs/webhooks/delivery.py) lets
     # a message through only when its attempt is really due, so a live chain is not doubled.
     deliveries = [(pk, max(attempts, 1)) for pk, attempts in WebhookDelivery.objects.filter(
         status=PENDING, created_at__lt=cutoff).values_list("pk", "attempts")]

@@ -29,8 +29,7 @@ from django.db import connections, transaction
 from django.utils import timezone
 
 from policies.models import Team
-
-from .models import KillSwitch, WebhookAttempt, WebhookDelivery
+from runs.models import KillSwitch, WebhookAttempt, WebhookDelivery
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +206,7 @@ def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
         timer.daemon = True
         timer.start()
         return
-    from .tasks import webhook_deliver_task
+    from runs.killswitch.tasks import webhook_deliver_task
 
     webhook_deliver_task.apply_async((delivery_id, number), countdown=delay)
 

@@ -7,7 +7,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from policies.models import Team
-from policies.retention import prune_audit
+from runs.audit.retention import prune_audit
 
 
 class Command(BaseCommand):

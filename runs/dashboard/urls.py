@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views
+from runs.dashboard import views
 
 urlpatterns = [
     path("teams/<slug:slug>/", views.overview, name="overview"),

@@ -1,6 +1,6 @@
 """The check's reads and writes: the database side of every agent step (SPEC 4.5).
 
-`run_check` (runs/services.py) needs, in one transaction: the agent key, the run locked
+`run_check` (runs/check/services.py) needs, in one transaction: the agent key, the run locked
 against concurrent checks, the engaged kill switch that covers the run, and the earlier
 answer to a retried `check_id`; then it writes the run's new state and the audit record.
 The decision itself is computed by the pure rules in between, never in SQL.
@@ -51,8 +51,7 @@ from django.db import (
 )
 
 from policies.models import AgentKey
-
-from .models import Decision, KillSwitch, Run
+from runs.models import Decision, KillSwitch, Run
 
 RUNNING = "running"
 
@@ -364,7 +363,7 @@ class OrmCheck:
         self.db_seconds = 0.0
 
     def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None) -> Locked | None:
-        from .services import covering_switch
+        from runs.check.services import covering_switch
 
         started = time.perf_counter()
         try:

@@ -15,10 +15,9 @@ from typing import Any
 from django.utils import timezone
 
 from policies.models import Team
-
-from . import dashboard
-from .models import Decision, Run
-from .selectors import elapsed_s
+from runs.audit.selectors import elapsed_s
+from runs.dashboard import selectors as dashboard
+from runs.models import Decision, Run
 
 ARGS_PREVIEW_CHARS = 80
 ARGS_FULL_CHARS = 4000
@@ -165,7 +164,7 @@ def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
 
 def overview_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
     """The context of the overview's live partials."""
-    from .charts import activity_chart
+    from runs.dashboard.charts import activity_chart
 
     now = now or timezone.now()
     running, running_count = dashboard.running_runs(team)
