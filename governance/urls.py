@@ -2,6 +2,8 @@ from django.urls import include, path
 
 from runs.check.api import api
 from runs.check.metrics import metrics_view
+from runs.dashboard import urls as dashboard_urls
+from runs.killswitch import urls as killswitch_urls
 
 from . import views
 
@@ -10,7 +12,7 @@ urlpatterns = [
     path("readyz", views.readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),
     path("api/v1/", api.urls),
-    path("", include("runs.killswitch.urls")),
-    path("", include("runs.dashboard.urls")),
+    # Every page of the runs app, the dashboard's and the kill switch's, in one namespace.
+    path("", include(([*killswitch_urls.urlpatterns, *dashboard_urls.urlpatterns], "runs"))),
     path("", include("policies.urls")),
 ]

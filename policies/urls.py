@@ -3,7 +3,7 @@ from django.urls import path
 
 from . import views
 
-T = "teams/<slug:slug>/"
+TEAM = "teams/<slug:slug>/"  # a team's pages are under its slug
 
 urlpatterns = [
     path("", views.home, name="home"),
@@ -14,20 +14,20 @@ urlpatterns = [
          name="password_change"),
     path("accounts/password/done/", auth_views.PasswordChangeDoneView.as_view(),
          name="password_change_done"),
-    path(T + "policies/", views.policies, name="policies"),
-    path(T + "policies.yaml", views.policies_export, name="policies_export"),
-    path(T + "policies-import", views.policies_import, name="policies_import"),
-    path(T + "policies-new", views.policy_new, name="policy_new"),
+    path(TEAM + "policies/", views.policies, name="policies"),
+    path(TEAM + "policies.yaml", views.policies_export, name="policies_export"),
+    path(TEAM + "policies-import", views.policies_import, name="policies_import"),
+    path(TEAM + "policies-new", views.policy_new, name="policy_new"),
     # "-" is the editor of a policy not saved yet (the new-policy form validates here too).
-    path(T + "policies/<slug:name>/", views.policy_detail, name="policy"),
-    path(T + "policies/<slug:name>/save", views.policy_save_view, name="policy_save"),
-    path(T + "policies/<slug:name>/validate", views.policy_validate, name="policy_validate"),
-    path(T + "policies/<slug:name>/history", views.policy_history, name="policy_history"),
-    path(T + "keys/", views.keys, name="keys"),
-    path(T + "keys/<int:key_id>/revoke", views.key_revoke, name="key_revoke"),
-    path(T + "members/", views.members, name="members"),
-    path(T + "members/<int:membership_id>/role", views.member_role, name="member_role"),
-    path(T + "members/<int:membership_id>/remove", views.member_remove, name="member_remove"),
-    path(T + "settings/", views.team_settings, name="team_settings"),
-    path(T + "audit/", views.audit_log, name="audit"),
+    path(TEAM + "policies/<slug:name>/", views.policy_detail, name="policy"),
+    path(TEAM + "policies/<slug:name>/save", views.policy_save_view, name="policy_save"),
+    path(TEAM + "policies/<slug:name>/validate", views.policy_validate, name="policy_validate"),
+    path(TEAM + "policies/<slug:name>/history", views.policy_history, name="policy_history"),
+    path(TEAM + "keys/", views.keys, name="keys"),
+    path(TEAM + "keys/<int:key_id>/revoke", views.key_revoke, name="key_revoke"),
+    path(TEAM + "members/", views.members, name="members"),
+    path(TEAM + "members/<int:membership_id>/role", views.member_role, name="member_role"),
+    path(TEAM + "members/<int:membership_id>/remove", views.member_remove, name="member_remove"),
+    path(TEAM + "settings/", views.team_settings, name="team_settings"),
+    path(TEAM + "audit/", views.audit_log, name="audit"),
 ]

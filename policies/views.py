@@ -65,7 +65,7 @@ def page(request: HttpRequest, template: str, context: dict[str, Any] | None = N
 def home(request: HttpRequest) -> HttpResponse:
     teams = teams_of(request.user)
     if len(teams) == 1:
-        return redirect("overview", slug=teams[0].slug)
+        return redirect("runs:overview", slug=teams[0].slug)
     return page(request, "home.html", {"team_list": teams})
 
 

@@ -48,9 +48,9 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
                    "no_progress_window": "4", "max_seconds": "45", "max_usd": "1",
                    "error_threshold": "3", "error_action": "nudge", "redact_args": "password"}
     return [
-        ("GET", u("overview"), VIEWER, {}),
-        ("GET", u("runs"), VIEWER, {}),
-        ("GET", u("run", run_id=run), VIEWER, {}),
+        ("GET", u("runs:overview"), VIEWER, {}),
+        ("GET", u("runs:runs"), VIEWER, {}),
+        ("GET", u("runs:run", run_id=run), VIEWER, {}),
         ("GET", u("policies"), VIEWER, {}),
         ("GET", u("policies_export"), VIEWER, {}),
         ("GET", u("policy", name="default"), VIEWER, {}),
@@ -76,7 +76,7 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
     ]
 
 
-STREAMS = ["overview_stream", "runs_stream", "run_stream"]
+STREAMS = ["runs:overview_stream", "runs:runs_stream", "runs:run_stream"]
 
 
 @pytest.fixture(autouse=True)
@@ -133,7 +133,7 @@ def test_an_outsider_gets_404_and_changes_nothing(team, world, users):
 def test_a_run_of_another_team_is_404_even_under_my_team(team, other_team, users):
     foreign = make_run(other_team)
     client = signed_in("admin")
-    for name in ("run", "run_stream"):
+    for name in ("runs:run", "runs:run_stream"):
         url = reverse(name, kwargs={"slug": team.slug, "run_id": foreign.pk})
         assert client.get(url).status_code == 404
 
@@ -156,7 +156,7 @@ def test_another_teams_key_and_membership_cannot_be_reached_through_my_team(
 def test_streams_follow_the_same_rules(name, team, world, settings):
     settings.DASHBOARD_STREAM_SECONDS = 0
     kwargs: dict[str, Any] = {"slug": team.slug}
-    if name == "run_stream":
+    if name == "runs:run_stream":
         kwargs["run_id"] = world["run"].pk
     url = reverse(name, kwargs=kwargs)
     assert Client().get(url).status_code == 302
@@ -169,7 +169,7 @@ def test_streams_follow_the_same_rules(name, team, world, settings):
 
 def test_get_only_pages_refuse_post_and_post_only_endpoints_refuse_get(team, world):
     client = signed_in("admin")
-    assert client.post(reverse("overview", kwargs={"slug": team.slug})).status_code == 405
+    assert client.post(reverse("runs:overview", kwargs={"slug": team.slug})).status_code == 405
     assert client.get(reverse("key_revoke", kwargs={"slug": team.slug,
                                                     "key_id": world["key"].pk})).status_code == 405
 
@@ -183,10 +183,10 @@ def test_posts_without_a_csrf_token_are_refused(team, world):
 
 
 def test_the_team_switcher_lists_only_my_teams(team, other_team, users):
-    page = signed_in("viewer").get(reverse("overview", kwargs={"slug": team.slug}))
+    page = signed_in("viewer").get(reverse("runs:overview", kwargs={"slug": team.slug}))
     assert b"Customer support" in page.content
     assert b"Billing" not in page.content
-    page = signed_in("superuser").get(reverse("overview", kwargs={"slug": team.slug}))
+    page = signed_in("superuser").get(reverse("runs:overview", kwargs={"slug": team.slug}))
     assert b"Billing" in page.content
 
 

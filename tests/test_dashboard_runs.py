@@ -106,10 +106,10 @@ def test_the_overview_shows_running_runs_stops_by_reason_loops_and_switches(team
     KillSwitch.objects.create(scope="agent", team=team, agent="runner", target="agent:x",
                               reason="runaway", engaged_by_label="admin",
                               engaged_at=timezone.now())
-    page = as_user(users).get(reverse("overview", kwargs={"slug": team.slug}))
+    page = as_user(users).get(reverse("runs:overview", kwargs={"slug": team.slug}))
     html = page.content.decode()
     assert page.status_code == 200
-    assert reverse("run", kwargs={"slug": team.slug, "run_id": running.pk}) in html
+    assert reverse("runs:run", kwargs={"slug": team.slug, "run_id": running.pk}) in html
     assert "<svg" in html and "stopped by loop_detected" in html  # the chart's bar title
     assert "search.docs" in html  # top looping tools
     assert "Agent runner" in html and "runaway" in html  # the engaged switch
@@ -121,14 +121,14 @@ def test_the_overview_ignores_other_teams_and_released_switches(team, other_team
                               engaged_by_label="x", engaged_at=timezone.now())
     KillSwitch.objects.create(scope="team", team=team, target="team:y", reason="old",
                               engaged_by_label="x", engaged_at=timezone.now(), active=False)
-    html = as_user(users).get(reverse("overview", kwargs={"slug": team.slug})).content.decode()
+    html = as_user(users).get(reverse("runs:overview", kwargs={"slug": team.slug})).content.decode()
     assert "their-bot" not in html and "theirs" not in html and "old" not in html
     assert "None engaged" in html
 
 
 def test_the_overview_stream_sends_its_partials(team, users):
     start(team, "runner")
-    response = as_user(users).get(reverse("overview_stream", kwargs={"slug": team.slug}))
+    response = as_user(users).get(reverse("runs:overview_stream", kwargs={"slug": team.slug}))
     names = {e["event"] for e in events(read_all(response))}
     assert {"overview-running", "overview-chart", "overview-switches", "overview-loops"} <= names
 
@@ -143,7 +143,7 @@ def test_the_runs_list_filters_by_status_agent_and_stop_reason(team, users):
     check(team, c)
     check(team, c)  # the second check passes max_steps=1
     client = as_user(users)
-    url = reverse("runs", kwargs={"slug": team.slug})
+    url = reverse("runs:runs", kwargs={"slug": team.slug})
     html = client.get(url).content.decode()
     assert all(str(r.pk)[:8] in html for r in (a, b, c))
     html = client.get(url, {"status": "stopped"}).content.decode()
@@ -157,7 +157,7 @@ def test_the_runs_list_filters_by_status_agent_and_stop_reason(team, users):
 def test_the_runs_list_is_paginated(team, users):
     runs = [start(team, f"bot-{i:02d}") for i in range(27)]
     client = as_user(users)
-    url = reverse("runs", kwargs={"slug": team.slug})
+    url = reverse("runs:runs", kwargs={"slug": team.slug})
     first = client.get(url).content.decode()
     assert "Page 1 of 2" in first
     assert f'id="run-{runs[-1].pk}"' in first and f'id="run-{runs[0].pk}"' not in first
@@ -167,7 +167,7 @@ def test_the_runs_list_is_paginated(team, users):
 
 def test_an_htmx_filter_change_gets_only_the_region(team, users):
     start(team, "alpha")
-    response = as_user(users).get(reverse("runs", kwargs={"slug": team.slug}),
+    response = as_user(users).get(reverse("runs:runs", kwargs={"slug": team.slug}),
                                   {"agent": "alpha"}, HTTP_HX_REQUEST="true",
                                   HTTP_HX_TARGET="runs-region")
     html = response.content.decode()
@@ -178,7 +178,7 @@ def test_an_htmx_filter_change_gets_only_the_region(team, users):
 
 def test_the_runs_stream_sends_the_table_again_when_a_run_changes(team, users):
     run = start(team, "alpha")
-    response = as_user(users).get(reverse("runs_stream", kwargs={"slug": team.slug}))
+    response = as_user(users).get(reverse("runs:runs_stream", kwargs={"slug": team.slug}))
     chunks: Iterator[bytes] = iter(response.streaming_content)
     assert next(chunks).startswith(b"retry: ")
     first = events(next(chunks).decode())
@@ -200,7 +200,7 @@ def test_the_run_page_shows_steps_counters_and_the_stop_banner(team, users):
     check(team, run, "crm.lookup", {"id": 8})
     check(team, run, "crm.lookup", {"id": 9})  # step 4 > max_steps 3
     run_finish(run, status="stopped", output="Here is what I found so far")
-    html = as_user(users).get(reverse("run", kwargs={"slug": team.slug, "run_id": run.pk})
+    html = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug, "run_id": run.pk})
                               ).content.decode()
     assert "hunter2" not in html and "[redacted]" in html  # args as stored: redacted
     assert "found 3 documents" in html  # the reported result
@@ -217,7 +217,7 @@ def test_the_run_page_shows_steps_counters_and_the_stop_banner(team, users):
 def test_long_args_are_truncated_with_the_full_value_expandable(team, users):
     run = start(team)
     check(team, run, "search.docs", {"query": "x" * 300})
-    html = as_user(users).get(reverse("run", kwargs={"slug": team.slug, "run_id": run.pk})
+    html = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug, "run_id": run.pk})
                               ).content.decode()
     assert "<details>" in html and "…" in html and "x" * 300 in html
 
@@ -226,7 +226,7 @@ def test_the_run_stream_sends_new_steps_live_with_their_decision_id(team, users)
     run = start(team)
     first = check(team, run)
     response = as_user(users).get(
-        reverse("run_stream", kwargs={"slug": team.slug, "run_id": run.pk}),
+        reverse("runs:run_stream", kwargs={"slug": team.slug, "run_id": run.pk}),
         {"after": first["decision_id"]})
     assert response["Content-Type"] == "text/event-stream"
     chunks = iter(response.streaming_content)
@@ -246,7 +246,7 @@ def test_a_reconnect_resumes_after_last_event_id(team, users):
     run = start(team)
     ids = [check(team, run, "step.tool", {"n": i})["decision_id"] for i in range(4)]
     client = as_user(users)
-    url = reverse("run_stream", kwargs={"slug": team.slug, "run_id": run.pk})
+    url = reverse("runs:run_stream", kwargs={"slug": team.slug, "run_id": run.pk})
     everything = [e for e in events(read_all(client.get(url))) if e["event"] == "step"]
     assert [int(e["id"]) for e in everything] == ids
     # The browser sends Last-Event-ID when it reconnects; it wins over the page's `after`.
@@ -261,7 +261,7 @@ def test_the_stop_banner_arrives_over_the_stream_and_a_finished_run_ends_it(team
     run = start(team)
     check(team, run, "same", {"a": 1})
     response = as_user(users).get(
-        reverse("run_stream", kwargs={"slug": team.slug, "run_id": run.pk}))
+        reverse("runs:run_stream", kwargs={"slug": team.slug, "run_id": run.pk}))
     chunks = iter(response.streaming_content)
     next(chunks), next(chunks)
     check(team, run, "same", {"a": 1})  # a loop: stopped
@@ -280,7 +280,7 @@ def test_a_stream_ends_after_its_lifetime_and_tells_the_browser_when_to_retry(te
     run = start(team)
     began = time.monotonic()
     text = read_all(as_user(users).get(
-        reverse("run_stream", kwargs={"slug": team.slug, "run_id": run.pk})))
+        reverse("runs:run_stream", kwargs={"slug": team.slug, "run_id": run.pk})))
     assert 1.5 <= time.monotonic() - began < 5
     assert text.startswith("retry: 1000\n\n")
 
@@ -288,7 +288,7 @@ def test_a_stream_ends_after_its_lifetime_and_tells_the_browser_when_to_retry(te
 def test_the_stream_of_another_teams_run_is_404(team, other_team, users):
     theirs = start(other_team)
     response = as_user(users, "admin").get(
-        reverse("run_stream", kwargs={"slug": team.slug, "run_id": theirs.pk}))
+        reverse("runs:run_stream", kwargs={"slug": team.slug, "run_id": theirs.pk}))
     assert response.status_code == 404
 
 
@@ -308,7 +308,7 @@ def test_under_asgi_the_stream_is_async_and_not_buffered(team, users, settings):
     run = start(team)
     client = AsyncClient()
     client.force_login(users["viewer"])
-    url = reverse("run_stream", kwargs={"slug": team.slug, "run_id": run.pk})
+    url = reverse("runs:run_stream", kwargs={"slug": team.slug, "run_id": run.pk})
 
     async def scenario() -> tuple[float, str]:
         response = await client.get(url)
@@ -339,6 +339,6 @@ def test_under_asgi_the_stream_is_async_and_not_buffered(team, users, settings):
 def test_elapsed_time_counts_against_max_seconds(team, users):
     run = start(team)
     Run.objects.filter(pk=run.pk).update(started_at=timezone.now() - timedelta(seconds=40))
-    html = as_user(users).get(reverse("run", kwargs={"slug": team.slug, "run_id": run.pk})
+    html = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug, "run_id": run.pk})
                               ).content.decode()
     assert "40 s / 45 s" in html and "level-warn" in html

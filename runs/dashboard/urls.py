@@ -1,3 +1,5 @@
+"""The dashboard's run pages, in the ``runs`` namespace (governance/urls.py)."""
+
 from django.urls import path
 
 from runs.dashboard import views

@@ -18,7 +18,7 @@ from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
-from django.urls import NoReverseMatch, reverse
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_POST, require_safe
@@ -61,13 +61,7 @@ def _safe_next(request: HttpRequest, fallback: str) -> str:
 
 
 def _run_page(run: Run) -> str:
-    """The dashboard's run page; the kill switch page if that screen is not there."""
-    for name in ("run", "runs:run"):
-        try:
-            return reverse(name, args=[run.team.slug, run.pk])
-        except NoReverseMatch:
-            continue
-    return reverse("runs:killswitch", args=[run.team.slug])
+    return reverse("runs:run", args=[run.team.slug, run.pk])
 
 
 def _render(request: HttpRequest, full: str, fragment: str, context: dict[str, Any]
