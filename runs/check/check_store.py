@@ -51,6 +51,7 @@ from django.db import (
 )
 
 from policies.models import AgentKey
+from runs.killswitch import cover
 from runs.models import Decision, KillSwitch, Run
 
 RUNNING = "running"
@@ -88,7 +89,7 @@ class Locked:
     team_id: int
     team_slug: str
     run: RunRow | None
-    switch: KillSwitch | None  # unsaved, for describe_switch
+    switch: KillSwitch | None  # unsaved, for cover.switch_in_words
     first: tuple[int, dict[str, Any]] | None  # (decision id, answer) for this check_id
 
 
@@ -157,11 +158,10 @@ def check_transaction() -> Iterator[CheckTransaction]:
 
 # --- PostgreSQL: two round trips ------------------------------------------------------------
 
-# The switch subquery mirrors services.covering_switch (and killswitch.cover_q, and the
-# start's services._NOT_SWITCHED): keep the four in step. It reads with the statement's
-# snapshot, taken when the statement started, so a switch whose engage committed before this
-# check began is always seen (SPEC 4.5).
-LOCK_SQL = """
+# The switch subquery is the cover rule's SQL form (runs/killswitch/cover.py). It reads with
+# the statement's snapshot, taken when the statement started, so a switch whose engage
+# committed before this check began is always seen (SPEC 4.5).
+LOCK_SQL = f"""
 SELECT k.id, k.key_hash, k.last_used_at, k.team_id, t.slug,
        r.id, r.agent, r.policy_version_id, r.status, r.stop_reason, r.steps, r.tool_calls,
        r.cost_usd, r.started_at, r.ended_at, r.memory,
@@ -179,10 +179,7 @@ LEFT JOIN LATERAL (
     SELECT ks.scope, ks.agent, ks.reason, ks.engaged_by_label
     FROM runs_killswitch ks
     WHERE ks.active AND r.status = 'running' AND (
-        ks.scope = 'global'
-        OR (ks.scope = 'team' AND ks.team_id = r.team_id)
-        OR (ks.scope = 'agent' AND ks.team_id = r.team_id AND ks.agent = r.agent)
-        OR (ks.scope = 'run' AND ks.run_id = r.id))
+        {cover.covers_sql(switch="ks", team="r.team_id", agent="r.agent", run="r.id")})
     ORDER BY ks.engaged_at
     LIMIT 1
 ) s ON true
@@ -363,8 +360,6 @@ class OrmCheck:
         self.db_seconds = 0.0
 
     def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None) -> Locked | None:
-        from runs.check.services import covering_switch
-
         started = time.perf_counter()
         try:
             key = (AgentKey.objects.select_related("team")
@@ -388,7 +383,8 @@ class OrmCheck:
                     memory=run_row.memory or {},
                 )
                 if run.status == RUNNING:
-                    switch = covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
+                    switch = cover.covering_switch(team_id=run.team_id, agent=run.agent,
+                                                  run_id=run.id)
                 if check_id is not None:
                     found = (Decision.objects.filter(run_id=run.id, check_id=check_id)
                              .values_list("id", "answer").first())

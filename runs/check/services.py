@@ -12,7 +12,6 @@ from decimal import Decimal
 from typing import Any
 
 from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from governance_client import rules
@@ -28,8 +27,9 @@ from runs.check.check_store import (
     check_transaction,
 )
 from runs.check.policy_cache import rules_for_version
+from runs.killswitch import cover
 from runs.live.events import publish_run_event
-from runs.models import KillSwitch, Run, Scope
+from runs.models import Run
 
 log = logging.getLogger(__name__)
 
@@ -40,33 +40,6 @@ class ServiceError(Exception):
     def __init__(self, status: int, code: str, message: str, fields: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.fields = status, code, message, fields or {}
-
-
-def covering_switch(*, team_id: int, agent: str, run_id: Any | None) -> KillSwitch | None:
-    """The engaged kill switch that covers a run (or a run about to start), if any.
-
-    For a check it is read inside the transaction, after the run lock: a switch committed
-    before this statement starts is always seen, which is the promise of SPEC 4.5. A start
-    reads it only to name the switch that refused it (`_insert_unless_switched`).
-    """
-    cover = (
-        Q(scope=Scope.GLOBAL)
-        | Q(scope=Scope.TEAM, team_id=team_id)
-        | Q(scope=Scope.AGENT, team_id=team_id, agent=agent)
-    )
-    if run_id is not None:
-        cover |= Q(scope=Scope.RUN, run_id=run_id)
-    return KillSwitch.objects.filter(cover, active=True).order_by("engaged_at").first()
-
-
-def describe_switch(switch: KillSwitch) -> str:
-    what = {
-        Scope.GLOBAL: "the global kill switch",
-        Scope.TEAM: "the team kill switch",
-        Scope.AGENT: f"the kill switch of agent {switch.agent}",
-        Scope.RUN: "the kill switch of this run",
-    }[Scope(switch.scope)]
-    return f"{what}, engaged by {switch.engaged_by_label}: {switch.reason}"
 
 
 def state_of(run: Run | RunRow) -> rules.RunState:
@@ -109,10 +82,10 @@ def run_start(
         for _ in range(2):
             if _insert_unless_switched(run):
                 break
-            switch = covering_switch(team_id=team.pk, agent=agent, run_id=None)
+            switch = cover.covering_switch(team_id=team.pk, agent=agent, run_id=None)
             if switch is not None:
                 raise ServiceError(409, "kill_switch_engaged",
-                                   f"No new run may start: {describe_switch(switch)}.")
+                                   f"No new run may start: {cover.switch_in_words(switch)}.")
             # Released between the two statements: the start is tried once more.
         else:
             raise ServiceError(409, "kill_switch_engaged",
@@ -130,13 +103,11 @@ def run_start(
     return run, True
 
 
-# Mirrors covering_switch for a run that does not exist yet (a run switch cannot cover it).
-_NOT_SWITCHED = """
+# The cover rule for a run that does not exist yet; parameters: True, team, team, agent.
+_NOT_SWITCHED = f"""
 WHERE NOT EXISTS (
     SELECT 1 FROM runs_killswitch ks WHERE ks.active = %s AND (
-        ks.scope = 'global'
-        OR (ks.scope = 'team' AND ks.team_id = %s)
-        OR (ks.scope = 'agent' AND ks.team_id = %s AND ks.agent = %s)))
+        {cover.covers_sql(switch="ks", team="%s", agent="%s", run=None)}))
 """
 
 
@@ -258,7 +229,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
             ) if last else None,
             cost_usd=req.cost_usd,
         )
-        kill = describe_switch(locked.switch) if locked.switch is not None else None
+        kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
         decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill)
         answer = _answer_of(decision, new_state, policy, now)
         update = None

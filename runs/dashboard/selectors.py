@@ -11,12 +11,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.paginator import Page, Paginator
-from django.db.models import Count, Max, Q
+from django.db.models import Count, Max
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
 from policies.models import Policy, Team
-from runs.models import Decision, KillSwitch, Run, Scope
+from runs.killswitch import cover
+from runs.models import Decision, KillSwitch, Run
 
 RUN_STATUSES = ("running", "stopped", "killed", "completed", "failed")
 TERMINAL_STOPS = ("stopped", "killed")
@@ -129,11 +130,8 @@ def top_loops(team: Team, *, since: datetime, limit: int = 5) -> list[dict[str, 
 
 def switches_covering(team: Team) -> list[KillSwitch]:
     """Engaged kill switches that stop this team's runs (global, team or one of its agents)."""
-    return list(
-        KillSwitch.objects.filter(active=True).filter(
-            Q(scope=Scope.GLOBAL) | Q(scope__in=[Scope.TEAM, Scope.AGENT], team=team)
-        ).order_by("engaged_at")
-    )
+    return list(KillSwitch.objects.filter(cover.team_switches(team.pk), active=True)
+                .order_by("engaged_at"))
 
 
 def timeline(run: Run, *, after: int = 0, limit: int = 2000) -> list[Decision]:

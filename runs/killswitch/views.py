@@ -26,6 +26,7 @@ from django.views.decorators.http import require_http_methods, require_POST, req
 from policies.access import can, team_view
 from policies.models import Role
 from policies.views import page
+from runs.killswitch import cover
 from runs.killswitch.services import (
     AGENT_NAME,
     MAX_REASON,
@@ -99,6 +100,8 @@ def _engage_flow(request: HttpRequest, target: Target, *, action: str, cancel: s
         "target": target,
         "scope_label": target.describe(),
         "covered": covered_running(target).count(),
+        "covered_words": cover.covered_in_words(target.scope, team=target.team,
+                                                agent=target.agent),
         "engaged": engaged_switch(target),
         "form": form,
         "action_url": action,
