@@ -23,9 +23,9 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_POST, require_safe
 
+from governance.web import page
 from policies.access import can, team_view
 from policies.models import Role
-from policies.views import page
 from runs.killswitch import cover
 from runs.killswitch.services import (
     AGENT_NAME,
