@@ -26,6 +26,7 @@ test: install
 
 lint:
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports --no-cache
 
 bench: install
 	$(PY) -m bench
