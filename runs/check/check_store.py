@@ -52,9 +52,7 @@ from django.db import (
 
 from policies.models import AgentKey
 from runs.killswitch import cover
-from runs.models import Decision, KillSwitch, Run
-
-RUNNING = "running"
+from runs.models import Decision, KillSwitch, Run, RunStatus
 
 
 @dataclass(slots=True)
@@ -90,7 +88,7 @@ class Locked:
     team_slug: str
     run: RunRow | None
     switch: KillSwitch | None  # unsaved, for cover.switch_in_words
-    first: tuple[int, dict[str, Any]] | None  # (decision id, answer) for this check_id
+    earlier_answer: tuple[int, dict[str, Any]] | None  # (decision id, answer) of this check_id
 
 
 @dataclass(slots=True)
@@ -178,7 +176,7 @@ LEFT JOIN LATERAL (
 LEFT JOIN LATERAL (
     SELECT ks.scope, ks.agent, ks.reason, ks.engaged_by_label
     FROM runs_killswitch ks
-    WHERE ks.active AND r.status = 'running' AND (
+    WHERE ks.active AND r.status = '{RunStatus.RUNNING.value}' AND (
         {cover.covers_sql(switch="ks", team="r.team_id", agent="r.agent", run="r.id")})
     ORDER BY ks.engaged_at
     LIMIT 1
@@ -294,9 +292,9 @@ class PostgresCheck:
         if row[16] is not None:
             switch = KillSwitch(scope=row[16], agent=row[17], reason=row[18],
                                 engaged_by_label=row[19], team_id=row[3])
-        first = (int(row[20]), _loaded(row[21])) if row[20] is not None else None
+        earlier = (int(row[20]), _loaded(row[21])) if row[20] is not None else None
         return Locked(key_id=row[0], key_hash=row[1], key_last_used_at=row[2], team_id=row[3],
-                      team_slug=row[4], run=run, switch=switch, first=first)
+                      team_slug=row[4], run=run, switch=switch, earlier_answer=earlier)
 
     def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
         decision = _dumps({
@@ -372,7 +370,7 @@ class OrmCheck:
                       "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory")
                 .first()
             )
-            run = switch = first = None
+            run = switch = earlier = None
             if run_row is not None:
                 run = RunRow(
                     id=run_row.pk, team_id=run_row.team_id, agent=run_row.agent,
@@ -382,16 +380,17 @@ class OrmCheck:
                     started_at=run_row.started_at, ended_at=run_row.ended_at,
                     memory=run_row.memory or {},
                 )
-                if run.status == RUNNING:
+                if run.status == RunStatus.RUNNING:
                     switch = cover.covering_switch(team_id=run.team_id, agent=run.agent,
                                                   run_id=run.id)
                 if check_id is not None:
                     found = (Decision.objects.filter(run_id=run.id, check_id=check_id)
                              .values_list("id", "answer").first())
-                    first = (found[0], found[1]) if found is not None else None
+                    earlier = (found[0], found[1]) if found is not None else None
             return Locked(key_id=key.pk, key_hash=key.key_hash,
                           key_last_used_at=key.last_used_at, team_id=key.team_id,
-                          team_slug=key.team.slug, run=run, switch=switch, first=first)
+                          team_slug=key.team.slug, run=run, switch=switch,
+                          earlier_answer=earlier)
         finally:
             self.db_seconds += time.perf_counter() - started
 

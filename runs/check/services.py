@@ -211,8 +211,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
             raise ServiceError(404, "not_found", "No such run.")
         state = state_of(run)
         check_id = req.check_id
-        if locked.first is not None:
-            first_id, first_answer = locked.first
+        if locked.earlier_answer is not None:
+            first_id, first_answer = locked.earlier_answer
             if state.status == rules.RUNNING or first_answer.get("decision") == rules.STOP:
                 return {**first_answer, "decision_id": first_id}
             # The first answer was an allow and the run is over: answer the run's stop, as

@@ -17,10 +17,10 @@ from django.utils import timezone
 
 from policies.models import Policy, Team
 from runs.killswitch import cover
-from runs.models import Decision, KillSwitch, Run
+from runs.models import Decision, KillSwitch, Run, RunStatus
 
-RUN_STATUSES = ("running", "stopped", "killed", "completed", "failed")
-TERMINAL_STOPS = ("stopped", "killed")
+RUN_STATUSES = tuple(RunStatus.values)
+TERMINAL_STOPS = (RunStatus.STOPPED, RunStatus.KILLED)
 RUNS_PER_PAGE = 25
 
 
@@ -81,7 +81,7 @@ def run_filter_choices(team: Team) -> dict[str, list[str]]:
 
 
 def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
-    running = Run.objects.filter(team=team, status="running").select_related(
+    running = Run.objects.filter(team=team, status=RunStatus.RUNNING).select_related(
         "policy_version__policy"
     )
     return list(running.order_by("-started_at")[:limit]), running.count()
@@ -141,7 +141,7 @@ def timeline(run: Run, *, after: int = 0, limit: int = 2000) -> list[Decision]:
 def running_on_old_versions(team: Team, policy: Policy) -> int:
     """Running runs that keep an older version of this policy (runs pin their version)."""
     return (
-        Run.objects.filter(team=team, status="running", policy_version__policy=policy)
+        Run.objects.filter(team=team, status=RunStatus.RUNNING, policy_version__policy=policy)
         .exclude(policy_version_id=policy.current_id)
         .count()
     )

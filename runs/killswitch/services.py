@@ -11,7 +11,6 @@ is idempotent and may run any number of times.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -34,7 +33,6 @@ from runs.webhooks.delivery import PENDING, payload_for
 
 log = logging.getLogger(__name__)
 
-AGENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 MAX_REASON = 1000
 
 
@@ -103,7 +101,7 @@ def resolve_target(*, scope: str, team: Team | None = None, agent: str = "",
         if agent:
             raise KillSwitchError("A team switch takes no agent: use the agent scope.")
         return Target(kind, team, "", None)
-    if not AGENT_NAME.fullmatch(agent):
+    if not rules.AGENT_NAME.fullmatch(agent):
         raise KillSwitchError("An agent switch needs the agent name ([A-Za-z0-9._-], 1 to 100).")
     return Target(kind, team, agent, None)
 

@@ -8,6 +8,7 @@ the HTTP check, the kill-switch fan-out and the model-based tests.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -23,6 +24,11 @@ KILLED = "killed"
 COMPLETED = "completed"
 FAILED = "failed"
 TERMINAL = frozenset({STOPPED, KILLED, COMPLETED, FAILED})
+
+# An agent's name (SPEC 5.1), as the API, the dashboard, the commands and the client check it
+# (with fullmatch). The dash is escaped so the same text is also a valid HTML pattern.
+AGENT_NAME_PATTERN = r"[A-Za-z0-9._\-]{1,100}"
+AGENT_NAME = re.compile(AGENT_NAME_PATTERN)
 
 ALLOW = "allow"
 STOP = "stop"
