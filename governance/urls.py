@@ -8,6 +8,7 @@ from runs.killswitch import urls as killswitch_urls
 from . import views
 
 urlpatterns = [
+    path("favicon.ico", views.favicon, name="favicon"),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),
