@@ -34,7 +34,7 @@ import uuid
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from decimal import Decimal
 from typing import Any, Protocol
@@ -52,7 +52,7 @@ from django.db import (
 
 from policies.models import AgentKey
 from runs.killswitch import cover
-from runs.models import Decision, KillSwitch, Run, RunStatus
+from runs.models import Decision, Run, RunStatus
 
 
 @dataclass(slots=True)
@@ -87,12 +87,14 @@ class Locked:
     team_id: int
     team_slug: str
     run: RunRow | None
-    switch: KillSwitch | None  # unsaved, for cover.switch_in_words
+    switch: cover.SwitchFields | None  # the covering switch, as cover.switch_in_words needs it
     earlier_answer: tuple[int, dict[str, Any]] | None  # (decision id, answer) of this check_id
 
 
 @dataclass(slots=True)
 class RunUpdate:
+    """A run's new state after a check: exactly the columns the check's write updates."""
+
     status: str
     stop_reason: str | None
     ended_at: datetime | None
@@ -104,6 +106,8 @@ class RunUpdate:
 
 @dataclass(slots=True)
 class DecisionRow:
+    """The audit record of a check: every column of runs_decision but its id and run."""
+
     step: int
     outcome: str
     reason: str
@@ -118,6 +122,31 @@ class DecisionRow:
     cost_usd: Decimal
     answer: dict[str, Any]
     at: datetime
+
+
+@dataclass(slots=True, frozen=True)
+class SwitchSeen:
+    """The covering switch as the lock statement reads it (cover.SwitchFields)."""
+
+    scope: str
+    agent: str
+    reason: str
+    engaged_by_label: str
+
+
+# The columns are the model's and the two dataclasses' own, written once each: the SQL below,
+# both writes and tests/test_check_store_shapes.py take them from there.
+DECISION_COLUMNS = tuple(f.column for f in Decision._meta.concrete_fields if not f.primary_key)
+ROW_FIELDS = tuple(f.name for f in fields(DecisionRow))
+UPDATE_FIELDS = tuple(f.name for f in fields(RunUpdate))
+
+
+def _row_values(row: DecisionRow) -> dict[str, Any]:
+    return {name: getattr(row, name) for name in ROW_FIELDS}
+
+
+def _update_values(update: RunUpdate) -> dict[str, Any]:
+    return {name: getattr(update, name) for name in UPDATE_FIELDS}
 
 
 class DuplicateCheck(Exception):
@@ -189,8 +218,7 @@ WHERE k.prefix = $3 AND k.revoked_at IS NULL
 
 # The write takes the decision (and the run's new state) as one JSON document each, unpacked
 # by jsonb_populate_record: one literal to quote instead of twenty-two, one json.dumps.
-_COLUMNS = ("run_id, step, outcome, reason, action_name, action_type, args, repeat_key, "
-            "repeat_count, check_id, progress, last_result, cost_usd, answer, at")
+_COLUMNS = ", ".join(DECISION_COLUMNS)
 INSERT_SQL = f"""
 INSERT INTO runs_decision ({_COLUMNS})
 SELECT {_COLUMNS} FROM jsonb_populate_record(NULL::runs_decision, $1)
@@ -200,9 +228,7 @@ RETURNING id
 # state change and its audit record.
 UPDATE_AND_INSERT_SQL = """
 WITH run AS (
-    UPDATE runs_run r SET status = n.status, stop_reason = n.stop_reason,
-        ended_at = n.ended_at, steps = n.steps, tool_calls = n.tool_calls,
-        cost_usd = n.cost_usd, memory = n.memory
+    UPDATE runs_run r SET """ + ", ".join(f"{name} = n.{name}" for name in UPDATE_FIELDS) + """
     FROM jsonb_populate_record(NULL::runs_run, $2) n
     WHERE r.id = n.id
 )""" + INSERT_SQL
@@ -290,28 +316,18 @@ class PostgresCheck:
             )
         switch = None
         if row[16] is not None:
-            switch = KillSwitch(scope=row[16], agent=row[17], reason=row[18],
-                                engaged_by_label=row[19], team_id=row[3])
+            switch = SwitchSeen(scope=row[16], agent=row[17], reason=row[18],
+                                engaged_by_label=row[19])
         earlier = (int(row[20]), _loaded(row[21])) if row[20] is not None else None
         return Locked(key_id=row[0], key_hash=row[1], key_last_used_at=row[2], team_id=row[3],
                       team_slug=row[4], run=run, switch=switch, earlier_answer=earlier)
 
     def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
-        decision = _dumps({
-            "run_id": run_id, "step": row.step, "outcome": row.outcome, "reason": row.reason,
-            "action_name": row.action_name, "action_type": row.action_type, "args": row.args,
-            "repeat_key": row.repeat_key, "repeat_count": row.repeat_count,
-            "check_id": row.check_id, "progress": row.progress, "last_result": row.last_result,
-            "cost_usd": row.cost_usd, "answer": row.answer, "at": row.at,
-        })
+        decision = _dumps({"run_id": run_id, **_row_values(row)})
         if update is not None:
             sql = EXECUTE_UPDATE_INSERT
-            params: tuple[Any, ...] = (decision, _dumps({
-                "id": run_id, "status": update.status, "stop_reason": update.stop_reason,
-                "ended_at": update.ended_at, "steps": update.steps,
-                "tool_calls": update.tool_calls, "cost_usd": update.cost_usd,
-                "memory": update.memory,
-            }))
+            params: tuple[Any, ...] = (decision, _dumps({"id": run_id,
+                                                         **_update_values(update)}))
         else:
             sql, params = EXECUTE_INSERT, (decision,)
         cursor = self.cursor
@@ -398,18 +414,8 @@ class OrmCheck:
         started = time.perf_counter()
         try:
             if update is not None:
-                Run.objects.filter(pk=run_id).update(
-                    status=update.status, stop_reason=update.stop_reason,
-                    ended_at=update.ended_at, steps=update.steps, tool_calls=update.tool_calls,
-                    cost_usd=update.cost_usd, memory=update.memory,
-                )
-            decision = Decision.objects.create(
-                run_id=run_id, step=row.step, outcome=row.outcome, reason=row.reason,
-                action_name=row.action_name, action_type=row.action_type, args=row.args,
-                repeat_key=row.repeat_key, repeat_count=row.repeat_count,
-                check_id=row.check_id, progress=row.progress, last_result=row.last_result,
-                cost_usd=row.cost_usd, answer=row.answer, at=row.at,
-            )
+                Run.objects.filter(pk=run_id).update(**_update_values(update))
+            decision = Decision.objects.create(run_id=run_id, **_row_values(row))
             return int(decision.pk)
         finally:
             self.db_seconds += time.perf_counter() - started

@@ -213,7 +213,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
         check_id = req.check_id
         if locked.earlier_answer is not None:
             first_id, first_answer = locked.earlier_answer
-            if state.status == rules.RUNNING or first_answer.get("decision") == rules.STOP:
+            if rules.replay_allowed(state, first_answer.get("decision", "")):
                 return {**first_answer, "decision_id": first_id}
             # The first answer was an allow and the run is over: answer the run's stop, as
             # a new audited decision (the retry must not leak an allow, SPEC 4.5).

@@ -403,10 +403,14 @@ def terminal_decision(state: RunState, key: str) -> Decision:
     )
 
 
-def replay_allowed(state: RunState, first: Decision | None) -> bool:
+def replay_allowed(state: RunState, first: Decision | str | None) -> bool:
     """A ``check_id`` replay returns the first answer only while the run is still running,
-    or when that first answer was already a stop (SPEC 4.5): no allow leaks after a stop."""
-    return first is not None and (state.status == RUNNING or first.answer == STOP)
+    or when that first answer was already a stop (SPEC 4.5): no allow leaks after a stop.
+    ``first`` is the first decision, or the ``decision`` field of its stored answer."""
+    if first is None:
+        return False
+    answer = first if isinstance(first, str) else first.answer
+    return state.status == RUNNING or answer == STOP
 
 
 class FinishError(Exception):
