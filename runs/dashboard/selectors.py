@@ -16,6 +16,7 @@ from django.db.models.functions import TruncHour
 from django.utils import timezone
 
 from policies.models import Policy, Team
+from runs.audit.selectors import decisions_of
 from runs.killswitch import cover
 from runs.models import Decision, KillSwitch, Run, RunStatus
 
@@ -135,7 +136,8 @@ def switches_covering(team: Team) -> list[KillSwitch]:
 
 
 def timeline(run: Run, *, after: int = 0, limit: int = 2000) -> list[Decision]:
-    return list(run.decisions.filter(id__gt=after).order_by("id")[:limit])
+    """The run page's decisions: the API's read, with a page's longer limit."""
+    return list(decisions_of(run, after=after, limit=limit))
 
 
 def running_on_old_versions(team: Team, policy: Policy) -> int:

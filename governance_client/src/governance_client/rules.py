@@ -181,8 +181,8 @@ class RunState:
         )
 
     def elapsed_s(self, now: datetime) -> float:
-        end = self.ended_at if self.status in TERMINAL and self.ended_at else now
-        return max(0.0, (end - self.started_at).total_seconds())
+        return elapsed_seconds(started_at=self.started_at, ended_at=self.ended_at,
+                               status=self.status, now=now)
 
     def usage(self, now: datetime) -> dict[str, Any]:
         return {
@@ -401,6 +401,14 @@ def terminal_decision(state: RunState, key: str) -> Decision:
         message=message,
         next_action=NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED]),
     )
+
+
+def elapsed_seconds(*, started_at: datetime, ended_at: datetime | None, status: str,
+                    now: datetime) -> float:
+    """A run's time so far: until it ended if it is over, else until ``now``. The budget's
+    clock (max_seconds) and every screen's "Time"."""
+    end = ended_at if status in TERMINAL and ended_at else now
+    return max(0.0, (end - started_at).total_seconds())
 
 
 def replay_allowed(state: RunState, first: Decision | str | None) -> bool:
