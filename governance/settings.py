@@ -70,6 +70,7 @@ INSTALLED_APPS = [
     "governance",
     "policies",
     "runs",
+    "backtests",
 ]
 
 MIDDLEWARE = [
@@ -159,6 +160,10 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 60)}
 CELERY_TASK_ROUTES = {"runs.tasks.*": {"queue": "killswitch"}}
+# Dashboard backtests (docs/backtest.md) a team may run at once, and how long a backtest
+# whose task stopped reporting progress still counts as running.
+BACKTEST_MAX_PER_TEAM = env_int("BACKTEST_MAX_PER_TEAM", 2)
+BACKTEST_STALE_SECONDS = env_int("BACKTEST_STALE_SECONDS", 300)
 CELERY_TASK_DEFAULT_QUEUE = "default"
 # Audit retention (docs/reliability.md): `celery -A governance beat` runs the prune daily,
 # at a quiet hour; exports (JSON lines, one directory per team) go to AUDIT_EXPORT_DIR.

@@ -76,6 +76,10 @@ class Decision(models.Model):
     progress = models.JSONField(null=True, blank=True)
     last_result = models.JSONField(null=True, blank=True)
     cost_usd = models.DecimalField(max_digits=18, decimal_places=6, default=0)
+    # Seconds since the run's start as the rules counted them for this decision (max_seconds
+    # compares it), so a backtest replays the run's clock exactly (docs/backtest.md). Null on
+    # decisions recorded before it existed (migration 0003).
+    elapsed_s = models.FloatField(null=True, blank=True)
     # The answer as given (message, next_action, directive, shadow, usage, limits), so a
     # check_id replay returns exactly the first answer and screens show what the agent saw.
     answer = models.JSONField(default=dict)

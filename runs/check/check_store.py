@@ -120,6 +120,7 @@ class DecisionRow:
     progress: Any
     last_result: Any
     cost_usd: Decimal
+    elapsed_s: float | None  # since the run's start, as the rules counted it (backtests)
     answer: dict[str, Any]
     at: datetime
 

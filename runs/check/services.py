@@ -246,6 +246,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
             args=rules.redact(req.args, policy.redact_args), repeat_key=decision.repeat_key,
             repeat_count=decision.repeat_count, check_id=check_id, progress=req.progress,
             last_result=last, cost_usd=req.cost_usd, answer=answer, at=now,
+            elapsed_s=new_state.elapsed_s(now),
         ))
     # Committed: the agent must get this answer, so nothing below may raise (each of these
     # only logs its own failure).

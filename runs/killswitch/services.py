@@ -279,6 +279,7 @@ def _kill_one(switch: KillSwitch, run_id: Any) -> str | None:
         Decision.objects.create(
             run=run, step=new.steps, outcome=rules.STOP, reason="killed", action_name="",
             action_type="", args=None, answer=_kill_answer(switch, run, new, now), at=now,
+            elapsed_s=new.elapsed_s(now),
         )
     publish_run_event(run)
     return str(run.pk)

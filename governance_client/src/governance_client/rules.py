@@ -331,13 +331,17 @@ def nudge(error: str, count: int) -> dict[str, str]:
 
 
 def evaluate(
-    policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None
+    policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None,
+    key: str | None = None,
 ) -> tuple[Decision, RunState]:
     """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any.
+    ``key`` is the check's repeat key when the caller already knows it: a backtest replays
+    the recorded key of a check whose args were stored redacted (replay.py).
 
     The input state is left untouched; the returned state is what must be stored.
     """
-    key = repeat_key(check.name, check.args, policy.ignore_args)
+    if key is None:
+        key = repeat_key(check.name, check.args, policy.ignore_args)
     if state.status in TERMINAL:
         return terminal_decision(state, key), state
 
