@@ -15,12 +15,15 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from django.http import Http404
 from django.utils import timezone
 
 from governance_client import replay, rules
 from policies.models import Policy, PolicyVersion, Team
 from runs.models import Decision, Run
 from runs.policy_cache import rules_for_version
+
+from .models import Backtest
 
 # Runs whose decisions one query reads: big enough that the round trips do not matter,
 # small enough that a chunk's rows stay a few megabytes.
@@ -164,3 +167,10 @@ def backtest(team: Team, policy: Policy, document: dict[str, Any], *, since: tim
     runs = runs_to_replay(team, policy, since=since, limit=limit)
     return replay_runs(runs, rules.Policy.from_document(document), policy=policy.name,
                        progress=progress)
+
+
+def backtest_of(team: Team, job_id: Any) -> Backtest:
+    job = Backtest.objects.filter(team=team, pk=job_id).first()
+    if job is None:
+        raise Http404("No such backtest.")
+    return job

@@ -16,4 +16,5 @@ urlpatterns = [
     # Every page of the runs app, the dashboard's and the kill switch's, in one namespace.
     path("", include(([*killswitch_urls.urlpatterns, *dashboard_urls.urlpatterns], "runs"))),
     path("", include("policies.urls")),
+    path("", include("backtests.urls")),
 ]
