@@ -20,8 +20,8 @@ from django.utils import timezone
 
 from governance_client import replay, rules
 from policies.models import Policy, PolicyVersion, Team
+from runs.check.policy_cache import rules_for_version
 from runs.models import Decision, Run
-from runs.policy_cache import rules_for_version
 
 from .models import Backtest
 

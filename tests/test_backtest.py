@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from governance.celery import app as celery_app
 from policies.models import Team
-from runs.killswitch import killswitch_engage
+from runs.killswitch.services import killswitch_engage
 from runs.models import Decision, Run
 from tests.conftest import set_policy
 

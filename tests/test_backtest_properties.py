@@ -18,8 +18,8 @@ from governance_client import replay
 from policies.document import parse_policy
 from policies.models import Policy as PolicyRow
 from policies.services import policy_save
+from runs.check.policy_cache import rules_for_version
 from runs.models import Decision, Run
-from runs.policy_cache import rules_for_version
 
 pytestmark = pytest.mark.django_db
 
