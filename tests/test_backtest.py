@@ -419,7 +419,8 @@ def test_it_writes_nothing_and_reads_in_a_few_queries(api, team, tmp_path):
                                                      step_limits={"max_repeat_action": 3}))
     assert result["changed"] == 3
     statements = [q["sql"].lstrip().split()[0].upper() for q in queries.captured_queries]
-    assert set(statements) <= {"SELECT"}, statements
+    # (DECLARE: PostgreSQL's server-side cursor, which streams the decisions.)
+    assert set(statements) <= {"SELECT", "DECLARE"}, statements
     # The team, the policy, its versions, the runs, one chunk of decisions, the recorded
     # version: a fixed few, never one per run or per decision (65 of them here).
     reads = [q["sql"] for q in queries.captured_queries]
@@ -436,3 +437,31 @@ def test_money_is_replayed_to_the_micro_dollar(api, team, tmp_path):
     assert Decision.objects.first().cost_usd == Decimal("0.100001")
     result = backtest(team, "--file", draft_file(tmp_path, team, budgets={"max_usd": 0.300003}))
     assert only_change(result)["draft"]["step"] == 3
+
+
+# --- What the check records -----------------------------------------------------------------
+
+@pytest.mark.django_db(transaction=True)
+def test_the_production_check_path_records_the_elapsed_seconds(agent):
+    """Over HTTP, on the server's own path (raw SQL on PostgreSQL): every decision carries
+    the run's elapsed seconds as the check counted them."""
+    run_id = agent.start()["run_id"]
+    answers = [agent.check(run_id, args={"q": i}) for i in range(3)]
+    rows = list(Decision.objects.filter(run_id=run_id).order_by("id"))
+    elapsed = [row.elapsed_s for row in rows]
+    assert all(e is not None and e >= 0 for e in elapsed) and elapsed == sorted(elapsed)
+    for row, answer in zip(rows, answers, strict=True):
+        assert round(row.elapsed_s, 3) == answer["usage"]["elapsed_s"]
+        run = Run.objects.get(pk=run_id)
+        assert row.elapsed_s == pytest.approx((row.at - run.started_at).total_seconds())
+
+
+@pytest.mark.postgres
+def test_the_elapsed_seconds_are_append_only_too(api, team):
+    from django.db import DatabaseError, transaction
+
+    run_id = start(api)
+    decision_id = check(api, run_id)["decision_id"]
+    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic():
+        Decision.objects.filter(pk=decision_id).update(elapsed_s=999)
+    assert Decision.objects.get(pk=decision_id).elapsed_s < 999

@@ -10,7 +10,8 @@ import pytest
 
 from policies.models import Policy, Team
 from tests.browser.test_dashboard_browser import CHROMIUM, browser, page, sign_in  # noqa: F401
-from tests.conftest import Agent, Server, set_policy
+from tests.conftest import HAS_REDIS, Agent, Server, set_policy
+from tests.workers import Worker, new_worker, workers_fixture  # noqa: F401 (fixture)
 
 pytestmark = [
     pytest.mark.browser,
@@ -25,7 +26,10 @@ except ImportError:  # pragma: no cover
 
 
 def test_an_admin_tests_a_draft_against_recorded_runs_before_saving(
-        page: Page, server: Server, agent: Agent, team: Team, users: Any) -> None:  # noqa: F811
+        page: Page, server: Server, agent: Agent, team: Team, users: Any,  # noqa: F811
+        workers: list[Worker]) -> None:
+    if HAS_REDIS:
+        new_worker(workers)  # the production stack: a Celery worker runs the backtest
     set_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 1000},
                budgets={"max_seconds": None, "max_usd": None})
     looping = agent.start()["run_id"]
