@@ -88,6 +88,7 @@ def main(argv: list[str]) -> int:
 
         results["backtest"] = backtest.measure(quick=quick)
         print(report.backtest_line(results["backtest"]), flush=True)
+        sc.reset_runs()  # the load points start from empty run tables, as before
 
     with stack.Server(workers=args.workers, threads=threads) as server:
         if "points" in phases:
