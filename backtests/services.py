@@ -39,9 +39,11 @@ def backtest_start(*, team: Team, user: Any, drafts: list[dict[str, Any]], sourc
     already has BACKTEST_MAX_PER_TEAM running. A backtest costs CPU only, but any viewer may
     start one, so a team gets a bounded share of the workers."""
     with transaction.atomic():
-        # The team's row lock serializes the starts of one team: the count and the insert
-        # cannot interleave with another start's (and a start never waits on a check).
-        Team.objects.select_for_update().filter(pk=team.pk).values_list("pk").first()
+        # The team's row lock serializes the backtest starts of one team: the count and the
+        # insert cannot interleave with another start's. NO KEY UPDATE, so the FOR KEY SHARE
+        # that inserting a run (its foreign key) takes on the team is never made to wait.
+        Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list(
+            "pk").first()
         if active_backtests(team) >= settings.BACKTEST_MAX_PER_TEAM:
             raise Busy()
         now = timezone.now()

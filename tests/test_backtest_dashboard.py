@@ -235,3 +235,41 @@ def test_an_import_that_cannot_be_tested_says_why(team, users, text, message):
         f"/teams/{team.slug}/policies-import/backtest", {"document": text}, **HX)
     assert message in response.content.decode()
     assert not Backtest.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_simultaneous_starts_never_exceed_the_teams_bound(team, settings, monkeypatch):
+    """Twelve starts at once, from threads with their own connections: exactly the bound
+    get a backtest, the others are told the team is busy."""
+    import threading
+    from datetime import timedelta
+
+    from django.db import connection
+
+    from backtests.tasks import backtest_run_task
+
+    monkeypatch.setattr(backtest_run_task, "delay", lambda job_id: None)  # no worker
+    settings.BACKTEST_MAX_PER_TEAM = 2
+    document = team.policies.get(name="default").current.document
+    barrier = threading.Barrier(12)
+    outcomes: list[str] = []
+
+    def start() -> None:
+        try:
+            barrier.wait(timeout=30)
+            services.backtest_start(team=team, user=None, source="editor",
+                                    drafts=[{"policy": "default", "document": document}],
+                                    since=timedelta(days=1), limit=10)
+            outcomes.append("started")
+        except services.Busy:
+            outcomes.append("busy")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=start) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(outcomes) == ["busy"] * 10 + ["started"] * 2
+    assert Backtest.objects.filter(team=team).count() == 2
