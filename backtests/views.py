@@ -12,11 +12,11 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST, require_safe
 
+from governance.web import page
 from policies import selectors as policy_selectors
 from policies.access import team_view
 from policies.forms import FIELD_PATHS, ImportForm, PolicyForm
 from policies.models import Role
-from policies.views import page
 
 from . import inputs, selectors
 from .models import Backtest

@@ -36,7 +36,7 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The packages and their contracts, somewhere a forbidden import can be added."""
     where = tmp_path_factory.mktemp("boundaries")
     ignore = shutil.ignore_patterns("__pycache__", "migrations", "tests", "examples")
-    for package in ("governance", "policies", "runs"):
+    for package in ("governance", "policies", "runs", "backtests"):
         shutil.copytree(ROOT / package, where / package, ignore=ignore)
     shutil.copytree(CLIENT_SRC / "governance_client", where / "src" / "governance_client",
                     ignore=ignore)
@@ -57,6 +57,11 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("src/governance_client/keys.py", "import socket", "the pure rules do no I/O"),
     ("runs/check/probe.py", "from runs.dashboard import presenters",
      "the check path does not depend on the screens"),
+    ("src/governance_client/replay.py", "import threading", "the pure rules do no I/O"),
+    ("runs/check/probe.py", "from backtests import selectors",
+     "backtests only read: nothing of the policies or the runs depends on them"),
+    ("backtests/probe.py", "from governance.celery import app",
+     "the apps use only the project's shared web module"),
 ])
 def test_a_forbidden_import_breaks_its_contract(copy: Path, module: str, line: str,
                                                  contract: str) -> None:

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_distribution_lists_every_package() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "packages"])
-    found = set(find_packages(str(ROOT), include=["governance*", "policies*", "runs*"]))
+    found = set(find_packages(str(ROOT), include=["governance*", "policies*", "runs*",
+                                                  "backtests*"]))
     found |= set(find_packages(str(ROOT / "governance_client" / "src")))
     assert listed == found
 
