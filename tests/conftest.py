@@ -163,13 +163,14 @@ def _fast_password_hashing() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _fresh_throttles() -> Iterator[None]:
-    """Failure counts are per source, and every test comes from 127.0.0.1."""
+    """Every test comes from 127.0.0.1: what one test's failures left in this process's
+    memory must not refuse the next one's (the counts are rows, gone with each test)."""
     from django.core.cache import cache
 
     from governance.middleware import api_key_throttle, sign_in_throttle
 
     for throttle in (api_key_throttle, sign_in_throttle):
-        throttle.reset()
+        throttle.forget()
     # Rolled-back tests hand their ids out again on SQLite: a parsed policy cached by
     # version id in one test must not be another test's version of the same id.
     from runs.check.policy_cache import rules_for_version

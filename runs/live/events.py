@@ -60,8 +60,11 @@ def redis_client() -> Any:
         if _redis_client is None:
             import redis
 
+            # Short deadlines (SPEC 10: 100 ms), for the publisher's thread, /readyz and the
+            # streams alike; a subscriber's wait for a message has its own timeout.
             _redis_client = redis.Redis.from_url(
-                settings.REDIS_URL, socket_timeout=0.5, socket_connect_timeout=0.5
+                settings.REDIS_URL, socket_timeout=settings.REDIS_TIMEOUT_S,
+                socket_connect_timeout=settings.REDIS_TIMEOUT_S,
             )
         return _redis_client
 
