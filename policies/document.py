@@ -23,6 +23,8 @@ from pydantic import (
     field_validator,
 )
 
+from .egress import RefusedTarget, check_webhook_url
+
 SLUG = r"^[a-z0-9-]{1,50}$"
 POLICY_NAME = r"^[a-z0-9_-]{1,50}$"
 
@@ -113,6 +115,11 @@ class TeamDoc(_Strict):
     def _http_url(cls, value: str | None) -> str | None:
         if value is not None and not _is_http_url(value):
             raise ValueError("must be an http:// or https:// URL with a host")
+        if value is not None:
+            try:
+                check_webhook_url(value)
+            except RefusedTarget as exc:
+                raise ValueError(str(exc)) from None
         return value
 
     @field_validator("policies")

@@ -13,6 +13,7 @@ from django import forms
 from governance_client import rules
 
 from .document import DocumentError, parse_policy
+from .egress import RefusedTarget, check_webhook_url
 from .models import Role
 
 # Form field -> path of the value in the policy document (and of its errors).
@@ -201,4 +202,9 @@ class WebhookForm(forms.Form):
         url = self.cleaned_data.get("webhook_url") or None
         if url is not None and not url.startswith(("http://", "https://")):
             raise forms.ValidationError("must be an http:// or https:// URL")
+        if url is not None:
+            try:
+                check_webhook_url(url)
+            except RefusedTarget as exc:
+                raise forms.ValidationError(str(exc)) from None
         return url

@@ -67,7 +67,10 @@ def server_env(**extra: str) -> dict[str, str]:
     # Suites send many bad keys from 127.0.0.1 on purpose; throttling has its own tests.
     env = {**os.environ, "DATABASE_URL": test_database_url(), "DEBUG": "false",
            "SECRET_KEY": settings.SECRET_KEY, "PYTHONUNBUFFERED": "1",
-           "THROTTLE_API_KEY_FAILURES": "100000"}
+           "THROTTLE_API_KEY_FAILURES": "100000",
+           # Kill-switch tests deliver webhooks to receivers on loopback (tests/workers.py),
+           # which only an allowed host may be (policies/egress.py).
+           "WEBHOOK_ALLOWED_HOSTS": "127.0.0.1"}
     if settings.REDIS_URL:
         env["REDIS_URL"] = settings.REDIS_URL
     return {**env, **extra}

@@ -50,8 +50,12 @@ def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
 
 
 def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = None,
-                  limit: int = 50) -> QuerySet[Run]:
+                  limit: int = 50, key_agent: str = "") -> QuerySet[Run]:
+    """``key_agent``: the agent an agent-bound key is limited to (SPEC 10); it sees only
+    that agent's runs, as if the others were another team's."""
     runs = Run.objects.filter(team=team).select_related("policy_version")
+    if key_agent:
+        runs = runs.filter(agent=key_agent)
     if status:
         runs = runs.filter(status=status)
     if agent:
@@ -59,8 +63,11 @@ def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = 
     return runs.order_by("-started_at")[:limit]
 
 
-def run_for_team(team: Team, run_id: Any) -> Run:
-    run = Run.objects.select_related("policy_version").filter(team=team, pk=run_id).first()
+def run_for_team(team: Team, run_id: Any, *, key_agent: str = "") -> Run:
+    runs = Run.objects.select_related("policy_version").filter(team=team, pk=run_id)
+    if key_agent:
+        runs = runs.filter(agent=key_agent)
+    run = runs.first()
     if run is None:
         raise Http404("No such run.")
     return run

@@ -168,7 +168,8 @@ def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
          operation_id="list_runs")
 def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, Any]:
     runs = selectors.runs_for_team(
-        request.auth.team, status=filters.status, agent=filters.agent, limit=filters.limit
+        request.auth.team, status=filters.status, agent=filters.agent, limit=filters.limit,
+        key_agent=request.auth.agent,
     )
     return {"runs": [selectors.run_json(r) for r in runs]}
 
@@ -176,14 +177,16 @@ def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, A
 @api.get("/runs/{run_id}", response={200: s.RunOut, **ERRORS}, summary="Get a run",
          operation_id="get_run")
 def get_run(request: HttpRequest, run_id: str) -> dict[str, Any]:
-    return selectors.run_json(selectors.run_for_team(request.auth.team, _run_uuid(run_id)))
+    return selectors.run_json(selectors.run_for_team(request.auth.team, _run_uuid(run_id),
+                                                     key_agent=request.auth.agent))
 
 
 @api.get("/runs/{run_id}/decisions", response={200: s.DecisionsOut, **ERRORS},
          summary="A run's decisions, in order", operation_id="list_decisions")
 def list_decisions(request: HttpRequest, run_id: str, filters: Query[s.DecisionsFilter]
                    ) -> dict[str, Any]:
-    run = selectors.run_for_team(request.auth.team, _run_uuid(run_id))
+    run = selectors.run_for_team(request.auth.team, _run_uuid(run_id),
+                                 key_agent=request.auth.agent)
     rows = selectors.decisions_of(run, after=filters.after, limit=filters.limit)
     return {"decisions": [selectors.decision_json(d) for d in rows]}
 
@@ -284,5 +287,5 @@ def _check(request: HttpRequest, run_id: uuid.UUID, payload: s.CheckIn) -> HttpR
           operation_id="finish_run")
 def finish(request: HttpRequest, run_id: str, payload: s.FinishIn) -> dict[str, Any]:
     run = run_finish(team=request.auth.team, run_id=_run_uuid(run_id), status=payload.status,
-                     output=payload.output)
+                     output=payload.output, key_agent=request.auth.agent)
     return selectors.run_json(run, now=timezone.now())

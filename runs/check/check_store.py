@@ -201,6 +201,7 @@ LEFT JOIN LATERAL (
     SELECT id, team_id, agent, policy_version_id, status, stop_reason, steps, tool_calls,
            cost_usd, started_at, ended_at, memory
     FROM runs_run WHERE id = $1 AND team_id = k.team_id
+        AND (k.agent = '' OR runs_run.agent = k.agent)  -- an agent-bound key (SPEC 10)
     FOR UPDATE
 ) r ON true
 LEFT JOIN LATERAL (
@@ -381,8 +382,11 @@ class OrmCheck:
                    .filter(prefix=prefix, revoked_at__isnull=True).first())
             if key is None:
                 return None
+            runs = Run.objects.select_for_update().filter(team_id=key.team_id, pk=run_id)
+            if key.agent:  # an agent-bound key: other agents' runs are not there (SPEC 10)
+                runs = runs.filter(agent=key.agent)
             run_row = (
-                Run.objects.select_for_update().filter(team_id=key.team_id, pk=run_id)
+                runs
                 .only("id", "team_id", "agent", "policy_version_id", "status", "stop_reason",
                       "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory")
                 .first()

@@ -67,7 +67,7 @@ def run_start(
     if external_id is not None:
         existing = Run.objects.filter(team=team, external_id=external_id).first()
         if existing is not None:
-            return existing, False
+            return _same_agent(existing, agent), False
     name = policy or "default"
     # The version comes along: the answer shows it, without a query of its own.
     policy_row = Policy.objects.filter(team=team, name=name).select_related("current").first()
@@ -98,9 +98,19 @@ def run_start(
         existing = Run.objects.filter(team=team, external_id=external_id).first()
         if existing is None:
             raise
-        return existing, False
+        return _same_agent(existing, agent), False
     publish_run_event(run)
     return run, True
+
+
+def _same_agent(existing: Run, agent: str) -> Run:
+    """The run an external_id names is given back only to a start for the same agent: else
+    a key bound to one agent could read another's run through it (SPEC 10)."""
+    if existing.agent != agent:
+        raise ServiceError(409, "external_id_conflict",
+                           "This external_id belongs to a run of another agent.",
+                           {"external_id": "already used by a run of another agent"})
+    return existing
 
 
 # The cover rule for a run that does not exist yet; parameters: True, team, team, agent.
@@ -260,7 +270,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
     return {**answer, "decision_id": decision_id}
 
 
-def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> Run:
+def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
+               key_agent: str = "") -> Run:
     """Finish a run (SPEC 5.1) without a transaction around a read and a write: the run is
     read, `rules.finish` decides, and the update applies only if the run is still as read.
     A check that stopped the run or another finish in between makes it match nothing, and the
@@ -268,7 +279,10 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> R
     status and its finish each change once. Two round trips instead of four, on a request
     every run makes (docs/performance.md)."""
     for _ in range(3):
-        run = Run.objects.select_related("policy_version").filter(team=team, pk=run_id).first()
+        runs = Run.objects.select_related("policy_version").filter(team=team, pk=run_id)
+        if key_agent:  # an agent-bound key finishes only its agent's runs (SPEC 10)
+            runs = runs.filter(agent=key_agent)
+        run = runs.first()
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         now = timezone.now()

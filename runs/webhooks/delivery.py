@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import httpcore
 import httpx
 from django.db import connections, transaction
 from django.utils import timezone
 
+from policies.egress import RefusedTarget, VettedBackend
 from policies.models import Team
 from runs.models import KillSwitch, WebhookAttempt, WebhookDelivery
 
@@ -41,6 +43,12 @@ TIMEOUT_S = 5.0
 # How long a claimed attempt may stay in flight before another worker calls it lost: the
 # POST's timeout plus slack for recording the outcome.
 LEASE_S = TIMEOUT_S + 2.0
+_TIMEOUTS = {"connect": TIMEOUT_S, "read": TIMEOUT_S, "write": TIMEOUT_S, "pool": TIMEOUT_S}
+# What operators see of a failed attempt: fixed phrases and the status code, nothing the
+# receiver (or whatever listens at that address) wrote.
+REFUSED = "refused: the address is not public (see WEBHOOK_ALLOWED_HOSTS)"
+TIMED_OUT = "no answer in time"
+UNREACHABLE = "could not connect"
 IN_FLIGHT = "in flight"
 INTERRUPTED = "interrupted: the worker stopped before the outcome was recorded"
 EVENT = "killswitch.engaged"
@@ -150,13 +158,30 @@ def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
         SIGNATURE_HEADER: sign(delivery.team.webhook_secret, timestamp, body),
     }
     try:
-        response = httpx.post(delivery.url, content=body, headers=headers, timeout=TIMEOUT_S,
-                              follow_redirects=False)
-    except httpx.HTTPError as exc:
-        return None, f"{type(exc).__name__}: {exc}"[:500]
-    if 200 <= response.status_code < 300:
-        return response.status_code, ""
-    return response.status_code, f"HTTP {response.status_code}: {response.text[:200]}"
+        # Straight to a vetted address of the URL's host (policies/egress.py): no proxy from
+        # the environment, no redirect, and a name that now resolves to a private address
+        # is refused, not connected to.
+        with httpcore.ConnectionPool(network_backend=VettedBackend(),
+                                     ssl_context=httpx.create_ssl_context()) as pool:
+            response = pool.request("POST", delivery.url, headers=headers, content=body,
+                                    extensions={"timeout": _TIMEOUTS})
+    except RefusedTarget:
+        log.warning("webhook delivery %s refused: %s is not a public address", delivery.pk,
+                    delivery.url)
+        return None, REFUSED
+    except httpcore.TimeoutException:
+        return None, TIMED_OUT
+    except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol,
+            OSError) as exc:
+        # The detail (the host's error text) goes to the server log, never to the team's
+        # screens: it would describe whatever answers at that address.
+        log.info("webhook delivery %s: %s: %s", delivery.pk, type(exc).__name__, exc)
+        return None, UNREACHABLE
+    if 200 <= response.status < 300:
+        return response.status, ""
+    # Only the status: the receiver's body is not shown to anyone (it could be an internal
+    # service's page).
+    return response.status, f"HTTP {response.status}"
 
 
 def attempt_delivery(*, delivery_id: int, number: int) -> Next | None:
