@@ -9,6 +9,7 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render, resolve_url
+from django.utils.cache import add_never_cache_headers, patch_cache_control
 
 from policies.services import agent_key_claim
 from runs.check.api import error
@@ -141,13 +142,22 @@ class SignInThrottleMiddleware:
 
 
 class SecurityHeadersMiddleware:
-    """A Content-Security-Policy with no inline scripts: every script is a static file."""
+    """A Content-Security-Policy with no inline scripts: every script is a static file. And
+    no page a signed-in person sees is kept by a browser or proxy cache (a new key's token,
+    the audit log): ``Cache-Control: no-store`` on every authenticated dashboard answer."""
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
+        user = getattr(request, "user", None)
+        if (not request.path.startswith("/api/") and user is not None
+                and user.is_authenticated):
+            if response.has_header("Cache-Control"):
+                patch_cache_control(response, no_store=True, private=True)
+            else:
+                add_never_cache_headers(response)  # no-store, private, max-age=0 ...
         response.setdefault("Content-Security-Policy", settings.CONTENT_SECURITY_POLICY)
         response.setdefault("Referrer-Policy", "same-origin")
         response.setdefault("Permissions-Policy", "camera=(), microphone=(), geolocation=()")
