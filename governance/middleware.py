@@ -24,6 +24,10 @@ sign_in_throttle = Throttle(
 )
 _ERROR_CODES = {400: "bad_request", 403: "forbidden", 404: "not_found",
                 405: "method_not_allowed", 500: "internal"}
+_ERROR_MESSAGES = {
+    400: "Bad request: a Host header that is missing or not allowed, or a malformed request.",
+    500: "Internal error.",
+}
 
 
 def presented_key(request: HttpRequest) -> str:
@@ -60,7 +64,8 @@ class ApiJsonMiddleware:
         if response.get("Content-Type", "").startswith("application/json"):
             return response
         code = _ERROR_CODES.get(response.status_code, "error")
-        replacement = error(response.status_code, code, response.reason_phrase)
+        message = _ERROR_MESSAGES.get(response.status_code, response.reason_phrase)
+        replacement = error(response.status_code, code, message)
         for header in ("Allow", "Retry-After"):
             if response.has_header(header):
                 replacement[header] = response[header]
