@@ -61,7 +61,8 @@ def embedded(tmp_path, *args: str, secret: str | None = None) -> subprocess.Comp
                           capture_output=True, text=True, timeout=60)
 
 
-PRINT_KEY = ["shell", "-v", "0", "-c", "from django.conf import settings; print(settings.SECRET_KEY)"]
+PRINT_KEY = ["shell", "-v", "0", "-c",
+             "from django.conf import settings; print(settings.SECRET_KEY)"]
 
 
 def test_the_embedded_default_makes_its_own_key_once_beside_the_database(tmp_path):
