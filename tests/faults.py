@@ -147,9 +147,19 @@ class ThrowawayRedis:
             time.sleep(0.05)
         raise RuntimeError("redis-server did not start")
 
+    def freeze(self) -> None:
+        """SIGSTOP: connections are still accepted by the kernel, nothing is answered."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL: no goodbye to its clients, like a crash."""
         if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a frozen process dies only once thawed
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=10)
 

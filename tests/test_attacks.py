@@ -205,3 +205,49 @@ def test_with_redis_accepting_and_never_answering_checks_and_the_engage_stay_fas
     with hung_listener() as listener, attacked_server(REDIS_URL=listener.url) as srv:
         outcome = drill(srv, team, users)
     assert outcome["flood"].get(429, 0) > 0
+
+
+@pytest.mark.redis
+def test_an_engage_during_a_redis_freeze_returns_at_once_and_fans_out_when_redis_is_back(
+        team, users):
+    """The production stack with a Redis of its own: frozen (SIGSTOP, it accepts and never
+    answers) while an operator engages; the engage returns, the covered run stops at once,
+    and once Redis answers again the Celery fan-out runs (the webhook is delivered, the
+    fan-out recorded done) with no one doing anything."""
+    from policies.models import Team
+    from runs.models import KillSwitch
+    from tests.faults import throwaway_redis
+    from tests.workers import Receiver, start_worker, wait_for
+
+    receiver = Receiver(secrets={team.slug: team.webhook_secret}).start()
+    Team.objects.filter(pk=team.pk).update(webhook_url=f"{receiver.url}/{team.slug}")
+    token = agent_key_create(team=team, name="valid").token
+    with throwaway_redis() as redis_server, \
+            attacked_server(REDIS_URL=redis_server.url) as srv:
+        worker = start_worker(env=server_env(REDIS_URL=redis_server.url, LOG_LEVEL="INFO",
+                                             CELERY_VISIBILITY_TIMEOUT="5"))
+        try:
+            with httpx.Client(base_url=srv.url, timeout=10,
+                              headers={"Authorization": f"Bearer {token}"}) as http:
+                victim = http.post("/api/v1/runs", json={"agent": "victim-bot"}).json()["run_id"]
+                operator = sign_in(srv.url, "operator", "pw-operator-123")
+                redis_server.freeze()
+                try:
+                    status, took = engage_agent_switch(operator, team.slug, "victim-bot")
+                    assert status == 302 and took < DEADLINE_S, (status, took)
+                    stopped = http.post(f"/api/v1/runs/{victim}/check",
+                                        json={"action": {"name": "x"}}).json()
+                    assert (stopped["decision"], stopped["reason"]) == ("stop", "killed")
+                    time.sleep(3)  # the publisher tries and fails meanwhile
+                    switch = KillSwitch.objects.get(agent="victim-bot")
+                    assert switch.fanout_done_at is None and not receiver.bodies
+                finally:
+                    redis_server.thaw()
+                operator.close()
+            wait_for(lambda: KillSwitch.objects.get(pk=switch.pk).fanout_done_at, timeout=60,
+                     what="the fan-out after Redis came back")
+            wait_for(lambda: receiver.valid[team.slug] >= 1, timeout=60, what="the webhook")
+            assert not receiver.invalid
+        finally:
+            worker.stop()
+            receiver.stop()
