@@ -130,8 +130,9 @@ def _on_exception(request: HttpRequest, exc: Exception) -> HttpResponse:
     return error(500, "internal", "Internal error.")
 
 
+# 429 is `too_many_failures`: a key that keeps failing from one address (governance/throttle.py).
 ERRORS = {400: s.ErrorOut, 401: s.ErrorOut, 404: s.ErrorOut, 409: s.ErrorOut, 413: s.ErrorOut,
-          422: s.ErrorOut, 503: s.ErrorOut}
+          422: s.ErrorOut, 429: s.ErrorOut, 503: s.ErrorOut}
 
 
 def _run_uuid(run_id: str) -> uuid.UUID:
