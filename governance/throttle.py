@@ -10,9 +10,10 @@ The count lives in the database (``policies.AuthFailure``), one conditional upse
 failure, so it is exact across every server process and does not depend on Redis at all.
 Failures are rare (a client with a wrong key, a mistyped password), and the upsert is cheap
 (0.6 ms on PostgreSQL, committed without waiting for its WAL flush: docs/reliability.md,
-"Failed authentications", has the measurements and the comparison with Redis). Under an attack, each process remembers the buckets it saw go over the
-limit until their window ends and answers them without writing again: that memory can only
-make a refusal cheaper, never start or lengthen one.
+"Failed authentications", has the measurements and the comparison with Redis). Under an
+attack, each process remembers the buckets it saw go over the limit until their window ends
+and answers them without writing again: that memory can only make a refusal cheaper, never
+start or lengthen one.
 
 Agent keys and passwords differ in one way. A key is 256 random bits, so guessing is
 hopeless and the point of the throttle is to slow down a misbehaving client: the key is
