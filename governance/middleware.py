@@ -97,7 +97,7 @@ class JsonApiErrorsMiddleware:
                 too_big = True
             if too_big:
                 return error(413, "payload_too_large", f"The body is over {limit // 1024} KiB.")
-            # NUL characters are refused by the schemas, field by field (runs/schemas.py):
+            # NUL characters are refused by the schemas, field by field (runs/check/schemas.py):
             # an unknown field is ignored, whatever it holds.
         response = self.get_response(request)
         if response.status_code == 401:

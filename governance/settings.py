@@ -226,7 +226,7 @@ AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or DATA_DIR / "export
 
 # Redis is never on a check's critical path, and no call to it may hold a request for long
 # (SPEC 10): 100 ms to connect or to answer, whatever uses it. The kill switch's Celery
-# publish is off the request path altogether (runs/killswitch.py, FanoutPublisher).
+# publish is off the request path altogether (runs/killswitch/services.py, FanoutPublisher).
 REDIS_TIMEOUT_S = 0.1
 if REDIS_URL:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
@@ -294,7 +294,7 @@ CHECK_MAX_BODY_BYTES = 64 * 1024
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN") or ""
 DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 
-# --- Kill-switch webhooks (runs/webhooks.py, policies/egress.py) ---------------------------
+# --- Kill-switch webhooks (runs/webhooks/delivery.py, policies/egress.py) ---------------------------
 # Webhooks go to public addresses only; a receiver on an internal network must be listed here
 # (host names as written in the URL, or addresses and CIDRs its name resolves to).
 WEBHOOK_ALLOWED_HOSTS = env_list("WEBHOOK_ALLOWED_HOSTS", [])

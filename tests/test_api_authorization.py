@@ -145,7 +145,7 @@ def test_a_start_with_another_agents_external_id_is_a_conflict(team, api):
 @pytest.mark.django_db(transaction=True)
 def test_an_agent_bound_keys_check_of_another_agents_run_is_404_on_the_server(agent, team):
     """Through the production server: on PostgreSQL the check looks the key and the run up in
-    one locking statement (runs/check_store.py), which must apply the agent too."""
+    one locking statement (runs/check/check_store.py), which must apply the agent too."""
     import httpx
 
     bot2_run = agent.start("bot2")["run_id"]

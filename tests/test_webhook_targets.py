@@ -15,8 +15,8 @@ from django.utils import timezone
 
 from policies.document import DocumentError, parse_document
 from policies.egress import RefusedTarget, check_webhook_url, is_public, literal_address
-from runs import webhooks
 from runs.models import KillSwitch, WebhookDelivery
+from runs.webhooks import delivery as webhooks
 from tests.workers import Receiver
 
 NOT_PUBLIC = [
