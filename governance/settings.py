@@ -294,7 +294,7 @@ CHECK_MAX_BODY_BYTES = 64 * 1024
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN") or ""
 DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 
-# --- Kill-switch webhooks (runs/webhooks/delivery.py, policies/egress.py) ---------------------------
+# --- Kill-switch webhooks (runs/webhooks/delivery.py, policies/egress.py) ------------------
 # Webhooks go to public addresses only; a receiver on an internal network must be listed here
 # (host names as written in the URL, or addresses and CIDRs its name resolves to).
 WEBHOOK_ALLOWED_HOSTS = env_list("WEBHOOK_ALLOWED_HOSTS", [])
