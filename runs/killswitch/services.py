@@ -148,11 +148,9 @@ def _enqueue_fanout(switch_id: int) -> None:
     """After the engage's commit. The embedded default runs the task eagerly, here (no
     broker to wait for); with a broker, the publish is handed to a background thread, so an
     engage returns once its commit is done whatever Redis is doing (SPEC 10)."""
-    from governance.celery import app
+    from runs.killswitch.tasks import killswitch_fanout_task
 
-    if app.conf.task_always_eager:
-        from runs.killswitch.tasks import killswitch_fanout_task
-
+    if killswitch_fanout_task.app.conf.task_always_eager:
         try:
             killswitch_fanout_task.delay(switch_id)
         except Exception:
@@ -245,11 +243,10 @@ class FanoutPublisher:
                     delay = 0.25
 
     def _publish(self, switch_id: int) -> bool:
-        from governance.celery import app
         from runs.killswitch.tasks import killswitch_fanout_task
 
         try:
-            with app.connection_for_write(
+            with killswitch_fanout_task.app.connection_for_write(
                 connect_timeout=self.CONNECT_TIMEOUT_S,
                 transport_options={"socket_timeout": self.SOCKET_TIMEOUT_S,
                                    "socket_connect_timeout": self.CONNECT_TIMEOUT_S,
