@@ -221,6 +221,8 @@ CELERY_BEAT_SCHEDULE = {
                           "schedule": crontab(hour=3, minute=30)},
     # Restarts kill-switch fan-outs and webhook deliveries that an outage left behind.
     "killswitch-sweep": {"task": "runs.tasks.killswitch_sweep", "schedule": 60.0},
+    # Settles approvals past their expiry that nobody looked at (SPEC 11).
+    "approvals-expire": {"task": "runs.tasks.approvals_expire", "schedule": 10.0},
 }
 AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or DATA_DIR / "exports")
 

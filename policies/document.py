@@ -91,6 +91,14 @@ class OnRepeatedError(_Strict):
     action: Literal["nudge", "stop"] = "nudge"
 
 
+class Approvals(_Strict):
+    """SPEC 11: actions whose name matches one of ``tools`` wait for an operator's decision,
+    for at most ``timeout_s`` seconds."""
+
+    tools: list[Pattern] = []
+    timeout_s: Annotated[StrictInt, Field(ge=1, le=86400)] = 900
+
+
 class PolicyDoc(_Strict):
     name: Annotated[StrictStr, Field(pattern=POLICY_NAME)]
     mode: Literal["enforce", "shadow"] = "enforce"
@@ -102,6 +110,7 @@ class PolicyDoc(_Strict):
     redact_args: list[Annotated[StrictStr, Field(min_length=1, max_length=200)]] = list(
         DEFAULT_REDACT
     )
+    approvals: Approvals = Approvals()
 
 
 class TeamDoc(_Strict):

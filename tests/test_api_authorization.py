@@ -27,8 +27,8 @@ def operations(client):
             yield path, method, op["operationId"]
 
 
-def call(client, path, method, operation, run_id, headers):
-    url = path.replace("{run_id}", run_id)
+def call(client, path, method, operation, run_id, headers, approval_id=""):
+    url = path.replace("{run_id}", run_id).replace("{approval_id}", approval_id)
     if method == "post":
         return client.post(url, json.dumps(BODIES[operation]), content_type="application/json",
                            **headers)
@@ -41,13 +41,28 @@ def run_id(api):
         "run_id"]
 
 
+@pytest.fixture
+def approval_id(api, team, run_id):
+    """A pending approval (SPEC 11) of another run of the team."""
+    from tests.conftest import set_policy
+
+    set_policy(team, approvals={"tools": ["gated.*"], "timeout_s": 600})
+    other = api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json").json()
+    answer = api.post(f"/api/v1/runs/{other['run_id']}/check",
+                      {"action": {"name": "gated.tool"}, "check_id": "c"},
+                      content_type="application/json").json()
+    return answer["approval"]["id"]
+
+
 def test_every_operation_is_documented_and_covered(client):
     assert {op for _, _, op in operations(client)} == {
-        "start_run", "list_runs", "get_run", "list_decisions", "check", "finish_run"}
+        "start_run", "list_runs", "get_run", "list_decisions", "check", "finish_run",
+        "get_approval"}
 
 
 @pytest.mark.parametrize("who", ["anonymous", "revoked", "session-only superuser"])
-def test_every_operation_refuses_callers_without_a_live_key(team, users, run_id, who):
+def test_every_operation_refuses_callers_without_a_live_key(team, users, run_id, approval_id,
+                                                             who):
     client = Client()
     headers = {}
     if who == "revoked":
@@ -57,17 +72,17 @@ def test_every_operation_refuses_callers_without_a_live_key(team, users, run_id,
     elif who == "session-only superuser":
         client.force_login(users["superuser"])
     for path, method, op in operations(client):
-        response = call(client, path, method, op, run_id, headers)
+        response = call(client, path, method, op, run_id, headers, approval_id)
         assert response.status_code == 401, (who, op)
         assert response.json()["error"]["code"] == "unauthorized"
 
 
-def test_another_teams_key_sees_none_of_this_teams_runs(other_team, run_id):
+def test_another_teams_key_sees_none_of_this_teams_runs(other_team, run_id, approval_id):
     token = agent_key_create(team=other_team, name="theirs").token
     client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
     for path, method, op in operations(client):
-        response = call(client, path, method, op, run_id, {})
-        if "{run_id}" in path:
+        response = call(client, path, method, op, run_id, {}, approval_id)
+        if "{run_id}" in path or "{approval_id}" in path:
             assert response.status_code == 404, op
         elif op == "list_runs":
             assert run_id not in {r["run_id"] for r in response.json()["runs"]}
@@ -75,11 +90,12 @@ def test_another_teams_key_sees_none_of_this_teams_runs(other_team, run_id):
             assert response.status_code == 201, op  # starts a run of its own team
 
 
-def test_the_right_key_may_call_every_operation(api, run_id):
+def test_the_right_key_may_call_every_operation(api, run_id, approval_id):
     expected = {"start_run": 201, "list_runs": 200, "get_run": 200, "list_decisions": 200,
-                "check": 200, "finish_run": 200}
+                "check": 200, "finish_run": 200, "get_approval": 200}
     for path, method, op in sorted(operations(api), key=lambda o: o[2] == "finish_run"):
-        assert call(api, path, method, op, run_id, {}).status_code == expected[op], op
+        response = call(api, path, method, op, run_id, {}, approval_id)
+        assert response.status_code == expected[op], op
 
 
 # --- Agent-bound keys (SPEC 10) ----------------------------------------------------------------
@@ -112,14 +128,16 @@ def test_an_agent_bound_key_touches_no_other_agents_run_in_any_operation(team, a
     assert not Decision.objects.filter(run=run).exists()
 
 
-def test_an_agent_bound_key_may_call_every_operation_on_its_own_agents_runs(team):
+def test_an_agent_bound_key_may_call_every_operation_on_its_own_agents_runs(team, approval_id):
     bot1 = bound_client(team)
     own = bot1.post("/api/v1/runs", {"agent": "bot1"},
                     content_type="application/json").json()["run_id"]
     expected = {"start_run": 422, "list_runs": 200, "get_run": 200, "list_decisions": 200,
-                "check": 200, "finish_run": 200}  # start_run's body names agent "bot"
+                "check": 200, "finish_run": 200,  # start_run's body names agent "bot"
+                "get_approval": 404}  # the approval is agent "bot"'s, not bot1's
     for path, method, op in sorted(operations(bot1), key=lambda o: o[2] == "finish_run"):
-        assert call(bot1, path, method, op, own, {}).status_code == expected[op], op
+        response = call(bot1, path, method, op, own, {}, approval_id)
+        assert response.status_code == expected[op], op
     assert [r["run_id"] for r in bot1.get("/api/v1/runs").json()["runs"]] == [own]
 
 

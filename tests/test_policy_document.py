@@ -32,6 +32,7 @@ SPEC_DEFAULTS = {
     "repeat_key": {"ignore_args": []},
     "on_repeated_error": {"threshold": 3, "action": "nudge"},
     "redact_args": ["password", "api_key", "token", "secret", "authorization"],
+    "approvals": {"tools": [], "timeout_s": 900},
 }
 
 
@@ -107,6 +108,7 @@ def test_a_full_document_is_kept_as_written() -> None:
         "repeat_key": {"ignore_args": ["request_id", "timestamp"]},
         "on_repeated_error": {"threshold": 2, "action": "stop"},
         "redact_args": ["password", "ssn"],
+        "approvals": {"tools": ["payments.*"], "timeout_s": 60},
     }
 
     assert parse_policy(copy.deepcopy(full)) == full

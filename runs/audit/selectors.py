@@ -26,9 +26,14 @@ def policy_json(version: PolicyVersion) -> dict[str, Any]:
 
 
 def elapsed_s(run: Run, now: datetime | None = None) -> float:
-    """The rules' elapsed time (the one max_seconds is checked against), to the millisecond."""
-    return round(rules.elapsed_seconds(started_at=run.started_at, ended_at=run.ended_at,
-                                       status=run.status, now=now or timezone.now()), 3)
+    """The rules' elapsed time (the one max_seconds is checked against), to the millisecond:
+    active time (SPEC 15), without the time spent waiting for approvals."""
+    memory = run.memory or {}
+    pending = memory.get("pending")
+    return round(rules.elapsed_seconds(
+        started_at=run.started_at, ended_at=run.ended_at, status=run.status,
+        now=now or timezone.now(), paused_s=float(memory.get("paused_s", 0.0)),
+        pending_since=datetime.fromisoformat(pending["since"]) if pending else None), 3)
 
 
 def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ are replaced by the SPEC 5.3 envelope in the handlers below.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -14,7 +15,9 @@ import uuid
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, connections
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
@@ -26,10 +29,12 @@ from ninja.security import HttpBearer
 from pydantic import ValidationError as PydanticValidationError
 
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
+from runs.approvals import services as approvals
 from runs.audit import selectors
 from runs.check import metrics
 from runs.check import schemas as s
 from runs.check.services import CheckRequest, ServiceError, run_check, run_finish, run_start
+from runs.live.events import awakeups
 
 log = logging.getLogger(__name__)
 MICRO = Decimal("0.000001")
@@ -290,3 +295,57 @@ def finish(request: HttpRequest, run_id: str, payload: s.FinishIn) -> dict[str, 
     run = run_finish(team=request.auth.team, run_id=_run_uuid(run_id), status=payload.status,
                      output=payload.output, key_agent=request.auth.agent)
     return selectors.run_json(run, now=timezone.now())
+
+
+# --- Approvals (SPEC 11) -----------------------------------------------------------------------
+
+def _read_approval(key: Any, approval_id: uuid.UUID) -> dict[str, Any] | None:
+    """One look at the approval (settling its expiry if due), in a worker thread."""
+    try:
+        approval = approvals.approval_for_key(key, approval_id)
+        return approvals.approval_json(approval) if approval is not None else None
+    finally:
+        # Under ASGI this thread is the request's own and goes away with it: its connection
+        # must not outlive it (inside a test's transaction there is nothing to close).
+        if not connection.in_atomic_block:
+            connections.close_all()
+
+
+@api.get("/approvals/{approval_id}", response={200: s.ApprovalOut, **ERRORS},
+         summary="An approval request, waiting up to `wait` seconds for its decision",
+         operation_id="get_approval")
+async def get_approval(request: HttpRequest, approval_id: str, filters: Query[s.ApprovalWait]
+                       ) -> HttpResponse:
+    """A real long poll: answers as soon as the status changes, else after ``wait`` seconds.
+
+    An async view: while it waits it holds no thread, only a coroutine that awaits the team's
+    wake-ups (Redis pub/sub, or this process's broker) and re-reads the database on each one,
+    every DASHBOARD_STREAM_LOOK_S seconds anyway, and at the expiry (which it then settles).
+    The answer is the approval as JSON, its ``decision`` the check's final answer verbatim.
+    """
+    try:
+        wanted = uuid.UUID(approval_id)
+    except ValueError:
+        raise ServiceError(404, "not_found", "No such approval.") from None
+    key = request.auth
+    read = sync_to_async(_read_approval)
+    body = await read(key, wanted)
+    if body is None:
+        raise ServiceError(404, "not_found", "No such approval.")
+    loop = asyncio.get_running_loop()
+    look_every = float(settings.DASHBOARD_STREAM_LOOK_S)
+    last_look = loop.time()
+    expires = (timezone.datetime.fromisoformat(body["expires_at"]) - timezone.now()
+               ).total_seconds() + loop.time()
+    if body["status"] == "pending" and filters.wait > 0:
+        async for changed in awakeups(key.team_id, poll=min(1.0, look_every),
+                                      lifetime=filters.wait):
+            now = loop.time()
+            if changed or now - last_look >= look_every or now >= expires:
+                last_look = now
+                body = await read(key, wanted)
+                if body is None or body["status"] != "pending":
+                    break
+        if body is None:  # deleted by retention while waiting
+            raise ServiceError(404, "not_found", "No such approval.")
+    return HttpResponse(json.dumps(body), content_type="application/json")

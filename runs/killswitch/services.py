@@ -388,7 +388,17 @@ def _kill_one(switch: KillSwitch, run_id: Any) -> str | None:
         if run is None:
             return None
         now = timezone.now()
-        new = rules.kill(state_of(run), now=now)
+        state = state_of(run)
+        if state.pending is not None and state.status == rules.RUNNING:
+            # The run waits for an approval: the kill cancels it, and the approval's final
+            # answer (stop / killed, at the same step) is the kill's audit record.
+            from runs.approvals.services import settle_locked
+
+            if settle_locked(run=run, state=state, status=rules.CANCELLED, now=now,
+                             kill=cover.switch_in_words(switch)) is not None:
+                publish_run_event(run)
+                return str(run.pk)
+        new = rules.kill(state, now=now)
         if new is None:
             return None
         run.status, run.stop_reason, run.ended_at = new.status, new.stop_reason, new.ended_at

@@ -52,6 +52,8 @@ UNREACHABLE = "could not connect"
 IN_FLIGHT = "in flight"
 INTERRUPTED = "interrupted: the worker stopped before the outcome was recorded"
 EVENT = "killswitch.engaged"
+APPROVAL_REQUESTED = "approval.requested"
+APPROVAL_DECIDED = "approval.decided"
 SIGNATURE_HEADER = "X-Governance-Signature"
 TIMESTAMP_HEADER = "X-Governance-Timestamp"
 TOLERANCE_S = 300
@@ -75,6 +77,31 @@ def payload_for(switch: KillSwitch, team: Team, killed: list[str]) -> dict[str, 
         "engaged_by": switch.engaged_by_label,
         "engaged_at": switch.engaged_at.isoformat().replace("+00:00", "Z"),
         "killed_runs": killed,
+    }
+
+
+def approval_payload(approval: Any, event: str) -> dict[str, Any]:
+    """The JSON body of an approval notification (SPEC 11): ``approval.requested`` when a
+    check starts waiting, ``approval.decided`` once it is approved, denied, expired or
+    cancelled. Args are redacted as audited."""
+    def iso(moment: Any) -> str | None:
+        return moment.isoformat().replace("+00:00", "Z") if moment is not None else None
+
+    return {
+        "id": str(approval.pk),
+        "event": event,
+        "team": approval.team.slug,
+        "run": str(approval.run_id),
+        "agent": approval.run.agent,
+        "status": approval.status,
+        "action": {"name": approval.action_name, "type": approval.action_type,
+                   "args": approval.args},
+        "step": approval.step,
+        "requested_at": iso(approval.requested_at),
+        "expires_at": iso(approval.expires_at),
+        "decided_at": iso(approval.decided_at),
+        "decided_by": approval.decided_by_label or None,
+        "note": approval.note or None,
     }
 
 
@@ -152,7 +179,7 @@ def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
     headers = {
         "Content-Type": "application/json",
         "User-Agent": "agent-governance-webhook/1",
-        "X-Governance-Event": EVENT,
+        "X-Governance-Event": delivery.event,
         "X-Governance-Delivery": str(delivery.pk),
         TIMESTAMP_HEADER: timestamp,
         SIGNATURE_HEADER: sign(delivery.team.webhook_secret, timestamp, body),
