@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from runs.check.check_store import (
 from runs.check.policy_cache import rules_for_version
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
-from runs.models import Run
+from runs.models import Decision, Run
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,12 @@ class CheckRequest:
     last_result: dict[str, Any] | None
     cost_usd: Decimal
     check_id: str | None
+    #: time.monotonic() past which the agent no longer waits for the answer (None: no limit)
+    deadline: float | None = None
+
+
+EXPIRED = "expired"
+DEADLINE_EXPIRED = "deadline_expired"
 
 
 def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
@@ -210,6 +217,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         state = state_of(run)
+        if state.status == rules.KILLED:
+            state.stop_detail = kill_detail(run.id)
         check_id = req.check_id
         if locked.earlier_answer is not None:
             first_id, first_answer = locked.earlier_answer
@@ -232,6 +241,18 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
         kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
         decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill)
         answer = _answer_of(decision, new_state, policy, now)
+        if new_state is not state and req.deadline is not None \
+                and time.monotonic() > req.deadline:
+            # The agent gave up on this check (its deadline_ms passed while the check waited,
+            # for the run's lock usually): it will not run the action, so nothing is counted,
+            # and the audit says so instead of recording an allow that never ran.
+            decision, new_state = _expired(state, decision), state
+            answer = {**answer, "decision": rules.STOP, "reason": DEADLINE_EXPIRED,
+                      "step": state.steps, "message": EXPIRED_MESSAGE,
+                      "next_action": EXPIRED_NEXT, "usage": state.usage(now),
+                      "directive": None, "shadow": None, "check_id": check_id}
+            # The check_id stays free: the client may upload its own decision for it.
+            check_id = None
         update = None
         if new_state is not state:
             update = RunUpdate(
@@ -258,6 +279,92 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
         log.warning("could not record the agent key's last use", exc_info=True)
     publish_run_event(run)
     return {**answer, "decision_id": decision_id}
+
+
+EXPIRED_MESSAGE = ("The check arrived or waited past its deadline_ms: the agent no longer "
+                   "waited for the answer, so it was not decided and nothing was counted.")
+EXPIRED_NEXT = "Check the action again if it is still wanted."
+
+
+def _expired(state: rules.RunState, decision: rules.Decision) -> rules.Decision:
+    return rules.Decision(outcome=EXPIRED, reason=DEADLINE_EXPIRED, step=state.steps,
+                          repeat_key=decision.repeat_key,
+                          repeat_count=state.repeat_counts.get(decision.repeat_key, 0),
+                          message=EXPIRED_MESSAGE, next_action=EXPIRED_NEXT)
+
+
+def kill_detail(run_id: Any) -> str | None:
+    """The words of the kill that ended a run (the switch and the operator's reason), from its
+    audit record, for the stop answered to every later check (SPEC 6)."""
+    answer = (Decision.objects.filter(run_id=run_id, reason="killed", outcome=rules.STOP)
+              .order_by("id").values_list("answer", flat=True).first())
+    message = (answer or {}).get("message") if isinstance(answer, dict) else None
+    return message or None
+
+
+def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]]
+                        ) -> tuple[Run, int, int]:
+    """Record the decisions a fail-open client made while the service was unreachable.
+
+    The actions it allowed ran, so each one is counted exactly as an allow (a local stop ends
+    the run with its reason), with `rules.record_outcome`, and audited with its outcome and
+    `"local": true` in its answer. Entries whose check_id the run already has are skipped
+    (the upload was retried, or the service did decide that check): the counters then agree
+    with what ran. One transaction, under the run's lock, like a check.
+    """
+    recorded = 0
+    with transaction.atomic():
+        run = (Run.objects.select_for_update().select_related("policy_version")
+               .filter(team=team, pk=run_id).first())
+        if run is None:
+            raise ServiceError(404, "not_found", "No such run.")
+        policy = rules_for_version(run.policy_version_id)
+        state = state_of(run)
+        seen = set(Decision.objects.filter(
+            run=run, check_id__in=[e["check_id"] for e in entries]
+        ).values_list("check_id", flat=True))
+        now = timezone.now()
+        rows = []
+        for entry in entries:
+            if entry["check_id"] in seen:
+                continue
+            seen.add(entry["check_id"])
+            action, last = entry["action"], entry.get("last_result")
+            cost = Decimal(str(entry.get("cost_usd") or 0)).quantize(Decimal("0.000001"))
+            check = rules.Check(
+                name=action["name"], type=action["type"], args=action.get("args") or {},
+                progress=entry.get("progress"),
+                last_result=rules.LastResult(**last) if last else None, cost_usd=cost,
+            )
+            verdict, state = rules.record_outcome(
+                policy, state, check, allowed=entry["decision"] == rules.ALLOW,
+                reason=entry["reason"], message=entry.get("message"), now=now,
+            )
+            at = entry.get("at") or now
+            # The client's clock, kept within what the service can vouch for.
+            at = min(max(at, run.started_at), now)
+            answer = {**_answer_of(verdict, state, policy, now), "local": True,
+                      "decided_at": at.isoformat()}
+            rows.append(Decision(
+                run=run, step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
+                action_name=action["name"], action_type=action["type"],
+                args=rules.redact(action.get("args") or {}, policy.redact_args),
+                repeat_key=verdict.repeat_key, repeat_count=verdict.repeat_count,
+                check_id=entry["check_id"], progress=entry.get("progress"), last_result=last,
+                cost_usd=cost, answer=answer, at=now,
+            ))
+            recorded += 1
+        if rows:
+            Decision.objects.bulk_create(rows)
+            Run.objects.filter(pk=run.pk).update(
+                status=state.status, stop_reason=state.stop_reason, ended_at=state.ended_at,
+                steps=state.steps, tool_calls=state.tool_calls, cost_usd=state.cost_usd,
+                memory=state.memory(),
+            )
+            run.refresh_from_db()
+    if rows:
+        publish_run_event(run)
+    return run, recorded, len(entries) - recorded
 
 
 def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> Run:

@@ -170,6 +170,9 @@ class RunState:
     signatures_seen: set[str] = field(default_factory=set)
     no_progress_streak: int = 0
     error_counts: dict[str, int] = field(default_factory=dict)
+    #: What ended a killed run, in words (the switch and the operator's reason); not part of
+    #: the memory: the caller fills it from the kill's audit record when it answers the stop.
+    stop_detail: str | None = None
 
     def copy(self) -> RunState:
         return replace(
@@ -393,6 +396,8 @@ def terminal_decision(state: RunState, key: str) -> Decision:
     if state.status in (STOPPED, KILLED):
         reason = state.stop_reason or state.status
         message = f"The run is already {state.status} (reason: {reason})."
+        if state.stop_detail:
+            message = f"The run is already {state.status}: {state.stop_detail}"
     else:
         reason = RUN_FINISHED
         message = f"The run is already {state.status}."
@@ -413,6 +418,51 @@ def elapsed_seconds(*, started_at: datetime, ended_at: datetime | None, status: 
     clock (max_seconds) and every screen's "Time"."""
     end = ended_at if status in TERMINAL and ended_at else now
     return max(0.0, (end - started_at).total_seconds())
+
+
+def record_outcome(
+    policy: Policy,
+    state: RunState,
+    check: Check,
+    *,
+    allowed: bool,
+    reason: str,
+    now: datetime,
+    message: str | None = None,
+) -> tuple[Decision, RunState]:
+    """Account for a decision made elsewhere, as ``evaluate`` would have counted it.
+
+    The client's fail-open mode decides locally while the service is unreachable; the actions
+    it allowed ran, so when the decisions are uploaded the run's counters must move exactly as
+    for an allow (or end the run, for a local stop), whatever the rules would say now. The
+    client uses the same function to keep its own copy of the state in step with the answers
+    of the service.
+    """
+    key = repeat_key(check.name, check.args, policy.ignore_args)
+    new = state.copy()
+    new.steps += 1
+    _register(new, check)
+    if allowed:
+        new.repeat_counts[key] = new.repeat_counts.get(key, 0) + 1
+        if check.type == "tool":
+            new.tool_calls += 1
+        outcome, reason = ALLOW, STEP_OK
+    else:
+        outcome = STOP
+        if new.status == RUNNING:
+            new.status = KILLED if reason == "killed" else STOPPED
+            new.stop_reason = reason
+            new.ended_at = now
+    decision = Decision(
+        outcome=outcome,
+        reason=reason,
+        step=new.steps,
+        repeat_key=key,
+        repeat_count=new.repeat_counts.get(key, 0),
+        message=message,
+        next_action=None if allowed else NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED]),
+    )
+    return decision, new
 
 
 def replay_allowed(state: RunState, first: Decision | str | None) -> bool:
