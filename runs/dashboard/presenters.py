@@ -46,6 +46,7 @@ class StepRow:
     message: str
     directive: str
     shadow_reason: str
+    local: bool = False  # decided by a fail-open client during an outage, uploaded later
 
 
 def step_row(d: Decision) -> StepRow:
@@ -74,6 +75,7 @@ def step_row(d: Decision) -> StepRow:
         message=answer.get("message") or "",
         directive=directive.get("content", "") if isinstance(directive, dict) else "",
         shadow_reason=shadow.get("reason", "") if isinstance(shadow, dict) else "",
+        local=answer.get("local") is True,
     )
 
 
