@@ -252,7 +252,8 @@ def run_claude_agent_sdk(client: GovernanceClient, scenario: Scenario, tools: To
                     answer = f"I'll now call {name} (turn {i}).\n\n{out['stopReason']}"
                     break
                 try:
-                    response = getattr(tools, name)(**args)
+                    # The CLI runs the tools, away from the hooks' event loop.
+                    response = await asyncio.to_thread(getattr(tools, name), **args)
                 except Exception as exc:
                     failure_input = PostToolUseFailureHookInput(
                         hook_event_name="PostToolUseFailure", tool_name=name, tool_input=args,
@@ -309,7 +310,9 @@ def test_the_integration_governs_a_real_agent(
         assert stored["status"] == "completed", outcome.answer
         assert [d["outcome"] for d in audited] == ["allow"] * len(scenario.calls)
         # The repeated-error directive reached the model (the 3rd error, on the 4th check).
-        directive = "The error 'connection refused' occurred 3 times"
+        # (Each framework words the error its own way; the count and the advice are the
+        # service's.)
+        directive = "occurred 3 times. Change approach radically or abandon this subtask."
         assert any(directive in given for given in outcome.model_inputs), outcome.model_inputs
         return
     assert stored["stop_reason"] == scenario.reason, outcome.answer
