@@ -130,10 +130,9 @@ def scripted_chat_model(calls: list[tuple[str, dict[str, Any]]], seen: list[str]
 
 
 def run_langchain(client: GovernanceClient, scenario: Scenario, tools: Tools) -> Outcome:
+    from governance_client.integrations.langchain import GovernanceMiddleware
     from langchain.agents import create_agent
     from langchain_core.messages import HumanMessage
-
-    from governance_client.integrations.langchain import GovernanceMiddleware
 
     seen: list[str] = []
     with client.run("support-bot", task=TASK) as run:
@@ -144,11 +143,10 @@ def run_langchain(client: GovernanceClient, scenario: Scenario, tools: Tools) ->
 
 
 def run_langgraph(client: GovernanceClient, scenario: Scenario, tools: Tools) -> Outcome:
+    from governance_client.integrations.langgraph import govern_graph
     from langchain_core.messages import HumanMessage
     from langgraph.graph import START, MessagesState, StateGraph
     from langgraph.prebuilt import ToolNode, tools_condition
-
-    from governance_client.integrations.langgraph import govern_graph
 
     seen: list[str] = []
     model = scripted_chat_model(scenario.calls, seen)
@@ -170,13 +168,12 @@ def run_openai_agents(client: GovernanceClient, scenario: Scenario, tools: Tools
     from agents.items import ModelResponse
     from agents.models.interface import Model
     from agents.usage import Usage
+    from governance_client.integrations.openai_agents import govern_agent
     from openai.types.responses import (
         ResponseFunctionToolCall,
         ResponseOutputMessage,
         ResponseOutputText,
     )
-
-    from governance_client.integrations.openai_agents import govern_agent
 
     def message(text: str, i: int) -> ResponseOutputMessage:
         return ResponseOutputMessage(
@@ -224,7 +221,6 @@ def run_claude_agent_sdk(client: GovernanceClient, scenario: Scenario, tools: To
         PostToolUseHookInput,
         PreToolUseHookInput,
     )
-
     from governance_client.integrations.claude_agent_sdk import governance_hooks
 
     seen: list[str] = []

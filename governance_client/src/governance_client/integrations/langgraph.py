@@ -58,6 +58,9 @@ def govern_graph(
     model's last words). Each governed tools node must leave by plain edges
     (``add_edge("tools", "agent")``, as in LangGraph's prebuilt examples): they become a
     conditional edge that goes to ``governance_stop`` and END when governance stopped a call.
+    Calling it again with the next run re-points the tool nodes at that run (compile after
+    each call: a compiled graph shares the builder's tool nodes, so two runs at once need two
+    builders, or ``GovernedToolNode``s of their own).
     """
     governed = []
     for name, spec in builder.nodes.items():
@@ -76,9 +79,11 @@ def govern_graph(
         assert decision is not None  # routed here only then
         return {"messages": [final_message(decision, state, partial_response)]}
 
-    if STOP_NODE not in builder.nodes:
-        builder.add_node(STOP_NODE, stop)
-        builder.add_edge(STOP_NODE, END)
+    if STOP_NODE in builder.nodes:
+        # Governed before (another run): the routes stand, only the runs of the nodes change.
+        return builder
+    builder.add_node(STOP_NODE, stop)
+    builder.add_edge(STOP_NODE, END)
     for name in governed:
         targets = sorted(dst for src, dst in builder.edges if src == name)
         if not targets:
