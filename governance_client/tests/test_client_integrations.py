@@ -13,9 +13,9 @@ from governance_client.testing import FakeGovernance
 
 pytest.importorskip("langchain")
 
-from langchain_core.language_models.fake_chat_models import GenericFakeChatModel  # noqa: E402
-from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.tools import tool
 
 
 class ScriptedChatModel(GenericFakeChatModel):
