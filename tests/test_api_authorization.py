@@ -17,6 +17,8 @@ BODIES = {
     "start_run": {"agent": "bot"},
     "check": {"action": {"name": "x"}},
     "finish_run": {"status": "completed"},
+    "upload_local_decisions": {"decisions": [{"check_id": "l1", "action": {"name": "x"},
+                                              "decision": "allow", "reason": "step_ok"}]},
 }
 
 
@@ -43,7 +45,8 @@ def run_id(api):
 
 def test_every_operation_is_documented_and_covered(client):
     assert {op for _, _, op in operations(client)} == {
-        "start_run", "list_runs", "get_run", "list_decisions", "check", "finish_run"}
+        "start_run", "list_runs", "get_run", "list_decisions", "check", "finish_run",
+        "upload_local_decisions"}
 
 
 @pytest.mark.parametrize("who", ["anonymous", "revoked", "session-only superuser"])
@@ -77,6 +80,6 @@ def test_another_teams_key_sees_none_of_this_teams_runs(other_team, run_id):
 
 def test_the_right_key_may_call_every_operation(api, run_id):
     expected = {"start_run": 201, "list_runs": 200, "get_run": 200, "list_decisions": 200,
-                "check": 200, "finish_run": 200}
+                "check": 200, "finish_run": 200, "upload_local_decisions": 200}
     for path, method, op in sorted(operations(api), key=lambda o: o[2] == "finish_run"):
         assert call(api, path, method, op, run_id, {}).status_code == expected[op], op
