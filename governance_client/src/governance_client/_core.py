@@ -165,6 +165,15 @@ def gave_up(method: str, path: str, exc: BaseException, attempts: int) -> Govern
     return GovernanceUnavailable(f"{method} {path} failed after {attempts} attempt(s): {detail}")
 
 
+def attempt_timeout(remaining: float, attempts_left: int) -> float:
+    """One attempt's share of what is left: a connection that hangs (a stuck worker, a dead
+    peer) leaves time for another attempt on a fresh one, but never less than half a second,
+    so that a slow answer is not abandoned too early. The body still carries the whole of
+    what is left (``deadline_ms``): an attempt given up on but decided in time is replayed
+    by its ``check_id``."""
+    return min(remaining, max(remaining / max(attempts_left, 1), 0.5))
+
+
 def server_budget_ms(remaining: float) -> int:
     """The deadline sent with a check: what is left, less a margin for the answer's way back,
     so that the service gives up (and audits ``expired``) before the client does."""

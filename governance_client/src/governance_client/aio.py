@@ -35,6 +35,7 @@ from ._core import (
     Settings,
     approval_final,
     approval_limit,
+    attempt_timeout,
     classify_error,
     classify_response,
     expect,
@@ -171,14 +172,15 @@ class AsyncGovernanceClient:
             remaining = ends - time.monotonic()
             if remaining <= 0:
                 raise GovernanceUnavailable("deadline spent")
+            timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1)
             try:
                 # httpx's timeouts bound each read; this bounds the attempt as a whole, so a
                 # server that trickles its answer cannot stretch it past the deadline.
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(timeout):
                     response = await self._http.request(
                         method, url, json=body(remaining) if body is not None else None,
                         params=params, headers=self.settings.headers,
-                        timeout=httpx.Timeout(remaining),
+                        timeout=httpx.Timeout(timeout),
                     )
             except TimeoutError as exc:
                 raise classify_error(httpx.ReadTimeout("deadline reached"),

@@ -37,6 +37,7 @@ from ._core import (
     Settings,
     approval_final,
     approval_limit,
+    attempt_timeout,
     classify_error,
     classify_response,
     expect,
@@ -222,11 +223,12 @@ class GovernanceClient:
             remaining = ends - time.monotonic()
             if remaining <= 0:
                 raise GovernanceUnavailable("deadline spent")
+            timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1)
             try:
                 response = self._http.request(
                     method, url, json=body(remaining) if body is not None else None,
                     params=params, headers=self.settings.headers,
-                    timeout=httpx.Timeout(remaining),
+                    timeout=httpx.Timeout(timeout),
                 )
             except httpx.TransportError as exc:
                 raise classify_error(exc, replay_safe=replay_safe) from exc
