@@ -17,6 +17,8 @@ BODIES = {
     "start_run": {"agent": "bot"},
     "check": {"action": {"name": "x"}},
     "finish_run": {"status": "completed"},
+    "upload_local_decisions": {"decisions": [{"check_id": "l1", "action": {"name": "x"},
+                                              "decision": "allow", "reason": "step_ok"}]},
 }
 
 
@@ -57,7 +59,7 @@ def approval_id(api, team, run_id):
 def test_every_operation_is_documented_and_covered(client):
     assert {op for _, _, op in operations(client)} == {
         "start_run", "list_runs", "get_run", "list_decisions", "check", "finish_run",
-        "get_approval"}
+        "get_approval", "upload_local_decisions"}
 
 
 @pytest.mark.parametrize("who", ["anonymous", "revoked", "session-only superuser"])
@@ -92,7 +94,8 @@ def test_another_teams_key_sees_none_of_this_teams_runs(other_team, run_id, appr
 
 def test_the_right_key_may_call_every_operation(api, run_id, approval_id):
     expected = {"start_run": 201, "list_runs": 200, "get_run": 200, "list_decisions": 200,
-                "check": 200, "finish_run": 200, "get_approval": 200}
+                "check": 200, "finish_run": 200, "get_approval": 200,
+                "upload_local_decisions": 200}
     for path, method, op in sorted(operations(api), key=lambda o: o[2] == "finish_run"):
         response = call(api, path, method, op, run_id, {}, approval_id)
         assert response.status_code == expected[op], op
@@ -120,7 +123,8 @@ def test_an_agent_bound_key_touches_no_other_agents_run_in_any_operation(team, a
             assert response.status_code == 404, op
             assert response.json()["error"]["code"] == "not_found"
             covered.add(op)
-    assert covered == {"get_run", "list_decisions", "check", "finish_run"}
+    assert covered == {"get_run", "list_decisions", "check", "finish_run",
+                       "upload_local_decisions"}
     assert bot1.get("/api/v1/runs").json()["runs"] == []
     assert bot1.get("/api/v1/runs?agent=bot2").json()["runs"] == []
     run = Run.objects.get(pk=bot2_run)
@@ -134,7 +138,8 @@ def test_an_agent_bound_key_may_call_every_operation_on_its_own_agents_runs(team
                     content_type="application/json").json()["run_id"]
     expected = {"start_run": 422, "list_runs": 200, "get_run": 200, "list_decisions": 200,
                 "check": 200, "finish_run": 200,  # start_run's body names agent "bot"
-                "get_approval": 404}  # the approval is agent "bot"'s, not bot1's
+                "get_approval": 404,  # the approval is agent "bot"'s, not bot1's
+                "upload_local_decisions": 200}
     for path, method, op in sorted(operations(bot1), key=lambda o: o[2] == "finish_run"):
         response = call(bot1, path, method, op, own, {}, approval_id)
         assert response.status_code == expected[op], op

@@ -22,6 +22,9 @@ def policy_json(version: PolicyVersion) -> dict[str, Any]:
         "mode": doc["mode"],
         "step_limits": doc["step_limits"],
         "budgets": doc["budgets"],
+        "tools": doc.get("tools"),
+        "repeat_key": doc.get("repeat_key"),
+        "on_repeated_error": doc.get("on_repeated_error"),
     }
 
 
@@ -93,4 +96,5 @@ def decision_json(d: Decision) -> dict[str, Any]:
         "repeat_key": d.repeat_key,
         "repeat_count": d.repeat_count,
         "at": d.at,
+        "local": bool((d.answer or {}).get("local")),
     }

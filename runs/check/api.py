@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from datetime import UTC
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
@@ -33,7 +34,14 @@ from runs.approvals import services as approvals
 from runs.audit import selectors
 from runs.check import metrics
 from runs.check import schemas as s
-from runs.check.services import CheckRequest, ServiceError, run_check, run_finish, run_start
+from runs.check.services import (
+    CheckRequest,
+    ServiceError,
+    run_check,
+    run_finish,
+    run_local_decisions,
+    run_start,
+)
 from runs.live.events import awakeups
 
 log = logging.getLogger(__name__)
@@ -225,7 +233,8 @@ def _check_payload(request: HttpRequest) -> s.CheckIn:
         ]) from None
 
 
-def _serve_check(request: HttpRequest, run_id: str) -> HttpResponseBase:
+def _serve_check(request: HttpRequest, run_id: str, received: float | None = None
+                 ) -> HttpResponseBase:
     token = _bearer_token(request)
     claim = agent_key_claim(token) if token else None
     if claim is None:
@@ -240,6 +249,7 @@ def _serve_check(request: HttpRequest, run_id: str) -> HttpResponseBase:
             raise AuthenticationError() from None
         raise
     request.auth = claim  # type: ignore[attr-defined]
+    request.governance_received = received  # type: ignore[attr-defined]
     return _check(request, run_uuid, payload)
 
 
@@ -256,8 +266,9 @@ def _without_ninja_validation(run: Any) -> Any:
     """
     def run_check_operation(request: HttpRequest, **path: Any) -> HttpResponseBase:
         started = time.perf_counter()
+        received = time.monotonic()
         try:
-            response = _serve_check(request, path["run_id"])
+            response = _serve_check(request, path["run_id"], received)
         except Exception as exc:
             response = api.on_exception(request, exc)
         metrics.check_answered(time.perf_counter() - started)
@@ -284,9 +295,40 @@ def _check(request: HttpRequest, run_id: uuid.UUID, payload: s.CheckIn) -> HttpR
                                        ("error", last.error), ("summary", last.summary))
                      if v is not None} if last is not None else None,
         cost_usd=cost, check_id=payload.check_id,
+        deadline=_deadline(request, payload.deadline_ms),
     )
     answer = run_check(claim=request.auth, run_id=run_id, req=req)
     return HttpResponse(json.dumps(answer), content_type="application/json")
+
+
+def _deadline(request: HttpRequest, deadline_ms: float | None) -> float | None:
+    """The monotonic time past which the agent stops waiting: counted from when the check
+    was received (the server's clock alone, so clock skew between hosts does not matter)."""
+    if deadline_ms is None:
+        return None
+    received = getattr(request, "governance_received", None) or time.monotonic()
+    return float(received) + deadline_ms / 1000
+
+
+@api.post("/runs/{run_id}/local-decisions", response={200: s.LocalDecisionsOut, **ERRORS},
+          summary="Upload the decisions a fail-open client made while the service was down",
+          operation_id="upload_local_decisions")
+def upload_local_decisions(request: HttpRequest, run_id: str, payload: s.LocalDecisionsIn
+                           ) -> dict[str, Any]:
+    entries = []
+    for entry in payload.decisions:
+        data = entry.model_dump()
+        data["action"]["args"] = data["action"].get("args") or {}
+        if data["last_result"] is not None:
+            data["last_result"] = {k: v for k, v in data["last_result"].items() if v is not None}
+        at = data.get("at")
+        if at is not None and at.tzinfo is None:
+            data["at"] = at.replace(tzinfo=UTC)
+        entries.append(data)
+    run, recorded, skipped = run_local_decisions(team=request.auth.team, run_id=_run_uuid(run_id),
+                                                 entries=entries, key_agent=request.auth.agent)
+    return {"recorded": recorded, "skipped": skipped,
+            "run": selectors.run_json(run, now=timezone.now())}
 
 
 @api.post("/runs/{run_id}/finish", response={200: s.RunOut, **ERRORS}, summary="Finish a run",

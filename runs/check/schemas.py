@@ -154,6 +154,11 @@ class PolicyOut(Schema):
     mode: Literal["enforce", "shadow"]
     step_limits: StepLimitsOut
     budgets: BudgetsOut
+    # What the client's fail-open mode needs to decide with the same rules (its tool lists,
+    # repeat key and repeated-error handling); not in SPEC 5.1's list, added for the client.
+    tools: dict[str, Any] | None = None
+    repeat_key: dict[str, Any] | None = None
+    on_repeated_error: dict[str, Any] | None = None
 
 
 class RunStartOut(Schema):
@@ -206,6 +211,34 @@ class CheckIn(BaseModel):
     last_result: LastResultIn | None = None
     cost_usd: Money | None = None
     check_id: Annotated[Text, Field(min_length=1, max_length=100)] | None = None
+    # How long the agent waits for this answer, counted from the moment the server receives
+    # the check (README "Deadlines"): past it the check is audited `expired` and not counted.
+    deadline_ms: (Annotated[StrictInt, Field(ge=1, le=600_000)]
+                  | Annotated[StrictFloat, Field(ge=1, le=600_000)] | None) = None
+
+
+class LocalDecisionIn(BaseModel):
+    """One decision the client made by itself while the service was unreachable."""
+
+    check_id: Annotated[Text, Field(min_length=1, max_length=100)]
+    action: ActionIn
+    progress: Annotated[Text, Field(max_length=256)] | Number | None = None
+    last_result: LastResultIn | None = None
+    cost_usd: Money | None = None
+    decision: Literal["allow", "stop"]
+    reason: Annotated[Text, Field(min_length=1, max_length=50)]
+    message: Annotated[Text, Field(max_length=2000)] | None = None
+    at: datetime | None = None
+
+
+class LocalDecisionsIn(BaseModel):
+    decisions: Annotated[list[LocalDecisionIn], Field(min_length=1, max_length=1000)]
+
+
+class LocalDecisionsOut(Schema):
+    recorded: int
+    skipped: int
+    run: RunOut
 
 
 class UsageOut(Schema):
@@ -267,12 +300,13 @@ class DecisionActionOut(Schema):
 class DecisionOut(Schema):
     id: int
     step: int
-    outcome: Literal["allow", "stop", "would_stop", "pending"]
+    outcome: Literal["allow", "stop", "would_stop", "pending", "expired"]
     reason: str
     action: DecisionActionOut | None
     repeat_key: str
     repeat_count: int
     at: datetime
+    local: bool = False
 
 
 class DecisionsOut(Schema):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from runs.check.check_store import (
 from runs.check.policy_cache import rules_for_version
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
-from runs.models import Approval, Run
+from runs.models import Approval, Decision, Run
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,12 @@ class CheckRequest:
     last_result: dict[str, Any] | None
     cost_usd: Decimal
     check_id: str | None
+    #: time.monotonic() past which the agent no longer waits for the answer (None: no limit)
+    deadline: float | None = None
+
+
+EXPIRED = "expired"
+DEADLINE_EXPIRED = "deadline_expired"
 
 
 def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
@@ -251,6 +258,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
         if state.pending is not None or (first is not None
                                          and first[1].get("decision") == rules.PENDING):
             state, first = _settle_on_check(run, state, first, req, now=now, kill=kill)
+        if state.status == rules.KILLED:
+            state.stop_detail = kill_detail(run.id)
         check_id = req.check_id
         if first is not None:
             first_id, first_answer = first
@@ -283,6 +292,18 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
         decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
                                              approval_id=str(uuid.uuid4()))
         answer = _answer_of(decision, new_state, policy, now)
+        if new_state is not state and req.deadline is not None \
+                and time.monotonic() > req.deadline:
+            # The agent gave up on this check (its deadline_ms passed while the check waited,
+            # for the run's lock usually): it will not run the action, so nothing is counted,
+            # and the audit says so instead of recording an allow that never ran.
+            decision, new_state = _expired(state, decision), state
+            answer = {**answer, "decision": rules.STOP, "reason": DEADLINE_EXPIRED,
+                      "step": state.steps, "message": EXPIRED_MESSAGE,
+                      "next_action": EXPIRED_NEXT, "usage": state.usage(now),
+                      "directive": None, "shadow": None, "check_id": check_id}
+            # The check_id stays free: the client may upload its own decision for it.
+            check_id = None
         update = None
         if new_state is not state:
             update = RunUpdate(
@@ -341,6 +362,95 @@ def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, req: CheckR
     return state, first
 
 
+EXPIRED_MESSAGE = ("The check arrived or waited past its deadline_ms: the agent no longer "
+                   "waited for the answer, so it was not decided and nothing was counted.")
+EXPIRED_NEXT = "Check the action again if it is still wanted."
+
+
+def _expired(state: rules.RunState, decision: rules.Decision) -> rules.Decision:
+    return rules.Decision(outcome=EXPIRED, reason=DEADLINE_EXPIRED, step=state.steps,
+                          repeat_key=decision.repeat_key,
+                          repeat_count=state.repeat_counts.get(decision.repeat_key, 0),
+                          message=EXPIRED_MESSAGE, next_action=EXPIRED_NEXT)
+
+
+def kill_detail(run_id: Any) -> str | None:
+    """The words of the kill that ended a run (the switch and the operator's reason), from its
+    audit record, for the stop answered to every later check (SPEC 6)."""
+    answer = (Decision.objects.filter(run_id=run_id, reason="killed", outcome=rules.STOP)
+              .order_by("id").values_list("answer", flat=True).first())
+    message = (answer or {}).get("message") if isinstance(answer, dict) else None
+    return message or None
+
+
+def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]],
+                        key_agent: str = "") -> tuple[Run, int, int]:
+    """Record the decisions a fail-open client made while the service was unreachable.
+
+    The actions it allowed ran, so each one is counted exactly as an allow (a local stop ends
+    the run with its reason), with `rules.record_outcome`, and audited with its outcome and
+    `"local": true` in its answer. Entries whose check_id the run already has are skipped
+    (the upload was retried, or the service did decide that check): the counters then agree
+    with what ran. One transaction, under the run's lock, like a check.
+    """
+    recorded = 0
+    with transaction.atomic():
+        runs = Run.objects.select_for_update().select_related("policy_version")
+        runs = runs.filter(team=team, pk=run_id)
+        if key_agent:  # an agent-bound key touches only its agent's runs (SPEC 10)
+            runs = runs.filter(agent=key_agent)
+        run = runs.first()
+        if run is None:
+            raise ServiceError(404, "not_found", "No such run.")
+        policy = rules_for_version(run.policy_version_id)
+        state = state_of(run)
+        seen = set(Decision.objects.filter(
+            run=run, check_id__in=[e["check_id"] for e in entries]
+        ).values_list("check_id", flat=True))
+        now = timezone.now()
+        rows = []
+        for entry in entries:
+            if entry["check_id"] in seen:
+                continue
+            seen.add(entry["check_id"])
+            action, last = entry["action"], entry.get("last_result")
+            cost = Decimal(str(entry.get("cost_usd") or 0)).quantize(Decimal("0.000001"))
+            check = rules.Check(
+                name=action["name"], type=action["type"], args=action.get("args") or {},
+                progress=entry.get("progress"),
+                last_result=rules.LastResult(**last) if last else None, cost_usd=cost,
+            )
+            verdict, state = rules.record_outcome(
+                policy, state, check, allowed=entry["decision"] == rules.ALLOW,
+                reason=entry["reason"], message=entry.get("message"), now=now,
+            )
+            at = entry.get("at") or now
+            # The client's clock, kept within what the service can vouch for.
+            at = min(max(at, run.started_at), now)
+            answer = {**_answer_of(verdict, state, policy, now), "local": True,
+                      "decided_at": at.isoformat()}
+            rows.append(Decision(
+                run=run, step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
+                action_name=action["name"], action_type=action["type"],
+                args=rules.redact(action.get("args") or {}, policy.redact_args),
+                repeat_key=verdict.repeat_key, repeat_count=verdict.repeat_count,
+                check_id=entry["check_id"], progress=entry.get("progress"), last_result=last,
+                cost_usd=cost, answer=answer, at=now,
+            ))
+            recorded += 1
+        if rows:
+            Decision.objects.bulk_create(rows)
+            Run.objects.filter(pk=run.pk).update(
+                status=state.status, stop_reason=state.stop_reason, ended_at=state.ended_at,
+                steps=state.steps, tool_calls=state.tool_calls, cost_usd=state.cost_usd,
+                memory=state.memory(),
+            )
+            run.refresh_from_db()
+    if rows:
+        publish_run_event(run)
+    return run, recorded, len(entries) - recorded
+
+
 def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
                key_agent: str = "") -> Run:
     """Finish a run (SPEC 5.1) without a transaction around a read and a write: the run is
@@ -357,7 +467,8 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         if (run.memory or {}).get("pending"):
-            return _finish_waiting(team=team, run_id=run.pk, status=status, output=output)
+            return _finish_waiting(team=team, run_id=run.pk, status=status, output=output,
+                                   key_agent=key_agent)
         now = timezone.now()
         try:
             new_state = rules.finish(state_of(run), status,
@@ -382,13 +493,17 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
     raise OperationalError("the run kept changing while it was being finished")
 
 
-def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None) -> Run:
+def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None,
+                    key_agent: str = "") -> Run:
     """Finish a run that waits for an approval (SPEC 11): under the run's lock, the request
     expires if it is past its expiry, else finishing cancels it; then the run is finished as
     usual (a stopped run keeps its status and reason)."""
     with transaction.atomic():
-        run = (Run.objects.select_for_update().select_related("policy_version")
-               .filter(team=team, pk=run_id).first())
+        runs = Run.objects.select_for_update().select_related("policy_version")
+        runs = runs.filter(team=team, pk=run_id)
+        if key_agent:  # an agent-bound key touches only its agent's runs (SPEC 10)
+            runs = runs.filter(agent=key_agent)
+        run = runs.first()
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         if run.finished_at is not None:

@@ -48,6 +48,7 @@ class StepRow:
     shadow_reason: str
     approval_status: str = ""  # SPEC 11: the request this record opened or settled
     approval_by: str = ""
+    local: bool = False  # decided by a fail-open client during an outage, uploaded later
 
 
 def step_row(d: Decision) -> StepRow:
@@ -81,6 +82,7 @@ def step_row(d: Decision) -> StepRow:
         shadow_reason=shadow.get("reason", "") if isinstance(shadow, dict) else "",
         approval_status=approval.get("status", ""),
         approval_by=approval.get("decided_by") or "",
+        local=answer.get("local") is True,
     )
 
 

@@ -244,6 +244,9 @@ class RunState:
     # SPEC 11 / 15: time spent waiting for settled approvals, and the approval still open.
     paused_s: float = 0.0
     pending: Pending | None = None
+    #: What ended a killed run, in words (the switch and the operator's reason); not part of
+    #: the memory: the caller fills it from the kill's audit record when it answers the stop.
+    stop_detail: str | None = None
 
     def copy(self) -> RunState:
         return replace(
@@ -590,6 +593,8 @@ def terminal_decision(state: RunState, key: str) -> Decision:
     if state.status in (STOPPED, KILLED):
         reason = state.stop_reason or state.status
         message = f"The run is already {state.status} (reason: {reason})."
+        if state.stop_detail:
+            message = f"The run is already {state.status}: {state.stop_detail}"
     else:
         reason = RUN_FINISHED
         message = f"The run is already {state.status}."
@@ -615,6 +620,51 @@ def elapsed_seconds(*, started_at: datetime, ended_at: datetime | None, status: 
     if pending_since is not None:
         paused += max(0.0, (end - pending_since).total_seconds())
     return max(0.0, (end - started_at).total_seconds() - paused)
+
+
+def record_outcome(
+    policy: Policy,
+    state: RunState,
+    check: Check,
+    *,
+    allowed: bool,
+    reason: str,
+    now: datetime,
+    message: str | None = None,
+) -> tuple[Decision, RunState]:
+    """Account for a decision made elsewhere, as ``evaluate`` would have counted it.
+
+    The client's fail-open mode decides locally while the service is unreachable; the actions
+    it allowed ran, so when the decisions are uploaded the run's counters must move exactly as
+    for an allow (or end the run, for a local stop), whatever the rules would say now. The
+    client uses the same function to keep its own copy of the state in step with the answers
+    of the service.
+    """
+    key = repeat_key(check.name, check.args, policy.ignore_args)
+    new = state.copy()
+    new.steps += 1
+    _register(new, check)
+    if allowed:
+        new.repeat_counts[key] = new.repeat_counts.get(key, 0) + 1
+        if check.type == "tool":
+            new.tool_calls += 1
+        outcome, reason = ALLOW, STEP_OK
+    else:
+        outcome = STOP
+        if new.status == RUNNING:
+            new.status = KILLED if reason == "killed" else STOPPED
+            new.stop_reason = reason
+            new.ended_at = now
+    decision = Decision(
+        outcome=outcome,
+        reason=reason,
+        step=new.steps,
+        repeat_key=key,
+        repeat_count=new.repeat_counts.get(key, 0),
+        message=message,
+        next_action=None if allowed else NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED]),
+    )
+    return decision, new
 
 
 def replay_allowed(state: RunState, first: Decision | str | None) -> bool:
