@@ -60,3 +60,10 @@ def team_view(needed: Role = Role.VIEWER) -> Callable[[Callable[..., HttpRespons
         return wrapper
 
     return decorator
+
+
+def controls(role: Role | None) -> dict[str, bool]:
+    """What the role may do, for templates that hide the controls the server would refuse.
+    The page layout and the live streams both use it, so a control re-rendered live is
+    offered to exactly the people the page offered it to."""
+    return {"can_operate": can(role, Role.OPERATOR), "can_admin": can(role, Role.ADMIN)}

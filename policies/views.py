@@ -184,7 +184,7 @@ def policies_import(request: HttpRequest, slug: str) -> HttpResponse:
             errors = _foreign_slugs(data, slug)
             if not errors:
                 try:
-                    changes = policy_apply(data=data, actor=request.user, source="dashboard")
+                    changes = policy_apply(data=data, actor=request.user, source="import")
                 except DocumentError as exc:
                     errors = exc.errors
     if changes is not None:

@@ -182,7 +182,7 @@ teams:
                           {"document": document})
     assert response.status_code == 302
     assert current(team)["step_limits"]["max_steps"] == 5
-    assert Policy.objects.get(team=team, name="batch").current.source == "dashboard"
+    assert Policy.objects.get(team=team, name="batch").current.source == "import"
     team.refresh_from_db()
     assert team.name == "Support team"
 

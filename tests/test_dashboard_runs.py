@@ -211,7 +211,8 @@ def test_the_run_page_shows_steps_counters_and_the_stop_banner(team, users):
     assert "Here is what I found so far" in html  # the partial response
     assert "4 / 3" in html  # steps counter against the limit
     assert "$0.28 / $1.00" in html
-    assert "sse-connect" not in html  # a finished run has nothing left to stream
+    # A finished run has nothing left to stream: only the layout's live banner remains.
+    assert f"runs/{run.pk}/stream" not in html and "/live?next=" in html
 
 
 def test_long_args_are_truncated_with_the_full_value_expandable(team, users):

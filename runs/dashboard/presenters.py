@@ -14,6 +14,7 @@ from typing import Any
 
 from django.utils import timezone
 
+from governance_client import rules
 from policies.models import Team
 from runs.audit.selectors import elapsed_s
 from runs.dashboard import selectors as dashboard
@@ -173,4 +174,22 @@ def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, An
         "prev_query": filters.query(page=page.previous_page_number())
         if page.has_previous() else None,
         "next_query": filters.query(page=page.next_page_number()) if page.has_next() else None,
+    }
+
+
+def killswitch_context(team: Team) -> dict[str, Any]:
+    """The kill switch page's live parts: what is engaged and what may still be engaged."""
+    from runs.killswitch.services import engaged_for_team
+    from runs.models import Scope
+
+    engaged = engaged_for_team(team)
+    return {
+        "team": team,
+        "engaged": engaged,
+        # The whole team is already stopped: offering to stop it again would only confuse.
+        "team_engaged": any(s.scope == Scope.TEAM for s in engaged),
+        "engaged_agents": sorted(s.agent for s in engaged if s.scope == Scope.AGENT),
+        "agents": dashboard.agents_of(team),
+        "running": Run.objects.filter(team=team, status="running").count(),
+        "agent_pattern": rules.AGENT_NAME_PATTERN,
     }

@@ -71,14 +71,27 @@ def runs_page(team: Team, filters: RunFilters) -> Page:
 
 
 def run_filter_choices(team: Team) -> dict[str, list[str]]:
+    # order_by() on the column itself: Run.Meta.ordering would otherwise add started_at to
+    # the SELECT DISTINCT and yield one option per run instead of one per value.
     runs = Run.objects.filter(team=team)
     return {
         "statuses": list(RUN_STATUSES),
-        "agents": sorted(runs.values_list("agent", flat=True).distinct()),
-        "stop_reasons": sorted(
-            runs.exclude(stop_reason__isnull=True).values_list("stop_reason", flat=True).distinct()
+        "agents": list(runs.order_by("agent").values_list("agent", flat=True).distinct()),
+        "stop_reasons": list(
+            runs.exclude(stop_reason__isnull=True).order_by("stop_reason")
+            .values_list("stop_reason", flat=True).distinct()
         ),
     }
+
+
+def agents_of(team: Team, *, limit: int = 200) -> list[str]:
+    """The agent names this team has run, for pickers and the unknown-name warning."""
+    return list(Run.objects.filter(team=team).order_by("agent")
+                .values_list("agent", flat=True).distinct()[:limit])
+
+
+def agent_seen(team: Team, agent: str) -> bool:
+    return Run.objects.filter(team=team, agent=agent).exists()
 
 
 def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:

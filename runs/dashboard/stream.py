@@ -31,9 +31,17 @@ from django.core.handlers.asgi import ASGIRequest
 from django.db import DatabaseError, close_old_connections, connections
 from django.http import HttpRequest, StreamingHttpResponse
 from django.template.loader import render_to_string
+from django.urls import reverse
 
+from policies.access import controls
 from policies.models import Team
-from runs.dashboard.presenters import overview_context, run_context, runs_list_context, step_row
+from runs.dashboard.presenters import (
+    killswitch_context,
+    overview_context,
+    run_context,
+    runs_list_context,
+    step_row,
+)
 from runs.dashboard.selectors import RunFilters, timeline
 from runs.live.events import wakeups
 from runs.models import Run
@@ -78,12 +86,40 @@ class Partials:
 
 
 class Source(ABC):
-    """What one screen streams. ``frames`` returns what changed since its last call."""
+    """What one screen streams. ``frames`` returns what changed since its last call.
 
+    Besides its own partials, every source streams the layout's live parts (the kill switch
+    banner with its release forms) as the ``chrome`` event, whose HTML swaps out of band
+    into the banner's slot, so a control never outlives the state that offered it.
+    """
+
+    request: HttpRequest
+    team: Team
     team_id: int
+    page_path: str  # the page the stream serves: where the banner's forms come back to
+    partials: Partials
 
     @abstractmethod
     def frames(self) -> list[Frame]: ...
+
+    def layout(self) -> dict[str, Any]:
+        """What the page layout gives every template: the team and what the role may do."""
+        role = getattr(self.request, "role", None)
+        return {"team": self.team, "role": role, **controls(role), "page_path": self.page_path,
+                "live": True}
+
+    def render(self, names: tuple[str, ...], context: dict[str, Any]) -> list[Frame]:
+        """The changed ones of these live partials (``run-header`` is runs/_run_header.html),
+        plus the layout's chrome."""
+        context = {**context, **self.layout()}
+        rendered = {
+            name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
+                                   request=self.request)
+            for name in names
+        }
+        rendered["chrome"] = render_to_string("runs/_killswitch_banner.html",
+                                              {**context, "oob": True}, request=self.request)
+        return self.partials.changed(rendered)
 
     def finished(self) -> bool:
         """True when nothing on the screen can change any more: the stream says "end"."""
@@ -190,6 +226,7 @@ class RunSource(Source):
     def __init__(self, request: HttpRequest, team: Team, run_id: Any, after: int):
         self.request, self.team, self.team_id = request, team, team.pk
         self.run_id, self.after = run_id, after
+        self.page_path = reverse("runs:run", args=[team.slug, run_id])
         self.partials = Partials()
         self._finished = False
 
@@ -206,12 +243,8 @@ class RunSource(Source):
                                     request=self.request)
             frames.append(Frame("step", html, id=decision.pk))
             self.after = decision.pk
-        context = {**run_context(run), "team": self.team}
-        frames += self.partials.changed({
-            name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
-                                   request=self.request)
-            for name in ("run-header", "run-counters", "run-banner")
-        })
+        frames += self.render(("run-header", "run-controls", "run-counters", "run-banner"),
+                              run_context(run))
         self._finished = run.finished_at is not None
         return frames
 
@@ -222,27 +255,48 @@ class RunSource(Source):
 class OverviewSource(Source):
     def __init__(self, request: HttpRequest, team: Team):
         self.request, self.team, self.team_id = request, team, team.pk
+        self.page_path = reverse("runs:overview", args=[team.slug])
         self.partials = Partials()
 
     def frames(self) -> list[Frame]:
-        context = overview_context(self.team)
-        return self.partials.changed({
-            name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
-                                   request=self.request)
-            for name in ("overview-running", "overview-chart", "overview-switches",
-                         "overview-loops")
-        })
+        return self.render(("overview-running", "overview-chart", "overview-switches",
+                            "overview-loops"), overview_context(self.team))
 
 
 class RunsListSource(Source):
     def __init__(self, request: HttpRequest, team: Team, filters: RunFilters):
         self.request, self.team, self.team_id = request, team, team.pk
         self.filters = filters
+        query = filters.query()
+        self.page_path = reverse("runs:runs", args=[team.slug]) + (f"?{query}" if query else "")
         self.partials = Partials()
 
     def frames(self) -> list[Frame]:
-        context = runs_list_context(self.team, self.filters)
-        return self.partials.changed({
-            "runs-table": render_to_string("runs/_runs_table.html", context,
-                                           request=self.request)
-        })
+        return self.render(("runs-table",), runs_list_context(self.team, self.filters))
+
+
+class KillSwitchSource(Source):
+    """The team's kill switch page: what is engaged and which engage controls are offered."""
+
+    def __init__(self, request: HttpRequest, team: Team):
+        self.request, self.team, self.team_id = request, team, team.pk
+        self.page_path = reverse("runs:killswitch", args=[team.slug])
+        self.partials = Partials()
+
+    def frames(self) -> list[Frame]:
+        return self.render(("killswitch-engaged", "killswitch-engage"),
+                           killswitch_context(self.team))
+
+
+class TeamSource(Source):
+    """Any other team page (policies, keys, audit, a finished run): only the chrome."""
+
+    def __init__(self, request: HttpRequest, team: Team, page_path: str):
+        self.request, self.team, self.team_id = request, team, team.pk
+        # Only a path of this site goes back into a form (and the POST checks it again).
+        ok = page_path.startswith("/") and not page_path.startswith("//")
+        self.page_path = page_path if ok else reverse("runs:overview", args=[team.slug])
+        self.partials = Partials()
+
+    def frames(self) -> list[Frame]:
+        return self.render((), {})

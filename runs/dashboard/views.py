@@ -17,6 +17,7 @@ from runs.dashboard.stream import (
     OverviewSource,
     RunsListSource,
     RunSource,
+    TeamSource,
     last_event_id,
     sse_response,
 )
@@ -25,7 +26,8 @@ from runs.dashboard.stream import (
 @team_view(Role.VIEWER)
 @require_safe
 def overview(request: HttpRequest, slug: str) -> HttpResponse:
-    return page(request, "runs/overview.html", presenters.overview_context(request.team))
+    return page(request, "runs/overview.html",
+                {**presenters.overview_context(request.team), "own_stream": True})
 
 
 @team_view(Role.VIEWER)
@@ -41,6 +43,7 @@ def runs_list(request: HttpRequest, slug: str) -> HttpResponse:
     context = {
         **presenters.runs_list_context(request.team, filters),
         "choices": dashboard.run_filter_choices(request.team),
+        "own_stream": True,
     }
     if request.htmx and request.htmx.target == "runs-region":
         # A filter or page change: only the region (table and its stream) is replaced.
@@ -65,6 +68,7 @@ def run_detail(request: HttpRequest, slug: str, run_id: str) -> HttpResponse:
         **presenters.run_context(run, now),
         "rows": rows,
         "after": rows[-1].id if rows else 0,
+        "own_stream": run.finished_at is None,
     })
 
 
@@ -74,3 +78,10 @@ def run_stream(request: HttpRequest, slug: str, run_id: str) -> StreamingHttpRes
     run = selectors.run_for_team(request.team, run_id)
     return sse_response(request, RunSource(request, request.team, run.pk,
                                            last_event_id(request)))
+
+
+@team_view(Role.VIEWER)
+@require_safe
+def team_stream(request: HttpRequest, slug: str) -> StreamingHttpResponse:
+    """The layout's live parts for a page without a stream of its own."""
+    return sse_response(request, TeamSource(request, request.team, request.GET.get("next", "")))
