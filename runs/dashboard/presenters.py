@@ -170,10 +170,9 @@ def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, An
         "team": team,
         "filters": filters,
         "page": page,
-        "runs": list(page.object_list),
-        "prev_query": filters.query(page=page.previous_page_number())
-        if page.has_previous() else None,
-        "next_query": filters.query(page=page.next_page_number()) if page.has_next() else None,
+        "runs": page.runs,
+        "first_query": filters.query(after="") if filters.after else None,
+        "next_query": filters.query(after=page.next_after) if page.next_after else None,
     }
 
 

@@ -6,14 +6,18 @@ rows by passing the wrong id.
 
 from __future__ import annotations
 
+import re
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any
+from urllib.parse import urlencode
 
-from django.core.paginator import Page, Paginator
-from django.db.models import Count, Max
+from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import TruncHour
 from django.utils import timezone
+from governance_client.rules import WOULD_STOP
 
 from policies.models import Policy, Team
 from runs.audit.selectors import decisions_of
@@ -23,6 +27,26 @@ from runs.models import Decision, KillSwitch, Run, RunStatus
 RUN_STATUSES = tuple(RunStatus.values)
 TERMINAL_STOPS = (RunStatus.STOPPED, RunStatus.KILLED)
 RUNS_PER_PAGE = 25
+# Counting every run of a big team costs as much as listing them all; past this the list
+# says "10,000+".
+COUNT_CAP = 10_000
+
+# Time ranges offered by the runs list and the overview: name -> length.
+RANGES: dict[str, timedelta] = {
+    "1h": timedelta(hours=1),
+    "24h": timedelta(hours=24),
+    "7d": timedelta(days=7),
+    "30d": timedelta(days=30),
+}
+# Sort orders: name -> (column, descending). The run id breaks ties, so a page boundary is
+# exact (keyset paging: the next page starts after the last row's (value, id)).
+SORTS: dict[str, tuple[str, bool]] = {
+    "newest": ("started_at", True),
+    "oldest": ("started_at", False),
+    "steps": ("steps", True),
+    "cost": ("cost_usd", True),
+}
+HEX = re.compile(r"[0-9a-f]{4,32}")
 
 
 @dataclass(frozen=True)
@@ -30,47 +54,135 @@ class RunFilters:
     status: str = ""
     agent: str = ""
     stop_reason: str = ""
-    page: int = 1
+    q: str = ""  # run id (or its first characters), task text or external id
+    since: str = ""  # a key of RANGES, or "" for all time
+    sort: str = "newest"
+    would_stop: bool = False  # only runs a shadow policy would have stopped
+    after: str = ""  # keyset cursor: the last row of the previous page
 
     @classmethod
     def from_query(cls, query: Any) -> RunFilters:
         status = query.get("status", "")
-        try:
-            page = max(1, int(query.get("page") or 1))
-        except ValueError:
-            page = 1
+        since = query.get("since", "")
+        sort = query.get("sort", "")
         return cls(
             status=status if status in RUN_STATUSES else "",
             agent=(query.get("agent") or "")[:100],
             stop_reason=(query.get("stop_reason") or "")[:50],
-            page=page,
+            q=(query.get("q") or "").strip()[:200],
+            since=since if since in RANGES else "",
+            sort=sort if sort in SORTS else "newest",
+            would_stop=query.get("would_stop") in ("1", "on", "true"),
+            after=(query.get("after") or "")[:200],
         )
 
-    def query(self, *, page: int | None = None) -> str:
+    def query(self, *, after: str | None = None) -> str:
         """The query string of these filters (for links and the stream URL)."""
-        from urllib.parse import urlencode
-
         pairs = [("status", self.status), ("agent", self.agent),
-                 ("stop_reason", self.stop_reason)]
-        number = self.page if page is None else page
-        if number > 1:
-            pairs.append(("page", str(number)))
+                 ("stop_reason", self.stop_reason), ("q", self.q), ("since", self.since),
+                 ("sort", "" if self.sort == "newest" else self.sort),
+                 ("would_stop", "1" if self.would_stop else ""),
+                 ("after", self.after if after is None else after)]
         return urlencode([(k, v) for k, v in pairs if v])
 
 
-def runs_page(team: Team, filters: RunFilters) -> Page:
-    runs = Run.objects.filter(team=team).select_related("policy_version__policy")
+@dataclass(frozen=True)
+class RunsPage:
+    runs: list[Run]
+    next_after: str | None  # the cursor of the next page, None on the last one
+    count: int  # matching runs, at most COUNT_CAP + 1
+    capped: bool
+
+
+def would_stop_q() -> Exists:
+    return Exists(Decision.objects.filter(run=OuterRef("pk"), outcome=WOULD_STOP))
+
+
+def _matching(team: Team, filters: RunFilters, now: datetime) -> QuerySet[Run]:
+    runs = Run.objects.filter(team=team)
     if filters.status:
         runs = runs.filter(status=filters.status)
     if filters.agent:
         runs = runs.filter(agent=filters.agent)
     if filters.stop_reason:
         runs = runs.filter(stop_reason=filters.stop_reason)
-    paginator = Paginator(runs.order_by("-started_at", "-pk"), RUNS_PER_PAGE)
-    return paginator.get_page(filters.page)
+    if filters.since:
+        runs = runs.filter(started_at__gte=now - RANGES[filters.since])
+    if filters.q:
+        runs = runs.filter(_search_q(filters.q))
+    if filters.would_stop:
+        runs = runs.filter(would_stop_q())
+    return runs
 
 
-def run_filter_choices(team: Team) -> dict[str, list[str]]:
+def _search_q(text: str) -> Q:
+    try:
+        return Q(pk=uuid.UUID(text))
+    except ValueError:
+        pass
+    found = Q(task__icontains=text) | Q(external_id=text)
+    bare = text.lower().replace("-", "")
+    if HEX.fullmatch(bare):
+        found |= Q(pk__startswith=bare)  # the 8 characters the list shows
+    return found
+
+
+def _cursor(run: Run, column: str) -> str:
+    value = getattr(run, column)
+    raw = value.isoformat() if isinstance(value, datetime) else str(value)
+    return f"{raw}~{run.pk}"
+
+
+def _after(column: str, descending: bool, cursor: str) -> Q | None:
+    """Rows strictly after the cursor's (value, id) in the sort order; None if unreadable."""
+    raw, _, pk = cursor.rpartition("~")
+    try:
+        run_id = uuid.UUID(pk)
+        value: Any = (datetime.fromisoformat(raw) if column == "started_at"
+                      else int(raw) if column == "steps" else Decimal(raw))
+    except (ValueError, ArithmeticError):
+        return None
+    op = "lt" if descending else "gt"
+    # "value <= v AND (value < v OR id < pk)": the first half is a plain range on the
+    # (team, value) index, which the planner walks in order; the OR alone would make it
+    # merge two index lookups and sort the whole team's rows.
+    return Q(**{f"{column}__{op}e": value}) & (
+        Q(**{f"{column}__{op}": value}) | Q(**{f"pk__{op}": run_id}))
+
+
+def page_rows(team: Team, filters: RunFilters, *, now: datetime | None = None
+              ) -> QuerySet[Run]:
+    """The rows of one page and the ones after it, in order (slice it: RUNS_PER_PAGE + 1)."""
+    rows = _matching(team, filters, now or timezone.now())
+    column, descending = SORTS[filters.sort]
+    if filters.after and (after := _after(column, descending, filters.after)) is not None:
+        rows = rows.filter(after)
+    order = [f"-{column}", "-pk"] if descending else [column, "pk"]
+    # prefetch, not a join: the page query stays on runs_run alone, whose index gives the order.
+    return (rows.prefetch_related("policy_version__policy").annotate(
+        shadow_step=Subquery(_first_would_stop().values("step")[:1]),
+        shadow_reason=Subquery(_first_would_stop().values("answer__shadow__reason")[:1]),
+    ).order_by(*order))
+
+
+def runs_page(team: Team, filters: RunFilters, *, now: datetime | None = None) -> RunsPage:
+    """One page of runs, by keyset: the query reads the next RUNS_PER_PAGE + 1 rows of an
+    index range, whatever the page, so the 4,000th page costs what the first does; the
+    count stops at COUNT_CAP."""
+    now = now or timezone.now()
+    found = list(page_rows(team, filters, now=now)[:RUNS_PER_PAGE + 1])
+    runs, more = found[:RUNS_PER_PAGE], len(found) > RUNS_PER_PAGE
+    count = _matching(team, filters, now).order_by()[:COUNT_CAP + 1].count()
+    column = SORTS[filters.sort][0]
+    return RunsPage(runs=runs, next_after=_cursor(runs[-1], column) if more else None,
+                    count=min(count, COUNT_CAP), capped=count > COUNT_CAP)
+
+
+def _first_would_stop() -> QuerySet[Decision]:
+    return Decision.objects.filter(run=OuterRef("pk"), outcome=WOULD_STOP).order_by("id")
+
+
+def run_filter_choices(team: Team) -> dict[str, Any]:
     # order_by() on the column itself: Run.Meta.ordering would otherwise add started_at to
     # the SELECT DISTINCT and yield one option per run instead of one per value.
     runs = Run.objects.filter(team=team)
@@ -81,6 +193,10 @@ def run_filter_choices(team: Team) -> dict[str, list[str]]:
             runs.exclude(stop_reason__isnull=True).order_by("stop_reason")
             .values_list("stop_reason", flat=True).distinct()
         ),
+        "ranges": [("", "any time"), ("1h", "last hour"), ("24h", "last 24 hours"),
+                   ("7d", "last 7 days"), ("30d", "last 30 days")],
+        "sorts": [("newest", "newest first"), ("oldest", "oldest first"),
+                  ("steps", "most steps"), ("cost", "most cost")],
     }
 
 
