@@ -47,9 +47,12 @@ class StepRow:
     message: str
     directive: str
     shadow_reason: str
+    progress: str  # the progress value the agent reported, as JSON text ("" for none)
+    duration_s: float | None  # since the previous decision of the run (or its start)
+    kill: bool  # a fan-out kill: no action, the step number is the previous step's
 
 
-def step_row(d: Decision) -> StepRow:
+def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
     args_json = json.dumps(d.args, ensure_ascii=False, sort_keys=True) if d.args else "{}"
     full = json.dumps(d.args, ensure_ascii=False, indent=2, sort_keys=True) if d.args else "{}"
     last = d.last_result or {}
@@ -75,7 +78,14 @@ def step_row(d: Decision) -> StepRow:
         message=answer.get("message") or "",
         directive=directive.get("content", "") if isinstance(directive, dict) else "",
         shadow_reason=shadow.get("reason", "") if isinstance(shadow, dict) else "",
+        progress="" if d.progress is None else json.dumps(d.progress, ensure_ascii=False),
+        duration_s=_since(d.at, getattr(d, "prev_at", None) or run_started),
+        kill=not d.action_name,
     )
+
+
+def _since(at: datetime, before: datetime | None) -> float | None:
+    return None if before is None else max(0.0, (at - before).total_seconds())
 
 
 @dataclass(frozen=True)
@@ -135,6 +145,25 @@ def banner(run: Run) -> Banner | None:
                   next_action=next_action, output=run.output, ended_at=run.ended_at)
 
 
+@dataclass(frozen=True)
+class ShadowSummary:
+    step: int
+    reason: str
+    message: str
+    count: int  # checks a shadow policy would have stopped
+
+
+def shadow_summary(run: Run) -> ShadowSummary | None:
+    """In shadow mode, where the run would have been stopped, had the policy enforced."""
+    would = run.decisions.filter(outcome="would_stop")
+    first = would.order_by("id").only("step", "answer").first()
+    if first is None:
+        return None
+    shadow = first.answer.get("shadow") or {}
+    return ShadowSummary(step=first.step, reason=shadow.get("reason", ""),
+                         message=shadow.get("message", ""), count=would.count())
+
+
 def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
     """The context of every live partial of the run page except the timeline rows."""
     doc = run.policy_version.document
@@ -143,6 +172,7 @@ def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
         "policy_doc": doc,
         "counters": counters(run, now),
         "banner": banner(run),
+        "shadow": shadow_summary(run) if doc.get("mode") == "shadow" else None,
         "elapsed": elapsed_s(run, now),
     }
 

@@ -20,7 +20,6 @@ from django.utils import timezone
 from governance_client.rules import WOULD_STOP
 
 from policies.models import Policy, Team
-from runs.audit.selectors import decisions_of
 from runs.killswitch import cover
 from runs.models import Decision, KillSwitch, Run, RunStatus
 
@@ -264,9 +263,40 @@ def switches_covering(team: Team) -> list[KillSwitch]:
                 .order_by("engaged_at"))
 
 
-def timeline(run: Run, *, after: int = 0, limit: int = 2000) -> list[Decision]:
-    """The run page's decisions: the API's read, with a page's longer limit."""
-    return list(decisions_of(run, after=after, limit=limit))
+TIMELINE_PAGE = 50
+
+
+def flagged_q() -> Q:
+    """Stops, shadow would-stops and nudges: what "stops and warnings only" keeps."""
+    return ~Q(outcome="allow") | Q(answer__directive__type__isnull=False)
+
+
+def _timeline_rows(run: Run, *, flagged: bool) -> QuerySet[Decision]:
+    # The API's read (runs.audit.selectors.decisions_of: the run's decisions by id) with what
+    # only the page needs: the filter and each step's previous decision time.
+    rows = run.decisions.all()
+    if flagged:
+        rows = rows.filter(flagged_q())
+    # The previous decision of the run (shown or not): a step's duration is the time from it.
+    previous = Decision.objects.filter(run=OuterRef("run"), id__lt=OuterRef("id"))
+    return rows.annotate(prev_at=Subquery(previous.order_by("-id").values("at")[:1]))
+
+
+def timeline(run: Run, *, after: int = 0, limit: int = 2000, flagged: bool = False
+             ) -> list[Decision]:
+    """Decisions after ``after``, oldest first (the stream's new rows)."""
+    return list(_timeline_rows(run, flagged=flagged).filter(id__gt=after).order_by("id")[:limit])
+
+
+def timeline_page(run: Run, *, before: int | None = None, flagged: bool = False,
+                  size: int = TIMELINE_PAGE) -> tuple[list[Decision], bool]:
+    """The ``size`` decisions before ``before`` (default: the last ones), oldest first, and
+    whether there are earlier ones: a long run's page shows its end, earlier steps on demand."""
+    rows = _timeline_rows(run, flagged=flagged)
+    if before is not None:
+        rows = rows.filter(id__lt=before)
+    found = list(rows.order_by("-id")[:size + 1])
+    return found[:size][::-1], len(found) > size
 
 
 def running_on_old_versions(team: Team, policy: Policy) -> int:

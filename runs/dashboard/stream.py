@@ -223,9 +223,10 @@ class RunSource(Source):
     """The run page: new timeline rows (with their decision id as the event id) and the
     header, counters and stop banner whenever they change."""
 
-    def __init__(self, request: HttpRequest, team: Team, run_id: Any, after: int):
+    def __init__(self, request: HttpRequest, team: Team, run_id: Any, after: int, *,
+                 flagged: bool = False):
         self.request, self.team, self.team_id = request, team, team.pk
-        self.run_id, self.after = run_id, after
+        self.run_id, self.after, self.flagged = run_id, after, flagged
         self.page_path = reverse("runs:run", args=[team.slug, run_id])
         self.partials = Partials()
         self._finished = False
@@ -238,8 +239,9 @@ class RunSource(Source):
             self._finished = True
             return []
         frames = []
-        for decision in timeline(run, after=self.after):
-            html = render_to_string("runs/_step_row.html", {"row": step_row(decision)},
+        for decision in timeline(run, after=self.after, flagged=self.flagged):
+            html = render_to_string("runs/_step_row.html",
+                                    {"row": step_row(decision, run.started_at)},
                                     request=self.request)
             frames.append(Frame("step", html, id=decision.pk))
             self.after = decision.pk

@@ -11,5 +11,7 @@ urlpatterns = [
     path("teams/<slug:slug>/runs/", views.runs_list, name="runs"),
     path("teams/<slug:slug>/runs/stream", views.runs_stream, name="runs_stream"),
     path("teams/<slug:slug>/runs/<uuid:run_id>/", views.run_detail, name="run"),
+    path("teams/<slug:slug>/runs/<uuid:run_id>/timeline", views.run_timeline,
+         name="run_timeline"),
     path("teams/<slug:slug>/runs/<uuid:run_id>/stream", views.run_stream, name="run_stream"),
 ]
