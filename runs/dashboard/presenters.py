@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -177,18 +177,26 @@ def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
     }
 
 
-def overview_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
-    """The context of the overview's live partials."""
+def overview_context(team: Team, now: datetime | None = None, *, range_key: str = ""
+                     ) -> dict[str, Any]:
+    """The context of the overview's live partials, over one of dashboard.CHART_RANGES."""
     from runs.dashboard.charts import activity_chart
 
     now = now or timezone.now()
+    span = dashboard.chart_range(range_key)
+    since = now - dashboard.RANGES[span.key]
     running, running_count = dashboard.running_runs(team)
+    agents = dashboard.agent_breakdown(team, since=since)
     return {
         "team": team,
         "running": running,
         "running_count": running_count,
-        "chart": activity_chart(dashboard.hourly_activity(team, now=now)),
-        "loops": dashboard.top_loops(team, since=now - timedelta(hours=24)),
+        "span": span,
+        "ranges": list(dashboard.CHART_RANGES.values()),
+        "chart": activity_chart(dashboard.hourly_activity(team, now=now, span=span)),
+        "loops": dashboard.top_loops(team, since=since),
+        "agents": agents,
+        "would_stop": dashboard.would_stop_count(team, since=since),
         "switches": dashboard.switches_covering(team),
         "now": now,
     }

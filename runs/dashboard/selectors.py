@@ -14,8 +14,8 @@ from decimal import Decimal
 from typing import Any
 from urllib.parse import urlencode
 
-from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet, Subquery
-from django.db.models.functions import TruncHour
+from django.db.models import Avg, Count, Exists, Max, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.functions import TruncDay, TruncHour, TruncMinute
 from django.utils import timezone
 from governance_client.rules import WOULD_STOP
 
@@ -217,43 +217,132 @@ def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
 
 
 @dataclass(frozen=True)
+class ChartRange:
+    key: str
+    label: str  # "Last 24 hours"
+    bucket: timedelta  # one bar
+    trunc: type[TruncMinute] | type[TruncHour] | type[TruncDay]  # what SQL groups by
+    tick: str  # strftime of an x-axis label
+    tick_every: int  # a label every so many bars
+
+
+CHART_RANGES: dict[str, ChartRange] = {
+    "1h": ChartRange("1h", "Last hour", timedelta(minutes=5), TruncMinute, "%H:%M", 2),
+    "24h": ChartRange("24h", "Last 24 hours", timedelta(hours=1), TruncHour, "%H:00", 3),
+    "7d": ChartRange("7d", "Last 7 days", timedelta(hours=6), TruncHour, "%a %H:00", 4),
+    "30d": ChartRange("30d", "Last 30 days", timedelta(days=1), TruncDay, "%b %d", 5),
+}
+DEFAULT_RANGE = "24h"
+
+
+def chart_range(key: str | None) -> ChartRange:
+    return CHART_RANGES.get(key or "", CHART_RANGES[DEFAULT_RANGE])
+
+
+@dataclass(frozen=True)
 class HourlyActivity:
-    hours: list[datetime]  # the start of each hour bucket, oldest first
+    """Runs started and stopped per bucket (an hour for the default range)."""
+
+    hours: list[datetime]  # the start of each bucket, oldest first
     started: list[int]
-    stops: dict[str, list[int]]  # stop reason -> count per hour
+    stops: dict[str, list[int]]  # stop reason -> count per bucket
+    tick: str = "%H:00"
+    tick_every: int = 3
 
 
-def hourly_activity(team: Team, *, now: datetime | None = None, hours: int = 24
-                    ) -> HourlyActivity:
-    """Runs started and runs stopped (by reason) per hour over the last ``hours`` hours."""
+def _bucket_start(moment: datetime, bucket: timedelta) -> datetime:
+    day = moment.replace(hour=0, minute=0, second=0, microsecond=0)
+    return day + bucket * ((moment - day) // bucket)
+
+
+def hourly_activity(team: Team, *, now: datetime | None = None, hours: int = 24,
+                    span: ChartRange | None = None) -> HourlyActivity:
+    """Runs started and runs stopped (by reason) per bucket over the range. SQL groups by the
+    truncated time (at most a few hundred rows); Python folds those into the range's bars."""
     now = now or timezone.now()
-    last = now.replace(minute=0, second=0, microsecond=0)
-    buckets = [last - timedelta(hours=hours - 1 - i) for i in range(hours)]
+    span = span or CHART_RANGES[DEFAULT_RANGE]
+    count = round(RANGES[span.key] / span.bucket)
+    last = _bucket_start(now, span.bucket)
+    buckets = [last - span.bucket * (count - 1 - i) for i in range(count)]
     index = {b: i for i, b in enumerate(buckets)}
     since = buckets[0]
-    started = [0] * hours
+    started = [0] * count
     for row in (Run.objects.filter(team=team, started_at__gte=since)
-                .annotate(h=TruncHour("started_at")).values("h").annotate(n=Count("pk"))):
-        if row["h"] in index:
-            started[index[row["h"]]] += row["n"]
+                .annotate(h=span.trunc("started_at")).values("h").annotate(n=Count("pk"))):
+        if (i := index.get(_bucket_start(row["h"], span.bucket))) is not None:
+            started[i] += row["n"]
     stops: dict[str, list[int]] = {}
     for row in (Run.objects.filter(team=team, ended_at__gte=since, status__in=TERMINAL_STOPS)
                 .exclude(stop_reason__isnull=True)
-                .annotate(h=TruncHour("ended_at")).values("h", "stop_reason")
+                .annotate(h=span.trunc("ended_at")).values("h", "stop_reason")
                 .annotate(n=Count("pk"))):
-        if row["h"] in index:
-            stops.setdefault(row["stop_reason"], [0] * hours)[index[row["h"]]] += row["n"]
-    return HourlyActivity(hours=buckets, started=started, stops=dict(sorted(stops.items())))
+        if (i := index.get(_bucket_start(row["h"], span.bucket))) is not None:
+            stops.setdefault(row["stop_reason"], [0] * count)[i] += row["n"]
+    return HourlyActivity(hours=buckets, started=started, stops=dict(sorted(stops.items())),
+                          tick=span.tick, tick_every=span.tick_every)
 
 
-def top_loops(team: Team, *, since: datetime, limit: int = 5) -> list[dict[str, Any]]:
-    """The repeat keys most often stopped as loops: which tools agents get stuck on."""
+@dataclass(frozen=True)
+class LoopVariant:
+    repeat_key: str
+    args: Any  # the (redacted) args of its latest stop
+    stops: int
+    runs: int
+    last: datetime
+
+
+@dataclass(frozen=True)
+class LoopingTool:
+    tool: str
+    stops: int
+    runs: int
+    last: datetime
+    variants: list[LoopVariant]
+
+
+def top_loops(team: Team, *, since: datetime, limit: int = 5, variants: int = 5
+              ) -> list[LoopingTool]:
+    """The tools most often stopped as loops, each with the argument variants (repeat keys)
+    it looped on folded under it."""
+    stops = Decision.objects.filter(run__team=team, reason="loop_detected", at__gte=since,
+                                    outcome__in=("stop", WOULD_STOP)).exclude(repeat_key="")
+    tools = list(stops.values("action_name")
+                 .annotate(stops=Count("pk"), runs=Count("run", distinct=True), last=Max("at"))
+                 .order_by("-stops", "-last")[:limit])
+    rows = list(stops.filter(action_name__in=[t["action_name"] for t in tools])
+                .values("action_name", "repeat_key")
+                .annotate(stops=Count("pk"), runs=Count("run", distinct=True), last=Max("at"),
+                          latest=Max("id"))
+                .order_by("-stops", "-last"))
+    args = dict(Decision.objects.filter(pk__in=[r["latest"] for r in rows])
+                .values_list("pk", "args"))
+    return [
+        LoopingTool(tool=t["action_name"], stops=t["stops"], runs=t["runs"], last=t["last"],
+                    variants=[LoopVariant(r["repeat_key"], args.get(r["latest"]), r["stops"],
+                                          r["runs"], r["last"])
+                              for r in rows if r["action_name"] == t["action_name"]][:variants])
+        for t in tools
+    ]
+
+
+def would_stop_count(team: Team, *, since: datetime) -> int:
+    """Runs started in the range that a shadow policy would have stopped."""
+    return Run.objects.filter(team=team, started_at__gte=since).filter(would_stop_q()).count()
+
+
+def agent_breakdown(team: Team, *, since: datetime, limit: int = 20) -> list[dict[str, Any]]:
+    """Per agent over the range: runs by outcome, shadow would-stops, spend, mean steps."""
+    def n(**match: Any) -> Count:
+        return Count("pk", filter=Q(**match))
+
     return list(
-        Decision.objects.filter(run__team=team, reason="loop_detected", at__gte=since)
-        .exclude(repeat_key="")
-        .values("action_name", "repeat_key")
-        .annotate(stops=Count("pk"), runs=Count("run", distinct=True), last=Max("at"))
-        .order_by("-stops", "-last")[:limit]
+        Run.objects.filter(team=team, started_at__gte=since).annotate(ws=would_stop_q())
+        .values("agent")
+        .annotate(runs=Count("pk"), running=n(status="running"), completed=n(status="completed"),
+                  stopped=n(status="stopped"), killed=n(status="killed"),
+                  failed=n(status="failed"), would_stop=n(ws=True), cost=Sum("cost_usd"),
+                  steps=Avg("steps"))
+        .order_by("-runs", "agent")[:limit]
     )
 
 

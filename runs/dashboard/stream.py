@@ -255,14 +255,17 @@ class RunSource(Source):
 
 
 class OverviewSource(Source):
-    def __init__(self, request: HttpRequest, team: Team):
+    def __init__(self, request: HttpRequest, team: Team, range_key: str = ""):
         self.request, self.team, self.team_id = request, team, team.pk
-        self.page_path = reverse("runs:overview", args=[team.slug])
+        self.range_key = range_key
+        self.page_path = reverse("runs:overview", args=[team.slug]) + (
+            f"?range={range_key}" if range_key else "")
         self.partials = Partials()
 
     def frames(self) -> list[Frame]:
         return self.render(("overview-running", "overview-chart", "overview-switches",
-                            "overview-loops"), overview_context(self.team))
+                            "overview-loops", "overview-agents"),
+                           overview_context(self.team, range_key=self.range_key))
 
 
 class RunsListSource(Source):

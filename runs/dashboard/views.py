@@ -26,14 +26,17 @@ from runs.dashboard.stream import (
 @team_view(Role.VIEWER)
 @require_safe
 def overview(request: HttpRequest, slug: str) -> HttpResponse:
+    range_key = dashboard.chart_range(request.GET.get("range")).key
     return page(request, "runs/overview.html",
-                {**presenters.overview_context(request.team), "own_stream": True})
+                {**presenters.overview_context(request.team, range_key=range_key),
+                 "own_stream": True})
 
 
 @team_view(Role.VIEWER)
 @require_safe
 def overview_stream(request: HttpRequest, slug: str) -> StreamingHttpResponse:
-    return sse_response(request, OverviewSource(request, request.team))
+    range_key = dashboard.chart_range(request.GET.get("range")).key
+    return sse_response(request, OverviewSource(request, request.team, range_key))
 
 
 @team_view(Role.VIEWER)

@@ -74,3 +74,26 @@ def test_a_shadow_run_shows_where_it_would_have_stopped_live(page: Page, server:
     page.wait_for_url(re.compile(f"q={run_id[:8]}"))
     expect(page.locator("#runs-table tbody tr")).to_have_count(1)
     assert "would_stop=1" in page.url and "status=" not in page.url
+
+
+def test_the_overview_time_range_picker_changes_the_chart_and_stays_live(
+        page: Page, server: Server, agent: Agent, team: Team, users: Any):
+    old = agent.start(agent="old-bot")["run_id"]
+    Run.objects.filter(pk=old).update(started_at=Run.objects.get(pk=old).started_at
+                                      - timedelta(days=3))
+    sign_in(page, server, "viewer", "pw-viewer-123")
+    page.goto(f"{server.url}/teams/{team.slug}/")
+    chart = page.locator("#overview-chart")
+    expect(chart).to_contain_text("Last 24 hours")
+    expect(page.locator("#overview-agents")).not_to_contain_text("old-bot")
+    page.click(".range-picker a[data-range='7d']")
+    expect(chart).to_contain_text("Last 7 days")
+    assert "range=7d" in page.url
+    expect(page.locator("#overview-agents")).to_contain_text("old-bot")
+    expect(page.locator("[data-live-status]")).to_have_text("Live")
+    agent.start(agent="new-bot")  # the chosen range stays live
+    expect(page.locator("#overview-agents")).to_contain_text("new-bot", timeout=15_000)
+    expect(chart).to_contain_text("Last 7 days")
+    page.click(".range-picker a[data-range='1h']")
+    expect(chart).to_contain_text("Last hour")
+    expect(page.locator("#overview-chart svg rect.started-dot")).to_have_count(12)
