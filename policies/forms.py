@@ -74,6 +74,9 @@ class PolicyForm(forms.Form):
     error_action = forms.ChoiceField(choices=[("nudge", "nudge"), ("stop", "stop")],
                                      required=False)
     redact_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    # Not part of the policy: why it changed, kept on the version (required by the save view).
+    note = forms.CharField(required=False, max_length=500, strip=True, widget=forms.TextInput(
+        attrs={"placeholder": "what changed and why (shown in the history)", "maxlength": 500}))
 
     def __init__(self, *args: Any, fixed_name: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)

@@ -33,11 +33,13 @@ def audit(
 
 
 def _new_version(
-    policy: Policy, document: dict[str, Any], *, actor: AbstractBaseUser | None, source: str
+    policy: Policy, document: dict[str, Any], *, actor: AbstractBaseUser | None, source: str,
+    note: str = "",
 ) -> PolicyVersion:
     last = policy.current.version if policy.current_id else 0
     version = PolicyVersion.objects.create(
-        policy=policy, version=last + 1, document=document, created_by=actor, source=source
+        policy=policy, version=last + 1, document=document, created_by=actor, source=source,
+        note=note[:500],
     )
     policy.current = version
     policy.save(update_fields=["current"])
@@ -46,9 +48,11 @@ def _new_version(
 
 @transaction.atomic
 def policy_save(
-    *, team: Team, document: dict[str, Any], actor: AbstractBaseUser | None, source: str
+    *, team: Team, document: dict[str, Any], actor: AbstractBaseUser | None, source: str,
+    note: str = "",
 ) -> PolicyVersion | None:
-    """Store one normalized policy; a new version only when something changed."""
+    """Store one normalized policy; a new version only when something changed. ``note`` is
+    the saver's reason, kept on the version and in the audit event."""
     policy, _ = Policy.objects.select_for_update().get_or_create(team=team, name=document["name"])
     if policy.current_id:
         previous = policy.current.document
@@ -56,11 +60,11 @@ def policy_save(
             return None
     else:
         previous = None
-    version = _new_version(policy, document, actor=actor, source=source)
+    version = _new_version(policy, document, actor=actor, source=source, note=note)
     audit(
         actor=actor, action="policy.version", team=team, target=policy.name,
         detail={"version": version.version, "before": previous, "after": document,
-                "source": source},
+                "source": source, "note": version.note},
     )
     return version
 

@@ -23,6 +23,8 @@ urlpatterns = [
     path(TEAM + "policies/<slug:name>/save", views.policy_save_view, name="policy_save"),
     path(TEAM + "policies/<slug:name>/validate", views.policy_validate, name="policy_validate"),
     path(TEAM + "policies/<slug:name>/history", views.policy_history, name="policy_history"),
+    path(TEAM + "policies/<slug:name>/restore/<int:version>", views.policy_restore,
+         name="policy_restore"),
     path(TEAM + "keys/", views.keys, name="keys"),
     path(TEAM + "keys/<int:key_id>/revoke", views.key_revoke, name="key_revoke"),
     path(TEAM + "members/", views.members, name="members"),

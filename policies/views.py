@@ -11,7 +11,7 @@ from django import forms
 from django.contrib import messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils.text import slugify
 from django.views.decorators.http import require_POST, require_safe
@@ -85,10 +85,12 @@ def policy_detail(request: HttpRequest, slug: str, name: str) -> HttpResponse:
 def policy_save_view(request: HttpRequest, slug: str, name: str) -> HttpResponse:
     policy = selectors.policy_of(request.team, name)
     form = PolicyForm(request.POST, fixed_name=policy.name)
+    if form.is_valid() and not form.cleaned_data["note"]:
+        form.add_error("note", "Say what changed and why: the note is shown in the history.")
     if not form.is_valid():
         return _editor(request, policy, form, status=422)
     version = policy_save(team=request.team, document=form.normalized, actor=request.user,
-                          source="dashboard")
+                          source="dashboard", note=form.cleaned_data["note"])
     if version is None:
         messages.info(request, "Nothing changed: no new version.")
     else:
@@ -107,7 +109,7 @@ def policy_new(request: HttpRequest, slug: str) -> HttpResponse:
         if not form.is_valid():
             return _editor(request, None, form, status=422)
         policy_save(team=request.team, document=form.normalized, actor=request.user,
-                    source="dashboard")
+                    source="dashboard", note=form.cleaned_data["note"] or "created")
         messages.success(request, f"Created policy {form.normalized['name']}.")
         return redirect("policy", slug=slug, name=form.normalized["name"])
     initial = PolicyForm.initial_from(default_policy("new-policy"))
@@ -146,6 +148,27 @@ def policy_history(request: HttpRequest, slug: str, name: str) -> HttpResponse:
     return page(request, "policies/history.html", {
         "policy": policy, "versions": versions, "a": a, "b": b, "diff": diff,
     })
+
+
+@team_view(Role.ADMIN)
+@require_POST
+def policy_restore(request: HttpRequest, slug: str, name: str, version: int) -> HttpResponse:
+    """A new version equal to an old one: history is never rewritten, only added to."""
+    policy = selectors.policy_of(request.team, name)
+    old = selectors.version_of(policy, version)
+    if old is None:
+        raise Http404("No such version.")
+    note = (request.POST.get("note") or "").strip()[:400]
+    restored = policy_save(team=request.team, document=old.document, actor=request.user,
+                           source="restore",
+                           note=f"restored version {old.version}" + (f": {note}" if note else ""))
+    if restored is None:
+        messages.info(request, f"Version {old.version} is what {policy.name} already says: "
+                               "no new version.")
+    else:
+        messages.success(request, f"Restored version {old.version} as version "
+                                  f"{restored.version}. New runs use it.")
+    return redirect("policy_history", slug=slug, name=policy.name)
 
 
 @team_view(Role.VIEWER)

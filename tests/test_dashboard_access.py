@@ -46,7 +46,8 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
 
     policy_post = {"mode": "enforce", "max_steps": "7", "max_repeat_action": "3",
                    "no_progress_window": "4", "max_seconds": "45", "max_usd": "1",
-                   "error_threshold": "3", "error_action": "nudge", "redact_args": "password"}
+                   "error_threshold": "3", "error_action": "nudge", "redact_args": "password",
+                   "note": "an edit"}
     return [
         ("GET", u("runs:overview"), VIEWER, {}),
         ("GET", u("runs:runs"), VIEWER, {}),
@@ -55,6 +56,7 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
         ("GET", u("policies_export"), VIEWER, {}),
         ("GET", u("policy", name="default"), VIEWER, {}),
         ("GET", u("policy_history", name="default"), VIEWER, {}),
+        ("GET", u("runs:run_timeline", run_id=run), VIEWER, {}),
         ("GET", u("audit"), VIEWER, {}),
         ("GET", u("policy_new"), ADMIN, {}),
         ("GET", u("policies_import"), ADMIN, {}),
@@ -64,6 +66,7 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
         ("POST", u("policy_save", name="default"), ADMIN, policy_post),
         ("POST", u("policy_validate", name="default"), ADMIN, policy_post),
         ("POST", u("policy_new"), ADMIN, {**policy_post, "name": "fresh"}),
+        ("POST", u("policy_restore", name="default", version=1), ADMIN, {}),
         ("POST", u("policies_import"), ADMIN,
          {"document": f"teams:\n  - slug: {s}\n    name: Renamed\n"}),
         ("POST", u("keys"), ADMIN, {"name": "made-by-test"}),
@@ -76,7 +79,8 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
     ]
 
 
-STREAMS = ["runs:overview_stream", "runs:runs_stream", "runs:run_stream"]
+STREAMS = ["runs:overview_stream", "runs:runs_stream", "runs:run_stream", "runs:team_stream",
+           "runs:killswitch-stream"]
 
 
 @pytest.fixture(autouse=True)

@@ -174,6 +174,7 @@ def test_a_form_save_does_not_show_a_spurious_money_change(team, users):
     data = {k: v for k, v in PolicyForm.initial_from(policy.current.document).items()
             if v not in (None, False)}
     data["max_steps"] = "7"
+    data["note"] = "fewer steps"
     response = admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "default"}),
                           data)
     assert response.status_code == 302

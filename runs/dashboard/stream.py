@@ -42,7 +42,7 @@ from runs.dashboard.presenters import (
     runs_list_context,
     step_row,
 )
-from runs.dashboard.selectors import RunFilters, timeline
+from runs.dashboard.selectors import DEFAULT_RANGE, RunFilters, timeline
 from runs.live.events import wakeups
 from runs.models import Run
 
@@ -259,7 +259,7 @@ class OverviewSource(Source):
         self.request, self.team, self.team_id = request, team, team.pk
         self.range_key = range_key
         self.page_path = reverse("runs:overview", args=[team.slug]) + (
-            f"?range={range_key}" if range_key else "")
+            f"?range={range_key}" if range_key and range_key != DEFAULT_RANGE else "")
         self.partials = Partials()
 
     def frames(self) -> list[Frame]:

@@ -1,0 +1,41 @@
+"""Admin pages in a real browser (issue 15): restoring a policy version; webhook secret
+rotation; confirmations for destructive one-click actions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policies.models import Policy, Team
+from policies.services import policy_save
+from tests.browser.test_dashboard_browser import (  # noqa: F401 (fixtures)
+    Page,
+    browser,
+    expect,
+    pytestmark,
+    sign_in,
+)
+from tests.browser.test_dashboard_browser import page as page
+from tests.conftest import Server
+
+pytestmark = list(pytestmark)
+
+
+def test_an_admin_restores_an_old_policy_version(page: Page, server: Server, team: Team,
+                                                 users: Any):
+    policy = Policy.objects.get(team=team, name="default")
+    original = policy.current.document
+    edited = {**original, "step_limits": {**original["step_limits"], "max_steps": 30}}
+    policy_save(team=team, document=edited, actor=None, source="dashboard", note="more room")
+    sign_in(page, server, "admin", "pw-admin-123")
+    page.goto(f"{server.url}/teams/{team.slug}/policies/default/history")
+    expect(page.locator("tr[data-version='2'] .version-note")).to_have_text("more room")
+    page.click("button:has-text('Restore v1')")
+    expect(page.locator(".message-success")).to_contain_text("Restored version 1 as version 3")
+    expect(page.locator("tr[data-version='3'] .version-note")).to_have_text("restored version 1")
+    assert Policy.objects.get(team=team, name="default").current.document == original
+    # Any two versions: 2 against 3 shows the limit going back down.
+    page.check("input[name=a][value='2']")
+    page.check("input[name=b][value='3']")
+    page.click("#compare-form button:has-text('Compare')")
+    expect(page.locator("pre.diff")).to_contain_text("-  max_steps: 30")
+    expect(page.locator("pre.diff")).to_contain_text("+  max_steps: 18")
