@@ -18,3 +18,5 @@ urlpatterns = [
     path("", include("policies.urls")),
     path("", include("backtests.urls")),
 ]
+
+handler403 = "policies.views.permission_denied"

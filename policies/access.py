@@ -52,9 +52,10 @@ def team_view(needed: Role = Role.VIEWER) -> Callable[[Callable[..., HttpRespons
             role = role_in(request.user, team) if team is not None else None
             if team is None or role is None:
                 raise Http404("No such team.")
+            # Set before refusing: the 403 page shows the team's navigation for this role.
+            request.team, request.role = team, role  # type: ignore[attr-defined]
             if not can(role, needed):
                 raise PermissionDenied(f"This needs the {needed.label} role.")
-            request.team, request.role = team, role  # type: ignore[attr-defined]
             return view(request, slug, *args, **kwargs)
 
         return wrapper

@@ -80,6 +80,11 @@ class PolicyForm(forms.Form):
 
     def __init__(self, *args: Any, fixed_name: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        # A list box is as tall as its lines (plus one to type in): none hides behind a scroll.
+        for name in ("tools_allow", "tools_deny", "ignore_args", "redact_args"):
+            value = self.data.get(name) if self.is_bound else self.initial.get(name)
+            lines = len(str(value or "").splitlines())
+            self.fields[name].widget.attrs["rows"] = max(2, lines + 1)
         self.fixed_name = fixed_name
         self.document_errors: dict[str, str] = {}
         self.normalized: dict[str, Any] | None = None

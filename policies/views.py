@@ -13,8 +13,9 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.utils.text import slugify
-from django.views.decorators.http import require_POST, require_safe
+from django.views.decorators.http import require_http_methods, require_POST, require_safe
 
 from governance.web import page
 
@@ -42,6 +43,13 @@ from .services import (
 )
 
 NEW_TOKEN_SESSION_KEY = "dashboard:new-agent-token"
+
+
+def permission_denied(request: HttpRequest, exception: Exception | None = None
+                      ) -> HttpResponse:
+    """The 403 page inside the layout: the team's navigation stays (team_view leaves the team
+    on the request before refusing), so a refused person can go on with what they may do."""
+    return page(request, "403.html", {"exception": str(exception or "")}, status=403)
 
 
 @require_safe
@@ -239,9 +247,19 @@ def keys(request: HttpRequest, slug: str) -> HttpResponse:
 
 
 @team_view(Role.ADMIN)
-@require_POST
+@require_http_methods(["GET", "POST"])
 def key_revoke(request: HttpRequest, slug: str, key_id: int) -> HttpResponse:
+    """GET asks to confirm (what stops working, for whom); POST revokes."""
     key = selectors.key_of(request.team, key_id)
+    if request.method == "GET":
+        return page(request, "policies/confirm.html", {
+            "title": f"Revoke key {key.name}?",
+            "effect": "Agents using this key get 401 from their next request; runs they "
+                      "started stay as they are. A revoked key cannot be restored.",
+            "detail": f"gov_{key.prefix}_… · agent {key.agent or 'any'}",
+            "action": request.path, "button": "Revoke the key",
+            "cancel": reverse("keys", args=[slug]),
+        })
     agent_key_revoke(key=key, actor=request.user)
     messages.success(request, f"Revoked key {key.name}: agents using it get 401 from now on.")
     return redirect("keys", slug=slug)
@@ -298,9 +316,20 @@ def member_role(request: HttpRequest, slug: str, membership_id: int) -> HttpResp
 
 
 @team_view(Role.ADMIN)
-@require_POST
+@require_http_methods(["GET", "POST"])
 def member_remove(request: HttpRequest, slug: str, membership_id: int) -> HttpResponse:
+    """GET asks to confirm; POST removes."""
     membership = selectors.membership_of(request.team, membership_id)
+    if request.method == "GET":
+        name = membership.user.get_username()
+        return page(request, "policies/confirm.html", {
+            "title": f"Remove {name} from {request.team.name}?",
+            "effect": f"{name} loses access to this team's runs, policies and controls at "
+                      "once; their account and their other teams are untouched.",
+            "detail": f"role: {membership.role}",
+            "action": request.path, "button": f"Remove {name}",
+            "cancel": reverse("members", args=[slug]),
+        })
     if _would_orphan(request, membership, None):
         messages.error(request, "The team's last admin cannot be removed.")
     else:

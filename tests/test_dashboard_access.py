@@ -63,6 +63,8 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
         ("GET", u("keys"), ADMIN, {}),
         ("GET", u("members"), ADMIN, {}),
         ("GET", u("team_settings"), ADMIN, {}),
+        ("GET", u("key_revoke", key_id=world["key"].pk), ADMIN, {}),
+        ("GET", u("member_remove", membership_id=world["membership"].pk), ADMIN, {}),
         ("POST", u("policy_save", name="default"), ADMIN, policy_post),
         ("POST", u("policy_validate", name="default"), ADMIN, policy_post),
         ("POST", u("policy_new"), ADMIN, {**policy_post, "name": "fresh"}),
@@ -174,8 +176,9 @@ def test_streams_follow_the_same_rules(name, team, world, settings):
 def test_get_only_pages_refuse_post_and_post_only_endpoints_refuse_get(team, world):
     client = signed_in("admin")
     assert client.post(reverse("runs:overview", kwargs={"slug": team.slug})).status_code == 405
-    assert client.get(reverse("key_revoke", kwargs={"slug": team.slug,
-                                                    "key_id": world["key"].pk})).status_code == 405
+    # key_revoke and member_remove answer GET with their confirmation; restore is POST only.
+    assert client.get(reverse("policy_restore", kwargs={"slug": team.slug, "name": "default",
+                                                        "version": 1})).status_code == 405
 
 
 def test_posts_without_a_csrf_token_are_refused(team, world):

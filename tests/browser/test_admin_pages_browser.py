@@ -39,3 +39,35 @@ def test_an_admin_restores_an_old_policy_version(page: Page, server: Server, tea
     page.click("#compare-form button:has-text('Compare')")
     expect(page.locator("pre.diff")).to_contain_text("-  max_steps: 30")
     expect(page.locator("pre.diff")).to_contain_text("+  max_steps: 18")
+
+
+def test_revoking_a_key_and_removing_a_member_ask_first(page: Page, server: Server,
+                                                        team: Team, users: Any):
+    from policies.models import AgentKey, Membership
+
+    sign_in(page, server, "admin", "pw-admin-123")
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+    page.goto(f"{server.url}/teams/{team.slug}/keys/")
+    page.fill("input[name=name]", "ci-bot")
+    page.click("button:has-text('Create key')")
+    token = page.locator("#new-token").inner_text().strip()
+    page.click("button[data-copy='#new-token']")
+    expect(page.locator("button[data-copy='#new-token']")).to_have_text("Copied")
+    assert page.evaluate("navigator.clipboard.readText()") == token
+
+    page.click("tr:has-text('ci-bot') a:has-text('Revoke')")
+    expect(page.locator(".confirm")).to_contain_text("Revoke key ci-bot?")
+    assert AgentKey.objects.get(name="ci-bot").revoked_at is None  # asking changed nothing
+    page.click(".confirm button[name=confirm]")
+    expect(page.locator(".message-success")).to_contain_text("Revoked key ci-bot")
+    assert AgentKey.objects.get(name="ci-bot").revoked_at is not None
+
+    page.goto(f"{server.url}/teams/{team.slug}/members/")
+    page.click("tr[data-member=viewer] a:has-text('Remove')")
+    expect(page.locator(".confirm")).to_contain_text("Remove viewer from")
+    page.click(".confirm a:has-text('Cancel')")
+    assert Membership.objects.filter(team=team, user=users["viewer"]).exists()
+    page.click("tr[data-member=viewer] a:has-text('Remove')")
+    page.click(".confirm button[name=confirm]")
+    expect(page.locator(".message-success")).to_contain_text("Removed viewer")
+    assert not Membership.objects.filter(team=team, user=users["viewer"]).exists()
