@@ -272,3 +272,25 @@ def team_update_webhook(*, team: Team, webhook_url: str | None,
     audit(actor=actor, action="team.webhook", team=team, target=team.slug,
           detail={"before": before, "after": webhook_url})
     return True
+
+
+def webhook_secret_id(secret: str) -> str:
+    """A short public name for a signing secret (not the secret): the settings page and the
+    delivery log show it, so a receiver can tell which secret signed a delivery."""
+    if not secret:
+        return ""
+    return "whsec_" + hashlib.sha256(secret.encode()).hexdigest()[:10]
+
+
+@transaction.atomic
+def team_rotate_webhook_secret(*, team: Team, actor: AbstractBaseUser | None) -> str:
+    """A new signing secret for the team's webhooks, returned once (the caller shows it to
+    the admin once); deliveries signed from now on use it, retries included."""
+    team = Team.objects.select_for_update().get(pk=team.pk)
+    before = webhook_secret_id(team.webhook_secret)
+    secret = secrets.token_hex(32)
+    team.webhook_secret = secret
+    team.save(update_fields=["webhook_secret"])
+    audit(actor=actor, action="team.webhook_secret", team=team, target=team.slug,
+          detail={"before": before, "after": webhook_secret_id(secret)})
+    return secret

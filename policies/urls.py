@@ -31,5 +31,7 @@ urlpatterns = [
     path(TEAM + "members/<int:membership_id>/role", views.member_role, name="member_role"),
     path(TEAM + "members/<int:membership_id>/remove", views.member_remove, name="member_remove"),
     path(TEAM + "settings/", views.team_settings, name="team_settings"),
+    path(TEAM + "settings/webhook-secret", views.webhook_secret_rotate,
+         name="webhook_secret_rotate"),
     path(TEAM + "audit/", views.audit_log, name="audit"),
 ]

@@ -39,10 +39,13 @@ from .services import (
     membership_set,
     policy_apply,
     policy_save,
+    team_rotate_webhook_secret,
     team_update_webhook,
+    webhook_secret_id,
 )
 
 NEW_TOKEN_SESSION_KEY = "dashboard:new-agent-token"
+NEW_SECRET_SESSION_KEY = "dashboard:new-webhook-secret"
 
 
 def permission_denied(request: HttpRequest, exception: Exception | None = None
@@ -348,8 +351,32 @@ def team_settings(request: HttpRequest, slug: str) -> HttpResponse:
                                       actor=request.user)
         messages.success(request, "Webhook saved." if changed else "Nothing changed.")
         return redirect("team_settings", slug=slug)
-    return page(request, "policies/settings.html", {"form": form},
-                status=422 if request.method == "POST" else 200)
+    return page(request, "policies/settings.html", {
+        "form": form,
+        "secret_id": webhook_secret_id(request.team.webhook_secret),
+        "new_secret": request.session.pop(NEW_SECRET_SESSION_KEY, None),
+    }, status=422 if request.method == "POST" else 200)
+
+
+@team_view(Role.ADMIN)
+@require_http_methods(["GET", "POST"])
+def webhook_secret_rotate(request: HttpRequest, slug: str) -> HttpResponse:
+    """GET asks to confirm (receivers must switch); POST rotates and shows the secret once."""
+    if request.method == "GET":
+        return page(request, "policies/confirm.html", {
+            "title": "Rotate the webhook signing secret?",
+            "effect": "Every webhook from now on, retries of pending ones included, is signed "
+                      "with a new secret, shown to you once. Receivers that verify with the "
+                      "old one reject them until they are given the new one.",
+            "detail": f"current secret: {webhook_secret_id(request.team.webhook_secret)}",
+            "action": request.path, "button": "Rotate the secret",
+            "cancel": reverse("team_settings", args=[slug]),
+        })
+    secret = team_rotate_webhook_secret(team=request.team, actor=request.user)
+    # Shown once on the next page, then gone, like a new key's token.
+    request.session[NEW_SECRET_SESSION_KEY] = {"secret": secret,
+                                               "id": webhook_secret_id(secret)}
+    return redirect("team_settings", slug=slug)
 
 
 # --- Operator audit log --------------------------------------------------------------------------

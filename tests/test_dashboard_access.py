@@ -64,6 +64,7 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
         ("GET", u("members"), ADMIN, {}),
         ("GET", u("team_settings"), ADMIN, {}),
         ("GET", u("key_revoke", key_id=world["key"].pk), ADMIN, {}),
+        ("GET", u("webhook_secret_rotate"), ADMIN, {}),
         ("GET", u("member_remove", membership_id=world["membership"].pk), ADMIN, {}),
         ("POST", u("policy_save", name="default"), ADMIN, policy_post),
         ("POST", u("policy_validate", name="default"), ADMIN, policy_post),

@@ -71,3 +71,25 @@ def test_revoking_a_key_and_removing_a_member_ask_first(page: Page, server: Serv
     page.click(".confirm button[name=confirm]")
     expect(page.locator(".message-success")).to_contain_text("Removed viewer")
     assert not Membership.objects.filter(team=team, user=users["viewer"]).exists()
+
+
+def test_an_admin_rotates_the_webhook_secret_and_copies_it_once(page: Page, server: Server,
+                                                                team: Team, users: Any):
+    from policies.services import webhook_secret_id
+
+    old = team.webhook_secret
+    sign_in(page, server, "admin", "pw-admin-123")
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+    page.goto(f"{server.url}/teams/{team.slug}/settings/")
+    expect(page.locator("[data-secret-id]")).to_have_text(webhook_secret_id(old))
+    page.click("a:has-text('Rotate the secret')")
+    expect(page.locator(".confirm")).to_contain_text("Receivers that verify with the old one")
+    page.click(".confirm button[name=confirm]")
+    secret = page.locator("#new-secret").inner_text().strip()
+    team.refresh_from_db()
+    assert secret == team.webhook_secret != old
+    expect(page.locator("[data-secret-id]")).to_have_text(webhook_secret_id(secret))
+    page.click("button[data-copy='#new-secret']")
+    assert page.evaluate("navigator.clipboard.readText()") == secret
+    page.reload()
+    expect(page.locator("#new-secret")).to_have_count(0)  # shown once
