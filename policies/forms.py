@@ -199,6 +199,12 @@ class MemberAddForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices, initial=Role.VIEWER)
 
 
+class MemberInviteForm(forms.Form):
+    username = forms.RegexField(regex=r"^[\w.@+-]{1,150}$", max_length=150, error_messages={
+        "invalid": "Letters, digits and @ . + - _ only."})
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.VIEWER)
+
+
 class MemberRoleForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices)
 

@@ -294,3 +294,35 @@ def team_rotate_webhook_secret(*, team: Team, actor: AbstractBaseUser | None) ->
     audit(actor=actor, action="team.webhook_secret", team=team, target=team.slug,
           detail={"before": before, "after": webhook_secret_id(secret)})
     return secret
+
+
+@dataclass(frozen=True)
+class Invitation:
+    user: Any
+    path: str  # the one-time "choose your password" link, relative to the dashboard's address
+
+
+@transaction.atomic
+def member_invite(*, team: Team, username: str, role: str,
+                  actor: AbstractBaseUser | None) -> Invitation:
+    """Add someone who has no account yet: the account is made without a usable password and
+    the returned link (Django's password-reset token, valid PASSWORD_RESET_TIMEOUT, 3 days by
+    default, and only until the password is set) lets them choose one. Raises ValueError if
+    the username is taken."""
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.tokens import default_token_generator
+    from django.urls import reverse
+    from django.utils.encoding import force_bytes
+    from django.utils.http import urlsafe_base64_encode
+
+    model = get_user_model()
+    if model.objects.filter(username=username).exists():
+        raise ValueError("This username is taken: add the existing user instead.")
+    user = model.objects.create_user(username)  # unusable password until they choose one
+    membership_set(team=team, user=user, role=role, actor=actor)
+    audit(actor=actor, action="member.invite", team=team, target=username,
+          detail={"role": str(role)})
+    path = reverse("password_reset_confirm", kwargs={
+        "uidb64": urlsafe_base64_encode(force_bytes(user.pk)),
+        "token": default_token_generator.make_token(user)})
+    return Invitation(user=user, path=path)

@@ -27,6 +27,7 @@ from .forms import (
     ImportForm,
     KeyForm,
     MemberAddForm,
+    MemberInviteForm,
     MemberRoleForm,
     PolicyForm,
     WebhookForm,
@@ -35,6 +36,7 @@ from .models import Policy, Role
 from .services import (
     agent_key_create,
     agent_key_revoke,
+    member_invite,
     membership_remove,
     membership_set,
     policy_apply,
@@ -46,6 +48,7 @@ from .services import (
 
 NEW_TOKEN_SESSION_KEY = "dashboard:new-agent-token"
 NEW_SECRET_SESSION_KEY = "dashboard:new-webhook-secret"
+INVITATION_SESSION_KEY = "dashboard:new-invitation"
 
 
 def permission_denied(request: HttpRequest, exception: Exception | None = None
@@ -270,11 +273,33 @@ def key_revoke(request: HttpRequest, slug: str, key_id: int) -> HttpResponse:
 
 # --- Members and team settings -----------------------------------------------------------------
 
-def _members_page(request: HttpRequest, form: MemberAddForm, *, status: int = 200
-                  ) -> HttpResponse:
+def _members_page(request: HttpRequest, form: MemberAddForm, *, status: int = 200,
+                  invite: MemberInviteForm | None = None) -> HttpResponse:
     return page(request, "policies/members.html", {
         "form": form, "members": selectors.members_of(request.team), "roles": Role.choices,
+        "invite_form": invite or MemberInviteForm(),
+        "invitation": request.session.pop(INVITATION_SESSION_KEY, None),
     }, status=status)
+
+
+@team_view(Role.ADMIN)
+@require_POST
+def member_invite_view(request: HttpRequest, slug: str) -> HttpResponse:
+    """Add a person who has no account: their account and a one-time link to set a password,
+    shown once to the admin, who passes it on."""
+    invite = MemberInviteForm(request.POST)
+    if invite.is_valid():
+        try:
+            invitation = member_invite(team=request.team, username=invite.cleaned_data["username"],
+                                       role=invite.cleaned_data["role"], actor=request.user)
+        except ValueError as exc:
+            invite.add_error("username", str(exc))
+        else:
+            request.session[INVITATION_SESSION_KEY] = {
+                "username": invitation.user.get_username(),
+                "link": request.build_absolute_uri(invitation.path)}
+            return redirect("members", slug=slug)
+    return _members_page(request, MemberAddForm(), status=422, invite=invite)
 
 
 @team_view(Role.ADMIN)

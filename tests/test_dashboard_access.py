@@ -78,6 +78,7 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
         ("POST", u("member_role", membership_id=world["membership"].pk), ADMIN,
          {"role": "operator"}),
         ("POST", u("member_remove", membership_id=world["membership"].pk), ADMIN, {}),
+        ("POST", u("member_invite"), ADMIN, {"username": "invited-by-test", "role": "viewer"}),
         ("POST", u("team_settings"), ADMIN, {"webhook_url": "https://example.com/hook"}),
     ]
 
