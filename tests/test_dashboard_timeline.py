@@ -11,7 +11,7 @@ from django.test import Client
 from django.urls import reverse
 
 from runs.dashboard import selectors as dashboard
-from runs.killswitch.services import killswitch_engage
+from runs.killswitch.services import killswitch_engage, killswitch_fanout
 from runs.models import Decision, Run, Scope
 from tests.conftest import set_policy
 from tests.test_dashboard_runs import _fast, as_user, check, start  # noqa: F401
@@ -101,8 +101,8 @@ def test_the_kill_row_does_not_repeat_the_previous_step_number(
         team, users, django_capture_on_commit_callbacks):
     run = start(team)
     check(team, run)
-    with django_capture_on_commit_callbacks(execute=True):
-        killswitch_engage(scope=Scope.RUN, run=run, reason="stop it")
+    killswitch_fanout(switch_id=killswitch_engage(scope=Scope.RUN, run=run,
+                                                  reason="stop it").pk)
     html = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug, "run_id": run.pk})
                               ).content.decode()
     kill_row = html.split('class="step outcome-stop kill"')[1].split("</tr>")[0]

@@ -8,6 +8,7 @@ from typing import Any
 from policies.models import Policy, Team
 from policies.services import policy_save
 from tests.browser.test_dashboard_browser import (  # noqa: F401 (fixtures)
+    SCREENSHOTS,
     Page,
     browser,
     expect,
@@ -39,6 +40,7 @@ def test_an_admin_restores_an_old_policy_version(page: Page, server: Server, tea
     page.click("#compare-form button:has-text('Compare')")
     expect(page.locator("pre.diff")).to_contain_text("-  max_steps: 30")
     expect(page.locator("pre.diff")).to_contain_text("+  max_steps: 18")
+    page.screenshot(path=str(SCREENSHOTS / "policy-history.png"), full_page=True)
 
 
 def test_revoking_a_key_and_removing_a_member_ask_first(page: Page, server: Server,

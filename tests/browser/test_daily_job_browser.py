@@ -10,6 +10,7 @@ from typing import Any
 from policies.models import Team
 from runs.models import Decision, Run
 from tests.browser.test_dashboard_browser import (  # noqa: F401 (fixtures)
+    SCREENSHOTS,
     Page,
     browser,
     expect,
@@ -42,6 +43,7 @@ def test_a_long_timeline_pages_and_filters_without_a_long_page(page: Page, serve
     expect(rows).to_have_count(50)
     height = page.evaluate("document.documentElement.scrollHeight")
     assert height < 6000, height  # not the 16,500 px of 300 rows
+    page.screenshot(path=str(SCREENSHOTS / "timeline.png"))
     page.click("#timeline-earlier a")
     expect(rows).to_have_count(100)
     expect(page.locator("#timeline tr.step").first).to_have_attribute("data-step", "201")
@@ -70,6 +72,11 @@ def test_a_shadow_run_shows_where_it_would_have_stopped_live(page: Page, server:
     page.check("input[name=would_stop]")
     expect(page.locator(f"#run-{other}")).to_have_count(0)
     expect(page.locator(f"#run-{run_id}")).to_contain_text("would stop at step 3")
+    page.uncheck("input[name=would_stop]")
+    expect(page.locator(f"#run-{other}")).to_have_count(1)
+    page.screenshot(path=str(SCREENSHOTS / "runs.png"), full_page=True)
+    page.check("input[name=would_stop]")
+    expect(page.locator(f"#run-{other}")).to_have_count(0)
     page.fill("input[name=q]", run_id[:8])
     page.wait_for_url(re.compile(f"q={run_id[:8]}"))
     expect(page.locator("#runs-table tbody tr")).to_have_count(1)
@@ -93,6 +100,7 @@ def test_the_overview_time_range_picker_changes_the_chart_and_stays_live(
     expect(page.locator("[data-live-status]")).to_have_text("Live")
     agent.start(agent="new-bot")  # the chosen range stays live
     expect(page.locator("#overview-agents")).to_contain_text("new-bot", timeout=15_000)
+    page.screenshot(path=str(SCREENSHOTS / "overview-7d.png"), full_page=True)
     expect(chart).to_contain_text("Last 7 days")
     page.click(".range-picker a[data-range='1h']")
     expect(chart).to_contain_text("Last hour")

@@ -10,6 +10,7 @@ from policies.models import Team
 from runs.killswitch.services import killswitch_engage, killswitch_fanout
 from runs.models import Run, Scope
 from tests.browser.test_dashboard_browser import (  # noqa: F401 (fixtures)
+    SCREENSHOTS,
     Page,
     browser,
     expect,
@@ -61,6 +62,7 @@ def test_the_kill_switch_page_follows_the_team_switch_live(page: Page, server: S
 
     expect(page.locator("text=Stop the whole team…")).to_have_count(0, timeout=15_000)
     expect(page.locator("#killswitch-engage")).to_contain_text("whole team is stopped")
+    page.screenshot(path=str(SCREENSHOTS / "killswitch.png"), full_page=True)
     expect(page.locator("#killswitch-engaged")).to_contain_text("from elsewhere")
     banner = page.locator("#killswitch-banner")
     expect(banner).to_contain_text("Kill switch engaged")
