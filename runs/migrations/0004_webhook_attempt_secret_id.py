@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0002_audit_append_only'),
+        ('runs', '0003_decision_elapsed_s'),
     ]
 
     operations = [
