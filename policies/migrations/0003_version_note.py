@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('policies', '0001_initial'),
+        ('policies', '0002_authfailure'),
     ]
 
     operations = [
