@@ -312,6 +312,9 @@ DASHBOARD_STREAM_LOOK_S = env_int("DASHBOARD_STREAM_LOOK_S", 2)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
+    # A 403 or 404 is a refusal, not a crash: one warning line, without Django's traceback.
+    "filters": {"refusals": {"()": "governance.logfilters.RefusalsWithoutTraceback"}},
     "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"django.request": {"filters": ["refusals"]}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "WARNING")},
 }

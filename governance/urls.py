@@ -20,3 +20,5 @@ urlpatterns = [
     path("", include("policies.urls")),
     path("", include("backtests.urls")),
 ]
+
+handler403 = "policies.views.permission_denied"

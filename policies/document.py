@@ -47,10 +47,12 @@ def _is_http_url(value: str) -> bool:
         return False
 
 
-def _six_decimals(value: float | int | None) -> float | int | None:
+def _six_decimals(value: float | int | None) -> float | None:
     if value is not None and Decimal(str(value)).as_tuple().exponent < -6:
         raise ValueError("must have at most 6 decimals")
-    return value
+    # Money is always a float: the form's "1" and the YAML's 1.0 are one document, so a save
+    # from the form does not show a spurious "max_usd: 1.0 -> 1" in the history.
+    return None if value is None else float(value)
 
 
 class _Strict(BaseModel):

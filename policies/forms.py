@@ -78,9 +78,17 @@ class PolicyForm(forms.Form):
     redact_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
     approval_tools = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
     approval_timeout_s = forms.CharField(required=False, max_length=40)
+    # Not part of the policy: why it changed, kept on the version (required by the save view).
+    note = forms.CharField(required=False, max_length=500, strip=True, widget=forms.TextInput(
+        attrs={"placeholder": "what changed and why (shown in the history)", "maxlength": 500}))
 
     def __init__(self, *args: Any, fixed_name: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        # A list box is as tall as its lines (plus one to type in): none hides behind a scroll.
+        for name in ("tools_allow", "tools_deny", "ignore_args", "redact_args"):
+            value = self.data.get(name) if self.is_bound else self.initial.get(name)
+            lines = len(str(value or "").splitlines())
+            self.fields[name].widget.attrs["rows"] = max(2, lines + 1)
         self.fixed_name = fixed_name
         self.document_errors: dict[str, str] = {}
         self.normalized: dict[str, Any] | None = None
@@ -201,6 +209,12 @@ class KeyForm(forms.Form):
 
 class MemberAddForm(forms.Form):
     username = forms.CharField(max_length=150)
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.VIEWER)
+
+
+class MemberInviteForm(forms.Form):
+    username = forms.RegexField(regex=r"^[\w.@+-]{1,150}$", max_length=150, error_messages={
+        "invalid": "Letters, digits and @ . + - _ only."})
     role = forms.ChoiceField(choices=Role.choices, initial=Role.VIEWER)
 
 

@@ -84,7 +84,8 @@ class PolicyVersion(models.Model):
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
     )
-    source = models.CharField(max_length=20, default="api")  # yaml | dashboard | default
+    source = models.CharField(max_length=20, default="api")  # dashboard | import | restore | ...
+    note = models.CharField(max_length=500, blank=True)  # the saver's why, shown in history
 
     class Meta:
         ordering = ["-version"]

@@ -223,6 +223,9 @@ class WebhookAttempt(models.Model):
     status_code = models.PositiveIntegerField(null=True, blank=True)
     error = models.TextField(blank=True)
     duration_ms = models.PositiveIntegerField(default=0)
+    # Which signing secret signed this attempt (policies.services.webhook_secret_id), so a
+    # receiver whose check fails after a rotation can see which secret was used.
+    secret_id = models.CharField(max_length=20, blank=True)
 
     class Meta:
         ordering = ["number"]

@@ -162,7 +162,7 @@ def test_the_streams_render_the_same_partials_and_follow_decisions(api, approvin
     request = stream_request(users["operator"], approving)
     approvals = ApprovalsSource(request, approving)
     frames = {f.event: f.data for f in approvals.frames()}
-    assert set(frames) == {"approvals-list", "approvals-count"}
+    assert set(frames) == {"approvals-list", "approvals-count", "chrome"}
     assert f"approval-{approval_id}" in frames["approvals-list"]
     assert 'data-count="1"' in frames["approvals-count"]
     assert 'hx-swap-oob="true"' in frames["approvals-count"]

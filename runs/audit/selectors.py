@@ -95,6 +95,7 @@ def decision_json(d: Decision) -> dict[str, Any]:
         if d.action_name else None,
         "repeat_key": d.repeat_key,
         "repeat_count": d.repeat_count,
+        "progress": d.progress,
         "at": d.at,
         "local": bool((d.answer or {}).get("local")),
     }

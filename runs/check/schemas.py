@@ -305,6 +305,9 @@ class DecisionOut(Schema):
     action: DecisionActionOut | None
     repeat_key: str
     repeat_count: int
+    # An addition to SPEC 5.1: the progress value the agent reported with this check (null
+    # when it sent none), so a no_progress stop can be explained from the API alone.
+    progress: str | float | int | None = None
     at: datetime
     local: bool = False
 

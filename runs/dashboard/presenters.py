@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
 from django.utils import timezone
 
+from governance_client import rules
 from policies.models import Team
 from runs.audit.selectors import elapsed_s
 from runs.dashboard import selectors as dashboard
@@ -46,12 +47,15 @@ class StepRow:
     message: str
     directive: str
     shadow_reason: str
+    progress: str  # the progress value the agent reported, as JSON text ("" for none)
+    duration_s: float | None  # since the previous decision of the run (or its start)
+    kill: bool  # a fan-out kill: no action, the step number is the previous step's
     approval_status: str = ""  # SPEC 11: the request this record opened or settled
     approval_by: str = ""
     local: bool = False  # decided by a fail-open client during an outage, uploaded later
 
 
-def step_row(d: Decision) -> StepRow:
+def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
     args_json = json.dumps(d.args, ensure_ascii=False, sort_keys=True) if d.args else "{}"
     full = json.dumps(d.args, ensure_ascii=False, indent=2, sort_keys=True) if d.args else "{}"
     last = d.last_result or {}
@@ -80,10 +84,17 @@ def step_row(d: Decision) -> StepRow:
         message=answer.get("message") or "",
         directive=directive.get("content", "") if isinstance(directive, dict) else "",
         shadow_reason=shadow.get("reason", "") if isinstance(shadow, dict) else "",
+        progress="" if d.progress is None else json.dumps(d.progress, ensure_ascii=False),
+        duration_s=_since(d.at, getattr(d, "prev_at", None) or run_started),
+        kill=not d.action_name,
         approval_status=approval.get("status", ""),
         approval_by=approval.get("decided_by") or "",
         local=answer.get("local") is True,
     )
+
+
+def _since(at: datetime, before: datetime | None) -> float | None:
+    return None if before is None else max(0.0, (at - before).total_seconds())
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,25 @@ def banner(run: Run) -> Banner | None:
                   next_action=next_action, output=run.output, ended_at=run.ended_at)
 
 
+@dataclass(frozen=True)
+class ShadowSummary:
+    step: int
+    reason: str
+    message: str
+    count: int  # checks a shadow policy would have stopped
+
+
+def shadow_summary(run: Run) -> ShadowSummary | None:
+    """In shadow mode, where the run would have been stopped, had the policy enforced."""
+    would = run.decisions.filter(outcome="would_stop")
+    first = would.order_by("id").only("step", "answer").first()
+    if first is None:
+        return None
+    shadow = first.answer.get("shadow") or {}
+    return ShadowSummary(step=first.step, reason=shadow.get("reason", ""),
+                         message=shadow.get("message", ""), count=would.count())
+
+
 def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
     """The context of every live partial of the run page except the timeline rows."""
     doc = run.policy_version.document
@@ -151,22 +181,31 @@ def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
         "policy_doc": doc,
         "counters": counters(run, now),
         "banner": banner(run),
+        "shadow": shadow_summary(run) if doc.get("mode") == "shadow" else None,
         "elapsed": elapsed_s(run, now),
     }
 
 
-def overview_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
-    """The context of the overview's live partials."""
+def overview_context(team: Team, now: datetime | None = None, *, range_key: str = ""
+                     ) -> dict[str, Any]:
+    """The context of the overview's live partials, over one of dashboard.CHART_RANGES."""
     from runs.dashboard.charts import activity_chart
 
     now = now or timezone.now()
+    span = dashboard.chart_range(range_key)
+    since = now - dashboard.RANGES[span.key]
     running, running_count = dashboard.running_runs(team)
+    agents = dashboard.agent_breakdown(team, since=since)
     return {
         "team": team,
         "running": running,
         "running_count": running_count,
-        "chart": activity_chart(dashboard.hourly_activity(team, now=now)),
-        "loops": dashboard.top_loops(team, since=now - timedelta(hours=24)),
+        "span": span,
+        "ranges": list(dashboard.CHART_RANGES.values()),
+        "chart": activity_chart(dashboard.hourly_activity(team, now=now, span=span)),
+        "loops": dashboard.top_loops(team, since=since),
+        "agents": agents,
+        "would_stop": dashboard.would_stop_count(team, since=since),
         "switches": dashboard.switches_covering(team),
         "now": now,
     }
@@ -178,10 +217,27 @@ def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, An
         "team": team,
         "filters": filters,
         "page": page,
-        "runs": list(page.object_list),
-        "prev_query": filters.query(page=page.previous_page_number())
-        if page.has_previous() else None,
-        "next_query": filters.query(page=page.next_page_number()) if page.has_next() else None,
+        "runs": page.runs,
+        "first_query": filters.query(after="") if filters.after else None,
+        "next_query": filters.query(after=page.next_after) if page.next_after else None,
+    }
+
+
+def killswitch_context(team: Team) -> dict[str, Any]:
+    """The kill switch page's live parts: what is engaged and what may still be engaged."""
+    from runs.killswitch.services import engaged_for_team
+    from runs.models import Scope
+
+    engaged = engaged_for_team(team)
+    return {
+        "team": team,
+        "engaged": engaged,
+        # The whole team is already stopped: offering to stop it again would only confuse.
+        "team_engaged": any(s.scope == Scope.TEAM for s in engaged),
+        "engaged_agents": sorted(s.agent for s in engaged if s.scope == Scope.AGENT),
+        "agents": dashboard.agents_of(team),
+        "running": Run.objects.filter(team=team, status="running").count(),
+        "agent_pattern": rules.AGENT_NAME_PATTERN,
     }
 
 

@@ -31,6 +31,7 @@ from django.utils import timezone
 
 from policies.egress import RefusedTarget, VettedBackend
 from policies.models import Team
+from policies.services import webhook_secret_id
 from runs.models import KillSwitch, WebhookAttempt, WebhookDelivery
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,8 @@ def attempt_delivery(*, delivery_id: int, number: int) -> Next | None:
     duration_ms = int((time.monotonic() - started) * 1000)
     with transaction.atomic():
         WebhookAttempt.objects.filter(pk=attempt.pk).update(
-            status_code=status_code, error=error, duration_ms=duration_ms
+            status_code=status_code, error=error, duration_ms=duration_ms,
+            secret_id=webhook_secret_id(delivery.team.webhook_secret),
         )
         pending = WebhookDelivery.objects.filter(pk=delivery.pk, status=PENDING)
         if not error:
