@@ -20,11 +20,18 @@ from . import agents as ag
 from .stack import ROOT, Server, base_env, postgres_cpu_seconds
 
 REAL, DURABLE, BARE = "real", "durable", "bare"
+# The minimal baseline application's endpoints (bench/minimal/), on a server of their own.
+MIN_DURABLE, MIN_BARE = "min-durable", "min-bare"
+MINIMAL = {MIN_DURABLE, MIN_BARE}
+BARE_LIKE = {BARE, MIN_BARE}
 CHECK_PATHS: dict[str, ag.CheckPath] = {
     REAL: ag.real_check_path,
     DURABLE: lambda run_id: f"/api/bench/runs/{run_id}/durable",
     BARE: lambda run_id: f"/api/bench/runs/{run_id}/bare",
+    MIN_DURABLE: lambda run_id: f"/runs/{run_id}/durable",
+    MIN_BARE: lambda run_id: f"/runs/{run_id}/bare",
 }
+MIX, CHECKS = "mix", "checks"  # start-checks-finish runs; or runs already started, checks only
 
 
 @dataclass
@@ -34,15 +41,24 @@ class Team:
     token: str
 
 
-def seed_team(slug: str) -> Team:
-    """The benchmark's team with its policy (bench/agents.py BENCH_POLICY) and a new key."""
+# The checks-only mode's policy: one run per agent for a whole slice, never a repeated call.
+LONG_POLICY: dict[str, Any] = {
+    **ag.BENCH_POLICY,
+    "step_limits": {"max_steps": 10000, "max_repeat_action": 3, "no_progress_window": 4},
+    "budgets": {"max_seconds": 3600, "max_usd": 1000.0, "max_tool_calls": None},
+}
+
+
+def seed_team(slug: str, policy: dict[str, Any] | None = None) -> Team:
+    """The benchmark's team with its policy (bench/agents.py BENCH_POLICY unless told) and a
+    new key."""
     from policies.document import default_policy, parse_policy
     from policies.models import Team as TeamModel
     from policies.services import agent_key_create, policy_save, team_ensure
 
     team, _ = team_ensure(slug=slug, name=f"Benchmark {slug}")
     document = default_policy()
-    for key, value in ag.BENCH_POLICY.items():
+    for key, value in (policy or ag.BENCH_POLICY).items():
         document[key] = {**document[key], **value}
     policy_save(team=team, document=parse_policy(document), actor=None, source="bench")
     token = agent_key_create(team=TeamModel.objects.get(pk=team.pk),
@@ -60,6 +76,10 @@ def reset_runs() -> None:
     # The audit tables refuse TRUNCATE outside a maintenance transaction (docs/reliability.md).
     with audit_maintenance(), connection.cursor() as cursor:
         cursor.execute("TRUNCATE runs_run, runs_decision, runs_killswitch RESTART IDENTITY CASCADE")
+        cursor.execute("SELECT to_regclass('bench_repeat_count')")
+        row = cursor.fetchone()
+        if row and row[0]:
+            cursor.execute("TRUNCATE bench_repeat_count")
 
 
 def decision_rows(*, after_id: int = 0, with_action: bool | None = None) -> int:
@@ -97,32 +117,43 @@ class Slice:
 
 
 def run_slice(server: Server, team: Team, *, scenario: str, agents: int, seconds: float,
-              warmup: float) -> Slice:
+              warmup: float, minimal: Server | None = None, mode: str = MIX) -> Slice:
     """`agents` agents for `seconds` against one check endpoint, from empty run tables; the
-    audit rows written are counted against the decisions the agents received."""
+    audit rows written are counted against the decisions the agents received. A minimal
+    scenario sends its checks to `minimal`, the starts and finishes still to `server`."""
     reset_runs()
     before = max_decision_id()
+    check_server = minimal if scenario in MINIMAL else None
+    if scenario in MINIMAL and minimal is None:
+        raise ValueError(f"{scenario} needs the minimal baseline's server")
     opts = ag.AgentOptions(host="127.0.0.1", port=server.port, token=team.token,
-                           check_path=CHECK_PATHS[scenario], verify_answers=scenario == REAL)
-    cpu_server0, cpu_client0 = server.cpu(), time.process_time()
+                           check_path=CHECK_PATHS[scenario], verify_answers=scenario == REAL,
+                           check_port=check_server.port if check_server else None,
+                           checks_only=mode == CHECKS)
+
+    def cpu() -> float:
+        return server.cpu() + (check_server.cpu() if check_server else 0.0)
+
+    cpu_server0, cpu_client0 = cpu(), time.process_time()
     cpu_postgres0 = postgres_cpu_seconds()
     stats = asyncio.run(ag.run_load(opts, agents, seconds, warmup))
-    cpu_server, cpu_client = server.cpu() - cpu_server0, time.process_time() - cpu_client0
+    cpu_server, cpu_client = cpu() - cpu_server0, time.process_time() - cpu_client0
     cpu_postgres = postgres_cpu_seconds() - cpu_postgres0
     return Slice(stats=stats, rows=decision_rows(after_id=before), cpu_server=cpu_server,
                  cpu_client=cpu_client, cpu_postgres=cpu_postgres)
 
 
 def load_point(server: Server, team: Team, *, scenario: str, agents: int, seconds: float,
-               warmup: float) -> dict[str, Any]:
+               warmup: float, minimal: Server | None = None) -> dict[str, Any]:
     """One point made of one slice."""
     return summarize([run_slice(server, team, scenario=scenario, agents=agents,
-                                seconds=seconds, warmup=warmup)],
+                                seconds=seconds, warmup=warmup, minimal=minimal)],
                      scenario=scenario, agents=agents)
 
 
 def interleaved_points(server: Server, team: Team, *, scenarios: list[str], agents: int,
-                       rounds: int, seconds: float, warmup: float) -> list[dict[str, Any]]:
+                       rounds: int, seconds: float, warmup: float,
+                       minimal: Server | None = None, mode: str = MIX) -> list[dict[str, Any]]:
     """The scenarios' points at one concurrency, measured in alternating slices (real,
     durable, bare, real, ...): on a machine whose load drifts, every scenario sees the same
     drift, which is what makes their ratios meaningful."""
@@ -130,11 +161,13 @@ def interleaved_points(server: Server, team: Team, *, scenarios: list[str], agen
     for _ in range(rounds):
         for scenario in scenarios:
             slices[scenario].append(run_slice(server, team, scenario=scenario, agents=agents,
-                                              seconds=seconds, warmup=warmup))
-    return [summarize(slices[s], scenario=s, agents=agents) for s in scenarios]
+                                              seconds=seconds, warmup=warmup, minimal=minimal,
+                                              mode=mode))
+    return [summarize(slices[s], scenario=s, agents=agents, mode=mode) for s in scenarios]
 
 
-def summarize(slices: list[Slice], *, scenario: str, agents: int) -> dict[str, Any]:
+def summarize(slices: list[Slice], *, scenario: str, agents: int, mode: str = MIX
+              ) -> dict[str, Any]:
     window = sum(max(1e-9, x.stats.window_end - x.stats.window_start) for x in slices)
     lat = [v for x in slices for v in x.stats.check_latencies]
     other = [v for x in slices for v in x.stats.other_latencies]
@@ -148,7 +181,7 @@ def summarize(slices: list[Slice], *, scenario: str, agents: int) -> dict[str, A
         errors.update(st.errors)
         outcomes.update(st.outcomes)
         rows += x.rows
-        if scenario == BARE:
+        if scenario in BARE_LIKE:
             # The bare endpoint writes nothing and answers decision_id 0: no row may appear.
             audit_ok = audit_ok and x.rows == 0
             returned += st.decisions_returned
@@ -160,6 +193,7 @@ def summarize(slices: list[Slice], *, scenario: str, agents: int) -> dict[str, A
             distinct += len(st.decision_ids)
     return {
         "scenario": scenario,
+        "mode": mode,
         "agents": agents,
         "seconds": round(window, 1),
         "slices": len(slices),
