@@ -15,7 +15,7 @@ from typing import Any
 from . import report, stack
 from . import scenarios as sc
 
-PHASES = ("micro", "backtest", "points", "soak", "killswitch", "stream", "metrics")
+PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "stream", "metrics")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -41,6 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--checks-only-scenarios", default="real,min-durable,min-bare",
                         help="check endpoints to load with the runs already started "
                              "(default real,min-durable,min-bare; empty to skip)")
+    parser.add_argument("--fanout-runs", type=int,
+                        help="running runs the fan-out phase kills (default 10000, quick 1000)")
     parser.add_argument("--no-history", action="store_true",
                         help="do not append this run to bench/history.jsonl")
     return parser.parse_args(argv)
@@ -122,6 +124,15 @@ def main(argv: list[str]) -> int:
             finally:
                 worker.stop()
             print(report.killswitch_line(results["killswitch"]), flush=True)
+        if "fanout" in phases:
+            worker = stack.CeleryWorker().start()
+            try:
+                fan_team = sc.seed_team("bench-fanout", policy=sc.LONG_POLICY)
+                results["fanout"] = sc.killswitch_fanout(
+                    server, fan_team, runs=args.fanout_runs or (1000 if quick else 10000), agents=8)
+            finally:
+                worker.stop()
+            print(report.fanout_line(results["fanout"]), flush=True)
         if "stream" in phases:
             results["stream"] = live_stream(server, team, quick=quick)
             print(report.live_line(results["stream"]), flush=True)

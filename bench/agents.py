@@ -216,10 +216,15 @@ async def checks_only_agent(index: int, opts: AgentOptions, stats: LoadStats,
             except HttpError as exc:
                 stats.errors[f"check {exc}"] += 1
                 return
-            stats.record_check(sent, time.monotonic(), status, last, index)
+            done = time.monotonic()
+            stats.record_check(sent, done, status, last, index)
             i += 1
             if status != 200:
                 return
+            if opts.record_answers:
+                stats.answers.append((done, sent, last["decision"], last["reason"]))
+            if last.get("reason") == "killed":
+                return  # a kill switch stopped the run: what the kill scenarios wait for
             if opts.verify_answers and last.get("decision") != "allow":
                 stats.errors[f"unexpected answer {last.get('reason')} at step {i}"] += 1
                 return

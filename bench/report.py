@@ -60,6 +60,18 @@ def killswitch_line(k: dict[str, Any]) -> str:
             f"errors {k['errors']}")
 
 
+def fanout_line(f: dict[str, Any]) -> str:
+    return (f"  kill switch fan-out ({f['covered_runs']} running runs, {f['agents']} agents "
+            f"checking): engage took {f['engage_s']} s; every covered run killed "
+            f"{f['all_covered_killed_s']} s after the commit (fan-out records from "
+            f"{f['fanout_first_record_s']} s to {f['fanout_last_record_s']} s; "
+            f"{f['killed_runs']} killed, "
+            f"{f['runs_with_one_killed_record']} with one audit record, "
+            f"{f['runs_with_several_killed_records']} with several); webhooks "
+            f"{f['webhooks_received']}; leaked allows {f['leaked_allows']}; errors "
+            f"{f['errors']}")
+
+
 def metrics_line(m: dict[str, Any]) -> str:
     return (f"  metrics at {TARGET_AGENTS} agents: off {m['off_checks_per_s']} checks/s "
             f"({m['off_worker_cpu_ms_per_check']} ms worker CPU/check), on "
@@ -142,6 +154,14 @@ def correctness(results: dict[str, Any]) -> list[str]:
         failed.append(f"kill switch: leaked allows {ks['leaked_allows']}, errors "
                       f"{ks['error_kinds']}, runs still running "
                       f"{ks['covered_runs_still_running']}")
+    fan = results.get("fanout")
+    if fan and not fan["ok"]:
+        failed.append(f"kill switch fan-out: {fan['covered_runs_still_running']} runs still "
+                      f"running, {fan['killed_runs']} killed of {fan['covered_runs']}, "
+                      f"{fan['runs_with_one_killed_record']} with one record, "
+                      f"{fan['runs_with_several_killed_records']} with several, webhooks "
+                      f"{fan['webhooks_received']}, leaked allows {fan['leaked_allows']}, "
+                      f"errors {fan['error_kinds']}")
     metrics = results.get("metrics")
     if metrics:
         scrape = metrics["scrape"]
@@ -178,6 +198,10 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     metrics = results.get("metrics")
     if metrics and metrics.get("cost_pct") is not None:
         out.append(("metrics cost < 5%", f"{metrics['cost_pct']}%", metrics["cost_pct"] < 5))
+    fan = results.get("fanout")
+    if fan and fan.get("all_covered_killed_s") is not None and fan["covered_runs"] >= 10000:
+        out.append(("fan-out: 10,000 runs killed <= 2 s after the commit",
+                    f"{fan['all_covered_killed_s']} s", fan["all_covered_killed_s"] <= 2.0))
     ks = results.get("killswitch")
     if ks:
         out.append(("kill switch: 0 leaked allows", str(ks["leaked_allows"]),
@@ -233,7 +257,7 @@ def summary(results: dict[str, Any]) -> str:
                              f"{p['client_cpu_ms_per_check']:6.2f}")
     lines.append("")
     for key, fmt in (("micro", micro_line), ("backtest", backtest_line), ("soak", soak_line),
-                     ("killswitch", killswitch_line),
+                     ("killswitch", killswitch_line), ("fanout", fanout_line),
                      ("stream", live_line), ("metrics", metrics_line)):
         if key in results:
             lines.append(fmt(results[key]).strip())
@@ -321,6 +345,8 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
         "soak_rss_growth_pct": (results.get("soak") or {}).get("rss_growth_max_pct"),
         "killswitch_all_stopped_s": (results.get("killswitch") or {}).get(
             "all_covered_stopped_s"),
+        "fanout_runs": (results.get("fanout") or {}).get("covered_runs"),
+        "fanout_all_killed_s": (results.get("fanout") or {}).get("all_covered_killed_s"),
         "live_p99_ms": (results.get("stream") or {}).get("p99_ms"),
         "backtest_decisions_per_s": ((results.get("backtest") or {}).get("recomputed_keys")
                                      or {}).get("decisions_per_s"),

@@ -394,3 +394,140 @@ def killswitch(server: Server, team: Team, *, agents: int, before_s: float, afte
         "error_kinds": dict(stats.errors),
         "ok": switch is not None and not leaked and not stats.errors and still_running == 0,
     }
+
+
+# --- Kill switch fan-out at scale -----------------------------------------------------------
+
+class _WebhookCounter:
+    """A local webhook receiver that counts the deliveries per path (no signature check: the
+    tests prove the signatures; the benchmark proves exactly-once at scale)."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        counts: Counter[str] = Counter()
+        self.counts = counts
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                counts[self.path] += 1
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/fanout"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _seed_running_runs(team: Team, count: int) -> None:
+    """`count` running runs of the team, written directly (starting them over the API would
+    take minutes and measure the start, not the kill)."""
+    from django.utils import timezone
+
+    from policies.models import Policy
+    from runs.models import Run
+
+    version_id = Policy.objects.filter(team_id=team.team_id).values_list(
+        "current_id", flat=True).first()
+    now = timezone.now()
+    for first in range(0, count, 2000):
+        Run.objects.bulk_create([
+            Run(team_id=team.team_id, agent="bench-fanout", policy_version_id=version_id,
+                started_at=now, task=f"seeded run {i}", steps=i % 20, tool_calls=i % 20)
+            for i in range(first, min(count, first + 2000))])
+
+
+def killswitch_fanout(server: Server, team: Team, *, runs: int, agents: int,
+                      timeout_s: float = 120.0) -> dict[str, Any]:
+    """`runs` running runs of one team (plus `agents` agents checking runs of their own) and
+    a team kill switch engaged by the command: how long after the engage's commit every
+    covered run is killed with its audit record, whether the team's webhook arrives exactly
+    once, and whether any check sent after the engage returned was allowed."""
+    from django.db.models import Count, Max, Min
+
+    from policies.models import Team as TeamModel
+    from runs.models import Decision, KillSwitch, Run
+
+    reset_runs()
+    receiver = _WebhookCounter()
+    TeamModel.objects.filter(pk=team.team_id).update(webhook_url=receiver.url)
+    _seed_running_runs(team, runs)
+    opts = ag.AgentOptions(host="127.0.0.1", port=server.port, token=team.token,
+                           record_answers=True, checks_only=True)
+    result: dict[str, Any] = {}
+
+    async def drive() -> ag.LoadStats:
+        load = asyncio.ensure_future(ag.run_load(opts, agents, 6.0, 0.0))
+        await asyncio.sleep(2.0)
+        engage_started = time.monotonic()
+        how, returned = await asyncio.to_thread(_engage, team, "benchmark: fan-out at scale")
+        result.update(method=how, engage_s=round(returned - engage_started, 3),
+                      engage_returned=returned)
+        return await load
+
+    try:
+        stats = asyncio.run(drive())
+        returned = result.pop("engage_returned")
+        switch = (KillSwitch.objects.filter(team_id=team.team_id, scope="team")
+                  .order_by("-engaged_at").first())
+        assert switch is not None
+        covered = Run.objects.filter(team_id=team.team_id, started_at__lt=switch.engaged_at)
+        deadline = time.monotonic() + timeout_s
+        while covered.filter(status="running").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        still_running = covered.filter(status="running").count()
+        last_end = covered.aggregate(last=Max("ended_at"))["last"]
+        stopped_s = round((last_end - switch.engaged_at).total_seconds(), 3) \
+            if last_end is not None and not still_running else None
+        deadline = time.monotonic() + 30
+        while not receiver.counts and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.0)  # a second delivery of the same switch would arrive meanwhile
+        per_run = (Decision.objects.filter(run__team_id=team.team_id, reason="killed")
+                   .values("run_id").annotate(n=Count("id")))
+        with_record = sum(1 for r in per_run if r["n"] == 1)
+        doubled = sum(1 for r in per_run if r["n"] > 1)
+        killed = covered.filter(status="killed").count()
+        # The fan-out's own records: the first one says when the worker began (the task's
+        # queueing and the worker's pick-up before it), the last when it was done.
+        span = Decision.objects.filter(run__team_id=team.team_id, reason="killed",
+                                       action_name="").aggregate(first=Min("at"), last=Max("at"))
+        first_s = round((span["first"] - switch.engaged_at).total_seconds(), 3) \
+            if span["first"] else None
+        last_s = round((span["last"] - switch.engaged_at).total_seconds(), 3) \
+            if span["last"] else None
+        leaked = [a for a in stats.answers if a[1] >= returned and a[2] == "allow"]
+    finally:
+        receiver.close()
+        _release(team)
+    webhooks = sum(receiver.counts.values())
+    return {
+        **result,
+        "seeded_runs": runs,
+        "agents": agents,
+        "covered_runs": covered.count(),
+        "killed_runs": killed,
+        "runs_with_one_killed_record": with_record,
+        "runs_with_several_killed_records": doubled,
+        "all_covered_killed_s": stopped_s,
+        "fanout_first_record_s": first_s,
+        "fanout_last_record_s": last_s,
+        "covered_runs_still_running": still_running,
+        "webhooks_received": webhooks,
+        "leaked_allows": len(leaked),
+        "errors": sum(stats.errors.values()),
+        "error_kinds": dict(stats.errors),
+        "ok": (not still_running and killed == with_record == covered.count() and not doubled
+               and webhooks == 1 and not leaked and not stats.errors),
+    }
