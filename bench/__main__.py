@@ -15,7 +15,8 @@ from typing import Any
 from . import report, stack
 from . import scenarios as sc
 
-PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "stream", "metrics")
+PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "longrun", "stream",
+          "metrics")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -43,6 +44,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(default real,min-durable,min-bare; empty to skip)")
     parser.add_argument("--fanout-runs", type=int,
                         help="running runs the fan-out phase kills (default 10000, quick 1000)")
+    parser.add_argument("--longrun-steps", type=int,
+                        help="checks of the one long run (default 5050, quick 400)")
     parser.add_argument("--no-history", action="store_true",
                         help="do not append this run to bench/history.jsonl")
     return parser.parse_args(argv)
@@ -133,6 +136,11 @@ def main(argv: list[str]) -> int:
             finally:
                 worker.stop()
             print(report.fanout_line(results["fanout"]), flush=True)
+        if "longrun" in phases:
+            results["longrun"] = sc.long_run(
+                server, sc.seed_team("bench-long", policy=sc.LONG_POLICY),
+                steps=args.longrun_steps or (400 if quick else 5050))
+            print(report.longrun_line(results["longrun"]), flush=True)
         if "stream" in phases:
             results["stream"] = live_stream(server, team, quick=quick)
             print(report.live_line(results["stream"]), flush=True)

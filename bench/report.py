@@ -72,6 +72,13 @@ def fanout_line(f: dict[str, Any]) -> str:
             f"{f['errors']}")
 
 
+def longrun_line(r: dict[str, Any]) -> str:
+    curve = ", ".join(f"{k}: {v}" for k, v in r["median_ms_from_step"].items())
+    return (f"  one run, {r['checks']} sequential checks: median ms from step ({r['window']} "
+            f"checks each) {curve}; last over first {r['last_over_first']}; errors "
+            f"{r['errors']}")
+
+
 def metrics_line(m: dict[str, Any]) -> str:
     return (f"  metrics at {TARGET_AGENTS} agents: off {m['off_checks_per_s']} checks/s "
             f"({m['off_worker_cpu_ms_per_check']} ms worker CPU/check), on "
@@ -162,6 +169,9 @@ def correctness(results: dict[str, Any]) -> list[str]:
                       f"{fan['runs_with_several_killed_records']} with several, webhooks "
                       f"{fan['webhooks_received']}, leaked allows {fan['leaked_allows']}, "
                       f"errors {fan['error_kinds']}")
+    long = results.get("longrun")
+    if long and long["errors"]:
+        failed.append(f"long run: errors {long['error_kinds']}")
     metrics = results.get("metrics")
     if metrics:
         scrape = metrics["scrape"]
@@ -202,6 +212,10 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     if fan and fan.get("all_covered_killed_s") is not None and fan["covered_runs"] >= 10000:
         out.append(("fan-out: 10,000 runs killed <= 2 s after the commit",
                     f"{fan['all_covered_killed_s']} s", fan["all_covered_killed_s"] <= 2.0))
+    long = results.get("longrun")
+    if long and long.get("last_over_first") is not None and long["steps"] >= 5000:
+        out.append(("one run: step 5,000 within 1.2x of step 10", f"{long['last_over_first']}x",
+                    long["last_over_first"] <= 1.2))
     ks = results.get("killswitch")
     if ks:
         out.append(("kill switch: 0 leaked allows", str(ks["leaked_allows"]),
@@ -258,6 +272,7 @@ def summary(results: dict[str, Any]) -> str:
     lines.append("")
     for key, fmt in (("micro", micro_line), ("backtest", backtest_line), ("soak", soak_line),
                      ("killswitch", killswitch_line), ("fanout", fanout_line),
+                     ("longrun", longrun_line),
                      ("stream", live_line), ("metrics", metrics_line)):
         if key in results:
             lines.append(fmt(results[key]).strip())
@@ -347,6 +362,7 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
             "all_covered_stopped_s"),
         "fanout_runs": (results.get("fanout") or {}).get("covered_runs"),
         "fanout_all_killed_s": (results.get("fanout") or {}).get("all_covered_killed_s"),
+        "longrun_last_over_first": (results.get("longrun") or {}).get("last_over_first"),
         "live_p99_ms": (results.get("stream") or {}).get("p99_ms"),
         "backtest_decisions_per_s": ((results.get("backtest") or {}).get("recomputed_keys")
                                      or {}).get("decisions_per_s"),

@@ -531,3 +531,49 @@ def killswitch_fanout(server: Server, team: Team, *, runs: int, agents: int,
         "ok": (not still_running and killed == with_record == covered.count() and not doubled
                and webhooks == 1 and not leaked and not stats.errors),
     }
+
+
+# --- Cost as one run grows -------------------------------------------------------------------
+
+def long_run(server: Server, team: Team, *, steps: int, window: int = 50) -> dict[str, Any]:
+    """One agent, one run, `steps` sequential checks with distinct args, progress and
+    results: the median latency of the checks in windows of `window` steps at a few points
+    of the run's life, and the last window's over the first's (target: step 5,000 within
+    1.2x of step 10)."""
+    from .client import Connection
+
+    reset_runs()
+    marks = [m for m in (0, 100, 500, 1000, 2000, 3000, 4000, steps - window) if
+             0 <= m <= steps - window]
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+
+    async def drive() -> None:
+        conn = Connection("127.0.0.1", server.port, token=team.token)
+        try:
+            status, started = await conn.post_json("/api/v1/runs", {
+                "agent": "bench-long-run", "task": "one long run"})
+            if status != 201:
+                errors[f"start {status}"] += 1
+                return
+            path = ag.real_check_path(started["run_id"])
+            seed = uuid.uuid4().hex
+            for i in range(steps):
+                sent = time.monotonic()
+                status, answer = await conn.post_json(path, ag.long_body(seed, i))
+                latencies.append(time.monotonic() - sent)
+                if status != 200 or answer.get("decision") != "allow":
+                    errors[f"check {status} {answer.get('reason') if status == 200 else ''}"] += 1
+                    return
+        finally:
+            await conn.close()
+
+    asyncio.run(drive())
+    curve = {str(m): round(ag.percentile(latencies[m:m + window], 50) * 1000, 2)
+             for m in sorted(set(marks)) if len(latencies) >= m + window}
+    first, last = curve.get("0"), curve.get(str(sorted(set(marks))[-1]))
+    return {
+        "steps": steps, "window": window, "median_ms_from_step": curve,
+        "last_over_first": round(last / first, 2) if first and last else None,
+        "checks": len(latencies), "errors": sum(errors.values()), "error_kinds": dict(errors),
+    }
