@@ -44,6 +44,9 @@ def base_env(**extra: str) -> dict[str, str]:
         "DEBUG": "false",
         "PYTHONUNBUFFERED": "1",
         "LOG_LEVEL": "WARNING",
+        # The fan-out phase's webhook receiver listens on loopback, which webhooks refuse
+        # unless listed (docs/killswitch.md).
+        "WEBHOOK_ALLOWED_HOSTS": "127.0.0.1",
     }
     # Metrics are switched on per server by the caller, never inherited by accident.
     env.pop("METRICS_TOKEN", None)
