@@ -136,6 +136,39 @@ def test_the_fanout_leaves_finished_and_uncovered_runs_alone(api, team, other_te
     assert start_status(api, "billing-bot") == 201
 
 
+def test_the_fanout_kills_in_batches_each_run_once_with_its_audit_record(
+        api, team, other_team, commit, monkeypatch):
+    """Set-based fan-out in several batches: every covered running run killed once, with
+    one audit record, in one pass; overlapping switches and a second pass add nothing."""
+    from runs.killswitch import services as killswitch
+
+    monkeypatch.setattr(killswitch, "FANOUT_BATCH", 2)
+    runs = [start(api) for _ in range(5)]
+    check(api, runs[0], q=1)
+    done = start(api)
+    api.post(f"/api/v1/runs/{done}/finish", {"status": "completed"},
+             content_type="application/json")
+    with commit():
+        switch = killswitch_engage(scope="team", team=team, reason="batches")
+    for run_id in runs:
+        run = Run.objects.get(pk=run_id)
+        assert (run.status, run.stop_reason) == ("killed", "killed")
+        [row] = killed_rows(run_id)
+        assert row.step == run.steps and row.at == run.ended_at
+        assert row.answer["usage"]["steps"] == run.steps
+        assert row.answer["usage"]["elapsed_s"] == pytest.approx(
+            (run.ended_at - run.started_at).total_seconds(), abs=0.0011)
+        assert row.elapsed_s == pytest.approx((run.ended_at - run.started_at).total_seconds())
+        assert row.answer["limits"]["max_steps"] and row.answer["kill_switch"] == switch.pk
+    assert Run.objects.get(pk=done).status == "completed" and killed_rows(done) == []
+    with commit():
+        killswitch_engage(scope="global", reason="overlap", actor_label="admin")
+    assert all(len(killed_rows(r)) == 1 for r in runs)
+    again = killswitch_fanout(switch_id=switch.pk)
+    assert again is not None and again.killed == []
+    assert Decision.objects.filter(reason="killed", action_name="").count() == len(runs)
+
+
 def test_engaging_an_engaged_target_changes_nothing(team, commit):
     with commit():
         first = killswitch_engage(scope="team", team=team, reason="one")

@@ -11,18 +11,21 @@ is idempotent and may run any number of times.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from functools import partial
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import IntegrityError, connections, transaction
+from django.db import IntegrityError, connection, connections, transaction
 from django.db.models import Q, QuerySet
+from django.db.models.fields.json import KT
 from django.utils import timezone
 
 from governance_client import rules
@@ -31,7 +34,7 @@ from policies.services import audit
 from runs.check.policy_cache import rules_for_version
 from runs.check.services import state_of
 from runs.killswitch import cover
-from runs.live.events import publish_run_event, publish_team_event
+from runs.live.events import publish_team_event
 from runs.models import Decision, KillSwitch, Run, Scope, WebhookDelivery
 from runs.webhooks.delivery import PENDING, payload_for
 
@@ -358,58 +361,170 @@ class FanoutResult:
     deliveries: list[int]  # deliveries this pass must start
 
 
-def _kill_answer(switch: KillSwitch, run: Run, state: rules.RunState, now: datetime
-                 ) -> dict[str, Any]:
+def _kill_answer(switch: KillSwitch, state: rules.RunState, limits: dict[str, Any],
+                 now: datetime) -> dict[str, Any]:
     """The audit record's answer, shaped like a check answer so screens show it the same."""
+    return {
+        **_answer_base(switch),
+        "step": state.steps,
+        "usage": state.usage(now),
+        "limits": limits,
+    }
+
+
+def _answer_base(switch: KillSwitch) -> dict[str, Any]:
+    """The part of a kill's answer that is the same for every run the switch kills."""
     return {
         "decision": rules.STOP,
         "reason": "killed",
-        "step": state.steps,
         "repeat_key": "",
         "repeat_count": 0,
         "message": f"Stopped by a kill switch: {cover.switch_in_words(switch)}.",
         "next_action": rules.NEXT_ACTION["killed"],
-        "usage": state.usage(now),
-        "limits": rules_for_version(run.policy_version_id).limits(),
         "directive": None,
         "shadow": None,
         "kill_switch": switch.pk,
     }
 
 
-def _kill_one(switch: KillSwitch, run_id: Any) -> str | None:
-    """Kill one run under its lock, the same lock the check takes, so a kill and a check of
-    the run never interleave. None when the run is already over (the idempotence)."""
-    with transaction.atomic():
-        run = (Run.objects.select_for_update()
-               .only("id", "team_id", "policy_version_id", "status", "stop_reason", "steps",
-                     "tool_calls", "cost_usd", "started_at", "ended_at", "memory")
-               .filter(pk=run_id).first())
-        if run is None:
-            return None
-        now = timezone.now()
-        state = state_of(run)
-        if state.pending is not None and state.status == rules.RUNNING:
-            # The run waits for an approval: the kill cancels it, and the approval's final
-            # answer (stop / killed, at the same step) is the kill's audit record.
-            from runs.approvals.services import settle_locked
+# Runs killed per transaction: big enough that 10,000 runs take a few round trips, small
+# enough that one batch holds its row locks (which checks of those runs wait for) briefly.
+FANOUT_BATCH = 1000
 
-            if settle_locked(run=run, state=state, status=rules.CANCELLED, now=now,
-                             kill=cover.switch_in_words(switch)) is not None:
-                publish_run_event(run)
-                return str(run.pk)
-        new = rules.kill(state, now=now)
+# The run columns the audit record's answer needs (rules.RunState.usage, the policy's limits).
+_KILL_FIELDS = ("id", "team_id", "policy_version_id", "status", "stop_reason", "steps",
+                "tool_calls", "cost_usd", "started_at", "ended_at")
+
+# PostgreSQL: the runs locked by the batch's first statement killed by one UPDATE, and their
+# audit records written by one INSERT ... SELECT from its RETURNING, in one statement. The
+# answer is built in SQL from the same parts as _kill_answer: the switch's fixed part, the
+# run's usage (rules.RunState.usage: the run ended now, so elapsed is now - started_at,
+# rounded to the millisecond) and the limits of the run's policy version.
+_KILL_SQL = """
+WITH killed AS (
+    UPDATE runs_run r SET status = %(killed)s, stop_reason = 'killed', ended_at = %(now)s
+    WHERE r.id = ANY(%(ids)s::uuid[]) AND r.status = %(running)s
+    RETURNING r.id, r.policy_version_id, r.steps, r.tool_calls, r.cost_usd,
+              greatest(0, extract(epoch FROM %(now)s - r.started_at)) AS elapsed
+)
+INSERT INTO runs_decision (run_id, step, outcome, reason, action_name, action_type, args,
+    repeat_key, repeat_count, check_id, progress, last_result, cost_usd, answer, at,
+    elapsed_s)
+SELECT k.id, k.steps, %(stop)s, 'killed', '', '', NULL, '', 0, NULL, NULL, NULL, 0,
+    %(base)s::jsonb || jsonb_build_object(
+        'step', k.steps,
+        'usage', jsonb_build_object(
+            'steps', k.steps, 'tool_calls', k.tool_calls, 'cost_usd', k.cost_usd::float8,
+            'elapsed_s', round(k.elapsed, 3)::float8),
+        'limits', %(limits)s::jsonb -> k.policy_version_id::text),
+    %(now)s, k.elapsed::float8
+FROM killed k
+RETURNING run_id
+"""
+
+
+def _limits_of(version_ids: set[int]) -> dict[int, dict[str, Any]]:
+    return {pk: rules_for_version(pk).limits() for pk in version_ids}
+
+
+def _kill_batch(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:
+    """Kill up to FANOUT_BATCH covered running runs in one transaction: one locking read of
+    the runs, then one UPDATE of them all and one INSERT of all their audit records.
+
+    The runs are locked in id order, each with the same row lock a check takes before it
+    reads the switches, so a check racing the kill either committed before (the kill then
+    sees its new state) or waits and then finds the run killed. Every fan-out locks in the
+    same order, so two of them (a team and a global switch) never deadlock. A run a check or
+    another pass ended meanwhile is re-read under the lock (READ COMMITTED) and left out:
+    each run is killed at most once (every run the locking read returns is running and
+    stays so under the lock, so each batch kills all it locked). Returns (run id, team id)
+    of the runs killed; empty when nothing is left."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            return _kill_batch_sql(switch, running)
+        return _kill_batch_orm(switch, running)
+
+
+def _settle_pending(switch: KillSwitch, run_ids: list[Any]) -> set[Any]:
+    """The batch's runs that wait for an approval (SPEC 11), already locked by the batch:
+    the kill cancels the approval, and the approval's final answer (stop / killed, at the
+    same step) is the kill's audit record. Rare, so one by one. Returns the ids settled."""
+    if not run_ids:
+        return set()
+    from runs.approvals.services import settle_locked
+
+    settled = set()
+    now = timezone.now()
+    for run in (Run.objects.filter(pk__in=run_ids)
+                .only("id", "team_id", "policy_version_id", "status", "stop_reason", "steps",
+                      "tool_calls", "cost_usd", "started_at", "ended_at", "memory")):
+        state = state_of(run)
+        if state.pending is not None and state.status == rules.RUNNING and settle_locked(
+                run=run, state=state, status=rules.CANCELLED, now=now,
+                kill=cover.switch_in_words(switch)) is not None:
+            settled.add(run.pk)
+    return settled
+
+
+def _locked_batch(running: QuerySet[Run]) -> list[tuple[Any, int, int, Any]]:
+    """Lock the batch: (id, team id, policy version id, pending approval or None)."""
+    return list(running.select_for_update().order_by("pk")
+                .annotate(pending=KT("memory__pending"))
+                .values_list("pk", "team_id", "policy_version_id", "pending")[:FANOUT_BATCH])
+
+
+def _kill_batch_sql(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:
+    rows = _locked_batch(running)
+    if not rows:
+        return []
+    settled = _settle_pending(switch, [pk for pk, _, _, pending in rows if pending])
+    locked = [(pk, team_id, version) for pk, team_id, version, _ in rows if pk not in settled]
+    if not locked:
+        return [(str(pk), team_id) for pk, team_id, _, _ in rows]
+    limits = _limits_of({version for _, _, version in locked})
+    teams = {pk: team_id for pk, team_id, _ in locked}
+    with connection.cursor() as cursor:
+        cursor.execute(_KILL_SQL, {
+            "ids": list(teams), "now": timezone.now(), "killed": rules.KILLED,
+            "running": rules.RUNNING, "stop": rules.STOP,
+            "base": json.dumps(_answer_base(switch)),
+            "limits": json.dumps({str(k): v for k, v in limits.items()}),
+        })
+        killed = [row[0] for row in cursor.fetchall()]
+    every = {pk: team_id for pk, team_id, _, _ in rows}
+    return [(str(pk), every[pk]) for pk in [*settled, *killed]]
+
+
+def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:
+    locked = _locked_batch(running)
+    if not locked:
+        return []
+    settled = _settle_pending(switch, [pk for pk, _, _, pending in locked if pending])
+    rows = list(Run.objects.filter(pk__in=[pk for pk, *_ in locked if pk not in settled])
+                .order_by("pk").only(*_KILL_FIELDS))
+    teams = {pk: team_id for pk, team_id, _, _ in locked}
+    now = timezone.now()
+    limits = _limits_of({run.policy_version_id for run in rows})
+    killed: list[Run] = []
+    decisions: list[Decision] = []
+    for run in rows:
+        new = rules.kill(rules.RunState(
+            started_at=run.started_at, status=run.status, stop_reason=run.stop_reason,
+            ended_at=run.ended_at, steps=run.steps, tool_calls=run.tool_calls,
+            cost_usd=Decimal(run.cost_usd)), now=now)
         if new is None:
-            return None
-        run.status, run.stop_reason, run.ended_at = new.status, new.stop_reason, new.ended_at
-        run.save(update_fields=["status", "stop_reason", "ended_at"])
-        Decision.objects.create(
-            run=run, step=new.steps, outcome=rules.STOP, reason="killed", action_name="",
-            action_type="", args=None, answer=_kill_answer(switch, run, new, now), at=now,
-            elapsed_s=new.elapsed_s(now),
-        )
-    publish_run_event(run)
-    return str(run.pk)
+            continue
+        killed.append(run)
+        decisions.append(Decision(
+            run_id=run.pk, step=new.steps, outcome=rules.STOP, reason="killed",
+            action_name="", action_type="", args=None,
+            answer=_kill_answer(switch, new, limits[run.policy_version_id], now), at=now,
+            elapsed_s=new.elapsed_s(now)))
+    if killed:
+        Run.objects.filter(pk__in=[run.pk for run in killed]).update(
+            status=rules.KILLED, stop_reason="killed", ended_at=now)
+        Decision.objects.bulk_create(decisions, batch_size=FANOUT_BATCH)
+    return [(str(pk), teams[pk]) for pk in [*settled, *(run.pk for run in killed)]]
 
 
 def killed_by(switch: KillSwitch, team: Team) -> list[str]:
@@ -449,9 +564,10 @@ def _ensure_deliveries(switch: KillSwitch, *, resume: bool) -> list[int]:
 
 
 def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
-    """Mark every running covered run ``killed`` (one audit record each), then create the
-    webhook deliveries. Safe to run any number of times, concurrently too: each run is
-    killed under its lock at most once, each delivery exists at most once."""
+    """Mark every running covered run ``killed`` (one audit record each), set-based in
+    batches (_kill_batch), then create the webhook deliveries. Safe to run any number of
+    times, concurrently too: each run is killed under its lock at most once, each delivery
+    exists at most once."""
     switch = KillSwitch.objects.filter(pk=switch_id).first()
     if switch is None:
         return None
@@ -459,8 +575,11 @@ def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
     if switch.released_at is not None:
         # Released before this pass ran: runs started after the release were never covered.
         running = running.filter(started_at__lt=switch.released_at)
-    killed = [pk for pk in (_kill_one(switch, run_id)
-                            for run_id in running.values_list("pk", flat=True)) if pk]
+    killed: list[str] = []
+    while batch := _kill_batch(switch, running):
+        killed += [pk for pk, _ in batch]
+        for team_id in sorted({team_id for _, team_id in batch}):
+            publish_team_event(team_id)  # one wake-up per team and batch, not per run
     deliveries = _ensure_deliveries(switch, resume=switch.fanout_done_at is None)
     return FanoutResult(killed=killed, deliveries=deliveries)
 
