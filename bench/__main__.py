@@ -192,7 +192,7 @@ def live_stream(server: stack.Server, team: sc.Team, *, quick: bool) -> dict[str
     from . import live
 
     try:
-        reverse("run_stream", args=["x", "00000000-0000-0000-0000-000000000000"])
+        reverse("runs:run_stream", args=["x", "00000000-0000-0000-0000-000000000000"])
     except NoReverseMatch:
         return {"measured": False, "why": "no dashboard run stream in this build"}
     return live.measure(server, team_slug=team.slug, team_id=team.team_id, token=team.token,

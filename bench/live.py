@@ -129,7 +129,7 @@ def measure(server: Server, *, team_slug: str, team_id: int, token: str, runs: i
         stop = asyncio.Event()
         streams = [
             asyncio.ensure_future(_watch(
-                server.port, reverse("run_stream", args=[team_slug, run_id]), cookie, seen, stop,
+                server.port, reverse("runs:run_stream", args=[team_slug, run_id]), cookie, seen, stop,
                 errors))
             for run_id in watched_ids
         ]
