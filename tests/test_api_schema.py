@@ -14,6 +14,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
+from schemathesis.checks import negative_data_rejection
 
 from policies.models import Team
 from tests.conftest import Server, set_policy
@@ -85,10 +86,18 @@ def test_every_operation_answers_within_its_schema(schema: Any, auth: dict[str, 
         if mode == GenerationMode.POSITIVE:
             strategy = strategy.map(existing_policy)
 
+        # A query string carries no types: a "wrong-typed" negative value (an array where a
+        # string is expected) is sent as text that can be a perfectly valid agent name or
+        # number (`?agent=false`), so refusing it is not required. Such operations still
+        # must never answer 5xx and must answer within the schema.
+        excluded = ([negative_data_rejection]
+                    if mode == GenerationMode.NEGATIVE and operation.method.upper() == "GET"
+                    else [])
+
         @given(case=strategy)
         @settings(QUIET, max_examples=EXAMPLES_PER_OPERATION)
         def call(case: Any) -> None:
-            case.call_and_validate(headers=auth)
+            case.call_and_validate(headers=auth, excluded_checks=excluded)
 
         call()
 
