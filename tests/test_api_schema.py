@@ -94,12 +94,16 @@ def test_every_operation_answers_within_its_schema(schema: Any, auth: dict[str, 
                     if mode == GenerationMode.NEGATIVE and operation.method.upper() == "GET"
                     else [])
 
-        @given(case=strategy)
-        @settings(QUIET, max_examples=EXAMPLES_PER_OPERATION)
-        def call(case: Any) -> None:
-            case.call_and_validate(headers=auth, excluded_checks=excluded)
+        _calls(strategy, auth, excluded)()
 
-        call()
+
+def _calls(strategy: Any, auth: dict[str, str], excluded: list[Any]) -> Any:
+    @given(case=strategy)
+    @settings(QUIET, max_examples=EXAMPLES_PER_OPERATION)
+    def call(case: Any) -> None:
+        case.call_and_validate(headers=auth, excluded_checks=excluded)
+
+    return call
 
 
 def test_runs_followed_through_their_links_answer_within_the_schema(
