@@ -10,6 +10,7 @@ from django.http import Http404
 from django.utils import timezone
 
 from policies.models import PolicyVersion, Team
+from runs.abandon import abandon_idle_runs, abandon_if_idle
 from runs.models import Decision, Run
 
 
@@ -49,6 +50,7 @@ def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
 
 def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = None,
                   limit: int = 50) -> QuerySet[Run]:
+    abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
     runs = Run.objects.filter(team=team).select_related("policy_version")
     if status:
         runs = runs.filter(status=status)
@@ -61,7 +63,7 @@ def run_for_team(team: Team, run_id: Any) -> Run:
     run = Run.objects.select_related("policy_version").filter(team=team, pk=run_id).first()
     if run is None:
         raise Http404("No such run.")
-    return run
+    return abandon_if_idle(run)
 
 
 def decisions_of(run: Run, *, after: int = 0, limit: int = 100) -> QuerySet[Decision]:

@@ -10,8 +10,12 @@ On PostgreSQL that is two network round trips, each one message with a prepared 
 1. `BEGIN; EXECUTE lock`: one SELECT that finds the key by its prefix (not revoked; the hash
    is compared in Python, in constant time), locks the run of the key's team `FOR UPDATE`,
    and reads the covering kill switch and the `check_id` replay in lateral subqueries;
-2. `EXECUTE write; COMMIT`: one statement that updates the run and inserts the decision (a
-   data-modifying CTE), returning the decision's id.
+2. `EXECUTE write; COMMIT`: one statement that updates the run, inserts the decision (a
+   data-modifying CTE) and, for an action counted by the rate limits, its hit, returning the
+   decision's id.
+
+A check whose action matches a rate limit of its policy (SPEC 12) makes one more round trip
+between the two, to take the rules' locks and read their windows (runs/rate_limits.py).
 
 Why not the ORM here: on the benchmark machine one ORM query cost more Python (about half a
 millisecond, mostly building the SQL) than this path's two statements together. And planning
@@ -32,7 +36,7 @@ import json
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
@@ -49,9 +53,11 @@ from django.db import (
     connection,
     transaction,
 )
+from governance_client.rules import RateLimit, RateWindow
 
 from policies.models import AgentKey
-from runs.models import Decision, KillSwitch, Run
+from runs.models import Decision, KillSwitch, RateHit, Run
+from runs.rate_limits import lock_keys, windows_from_row, windows_in_python, windows_sql
 
 RUNNING = "running"
 
@@ -72,6 +78,7 @@ class RunRow:
     started_at: datetime
     ended_at: datetime | None
     memory: dict[str, Any]
+    idle_deadline: datetime | None = None
 
     @property
     def pk(self) -> uuid.UUID:
@@ -101,6 +108,7 @@ class RunUpdate:
     tool_calls: int
     cost_usd: Decimal
     memory: dict[str, Any]
+    idle_deadline: datetime | None = None
 
 
 @dataclass(slots=True)
@@ -121,6 +129,15 @@ class DecisionRow:
     at: datetime
 
 
+@dataclass(slots=True)
+class HitRow:
+    """An action counted by the rate limits (runs/rate_limits.py); stamped by the store."""
+
+    team_id: int
+    agent: str
+    action_name: str
+
+
 class DuplicateCheck(Exception):
     """A concurrent retry of the same check_id committed first; the caller starts over and
     then finds that first answer (PostgreSQL only, see PostgresCheck.write)."""
@@ -137,7 +154,12 @@ class CheckTransaction(Protocol):
     def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None) -> Locked | None:
         ...
 
-    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
+    def rate_windows(self, *, run: RunRow, rules: Sequence[RateLimit], now: datetime
+                     ) -> list[RateWindow]:
+        ...
+
+    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, rows: list[DecisionRow],
+              hit: HitRow | None = None) -> int:
         ...
 
 
@@ -164,14 +186,14 @@ def check_transaction() -> Iterator[CheckTransaction]:
 LOCK_SQL = """
 SELECT k.id, k.key_hash, k.last_used_at, k.team_id, t.slug,
        r.id, r.agent, r.policy_version_id, r.status, r.stop_reason, r.steps, r.tool_calls,
-       r.cost_usd, r.started_at, r.ended_at, r.memory,
+       r.cost_usd, r.started_at, r.ended_at, r.memory, r.idle_deadline,
        s.scope, s.agent, s.reason, s.engaged_by_label,
        d.id, d.answer
 FROM policies_agentkey k
 JOIN policies_team t ON t.id = k.team_id
 LEFT JOIN LATERAL (
     SELECT id, team_id, agent, policy_version_id, status, stop_reason, steps, tool_calls,
-           cost_usd, started_at, ended_at, memory
+           cost_usd, started_at, ended_at, memory, idle_deadline
     FROM runs_run WHERE id = $1 AND team_id = k.team_id
     FOR UPDATE
 ) r ON true
@@ -192,25 +214,30 @@ LEFT JOIN LATERAL (
 WHERE k.prefix = $3 AND k.revoked_at IS NULL
 """
 
-# The write takes the decision (and the run's new state) as one JSON document each, unpacked
-# by jsonb_populate_record: one literal to quote instead of twenty-two, one json.dumps.
+# The write takes the decisions (one, or two when the check found the run abandoned), the
+# run's new state and the rate-limit hit as one JSON document each, unpacked by
+# jsonb_populate_recordset: one literal to quote instead of twenty-two, one json.dumps. An
+# empty array writes nothing. The data-modifying CTEs run even though the INSERT does not
+# read them: one statement for the state change and its audit record. The hit is stamped
+# with the database's clock, the clock every rate-limit window is read with.
 _COLUMNS = ("run_id, step, outcome, reason, action_name, action_type, args, repeat_key, "
             "repeat_count, check_id, progress, last_result, cost_usd, answer, at")
-INSERT_SQL = f"""
-INSERT INTO runs_decision ({_COLUMNS})
-SELECT {_COLUMNS} FROM jsonb_populate_record(NULL::runs_decision, $1)
-RETURNING id
-"""
-# A data-modifying CTE runs even though the INSERT does not read it: one statement for the
-# state change and its audit record.
-UPDATE_AND_INSERT_SQL = """
+WRITE_SQL = f"""
 WITH run AS (
     UPDATE runs_run r SET status = n.status, stop_reason = n.stop_reason,
         ended_at = n.ended_at, steps = n.steps, tool_calls = n.tool_calls,
-        cost_usd = n.cost_usd, memory = n.memory
-    FROM jsonb_populate_record(NULL::runs_run, $2) n
+        cost_usd = n.cost_usd, memory = n.memory, idle_deadline = n.idle_deadline
+    FROM jsonb_populate_recordset(NULL::runs_run, $2) n
     WHERE r.id = n.id
-)""" + INSERT_SQL
+), hit AS (
+    INSERT INTO runs_ratehit (team_id, agent, run_id, action_name, at)
+    SELECT team_id, agent, run_id, action_name, clock_timestamp()
+    FROM jsonb_populate_recordset(NULL::runs_ratehit, $3)
+)
+INSERT INTO runs_decision ({_COLUMNS})
+SELECT {_COLUMNS} FROM jsonb_populate_recordset(NULL::runs_decision, $1)
+RETURNING id
+"""
 
 # Prepared once per connection with SQL PREPARE, then run with EXECUTE in the same simple-query
 # message as BEGIN (and COMMIT): two round trips, and PostgreSQL plans the LOCK statement
@@ -219,12 +246,10 @@ WITH run AS (
 # psycopg's pipeline costs more Python per check than the query strings this builds.
 PREPARE_SQL = (
     f"PREPARE governance_check_lock(uuid, text, text) AS {LOCK_SQL};"
-    f"PREPARE governance_check_insert(jsonb) AS {INSERT_SQL};"
-    f"PREPARE governance_check_update_insert(jsonb, jsonb) AS {UPDATE_AND_INSERT_SQL};"
+    f"PREPARE governance_check_write(jsonb, jsonb, jsonb) AS {WRITE_SQL};"
 )
 EXECUTE_LOCK = "BEGIN; EXECUTE governance_check_lock(%s, %s, %s)"
-EXECUTE_INSERT = "EXECUTE governance_check_insert(%s); COMMIT"
-EXECUTE_UPDATE_INSERT = "EXECUTE governance_check_update_insert(%s, %s); COMMIT"
+EXECUTE_WRITE = "EXECUTE governance_check_write(%s, %s, %s); COMMIT"
 
 # The connections (Django's, one per thread) on which the statements are prepared.
 _prepared: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -291,40 +316,60 @@ class PostgresCheck:
                 id=row[5], team_id=row[3], agent=row[6], policy_version_id=row[7],
                 status=row[8], stop_reason=row[9], steps=row[10], tool_calls=row[11],
                 cost_usd=row[12], started_at=row[13], ended_at=row[14],
-                memory=_loaded(row[15]) or {},
+                memory=_loaded(row[15]) or {}, idle_deadline=row[16],
             )
         switch = None
-        if row[16] is not None:
-            switch = KillSwitch(scope=row[16], agent=row[17], reason=row[18],
-                                engaged_by_label=row[19], team_id=row[3])
-        first = (int(row[20]), _loaded(row[21])) if row[20] is not None else None
+        if row[17] is not None:
+            switch = KillSwitch(scope=row[17], agent=row[18], reason=row[19],
+                                engaged_by_label=row[20], team_id=row[3])
+        first = (int(row[21]), _loaded(row[22])) if row[21] is not None else None
         return Locked(key_id=row[0], key_hash=row[1], key_last_used_at=row[2], team_id=row[3],
                       team_slug=row[4], run=run, switch=switch, first=first)
 
-    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
-        decision = _dumps({
+    def rate_windows(self, *, run: RunRow, rules: Sequence[RateLimit], now: datetime
+                     ) -> list[RateWindow]:
+        """Take the rules' advisory locks, then read their windows with the database's
+        clock: one round trip (the locks and the read are separate statements of one
+        message, so the read's snapshot is taken once the locks are held)."""
+        keys = lock_keys(rules, team_id=run.team_id, agent=run.agent, run_id=run.id)
+        sql, params = windows_sql(rules, team_id=run.team_id, agent=run.agent, run_id=run.id)
+        locks = "".join(f"SELECT pg_advisory_xact_lock({int(key)});" for key in keys)
+        started = time.perf_counter()
+        try:
+            with connection.wrap_database_errors:
+                self.cursor.execute(locks + sql, params)
+                while self.cursor.nextset():
+                    pass  # to the last statement's result: the windows
+                row = self.cursor.fetchone()
+        finally:
+            self.db_seconds += time.perf_counter() - started
+        assert row is not None
+        return windows_from_row(rules, row)
+
+    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, rows: list[DecisionRow],
+              hit: HitRow | None = None) -> int:
+        decisions = _dumps([{
             "run_id": run_id, "step": row.step, "outcome": row.outcome, "reason": row.reason,
             "action_name": row.action_name, "action_type": row.action_type, "args": row.args,
             "repeat_key": row.repeat_key, "repeat_count": row.repeat_count,
             "check_id": row.check_id, "progress": row.progress, "last_result": row.last_result,
             "cost_usd": row.cost_usd, "answer": row.answer, "at": row.at,
-        })
-        if update is not None:
-            sql = EXECUTE_UPDATE_INSERT
-            params: tuple[Any, ...] = (decision, _dumps({
-                "id": run_id, "status": update.status, "stop_reason": update.stop_reason,
-                "ended_at": update.ended_at, "steps": update.steps,
-                "tool_calls": update.tool_calls, "cost_usd": update.cost_usd,
-                "memory": update.memory,
-            }))
-        else:
-            sql, params = EXECUTE_INSERT, (decision,)
+        } for row in rows])
+        runs = _dumps([{
+            "id": run_id, "status": update.status, "stop_reason": update.stop_reason,
+            "ended_at": update.ended_at, "steps": update.steps,
+            "tool_calls": update.tool_calls, "cost_usd": update.cost_usd,
+            "memory": update.memory, "idle_deadline": update.idle_deadline,
+        }] if update is not None else [])
+        hits = _dumps([{"team_id": hit.team_id, "agent": hit.agent, "run_id": run_id,
+                        "action_name": hit.action_name}] if hit is not None else [])
+        sql, params = EXECUTE_WRITE, (decisions, runs, hits)
         cursor = self.cursor
         started = time.perf_counter()
         try:
             with connection.wrap_database_errors:
                 cursor.execute(sql, params)
-                written = cursor.fetchone()
+                written = cursor.fetchall()
         except IntegrityError as exc:
             cause = getattr(exc.__cause__, "diag", None)
             if cause is not None and cause.constraint_name == "check_id_per_run":
@@ -337,8 +382,8 @@ class PostgresCheck:
         # An error in the INSERT skips the COMMIT of the same message; past this point the
         # COMMIT ran (psycopg raises for an error in any statement of the message).
         self.open = False
-        assert written is not None
-        return int(written[0])
+        assert written
+        return max(int(r[0]) for r in written)  # the check's own record is the last one
 
     def end(self) -> None:
         """Roll back whatever is still open (a refusal, a replay, an error)."""
@@ -374,7 +419,8 @@ class OrmCheck:
             run_row = (
                 Run.objects.select_for_update().filter(team_id=key.team_id, pk=run_id)
                 .only("id", "team_id", "agent", "policy_version_id", "status", "stop_reason",
-                      "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory")
+                      "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory",
+                      "idle_deadline")
                 .first()
             )
             run = switch = first = None
@@ -385,7 +431,7 @@ class OrmCheck:
                     stop_reason=run_row.stop_reason, steps=run_row.steps,
                     tool_calls=run_row.tool_calls, cost_usd=Decimal(run_row.cost_usd),
                     started_at=run_row.started_at, ended_at=run_row.ended_at,
-                    memory=run_row.memory or {},
+                    memory=run_row.memory or {}, idle_deadline=run_row.idle_deadline,
                 )
                 if run.status == RUNNING:
                     switch = covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
@@ -399,7 +445,30 @@ class OrmCheck:
         finally:
             self.db_seconds += time.perf_counter() - started
 
-    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
+    def rate_windows(self, *, run: RunRow, rules: Sequence[RateLimit], now: datetime
+                     ) -> list[RateWindow]:
+        """On SQLite the transaction's BEGIN IMMEDIATE already serializes every check, and
+        the server's clock is the database's host clock. On PostgreSQL inside a caller's
+        transaction (tests) the same locks and SQL as PostgresCheck."""
+        started = time.perf_counter()
+        try:
+            if connection.vendor != "postgresql":
+                return windows_in_python(rules, team_id=run.team_id, agent=run.agent,
+                                         run_id=run.id, now=now)
+            with connection.cursor() as cursor:
+                for key in lock_keys(rules, team_id=run.team_id, agent=run.agent,
+                                     run_id=run.id):
+                    cursor.execute("SELECT pg_advisory_xact_lock(%s)", [key])
+                sql, params = windows_sql(rules, team_id=run.team_id, agent=run.agent,
+                                          run_id=run.id)
+                cursor.execute(sql, params)
+                row = cursor.fetchone()
+            return windows_from_row(rules, row)
+        finally:
+            self.db_seconds += time.perf_counter() - started
+
+    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, rows: list[DecisionRow],
+              hit: HitRow | None = None) -> int:
         started = time.perf_counter()
         try:
             if update is not None:
@@ -407,14 +476,26 @@ class OrmCheck:
                     status=update.status, stop_reason=update.stop_reason,
                     ended_at=update.ended_at, steps=update.steps, tool_calls=update.tool_calls,
                     cost_usd=update.cost_usd, memory=update.memory,
+                    idle_deadline=update.idle_deadline,
                 )
-            decision = Decision.objects.create(
-                run_id=run_id, step=row.step, outcome=row.outcome, reason=row.reason,
-                action_name=row.action_name, action_type=row.action_type, args=row.args,
-                repeat_key=row.repeat_key, repeat_count=row.repeat_count,
-                check_id=row.check_id, progress=row.progress, last_result=row.last_result,
-                cost_usd=row.cost_usd, answer=row.answer, at=row.at,
-            )
-            return int(decision.pk)
+            if hit is not None:
+                at = None
+                if connection.vendor == "postgresql":
+                    with connection.cursor() as cursor:
+                        cursor.execute("SELECT clock_timestamp()")
+                        at = cursor.fetchone()[0]
+                RateHit.objects.create(team_id=hit.team_id, agent=hit.agent, run_id=run_id,
+                                       action_name=hit.action_name,
+                                       at=at or rows[-1].at)
+            pk = 0
+            for row in rows:
+                pk = Decision.objects.create(
+                    run_id=run_id, step=row.step, outcome=row.outcome, reason=row.reason,
+                    action_name=row.action_name, action_type=row.action_type, args=row.args,
+                    repeat_key=row.repeat_key, repeat_count=row.repeat_count,
+                    check_id=row.check_id, progress=row.progress, last_result=row.last_result,
+                    cost_usd=row.cost_usd, answer=row.answer, at=row.at,
+                ).pk
+            return int(pk)
         finally:
             self.db_seconds += time.perf_counter() - started

@@ -223,8 +223,18 @@ class ShadowOut(Schema):
     message: str | None = None
 
 
+class ApprovalOut(Schema):
+    id: UUID
+    status: str
+    expires_at: datetime
+
+
 class CheckOut(Schema):
-    decision: Literal["allow", "stop"]
+    """Every field is present in every answer, null where it does not apply (SPEC 15)."""
+
+    decision: Literal["allow", "stop", "pending", "wait"] = Field(
+        description="Run the action only on allow. wait: send the same check again after "
+        "retry_after_s; pending: an operator must approve it first.")
     reason: str
     decision_id: int
     step: int
@@ -236,6 +246,10 @@ class CheckOut(Schema):
     limits: LimitsOut
     directive: DirectiveOut | None
     shadow: ShadowOut | None
+    approval: ApprovalOut | None = Field(description="The approval request of a pending answer.")
+    retry_after_s: float | None = Field(
+        description="A wait only: seconds (> 0, to the millisecond) until every matching "
+        "rate limit has room.")
 
 
 class FinishIn(Schema):
@@ -252,7 +266,7 @@ class DecisionActionOut(Schema):
 class DecisionOut(Schema):
     id: int
     step: int
-    outcome: Literal["allow", "stop", "would_stop"]
+    outcome: Literal["allow", "stop", "would_stop", "wait", "pending"]
     reason: str
     action: DecisionActionOut | None
     repeat_key: str

@@ -18,10 +18,12 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
+from runs.abandon import abandon_if_idle
 from runs.check import metrics
 from runs.check.check_store import (
     DecisionRow,
     DuplicateCheck,
+    HitRow,
     RunRow,
     RunUpdate,
     StaleConnection,
@@ -79,6 +81,7 @@ def state_of(run: Run | RunRow) -> rules.RunState:
         steps=run.steps,
         tool_calls=run.tool_calls,
         cost_usd=Decimal(run.cost_usd),
+        idle_deadline=run.idle_deadline,
     ).load_memory(run.memory)
 
 
@@ -101,10 +104,12 @@ def run_start(
     if policy_row is None or policy_row.current_id is None:
         raise ServiceError(422, "invalid_request", f"Unknown policy {name!r}.",
                            {"policy": f"no policy named {name!r} in this team"})
-    metadata = rules.redact(metadata or {}, rules_for_version(policy_row.current_id).redact_args)
+    limits = rules_for_version(policy_row.current_id)
+    metadata = rules.redact(metadata or {}, limits.redact_args)
+    now = timezone.now()
     run = Run(team=team, agent=agent, policy_version=policy_row.current,
-              started_at=timezone.now(), task=task or "", metadata=metadata,
-              external_id=external_id)
+              started_at=now, task=task or "", metadata=metadata,
+              external_id=external_id, idle_deadline=rules.idle_deadline(limits, now))
     try:
         for _ in range(2):
             if _insert_unless_switched(run):
@@ -183,6 +188,13 @@ class CheckRequest:
     check_id: str | None
 
 
+# SPEC 15: every check answer carries these, null where they do not apply. Answers stored
+# before a field existed get it on replay.
+ANSWER_DEFAULTS: dict[str, Any] = {
+    "directive": None, "shadow": None, "approval": None, "retry_after_s": None,
+}
+
+
 def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
                now: Any) -> dict[str, Any]:
     return {
@@ -197,7 +209,31 @@ def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Po
         "limits": policy.limits(),
         "directive": decision.directive,
         "shadow": decision.shadow,
+        "approval": None,  # SPEC 11 (approvals) fills it for a pending answer
+        "retry_after_s": decision.retry_after_s,
     }
+
+
+def abandon_answer(state: rules.RunState, policy: rules.Policy, now: Any) -> dict[str, Any]:
+    """The audit record of an abandonment (SPEC 14), shaped like a check answer (as a kill's
+    is) so screens show it the same way."""
+    return {
+        **ANSWER_DEFAULTS,
+        "decision": rules.STOP, "reason": rules.ABANDONED, "step": state.steps,
+        "repeat_key": "", "repeat_count": 0, "message": rules.abandoned_message(policy),
+        "next_action": rules.NEXT_ACTION[rules.ABANDONED], "usage": state.usage(now),
+        "limits": policy.limits(),
+    }
+
+
+def abandon_row(state: rules.RunState, policy: rules.Policy, now: Any) -> DecisionRow:
+    """Audited like a kill by the fan-out: outcome stop, no action, step unchanged."""
+    return DecisionRow(
+        step=state.steps, outcome=rules.STOP, reason=rules.ABANDONED, action_name="",
+        action_type="", args=None, repeat_key="", repeat_count=0, check_id=None,
+        progress=None, last_result=None, cost_usd=Decimal(0),
+        answer=abandon_answer(state, policy, now), at=now,
+    )
 
 
 UNAUTHORIZED = "A valid agent key is required (Authorization: Bearer)."
@@ -231,6 +267,8 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[
 
 
 def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[str, Any]:
+    # The order of SPEC 15: an idle run is ended first, then a terminal run answers its stop,
+    # then a replay, then rules 1 to 9, the rate limits, and the allow.
     with check_transaction() as tx:
         locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=req.check_id)
         if locked is None or not agent_key_matches(claim, locked.key_hash):
@@ -239,16 +277,22 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         state = state_of(run)
+        policy = rules_for_version(run.policy_version_id)
+        now = timezone.now()
+        rows: list[DecisionRow] = []
+        abandoned = rules.abandon(state, now=now)
+        if abandoned is not None:
+            rows.append(abandon_row(abandoned, policy, now))
+            state = abandoned
         check_id = req.check_id
         if locked.first is not None:
             first_id, first_answer = locked.first
-            if state.status == rules.RUNNING or first_answer.get("decision") == rules.STOP:
-                return {**first_answer, "decision_id": first_id}
+            if not rows and (state.status == rules.RUNNING
+                             or first_answer.get("decision") == rules.STOP):
+                return {**ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}
             # The first answer was an allow and the run is over: answer the run's stop, as
             # a new audited decision (the retry must not leak an allow, SPEC 4.5).
             check_id = None
-        policy = rules_for_version(run.policy_version_id)
-        now = timezone.now()
         last = req.last_result
         check = rules.Check(
             name=req.name, type=req.type, args=req.args, progress=req.progress,
@@ -259,27 +303,48 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
             cost_usd=req.cost_usd,
         )
         kill = describe_switch(locked.switch) if locked.switch is not None else None
-        decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill)
+        windows: list[rules.RateWindow] = []
+        if state.status == rules.RUNNING and kill is None:
+            matching = rules.rate_limits_matching(policy, req.name)
+            if matching:
+                windows = tx.rate_windows(run=run, rules=matching, now=now)
+        decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
+                                             rate=windows)
         answer = _answer_of(decision, new_state, policy, now)
         update = None
-        if new_state is not state:
+        if new_state is not state or rows:
             update = RunUpdate(
                 status=new_state.status, stop_reason=new_state.stop_reason,
                 ended_at=new_state.ended_at, steps=new_state.steps,
                 tool_calls=new_state.tool_calls, cost_usd=new_state.cost_usd,
-                memory=new_state.memory(),
+                memory=new_state.memory(), idle_deadline=new_state.idle_deadline,
             )
-        decision_id = tx.write(run_id=run.id, update=update, row=DecisionRow(
+        waited = decision.outcome == rules.WAIT
+        counted = decision.outcome in (rules.ALLOW, rules.WOULD_STOP)
+        rows.append(DecisionRow(
             step=decision.step, outcome=decision.outcome, reason=decision.reason,
             action_name=req.name, action_type=req.type,
             args=rules.redact(req.args, policy.redact_args), repeat_key=decision.repeat_key,
-            repeat_count=decision.repeat_count, check_id=check_id, progress=req.progress,
-            last_result=last, cost_usd=req.cost_usd, answer=answer, at=now,
+            repeat_count=decision.repeat_count,
+            # A wait keeps no check_id: the same check_id is decided again (SPEC 12), and
+            # its cost is not registered (the agent sends it again).
+            check_id=None if waited else check_id, progress=req.progress,
+            last_result=last, cost_usd=Decimal(0) if waited else req.cost_usd, answer=answer,
+            at=now,
         ))
+        hit = HitRow(team_id=run.team_id, agent=run.agent, action_name=req.name) \
+            if counted else None
+        decision_id = tx.write(run_id=run.id, update=update, rows=rows, hit=hit)
     # Committed: the agent must get this answer, so nothing below may raise (each of these
     # only logs its own failure).
     metrics.decision_made(team=locked.team_slug, outcome=decision.outcome,
                           reason=decision.reason, db_seconds=tx.db_seconds)
+    if decision.outcome == rules.WAIT or (decision.shadow or {}).get("reason") == \
+            rules.RATE_LIMITED:
+        limited = rules.rate_wait(windows)
+        if limited is not None:
+            metrics.rate_limited(team=locked.team_slug, rule=limited[0].rule,
+                                 outcome=decision.outcome)
     try:
         agent_key_touch(locked.key_id, locked.key_last_used_at)
     except DatabaseError:
@@ -300,6 +365,9 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> R
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         now = timezone.now()
+        # A finish after the idle deadline finds the run abandoned (SPEC 14): it then keeps
+        # that status and reason and stores the output, like any stopped run.
+        run = abandon_if_idle(run, now=now)
         try:
             new_state = rules.finish(state_of(run), status,
                                      already_finished=run.finished_at is not None, now=now)

@@ -10,13 +10,16 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, Max, Q
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
 from policies.models import Policy, Team
+from runs.abandon import abandon_idle_runs
 from runs.models import Decision, KillSwitch, Run, Scope
+from runs.rate_limits import prune_hits
 
 RUN_STATUSES = ("running", "stopped", "killed", "completed", "failed")
 TERMINAL_STOPS = ("stopped", "killed")
@@ -57,6 +60,7 @@ class RunFilters:
 
 
 def runs_page(team: Team, filters: RunFilters) -> Page:
+    abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
     runs = Run.objects.filter(team=team).select_related("policy_version__policy")
     if filters.status:
         runs = runs.filter(status=filters.status)
@@ -80,6 +84,10 @@ def run_filter_choices(team: Team) -> dict[str, list[str]]:
 
 
 def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
+    abandon_idle_runs(team_id=team.pk)  # SPEC 14: "running now" never counts an idle run
+    if not settings.REDIS_URL:
+        # The embedded default runs no beat: the overview's reads keep the hits small.
+        prune_hits(now=timezone.now())
     running = Run.objects.filter(team=team, status="running").select_related(
         "policy_version__policy"
     )

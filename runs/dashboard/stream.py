@@ -33,6 +33,7 @@ from django.http import HttpRequest, StreamingHttpResponse
 from django.template.loader import render_to_string
 
 from policies.models import Team
+from runs.abandon import abandon_if_idle
 from runs.dashboard.presenters import overview_context, run_context, runs_list_context, step_row
 from runs.dashboard.selectors import RunFilters, timeline
 from runs.live.events import wakeups
@@ -200,6 +201,7 @@ class RunSource(Source):
         if run is None:  # deleted by retention while watched
             self._finished = True
             return []
+        run = abandon_if_idle(run)  # SPEC 14: a watched run past its deadline ends on screen
         frames = []
         for decision in timeline(run, after=self.after):
             html = render_to_string("runs/_step_row.html", {"row": step_row(decision)},

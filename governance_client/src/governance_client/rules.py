@@ -8,9 +8,9 @@ the HTTP check, the kill-switch fan-out and the model-based tests.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from fnmatch import fnmatchcase
 from typing import Any
@@ -27,6 +27,7 @@ TERMINAL = frozenset({STOPPED, KILLED, COMPLETED, FAILED})
 ALLOW = "allow"
 STOP = "stop"
 WOULD_STOP = "would_stop"
+WAIT = "wait"  # SPEC 12: a rate limit is full; nothing is counted, the agent sends it again
 
 STEP_OK = "step_ok"
 REASONS = (
@@ -42,6 +43,9 @@ REASONS = (
 )
 RUN_FINISHED = "run_finished"
 AGENT_STOPPED = "agent_stopped"
+RATE_LIMITED = "rate_limited"
+ABANDONED = "abandoned"  # SPEC 14: no activity for budgets.max_idle_seconds
+SCOPES = ("run", "agent", "team")  # rate_limits[].per
 
 DEFAULT_REDACT = ("password", "api_key", "token", "secret", "authorization")
 REDACTED = "[redacted]"
@@ -65,8 +69,29 @@ NEXT_ACTION = {
     "repeated_error": "Return the partial response; the same error keeps coming back. Change "
     "approach or abandon this subtask.",
     "agent_stopped": "The agent stopped this run: start a new run for new work.",
+    RATE_LIMITED: "Do not run the action yet: wait retry_after_s seconds, then send the same "
+    "check again.",
+    ABANDONED: "The run was ended for inactivity: start a new run for new work.",
     RUN_FINISHED: "The run is over: do not execute the action; start a new run for new work.",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    """One rule of ``rate_limits`` (SPEC 12): at most ``max`` actions whose name matches
+    ``match`` in any ``window_s`` seconds, counted over the same run, agent or team."""
+
+    match: str
+    per: str  # run | agent | team
+    max: int
+    window_s: int
+
+    def matches(self, name: str) -> bool:
+        return fnmatchcase(name, self.match)
+
+    def describe(self) -> str:
+        return (f"rate_limits rule match='{self.match}' per={self.per} max={self.max} "
+                f"window_s={self.window_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +111,9 @@ class Policy:
     error_threshold: int = 3
     error_action: str = "nudge"
     redact_args: tuple[str, ...] = DEFAULT_REDACT
+    # SPEC 14; None = never. A version stored before the field existed reads as None.
+    max_idle_seconds: float | None = 3600
+    rate_limits: tuple[RateLimit, ...] = ()
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Policy:
@@ -106,6 +134,11 @@ class Policy:
             error_threshold=doc["on_repeated_error"]["threshold"],
             error_action=doc["on_repeated_error"]["action"],
             redact_args=tuple(doc["redact_args"]),
+            max_idle_seconds=budgets.get("max_idle_seconds"),
+            rate_limits=tuple(
+                RateLimit(match=r["match"], per=r["per"], max=r["max"], window_s=r["window_s"])
+                for r in doc.get("rate_limits") or ()
+            ),
         )
 
     def limits(self) -> dict[str, Any]:
@@ -164,6 +197,8 @@ class RunState:
     signatures_seen: set[str] = field(default_factory=set)
     no_progress_streak: int = 0
     error_counts: dict[str, int] = field(default_factory=dict)
+    # SPEC 14: when the run is abandoned unless something happens first (None: never).
+    idle_deadline: datetime | None = None
 
     def copy(self) -> RunState:
         return replace(
@@ -216,11 +251,14 @@ class Decision:
     next_action: str | None = None
     directive: dict[str, str] | None = None
     shadow: dict[str, str] | None = None
+    retry_after_s: float | None = None  # a wait only
 
     @property
     def answer(self) -> str:
         """What the agent is told: a shadow would-stop still runs."""
-        return STOP if self.outcome == STOP else ALLOW
+        if self.outcome in (STOP, WAIT):
+            return self.outcome
+        return ALLOW
 
 
 def _plain(value: Decimal | float) -> str:
@@ -324,14 +362,104 @@ def nudge(error: str, count: int) -> dict[str, str]:
     }
 
 
+# --- Rate limits (SPEC 12) ---------------------------------------------------------------------
+#
+# The store counts, for each rule that matches the action, the actions of the rule's scope
+# (run, agent name in the team, or team) whose names match its pattern and that were counted
+# like an allow (allowed, shadow-allowed, or taken by a pending approval), stamped by the
+# database's clock. What it hands over is one RateWindow per rule: the stamp of the max-th
+# most recent such action still inside the window. The rule is full exactly when that stamp
+# exists, and it has room again once that action leaves the window. `window_of` computes the
+# same from a list of stamps (the embedded store and the client's fake use it; the SQL in
+# runs/check/rate_limits.py mirrors it and is tested against it).
+
+
+@dataclass(frozen=True, slots=True)
+class RateWindow:
+    rule: RateLimit
+    # The stamp of the rule.max-th most recent counted action in the window; None: room.
+    nth_recent: datetime | None
+    now: datetime  # the clock the window was read with
+
+
+def rate_limits_matching(policy: Policy, name: str) -> tuple[RateLimit, ...]:
+    """The rules of the policy that apply to this action name (every one applies)."""
+    return tuple(rule for rule in policy.rate_limits if rule.matches(name))
+
+
+def window_of(rule: RateLimit, stamps: Iterable[datetime], now: datetime) -> RateWindow:
+    """The RateWindow of a rule from the stamps of its scope's counted matching actions."""
+    start = now - timedelta(seconds=rule.window_s)
+    recent = sorted((t for t in stamps if t > start), reverse=True)
+    return RateWindow(rule, recent[rule.max - 1] if len(recent) >= rule.max else None, now)
+
+
+def retry_after_s(window: RateWindow) -> float | None:
+    """Seconds until the rule has room again, rounded up to the millisecond (None: it has)."""
+    if window.nth_recent is None:
+        return None
+    left = window.nth_recent + timedelta(seconds=window.rule.window_s) - window.now
+    micros = left // timedelta(microseconds=1)
+    # Integer arithmetic: float seconds * 1000 would round 12.345 up to 12.346 now and then.
+    return max(1, -(-micros // 1000)) / 1000
+
+
+def rate_wait(windows: Sequence[RateWindow]) -> tuple[RateWindow, float] | None:
+    """The full rule that keeps the action waiting longest, and for how long: the least time
+    until every matching rule has room. None when every rule has room."""
+    worst: tuple[RateWindow, float] | None = None
+    for window in windows:
+        wait = retry_after_s(window)
+        if wait is not None and (worst is None or wait > worst[1]):
+            worst = (window, wait)
+    return worst
+
+
+def _rate_message(name: str, window: RateWindow, wait: float) -> str:
+    rule = window.rule
+    return (f"{name} is rate limited by the {rule.describe()}: {rule.max} actions in the "
+            f"last {rule.window_s} s already; retry in {wait:.3f} s.")
+
+
+# --- Abandoned runs (SPEC 14) -----------------------------------------------------------------
+
+def idle_deadline(policy: Policy, at: datetime) -> datetime | None:
+    """When a run whose last activity (start, check, wait) was at ``at`` is abandoned."""
+    if policy.max_idle_seconds is None:
+        return None
+    return at + timedelta(seconds=policy.max_idle_seconds)
+
+
+def abandon(state: RunState, *, now: datetime) -> RunState | None:
+    """The run ended as abandoned, when it is running and past its idle deadline; else None.
+    ``ended_at`` is the deadline itself, not the moment somebody noticed."""
+    if state.status != RUNNING or state.idle_deadline is None or now < state.idle_deadline:
+        return None
+    new = state.copy()
+    new.status, new.stop_reason, new.ended_at = STOPPED, ABANDONED, state.idle_deadline
+    return new
+
+
+def abandoned_message(policy: Policy) -> str:
+    idle = "?" if policy.max_idle_seconds is None else _plain(policy.max_idle_seconds)
+    return (f"No check, wait, start or finish for {idle} s: the run was abandoned "
+            f"(max_idle_seconds={idle}).")
+
+
 def evaluate(
-    policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None
+    policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None,
+    rate: Sequence[RateWindow] = (),
 ) -> tuple[Decision, RunState]:
-    """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any.
+    """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any;
+    ``rate`` holds the windows of `rate_limits_matching(policy, check.name)`, read by the
+    caller (under its locks) for a running run.
 
     The input state is left untouched; the returned state is what must be stored.
     """
     key = repeat_key(check.name, check.args, policy.ignore_args)
+    abandoned = abandon(state, now=now)
+    if abandoned is not None:
+        return terminal_decision(abandoned, key), abandoned
     if state.status in TERMINAL:
         return terminal_decision(state, key), state
 
@@ -339,6 +467,23 @@ def evaluate(
     new.steps += 1
     _register(new, check)
     stop = _first_stop(policy, new, check, key, now, kill)
+    if stop is None:
+        limited = rate_wait(rate)
+        if limited is not None:
+            window, wait = limited
+            message = _rate_message(check.name, window, wait)
+            if policy.mode != "shadow":
+                # A wait registers nothing: the agent sends the same body again. It is
+                # activity all the same (SPEC 14).
+                waited = state.copy()
+                waited.idle_deadline = idle_deadline(policy, now)
+                return Decision(
+                    outcome=WAIT, reason=RATE_LIMITED, step=state.steps + 1, repeat_key=key,
+                    repeat_count=state.repeat_counts.get(key, 0), message=message,
+                    next_action=NEXT_ACTION[RATE_LIMITED], retry_after_s=wait,
+                ), waited
+            stop = (RATE_LIMITED, message)
+    new.idle_deadline = idle_deadline(policy, now)
 
     if stop is not None and (policy.mode != "shadow" or stop[0] == "killed"):
         reason, message = stop
