@@ -23,15 +23,18 @@ FIELD_PATHS = {
     "max_seconds": "budgets.max_seconds",
     "max_usd": "budgets.max_usd",
     "max_tool_calls": "budgets.max_tool_calls",
+    "max_idle_seconds": "budgets.max_idle_seconds",
     "tools_allow": "tools.allow",
     "tools_deny": "tools.deny",
     "ignore_args": "repeat_key.ignore_args",
     "error_threshold": "on_repeated_error.threshold",
     "error_action": "on_repeated_error.action",
     "redact_args": "redact_args",
+    "rate_limits": "rate_limits",
 }
 LIST_FIELDS = {"tools_allow", "tools_deny", "ignore_args", "redact_args"}
-OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls"}
+OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls", "max_idle_seconds"}
+RATE_LINE = "match per max window_s, e.g. http.* agent 10 60"
 INT_RE = re.compile(r"^[+-]?\d+$")
 FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 
@@ -49,6 +52,27 @@ def _number(raw: str) -> Any:
 
 def _lines(raw: str) -> list[str]:
     return [line.strip() for line in raw.replace(",", "\n").splitlines() if line.strip()]
+
+
+def _rate_rules(raw: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """One rule per line, `match per max window_s` (the pattern may contain spaces: the last
+    three words are the others). Returns the rules and the lines that are not rules."""
+    rules, bad = [], []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        words = line.split()
+        if not words:
+            continue
+        if len(words) < 4:
+            bad.append(f"line {number}: write a rule as {RATE_LINE}")
+            continue
+        match, per, most, window = line.strip().rsplit(None, 3)
+        rules.append({"match": match, "per": per, "max": _number(most),
+                      "window_s": _number(window)})
+    return rules, bad
+
+
+def rate_rule_line(rule: dict[str, Any]) -> str:
+    return f"{rule['match']} {rule['per']} {rule['max']} {rule['window_s']}"
 
 
 class PolicyForm(forms.Form):
@@ -72,12 +96,15 @@ class PolicyForm(forms.Form):
     error_action = forms.ChoiceField(choices=[("nudge", "nudge"), ("stop", "stop")],
                                      required=False)
     redact_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    max_idle_seconds = forms.CharField(required=False, max_length=40)
+    rate_limits = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
 
     def __init__(self, *args: Any, fixed_name: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.fixed_name = fixed_name
         self.document_errors: dict[str, str] = {}
         self.normalized: dict[str, Any] | None = None
+        self.rate_line_errors: list[str] = []
 
     @classmethod
     def initial_from(cls, document: dict[str, Any]) -> dict[str, Any]:
@@ -102,6 +129,8 @@ class PolicyForm(forms.Form):
             "error_threshold": text(document["on_repeated_error"]["threshold"]),
             "error_action": document["on_repeated_error"]["action"],
             "redact_args": "\n".join(document["redact_args"]),
+            "max_idle_seconds": text(budgets.get("max_idle_seconds")),
+            "rate_limits": "\n".join(rate_rule_line(r) for r in document.get("rate_limits", [])),
         }
 
     def document(self) -> dict[str, Any]:
@@ -114,6 +143,7 @@ class PolicyForm(forms.Form):
             return _number(raw) if raw.strip() else None
 
         threshold = data.get("error_threshold") or ""
+        rate_limits, self.rate_line_errors = _rate_rules(data.get("rate_limits") or "")
         return {
             "name": self.fixed_name if self.fixed_name is not None else (data.get("name") or ""),
             "mode": data.get("mode") or "enforce",
@@ -134,6 +164,7 @@ class PolicyForm(forms.Form):
                 "action": data.get("error_action") or "nudge",
             },
             "redact_args": _lines(data.get("redact_args") or ""),
+            "rate_limits": rate_limits,
         }
 
     def clean(self) -> dict[str, Any]:
@@ -144,7 +175,13 @@ class PolicyForm(forms.Form):
             self.document_errors = exc.errors
             for path, message in exc.errors.items():
                 field = field_for_path(path)
+                if field == "rate_limits" and path != "rate_limits":
+                    # rate_limits[1].max -> the line people typed, and the value at fault.
+                    index, _, key = path.removeprefix("rate_limits[").partition("]")
+                    message = f"line {int(index) + 1}: {key.lstrip('.')}: {message}"
                 self.add_error(field, f"{path}: {message}" if field is None else message)
+        for message in self.rate_line_errors:
+            self.add_error("rate_limits", message)
         return cleaned
 
 

@@ -25,7 +25,7 @@ LOOSE = {"step_limits": {"max_steps": 1000, "max_repeat_action": 1000,
 
 
 def limit(team: Any, *rules: dict[str, Any], **changes: Any) -> None:
-    set_policy(team, **LOOSE, rate_limits=list(rules), **changes)
+    set_policy(team, **{**LOOSE, "rate_limits": list(rules), **changes})
 
 
 def rule(match: str = "http.*", per: str = "agent", max: int = 2, window_s: int = 60
@@ -240,3 +240,85 @@ def test_the_sql_pattern_agrees_with_fnmatch(pattern: str, names: list[str]) -> 
             assert cursor.fetchone()[0] == fnmatch.fnmatchcase(name, pattern), (
                 pattern, name, regex)
 
+
+
+# --- Dashboard and metrics --------------------------------------------------------------------
+
+def waited_run(api: Any, team: Any, **changes: Any) -> str:
+    limit(team, rule(per="run", max=1), **changes)
+    rid = api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json"
+                   ).json()["run_id"]
+    for i in range(2):
+        api.post(f"/api/v1/runs/{rid}/check", {"action": {"name": "http.get", "args": {"i": i}}},
+                 content_type="application/json")
+    return rid
+
+
+@pytest.mark.django_db
+def test_the_timeline_shows_the_wait_row(client: Any, api: Any, team: Any,
+                                         users: dict[str, Any]) -> None:
+    rid = waited_run(api, team)
+    client.force_login(users["viewer"])
+    text = client.get(f"/teams/{team.slug}/runs/{rid}/").content.decode()
+    assert 'class="step outcome-wait"' in text
+    assert "retry after" in text and "not counted as a step" in text
+    assert "match=&#x27;http.*&#x27; per=run max=1 window_s=60" in text
+
+
+@pytest.mark.django_db
+def test_the_overview_counts_rate_limited_checks(client: Any, api: Any, team: Any,
+                                                 users: dict[str, Any]) -> None:
+    waited_run(api, team)
+    client.force_login(users["viewer"])
+    text = client.get(f"/teams/{team.slug}/").content.decode()
+    assert "Rate limited" in text
+    assert "data-rate-limited-count>1<" in text
+    assert "<code>http.get</code>" in text
+
+
+@pytest.mark.django_db
+def test_the_waits_are_counted_in_the_metrics_by_team_and_rule(api: Any, team: Any,
+                                                               settings: Any) -> None:
+    settings.METRICS_TOKEN = "m"
+    from prometheus_client import REGISTRY
+
+    before = REGISTRY.get_sample_value(
+        "governance_rate_limit_waits_total",
+        {"team": "support", "rule": "http.*", "per": "run", "outcome": "wait"}) or 0
+    waited_run(api, team)
+    after = REGISTRY.get_sample_value(
+        "governance_rate_limit_waits_total",
+        {"team": "support", "rule": "http.*", "per": "run", "outcome": "wait"})
+    assert after == before + 1
+
+
+# --- SPEC 15: the common answer fields --------------------------------------------------------
+
+COMMON = ["decision_id", "step", "repeat_key", "repeat_count", "message", "next_action", "usage",
+          "limits", "directive", "shadow", "approval", "retry_after_s"]
+
+
+@pytest.mark.django_db
+def test_the_openapi_document_says_every_answer_carries_the_common_fields(client: Any) -> None:
+    schema = client.get("/api/v1/openapi.json").json()
+    check_out = schema["components"]["schemas"]["CheckOut"]
+    assert set(COMMON) <= set(check_out["required"])
+    assert check_out["properties"]["decision"]["enum"] == ["allow", "stop", "pending", "wait"]
+    for nullable in ("message", "next_action", "directive", "shadow", "approval",
+                     "retry_after_s"):
+        variants = check_out["properties"][nullable].get("anyOf", [])
+        assert {"type": "null"} in variants, nullable
+
+
+@pytest.mark.django_db
+def test_allow_stop_and_wait_answers_all_carry_the_common_fields(api: Any, team: Any) -> None:
+    limit(team, rule(per="run", max=1), step_limits={"max_steps": 2, "max_repeat_action": 9,
+                                                      "no_progress_window": 9})
+    rid = api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json"
+                   ).json()["run_id"]
+    answers = [api.post(f"/api/v1/runs/{rid}/check", {"action": {"name": name, "args": {"i": i}}},
+                        content_type="application/json").json()
+               for i, name in enumerate(["http.get", "http.get", "other", "other"])]
+    assert [a["decision"] for a in answers] == ["allow", "wait", "allow", "stop"]
+    for answer in answers:
+        assert set(COMMON) <= set(answer), answer

@@ -93,7 +93,7 @@ def test_retry_after_is_the_least_wait_that_gives_the_rule_room(
     if wait is None:
         assert in_window(now) < max_
     else:
-        assert 0 < wait
+        assert wait > 0
         assert in_window(now) >= max_
         assert in_window(now + timedelta(seconds=wait)) < max_
         # A millisecond less is still full (rounding up never gives room too early).

@@ -36,6 +36,8 @@ REASON_LABELS = {
     "repeated_error": "repeated error",
     "agent_stopped": "agent stopped",
     "run_finished": "run finished",
+    "rate_limited": "rate limited",
+    "abandoned": "abandoned",
 }
 
 
@@ -62,6 +64,7 @@ class StepRow:
     message: str
     directive: str
     shadow_reason: str
+    retry_after_s: float | None = None
 
 
 def step_row(d: Decision) -> StepRow:
@@ -90,6 +93,7 @@ def step_row(d: Decision) -> StepRow:
         message=answer.get("message") or "",
         directive=directive.get("content", "") if isinstance(directive, dict) else "",
         shadow_reason=shadow.get("reason", "") if isinstance(shadow, dict) else "",
+        retry_after_s=answer.get("retry_after_s"),
     )
 
 
@@ -174,6 +178,7 @@ def overview_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
         "running_count": running_count,
         "chart": activity_chart(dashboard.hourly_activity(team, now=now)),
         "loops": dashboard.top_loops(team, since=now - timedelta(hours=24)),
+        "rate_limited": dashboard.rate_limited(team, since=now - timedelta(hours=24)),
         "switches": dashboard.switches_covering(team),
         "now": now,
     }

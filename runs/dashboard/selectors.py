@@ -135,6 +135,25 @@ def top_loops(team: Team, *, since: datetime, limit: int = 5) -> list[dict[str, 
     )
 
 
+@dataclass(frozen=True)
+class RateLimited:
+    waits: int  # checks answered wait (SPEC 12)
+    shadow: int  # checks a rate limit would have held back in shadow mode
+    tools: list[dict[str, Any]]  # the most held-back action names: action_name, waits, runs
+
+
+def rate_limited(team: Team, *, since: datetime, limit: int = 5) -> RateLimited:
+    """How often rate limits held the team's agents back: the overview's "rate limited"."""
+    waits = Decision.objects.filter(run__team=team, outcome="wait", reason="rate_limited",
+                                    at__gte=since)
+    shadow = Decision.objects.filter(run__team=team, outcome="would_stop", at__gte=since,
+                                     answer__shadow__reason="rate_limited")
+    tools = list(waits.values("action_name")
+                 .annotate(waits=Count("pk"), runs=Count("run", distinct=True))
+                 .order_by("-waits", "action_name")[:limit])
+    return RateLimited(waits=waits.count(), shadow=shadow.count(), tools=tools)
+
+
 def switches_covering(team: Team) -> list[KillSwitch]:
     """Engaged kill switches that stop this team's runs (global, team or one of its agents)."""
     return list(

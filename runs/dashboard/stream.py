@@ -232,7 +232,7 @@ class OverviewSource(Source):
             name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
                                    request=self.request)
             for name in ("overview-running", "overview-chart", "overview-switches",
-                         "overview-loops")
+                         "overview-loops", "overview-rate-limited")
         })
 
 
