@@ -59,8 +59,7 @@ def reset_runs() -> None:
 
     # The audit tables refuse TRUNCATE outside a maintenance transaction (docs/reliability.md).
     with audit_maintenance(), connection.cursor() as cursor:
-        cursor.execute("TRUNCATE runs_run, runs_decision, runs_killswitch, runs_ratehit "
-                       "RESTART IDENTITY CASCADE")
+        cursor.execute("TRUNCATE runs_run, runs_decision, runs_killswitch RESTART IDENTITY CASCADE")
 
 
 def decision_rows(*, after_id: int = 0, with_action: bool | None = None) -> int:
