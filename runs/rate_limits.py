@@ -152,21 +152,52 @@ def _scope_params(rule: RateLimit, *, team_id: int, agent: str, run_id: Any) -> 
     return [team_id]
 
 
+_SCOPE_TYPES = {"run": ["uuid"], "agent": ["bigint", "text"], "team": ["bigint"]}
+
+
+def _windows_body(rules: Sequence[RateLimit], placeholder: Any) -> str:
+    columns = []
+    for rule in rules:
+        pieces = _SCOPE_SQL[rule.per].split("%s")
+        scope = pieces[0] + "".join(placeholder() + piece for piece in pieces[1:])
+        columns.append(
+            f"(SELECT h.at FROM runs_ratehit h WHERE {scope}"
+            f" AND h.at > c.now - make_interval(secs => {placeholder()})"
+            f" AND h.action_name ~ {placeholder()}"
+            f" ORDER BY h.at DESC OFFSET {placeholder()} LIMIT 1)")
+    return ("WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now) SELECT c.now, "
+            + ", ".join(columns) + " FROM c")
+
+
+def windows_params(rules: Sequence[RateLimit], *, team_id: int, agent: str, run_id: Any
+                   ) -> list[Any]:
+    params: list[Any] = []
+    for rule in rules:
+        params += [*_scope_params(rule, team_id=team_id, agent=agent, run_id=run_id),
+                   rule.window_s, glob_regex(rule.match), rule.max - 1]
+    return params
+
+
 def windows_sql(rules: Sequence[RateLimit], *, team_id: int, agent: str, run_id: Any
                 ) -> tuple[str, list[Any]]:
     """One statement reading the database clock and, per rule, the stamp of the rule's
     max-th most recent matching hit inside its window (`rules.window_of` in SQL)."""
-    columns, params = [], []
-    for rule in rules:
-        columns.append(
-            "(SELECT h.at FROM runs_ratehit h WHERE " + _SCOPE_SQL[rule.per]
-            + " AND h.at > c.now - make_interval(secs => %s) AND h.action_name ~ %s"
-            " ORDER BY h.at DESC OFFSET %s LIMIT 1)")
-        params += [*_scope_params(rule, team_id=team_id, agent=agent, run_id=run_id),
-                   rule.window_s, glob_regex(rule.match), rule.max - 1]
-    sql = ("WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now) SELECT c.now, "
-           + ", ".join(columns) + " FROM c")
-    return sql, params
+    return (_windows_body(rules, lambda: "%s"),
+            windows_params(rules, team_id=team_id, agent=agent, run_id=run_id))
+
+
+def windows_prepared(rules: Sequence[RateLimit]) -> tuple[str, str]:
+    """The same statement to PREPARE once per connection: its name (one per sequence of
+    scopes, the only thing that changes the SQL) and its PREPARE. Planning it costs
+    PostgreSQL more than running it, as for the check's own statements."""
+    scopes = [r.per for r in rules]
+    name = "governance_rate_" + hashlib.blake2b("_".join(scopes).encode(),
+                                                digest_size=6).hexdigest()
+    types = [t for per in scopes for t in [*_SCOPE_TYPES[per], "double precision", "text",
+                                             "bigint"]]
+    counter = iter(range(1, len(types) + 1))
+    body = _windows_body(rules, lambda: f"${next(counter)}")
+    return name, f"PREPARE {name}({', '.join(types)}) AS {body}"
 
 
 def windows_from_row(rules: Sequence[RateLimit], row: Sequence[Any]) -> list[RateWindow]:

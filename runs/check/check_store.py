@@ -59,7 +59,14 @@ from governance_client.rules import RateLimit, RateWindow
 
 from policies.models import AgentKey
 from runs.models import Decision, KillSwitch, RateHit, Run
-from runs.rate_limits import lock_keys, windows_from_row, windows_in_python, windows_sql
+from runs.rate_limits import (
+    lock_keys,
+    windows_from_row,
+    windows_in_python,
+    windows_params,
+    windows_prepared,
+    windows_sql,
+)
 
 RUNNING = "running"
 
@@ -267,6 +274,8 @@ EXECUTE_WRITE = "EXECUTE governance_check_write(%s, %s, %s); COMMIT"
 
 # The connections (Django's, one per thread) on which the statements are prepared.
 _prepared: weakref.WeakSet[Any] = weakref.WeakSet()
+# The rate-limit window statements prepared on each connection, by name.
+_prepared_windows: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
 def _scalar(value: Any) -> str:
@@ -301,6 +310,18 @@ class PostgresCheck:
         if self.raw not in _prepared:
             self.cursor.execute(PREPARE_SQL)
             _prepared.add(self.raw)
+            _prepared_windows[self.raw] = set()
+
+    def _windows_statement(self, rules: Sequence[RateLimit], *, team_id: int, agent: str,
+                           run_id: uuid.UUID) -> tuple[str, list[Any]]:
+        """`EXECUTE` of the prepared window read, preparing it first on this connection."""
+        name, prepare = windows_prepared(rules)
+        done = _prepared_windows.setdefault(self.raw, set())
+        if name not in done:
+            self.cursor.execute(prepare)  # not transactional: kept if the check rolls back
+            done.add(name)
+        params = windows_params(rules, team_id=team_id, agent=agent, run_id=run_id)
+        return f"EXECUTE {name}({', '.join(['%s'] * len(params))})", params
 
     def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None,
              rate: RateRead | None = None) -> Locked | None:
@@ -312,15 +333,16 @@ class PostgresCheck:
             # each a statement of its own so the read's snapshot follows the locks. Should the
             # key or the run be refused, the rollback releases these locks at once.
             keys = lock_keys(rate.rules, team_id=rate.team_id, agent=rate.agent, run_id=run_id)
-            windows, more = windows_sql(rate.rules, team_id=rate.team_id, agent=rate.agent,
-                                        run_id=run_id)
             sql += "".join(f"; SELECT pg_advisory_xact_lock({int(k)})" for k in keys)
-            sql += "; " + windows
-            params += more
         windows_row = None
         try:
             with connection.wrap_database_errors:
                 self._prepare()
+                if rate is not None:
+                    windows, more = self._windows_statement(
+                        rate.rules, team_id=rate.team_id, agent=rate.agent, run_id=run_id)
+                    sql += "; " + windows
+                    params += more
                 self.open = True
                 cursor.execute(sql, params)
                 cursor.nextset()  # past BEGIN's result, to the SELECT's
@@ -335,6 +357,7 @@ class PostgresCheck:
                 # The connection died while idle, or its session lost the prepared statements
                 # (DISCARD ALL): nothing was read or written, a new connection may retry.
                 _prepared.discard(self.raw)
+                _prepared_windows.pop(self.raw, None)
                 raise StaleConnection() from exc
             raise
         finally:
@@ -365,11 +388,12 @@ class PostgresCheck:
         clock: one round trip (the locks and the read are separate statements of one
         message, so the read's snapshot is taken once the locks are held)."""
         keys = lock_keys(rules, team_id=run.team_id, agent=run.agent, run_id=run.id)
-        sql, params = windows_sql(rules, team_id=run.team_id, agent=run.agent, run_id=run.id)
         locks = "".join(f"SELECT pg_advisory_xact_lock({int(key)});" for key in keys)
         started = time.perf_counter()
         try:
             with connection.wrap_database_errors:
+                sql, params = self._windows_statement(rules, team_id=run.team_id,
+                                                      agent=run.agent, run_id=run.id)
                 self.cursor.execute(locks + sql, params)
                 while self.cursor.nextset():
                     pass  # to the last statement's result: the windows
