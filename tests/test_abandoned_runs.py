@@ -15,9 +15,9 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
-from runs.abandon import abandon_idle_runs
+from runs.check.abandon import abandon_idle_runs
+from runs.check.tasks import idle_sweep_task
 from runs.models import Decision, Run
-from runs.tasks import idle_sweep_task
 from tests.conftest import Agent, set_policy
 
 

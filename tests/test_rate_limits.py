@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.services import agent_key_create
+from runs.check.rate_limits import glob_regex
 from runs.models import Decision, RateHit, Run
-from runs.rate_limits import glob_regex
 from tests.conftest import Agent, set_policy
 
 LOOSE = {"step_limits": {"max_steps": 1000, "max_repeat_action": 1000,

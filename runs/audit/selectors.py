@@ -10,7 +10,7 @@ from django.http import Http404
 from django.utils import timezone
 
 from policies.models import PolicyVersion, Team
-from runs.abandon import abandon_idle_runs, abandon_if_idle
+from runs.check.abandon import abandon_idle_runs, abandon_if_idle
 from runs.models import Decision, Run
 
 

@@ -15,7 +15,7 @@ On PostgreSQL that is two network round trips, each one message with a prepared 
    decision's id.
 
 A check whose action matches a rate limit of its policy (SPEC 12) also takes the rules'
-advisory locks and reads their windows (runs/rate_limits.py): as more statements of the first
+advisory locks and reads their windows (runs/check/rate_limits.py): as more statements of the first
 message when this process already knows the run's team, agent and policy version (they never
 change, `RateRead`), else in one more round trip between the two.
 
@@ -58,8 +58,7 @@ from django.db import (
 from governance_client.rules import RateLimit, RateWindow
 
 from policies.models import AgentKey
-from runs.models import Decision, KillSwitch, RateHit, Run
-from runs.rate_limits import (
+from runs.check.rate_limits import (
     lock_keys,
     windows_from_row,
     windows_in_python,
@@ -67,6 +66,7 @@ from runs.rate_limits import (
     windows_prepared,
     windows_sql,
 )
+from runs.models import Decision, KillSwitch, RateHit, Run
 
 RUNNING = "running"
 
@@ -151,7 +151,7 @@ class DecisionRow:
 
 @dataclass(slots=True)
 class HitRow:
-    """An action counted by the rate limits (runs/rate_limits.py); stamped by the store."""
+    """An action counted by the rate limits (runs/check/rate_limits.py); stamped by the store."""
 
     team_id: int
     agent: str

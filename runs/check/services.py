@@ -18,8 +18,8 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
-from runs.abandon import abandon_if_idle
 from runs.check import metrics
+from runs.check.abandon import abandon_if_idle
 from runs.check.check_store import (
     DecisionRow,
     DuplicateCheck,

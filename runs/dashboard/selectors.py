@@ -17,9 +17,9 @@ from django.db.models.functions import TruncHour
 from django.utils import timezone
 
 from policies.models import Policy, Team
-from runs.abandon import abandon_idle_runs
+from runs.check.abandon import abandon_idle_runs
+from runs.check.rate_limits import prune_hits
 from runs.models import Decision, KillSwitch, Run, Scope
-from runs.rate_limits import prune_hits
 
 RUN_STATUSES = ("running", "stopped", "killed", "completed", "failed")
 TERMINAL_STOPS = ("stopped", "killed")

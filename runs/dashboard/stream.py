@@ -33,7 +33,7 @@ from django.http import HttpRequest, StreamingHttpResponse
 from django.template.loader import render_to_string
 
 from policies.models import Team
-from runs.abandon import abandon_if_idle
+from runs.check.abandon import abandon_if_idle
 from runs.dashboard.presenters import overview_context, run_context, runs_list_context, step_row
 from runs.dashboard.selectors import RunFilters, timeline
 from runs.live.events import wakeups

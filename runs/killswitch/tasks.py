@@ -11,13 +11,10 @@ from __future__ import annotations
 
 from celery import shared_task
 from django.db import DatabaseError, InterfaceError
-from django.utils import timezone
 from kombu.exceptions import OperationalError as BrokerError
 
-from runs.abandon import abandon_idle_runs
 from runs.killswitch import services as killswitch
 from runs.models import KillSwitch, Scope
-from runs.rate_limits import prune_hits
 from runs.webhooks import delivery as webhooks
 
 # A run whose start transaction read "no switch" just before the engage committed can commit
@@ -67,11 +64,3 @@ def killswitch_sweep_task() -> dict[str, int]:
         webhooks.schedule_delivery(delivery_id, number, 0)
     return {"fanouts": len(fanouts), "deliveries": len(deliveries)}
 
-
-@shared_task(name="runs.tasks.idle_sweep", acks_late=True, **_retry)
-def idle_sweep_task() -> dict[str, int]:
-    """Beat, every minute: end the runs past their idle deadline (SPEC 14) and forget the
-    rate-limit hits no window can reach any more (SPEC 12). Both are idempotent."""
-    now = timezone.now()
-    ended = abandon_idle_runs(now=now)
-    return {"abandoned": len(ended), "hits_pruned": prune_hits(now=now)}

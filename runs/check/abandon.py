@@ -31,8 +31,7 @@ from django.utils import timezone
 from governance_client import rules
 from runs.check.policy_cache import rules_for_version
 from runs.live.events import publish_run_event
-
-from .models import Decision, Run
+from runs.models import Decision, Run
 
 log = logging.getLogger(__name__)
 

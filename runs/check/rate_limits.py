@@ -208,7 +208,7 @@ def windows_from_row(rules: Sequence[RateLimit], row: Sequence[Any]) -> list[Rat
 def windows_in_python(rules: Sequence[RateLimit], *, team_id: int, agent: str, run_id: Any,
                       now: datetime) -> list[RateWindow]:
     """The same windows through the ORM, matched with fnmatch: the embedded store's way."""
-    from .models import RateHit
+    from runs.models import RateHit
 
     out = []
     for rule in rules:
@@ -226,7 +226,7 @@ def windows_in_python(rules: Sequence[RateLimit], *, team_id: int, agent: str, r
 
 def prune_hits(*, now: datetime) -> int:
     """Forget the hits no window can reach any more (the beat sweep calls this)."""
-    from .models import RateHit
+    from runs.models import RateHit
 
     deleted, _ = RateHit.objects.filter(at__lte=now - timedelta(seconds=MAX_WINDOW_S)).delete()
     return deleted
