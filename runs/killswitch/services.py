@@ -285,6 +285,8 @@ def _kill_answer(switch: KillSwitch, run: Run, state: rules.RunState, now: datet
         "limits": rules_for_version(run.policy_version_id).limits(),
         "directive": None,
         "shadow": None,
+        "approval": None,
+        "retry_after_s": None,
         "kill_switch": switch.pk,
     }
 
