@@ -322,3 +322,23 @@ def test_allow_stop_and_wait_answers_all_carry_the_common_fields(api: Any, team:
     assert [a["decision"] for a in answers] == ["allow", "wait", "allow", "stop"]
     for answer in answers:
         assert set(COMMON) <= set(answer), answer
+
+
+@pytest.mark.django_db
+def test_the_sweep_forgets_hits_no_window_can_reach(team: Any) -> None:
+    import uuid
+
+    from django.utils import timezone
+
+    from runs.check.rate_limits import prune_hits
+    from runs.check.tasks import idle_sweep_task
+
+    now = timezone.now()
+    old = RateHit.objects.create(team_id=team.pk, agent="a", run_id=uuid.uuid4(),
+                                 action_name="x", at=now - timedelta(seconds=86_401))
+    recent = RateHit.objects.create(team_id=team.pk, agent="a", run_id=uuid.uuid4(),
+                                    action_name="x", at=now - timedelta(seconds=86_399))
+    assert idle_sweep_task()["hits_pruned"] == 1
+    assert list(RateHit.objects.values_list("pk", flat=True)) == [recent.pk]
+    assert not RateHit.objects.filter(pk=old.pk).exists()
+    assert prune_hits(now=now) == 0

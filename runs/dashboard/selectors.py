@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from policies.models import Policy, Team
 from runs.check.abandon import abandon_idle_runs
-from runs.check.rate_limits import prune_hits
+from runs.check.rate_limits import prune_hits_now_and_then
 from runs.models import Decision, KillSwitch, Run, Scope
 
 RUN_STATUSES = ("running", "stopped", "killed", "completed", "failed")
@@ -87,7 +87,7 @@ def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
     abandon_idle_runs(team_id=team.pk)  # SPEC 14: "running now" never counts an idle run
     if not settings.REDIS_URL:
         # The embedded default runs no beat: the overview's reads keep the hits small.
-        prune_hits(now=timezone.now())
+        prune_hits_now_and_then(now=timezone.now())
     running = Run.objects.filter(team=team, status="running").select_related(
         "policy_version__policy"
     )
