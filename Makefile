@@ -2,16 +2,23 @@
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 
-.PHONY: install demo serve worker test lint bench bench-quick
+.PHONY: install install-run demo serve worker test lint bench bench-quick
 
 .venv/bin/python:
 	python3 -m venv .venv
 
-install: .venv/bin/python
+# What running needs: the server (its distribution includes the client package it shares
+# the pure rules with).
+install-run: .venv/bin/python
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ./governance_client[examples] -e '.[test]'
+	$(PIP) install -q -e .
 
-demo: install
+# What the tests need too: the test tools, and the client with the frameworks its
+# integration examples are tested against.
+install: install-run
+	$(PIP) install -q -e './governance_client[examples]' -e '.[test]'
+
+demo: install-run
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py demo
 
@@ -26,6 +33,7 @@ test: install
 
 lint:
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports --no-cache
 
 bench: install
 	$(PY) -m bench

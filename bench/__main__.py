@@ -15,7 +15,7 @@ from typing import Any
 from . import report, stack
 from . import scenarios as sc
 
-PHASES = ("micro", "points", "soak", "killswitch", "stream", "metrics", "ratelimit")
+PHASES = ("micro", "backtest", "points", "soak", "killswitch", "stream", "metrics", "ratelimit")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -83,6 +83,12 @@ def main(argv: list[str]) -> int:
 
         results["micro"] = micro.measure(quick=quick)
         print(report.micro_line(results["micro"]), flush=True)
+    if "backtest" in phases:
+        from . import backtest
+
+        results["backtest"] = backtest.measure(quick=quick)
+        print(report.backtest_line(results["backtest"]), flush=True)
+        sc.reset_runs()  # the load points start from empty run tables, as before
 
     with stack.Server(workers=args.workers, threads=threads) as server:
         if "points" in phases:

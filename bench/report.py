@@ -35,6 +35,14 @@ def micro_line(m: dict[str, Any]) -> str:
                                                    for k, v in m.items())
 
 
+def backtest_line(b: dict[str, Any]) -> str:
+    parts = [f"{label.replace('_', ' ')}: {b[label]['decisions_per_s']} decisions/s "
+             f"({b[label]['seconds']} s, {b[label]['changed']} changed)"
+             for label in ("recorded_keys", "recomputed_keys") if label in b]
+    return (f"  backtest of {b['runs']} runs, {b['decisions']} recorded decisions: "
+            + "; ".join(parts))
+
+
 def soak_line(s: dict[str, Any]) -> str:
     rss = ", ".join(f"{v[0]}->{v[-1]} MiB" for v in s["rss_mib"].values())
     return (f"  soak {s['agents']} agents {s['seconds']:g} s: {s['checks_per_s']} checks/s, "
@@ -111,6 +119,9 @@ def correctness(results: dict[str, Any]) -> list[str]:
     if soak and (soak["errors"] or not soak["audit_ok"]):
         failed.append(f"soak: errors {soak['error_kinds']}, audit "
                       f"{soak['audit_rows']}/{soak['decisions_returned']}")
+    bt = results.get("backtest")
+    if bt and not bt["ok"]:
+        failed.append("backtest: not every generated run and decision was replayed")
     ks = results.get("killswitch")
     if ks and not ks["ok"]:
         failed.append(f"kill switch: leaked allows {ks['leaked_allows']}, errors "
@@ -202,7 +213,8 @@ def summary(results: dict[str, Any]) -> str:
                              f"{p.get('postgres_cpu_ms_per_check', 0.0):6.2f} / "
                              f"{p['client_cpu_ms_per_check']:6.2f}")
     lines.append("")
-    for key, fmt in (("micro", micro_line), ("soak", soak_line), ("killswitch", killswitch_line),
+    for key, fmt in (("micro", micro_line), ("backtest", backtest_line), ("soak", soak_line),
+                     ("killswitch", killswitch_line),
                      ("stream", live_line), ("metrics", metrics_line)):
         if key in results:
             lines.append(fmt(results[key]).strip())
@@ -284,6 +296,8 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
         "killswitch_all_stopped_s": (results.get("killswitch") or {}).get(
             "all_covered_stopped_s"),
         "live_p99_ms": (results.get("stream") or {}).get("p99_ms"),
+        "backtest_decisions_per_s": ((results.get("backtest") or {}).get("recomputed_keys")
+                                     or {}).get("decisions_per_s"),
         "correct": not correctness(results),
     }
 

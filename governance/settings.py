@@ -15,6 +15,11 @@ from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+# Where the embedded default keeps its files (the SQLite database, collected static files,
+# audit exports): DATA_DIR, else the source checkout when run from one (manage.py beside the
+# packages), else the current directory, as for a server installed with `pip install .`.
+DATA_DIR = Path(os.environ.get("DATA_DIR") or (
+    BASE_DIR if (BASE_DIR / "manage.py").exists() else Path.cwd()))
 
 
 def env_bool(name: str, default: bool) -> bool:
@@ -62,12 +67,15 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_htmx",
+    "governance",
     "policies",
     "runs",
+    "backtests",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -93,7 +101,7 @@ WSGI_APPLICATION = "governance.wsgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [],  # each app has its templates; the layout is the governance app's
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -106,7 +114,7 @@ TEMPLATES = [
 ]
 
 # --- Database --------------------------------------------------------------------------------
-DATABASE_URL = os.environ.get("DATABASE_URL") or f"sqlite:///{BASE_DIR / 'db.sqlite3'}"
+DATABASE_URL = os.environ.get("DATABASE_URL") or f"sqlite:///{DATA_DIR / 'db.sqlite3'}"
 try:
     _db = dj_database_url.parse(DATABASE_URL)
 except Exception as exc:  # the library raises a bare ValueError/KeyError on unknown schemes
@@ -121,7 +129,7 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
     # Tests share the database with server processes they start, so it must be a file.
-    _db["TEST"] = {"NAME": os.environ.get("TEST_SQLITE_PATH") or str(BASE_DIR / ".test-db.sqlite3")}
+    _db["TEST"] = {"NAME": os.environ.get("TEST_SQLITE_PATH") or str(DATA_DIR / ".test-db.sqlite3")}
 elif _db["ENGINE"] == "django.db.backends.postgresql":
     _db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60)
     _db["CONN_HEALTH_CHECKS"] = True
@@ -152,6 +160,10 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 60)}
 CELERY_TASK_ROUTES = {"runs.tasks.*": {"queue": "killswitch"}}
+# Dashboard backtests (docs/backtest.md) a team may run at once, and how long a backtest
+# whose task stopped reporting progress still counts as running.
+BACKTEST_MAX_PER_TEAM = env_int("BACKTEST_MAX_PER_TEAM", 2)
+BACKTEST_STALE_SECONDS = env_int("BACKTEST_STALE_SECONDS", 300)
 CELERY_TASK_DEFAULT_QUEUE = "default"
 # Audit retention (docs/reliability.md): `celery -A governance beat` runs the prune daily,
 # at a quiet hour; exports (JSON lines, one directory per team) go to AUDIT_EXPORT_DIR.
@@ -164,7 +176,7 @@ CELERY_BEAT_SCHEDULE = {
     "idle-sweep": {"task": "runs.tasks.idle_sweep",
                    "schedule": float(env_int("IDLE_SWEEP_SECONDS", 60))},
 }
-AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or BASE_DIR / "exports")
+AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or DATA_DIR / "exports")
 
 if REDIS_URL:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
@@ -208,9 +220,16 @@ TIME_ZONE = "UTC"
 USE_I18N = False
 USE_TZ = True
 
+# The application serves its own static files under any host (WhiteNoise): hashed, compressed
+# and cached for a year once collected (`collectstatic`, which `manage.py serve` and
+# `make demo` run); before that, from the apps' folders under their own names.
 STATIC_URL = "static/"
-STATICFILES_DIRS = [BASE_DIR / "static"]
-STATIC_ROOT = BASE_DIR / "staticfiles"
+STATIC_ROOT = Path(os.environ.get("STATIC_ROOT") or DATA_DIR / "staticfiles")
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "governance.storage.StaticFiles"},
+}
+WHITENOISE_USE_FINDERS = True
 
 # --- The check API ---------------------------------------------------------------------------
 CHECK_MAX_BODY_BYTES = 64 * 1024

@@ -8,6 +8,7 @@ from runs.killswitch import urls as killswitch_urls
 from . import views
 
 urlpatterns = [
+    path("favicon.ico", views.favicon, name="favicon"),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),
@@ -15,4 +16,5 @@ urlpatterns = [
     # Every page of the runs app, the dashboard's and the kill switch's, in one namespace.
     path("", include(([*killswitch_urls.urlpatterns, *dashboard_urls.urlpatterns], "runs"))),
     path("", include("policies.urls")),
+    path("", include("backtests.urls")),
 ]

@@ -2,10 +2,16 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import connection
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponsePermanentRedirect, JsonResponse
+from django.templatetags.static import static
 from django.views.decorators.cache import never_cache
 
 from runs.live.events import redis_client
+
+
+def favicon(request: HttpRequest) -> HttpResponsePermanentRedirect:
+    """Browsers ask for /favicon.ico where a page names no icon (the API's JSON, 429)."""
+    return HttpResponsePermanentRedirect(static("favicon.svg"))
 
 
 @never_cache

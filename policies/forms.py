@@ -10,6 +10,8 @@ from typing import Any
 import yaml
 from django import forms
 
+from governance_client import rules
+
 from .document import DocumentError, parse_policy
 from .models import Role
 
@@ -32,7 +34,6 @@ FIELD_PATHS = {
     "redact_args": "redact_args",
     "rate_limits": "rate_limits",
 }
-LIST_FIELDS = {"tools_allow", "tools_deny", "ignore_args", "redact_args"}
 OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls", "max_idle_seconds"}
 RATE_LINE = "match per max window_s, e.g. http.* agent 10 60"
 INT_RE = re.compile(r"^[+-]?\d+$")
@@ -210,13 +211,12 @@ class ImportForm(forms.Form):
             raise forms.ValidationError(f"This is not valid YAML: {exc}") from None
 
 
-AGENT_RE = r"^[A-Za-z0-9._-]{1,100}$"
 
 
 class KeyForm(forms.Form):
     name = forms.CharField(max_length=100)
     agent = forms.RegexField(
-        regex=AGENT_RE, required=False, max_length=100,
+        regex=f"^{rules.AGENT_NAME_PATTERN}$", required=False, max_length=100,
         help_text="Optional: the key may then only start runs of this agent.",
         error_messages={"invalid": "Letters, digits, dot, dash and underscore only."},
     )

@@ -16,10 +16,10 @@ from django.shortcuts import redirect, render
 from django.utils.text import slugify
 from django.views.decorators.http import require_POST, require_safe
 
-from runs.dashboard.selectors import running_on_old_versions
+from governance.web import page
 
 from . import selectors
-from .access import can, team_view, teams_of
+from .access import team_view, teams_of
 from .document import DocumentError, default_policy
 from .forms import (
     FIELD_PATHS,
@@ -30,7 +30,7 @@ from .forms import (
     PolicyForm,
     WebhookForm,
 )
-from .models import Policy, Role, Team
+from .models import Policy, Role
 from .services import (
     agent_key_create,
     agent_key_revoke,
@@ -42,22 +42,6 @@ from .services import (
 )
 
 NEW_TOKEN_SESSION_KEY = "dashboard:new-agent-token"
-
-
-def page(request: HttpRequest, template: str, context: dict[str, Any] | None = None,
-         *, status: int = 200) -> HttpResponse:
-    """Render a team screen with what the layout needs: the team, the role, the team
-    switcher and what the role may do (so templates hide controls the server would refuse)."""
-    team: Team | None = getattr(request, "team", None)
-    role: Role | None = getattr(request, "role", None)
-    base = {
-        "team": team,
-        "role": role,
-        "teams": teams_of(request.user),
-        "can_operate": can(role, Role.OPERATOR),
-        "can_admin": can(role, Role.ADMIN),
-    }
-    return render(request, template, {**base, **(context or {})}, status=status)
 
 
 @require_safe
@@ -74,9 +58,8 @@ def home(request: HttpRequest) -> HttpResponse:
 @team_view(Role.VIEWER)
 @require_safe
 def policies(request: HttpRequest, slug: str) -> HttpResponse:
-    rows = [(p, running_on_old_versions(request.team, p)) for p in
-            selectors.policies_of(request.team)]
-    return page(request, "policies/list.html", {"rows": rows})
+    # How many running runs keep an older version is the runs app's to say: its template tag.
+    return page(request, "policies/list.html", {"policies": selectors.policies_of(request.team)})
 
 
 def _editor(request: HttpRequest, policy: Policy | None, form: PolicyForm, *,
@@ -85,7 +68,6 @@ def _editor(request: HttpRequest, policy: Policy | None, form: PolicyForm, *,
         "policy": policy,
         "form": form,
         "field_paths": FIELD_PATHS,
-        "old_running": running_on_old_versions(request.team, policy) if policy else 0,
     }, status=status)
 
 

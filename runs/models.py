@@ -5,7 +5,20 @@ import uuid
 from django.conf import settings
 from django.db import models
 
+from governance_client import rules
 from policies.models import PolicyVersion, Team
+
+
+class RunStatus(models.TextChoices):
+    """A run's status (SPEC 4), named by the pure rules. Not given to the field as choices:
+    that would be a migration for a check the database would not make anyway (the rules are
+    the only writers); runs/check/schemas.py's RunStatusName lists the same values."""
+
+    RUNNING = rules.RUNNING
+    STOPPED = rules.STOPPED
+    KILLED = rules.KILLED
+    COMPLETED = rules.COMPLETED
+    FAILED = rules.FAILED
 
 
 class Run(models.Model):
@@ -16,7 +29,7 @@ class Run(models.Model):
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="runs")
     agent = models.CharField(max_length=100)
     policy_version = models.ForeignKey(PolicyVersion, on_delete=models.PROTECT, related_name="+")
-    status = models.CharField(max_length=20, default="running")
+    status = models.CharField(max_length=20, default=RunStatus.RUNNING)
     stop_reason = models.CharField(max_length=50, null=True, blank=True)
     steps = models.PositiveIntegerField(default=0)
     tool_calls = models.PositiveIntegerField(default=0)
@@ -69,6 +82,10 @@ class Decision(models.Model):
     progress = models.JSONField(null=True, blank=True)
     last_result = models.JSONField(null=True, blank=True)
     cost_usd = models.DecimalField(max_digits=18, decimal_places=6, default=0)
+    # Seconds since the run's start as the rules counted them for this decision (max_seconds
+    # compares it), so a backtest replays the run's clock exactly (docs/backtest.md). Null on
+    # decisions recorded before it existed (migration 0003).
+    elapsed_s = models.FloatField(null=True, blank=True)
     # The answer as given (message, next_action, directive, shadow, usage, limits), so a
     # check_id replay returns exactly the first answer and screens show what the agent saw.
     answer = models.JSONField(default=dict)

@@ -238,7 +238,9 @@ def test_a_viewer_sees_the_policy_read_only(team, users):
     html = client.get(reverse("policy", kwargs={"slug": team.slug, "name": "default"})
                       ).content.decode()
     assert "<fieldset disabled>" in html.replace(" >", ">")
-    assert "hx-post" not in html and "Save as version" not in html
+    # No inline validation or save (the backtest panel, which viewers may use, posts too).
+    validate = reverse("policy_validate", kwargs={"slug": team.slug, "name": "default"})
+    assert f'hx-post="{validate}"' not in html and "Save as version" not in html
     assert "Read only" in html
 
 

@@ -63,6 +63,7 @@ def test_an_operator_kills_a_run_from_its_page_and_the_timeline_shows_it_live(
             confirm.locator("textarea[name=reason]").fill("stuck in a loop")
             confirm.locator("button[type=submit]").click()
             expect(page.locator(".killswitch-done")).to_contain_text("Kill switch engaged")
+            expect(page.locator("#kill-run")).to_have_count(0)  # HX-Trigger: killswitch-changed
 
             kill_row = page.locator("#timeline tr.outcome-stop")
             expect(kill_row).to_have_count(1, timeout=15_000)

@@ -122,13 +122,8 @@ def _run_record(run: Run, team: str) -> dict[str, Any]:
 
 
 def _decision_record(d: Decision) -> dict[str, Any]:
-    return {
-        "id": d.pk, "run_id": d.run_id, "step": d.step, "outcome": d.outcome,
-        "reason": d.reason, "action_name": d.action_name, "action_type": d.action_type,
-        "args": d.args, "repeat_key": d.repeat_key, "repeat_count": d.repeat_count,
-        "check_id": d.check_id, "progress": d.progress, "last_result": d.last_result,
-        "cost_usd": d.cost_usd, "answer": d.answer, "at": d.at,
-    }
+    # Every column, in the model's order: the export is the whole audit record.
+    return {f.attname: getattr(d, f.attname) for f in Decision._meta.concrete_fields}
 
 
 def _event_record(e: OperatorEvent) -> dict[str, Any]:

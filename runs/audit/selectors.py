@@ -9,6 +9,7 @@ from django.db.models import QuerySet
 from django.http import Http404
 from django.utils import timezone
 
+from governance_client import rules
 from policies.models import PolicyVersion, Team
 from runs.check.abandon import abandon_idle_runs, abandon_if_idle
 from runs.models import Decision, Run
@@ -26,8 +27,9 @@ def policy_json(version: PolicyVersion) -> dict[str, Any]:
 
 
 def elapsed_s(run: Run, now: datetime | None = None) -> float:
-    end = run.ended_at or now or timezone.now()
-    return round(max(0.0, (end - run.started_at).total_seconds()), 3)
+    """The rules' elapsed time (the one max_seconds is checked against), to the millisecond."""
+    return round(rules.elapsed_seconds(started_at=run.started_at, ended_at=run.ended_at,
+                                       status=run.status, now=now or timezone.now()), 3)
 
 
 def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:

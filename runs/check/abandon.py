@@ -62,7 +62,7 @@ def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
         Decision.objects.create(
             run_id=run.pk, step=new.steps, outcome=rules.STOP, reason=rules.ABANDONED,
             action_name="", action_type="", args=None,
-            answer=abandon_answer(new, policy, now), at=now,
+            answer=abandon_answer(new, policy, now), at=now, elapsed_s=new.elapsed_s(now),
         )
         transaction.on_commit(lambda: publish_run_event(run))
     return run

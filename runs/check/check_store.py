@@ -40,7 +40,7 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from decimal import Decimal
 from typing import Any, Protocol
@@ -66,9 +66,8 @@ from runs.check.rate_limits import (
     windows_prepared,
     windows_sql,
 )
-from runs.models import Decision, KillSwitch, RateHit, Run
-
-RUNNING = "running"
+from runs.killswitch import cover
+from runs.models import Decision, RateHit, Run, RunStatus
 
 
 @dataclass(slots=True)
@@ -104,8 +103,8 @@ class Locked:
     team_id: int
     team_slug: str
     run: RunRow | None
-    switch: KillSwitch | None  # unsaved, for describe_switch
-    first: tuple[int, dict[str, Any]] | None  # (decision id, answer) for this check_id
+    switch: cover.SwitchFields | None  # the covering switch, as cover.switch_in_words needs it
+    earlier_answer: tuple[int, dict[str, Any]] | None  # (decision id, answer) of this check_id
     windows: list[RateWindow] | None = None  # read with the lock (RateRead), else None
 
 
@@ -121,6 +120,8 @@ class RateRead:
 
 @dataclass(slots=True)
 class RunUpdate:
+    """A run's new state after a check: exactly the columns the check's write updates."""
+
     status: str
     stop_reason: str | None
     ended_at: datetime | None
@@ -133,6 +134,8 @@ class RunUpdate:
 
 @dataclass(slots=True)
 class DecisionRow:
+    """The audit record of a check: every column of runs_decision but its id and run."""
+
     step: int
     outcome: str
     reason: str
@@ -145,6 +148,7 @@ class DecisionRow:
     progress: Any
     last_result: Any
     cost_usd: Decimal
+    elapsed_s: float | None  # since the run's start, as the rules counted it (backtests)
     answer: dict[str, Any]
     at: datetime
 
@@ -156,6 +160,31 @@ class HitRow:
     team_id: int
     agent: str
     action_name: str
+
+
+@dataclass(slots=True, frozen=True)
+class SwitchSeen:
+    """The covering switch as the lock statement reads it (cover.SwitchFields)."""
+
+    scope: str
+    agent: str
+    reason: str
+    engaged_by_label: str
+
+
+# The columns are the model's and the two dataclasses' own, written once each: the SQL below,
+# both writes and tests/test_check_store_shapes.py take them from there.
+DECISION_COLUMNS = tuple(f.column for f in Decision._meta.concrete_fields if not f.primary_key)
+ROW_FIELDS = tuple(f.name for f in fields(DecisionRow))
+UPDATE_FIELDS = tuple(f.name for f in fields(RunUpdate))
+
+
+def _row_values(row: DecisionRow) -> dict[str, Any]:
+    return {name: getattr(row, name) for name in ROW_FIELDS}
+
+
+def _update_values(update: RunUpdate) -> dict[str, Any]:
+    return {name: getattr(update, name) for name in UPDATE_FIELDS}
 
 
 class DuplicateCheck(Exception):
@@ -200,11 +229,10 @@ def check_transaction() -> Iterator[CheckTransaction]:
 
 # --- PostgreSQL: two round trips ------------------------------------------------------------
 
-# The switch subquery mirrors services.covering_switch (and killswitch.cover_q, and the
-# start's services._NOT_SWITCHED): keep the four in step. It reads with the statement's
-# snapshot, taken when the statement started, so a switch whose engage committed before this
-# check began is always seen (SPEC 4.5).
-LOCK_SQL = """
+# The switch subquery is the cover rule's SQL form (runs/killswitch/cover.py). It reads with
+# the statement's snapshot, taken when the statement started, so a switch whose engage
+# committed before this check began is always seen (SPEC 4.5).
+LOCK_SQL = f"""
 SELECT k.id, k.key_hash, k.last_used_at, k.team_id, t.slug,
        r.id, r.agent, r.policy_version_id, r.status, r.stop_reason, r.steps, r.tool_calls,
        r.cost_usd, r.started_at, r.ended_at, r.memory, r.idle_deadline,
@@ -221,11 +249,8 @@ LEFT JOIN LATERAL (
 LEFT JOIN LATERAL (
     SELECT ks.scope, ks.agent, ks.reason, ks.engaged_by_label
     FROM runs_killswitch ks
-    WHERE ks.active AND r.status = 'running' AND (
-        ks.scope = 'global'
-        OR (ks.scope = 'team' AND ks.team_id = r.team_id)
-        OR (ks.scope = 'agent' AND ks.team_id = r.team_id AND ks.agent = r.agent)
-        OR (ks.scope = 'run' AND ks.run_id = r.id))
+    WHERE ks.active AND r.status = '{RunStatus.RUNNING.value}' AND (
+        {cover.covers_sql(switch="ks", team="r.team_id", agent="r.agent", run="r.id")})
     ORDER BY ks.engaged_at
     LIMIT 1
 ) s ON true
@@ -241,24 +266,22 @@ WHERE k.prefix = $3 AND k.revoked_at IS NULL
 # empty array writes nothing. The data-modifying CTEs run even though the INSERT does not
 # read them: one statement for the state change and its audit record. The hit is stamped
 # with the database's clock, the clock every rate-limit window is read with.
-_COLUMNS = ("run_id, step, outcome, reason, action_name, action_type, args, repeat_key, "
-            "repeat_count, check_id, progress, last_result, cost_usd, answer, at")
-WRITE_SQL = f"""
+_COLUMNS = ", ".join(DECISION_COLUMNS)
+INSERT_SQL = f"""
+INSERT INTO runs_decision ({_COLUMNS})
+SELECT {_COLUMNS} FROM jsonb_populate_recordset(NULL::runs_decision, $1)
+RETURNING id
+"""
+WRITE_SQL = """
 WITH run AS (
-    UPDATE runs_run r SET status = n.status, stop_reason = n.stop_reason,
-        ended_at = n.ended_at, steps = n.steps, tool_calls = n.tool_calls,
-        cost_usd = n.cost_usd, memory = n.memory, idle_deadline = n.idle_deadline
+    UPDATE runs_run r SET """ + ", ".join(f"{name} = n.{name}" for name in UPDATE_FIELDS) + """
     FROM jsonb_populate_recordset(NULL::runs_run, $2) n
     WHERE r.id = n.id
 ), hit AS (
     INSERT INTO runs_ratehit (team_id, agent, run_id, action_name, at)
     SELECT team_id, agent, run_id, action_name, clock_timestamp()
     FROM jsonb_populate_recordset(NULL::runs_ratehit, $3)
-)
-INSERT INTO runs_decision ({_COLUMNS})
-SELECT {_COLUMNS} FROM jsonb_populate_recordset(NULL::runs_decision, $1)
-RETURNING id
-"""
+)""" + INSERT_SQL
 
 # Prepared once per connection with SQL PREPARE, then run with EXECUTE in the same simple-query
 # message as BEGIN (and COMMIT): two round trips, and PostgreSQL plans the LOCK statement
@@ -287,7 +310,7 @@ def _scalar(value: Any) -> str:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def _dumps(document: dict[str, Any]) -> str:
+def _dumps(document: Any) -> str:
     return json.dumps(document, separators=(",", ":"), default=_scalar)
 
 
@@ -374,11 +397,11 @@ class PostgresCheck:
             )
         switch = None
         if row[17] is not None:
-            switch = KillSwitch(scope=row[17], agent=row[18], reason=row[19],
-                                engaged_by_label=row[20], team_id=row[3])
-        first = (int(row[21]), _loaded(row[22])) if row[21] is not None else None
+            switch = SwitchSeen(scope=row[17], agent=row[18], reason=row[19],
+                                engaged_by_label=row[20])
+        earlier = (int(row[21]), _loaded(row[22])) if row[21] is not None else None
         return Locked(key_id=row[0], key_hash=row[1], key_last_used_at=row[2], team_id=row[3],
-                      team_slug=row[4], run=run, switch=switch, first=first,
+                      team_slug=row[4], run=run, switch=switch, earlier_answer=earlier,
                       windows=windows_from_row(rate.rules, windows_row)
                       if rate is not None and windows_row is not None else None)
 
@@ -405,19 +428,8 @@ class PostgresCheck:
 
     def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, rows: list[DecisionRow],
               hit: HitRow | None = None) -> int:
-        decisions = _dumps([{
-            "run_id": run_id, "step": row.step, "outcome": row.outcome, "reason": row.reason,
-            "action_name": row.action_name, "action_type": row.action_type, "args": row.args,
-            "repeat_key": row.repeat_key, "repeat_count": row.repeat_count,
-            "check_id": row.check_id, "progress": row.progress, "last_result": row.last_result,
-            "cost_usd": row.cost_usd, "answer": row.answer, "at": row.at,
-        } for row in rows])
-        runs = _dumps([{
-            "id": run_id, "status": update.status, "stop_reason": update.stop_reason,
-            "ended_at": update.ended_at, "steps": update.steps,
-            "tool_calls": update.tool_calls, "cost_usd": update.cost_usd,
-            "memory": update.memory, "idle_deadline": update.idle_deadline,
-        }] if update is not None else [])
+        decisions = _dumps([{"run_id": run_id, **_row_values(row)} for row in rows])
+        runs = _dumps([{"id": run_id, **_update_values(update)}] if update is not None else [])
         hits = _dumps([{"team_id": hit.team_id, "agent": hit.agent, "run_id": run_id,
                         "action_name": hit.action_name}] if hit is not None else [])
         sql, params = EXECUTE_WRITE, (decisions, runs, hits)
@@ -467,8 +479,6 @@ class OrmCheck:
     def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None,
              rate: RateRead | None = None) -> Locked | None:
         """`rate` is ignored here: the windows are read by `rate_windows`."""
-        from runs.check.services import covering_switch
-
         started = time.perf_counter()
         try:
             key = (AgentKey.objects.select_related("team")
@@ -482,7 +492,7 @@ class OrmCheck:
                       "idle_deadline")
                 .first()
             )
-            run = switch = first = None
+            run = switch = earlier = None
             if run_row is not None:
                 run = RunRow(
                     id=run_row.pk, team_id=run_row.team_id, agent=run_row.agent,
@@ -492,15 +502,17 @@ class OrmCheck:
                     started_at=run_row.started_at, ended_at=run_row.ended_at,
                     memory=run_row.memory or {}, idle_deadline=run_row.idle_deadline,
                 )
-                if run.status == RUNNING:
-                    switch = covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
+                if run.status == RunStatus.RUNNING:
+                    switch = cover.covering_switch(team_id=run.team_id, agent=run.agent,
+                                                  run_id=run.id)
                 if check_id is not None:
                     found = (Decision.objects.filter(run_id=run.id, check_id=check_id)
                              .values_list("id", "answer").first())
-                    first = (found[0], found[1]) if found is not None else None
+                    earlier = (found[0], found[1]) if found is not None else None
             return Locked(key_id=key.pk, key_hash=key.key_hash,
                           key_last_used_at=key.last_used_at, team_id=key.team_id,
-                          team_slug=key.team.slug, run=run, switch=switch, first=first)
+                          team_slug=key.team.slug, run=run, switch=switch,
+                          earlier_answer=earlier)
         finally:
             self.db_seconds += time.perf_counter() - started
 
@@ -531,12 +543,7 @@ class OrmCheck:
         started = time.perf_counter()
         try:
             if update is not None:
-                Run.objects.filter(pk=run_id).update(
-                    status=update.status, stop_reason=update.stop_reason,
-                    ended_at=update.ended_at, steps=update.steps, tool_calls=update.tool_calls,
-                    cost_usd=update.cost_usd, memory=update.memory,
-                    idle_deadline=update.idle_deadline,
-                )
+                Run.objects.filter(pk=run_id).update(**_update_values(update))
             if hit is not None:
                 at = None
                 if connection.vendor == "postgresql":
@@ -548,13 +555,7 @@ class OrmCheck:
                                        at=at or rows[-1].at)
             pk = 0
             for row in rows:
-                pk = Decision.objects.create(
-                    run_id=run_id, step=row.step, outcome=row.outcome, reason=row.reason,
-                    action_name=row.action_name, action_type=row.action_type, args=row.args,
-                    repeat_key=row.repeat_key, repeat_count=row.repeat_count,
-                    check_id=row.check_id, progress=row.progress, last_result=row.last_result,
-                    cost_usd=row.cost_usd, answer=row.answer, at=row.at,
-                ).pk
+                pk = Decision.objects.create(run_id=run_id, **_row_values(row)).pk
             return int(pk)
         finally:
             self.db_seconds += time.perf_counter() - started

@@ -15,6 +15,8 @@ from uuid import UUID
 from ninja import Field, Schema
 from pydantic import AfterValidator, BaseModel, StrictFloat, StrictInt, StrictStr
 
+from governance_client import rules
+
 MAX_DEPTH = 32
 
 
@@ -101,8 +103,9 @@ Money = (Annotated[StrictInt, Field(ge=0, le=1_000_000)]
 JsonObject = Annotated[dict[str, Any] | None, AfterValidator(_storable_json)]
 # Every free-text field: what is accepted must be storable on every database.
 Text = Annotated[StrictStr, AfterValidator(_storable_text)]
-AGENT_PATTERN = r"^[A-Za-z0-9._-]{1,100}$"
-RunStatus = Literal["running", "stopped", "killed", "completed", "failed"]
+AGENT_PATTERN = f"^{rules.AGENT_NAME_PATTERN}$"
+# runs.models.RunStatus, spelled out for the OpenAPI schema (tests/test_vocabulary.py).
+RunStatusName = Literal["running", "stopped", "killed", "completed", "failed"]
 
 
 class ErrorBody(Schema):
@@ -164,7 +167,7 @@ class RunStartOut(Schema):
 class RunOut(Schema):
     run_id: UUID
     agent: str
-    status: RunStatus
+    status: RunStatusName
     stop_reason: str | None
     steps: int
     tool_calls: int
@@ -279,7 +282,7 @@ class DecisionsOut(Schema):
 
 
 class RunsFilter(Schema):
-    status: RunStatus | None = None
+    status: RunStatusName | None = None
     # The agent-name pattern, not only a length: a NUL would reach the database as a 503.
     agent: Annotated[str, Field(pattern=AGENT_PATTERN)] | None = None
     limit: Annotated[int, Field(ge=1, le=500)] = 50

@@ -12,7 +12,6 @@ from decimal import Decimal
 from typing import Any
 
 from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from governance_client import rules
@@ -31,8 +30,9 @@ from runs.check.check_store import (
     check_transaction,
 )
 from runs.check.policy_cache import rules_for_version
+from runs.killswitch import cover
 from runs.live.events import publish_run_event
-from runs.models import KillSwitch, Run, Scope
+from runs.models import Run
 
 log = logging.getLogger(__name__)
 
@@ -43,33 +43,6 @@ class ServiceError(Exception):
     def __init__(self, status: int, code: str, message: str, fields: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.fields = status, code, message, fields or {}
-
-
-def covering_switch(*, team_id: int, agent: str, run_id: Any | None) -> KillSwitch | None:
-    """The engaged kill switch that covers a run (or a run about to start), if any.
-
-    For a check it is read inside the transaction, after the run lock: a switch committed
-    before this statement starts is always seen, which is the promise of SPEC 4.5. A start
-    reads it only to name the switch that refused it (`_insert_unless_switched`).
-    """
-    cover = (
-        Q(scope=Scope.GLOBAL)
-        | Q(scope=Scope.TEAM, team_id=team_id)
-        | Q(scope=Scope.AGENT, team_id=team_id, agent=agent)
-    )
-    if run_id is not None:
-        cover |= Q(scope=Scope.RUN, run_id=run_id)
-    return KillSwitch.objects.filter(cover, active=True).order_by("engaged_at").first()
-
-
-def describe_switch(switch: KillSwitch) -> str:
-    what = {
-        Scope.GLOBAL: "the global kill switch",
-        Scope.TEAM: "the team kill switch",
-        Scope.AGENT: f"the kill switch of agent {switch.agent}",
-        Scope.RUN: "the kill switch of this run",
-    }[Scope(switch.scope)]
-    return f"{what}, engaged by {switch.engaged_by_label}: {switch.reason}"
 
 
 def state_of(run: Run | RunRow) -> rules.RunState:
@@ -115,10 +88,10 @@ def run_start(
         for _ in range(2):
             if _insert_unless_switched(run):
                 break
-            switch = covering_switch(team_id=team.pk, agent=agent, run_id=None)
+            switch = cover.covering_switch(team_id=team.pk, agent=agent, run_id=None)
             if switch is not None:
                 raise ServiceError(409, "kill_switch_engaged",
-                                   f"No new run may start: {describe_switch(switch)}.")
+                                   f"No new run may start: {cover.switch_in_words(switch)}.")
             # Released between the two statements: the start is tried once more.
         else:
             raise ServiceError(409, "kill_switch_engaged",
@@ -136,13 +109,11 @@ def run_start(
     return run, True
 
 
-# Mirrors covering_switch for a run that does not exist yet (a run switch cannot cover it).
-_NOT_SWITCHED = """
+# The cover rule for a run that does not exist yet; parameters: True, team, team, agent.
+_NOT_SWITCHED = f"""
 WHERE NOT EXISTS (
     SELECT 1 FROM runs_killswitch ks WHERE ks.active = %s AND (
-        ks.scope = 'global'
-        OR (ks.scope = 'team' AND ks.team_id = %s)
-        OR (ks.scope = 'agent' AND ks.team_id = %s AND ks.agent = %s)))
+        {cover.covers_sql(switch="ks", team="%s", agent="%s", run=None)}))
 """
 
 
@@ -233,7 +204,7 @@ def abandon_row(state: rules.RunState, policy: rules.Policy, now: Any) -> Decisi
         step=state.steps, outcome=rules.STOP, reason=rules.ABANDONED, action_name="",
         action_type="", args=None, repeat_key="", repeat_count=0, check_id=None,
         progress=None, last_result=None, cost_usd=Decimal(0),
-        answer=abandon_answer(state, policy, now), at=now,
+        answer=abandon_answer(state, policy, now), at=now, elapsed_s=state.elapsed_s(now),
     )
 
 
@@ -307,10 +278,9 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
             rows.append(abandon_row(abandoned, policy, now))
             state = abandoned
         check_id = req.check_id
-        if locked.first is not None:
-            first_id, first_answer = locked.first
-            if not rows and (state.status == rules.RUNNING
-                             or first_answer.get("decision") == rules.STOP):
+        if locked.earlier_answer is not None:
+            first_id, first_answer = locked.earlier_answer
+            if not rows and rules.replay_allowed(state, first_answer.get("decision", "")):
                 return {**ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}
             # The first answer was an allow and the run is over: answer the run's stop, as
             # a new audited decision (the retry must not leak an allow, SPEC 4.5).
@@ -324,7 +294,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
             ) if last else None,
             cost_usd=req.cost_usd,
         )
-        kill = describe_switch(locked.switch) if locked.switch is not None else None
+        kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
         windows: list[rules.RateWindow] = []
         if state.status == rules.RUNNING and kill is None:
             matching = rules.rate_limits_matching(policy, req.name)
@@ -354,7 +324,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
             # its cost is not registered (the agent sends it again).
             check_id=None if waited else check_id, progress=req.progress,
             last_result=last, cost_usd=Decimal(0) if waited else req.cost_usd, answer=answer,
-            at=now,
+            at=now, elapsed_s=new_state.elapsed_s(now),
         ))
         hit = HitRow(team_id=run.team_id, agent=run.agent, action_name=req.name) \
             if counted else None

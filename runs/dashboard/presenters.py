@@ -17,29 +17,11 @@ from django.utils import timezone
 from policies.models import Team
 from runs.audit.selectors import elapsed_s
 from runs.dashboard import selectors as dashboard
-from runs.models import Decision, Run
+from runs.models import Decision, Run, RunStatus
 
 ARGS_PREVIEW_CHARS = 80
 ARGS_FULL_CHARS = 4000
 SUMMARY_CHARS = 160
-
-REASON_LABELS = {
-    "step_ok": "step ok",
-    "killed": "killed",
-    "max_steps": "max steps",
-    "tool_denied": "tool denied",
-    "max_seconds": "max seconds",
-    "max_usd": "max USD",
-    "max_tool_calls": "max tool calls",
-    "loop_detected": "loop detected",
-    "no_progress": "no progress",
-    "repeated_error": "repeated error",
-    "agent_stopped": "agent stopped",
-    "run_finished": "run finished",
-    "rate_limited": "rate limited",
-    "abandoned": "abandoned",
-}
-
 
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -141,7 +123,7 @@ class Banner:
 
 def banner(run: Run) -> Banner | None:
     """The stop banner: why the run ended and its partial response. None while it runs."""
-    if run.status == "running":
+    if run.status == RunStatus.RUNNING:
         return None
     message = next_action = ""
     if run.stop_reason:

@@ -12,17 +12,19 @@ from typing import Any
 
 from django.conf import settings
 from django.core.paginator import Page, Paginator
-from django.db.models import Count, Max, Q
+from django.db.models import Count, Max
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
 from policies.models import Policy, Team
+from runs.audit.selectors import decisions_of
 from runs.check.abandon import abandon_idle_runs
 from runs.check.rate_limits import prune_hits_now_and_then
-from runs.models import Decision, KillSwitch, Run, Scope
+from runs.killswitch import cover
+from runs.models import Decision, KillSwitch, Run, RunStatus
 
-RUN_STATUSES = ("running", "stopped", "killed", "completed", "failed")
-TERMINAL_STOPS = ("stopped", "killed")
+RUN_STATUSES = tuple(RunStatus.values)
+TERMINAL_STOPS = (RunStatus.STOPPED, RunStatus.KILLED)
 RUNS_PER_PAGE = 25
 
 
@@ -88,7 +90,7 @@ def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
     if not settings.REDIS_URL:
         # The embedded default runs no beat: the overview's reads keep the hits small.
         prune_hits_now_and_then(now=timezone.now())
-    running = Run.objects.filter(team=team, status="running").select_related(
+    running = Run.objects.filter(team=team, status=RunStatus.RUNNING).select_related(
         "policy_version__policy"
     )
     return list(running.order_by("-started_at")[:limit]), running.count()
@@ -156,21 +158,19 @@ def rate_limited(team: Team, *, since: datetime, limit: int = 5) -> RateLimited:
 
 def switches_covering(team: Team) -> list[KillSwitch]:
     """Engaged kill switches that stop this team's runs (global, team or one of its agents)."""
-    return list(
-        KillSwitch.objects.filter(active=True).filter(
-            Q(scope=Scope.GLOBAL) | Q(scope__in=[Scope.TEAM, Scope.AGENT], team=team)
-        ).order_by("engaged_at")
-    )
+    return list(KillSwitch.objects.filter(cover.team_switches(team.pk), active=True)
+                .order_by("engaged_at"))
 
 
 def timeline(run: Run, *, after: int = 0, limit: int = 2000) -> list[Decision]:
-    return list(run.decisions.filter(id__gt=after).order_by("id")[:limit])
+    """The run page's decisions: the API's read, with a page's longer limit."""
+    return list(decisions_of(run, after=after, limit=limit))
 
 
 def running_on_old_versions(team: Team, policy: Policy) -> int:
     """Running runs that keep an older version of this policy (runs pin their version)."""
     return (
-        Run.objects.filter(team=team, status="running", policy_version__policy=policy)
+        Run.objects.filter(team=team, status=RunStatus.RUNNING, policy_version__policy=policy)
         .exclude(policy_version_id=policy.current_id)
         .count()
     )

@@ -7,9 +7,9 @@ from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_safe
 
+from governance.web import page
 from policies.access import team_view
 from policies.models import Role
-from policies.views import page
 from runs.audit import selectors
 from runs.dashboard import presenters
 from runs.dashboard import selectors as dashboard

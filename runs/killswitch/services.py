@@ -11,7 +11,6 @@ is idempotent and may run any number of times.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -26,14 +25,14 @@ from governance_client import rules
 from policies.models import Team
 from policies.services import audit
 from runs.check.policy_cache import rules_for_version
-from runs.check.services import describe_switch, state_of
+from runs.check.services import state_of
+from runs.killswitch import cover
 from runs.live.events import publish_run_event, publish_team_event
 from runs.models import Decision, KillSwitch, Run, Scope, WebhookDelivery
 from runs.webhooks.delivery import PENDING, payload_for
 
 log = logging.getLogger(__name__)
 
-AGENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 MAX_REASON = 1000
 
 
@@ -64,40 +63,12 @@ class Target:
         return f"run:{self.run.pk}"
 
     def describe(self) -> str:
-        return describe_target(self.scope, team=self.team, agent=self.agent, run_id=(
+        return cover.scope_in_words(self.scope, team=self.team, agent=self.agent, run_id=(
             self.run.pk if self.run is not None else None))
 
     def cover(self) -> Q:
-        return cover_q(self.scope, team_id=self.team.pk if self.team else None,
-                       agent=self.agent, run_id=self.run.pk if self.run else None)
-
-
-def describe_target(scope: str, *, team: Team | None, agent: str = "", run_id: Any = None
-                    ) -> str:
-    """A scope in words, for confirmations, banners and command output."""
-    if scope == Scope.GLOBAL:
-        return "global (every run of every team)"
-    team_name = f"team {team.slug}" if team is not None else "team ?"
-    if scope == Scope.TEAM:
-        return team_name
-    if scope == Scope.AGENT:
-        return f"agent {agent} of {team_name}"
-    return f"run {str(run_id)[:8]} of {team_name}"
-
-
-def cover_q(scope: str, *, team_id: int | None, agent: str, run_id: Any) -> Q:
-    """The runs a switch covers, as a filter on Run (the mirror of services.covering_switch)."""
-    if scope == Scope.GLOBAL:
-        return Q()
-    if scope == Scope.TEAM:
-        return Q(team_id=team_id)
-    if scope == Scope.AGENT:
-        return Q(team_id=team_id, agent=agent)
-    return Q(pk=run_id)
-
-
-def switch_cover(switch: KillSwitch) -> Q:
-    return cover_q(switch.scope, team_id=switch.team_id, agent=switch.agent, run_id=switch.run_id)
+        return cover.runs_covered(self.scope, team_id=self.team.pk if self.team else None,
+                                  agent=self.agent, run_id=self.run.pk if self.run else None)
 
 
 def resolve_target(*, scope: str, team: Team | None = None, agent: str = "",
@@ -130,7 +101,7 @@ def resolve_target(*, scope: str, team: Team | None = None, agent: str = "",
         if agent:
             raise KillSwitchError("A team switch takes no agent: use the agent scope.")
         return Target(kind, team, "", None)
-    if not AGENT_NAME.fullmatch(agent):
+    if not rules.AGENT_NAME.fullmatch(agent):
         raise KillSwitchError("An agent switch needs the agent name ([A-Za-z0-9._-], 1 to 100).")
     return Target(kind, team, agent, None)
 
@@ -279,7 +250,7 @@ def _kill_answer(switch: KillSwitch, run: Run, state: rules.RunState, now: datet
         "step": state.steps,
         "repeat_key": "",
         "repeat_count": 0,
-        "message": f"Stopped by a kill switch: {describe_switch(switch)}.",
+        "message": f"Stopped by a kill switch: {cover.switch_in_words(switch)}.",
         "next_action": rules.NEXT_ACTION["killed"],
         "usage": state.usage(now),
         "limits": rules_for_version(run.policy_version_id).limits(),
@@ -310,6 +281,7 @@ def _kill_one(switch: KillSwitch, run_id: Any) -> str | None:
         Decision.objects.create(
             run=run, step=new.steps, outcome=rules.STOP, reason="killed", action_name="",
             action_type="", args=None, answer=_kill_answer(switch, run, new, now), at=now,
+            elapsed_s=new.elapsed_s(now),
         )
     publish_run_event(run)
     return str(run.pk)
@@ -318,7 +290,7 @@ def _kill_one(switch: KillSwitch, run_id: Any) -> str | None:
 def killed_by(switch: KillSwitch, team: Team) -> list[str]:
     """The team's runs this switch stopped: covered, killed since it was engaged, whether by
     the fan-out or by a check that saw the switch first."""
-    ids = (Run.objects.filter(switch_cover(switch), team=team, status=rules.KILLED,
+    ids = (Run.objects.filter(cover.runs_covered_by(switch), team=team, status=rules.KILLED,
                               stop_reason="killed", ended_at__gte=switch.engaged_at)
            .order_by("ended_at", "id").values_list("pk", flat=True))
     return [str(pk) for pk in ids]
@@ -358,7 +330,7 @@ def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
     switch = KillSwitch.objects.filter(pk=switch_id).first()
     if switch is None:
         return None
-    running = Run.objects.filter(switch_cover(switch), status=rules.RUNNING)
+    running = Run.objects.filter(cover.runs_covered_by(switch), status=rules.RUNNING)
     if switch.released_at is not None:
         # Released before this pass ran: runs started after the release were never covered.
         running = running.filter(started_at__lt=switch.released_at)
@@ -400,8 +372,7 @@ def engaged_for_team(team: Team) -> list[KillSwitch]:
     killed) it has nothing left to guard."""
     return list(
         KillSwitch.objects.filter(active=True)
-        .filter(Q(scope=Scope.GLOBAL)
-                | Q(scope__in=[Scope.TEAM, Scope.AGENT], team=team)
+        .filter(cover.team_switches(team.pk)
                 | Q(scope=Scope.RUN, team=team, run__status=rules.RUNNING))
         .select_related("team", "run")
         .order_by("engaged_at", "pk")

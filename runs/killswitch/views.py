@@ -23,11 +23,12 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_POST, require_safe
 
+from governance.web import page
+from governance_client import rules
 from policies.access import can, team_view
 from policies.models import Role
-from policies.views import page
+from runs.killswitch import cover
 from runs.killswitch.services import (
-    AGENT_NAME,
     MAX_REASON,
     KillSwitchError,
     Target,
@@ -39,7 +40,7 @@ from runs.killswitch.services import (
     killswitch_release,
     resolve_target,
 )
-from runs.models import KillSwitch, Run, Scope
+from runs.models import KillSwitch, Run, RunStatus, Scope
 from runs.webhooks import delivery as webhooks
 
 
@@ -99,6 +100,8 @@ def _engage_flow(request: HttpRequest, target: Target, *, action: str, cancel: s
         "target": target,
         "scope_label": target.describe(),
         "covered": covered_running(target).count(),
+        "covered_words": cover.covered_in_words(target.scope, team=target.team,
+                                                agent=target.agent),
         "engaged": engaged_switch(target),
         "form": form,
         "action_url": action,
@@ -153,7 +156,8 @@ def killswitch_page(request: HttpRequest, slug: str) -> HttpResponse:
         "polling": any(d.status == webhooks.PENDING for d in deliveries),
         "agents": list(Run.objects.filter(team=team).order_by("agent")
                        .values_list("agent", flat=True).distinct()[:200]),
-        "running": Run.objects.filter(team=team, status="running").count(),
+        "running": Run.objects.filter(team=team, status=RunStatus.RUNNING).count(),
+        "agent_pattern": rules.AGENT_NAME_PATTERN,
         "may_engage": can(role, Role.OPERATOR),
         "may_release": can(role, Role.ADMIN),
         "max_attempts": webhooks.MAX_ATTEMPTS,
@@ -176,7 +180,7 @@ def _team_target(request: HttpRequest, data: Any) -> Target:
     if scope not in (Scope.TEAM, Scope.AGENT):
         raise Http404("Unknown scope.")
     agent = (data.get("agent") or "").strip() if scope == Scope.AGENT else ""
-    if scope == Scope.AGENT and not AGENT_NAME.fullmatch(agent):
+    if scope == Scope.AGENT and not rules.AGENT_NAME.fullmatch(agent):
         raise KillSwitchError("Name the agent: letters, digits, '.', '_' or '-', 1 to 100.")
     return resolve_target(scope=scope, team=request.team, agent=agent)  # type: ignore[attr-defined]
 
@@ -242,10 +246,10 @@ def killswitch_global_page(request: HttpRequest) -> HttpResponse:
     return page(request, "runs/killswitch_global.html", {
         "global_switch": next((s for s in engaged if s.scope == Scope.GLOBAL), None),
         "engaged": [s for s in engaged if s.scope != Scope.RUN
-                    or (s.run is not None and s.run.status == "running")],
+                    or (s.run is not None and s.run.status == RunStatus.RUNNING)],
         "history": list(KillSwitch.objects.filter(scope=Scope.GLOBAL)
                         .order_by("-engaged_at", "-pk")[:50]),
-        "running": Run.objects.filter(status="running").count(),
+        "running": Run.objects.filter(status=RunStatus.RUNNING).count(),
     })
 
 

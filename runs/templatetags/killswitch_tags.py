@@ -10,7 +10,8 @@ from django.urls import reverse
 
 from policies.access import can, role_in
 from policies.models import Role, Team
-from runs.killswitch.services import describe_target, engaged_for_team
+from runs.killswitch import cover
+from runs.killswitch.services import engaged_for_team
 from runs.models import KillSwitch, Scope
 
 register = template.Library()
@@ -42,8 +43,7 @@ def killswitch_banner(team: Team | None, request: HttpRequest | None) -> list[di
     return [
         {
             "switch": switch,
-            "label": describe_target(switch.scope, team=switch.team, agent=switch.agent,
-                                     run_id=switch.run_id),
+            "label": cover.switch_scope_in_words(switch),
             "release_url": release_url(switch, team, user, role) if user is not None else None,
             "page_url": page,
         }
@@ -53,5 +53,4 @@ def killswitch_banner(team: Team | None, request: HttpRequest | None) -> list[di
 
 @register.filter
 def scope_label(switch: KillSwitch) -> str:
-    return describe_target(switch.scope, team=switch.team, agent=switch.agent,
-                           run_id=switch.run_id)
+    return cover.switch_scope_in_words(switch)

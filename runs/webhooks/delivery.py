@@ -199,15 +199,14 @@ def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
     """Start attempt ``number`` after ``delay`` seconds: a Celery task on the kill-switch
     queue, or, in the embedded default (no Redis, eager tasks), a background thread, since
     an eager task would run the whole backoff inside the engaging request."""
-    from governance.celery import app
+    from runs.killswitch.tasks import webhook_deliver_task
 
-    if app.conf.task_always_eager:
+    # The task's own app (the project's Celery app once it is loaded), not an import of it.
+    if webhook_deliver_task.app.conf.task_always_eager:
         timer = threading.Timer(delay, _deliver_in_thread, args=(delivery_id, number))
         timer.daemon = True
         timer.start()
         return
-    from runs.killswitch.tasks import webhook_deliver_task
-
     webhook_deliver_task.apply_async((delivery_id, number), countdown=delay)
 
 

@@ -8,6 +8,7 @@ the HTTP check, the kill-switch fan-out and the model-based tests.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -23,6 +24,11 @@ KILLED = "killed"
 COMPLETED = "completed"
 FAILED = "failed"
 TERMINAL = frozenset({STOPPED, KILLED, COMPLETED, FAILED})
+
+# An agent's name (SPEC 5.1), as the API, the dashboard, the commands and the client check it
+# (with fullmatch). The dash is escaped so the same text is also a valid HTML pattern.
+AGENT_NAME_PATTERN = r"[A-Za-z0-9._\-]{1,100}"
+AGENT_NAME = re.compile(AGENT_NAME_PATTERN)
 
 ALLOW = "allow"
 STOP = "stop"
@@ -210,8 +216,8 @@ class RunState:
         )
 
     def elapsed_s(self, now: datetime) -> float:
-        end = self.ended_at if self.status in TERMINAL and self.ended_at else now
-        return max(0.0, (end - self.started_at).total_seconds())
+        return elapsed_seconds(started_at=self.started_at, ended_at=self.ended_at,
+                               status=self.status, now=now)
 
     def usage(self, now: datetime) -> dict[str, Any]:
         return {
@@ -448,15 +454,18 @@ def abandoned_message(policy: Policy) -> str:
 
 def evaluate(
     policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None,
-    rate: Sequence[RateWindow] = (),
+    rate: Sequence[RateWindow] = (), key: str | None = None,
 ) -> tuple[Decision, RunState]:
     """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any;
     ``rate`` holds the windows of `rate_limits_matching(policy, check.name)`, read by the
-    caller (under its locks) for a running run.
+    caller (under its locks) for a running run. ``key`` is the check's repeat key when the
+    caller already knows it: a backtest replays the recorded key of a check whose args were
+    stored redacted (replay.py).
 
     The input state is left untouched; the returned state is what must be stored.
     """
-    key = repeat_key(check.name, check.args, policy.ignore_args)
+    if key is None:
+        key = repeat_key(check.name, check.args, policy.ignore_args)
     abandoned = abandon(state, now=now)
     if abandoned is not None:
         return terminal_decision(abandoned, key), abandoned
@@ -542,10 +551,22 @@ def terminal_decision(state: RunState, key: str) -> Decision:
     )
 
 
-def replay_allowed(state: RunState, first: Decision | None) -> bool:
+def elapsed_seconds(*, started_at: datetime, ended_at: datetime | None, status: str,
+                    now: datetime) -> float:
+    """A run's time so far: until it ended if it is over, else until ``now``. The budget's
+    clock (max_seconds) and every screen's "Time"."""
+    end = ended_at if status in TERMINAL and ended_at else now
+    return max(0.0, (end - started_at).total_seconds())
+
+
+def replay_allowed(state: RunState, first: Decision | str | None) -> bool:
     """A ``check_id`` replay returns the first answer only while the run is still running,
-    or when that first answer was already a stop (SPEC 4.5): no allow leaks after a stop."""
-    return first is not None and (state.status == RUNNING or first.answer == STOP)
+    or when that first answer was already a stop (SPEC 4.5): no allow leaks after a stop.
+    ``first`` is the first decision, or the ``decision`` field of its stored answer."""
+    if first is None:
+        return False
+    answer = first if isinstance(first, str) else first.answer
+    return state.status == RUNNING or answer == STOP
 
 
 class FinishError(Exception):

@@ -1,14 +1,12 @@
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from governance_client import rules
 from policies.models import Team
 from policies.services import agent_key_create
-
-AGENT = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 
 
 class Command(BaseCommand):
@@ -25,8 +23,8 @@ class Command(BaseCommand):
             raise CommandError(f"no team with slug {team!r}")
         if not name.strip() or len(name) > 100:
             raise CommandError("--name must be 1 to 100 characters")
-        if agent and not AGENT.match(agent):
-            raise CommandError("--agent must match [A-Za-z0-9._-]{1,100}")
+        if agent and not rules.AGENT_NAME.fullmatch(agent):
+            raise CommandError(f"--agent must match {rules.AGENT_NAME_PATTERN}")
         new = agent_key_create(team=team_row, name=name.strip(), agent=agent)
         scope = f" for agent {agent}" if agent else ""
         self.stdout.write(f"Created key {name!r} (prefix {new.key.prefix}) in team {team}{scope}.")

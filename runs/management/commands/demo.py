@@ -63,9 +63,9 @@ class Command(BaseCommand):
         self.stdout.write(self.style.SUCCESS("\n".join(lines)))
         if not no_agents:
             threading.Thread(target=self._agents, args=(base, token, agents), daemon=True).start()
-        # --insecure: the embedded default runs with DEBUG off, and the dev server serves
-        # static files (htmx, the CSS) only when asked to.
-        call_command("runserver", f"127.0.0.1:{port}", use_reloader=False, insecure_serving=True)
+        # The static files (htmx, the CSS) are the application's own (WhiteNoise), as under
+        # any other server: runserver's own static handler stays off.
+        call_command("runserver", f"127.0.0.1:{port}", use_reloader=False)
 
     def _agents(self, base: str, token: str, agents: int) -> None:
         for _ in range(100):  # wait for the server this process is starting

@@ -8,10 +8,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from policies.models import Team
+from runs.killswitch import cover
 from runs.killswitch.services import (
     KillSwitchError,
     covered_running,
-    describe_target,
     killswitch_engage,
     killswitch_release,
     resolve_target,
@@ -91,8 +91,7 @@ class Command(BaseCommand):
         covered = covered_running(target).count()
         switch = killswitch_engage(scope=scope, team=team, agent=agent, run=run, reason=reason,
                                    actor_label=label)
-        what = describe_target(switch.scope, team=switch.team, agent=switch.agent,
-                               run_id=switch.run_id)
+        what = cover.switch_scope_in_words(switch)
         if switch.engaged_at < before:
             self.stdout.write(
                 f"Already engaged: {what} (switch {switch.pk}), by {switch.engaged_by_label} "
@@ -108,8 +107,8 @@ class Command(BaseCommand):
                  label: str) -> None:
         switch = killswitch_release(scope=scope, team=team, agent=agent, run=run, reason=reason,
                                     actor_label=label)
-        what = describe_target(scope, team=run.team if run else team, agent=agent,
-                               run_id=run.pk if run else None)
+        what = cover.scope_in_words(scope, team=run.team if run else team, agent=agent,
+                                    run_id=run.pk if run else None)
         if switch is None:
             self.stdout.write(f"Not engaged: {what}. Nothing to release.")
             return

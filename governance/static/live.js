@@ -59,4 +59,11 @@
     url.searchParams.set("after", message.lastEventId);
     source.setAttribute("sse-connect", url.pathname + url.search);
   });
+
+  // The server answers an in-place kill with HX-Trigger: killswitch-changed. The run's kill
+  // button goes (the switch is engaged; the confirmation box below says so).
+  document.body.addEventListener("killswitch-changed", function () {
+    var button = document.getElementById("kill-run");
+    if (button) button.remove();
+  });
 })();

@@ -7,7 +7,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('policies', '0002_idle_and_rate_limits'),
-        ('runs', '0002_audit_append_only'),
+        ('runs', '0003_decision_elapsed_s'),
     ]
 
     operations = [

@@ -1,0 +1,80 @@
+"""The import boundaries of docs/architecture.md, as import-linter contracts (pyproject.toml):
+they hold for the code as it is, and each one fails when a forbidden import comes back."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CLIENT_SRC = ROOT / "governance_client" / "src"
+
+
+def lint_imports(cwd: Path, *pythonpath: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath)}
+    return subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from importlinter.cli import lint_imports;"
+         " sys.exit(lint_imports(no_cache=True, no_logo=True))"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_the_code_keeps_every_contract() -> None:
+    result = lint_imports(ROOT, ROOT, CLIENT_SRC)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The packages and their contracts, somewhere a forbidden import can be added."""
+    where = tmp_path_factory.mktemp("boundaries")
+    ignore = shutil.ignore_patterns("__pycache__", "migrations", "tests", "examples")
+    for package in ("governance", "policies", "runs", "backtests"):
+        shutil.copytree(ROOT / package, where / package, ignore=ignore)
+    shutil.copytree(CLIENT_SRC / "governance_client", where / "src" / "governance_client",
+                    ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", where / "pyproject.toml")
+    return where
+
+
+@pytest.mark.parametrize(("module", "line", "contract"), [
+    ("policies/probe.py", "from runs.models import Run", "policies know nothing of runs"),
+    ("policies/probe.py", "from governance.middleware import sign_in_throttle",
+     "the apps use only the project's shared web module"),
+    ("runs/webhooks/probe.py", "from governance.celery import app",
+     "the apps use only the project's shared web module"),
+    ("src/governance_client/probe.py", "import django",
+     "the client needs nothing of Django or the server"),
+    ("src/governance_client/probe.py", "from runs import models",
+     "the client needs nothing of Django or the server"),
+    ("src/governance_client/keys.py", "import socket", "the pure rules do no I/O"),
+    ("runs/check/probe.py", "from runs.dashboard import presenters",
+     "the check path does not depend on the screens"),
+    ("src/governance_client/replay.py", "import threading", "the pure rules do no I/O"),
+    ("runs/check/probe.py", "from backtests import selectors",
+     "backtests only read: nothing of the policies or the runs depends on them"),
+    ("backtests/probe.py", "from governance.celery import app",
+     "the apps use only the project's shared web module"),
+])
+def test_a_forbidden_import_breaks_its_contract(copy: Path, module: str, line: str,
+                                                 contract: str) -> None:
+    path = copy / module
+    before = path.read_text() if path.exists() else None
+    # Appended, so it is an import of the module whether or not the module existed.
+    path.write_text((before or "") + f"\n{line}  # noqa\n")
+    try:
+        result = lint_imports(copy, copy, copy / "src")
+    finally:
+        if before is None:
+            path.unlink()
+        else:
+            path.write_text(before)
+    assert result.returncode != 0, result.stdout
+    assert f"{contract} BROKEN" in result.stdout, result.stdout

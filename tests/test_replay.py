@@ -1,0 +1,163 @@
+"""The pure replay of SPEC 13 (governance_client.replay): recorded steps and a draft in, the
+draft's outcome out. Recorded outcomes this branch's check never makes (`pending`, `wait`,
+approval outcomes, `abandoned`) are written here as SPEC 11, 12 and 14 record them."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from governance_client.keys import repeat_key
+from governance_client.replay import (
+    Recorded,
+    changed,
+    last_result_of,
+    recorded_stop,
+    replay,
+)
+from governance_client.rules import Policy
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+LOOSE = Policy(max_steps=100, max_repeat_action=100, no_progress_window=100, max_seconds=None,
+               max_usd=None)
+
+
+def call(step: int, name: str = "search", outcome: str = "allow", reason: str = "step_ok",
+         **kw: Any) -> Recorded:
+    args = kw.pop("args", {"q": step})
+    key = kw.pop("repeat_key", repeat_key(name, args))
+    return Recorded(outcome=outcome, reason=reason, step=step, name=name, args=args,
+                    repeat_key=key, elapsed_s=kw.pop("elapsed_s", float(step)), **kw)
+
+
+def test_an_identical_draft_reproduces_the_recorded_stop():
+    steps = [call(i, args={"q": "same"}) for i in (1, 2, 3)]
+    steps.append(call(4, args={"q": "same"}, outcome="stop", reason="loop_detected"))
+    outcome = replay(Policy(max_repeat_action=3), steps, started_at=T0, recorded=Policy())
+    assert (outcome.status, outcome.stop_reason, outcome.step) == ("stopped", "loop_detected", 4)
+    assert not changed(recorded_stop(steps), outcome)
+
+
+def test_checks_after_the_first_stop_are_skipped():
+    steps = [call(1), call(2, outcome="stop", reason="max_steps"),
+             call(2, outcome="stop", reason="max_steps"), call(2, outcome="stop",
+                                                               reason="max_steps")]
+    outcome = replay(LOOSE, steps, started_at=T0, recorded=Policy(max_steps=1), trace=True)
+    assert outcome.stop is None and len(outcome.decisions) == 2
+
+
+def test_checks_of_a_finished_run_are_not_a_stop():
+    steps = [call(1), call(2), call(2, outcome="stop", reason="run_finished")]
+    assert recorded_stop(steps) is None
+    outcome = replay(Policy(max_steps=1), steps, started_at=T0, recorded=LOOSE)
+    assert outcome.stop == ("max_steps", 2)
+
+
+def test_recorded_waits_register_nothing():
+    wait = call(2, outcome="wait", reason="rate_limited", cost_usd=Decimal("5"))
+    steps = [call(1), wait, wait, call(2), call(3)]
+    outcome = replay(Policy(max_steps=3, max_usd=Decimal("1"), max_seconds=None), steps,
+                     started_at=T0, recorded=LOOSE)
+    assert outcome.stop is None
+
+
+def test_an_approved_check_is_replayed_as_allowed():
+    steps = [call(1, args={"q": "x"}),
+             call(2, name="deploy", outcome="pending", reason="approval_required"),
+             call(2, name="deploy", outcome="allow", reason="step_ok"),
+             call(3, args={"q": "x"})]
+    outcome = replay(LOOSE, steps, started_at=T0, recorded=LOOSE, trace=True)
+    assert outcome.stop is None
+    assert [d.step for _, d in outcome.decisions] == [1, 2, 3]
+
+
+def test_a_denied_or_expired_approval_stops_the_draft_where_it_stopped_the_run():
+    for reason in ("approval_denied", "approval_expired"):
+        steps = [call(1), call(2, name="deploy", outcome="pending", reason="approval_required"),
+                 call(2, name="deploy", outcome="stop", reason=reason)]
+        assert recorded_stop(steps) == (reason, 2)
+        outcome = replay(LOOSE, steps, started_at=T0, recorded=LOOSE)
+        assert (outcome.status, outcome.stop_reason, outcome.step) == ("stopped", reason, 2)
+        assert not changed(recorded_stop(steps), outcome)
+
+
+def test_a_draft_that_stops_the_pending_check_wins_over_its_approval():
+    steps = [call(1), call(2, name="deploy", outcome="pending", reason="approval_required"),
+             call(2, name="deploy", outcome="stop", reason="approval_denied")]
+    outcome = replay(Policy(deny=("deploy",), max_seconds=None), steps, started_at=T0,
+                     recorded=LOOSE)
+    assert outcome.stop == ("tool_denied", 2)
+
+
+def test_a_kill_while_pending_is_kept():
+    steps = [call(1), call(2, name="deploy", outcome="pending", reason="approval_required"),
+             Recorded(outcome="stop", reason="killed", step=2, name="")]
+    outcome = replay(LOOSE, steps, started_at=T0, recorded=LOOSE)
+    assert (outcome.status, outcome.stop_reason, outcome.step) == ("killed", "killed", 2)
+
+
+def test_a_fanout_kill_ends_the_replay_without_moving_the_step():
+    steps = [call(1), call(2), Recorded(outcome="stop", reason="killed", step=2, name="")]
+    outcome = replay(LOOSE, steps, started_at=T0, recorded=LOOSE)
+    assert (outcome.status, outcome.step) == ("killed", 2)
+    # The draft stopping earlier means the kill never came.
+    assert replay(Policy(max_steps=1, max_seconds=None), steps, started_at=T0,
+                  recorded=LOOSE).stop == ("max_steps", 2)
+
+
+def test_an_abandonment_is_replayed_as_recorded():
+    steps = [call(1), Recorded(outcome="stop", reason="abandoned", step=1, name="")]
+    outcome = replay(LOOSE, steps, started_at=T0, recorded=LOOSE)
+    assert (outcome.status, outcome.stop_reason, outcome.step) == ("stopped", "abandoned", 1)
+
+
+def test_a_kill_answered_to_a_check_counts_that_check():
+    steps = [call(1), call(2, outcome="stop", reason="killed")]
+    outcome = replay(LOOSE, steps, started_at=T0, recorded=LOOSE)
+    assert (outcome.status, outcome.step) == ("killed", 2)
+
+
+def test_a_shadow_draft_only_keeps_the_kill():
+    steps = [call(i, args={"q": "same"}) for i in range(1, 6)]
+    steps.append(call(6, outcome="stop", reason="killed", args={"q": "same"}))
+    outcome = replay(Policy(mode="shadow", max_repeat_action=1), steps, started_at=T0,
+                     recorded=LOOSE, trace=True)
+    assert outcome.stop == ("killed", 6)
+    assert [d.outcome for _, d in outcome.decisions][:3] == ["allow", "would_stop",
+                                                             "would_stop"]
+
+
+def test_the_recorded_elapsed_seconds_drive_max_seconds():
+    steps = [call(i, elapsed_s=10.0 * i) for i in range(1, 6)]
+    assert replay(Policy(max_seconds=30, max_usd=None), steps, started_at=T0,
+                  recorded=LOOSE).stop == ("max_seconds", 4)
+    assert replay(Policy(max_seconds=30.0, max_usd=None),
+                  [call(i, elapsed_s=30.0) for i in range(1, 4)], started_at=T0,
+                  recorded=LOOSE).stop is None
+
+
+def test_the_recorded_results_and_errors_feed_the_rules():
+    error = last_result_of({"status": "error", "error": "boom"})
+    steps = [call(i, last_result=error) for i in range(1, 5)]
+    draft = Policy(error_threshold=2, error_action="stop", max_seconds=None,
+                   no_progress_window=100)
+    assert replay(draft, steps, started_at=T0, recorded=LOOSE).stop == ("repeated_error", 2)
+    assert last_result_of(None) is None and last_result_of({}) is None
+
+
+def test_keys_are_recomputed_only_where_no_redacted_value_is_part_of_them():
+    recorded = Policy(redact_args=("token",), ignore_args=())
+    def redacted(step: int, **args: Any) -> Recorded:
+        stored = {k: "[redacted]" if k.lower() == "token" else v for k, v in args.items()}
+        return call(step, args=stored, repeat_key=repeat_key("search", args))
+
+    steps = [redacted(i, q="x", token=f"t{i}", rid=i) for i in range(1, 5)]
+    # Ignoring rid: the redacted token is part of the key, so the recorded (distinct) keys.
+    ignore_rid = replay(Policy(ignore_args=("rid",), max_repeat_action=3, max_seconds=None),
+                        steps, started_at=T0, recorded=recorded)
+    assert ignore_rid.stop is None and ignore_rid.key_fallbacks == 4
+    # Ignoring rid and the token: recomputed exactly, four identical calls.
+    both = replay(Policy(ignore_args=("rid", "token"), max_repeat_action=3, max_seconds=None),
+                  steps, started_at=T0, recorded=recorded)
+    assert both.stop == ("loop_detected", 4) and both.key_fallbacks == 0
