@@ -13,10 +13,10 @@ install-run: .venv/bin/python
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
 
-# What the tests need too: the test tools, and the client with the frameworks its
-# integration examples are tested against.
+# What the tests need too: the test tools, and the client with every framework its
+# integrations and examples are tested against (the extra `all`).
 install: install-run
-	$(PIP) install -q -e './governance_client[examples]' -e '.[test]'
+	$(PIP) install -q -e './governance_client[all]' -e '.[test]'
 
 demo: install-run
 	$(PY) manage.py migrate --noinput -v0

@@ -15,7 +15,8 @@ from typing import Any
 from . import report, stack
 from . import scenarios as sc
 
-PHASES = ("micro", "backtest", "points", "soak", "killswitch", "stream", "metrics", "ratelimit")
+PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "longrun", "stream",
+          "metrics", "ratelimit")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -35,8 +36,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "10-minute soak)")
     parser.add_argument("--only", default="",
                         help=f"comma-separated phases to run, of: {', '.join(PHASES)}")
-    parser.add_argument("--scenarios", default="real,durable,bare",
-                        help="check endpoints to load (default real,durable,bare)")
+    parser.add_argument("--scenarios", default="real,durable,bare,min-durable,min-bare",
+                        help="check endpoints to load in the start-checks-finish mix "
+                             "(default real,durable,bare,min-durable,min-bare)")
+    parser.add_argument("--checks-only-scenarios", default="real,min-durable,min-bare",
+                        help="check endpoints to load with the runs already started "
+                             "(default real,min-durable,min-bare; empty to skip)")
+    parser.add_argument("--fanout-runs", type=int,
+                        help="running runs the fan-out phase kills (default 10000, quick 1000)")
+    parser.add_argument("--longrun-steps", type=int,
+                        help="checks of the one long run (default 5050, quick 400)")
     parser.add_argument("--no-history", action="store_true",
                         help="do not append this run to bench/history.jsonl")
     return parser.parse_args(argv)
@@ -62,6 +71,7 @@ def main(argv: list[str]) -> int:
     print(f"bench: {'quick' if quick else 'full'} mode, {args.workers} workers x {threads} "
           f"threads, points {points}, {seconds:g} s each; database {stack.DB_NAME}, redis "
           f"{stack.REDIS_URL}", flush=True)
+    stack.create_minimal_tables()
     sc.reset_runs()
     team = sc.seed_team("bench")
     results: dict[str, Any] = {
@@ -90,19 +100,19 @@ def main(argv: list[str]) -> int:
         print(report.backtest_line(results["backtest"]), flush=True)
         sc.reset_runs()  # the load points start from empty run tables, as before
 
+    checks_only = [s for s in args.checks_only_scenarios.split(",") if s]
     with stack.Server(workers=args.workers, threads=threads) as server:
         if "points" in phases:
-            # One short unmeasured round first: imports, caches, connections, prepared
-            # statements are then warm for every scenario alike.
-            for scenario in scenarios:
-                sc.load_point(server, team, scenario=scenario, agents=8, seconds=1.5,
-                              warmup=0.5)
-            for agents in points:
-                for point in sc.interleaved_points(
-                        server, team, scenarios=scenarios, agents=agents, rounds=rounds,
-                        seconds=seconds / rounds, warmup=warmup):
-                    results["points"].append(point)
-                    print(report.point_line(point), flush=True)
+            minimal = None
+            if sc.MINIMAL & set(scenarios + checks_only):
+                minimal = stack.MinimalServer(workers=args.workers, threads=threads).start()
+            try:
+                points_phase(results, server, team, minimal, scenarios=scenarios,
+                             checks_only=checks_only, points=points, rounds=rounds,
+                             seconds=seconds, warmup=warmup, quick=quick)
+            finally:
+                if minimal is not None:
+                    minimal.stop()
         if "soak" in phases:
             results["soak"] = sc.soak(server, team, agents=32, seconds=soak_seconds,
                                       sample_every=max(1.0, soak_seconds / 30))
@@ -117,6 +127,20 @@ def main(argv: list[str]) -> int:
             finally:
                 worker.stop()
             print(report.killswitch_line(results["killswitch"]), flush=True)
+        if "fanout" in phases:
+            worker = stack.CeleryWorker().start()
+            try:
+                fan_team = sc.seed_team("bench-fanout", policy=sc.LONG_POLICY)
+                results["fanout"] = sc.killswitch_fanout(
+                    server, fan_team, runs=args.fanout_runs or (1000 if quick else 10000), agents=8)
+            finally:
+                worker.stop()
+            print(report.fanout_line(results["fanout"]), flush=True)
+        if "longrun" in phases:
+            results["longrun"] = sc.long_run(
+                server, sc.seed_team("bench-long", policy=sc.LONG_POLICY),
+                steps=args.longrun_steps or (400 if quick else 5050))
+            print(report.longrun_line(results["longrun"]), flush=True)
         if "stream" in phases:
             results["stream"] = live_stream(server, team, quick=quick)
             print(report.live_line(results["stream"]), flush=True)
@@ -136,13 +160,45 @@ def main(argv: list[str]) -> int:
     return 0 if report.finish(results, history=not args.no_history) else 1
 
 
+def points_phase(results: dict[str, Any], server: stack.Server, team: sc.Team,
+                 minimal: stack.Server | None, *, scenarios: list[str], checks_only: list[str],
+                 points: list[int], rounds: int, seconds: float, warmup: float,
+                 quick: bool) -> None:
+    """The throughput points: every concurrency in the start-checks-finish mix, then with the
+    runs already started (checks only). Quick mode loads the minimal baselines and the
+    checks-only points at 32 agents only, to stay short."""
+    # One short unmeasured round first: imports, caches, connections, prepared
+    # statements are then warm for every scenario alike.
+    for scenario in scenarios:
+        sc.load_point(server, team, scenario=scenario, agents=8, seconds=1.5, warmup=0.5,
+                      minimal=minimal)
+    for agents in points:
+        # Quick mode (CI) loads the minimal baselines at 32 agents only, to stay short.
+        at = [s for s in scenarios if not quick or agents == 32 or s not in sc.MINIMAL]
+        for point in sc.interleaved_points(
+                server, team, scenarios=at, agents=agents, rounds=rounds,
+                seconds=seconds / rounds, warmup=warmup, minimal=minimal):
+            results["points"].append(point)
+            print(report.point_line(point), flush=True)
+    if not checks_only:
+        return
+    # Runs as long as a slice: a policy with room for thousands of steps, nothing repeated.
+    long_team = sc.seed_team("bench-long", policy=sc.LONG_POLICY)
+    for agents in ([a for a in points if a == 32] or points[-1:]) if quick else points:
+        for point in sc.interleaved_points(
+                server, long_team, scenarios=checks_only, agents=agents, rounds=rounds,
+                seconds=seconds / rounds, warmup=warmup, minimal=minimal, mode=sc.CHECKS):
+            results["points"].append(point)
+            print(report.point_line(point), flush=True)
+
+
 def live_stream(server: stack.Server, team: sc.Team, *, quick: bool) -> dict[str, Any]:
     from django.urls import NoReverseMatch, reverse
 
     from . import live
 
     try:
-        reverse("run_stream", args=["x", "00000000-0000-0000-0000-000000000000"])
+        reverse("runs:run_stream", args=["x", "00000000-0000-0000-0000-000000000000"])
     except NoReverseMatch:
         return {"measured": False, "why": "no dashboard run stream in this build"}
     return live.measure(server, team_slug=team.slug, team_id=team.team_id, token=team.token,

@@ -166,11 +166,80 @@ class AgentOptions:
     verify_answers: bool = True  # the real check must give the scripted answers
     record_answers: bool = False  # keep every answer with its times (kill switch scenario)
     stop_event: asyncio.Event | None = None
+    # The checks go to this port when set (the minimal baseline's own server); starts and
+    # finishes always go to the product's.
+    check_port: int | None = None
+    # Checks only: each agent starts one run before the window and then only checks it, with
+    # distinct args and progress at every step (a policy with room for that many steps).
+    checks_only: bool = False
+
+
+def long_body(seed: str, i: int) -> dict[str, Any]:
+    """Step `i` of a run that never repeats itself: distinct args, progress and result."""
+    body: dict[str, Any] = {
+        "check_id": uuid.uuid4().hex,
+        "action": {"name": TOOLS[i % len(TOOLS)],
+                   "args": {"query": f"order {seed[:8]} step {i}: refund status and policy",
+                            "limit": 10, "filters": {"lang": "en", "region": "eu"},
+                            "request_id": uuid.uuid4().hex},
+                   "type": "tool"},
+        "cost_usd": 0.0001,
+        "progress": f"milestone-{i}",
+    }
+    if i > 0:
+        body["last_result"] = {"status": "ok", "digest": _digest(seed, i), "summary": SUMMARY}
+    return body
+
+
+async def checks_only_agent(index: int, opts: AgentOptions, stats: LoadStats,
+                            deadline: float) -> None:
+    """One agent of the checks-only mode: one run, started before the window, checked until
+    the deadline; the start and the finish fall outside the measured window."""
+    conn = Connection(opts.host, opts.port, token=opts.token)
+    checks = Connection(opts.host, opts.check_port, token=opts.token) \
+        if opts.check_port else conn
+    seed = uuid.uuid4().hex
+    try:
+        status, started = await conn.post_json("/api/v1/runs", {
+            "agent": f"bench-agent-{index % 16}", "task": f"Long task {seed[:8]}"})
+        if status != 201:
+            stats.errors[f"start {status}"] += 1
+            return
+        stats.runs_started += 1
+        run_id = started["run_id"]
+        path = opts.check_path(run_id)
+        i = 0
+        while time.monotonic() < deadline:
+            sent = time.monotonic()
+            try:
+                status, last = await checks.post_json(path, long_body(seed, i))
+            except HttpError as exc:
+                stats.errors[f"check {exc}"] += 1
+                return
+            done = time.monotonic()
+            stats.record_check(sent, done, status, last, index)
+            i += 1
+            if status != 200:
+                return
+            if opts.record_answers:
+                stats.answers.append((done, sent, last["decision"], last["reason"]))
+            if last.get("reason") == "killed":
+                return  # a kill switch stopped the run: what the kill scenarios wait for
+            if opts.verify_answers and last.get("decision") != "allow":
+                stats.errors[f"unexpected answer {last.get('reason')} at step {i}"] += 1
+                return
+    finally:
+        stats.reconnects += conn.reconnects + (checks.reconnects if checks is not conn else 0)
+        await conn.close()
+        if checks is not conn:
+            await checks.close()
 
 
 async def agent(index: int, opts: AgentOptions, stats: LoadStats, deadline: float) -> None:
     """One agent: runs, one after another, until the deadline."""
     conn = Connection(opts.host, opts.port, token=opts.token)
+    checks = Connection(opts.host, opts.check_port, token=opts.token) \
+        if opts.check_port else conn
     name = f"bench-agent-{index % 16}"
     run_no = 0
     try:
@@ -209,7 +278,7 @@ async def agent(index: int, opts: AgentOptions, stats: LoadStats, deadline: floa
                     return  # the run stays open, as when an agent is interrupted
                 sent = time.monotonic()
                 try:
-                    status, last = await conn.post_json(path, body)
+                    status, last = await checks.post_json(path, body)
                 except HttpError as exc:
                     stats.errors[f"check {exc}"] += 1
                     last = None
@@ -248,8 +317,10 @@ async def agent(index: int, opts: AgentOptions, stats: LoadStats, deadline: floa
             else:
                 stats.runs_finished += 1
     finally:
-        stats.reconnects += conn.reconnects
+        stats.reconnects += conn.reconnects + (checks.reconnects if checks is not conn else 0)
         await conn.close()
+        if checks is not conn:
+            await checks.close()
 
 
 async def run_load(opts: AgentOptions, agents: int, seconds: float, warmup: float
@@ -261,5 +332,6 @@ async def run_load(opts: AgentOptions, agents: int, seconds: float, warmup: floa
     stats.window_start = now + warmup
     stats.window_end = now + seconds
     deadline = stats.window_end
-    await asyncio.gather(*(agent(i, opts, stats, deadline) for i in range(agents)))
+    one = checks_only_agent if opts.checks_only else agent
+    await asyncio.gather(*(one(i, opts, stats, deadline) for i in range(agents)))
     return stats

@@ -60,8 +60,9 @@ def measure(*, quick: bool) -> dict[str, float]:
         "usage": {"steps": 5, "tool_calls": 4, "cost_usd": 0.006, "elapsed_s": 2.1},
         "limits": {"max_steps": 30, "max_repeat_action": 3, "no_progress_window": 4,
                    "max_seconds": 3600, "max_usd": 50.0, "max_tool_calls": None},
-        "directive": None, "shadow": None,
+        "directive": None, "shadow": None, "approval": None, "retry_after_s": None,
     }
+
     def record_metrics() -> None:
         metrics.decision_made(team="bench", outcome="allow", reason="step_ok",
                               db_seconds=0.0012)

@@ -22,7 +22,8 @@ TARGET_AGENTS = 32
 
 
 def point_line(p: dict[str, Any]) -> str:
-    return (f"  {p['scenario']:8} {p['agents']:4} agents {p['checks_per_s']:8.1f} checks/s  "
+    return (f"  {p.get('mode', 'mix'):6} {p['scenario']:11} {p['agents']:4} agents "
+            f"{p['checks_per_s']:8.1f} checks/s  "
             f"p50 {p['p50_ms']:6.1f}  p95 {p['p95_ms']:6.1f}  p99 {p['p99_ms']:6.1f} ms  "
             f"errors {p['errors']}  audit {p['audit_rows']}/{p['decisions_returned']}  "
             f"cpu ms/check: workers {p['server_cpu_ms_per_check']:.2f}, PostgreSQL "
@@ -59,6 +60,25 @@ def killswitch_line(k: dict[str, Any]) -> str:
             f"errors {k['errors']}")
 
 
+def fanout_line(f: dict[str, Any]) -> str:
+    return (f"  kill switch fan-out ({f['covered_runs']} running runs, {f['agents']} agents "
+            f"checking): engage took {f['engage_s']} s; every covered run killed "
+            f"{f['all_covered_killed_s']} s after the commit (fan-out records from "
+            f"{f['fanout_first_record_s']} s to {f['fanout_last_record_s']} s; "
+            f"{f['killed_runs']} killed, "
+            f"{f['runs_with_one_killed_record']} with one audit record, "
+            f"{f['runs_with_several_killed_records']} with several); webhooks "
+            f"{f['webhooks_received']}; leaked allows {f['leaked_allows']}; errors "
+            f"{f['errors']}")
+
+
+def longrun_line(r: dict[str, Any]) -> str:
+    curve = ", ".join(f"{k}: {v}" for k, v in r["median_ms_from_step"].items())
+    return (f"  one run, {r['checks']} sequential checks: median ms from step ({r['window']} "
+            f"checks each) {curve}; last over first {r['last_over_first']}; errors "
+            f"{r['errors']}")
+
+
 def metrics_line(m: dict[str, Any]) -> str:
     return (f"  metrics at {TARGET_AGENTS} agents: off {m['off_checks_per_s']} checks/s "
             f"({m['off_worker_cpu_ms_per_check']} ms worker CPU/check), on "
@@ -78,19 +98,33 @@ def live_line(s: dict[str, Any]) -> str:
             f"({s['events_missing']} missing), errors {s['errors']}")
 
 
-def _point(results: dict[str, Any], scenario: str, agents: int) -> dict[str, Any] | None:
-    return next((p for p in results["points"]
-                 if p["scenario"] == scenario and p["agents"] == agents), None)
+def _point(results: dict[str, Any], scenario: str, agents: int, mode: str = "mix"
+           ) -> dict[str, Any] | None:
+    return next((p for p in results["points"] if p["scenario"] == scenario
+                 and p["agents"] == agents and p.get("mode", "mix") == mode), None)
 
 
-def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str = "checks_per_s"
+           ) -> float | None:
+    return round(a[key] / b[key], 2) if a and b and b[key] else None
+
+
+def ratios(results: dict[str, Any], mode: str = "mix") -> list[dict[str, Any]]:
+    """The real check over each baseline, per concurrency. The minimal baselines (issue 17)
+    run outside the product's middleware, in an application of their own."""
     rows = []
     for agents in sorted({p["agents"] for p in results["points"]}):
-        real, durable, bare = (_point(results, s, agents) for s in ("real", "durable", "bare"))
+        real, durable, bare, min_durable, min_bare = (
+            _point(results, s, agents, mode)
+            for s in ("real", "durable", "bare", "min-durable", "min-bare"))
         if real is None:
             continue
         rows.append({
             "agents": agents,
+            "mode": mode,
+            "real_over_min_durable": _ratio(real, min_durable),
+            "real_over_min_bare": _ratio(real, min_bare),
+            "p99_real_over_min_durable": _ratio(real, min_durable, "p99_ms"),
             "real_over_durable": round(real["checks_per_s"] / durable["checks_per_s"], 2)
             if durable and durable["checks_per_s"] else None,
             "real_over_bare": round(real["checks_per_s"] / bare["checks_per_s"], 2)
@@ -131,6 +165,17 @@ def correctness(results: dict[str, Any]) -> list[str]:
     if rl and (rl["errors"] or not rl["audit_ok"] or rl["waits"]):
         failed.append(f"rate limit points: errors {rl['errors']}, audit ok {rl['audit_ok']}, "
                       f"waits {rl['waits']} (the rule is never full)")
+    fan = results.get("fanout")
+    if fan and not fan["ok"]:
+        failed.append(f"kill switch fan-out: {fan['covered_runs_still_running']} runs still "
+                      f"running, {fan['killed_runs']} killed of {fan['covered_runs']}, "
+                      f"{fan['runs_with_one_killed_record']} with one record, "
+                      f"{fan['runs_with_several_killed_records']} with several, webhooks "
+                      f"{fan['webhooks_received']}, leaked allows {fan['leaked_allows']}, "
+                      f"errors {fan['error_kinds']}")
+    long = results.get("longrun")
+    if long and long["errors"]:
+        failed.append(f"long run: errors {long['error_kinds']}")
     metrics = results.get("metrics")
     if metrics:
         scrape = metrics["scrape"]
@@ -167,6 +212,14 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     metrics = results.get("metrics")
     if metrics and metrics.get("cost_pct") is not None:
         out.append(("metrics cost < 5%", f"{metrics['cost_pct']}%", metrics["cost_pct"] < 5))
+    fan = results.get("fanout")
+    if fan and fan.get("all_covered_killed_s") is not None and fan["covered_runs"] >= 10000:
+        out.append(("fan-out: 10,000 runs killed <= 2 s after the commit",
+                    f"{fan['all_covered_killed_s']} s", fan["all_covered_killed_s"] <= 2.0))
+    long = results.get("longrun")
+    if long and long.get("last_over_first") is not None and long["steps"] >= 5000:
+        out.append(("one run: step 5,000 within 1.2x of step 10", f"{long['last_over_first']}x",
+                    long["last_over_first"] <= 1.2))
     ks = results.get("killswitch")
     if ks:
         out.append(("kill switch: 0 leaked allows", str(ks["leaked_allows"]),
@@ -185,36 +238,45 @@ def summary(results: dict[str, Any]) -> str:
         f"{results['server']['threads']} threads; {results['seconds_per_point']:g} s per point "
         f"in {results.get('slices_per_point', 1)} slice(s) alternating between scenarios",
         "",
-        "agents scenario  checks/s   p50 ms   p95 ms   p99 ms  start/finish p99  errors  "
+        "agents mode   scenario     checks/s   p50 ms   p95 ms   p99 ms  start/finish p99  errors  "
         "audit rows = decisions",
     ]
     for p in results["points"]:
-        audit = "none written" if p["scenario"] == "bare" else \
+        audit = "none written" if p["scenario"] in ("bare", "min-bare") else \
             f"{p['audit_rows']} = {p['decisions_returned']}"
-        lines.append(f"{p['agents']:6} {p['scenario']:8} {p['checks_per_s']:9.1f} "
+        lines.append(f"{p['agents']:6} {p.get('mode', 'mix'):6} {p['scenario']:11} "
+                     f"{p['checks_per_s']:9.1f} "
                      f"{p['p50_ms']:8.1f} {p['p95_ms']:8.1f} {p['p99_ms']:8.1f} "
                      f"{p.get('start_finish_p99_ms', 0.0):17.1f} "
                      f"{p['errors']:7}  {audit} {'ok' if p['audit_ok'] else 'MISMATCH'}")
-    rows = ratios(results)
-    if rows:
+    for mode, title in (("mix", "start-checks-finish mix"), ("checks", "runs already started, "
+                                                                  "checks only")):
+        rows = ratios(results, mode)
+        if not rows:
+            continue
         lines.append("")
-        lines.append("ratios  agents: real/durable  real/bare  (worker CPU per check "
-                     "real/durable)")
+        lines.append(f"ratios, {title}")
+        lines.append("        agents: real/durable  real/bare  real/min-durable  real/min-bare"
+                     "  p99 real/min-durable  (worker CPU per check real/durable)")
         for r in rows:
             lines.append(f"        {r['agents']:6}: {r['real_over_durable']!s:>12}  "
-                         f"{r['real_over_bare']!s:>9}  ({r['cpu_real_over_durable']})")
-        at = [p for p in results["points"] if p["agents"] == TARGET_AGENTS]
+                         f"{r['real_over_bare']!s:>9}  {r['real_over_min_durable']!s:>16}  "
+                         f"{r['real_over_min_bare']!s:>13}  "
+                         f"{r['p99_real_over_min_durable']!s:>20}  "
+                         f"({r['cpu_real_over_durable']})")
+        at = [p for p in results["points"] if p["agents"] == TARGET_AGENTS
+              and p.get("mode", "mix") == mode]
         if at:
-            lines.append("")
-            lines.append(f"CPU per check at {TARGET_AGENTS} agents, ms (starts and finishes "
-                         "included): workers / PostgreSQL / load generator")
+            lines.append(f"  CPU per check at {TARGET_AGENTS} agents, ms (starts and finishes "
+                         "included in the mix): workers / PostgreSQL / load generator")
             for p in at:
-                lines.append(f"  {p['scenario']:8} {p['server_cpu_ms_per_check']:6.2f} / "
+                lines.append(f"  {p['scenario']:11} {p['server_cpu_ms_per_check']:6.2f} / "
                              f"{p.get('postgres_cpu_ms_per_check', 0.0):6.2f} / "
                              f"{p['client_cpu_ms_per_check']:6.2f}")
     lines.append("")
     for key, fmt in (("micro", micro_line), ("backtest", backtest_line), ("soak", soak_line),
-                     ("killswitch", killswitch_line),
+                     ("killswitch", killswitch_line), ("fanout", fanout_line),
+                     ("longrun", longrun_line),
                      ("stream", live_line), ("metrics", metrics_line)):
         if key in results:
             lines.append(fmt(results[key]).strip())
@@ -241,8 +303,10 @@ def chart(results: dict[str, Any], path: Path) -> str | None:
     except ImportError:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for scenario, style in (("real", "o-"), ("durable", "s--"), ("bare", "^:")):
-        points = sorted((p for p in results["points"] if p["scenario"] == scenario),
+    for scenario, style in (("real", "o-"), ("durable", "s--"), ("bare", "^:"),
+                            ("min-durable", "d-."), ("min-bare", "v:")):
+        points = sorted((p for p in results["points"] if p["scenario"] == scenario
+                         and p.get("mode", "mix") == "mix"),
                         key=lambda p: p["agents"])
         if not points:
             continue
@@ -291,10 +355,18 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
         "real_32_worker_cpu_ms": real.get("server_cpu_ms_per_check"),
         "real_over_durable_32": ratio.get("real_over_durable"),
         "real_over_bare_32": ratio.get("real_over_bare"),
+        "real_over_min_durable_32": ratio.get("real_over_min_durable"),
+        "real_over_min_bare_32": ratio.get("real_over_min_bare"),
+        "real_over_min_durable_32_checks_only": next(
+            (r["real_over_min_durable"] for r in ratios(results, "checks")
+             if r["agents"] == TARGET_AGENTS), None),
         "metrics_cost_pct": (results.get("metrics") or {}).get("cost_pct"),
         "soak_rss_growth_pct": (results.get("soak") or {}).get("rss_growth_max_pct"),
         "killswitch_all_stopped_s": (results.get("killswitch") or {}).get(
             "all_covered_stopped_s"),
+        "fanout_runs": (results.get("fanout") or {}).get("covered_runs"),
+        "fanout_all_killed_s": (results.get("fanout") or {}).get("all_covered_killed_s"),
+        "longrun_last_over_first": (results.get("longrun") or {}).get("last_over_first"),
         "live_p99_ms": (results.get("stream") or {}).get("p99_ms"),
         "backtest_decisions_per_s": ((results.get("backtest") or {}).get("recomputed_keys")
                                      or {}).get("decisions_per_s"),

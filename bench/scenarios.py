@@ -20,11 +20,18 @@ from . import agents as ag
 from .stack import ROOT, Server, base_env, postgres_cpu_seconds
 
 REAL, DURABLE, BARE = "real", "durable", "bare"
+# The minimal baseline application's endpoints (bench/minimal/), on a server of their own.
+MIN_DURABLE, MIN_BARE = "min-durable", "min-bare"
+MINIMAL = {MIN_DURABLE, MIN_BARE}
+BARE_LIKE = {BARE, MIN_BARE}
 CHECK_PATHS: dict[str, ag.CheckPath] = {
     REAL: ag.real_check_path,
     DURABLE: lambda run_id: f"/api/bench/runs/{run_id}/durable",
     BARE: lambda run_id: f"/api/bench/runs/{run_id}/bare",
+    MIN_DURABLE: lambda run_id: f"/runs/{run_id}/durable",
+    MIN_BARE: lambda run_id: f"/runs/{run_id}/bare",
 }
+MIX, CHECKS = "mix", "checks"  # start-checks-finish runs; or runs already started, checks only
 
 
 @dataclass
@@ -34,15 +41,24 @@ class Team:
     token: str
 
 
-def seed_team(slug: str) -> Team:
-    """The benchmark's team with its policy (bench/agents.py BENCH_POLICY) and a new key."""
+# The checks-only mode's policy: one run per agent for a whole slice, never a repeated call.
+LONG_POLICY: dict[str, Any] = {
+    **ag.BENCH_POLICY,
+    "step_limits": {"max_steps": 10000, "max_repeat_action": 3, "no_progress_window": 4},
+    "budgets": {"max_seconds": 3600, "max_usd": 1000.0, "max_tool_calls": None},
+}
+
+
+def seed_team(slug: str, policy: dict[str, Any] | None = None) -> Team:
+    """The benchmark's team with its policy (bench/agents.py BENCH_POLICY unless told) and a
+    new key."""
     from policies.document import default_policy, parse_policy
     from policies.models import Team as TeamModel
     from policies.services import agent_key_create, policy_save, team_ensure
 
     team, _ = team_ensure(slug=slug, name=f"Benchmark {slug}")
     document = default_policy()
-    for key, value in ag.BENCH_POLICY.items():
+    for key, value in (policy or ag.BENCH_POLICY).items():
         document[key] = {**document[key], **value}
     policy_save(team=team, document=parse_policy(document), actor=None, source="bench")
     token = agent_key_create(team=TeamModel.objects.get(pk=team.pk),
@@ -60,6 +76,10 @@ def reset_runs() -> None:
     # The audit tables refuse TRUNCATE outside a maintenance transaction (docs/reliability.md).
     with audit_maintenance(), connection.cursor() as cursor:
         cursor.execute("TRUNCATE runs_run, runs_decision, runs_killswitch RESTART IDENTITY CASCADE")
+        cursor.execute("SELECT to_regclass('bench_repeat_count')")
+        row = cursor.fetchone()
+        if row and row[0]:
+            cursor.execute("TRUNCATE bench_repeat_count")
 
 
 def decision_rows(*, after_id: int = 0, with_action: bool | None = None) -> int:
@@ -97,32 +117,43 @@ class Slice:
 
 
 def run_slice(server: Server, team: Team, *, scenario: str, agents: int, seconds: float,
-              warmup: float) -> Slice:
+              warmup: float, minimal: Server | None = None, mode: str = MIX) -> Slice:
     """`agents` agents for `seconds` against one check endpoint, from empty run tables; the
-    audit rows written are counted against the decisions the agents received."""
+    audit rows written are counted against the decisions the agents received. A minimal
+    scenario sends its checks to `minimal`, the starts and finishes still to `server`."""
     reset_runs()
     before = max_decision_id()
+    check_server = minimal if scenario in MINIMAL else None
+    if scenario in MINIMAL and minimal is None:
+        raise ValueError(f"{scenario} needs the minimal baseline's server")
     opts = ag.AgentOptions(host="127.0.0.1", port=server.port, token=team.token,
-                           check_path=CHECK_PATHS[scenario], verify_answers=scenario == REAL)
-    cpu_server0, cpu_client0 = server.cpu(), time.process_time()
+                           check_path=CHECK_PATHS[scenario], verify_answers=scenario == REAL,
+                           check_port=check_server.port if check_server else None,
+                           checks_only=mode == CHECKS)
+
+    def cpu() -> float:
+        return server.cpu() + (check_server.cpu() if check_server else 0.0)
+
+    cpu_server0, cpu_client0 = cpu(), time.process_time()
     cpu_postgres0 = postgres_cpu_seconds()
     stats = asyncio.run(ag.run_load(opts, agents, seconds, warmup))
-    cpu_server, cpu_client = server.cpu() - cpu_server0, time.process_time() - cpu_client0
+    cpu_server, cpu_client = cpu() - cpu_server0, time.process_time() - cpu_client0
     cpu_postgres = postgres_cpu_seconds() - cpu_postgres0
     return Slice(stats=stats, rows=decision_rows(after_id=before), cpu_server=cpu_server,
                  cpu_client=cpu_client, cpu_postgres=cpu_postgres)
 
 
 def load_point(server: Server, team: Team, *, scenario: str, agents: int, seconds: float,
-               warmup: float) -> dict[str, Any]:
+               warmup: float, minimal: Server | None = None) -> dict[str, Any]:
     """One point made of one slice."""
     return summarize([run_slice(server, team, scenario=scenario, agents=agents,
-                                seconds=seconds, warmup=warmup)],
+                                seconds=seconds, warmup=warmup, minimal=minimal)],
                      scenario=scenario, agents=agents)
 
 
 def interleaved_points(server: Server, team: Team, *, scenarios: list[str], agents: int,
-                       rounds: int, seconds: float, warmup: float) -> list[dict[str, Any]]:
+                       rounds: int, seconds: float, warmup: float,
+                       minimal: Server | None = None, mode: str = MIX) -> list[dict[str, Any]]:
     """The scenarios' points at one concurrency, measured in alternating slices (real,
     durable, bare, real, ...): on a machine whose load drifts, every scenario sees the same
     drift, which is what makes their ratios meaningful."""
@@ -130,11 +161,13 @@ def interleaved_points(server: Server, team: Team, *, scenarios: list[str], agen
     for _ in range(rounds):
         for scenario in scenarios:
             slices[scenario].append(run_slice(server, team, scenario=scenario, agents=agents,
-                                              seconds=seconds, warmup=warmup))
-    return [summarize(slices[s], scenario=s, agents=agents) for s in scenarios]
+                                              seconds=seconds, warmup=warmup, minimal=minimal,
+                                              mode=mode))
+    return [summarize(slices[s], scenario=s, agents=agents, mode=mode) for s in scenarios]
 
 
-def summarize(slices: list[Slice], *, scenario: str, agents: int) -> dict[str, Any]:
+def summarize(slices: list[Slice], *, scenario: str, agents: int, mode: str = MIX
+              ) -> dict[str, Any]:
     window = sum(max(1e-9, x.stats.window_end - x.stats.window_start) for x in slices)
     lat = [v for x in slices for v in x.stats.check_latencies]
     other = [v for x in slices for v in x.stats.other_latencies]
@@ -148,7 +181,7 @@ def summarize(slices: list[Slice], *, scenario: str, agents: int) -> dict[str, A
         errors.update(st.errors)
         outcomes.update(st.outcomes)
         rows += x.rows
-        if scenario == BARE:
+        if scenario in BARE_LIKE:
             # The bare endpoint writes nothing and answers decision_id 0: no row may appear.
             audit_ok = audit_ok and x.rows == 0
             returned += st.decisions_returned
@@ -160,6 +193,7 @@ def summarize(slices: list[Slice], *, scenario: str, agents: int) -> dict[str, A
             distinct += len(st.decision_ids)
     return {
         "scenario": scenario,
+        "mode": mode,
         "agents": agents,
         "seconds": round(window, 1),
         "slices": len(slices),
@@ -359,4 +393,187 @@ def killswitch(server: Server, team: Team, *, agents: int, before_s: float, afte
         "errors": sum(stats.errors.values()),
         "error_kinds": dict(stats.errors),
         "ok": switch is not None and not leaked and not stats.errors and still_running == 0,
+    }
+
+
+# --- Kill switch fan-out at scale -----------------------------------------------------------
+
+class _WebhookCounter:
+    """A local webhook receiver that counts the deliveries per path (no signature check: the
+    tests prove the signatures; the benchmark proves exactly-once at scale)."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        counts: Counter[str] = Counter()
+        self.counts = counts
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                counts[self.path] += 1
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/fanout"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _seed_running_runs(team: Team, count: int) -> None:
+    """`count` running runs of the team, written directly (starting them over the API would
+    take minutes and measure the start, not the kill)."""
+    from django.utils import timezone
+
+    from policies.models import Policy
+    from runs.models import Run
+
+    version_id = Policy.objects.filter(team_id=team.team_id).values_list(
+        "current_id", flat=True).first()
+    now = timezone.now()
+    for first in range(0, count, 2000):
+        Run.objects.bulk_create([
+            Run(team_id=team.team_id, agent="bench-fanout", policy_version_id=version_id,
+                started_at=now, task=f"seeded run {i}", steps=i % 20, tool_calls=i % 20)
+            for i in range(first, min(count, first + 2000))])
+
+
+def killswitch_fanout(server: Server, team: Team, *, runs: int, agents: int,
+                      timeout_s: float = 120.0) -> dict[str, Any]:
+    """`runs` running runs of one team (plus `agents` agents checking runs of their own) and
+    a team kill switch engaged by the command: how long after the engage's commit every
+    covered run is killed with its audit record, whether the team's webhook arrives exactly
+    once, and whether any check sent after the engage returned was allowed."""
+    from django.db.models import Count, Max, Min
+
+    from policies.models import Team as TeamModel
+    from runs.models import Decision, KillSwitch, Run
+
+    reset_runs()
+    receiver = _WebhookCounter()
+    TeamModel.objects.filter(pk=team.team_id).update(webhook_url=receiver.url)
+    _seed_running_runs(team, runs)
+    opts = ag.AgentOptions(host="127.0.0.1", port=server.port, token=team.token,
+                           record_answers=True, checks_only=True)
+    result: dict[str, Any] = {}
+
+    async def drive() -> ag.LoadStats:
+        load = asyncio.ensure_future(ag.run_load(opts, agents, 6.0, 0.0))
+        await asyncio.sleep(2.0)
+        engage_started = time.monotonic()
+        how, returned = await asyncio.to_thread(_engage, team, "benchmark: fan-out at scale")
+        result.update(method=how, engage_s=round(returned - engage_started, 3),
+                      engage_returned=returned)
+        return await load
+
+    try:
+        stats = asyncio.run(drive())
+        returned = result.pop("engage_returned")
+        switch = (KillSwitch.objects.filter(team_id=team.team_id, scope="team")
+                  .order_by("-engaged_at").first())
+        assert switch is not None
+        covered = Run.objects.filter(team_id=team.team_id, started_at__lt=switch.engaged_at)
+        deadline = time.monotonic() + timeout_s
+        while covered.filter(status="running").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        still_running = covered.filter(status="running").count()
+        last_end = covered.aggregate(last=Max("ended_at"))["last"]
+        stopped_s = round((last_end - switch.engaged_at).total_seconds(), 3) \
+            if last_end is not None and not still_running else None
+        deadline = time.monotonic() + 30
+        while not receiver.counts and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.0)  # a second delivery of the same switch would arrive meanwhile
+        per_run = (Decision.objects.filter(run__team_id=team.team_id, reason="killed")
+                   .values("run_id").annotate(n=Count("id")))
+        with_record = sum(1 for r in per_run if r["n"] == 1)
+        doubled = sum(1 for r in per_run if r["n"] > 1)
+        killed = covered.filter(status="killed").count()
+        # The fan-out's own records: the first one says when the worker began (the task's
+        # queueing and the worker's pick-up before it), the last when it was done.
+        span = Decision.objects.filter(run__team_id=team.team_id, reason="killed",
+                                       action_name="").aggregate(first=Min("at"), last=Max("at"))
+        first_s = round((span["first"] - switch.engaged_at).total_seconds(), 3) \
+            if span["first"] else None
+        last_s = round((span["last"] - switch.engaged_at).total_seconds(), 3) \
+            if span["last"] else None
+        leaked = [a for a in stats.answers if a[1] >= returned and a[2] == "allow"]
+    finally:
+        receiver.close()
+        _release(team)
+    webhooks = sum(receiver.counts.values())
+    return {
+        **result,
+        "seeded_runs": runs,
+        "agents": agents,
+        "covered_runs": covered.count(),
+        "killed_runs": killed,
+        "runs_with_one_killed_record": with_record,
+        "runs_with_several_killed_records": doubled,
+        "all_covered_killed_s": stopped_s,
+        "fanout_first_record_s": first_s,
+        "fanout_last_record_s": last_s,
+        "covered_runs_still_running": still_running,
+        "webhooks_received": webhooks,
+        "leaked_allows": len(leaked),
+        "errors": sum(stats.errors.values()),
+        "error_kinds": dict(stats.errors),
+        "ok": (not still_running and killed == with_record == covered.count() and not doubled
+               and webhooks == 1 and not leaked and not stats.errors),
+    }
+
+
+# --- Cost as one run grows -------------------------------------------------------------------
+
+def long_run(server: Server, team: Team, *, steps: int, window: int = 50) -> dict[str, Any]:
+    """One agent, one run, `steps` sequential checks with distinct args, progress and
+    results: the median latency of the checks in windows of `window` steps at a few points
+    of the run's life, and the last window's over the first's (target: step 5,000 within
+    1.2x of step 10)."""
+    from .client import Connection
+
+    reset_runs()
+    marks = [m for m in (0, 100, 500, 1000, 2000, 3000, 4000, steps - window) if
+             0 <= m <= steps - window]
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+
+    async def drive() -> None:
+        conn = Connection("127.0.0.1", server.port, token=team.token)
+        try:
+            status, started = await conn.post_json("/api/v1/runs", {
+                "agent": "bench-long-run", "task": "one long run"})
+            if status != 201:
+                errors[f"start {status}"] += 1
+                return
+            path = ag.real_check_path(started["run_id"])
+            seed = uuid.uuid4().hex
+            for i in range(steps):
+                sent = time.monotonic()
+                status, answer = await conn.post_json(path, ag.long_body(seed, i))
+                latencies.append(time.monotonic() - sent)
+                if status != 200 or answer.get("decision") != "allow":
+                    errors[f"check {status} {answer.get('reason') if status == 200 else ''}"] += 1
+                    return
+        finally:
+            await conn.close()
+
+    asyncio.run(drive())
+    curve = {str(m): round(ag.percentile(latencies[m:m + window], 50) * 1000, 2)
+             for m in sorted(set(marks)) if len(latencies) >= m + window}
+    first, last = curve.get("0"), curve.get(str(sorted(set(marks))[-1]))
+    return {
+        "steps": steps, "window": window, "median_ms_from_step": curve,
+        "last_over_first": round(last / first, 2) if first and last else None,
+        "checks": len(latencies), "errors": sum(errors.values()), "error_kinds": dict(errors),
     }

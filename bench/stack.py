@@ -44,6 +44,9 @@ def base_env(**extra: str) -> dict[str, str]:
         "DEBUG": "false",
         "PYTHONUNBUFFERED": "1",
         "LOG_LEVEL": "WARNING",
+        # The fan-out phase's webhook receiver listens on loopback, which webhooks refuse
+        # unless listed (docs/killswitch.md).
+        "WEBHOOK_ALLOWED_HOSTS": "127.0.0.1",
     }
     # Metrics are switched on per server by the caller, never inherited by accident.
     env.pop("METRICS_TOKEN", None)
@@ -169,9 +172,8 @@ class Server:
             env["METRICS_TOKEN"] = self.metrics_token
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "manage.py", "serve", "--port", str(self.port),
-             "--workers", str(self.workers), "--threads", str(self.threads)],
-            cwd=ROOT, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
+            self.command(), cwd=ROOT, env=env, start_new_session=True, stdout=log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -187,6 +189,10 @@ class Server:
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"server did not become ready in 60 s: {self.log_tail()}")
+
+    def command(self) -> list[str]:
+        return [sys.executable, "manage.py", "serve", "--port", str(self.port),
+                "--workers", str(self.workers), "--threads", str(self.threads)]
 
     def worker_pids(self) -> list[int]:
         """The granian worker processes (children of the granian main process)."""
@@ -225,6 +231,36 @@ def stop_group(process: subprocess.Popen[bytes] | None) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+@dataclass
+class MinimalServer(Server):
+    """The minimal baseline application (bench/minimal/: no middleware, its own settings),
+    served by granian in the shape `manage.py serve` uses: the same interface, worker
+    processes, threads per worker and granian options, minus the static files it has none
+    of. Kept in step with runs/management/commands/serve.py by hand: if serve changes shape,
+    this must follow, or the ratios compare two servers instead of two applications."""
+
+    interface: str = "wsgi"
+
+    def command(self) -> list[str]:
+        granian = str(Path(sys.executable).with_name("granian"))
+        argv = [granian, "--interface", self.interface, "--host", "127.0.0.1",
+                "--port", str(self.port), "--workers", str(self.workers), "--no-ws",
+                "--respawn-failed-workers"]
+        if self.interface == "wsgi":
+            argv += ["--blocking-threads", str(self.threads)]
+        return [*argv, f"bench.minimal.{self.interface}:application"]
+
+
+def create_minimal_tables() -> None:
+    """The minimal baseline's one table of its own (its repeat counts), in the bench database."""
+    from django.db import connection
+
+    from bench.minimal.views import CREATE_TABLE
+
+    with connection.cursor() as cursor:
+        cursor.execute(CREATE_TABLE)
 
 
 @dataclass

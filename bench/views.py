@@ -26,7 +26,7 @@ ANSWER = {
     "usage": {"steps": 1, "tool_calls": 1, "cost_usd": 0.0012, "elapsed_s": 0.1},
     "limits": {"max_steps": 30, "max_repeat_action": 3, "no_progress_window": 4,
                "max_seconds": 3600, "max_usd": 50.0, "max_tool_calls": None},
-    "directive": None, "shadow": None,
+    "directive": None, "shadow": None, "approval": None, "retry_after_s": None,
 }
 
 UPDATE_RUN = "UPDATE runs_run SET steps = steps + 1 WHERE id = %s RETURNING steps"

@@ -7,7 +7,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from policies.access import can, teams_of
+from policies.access import controls, teams_of
 from policies.models import Role, Team
 
 
@@ -21,7 +21,6 @@ def page(request: HttpRequest, template: str, context: dict[str, Any] | None = N
         "team": team,
         "role": role,
         "teams": teams_of(request.user),
-        "can_operate": can(role, Role.OPERATOR),
-        "can_admin": can(role, Role.ADMIN),
+        **controls(role),
     }
     return render(request, template, {**base, **(context or {})}, status=status)

@@ -52,11 +52,19 @@ def team_view(needed: Role = Role.VIEWER) -> Callable[[Callable[..., HttpRespons
             role = role_in(request.user, team) if team is not None else None
             if team is None or role is None:
                 raise Http404("No such team.")
+            # Set before refusing: the 403 page shows the team's navigation for this role.
+            request.team, request.role = team, role  # type: ignore[attr-defined]
             if not can(role, needed):
                 raise PermissionDenied(f"This needs the {needed.label} role.")
-            request.team, request.role = team, role  # type: ignore[attr-defined]
             return view(request, slug, *args, **kwargs)
 
         return wrapper
 
     return decorator
+
+
+def controls(role: Role | None) -> dict[str, bool]:
+    """What the role may do, for templates that hide the controls the server would refuse.
+    The page layout and the live streams both use it, so a control re-rendered live is
+    offered to exactly the people the page offered it to."""
+    return {"can_operate": can(role, Role.OPERATOR), "can_admin": can(role, Role.ADMIN)}

@@ -23,6 +23,8 @@ from pydantic import (
     field_validator,
 )
 
+from .egress import RefusedTarget, check_webhook_url
+
 SLUG = r"^[a-z0-9-]{1,50}$"
 POLICY_NAME = r"^[a-z0-9_-]{1,50}$"
 
@@ -45,10 +47,12 @@ def _is_http_url(value: str) -> bool:
         return False
 
 
-def _six_decimals(value: float | int | None) -> float | int | None:
+def _six_decimals(value: float | int | None) -> float | None:
     if value is not None and Decimal(str(value)).as_tuple().exponent < -6:
         raise ValueError("must have at most 6 decimals")
-    return value
+    # Money is always a float: the form's "1" and the YAML's 1.0 are one document, so a save
+    # from the form does not show a spurious "max_usd: 1.0 -> 1" in the history.
+    return None if value is None else float(value)
 
 
 class _Strict(BaseModel):
@@ -101,6 +105,14 @@ class RateLimitDoc(_Strict):
     window_s: Annotated[StrictInt, Field(ge=1, le=86_400)]
 
 
+class Approvals(_Strict):
+    """SPEC 11: actions whose name matches one of ``tools`` wait for an operator's decision,
+    for at most ``timeout_s`` seconds."""
+
+    tools: list[Pattern] = []
+    timeout_s: Annotated[StrictInt, Field(ge=1, le=86400)] = 900
+
+
 class PolicyDoc(_Strict):
     name: Annotated[StrictStr, Field(pattern=POLICY_NAME)]
     mode: Literal["enforce", "shadow"] = "enforce"
@@ -113,6 +125,7 @@ class PolicyDoc(_Strict):
         DEFAULT_REDACT
     )
     rate_limits: Annotated[list[RateLimitDoc], Field(max_length=50)] = []
+    approvals: Approvals = Approvals()
 
 
 class TeamDoc(_Strict):
@@ -126,6 +139,11 @@ class TeamDoc(_Strict):
     def _http_url(cls, value: str | None) -> str | None:
         if value is not None and not _is_http_url(value):
             raise ValueError("must be an http:// or https:// URL with a host")
+        if value is not None:
+            try:
+                check_webhook_url(value)
+            except RefusedTarget as exc:
+                raise ValueError(str(exc)) from None
         return value
 
     @field_validator("policies")

@@ -13,6 +13,7 @@ from django import forms
 from governance_client import rules
 
 from .document import DocumentError, parse_policy
+from .egress import RefusedTarget, check_webhook_url
 from .models import Role
 
 # Form field -> path of the value in the policy document (and of its errors).
@@ -33,6 +34,8 @@ FIELD_PATHS = {
     "error_action": "on_repeated_error.action",
     "redact_args": "redact_args",
     "rate_limits": "rate_limits",
+    "approval_tools": "approvals.tools",
+    "approval_timeout_s": "approvals.timeout_s",
 }
 OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls", "max_idle_seconds"}
 RATE_LINE = "match per max window_s, e.g. http.* agent 10 60"
@@ -99,9 +102,19 @@ class PolicyForm(forms.Form):
     redact_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
     max_idle_seconds = forms.CharField(required=False, max_length=40)
     rate_limits = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
+    approval_tools = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    approval_timeout_s = forms.CharField(required=False, max_length=40)
+    # Not part of the policy: why it changed, kept on the version (required by the save view).
+    note = forms.CharField(required=False, max_length=500, strip=True, widget=forms.TextInput(
+        attrs={"placeholder": "what changed and why (shown in the history)", "maxlength": 500}))
 
     def __init__(self, *args: Any, fixed_name: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        # A list box is as tall as its lines (plus one to type in): none hides behind a scroll.
+        for name in ("tools_allow", "tools_deny", "ignore_args", "redact_args"):
+            value = self.data.get(name) if self.is_bound else self.initial.get(name)
+            lines = len(str(value or "").splitlines())
+            self.fields[name].widget.attrs["rows"] = max(2, lines + 1)
         self.fixed_name = fixed_name
         self.document_errors: dict[str, str] = {}
         self.normalized: dict[str, Any] | None = None
@@ -110,6 +123,7 @@ class PolicyForm(forms.Form):
     @classmethod
     def initial_from(cls, document: dict[str, Any]) -> dict[str, Any]:
         steps, budgets, tools = document["step_limits"], document["budgets"], document["tools"]
+        approvals = document.get("approvals") or {}
 
         def text(value: Any) -> str:
             return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
@@ -132,6 +146,9 @@ class PolicyForm(forms.Form):
             "redact_args": "\n".join(document["redact_args"]),
             "max_idle_seconds": text(budgets.get("max_idle_seconds")),
             "rate_limits": "\n".join(rate_rule_line(r) for r in document.get("rate_limits", [])),
+            # Versions saved before approvals existed have no block: they require none.
+            "approval_tools": "\n".join(approvals.get("tools", [])),
+            "approval_timeout_s": text(approvals.get("timeout_s", 900)),
         }
 
     def document(self) -> dict[str, Any]:
@@ -145,6 +162,7 @@ class PolicyForm(forms.Form):
 
         threshold = data.get("error_threshold") or ""
         rate_limits, self.rate_line_errors = _rate_rules(data.get("rate_limits") or "")
+        timeout = data.get("approval_timeout_s") or ""
         return {
             "name": self.fixed_name if self.fixed_name is not None else (data.get("name") or ""),
             "mode": data.get("mode") or "enforce",
@@ -166,6 +184,10 @@ class PolicyForm(forms.Form):
             },
             "redact_args": _lines(data.get("redact_args") or ""),
             "rate_limits": rate_limits,
+            "approvals": {
+                "tools": _lines(data.get("approval_tools") or ""),
+                "timeout_s": _number(timeout) if timeout.strip() else 900,
+            },
         }
 
     def clean(self) -> dict[str, Any]:
@@ -227,6 +249,12 @@ class MemberAddForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices, initial=Role.VIEWER)
 
 
+class MemberInviteForm(forms.Form):
+    username = forms.RegexField(regex=r"^[\w.@+-]{1,150}$", max_length=150, error_messages={
+        "invalid": "Letters, digits and @ . + - _ only."})
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.VIEWER)
+
+
 class MemberRoleForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices)
 
@@ -238,4 +266,9 @@ class WebhookForm(forms.Form):
         url = self.cleaned_data.get("webhook_url") or None
         if url is not None and not url.startswith(("http://", "https://")):
             raise forms.ValidationError("must be an http:// or https:// URL")
+        if url is not None:
+            try:
+                check_webhook_url(url)
+            except RefusedTarget as exc:
+                raise forms.ValidationError(str(exc)) from None
         return url

@@ -33,11 +33,13 @@ def audit(
 
 
 def _new_version(
-    policy: Policy, document: dict[str, Any], *, actor: AbstractBaseUser | None, source: str
+    policy: Policy, document: dict[str, Any], *, actor: AbstractBaseUser | None, source: str,
+    note: str = "",
 ) -> PolicyVersion:
     last = policy.current.version if policy.current_id else 0
     version = PolicyVersion.objects.create(
-        policy=policy, version=last + 1, document=document, created_by=actor, source=source
+        policy=policy, version=last + 1, document=document, created_by=actor, source=source,
+        note=note[:500],
     )
     policy.current = version
     policy.save(update_fields=["current"])
@@ -46,9 +48,11 @@ def _new_version(
 
 @transaction.atomic
 def policy_save(
-    *, team: Team, document: dict[str, Any], actor: AbstractBaseUser | None, source: str
+    *, team: Team, document: dict[str, Any], actor: AbstractBaseUser | None, source: str,
+    note: str = "",
 ) -> PolicyVersion | None:
-    """Store one normalized policy; a new version only when something changed."""
+    """Store one normalized policy; a new version only when something changed. ``note`` is
+    the saver's reason, kept on the version and in the audit event."""
     policy, _ = Policy.objects.select_for_update().get_or_create(team=team, name=document["name"])
     if policy.current_id:
         previous = policy.current.document
@@ -56,11 +60,11 @@ def policy_save(
             return None
     else:
         previous = None
-    version = _new_version(policy, document, actor=actor, source=source)
+    version = _new_version(policy, document, actor=actor, source=source, note=note)
     audit(
         actor=actor, action="policy.version", team=team, target=policy.name,
         detail={"version": version.version, "before": previous, "after": document,
-                "source": source},
+                "source": source, "note": version.note},
     )
     return version
 
@@ -268,3 +272,57 @@ def team_update_webhook(*, team: Team, webhook_url: str | None,
     audit(actor=actor, action="team.webhook", team=team, target=team.slug,
           detail={"before": before, "after": webhook_url})
     return True
+
+
+def webhook_secret_id(secret: str) -> str:
+    """A short public name for a signing secret (not the secret): the settings page and the
+    delivery log show it, so a receiver can tell which secret signed a delivery."""
+    if not secret:
+        return ""
+    return "whsec_" + hashlib.sha256(secret.encode()).hexdigest()[:10]
+
+
+@transaction.atomic
+def team_rotate_webhook_secret(*, team: Team, actor: AbstractBaseUser | None) -> str:
+    """A new signing secret for the team's webhooks, returned once (the caller shows it to
+    the admin once); deliveries signed from now on use it, retries included."""
+    team = Team.objects.select_for_update().get(pk=team.pk)
+    before = webhook_secret_id(team.webhook_secret)
+    secret = secrets.token_hex(32)
+    team.webhook_secret = secret
+    team.save(update_fields=["webhook_secret"])
+    audit(actor=actor, action="team.webhook_secret", team=team, target=team.slug,
+          detail={"before": before, "after": webhook_secret_id(secret)})
+    return secret
+
+
+@dataclass(frozen=True)
+class Invitation:
+    user: Any
+    path: str  # the one-time "choose your password" link, relative to the dashboard's address
+
+
+@transaction.atomic
+def member_invite(*, team: Team, username: str, role: str,
+                  actor: AbstractBaseUser | None) -> Invitation:
+    """Add someone who has no account yet: the account is made without a usable password and
+    the returned link (Django's password-reset token, valid PASSWORD_RESET_TIMEOUT, 3 days by
+    default, and only until the password is set) lets them choose one. Raises ValueError if
+    the username is taken."""
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.tokens import default_token_generator
+    from django.urls import reverse
+    from django.utils.encoding import force_bytes
+    from django.utils.http import urlsafe_base64_encode
+
+    model = get_user_model()
+    if model.objects.filter(username=username).exists():
+        raise ValueError("This username is taken: add the existing user instead.")
+    user = model.objects.create_user(username)  # unusable password until they choose one
+    membership_set(team=team, user=user, role=role, actor=actor)
+    audit(actor=actor, action="member.invite", team=team, target=username,
+          detail={"role": str(role)})
+    path = reverse("password_reset_confirm", kwargs={
+        "uidb64": urlsafe_base64_encode(force_bytes(user.pk)),
+        "token": default_token_generator.make_token(user)})
+    return Invitation(user=user, path=path)

@@ -11,10 +11,11 @@ from django import forms
 from django.contrib import messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.utils.text import slugify
-from django.views.decorators.http import require_POST, require_safe
+from django.views.decorators.http import require_http_methods, require_POST, require_safe
 
 from governance.web import page
 
@@ -26,6 +27,7 @@ from .forms import (
     ImportForm,
     KeyForm,
     MemberAddForm,
+    MemberInviteForm,
     MemberRoleForm,
     PolicyForm,
     WebhookForm,
@@ -34,14 +36,26 @@ from .models import Policy, Role
 from .services import (
     agent_key_create,
     agent_key_revoke,
+    member_invite,
     membership_remove,
     membership_set,
     policy_apply,
     policy_save,
+    team_rotate_webhook_secret,
     team_update_webhook,
+    webhook_secret_id,
 )
 
 NEW_TOKEN_SESSION_KEY = "dashboard:new-agent-token"
+NEW_SECRET_SESSION_KEY = "dashboard:new-webhook-secret"
+INVITATION_SESSION_KEY = "dashboard:new-invitation"
+
+
+def permission_denied(request: HttpRequest, exception: Exception | None = None
+                      ) -> HttpResponse:
+    """The 403 page inside the layout: the team's navigation stays (team_view leaves the team
+    on the request before refusing), so a refused person can go on with what they may do."""
+    return page(request, "403.html", {"exception": str(exception or "")}, status=403)
 
 
 @require_safe
@@ -85,10 +99,12 @@ def policy_detail(request: HttpRequest, slug: str, name: str) -> HttpResponse:
 def policy_save_view(request: HttpRequest, slug: str, name: str) -> HttpResponse:
     policy = selectors.policy_of(request.team, name)
     form = PolicyForm(request.POST, fixed_name=policy.name)
+    if form.is_valid() and not form.cleaned_data["note"]:
+        form.add_error("note", "Say what changed and why: the note is shown in the history.")
     if not form.is_valid():
         return _editor(request, policy, form, status=422)
     version = policy_save(team=request.team, document=form.normalized, actor=request.user,
-                          source="dashboard")
+                          source="dashboard", note=form.cleaned_data["note"])
     if version is None:
         messages.info(request, "Nothing changed: no new version.")
     else:
@@ -107,7 +123,7 @@ def policy_new(request: HttpRequest, slug: str) -> HttpResponse:
         if not form.is_valid():
             return _editor(request, None, form, status=422)
         policy_save(team=request.team, document=form.normalized, actor=request.user,
-                    source="dashboard")
+                    source="dashboard", note=form.cleaned_data["note"] or "created")
         messages.success(request, f"Created policy {form.normalized['name']}.")
         return redirect("policy", slug=slug, name=form.normalized["name"])
     initial = PolicyForm.initial_from(default_policy("new-policy"))
@@ -148,6 +164,27 @@ def policy_history(request: HttpRequest, slug: str, name: str) -> HttpResponse:
     })
 
 
+@team_view(Role.ADMIN)
+@require_POST
+def policy_restore(request: HttpRequest, slug: str, name: str, version: int) -> HttpResponse:
+    """A new version equal to an old one: history is never rewritten, only added to."""
+    policy = selectors.policy_of(request.team, name)
+    old = selectors.version_of(policy, version)
+    if old is None:
+        raise Http404("No such version.")
+    note = (request.POST.get("note") or "").strip()[:400]
+    restored = policy_save(team=request.team, document=old.document, actor=request.user,
+                           source="restore",
+                           note=f"restored version {old.version}" + (f": {note}" if note else ""))
+    if restored is None:
+        messages.info(request, f"Version {old.version} is what {policy.name} already says: "
+                               "no new version.")
+    else:
+        messages.success(request, f"Restored version {old.version} as version "
+                                  f"{restored.version}. New runs use it.")
+    return redirect("policy_history", slug=slug, name=policy.name)
+
+
 @team_view(Role.VIEWER)
 @require_safe
 def policies_export(request: HttpRequest, slug: str) -> HttpResponse:
@@ -184,7 +221,7 @@ def policies_import(request: HttpRequest, slug: str) -> HttpResponse:
             errors = _foreign_slugs(data, slug)
             if not errors:
                 try:
-                    changes = policy_apply(data=data, actor=request.user, source="dashboard")
+                    changes = policy_apply(data=data, actor=request.user, source="import")
                 except DocumentError as exc:
                     errors = exc.errors
     if changes is not None:
@@ -216,9 +253,19 @@ def keys(request: HttpRequest, slug: str) -> HttpResponse:
 
 
 @team_view(Role.ADMIN)
-@require_POST
+@require_http_methods(["GET", "POST"])
 def key_revoke(request: HttpRequest, slug: str, key_id: int) -> HttpResponse:
+    """GET asks to confirm (what stops working, for whom); POST revokes."""
     key = selectors.key_of(request.team, key_id)
+    if request.method == "GET":
+        return page(request, "policies/confirm.html", {
+            "title": f"Revoke key {key.name}?",
+            "effect": "Agents using this key get 401 from their next request; runs they "
+                      "started stay as they are. A revoked key cannot be restored.",
+            "detail": f"gov_{key.prefix}_… · agent {key.agent or 'any'}",
+            "action": request.path, "button": "Revoke the key",
+            "cancel": reverse("keys", args=[slug]),
+        })
     agent_key_revoke(key=key, actor=request.user)
     messages.success(request, f"Revoked key {key.name}: agents using it get 401 from now on.")
     return redirect("keys", slug=slug)
@@ -226,11 +273,33 @@ def key_revoke(request: HttpRequest, slug: str, key_id: int) -> HttpResponse:
 
 # --- Members and team settings -----------------------------------------------------------------
 
-def _members_page(request: HttpRequest, form: MemberAddForm, *, status: int = 200
-                  ) -> HttpResponse:
+def _members_page(request: HttpRequest, form: MemberAddForm, *, status: int = 200,
+                  invite: MemberInviteForm | None = None) -> HttpResponse:
     return page(request, "policies/members.html", {
         "form": form, "members": selectors.members_of(request.team), "roles": Role.choices,
+        "invite_form": invite or MemberInviteForm(),
+        "invitation": request.session.pop(INVITATION_SESSION_KEY, None),
     }, status=status)
+
+
+@team_view(Role.ADMIN)
+@require_POST
+def member_invite_view(request: HttpRequest, slug: str) -> HttpResponse:
+    """Add a person who has no account: their account and a one-time link to set a password,
+    shown once to the admin, who passes it on."""
+    invite = MemberInviteForm(request.POST)
+    if invite.is_valid():
+        try:
+            invitation = member_invite(team=request.team, username=invite.cleaned_data["username"],
+                                       role=invite.cleaned_data["role"], actor=request.user)
+        except ValueError as exc:
+            invite.add_error("username", str(exc))
+        else:
+            request.session[INVITATION_SESSION_KEY] = {
+                "username": invitation.user.get_username(),
+                "link": request.build_absolute_uri(invitation.path)}
+            return redirect("members", slug=slug)
+    return _members_page(request, MemberAddForm(), status=422, invite=invite)
 
 
 @team_view(Role.ADMIN)
@@ -275,9 +344,20 @@ def member_role(request: HttpRequest, slug: str, membership_id: int) -> HttpResp
 
 
 @team_view(Role.ADMIN)
-@require_POST
+@require_http_methods(["GET", "POST"])
 def member_remove(request: HttpRequest, slug: str, membership_id: int) -> HttpResponse:
+    """GET asks to confirm; POST removes."""
     membership = selectors.membership_of(request.team, membership_id)
+    if request.method == "GET":
+        name = membership.user.get_username()
+        return page(request, "policies/confirm.html", {
+            "title": f"Remove {name} from {request.team.name}?",
+            "effect": f"{name} loses access to this team's runs, policies and controls at "
+                      "once; their account and their other teams are untouched.",
+            "detail": f"role: {membership.role}",
+            "action": request.path, "button": f"Remove {name}",
+            "cancel": reverse("members", args=[slug]),
+        })
     if _would_orphan(request, membership, None):
         messages.error(request, "The team's last admin cannot be removed.")
     else:
@@ -296,8 +376,32 @@ def team_settings(request: HttpRequest, slug: str) -> HttpResponse:
                                       actor=request.user)
         messages.success(request, "Webhook saved." if changed else "Nothing changed.")
         return redirect("team_settings", slug=slug)
-    return page(request, "policies/settings.html", {"form": form},
-                status=422 if request.method == "POST" else 200)
+    return page(request, "policies/settings.html", {
+        "form": form,
+        "secret_id": webhook_secret_id(request.team.webhook_secret),
+        "new_secret": request.session.pop(NEW_SECRET_SESSION_KEY, None),
+    }, status=422 if request.method == "POST" else 200)
+
+
+@team_view(Role.ADMIN)
+@require_http_methods(["GET", "POST"])
+def webhook_secret_rotate(request: HttpRequest, slug: str) -> HttpResponse:
+    """GET asks to confirm (receivers must switch); POST rotates and shows the secret once."""
+    if request.method == "GET":
+        return page(request, "policies/confirm.html", {
+            "title": "Rotate the webhook signing secret?",
+            "effect": "Every webhook from now on, retries of pending ones included, is signed "
+                      "with a new secret, shown to you once. Receivers that verify with the "
+                      "old one reject them until they are given the new one.",
+            "detail": f"current secret: {webhook_secret_id(request.team.webhook_secret)}",
+            "action": request.path, "button": "Rotate the secret",
+            "cancel": reverse("team_settings", args=[slug]),
+        })
+    secret = team_rotate_webhook_secret(team=request.team, actor=request.user)
+    # Shown once on the next page, then gone, like a new key's token.
+    request.session[NEW_SECRET_SESSION_KEY] = {"secret": secret,
+                                               "id": webhook_secret_id(secret)}
+    return redirect("team_settings", slug=slug)
 
 
 # --- Operator audit log --------------------------------------------------------------------------

@@ -164,7 +164,7 @@ def test_the_migration_gives_older_versions_no_idle_limit_and_no_rate_limits() -
 
     from policies.models import Policy, PolicyVersion, Team
 
-    fill = importlib.import_module("policies.migrations.0002_idle_and_rate_limits").fill
+    fill = importlib.import_module("policies.migrations.0004_idle_and_rate_limits").fill
     team = Team.objects.create(slug="old", name="old")
     policy = Policy.objects.create(team=team, name="default")
     old = {"name": "default", "budgets": {"max_seconds": 45, "max_usd": 1.0,

@@ -46,7 +46,8 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
 
     policy_post = {"mode": "enforce", "max_steps": "7", "max_repeat_action": "3",
                    "no_progress_window": "4", "max_seconds": "45", "max_usd": "1",
-                   "error_threshold": "3", "error_action": "nudge", "redact_args": "password"}
+                   "error_threshold": "3", "error_action": "nudge", "redact_args": "password",
+                   "note": "an edit"}
     return [
         ("GET", u("runs:overview"), VIEWER, {}),
         ("GET", u("runs:runs"), VIEWER, {}),
@@ -55,15 +56,20 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
         ("GET", u("policies_export"), VIEWER, {}),
         ("GET", u("policy", name="default"), VIEWER, {}),
         ("GET", u("policy_history", name="default"), VIEWER, {}),
+        ("GET", u("runs:run_timeline", run_id=run), VIEWER, {}),
         ("GET", u("audit"), VIEWER, {}),
         ("GET", u("policy_new"), ADMIN, {}),
         ("GET", u("policies_import"), ADMIN, {}),
         ("GET", u("keys"), ADMIN, {}),
         ("GET", u("members"), ADMIN, {}),
         ("GET", u("team_settings"), ADMIN, {}),
+        ("GET", u("key_revoke", key_id=world["key"].pk), ADMIN, {}),
+        ("GET", u("webhook_secret_rotate"), ADMIN, {}),
+        ("GET", u("member_remove", membership_id=world["membership"].pk), ADMIN, {}),
         ("POST", u("policy_save", name="default"), ADMIN, policy_post),
         ("POST", u("policy_validate", name="default"), ADMIN, policy_post),
         ("POST", u("policy_new"), ADMIN, {**policy_post, "name": "fresh"}),
+        ("POST", u("policy_restore", name="default", version=1), ADMIN, {}),
         ("POST", u("policies_import"), ADMIN,
          {"document": f"teams:\n  - slug: {s}\n    name: Renamed\n"}),
         ("POST", u("keys"), ADMIN, {"name": "made-by-test"}),
@@ -72,11 +78,13 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
         ("POST", u("member_role", membership_id=world["membership"].pk), ADMIN,
          {"role": "operator"}),
         ("POST", u("member_remove", membership_id=world["membership"].pk), ADMIN, {}),
+        ("POST", u("member_invite"), ADMIN, {"username": "invited-by-test", "role": "viewer"}),
         ("POST", u("team_settings"), ADMIN, {"webhook_url": "https://example.com/hook"}),
     ]
 
 
-STREAMS = ["runs:overview_stream", "runs:runs_stream", "runs:run_stream"]
+STREAMS = ["runs:overview_stream", "runs:runs_stream", "runs:run_stream", "runs:team_stream",
+           "runs:killswitch-stream"]
 
 
 @pytest.fixture(autouse=True)
@@ -170,8 +178,9 @@ def test_streams_follow_the_same_rules(name, team, world, settings):
 def test_get_only_pages_refuse_post_and_post_only_endpoints_refuse_get(team, world):
     client = signed_in("admin")
     assert client.post(reverse("runs:overview", kwargs={"slug": team.slug})).status_code == 405
-    assert client.get(reverse("key_revoke", kwargs={"slug": team.slug,
-                                                    "key_id": world["key"].pk})).status_code == 405
+    # key_revoke and member_remove answer GET with their confirmation; restore is POST only.
+    assert client.get(reverse("policy_restore", kwargs={"slug": team.slug, "name": "default",
+                                                        "version": 1})).status_code == 405
 
 
 def test_posts_without_a_csrf_token_are_refused(team, world):
@@ -192,3 +201,26 @@ def test_the_team_switcher_lists_only_my_teams(team, other_team, users):
 
 def test_unknown_team_is_404_for_a_superuser_too(users):
     assert signed_in("superuser").get("/teams/nope/").status_code == 404
+
+
+def test_every_authenticated_dashboard_answer_is_marked_no_store(users, team, world):
+    """No browser or proxy cache keeps a signed-in page (SPEC 10 issue: a new key's token,
+    the audit log), whatever the role and whether it is the page or a refusal."""
+    for username in ("superuser", "viewer"):
+        client = Client()
+        client.force_login(users[username])
+        for method, url, _, _data in urls(team, world):
+            if method != "GET":
+                continue
+            response = client.get(url)
+            assert "no-store" in response.get("Cache-Control", ""), (username, url)
+            assert "private" in response["Cache-Control"], (username, url)
+
+
+def test_the_page_showing_a_new_keys_token_is_marked_no_store(users, team):
+    admin = Client()
+    admin.force_login(users["admin"])
+    response = admin.post(reverse("keys", kwargs={"slug": team.slug}), {"name": "fresh"},
+                          follow=True)
+    assert b"data-new-token>gov_" in response.content
+    assert "no-store" in response["Cache-Control"]

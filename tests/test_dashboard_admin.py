@@ -103,7 +103,8 @@ def test_the_audit_log_shows_who_what_when_with_policy_diffs(team, admin, users)
     admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "default"}), {
         "mode": "enforce", "max_steps": "9", "max_repeat_action": "3", "no_progress_window": "4",
         "max_seconds": "45", "max_usd": "1", "error_threshold": "3", "error_action": "nudge",
-        "redact_args": "password\napi_key\ntoken\nsecret\nauthorization"})
+        "redact_args": "password\napi_key\ntoken\nsecret\nauthorization",
+        "note": "tighter"})
     html = admin.get(reverse("audit", kwargs={"slug": team.slug})).content.decode()
     assert "policy.version" in html and "+  max_steps: 9" in html
     assert "member.add" in html

@@ -38,7 +38,7 @@ def form_data(**changes: str) -> dict[str, str]:
             "no_progress_window": "4", "max_seconds": "45", "max_usd": "1", "max_tool_calls": "",
             "tools_deny": "", "ignore_args": "", "error_threshold": "3", "error_action": "nudge",
             "redact_args": "password\napi_key\ntoken\nsecret\nauthorization",
-            "max_idle_seconds": "3600", "rate_limits": ""}
+            "max_idle_seconds": "3600", "rate_limits": "", "note": "a test edit"}
     return {**data, **changes}
 
 
@@ -185,7 +185,7 @@ teams:
                           {"document": document})
     assert response.status_code == 302
     assert current(team)["step_limits"]["max_steps"] == 5
-    assert Policy.objects.get(team=team, name="batch").current.source == "dashboard"
+    assert Policy.objects.get(team=team, name="batch").current.source == "import"
     team.refresh_from_db()
     assert team.name == "Support team"
 

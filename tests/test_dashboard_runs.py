@@ -159,10 +159,14 @@ def test_the_runs_list_is_paginated(team, users):
     client = as_user(users)
     url = reverse("runs:runs", kwargs={"slug": team.slug})
     first = client.get(url).content.decode()
-    assert "Page 1 of 2" in first
+    assert "27 runs" in first
     assert f'id="run-{runs[-1].pk}"' in first and f'id="run-{runs[0].pk}"' not in first
-    second = client.get(url, {"page": 2}).content.decode()
+    # Keyset paging: the next page starts after the last row shown.
+    after = first.split('href="?after=')[1].split('"')[0].replace("%7E", "~").replace(
+        "%3A", ":").replace("%2B", "+")
+    second = client.get(url, {"after": after}).content.decode()
     assert f'id="run-{runs[0].pk}"' in second and f'id="run-{runs[-1].pk}"' not in second
+    assert second.count('<tr id="run-') == 2 and "Next page" not in second
 
 
 def test_an_htmx_filter_change_gets_only_the_region(team, users):
@@ -211,7 +215,8 @@ def test_the_run_page_shows_steps_counters_and_the_stop_banner(team, users):
     assert "Here is what I found so far" in html  # the partial response
     assert "4 / 3" in html  # steps counter against the limit
     assert "$0.28 / $1.00" in html
-    assert "sse-connect" not in html  # a finished run has nothing left to stream
+    # A finished run has nothing left to stream: only the layout's live banner remains.
+    assert f"runs/{run.pk}/stream" not in html and "/live?next=" in html
 
 
 def test_long_args_are_truncated_with_the_full_value_expandable(team, users):

@@ -3,25 +3,40 @@ agent key that works with the printed curl walk-through."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from django.contrib.auth.models import User
+from django.contrib.sessions.models import Session
+from django.test import Client
 
+from governance.logfilters import RefusalsWithoutTraceback
+from policies.models import AgentKey, Policy
+from policies.services import agent_key_create, policy_save
+from runs.management.commands.demo import (
+    QuietAgentTraffic,
+    demo_setup,
+    port_from_env,
+    port_problem,
+)
 from tests.conftest import ROOT, free_port, server_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 
-def test_the_demo_serves_the_dashboard_its_assets_and_the_api():
+def test_the_demo_serves_the_dashboard_its_assets_and_the_api(tmp_path):
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "manage.py", "demo", "--port", str(port), "--agents", "1"],
-        cwd=ROOT, env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [sys.executable, "manage.py", "demo", "--agents", "1"],
+        cwd=ROOT, env=server_env(PORT=str(port), DEMO_KEY_FILE=str(tmp_path / "key")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, text=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -67,3 +82,109 @@ def test_the_demo_serves_the_dashboard_its_assets_and_the_api():
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=10)
+
+
+def test_running_the_demo_setup_again_leaves_an_operators_work_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEMO_KEY_FILE", str(tmp_path / "key"))
+    first = demo_setup()
+    assert "policy support/default" in first.created and "agent key" in first.created
+    # An operator edits a policy, signs in, changes a password and makes a key of their own.
+    policy = Policy.objects.get(team__slug="support", name="default")
+    edited = {**policy.current.document,
+              "step_limits": {**policy.current.document["step_limits"], "max_steps": 30}}
+    policy_save(team=policy.team, document=edited, actor=None, source="dashboard")
+    operator = User.objects.get(username="operator")
+    operator.set_password("changed-by-them")
+    operator.save()
+    browser = Client()
+    assert browser.login(username="admin", password="demo-admin")
+    assert browser.get("/teams/support/").status_code == 200
+    agent_key_create(team=policy.team, name="their key")
+    sessions = set(Session.objects.values_list("session_key", flat=True))
+    keys = set(AgentKey.objects.values_list("pk", "revoked_at"))
+    versions = {p.pk: p.current_id for p in Policy.objects.all()}
+
+    second = demo_setup()
+
+    assert second.created == []
+    assert second.token == first.token  # the same key is printed again
+    policy.refresh_from_db()
+    assert policy.current.document["step_limits"]["max_steps"] == 30
+    assert {p.pk: p.current_id for p in Policy.objects.all()} == versions
+    assert set(Session.objects.values_list("session_key", flat=True)) == sessions
+    assert browser.get("/teams/support/").status_code == 200  # still signed in
+    assert Client().login(username="operator", password="changed-by-them")
+    assert set(AgentKey.objects.values_list("pk", "revoked_at")) == keys
+    assert set(second.kept_passwords) == {"admin", "operator", "viewer"}
+
+
+def test_a_revoked_or_lost_demo_key_is_replaced_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEMO_KEY_FILE", str(tmp_path / "key"))
+    first = demo_setup()
+    (tmp_path / "key").unlink()
+    second = demo_setup()
+    assert second.token != first.token and "agent key" in second.created
+    assert (tmp_path / "key").stat().st_mode & 0o077 == 0  # readable by its owner only
+    assert demo_setup().token == second.token
+
+
+def test_the_port_comes_from_port_and_a_bad_one_is_refused(monkeypatch):
+    from django.core.management.base import CommandError
+
+    monkeypatch.setenv("PORT", "8123")
+    assert port_from_env() == 8123
+    monkeypatch.delenv("PORT")
+    assert port_from_env() == 8000
+    for bad in ("http", "0", "70000"):
+        monkeypatch.setenv("PORT", bad)
+        with pytest.raises(CommandError, match="not a port number"):
+            port_from_env()
+
+
+def test_a_taken_port_is_said_first_and_nothing_is_created(tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        assert "already in use" in (port_problem("127.0.0.1", port) or "")
+        keys = AgentKey.objects.count()
+        done = subprocess.run(
+            [sys.executable, "manage.py", "demo", "--no-agents"], cwd=ROOT,
+            env=server_env(PORT=str(port), DEMO_KEY_FILE=str(tmp_path / "key")),
+            capture_output=True, text=True, timeout=60)
+    finally:
+        holder.close()
+    assert done.returncode != 0
+    assert f"Port {port} is already in use" in done.stderr
+    assert f"PORT={port + 1} make demo" in done.stderr
+    assert "Agent key" not in done.stdout and "KEY=" not in done.stdout
+    assert AgentKey.objects.count() == keys and not (tmp_path / "key").exists()
+
+
+def record(line: str, status: int) -> logging.LogRecord:
+    rec = logging.LogRecord("django.server", logging.INFO, __file__, 1, '"%s" %s %s',
+                            (line, str(status), "12"), None)
+    rec.status_code = status
+    return rec
+
+
+def test_the_demo_does_not_log_every_agent_call_but_logs_pages_and_errors():
+    quiet = QuietAgentTraffic()
+    assert not quiet.filter(record("POST /api/v1/runs/x/check HTTP/1.1", 200))
+    assert not quiet.filter(record("GET /teams/support/runs/stream HTTP/1.1", 200))
+    assert quiet.filter(record("GET /teams/support/ HTTP/1.1", 200))
+    assert quiet.filter(record("POST /api/v1/runs HTTP/1.1", 422))
+
+
+def test_a_refusal_is_logged_as_one_line_without_a_traceback(caplog):
+    user = User.objects.create_user("nobody", password="pw")
+    client = Client()
+    client.force_login(user)
+    logger = logging.getLogger("django.request")
+    assert any(isinstance(f, RefusalsWithoutTraceback) for f in logger.filters)
+    with caplog.at_level(logging.WARNING, logger="django.request"):
+        assert client.get("/killswitch/").status_code == 403  # only superusers
+    refusals = [r for r in caplog.records if r.name == "django.request"]
+    assert refusals and all(r.exc_info is None for r in refusals)
+    assert "Forbidden" in refusals[0].getMessage()

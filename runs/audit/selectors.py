@@ -23,13 +23,21 @@ def policy_json(version: PolicyVersion) -> dict[str, Any]:
         "mode": doc["mode"],
         "step_limits": doc["step_limits"],
         "budgets": doc["budgets"],
+        "tools": doc.get("tools"),
+        "repeat_key": doc.get("repeat_key"),
+        "on_repeated_error": doc.get("on_repeated_error"),
     }
 
 
 def elapsed_s(run: Run, now: datetime | None = None) -> float:
-    """The rules' elapsed time (the one max_seconds is checked against), to the millisecond."""
-    return round(rules.elapsed_seconds(started_at=run.started_at, ended_at=run.ended_at,
-                                       status=run.status, now=now or timezone.now()), 3)
+    """The rules' elapsed time (the one max_seconds is checked against), to the millisecond:
+    active time (SPEC 15), without the time spent waiting for approvals."""
+    memory = run.memory or {}
+    pending = memory.get("pending")
+    return round(rules.elapsed_seconds(
+        started_at=run.started_at, ended_at=run.ended_at, status=run.status,
+        now=now or timezone.now(), paused_s=float(memory.get("paused_s", 0.0)),
+        pending_since=datetime.fromisoformat(pending["since"]) if pending else None), 3)
 
 
 def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
@@ -51,9 +59,13 @@ def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
 
 
 def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = None,
-                  limit: int = 50) -> QuerySet[Run]:
+                  limit: int = 50, key_agent: str = "") -> QuerySet[Run]:
+    """``key_agent``: the agent an agent-bound key is limited to (SPEC 10); it sees only
+    that agent's runs, as if the others were another team's."""
     abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
     runs = Run.objects.filter(team=team).select_related("policy_version")
+    if key_agent:
+        runs = runs.filter(agent=key_agent)
     if status:
         runs = runs.filter(status=status)
     if agent:
@@ -61,8 +73,11 @@ def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = 
     return runs.order_by("-started_at")[:limit]
 
 
-def run_for_team(team: Team, run_id: Any) -> Run:
-    run = Run.objects.select_related("policy_version").filter(team=team, pk=run_id).first()
+def run_for_team(team: Team, run_id: Any, *, key_agent: str = "") -> Run:
+    runs = Run.objects.select_related("policy_version").filter(team=team, pk=run_id)
+    if key_agent:
+        runs = runs.filter(agent=key_agent)
+    run = runs.first()
     if run is None:
         raise Http404("No such run.")
     return abandon_if_idle(run)
@@ -82,5 +97,7 @@ def decision_json(d: Decision) -> dict[str, Any]:
         if d.action_name else None,
         "repeat_key": d.repeat_key,
         "repeat_count": d.repeat_count,
+        "progress": d.progress,
         "at": d.at,
+        "local": bool((d.answer or {}).get("local")),
     }

@@ -7,14 +7,18 @@ are replaced by the SPEC 5.3 envelope in the handlers below.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
+from datetime import UTC
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, connections
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
@@ -26,10 +30,19 @@ from ninja.security import HttpBearer
 from pydantic import ValidationError as PydanticValidationError
 
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
+from runs.approvals import services as approvals
 from runs.audit import selectors
 from runs.check import metrics
 from runs.check import schemas as s
-from runs.check.services import CheckRequest, ServiceError, run_check, run_finish, run_start
+from runs.check.services import (
+    CheckRequest,
+    ServiceError,
+    run_check,
+    run_finish,
+    run_local_decisions,
+    run_start,
+)
+from runs.live.events import awakeups
 
 log = logging.getLogger(__name__)
 MICRO = Decimal("0.000001")
@@ -130,8 +143,9 @@ def _on_exception(request: HttpRequest, exc: Exception) -> HttpResponse:
     return error(500, "internal", "Internal error.")
 
 
+# 429 is `too_many_failures`: a key that keeps failing from one address (governance/throttle.py).
 ERRORS = {400: s.ErrorOut, 401: s.ErrorOut, 404: s.ErrorOut, 409: s.ErrorOut, 413: s.ErrorOut,
-          422: s.ErrorOut, 503: s.ErrorOut}
+          422: s.ErrorOut, 429: s.ErrorOut, 503: s.ErrorOut}
 
 
 def _run_uuid(run_id: str) -> uuid.UUID:
@@ -168,7 +182,8 @@ def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
          operation_id="list_runs")
 def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, Any]:
     runs = selectors.runs_for_team(
-        request.auth.team, status=filters.status, agent=filters.agent, limit=filters.limit
+        request.auth.team, status=filters.status, agent=filters.agent, limit=filters.limit,
+        key_agent=request.auth.agent,
     )
     return {"runs": [selectors.run_json(r) for r in runs]}
 
@@ -176,14 +191,16 @@ def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, A
 @api.get("/runs/{run_id}", response={200: s.RunOut, **ERRORS}, summary="Get a run",
          operation_id="get_run")
 def get_run(request: HttpRequest, run_id: str) -> dict[str, Any]:
-    return selectors.run_json(selectors.run_for_team(request.auth.team, _run_uuid(run_id)))
+    return selectors.run_json(selectors.run_for_team(request.auth.team, _run_uuid(run_id),
+                                                     key_agent=request.auth.agent))
 
 
 @api.get("/runs/{run_id}/decisions", response={200: s.DecisionsOut, **ERRORS},
          summary="A run's decisions, in order", operation_id="list_decisions")
 def list_decisions(request: HttpRequest, run_id: str, filters: Query[s.DecisionsFilter]
                    ) -> dict[str, Any]:
-    run = selectors.run_for_team(request.auth.team, _run_uuid(run_id))
+    run = selectors.run_for_team(request.auth.team, _run_uuid(run_id),
+                                 key_agent=request.auth.agent)
     rows = selectors.decisions_of(run, after=filters.after, limit=filters.limit)
     return {"decisions": [selectors.decision_json(d) for d in rows]}
 
@@ -216,7 +233,8 @@ def _check_payload(request: HttpRequest) -> s.CheckIn:
         ]) from None
 
 
-def _serve_check(request: HttpRequest, run_id: str) -> HttpResponseBase:
+def _serve_check(request: HttpRequest, run_id: str, received: float | None = None
+                 ) -> HttpResponseBase:
     token = _bearer_token(request)
     claim = agent_key_claim(token) if token else None
     if claim is None:
@@ -231,6 +249,7 @@ def _serve_check(request: HttpRequest, run_id: str) -> HttpResponseBase:
             raise AuthenticationError() from None
         raise
     request.auth = claim  # type: ignore[attr-defined]
+    request.governance_received = received  # type: ignore[attr-defined]
     return _check(request, run_uuid, payload)
 
 
@@ -247,8 +266,9 @@ def _without_ninja_validation(run: Any) -> Any:
     """
     def run_check_operation(request: HttpRequest, **path: Any) -> HttpResponseBase:
         started = time.perf_counter()
+        received = time.monotonic()
         try:
-            response = _serve_check(request, path["run_id"])
+            response = _serve_check(request, path["run_id"], received)
         except Exception as exc:
             response = api.on_exception(request, exc)
         metrics.check_answered(time.perf_counter() - started)
@@ -275,14 +295,99 @@ def _check(request: HttpRequest, run_id: uuid.UUID, payload: s.CheckIn) -> HttpR
                                        ("error", last.error), ("summary", last.summary))
                      if v is not None} if last is not None else None,
         cost_usd=cost, check_id=payload.check_id,
+        deadline=_deadline(request, payload.deadline_ms),
     )
     answer = run_check(claim=request.auth, run_id=run_id, req=req)
     return HttpResponse(json.dumps(answer), content_type="application/json")
+
+
+def _deadline(request: HttpRequest, deadline_ms: float | None) -> float | None:
+    """The monotonic time past which the agent stops waiting: counted from when the check
+    was received (the server's clock alone, so clock skew between hosts does not matter)."""
+    if deadline_ms is None:
+        return None
+    received = getattr(request, "governance_received", None) or time.monotonic()
+    return float(received) + deadline_ms / 1000
+
+
+@api.post("/runs/{run_id}/local-decisions", response={200: s.LocalDecisionsOut, **ERRORS},
+          summary="Upload the decisions a fail-open client made while the service was down",
+          operation_id="upload_local_decisions")
+def upload_local_decisions(request: HttpRequest, run_id: str, payload: s.LocalDecisionsIn
+                           ) -> dict[str, Any]:
+    entries = []
+    for entry in payload.decisions:
+        data = entry.model_dump()
+        data["action"]["args"] = data["action"].get("args") or {}
+        if data["last_result"] is not None:
+            data["last_result"] = {k: v for k, v in data["last_result"].items() if v is not None}
+        at = data.get("at")
+        if at is not None and at.tzinfo is None:
+            data["at"] = at.replace(tzinfo=UTC)
+        entries.append(data)
+    run, recorded, skipped = run_local_decisions(team=request.auth.team, run_id=_run_uuid(run_id),
+                                                 entries=entries, key_agent=request.auth.agent)
+    return {"recorded": recorded, "skipped": skipped,
+            "run": selectors.run_json(run, now=timezone.now())}
 
 
 @api.post("/runs/{run_id}/finish", response={200: s.RunOut, **ERRORS}, summary="Finish a run",
           operation_id="finish_run")
 def finish(request: HttpRequest, run_id: str, payload: s.FinishIn) -> dict[str, Any]:
     run = run_finish(team=request.auth.team, run_id=_run_uuid(run_id), status=payload.status,
-                     output=payload.output)
+                     output=payload.output, key_agent=request.auth.agent)
     return selectors.run_json(run, now=timezone.now())
+
+
+# --- Approvals (SPEC 11) -----------------------------------------------------------------------
+
+def _read_approval(key: Any, approval_id: uuid.UUID) -> dict[str, Any] | None:
+    """One look at the approval (settling its expiry if due), in a worker thread."""
+    try:
+        approval = approvals.approval_for_key(key, approval_id)
+        return approvals.approval_json(approval) if approval is not None else None
+    finally:
+        # Under ASGI this thread is the request's own and goes away with it: its connection
+        # must not outlive it (inside a test's transaction there is nothing to close).
+        if not connection.in_atomic_block:
+            connections.close_all()
+
+
+@api.get("/approvals/{approval_id}", response={200: s.ApprovalOut, **ERRORS},
+         summary="An approval request, waiting up to `wait` seconds for its decision",
+         operation_id="get_approval")
+async def get_approval(request: HttpRequest, approval_id: str, filters: Query[s.ApprovalWait]
+                       ) -> HttpResponse:
+    """A real long poll: answers as soon as the status changes, else after ``wait`` seconds.
+
+    An async view: while it waits it holds no thread, only a coroutine that awaits the team's
+    wake-ups (Redis pub/sub, or this process's broker) and re-reads the database on each one,
+    every DASHBOARD_STREAM_LOOK_S seconds anyway, and at the expiry (which it then settles).
+    The answer is the approval as JSON, its ``decision`` the check's final answer verbatim.
+    """
+    try:
+        wanted = uuid.UUID(approval_id)
+    except ValueError:
+        raise ServiceError(404, "not_found", "No such approval.") from None
+    key = request.auth
+    read = sync_to_async(_read_approval)
+    body = await read(key, wanted)
+    if body is None:
+        raise ServiceError(404, "not_found", "No such approval.")
+    loop = asyncio.get_running_loop()
+    look_every = float(settings.DASHBOARD_STREAM_LOOK_S)
+    last_look = loop.time()
+    expires = (timezone.datetime.fromisoformat(body["expires_at"]) - timezone.now()
+               ).total_seconds() + loop.time()
+    if body["status"] == "pending" and filters.wait > 0:
+        async for changed in awakeups(key.team_id, poll=min(1.0, look_every),
+                                      lifetime=filters.wait):
+            now = loop.time()
+            if changed or now - last_look >= look_every or now >= expires:
+                last_look = now
+                body = await read(key, wanted)
+                if body is None or body["status"] != "pending":
+                    break
+        if body is None:  # deleted by retention while waiting
+            raise ServiceError(404, "not_found", "No such approval.")
+    return HttpResponse(json.dumps(body), content_type="application/json")

@@ -154,6 +154,11 @@ class PolicyOut(Schema):
     mode: Literal["enforce", "shadow"]
     step_limits: StepLimitsOut
     budgets: BudgetsOut
+    # What the client's fail-open mode needs to decide with the same rules (its tool lists,
+    # repeat key and repeated-error handling); not in SPEC 5.1's list, added for the client.
+    tools: dict[str, Any] | None = None
+    repeat_key: dict[str, Any] | None = None
+    on_repeated_error: dict[str, Any] | None = None
 
 
 class RunStartOut(Schema):
@@ -206,6 +211,34 @@ class CheckIn(BaseModel):
     last_result: LastResultIn | None = None
     cost_usd: Money | None = None
     check_id: Annotated[Text, Field(min_length=1, max_length=100)] | None = None
+    # How long the agent waits for this answer, counted from the moment the server receives
+    # the check (README "Deadlines"): past it the check is audited `expired` and not counted.
+    deadline_ms: (Annotated[StrictInt, Field(ge=1, le=600_000)]
+                  | Annotated[StrictFloat, Field(ge=1, le=600_000)] | None) = None
+
+
+class LocalDecisionIn(BaseModel):
+    """One decision the client made by itself while the service was unreachable."""
+
+    check_id: Annotated[Text, Field(min_length=1, max_length=100)]
+    action: ActionIn
+    progress: Annotated[Text, Field(max_length=256)] | Number | None = None
+    last_result: LastResultIn | None = None
+    cost_usd: Money | None = None
+    decision: Literal["allow", "stop"]
+    reason: Annotated[Text, Field(min_length=1, max_length=50)]
+    message: Annotated[Text, Field(max_length=2000)] | None = None
+    at: datetime | None = None
+
+
+class LocalDecisionsIn(BaseModel):
+    decisions: Annotated[list[LocalDecisionIn], Field(min_length=1, max_length=1000)]
+
+
+class LocalDecisionsOut(Schema):
+    recorded: int
+    skipped: int
+    run: RunOut
 
 
 class UsageOut(Schema):
@@ -226,10 +259,14 @@ class ShadowOut(Schema):
     message: str | None = None
 
 
-class ApprovalOut(Schema):
+class ApprovalRefOut(Schema):
+    """The ``approval`` field of a check answer (SPEC 11): the request this check opened or
+    settled; ``decided_by`` is in final answers only."""
+
     id: UUID
-    status: str
+    status: Literal["pending", "approved", "denied", "expired", "cancelled"]
     expires_at: datetime
+    decided_by: str | None = None
 
 
 class CheckOut(Schema):
@@ -249,7 +286,8 @@ class CheckOut(Schema):
     limits: LimitsOut
     directive: DirectiveOut | None
     shadow: ShadowOut | None
-    approval: ApprovalOut | None = Field(description="The approval request of a pending answer.")
+    approval: ApprovalRefOut | None = Field(
+        description="The approval request this check opened or settled (SPEC 11).")
     retry_after_s: float | None = Field(
         description="A wait only: seconds (> 0, to the millisecond) until every matching "
         "rate limit has room.")
@@ -269,12 +307,16 @@ class DecisionActionOut(Schema):
 class DecisionOut(Schema):
     id: int
     step: int
-    outcome: Literal["allow", "stop", "would_stop", "wait", "pending"]
+    outcome: Literal["allow", "stop", "would_stop", "pending", "wait", "expired"]
     reason: str
     action: DecisionActionOut | None
     repeat_key: str
     repeat_count: int
+    # An addition to SPEC 5.1: the progress value the agent reported with this check (null
+    # when it sent none), so a no_progress stop can be explained from the API alone.
+    progress: str | float | int | None = None
     at: datetime
+    local: bool = False
 
 
 class DecisionsOut(Schema):
@@ -291,3 +333,29 @@ class RunsFilter(Schema):
 class DecisionsFilter(Schema):
     after: Annotated[int, Field(ge=0)] = 0
     limit: Annotated[int, Field(ge=1, le=1000)] = 100
+
+
+class ApprovalActionOut(Schema):
+    name: str
+    type: str
+    args: dict[str, Any]
+
+
+class ApprovalOut(Schema):
+    """GET /api/v1/approvals/{id} (SPEC 11): ``decision`` is null while pending, else the
+    check's final answer, the same object the check answers."""
+
+    id: UUID
+    run_id: UUID
+    status: Literal["pending", "approved", "denied", "expired", "cancelled"]
+    action: ApprovalActionOut
+    requested_at: datetime
+    expires_at: datetime
+    decided_at: datetime | None
+    decided_by: str | None
+    note: str | None
+    decision: CheckOut | None
+
+
+class ApprovalWait(Schema):
+    wait: Annotated[int, Field(ge=0, le=60)] = 0

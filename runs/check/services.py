@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -12,17 +13,20 @@ from decimal import Decimal
 from typing import Any
 
 from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
+from runs.approvals import services as approvals
 from runs.check import metrics
 from runs.check.abandon import abandon_if_idle
 from runs.check.check_store import (
     DecisionRow,
     DuplicateCheck,
     HitRow,
+    PostgresCheck,
     RateRead,
     RunRow,
     RunUpdate,
@@ -32,7 +36,7 @@ from runs.check.check_store import (
 from runs.check.policy_cache import rules_for_version
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
-from runs.models import Run
+from runs.models import Approval, Decision, Run
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,7 @@ def run_start(
     if external_id is not None:
         existing = Run.objects.filter(team=team, external_id=external_id).first()
         if existing is not None:
-            return existing, False
+            return _same_agent(existing, agent), False
     name = policy or "default"
     # The version comes along: the answer shows it, without a query of its own.
     policy_row = Policy.objects.filter(team=team, name=name).select_related("current").first()
@@ -104,9 +108,19 @@ def run_start(
         existing = Run.objects.filter(team=team, external_id=external_id).first()
         if existing is None:
             raise
-        return existing, False
+        return _same_agent(existing, agent), False
     publish_run_event(run)
     return run, True
+
+
+def _same_agent(existing: Run, agent: str) -> Run:
+    """The run an external_id names is given back only to a start for the same agent: else
+    a key bound to one agent could read another's run through it (SPEC 10)."""
+    if existing.agent != agent:
+        raise ServiceError(409, "external_id_conflict",
+                           "This external_id belongs to a run of another agent.",
+                           {"external_id": "already used by a run of another agent"})
+    return existing
 
 
 # The cover rule for a run that does not exist yet; parameters: True, team, team, agent.
@@ -158,6 +172,12 @@ class CheckRequest:
     last_result: dict[str, Any] | None
     cost_usd: Decimal
     check_id: str | None
+    #: time.monotonic() past which the agent no longer waits for the answer (None: no limit)
+    deadline: float | None = None
+
+
+EXPIRED = "expired"
+DEADLINE_EXPIRED = "deadline_expired"
 
 
 # SPEC 15: every check answer carries these, null where they do not apply. Answers stored
@@ -181,7 +201,7 @@ def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Po
         "limits": policy.limits(),
         "directive": decision.directive,
         "shadow": decision.shadow,
-        "approval": None,  # SPEC 11 (approvals) fills it for a pending answer
+        "approval": decision.approval,
         "retry_after_s": decision.retry_after_s,
     }
 
@@ -219,13 +239,17 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[
     check costs two round trips to PostgreSQL; a revoked or unknown key answers 401, another
     team's run 404, before anything is written.
     """
-    for attempt in (1, 2):
+    portable = False
+    for attempt in (1, 2, 3):
         try:
-            return _check_once(claim=claim, run_id=run_id, req=req)
+            return _check_once(claim=claim, run_id=run_id, req=req, portable=portable)
+        except _Portable:
+            # Approvals are involved: decided again, from the start, on the ORM path.
+            portable = True
         except DuplicateCheck:
             # A retry of this check_id committed while we waited for the run's lock: the
             # second attempt reads its answer (at most once: that answer now exists).
-            if attempt == 2:
+            if attempt == 3:
                 raise
         except StaleConnection as exc:
             # A persistent connection that died while idle (PostgreSQL restarted) fails the
@@ -233,7 +257,7 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[
             # per-request health check would do, without that check's extra round trip on
             # every request. Nothing was written: it was the locking read that failed.
             connection.close()
-            if attempt == 2:
+            if attempt == 3:
                 raise OperationalError("the database connection broke twice") from exc
     raise AssertionError("unreachable")
 
@@ -254,10 +278,23 @@ def _rate_read(run_id: uuid.UUID, name: str) -> RateRead | None:
     return RateRead(rules=matching, team_id=team_id, agent=agent) if matching else None
 
 
-def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[str, Any]:
+class _Portable(Exception):
+    """The check touches approvals: start over on the portable (ORM) path."""
+
+
+def _involves_approvals(policy: rules.Policy, state: rules.RunState, first: Any,
+                        name: str) -> bool:
+    return (state.pending is not None
+            or (first is not None and first[1].get("decision") == rules.PENDING)
+            or (policy.mode != "shadow" and rules.approval_pattern(policy, name) is not None))
+
+
+def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
+                portable: bool = False) -> dict[str, Any]:
     # The order of SPEC 15: an idle run is ended first, then a terminal run answers its stop,
-    # then a replay, then rules 1 to 9, the rate limits, and the allow.
-    with check_transaction() as tx:
+    # then a replay, then the 409 of a run waiting for an approval, then rules 1 to 9, the
+    # rate limits, the approvals, and the allow.
+    with check_transaction(portable=portable) as tx:
         rate = _rate_read(run_id, req.name)
         locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=req.check_id, rate=rate)
         if locked is None or not agent_key_matches(claim, locked.key_hash):
@@ -271,20 +308,38 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
             _RUN_FACTS[run.id] = (run.team_id, run.agent, run.policy_version_id)
         state = state_of(run)
         policy = rules_for_version(run.policy_version_id)
+        if isinstance(tx, PostgresCheck) and _involves_approvals(
+                policy, state, locked.earlier_answer, req.name):
+            raise _Portable()
         now = timezone.now()
         rows: list[DecisionRow] = []
         abandoned = rules.abandon(state, now=now)
         if abandoned is not None:
             rows.append(abandon_row(abandoned, policy, now))
             state = abandoned
+        kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
+        first = locked.earlier_answer
+        if state.pending is not None or (first is not None
+                                         and first[1].get("decision") == rules.PENDING):
+            state, first = _settle_on_check(run, state, first, req, now=now, kill=kill)
+        if state.status == rules.KILLED:
+            state.stop_detail = kill_detail(run.id)
         check_id = req.check_id
-        if locked.earlier_answer is not None:
-            first_id, first_answer = locked.earlier_answer
+        if first is not None:
+            first_id, first_answer = first
             if not rows and rules.replay_allowed(state, first_answer.get("decision", "")):
                 return {**ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}
             # The first answer was an allow and the run is over: answer the run's stop, as
             # a new audited decision (the retry must not leak an allow, SPEC 4.5).
             check_id = None
+        if state.status == rules.RUNNING and state.pending is not None:
+            pending = state.pending
+            raise ServiceError(
+                409, "approval_pending",
+                f"The run is waiting for approval {pending.approval_id} of "
+                f"{pending.action_name} (check_id {pending.check_id!r}): resend that check, "
+                f"or wait with GET /api/v1/approvals/{pending.approval_id}.",
+                {"approval_id": pending.approval_id, "check_id": pending.check_id})
         last = req.last_result
         check = rules.Check(
             name=req.name, type=req.type, args=req.args, progress=req.progress,
@@ -292,9 +347,12 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
                 status=last["status"], digest=last.get("digest"), error=last.get("error"),
                 summary=last.get("summary"),
             ) if last else None,
-            cost_usd=req.cost_usd,
+            cost_usd=req.cost_usd, check_id=check_id,
         )
-        kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
+        missing = rules.check_id_missing(policy, state, check, kill=kill)
+        if missing is not None:
+            raise ServiceError(422, "invalid_request", "The request is not valid.",
+                               {"check_id": missing})
         windows: list[rules.RateWindow] = []
         if state.status == rules.RUNNING and kill is None:
             matching = rules.rate_limits_matching(policy, req.name)
@@ -303,8 +361,20 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
             elif matching:
                 windows = tx.rate_windows(run=run, rules=matching, now=now)
         decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
-                                             rate=windows)
+                                             rate=windows, approval_id=str(uuid.uuid4()))
         answer = _answer_of(decision, new_state, policy, now)
+        if new_state is not state and req.deadline is not None \
+                and time.monotonic() > req.deadline:
+            # The agent gave up on this check (its deadline_ms passed while the check waited,
+            # for the run's lock usually): it will not run the action, so nothing is counted,
+            # and the audit says so instead of recording an allow that never ran.
+            decision, new_state = _expired(state, decision), state
+            answer = {**answer, "decision": rules.STOP, "reason": DEADLINE_EXPIRED,
+                      "step": state.steps, "message": EXPIRED_MESSAGE,
+                      "next_action": EXPIRED_NEXT, "usage": state.usage(now),
+                      "directive": None, "shadow": None, "check_id": check_id}
+            # The check_id stays free: the client may upload its own decision for it.
+            check_id = None
         update = None
         if new_state is not state or rows:
             update = RunUpdate(
@@ -314,11 +384,13 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
                 memory=new_state.memory(), idle_deadline=new_state.idle_deadline,
             )
         waited = decision.outcome == rules.WAIT
-        counted = decision.outcome in (rules.ALLOW, rules.WOULD_STOP)
+        # A pending answer takes its hit now, not again once approved (SPEC 12, 15).
+        counted = decision.outcome in (rules.ALLOW, rules.WOULD_STOP, rules.PENDING)
+        args = rules.redact(req.args, policy.redact_args)
         rows.append(DecisionRow(
             step=decision.step, outcome=decision.outcome, reason=decision.reason,
             action_name=req.name, action_type=req.type,
-            args=rules.redact(req.args, policy.redact_args), repeat_key=decision.repeat_key,
+            args=args, repeat_key=decision.repeat_key,
             repeat_count=decision.repeat_count,
             # A wait keeps no check_id: the same check_id is decided again (SPEC 12), and
             # its cost is not registered (the agent sends it again).
@@ -329,6 +401,11 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
         hit = HitRow(team_id=run.team_id, agent=run.agent, action_name=req.name) \
             if counted else None
         decision_id = tx.write(run_id=run.id, update=update, rows=rows, hit=hit)
+        if decision.outcome == rules.PENDING:
+            assert new_state.pending is not None  # only on the portable path, in its atomic
+            approvals.approval_open(
+                run=run, pending=new_state.pending, args=args,
+                pattern=rules.approval_pattern(policy, req.name) or "", decision_id=decision_id)
     # Committed: the agent must get this answer, so nothing below may raise (each of these
     # only logs its own failure).
     metrics.decision_made(team=locked.team_slug, outcome=decision.outcome,
@@ -347,7 +424,121 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
     return {**answer, "decision_id": decision_id}
 
 
-def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> Run:
+def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, req: CheckRequest, *,
+                     now: Any, kill: str | None) -> tuple[rules.RunState, Any]:
+    """The run waits for an approval and a check arrives (SPEC 11, 15): past its expiry the
+    request expires, under a kill switch it is cancelled (whoever looks first settles).
+    Returns the run's state after that, and what a replay of the pending check answers: its
+    final answer once there is one, else the pending answer."""
+    pending = state.pending
+    status = None
+    if pending is not None:
+        status = (rules.EXPIRED if now >= pending.expires_at
+                  else rules.CANCELLED if kill is not None else None)
+    if status is not None:
+        settled = approvals.settle_locked(run=run, state=state, status=status, now=now,
+                                          kill=kill)
+        if settled is not None:
+            state = settled.state
+    if first is not None and first[1].get("decision") == rules.PENDING:
+        final = (Approval.objects.filter(run_id=run.id, check_id=req.check_id)
+                 .values_list("decision", flat=True).first())
+        if final:
+            first = (int(final["decision_id"]), final)
+    return state, first
+
+
+EXPIRED_MESSAGE = ("The check arrived or waited past its deadline_ms: the agent no longer "
+                   "waited for the answer, so it was not decided and nothing was counted.")
+EXPIRED_NEXT = "Check the action again if it is still wanted."
+
+
+def _expired(state: rules.RunState, decision: rules.Decision) -> rules.Decision:
+    return rules.Decision(outcome=EXPIRED, reason=DEADLINE_EXPIRED, step=state.steps,
+                          repeat_key=decision.repeat_key,
+                          repeat_count=state.repeat_counts.get(decision.repeat_key, 0),
+                          message=EXPIRED_MESSAGE, next_action=EXPIRED_NEXT)
+
+
+def kill_detail(run_id: Any) -> str | None:
+    """The words of the kill that ended a run (the switch and the operator's reason), from its
+    audit record, for the stop answered to every later check (SPEC 6)."""
+    answer = (Decision.objects.filter(run_id=run_id, reason="killed", outcome=rules.STOP)
+              .order_by("id").values_list("answer", flat=True).first())
+    message = (answer or {}).get("message") if isinstance(answer, dict) else None
+    return message or None
+
+
+def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]],
+                        key_agent: str = "") -> tuple[Run, int, int]:
+    """Record the decisions a fail-open client made while the service was unreachable.
+
+    The actions it allowed ran, so each one is counted exactly as an allow (a local stop ends
+    the run with its reason), with `rules.record_outcome`, and audited with its outcome and
+    `"local": true` in its answer. Entries whose check_id the run already has are skipped
+    (the upload was retried, or the service did decide that check): the counters then agree
+    with what ran. One transaction, under the run's lock, like a check.
+    """
+    recorded = 0
+    with transaction.atomic():
+        runs = Run.objects.select_for_update().select_related("policy_version")
+        runs = runs.filter(team=team, pk=run_id)
+        if key_agent:  # an agent-bound key touches only its agent's runs (SPEC 10)
+            runs = runs.filter(agent=key_agent)
+        run = runs.first()
+        if run is None:
+            raise ServiceError(404, "not_found", "No such run.")
+        policy = rules_for_version(run.policy_version_id)
+        state = state_of(run)
+        seen = set(Decision.objects.filter(
+            run=run, check_id__in=[e["check_id"] for e in entries]
+        ).values_list("check_id", flat=True))
+        now = timezone.now()
+        rows = []
+        for entry in entries:
+            if entry["check_id"] in seen:
+                continue
+            seen.add(entry["check_id"])
+            action, last = entry["action"], entry.get("last_result")
+            cost = Decimal(str(entry.get("cost_usd") or 0)).quantize(Decimal("0.000001"))
+            check = rules.Check(
+                name=action["name"], type=action["type"], args=action.get("args") or {},
+                progress=entry.get("progress"),
+                last_result=rules.LastResult(**last) if last else None, cost_usd=cost,
+            )
+            verdict, state = rules.record_outcome(
+                policy, state, check, allowed=entry["decision"] == rules.ALLOW,
+                reason=entry["reason"], message=entry.get("message"), now=now,
+            )
+            at = entry.get("at") or now
+            # The client's clock, kept within what the service can vouch for.
+            at = min(max(at, run.started_at), now)
+            answer = {**_answer_of(verdict, state, policy, now), "local": True,
+                      "decided_at": at.isoformat()}
+            rows.append(Decision(
+                run=run, step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
+                action_name=action["name"], action_type=action["type"],
+                args=rules.redact(action.get("args") or {}, policy.redact_args),
+                repeat_key=verdict.repeat_key, repeat_count=verdict.repeat_count,
+                check_id=entry["check_id"], progress=entry.get("progress"), last_result=last,
+                cost_usd=cost, answer=answer, at=now,
+            ))
+            recorded += 1
+        if rows:
+            Decision.objects.bulk_create(rows)
+            Run.objects.filter(pk=run.pk).update(
+                status=state.status, stop_reason=state.stop_reason, ended_at=state.ended_at,
+                steps=state.steps, tool_calls=state.tool_calls, cost_usd=state.cost_usd,
+                memory=state.memory(),
+            )
+            run.refresh_from_db()
+    if rows:
+        publish_run_event(run)
+    return run, recorded, len(entries) - recorded
+
+
+def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
+               key_agent: str = "") -> Run:
     """Finish a run (SPEC 5.1) without a transaction around a read and a write: the run is
     read, `rules.finish` decides, and the update applies only if the run is still as read.
     A check that stopped the run or another finish in between makes it match nothing, and the
@@ -355,9 +546,15 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> R
     status and its finish each change once. Two round trips instead of four, on a request
     every run makes (docs/performance.md)."""
     for _ in range(3):
-        run = Run.objects.select_related("policy_version").filter(team=team, pk=run_id).first()
+        runs = Run.objects.select_related("policy_version").filter(team=team, pk=run_id)
+        if key_agent:  # an agent-bound key finishes only its agent's runs (SPEC 10)
+            runs = runs.filter(agent=key_agent)
+        run = runs.first()
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
+        if (run.memory or {}).get("pending"):
+            return _finish_waiting(team=team, run_id=run.pk, status=status, output=output,
+                                   key_agent=key_agent)
         now = timezone.now()
         # A finish after the idle deadline finds the run abandoned (SPEC 14): it then keeps
         # that status and reason and stores the output, like any stopped run.
@@ -373,10 +570,50 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> R
                    "ended_at": new_state.ended_at, "finished_at": now}
         if output is not None:
             changes["output"] = output
-        if Run.objects.filter(pk=run.pk, status=run.status, finished_at__isnull=True
-                              ).update(**changes):
+        # A check that opened an approval since the read makes this match nothing too: the
+        # next pass finishes through _finish_waiting, which cancels it.
+        no_approval = Q(memory__pending=None) | Q(memory__pending__isnull=True)
+        if Run.objects.filter(no_approval, pk=run.pk, status=run.status,
+                              finished_at__isnull=True).update(**changes):
             for name, value in changes.items():
                 setattr(run, name, value)
             publish_run_event(run)
             return run
     raise OperationalError("the run kept changing while it was being finished")
+
+
+def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None,
+                    key_agent: str = "") -> Run:
+    """Finish a run that waits for an approval (SPEC 11): under the run's lock, the request
+    expires if it is past its expiry, else finishing cancels it; then the run is finished as
+    usual (a stopped run keeps its status and reason)."""
+    with transaction.atomic():
+        runs = Run.objects.select_for_update().select_related("policy_version")
+        runs = runs.filter(team=team, pk=run_id)
+        if key_agent:  # an agent-bound key touches only its agent's runs (SPEC 10)
+            runs = runs.filter(agent=key_agent)
+        run = runs.first()
+        if run is None:
+            raise ServiceError(404, "not_found", "No such run.")
+        if run.finished_at is not None:
+            raise ServiceError(409, "run_finished", "This run was already finished.")
+        now = timezone.now()
+        state = state_of(run)
+        if state.pending is not None and state.status == rules.RUNNING and (
+                now >= state.pending.expires_at):
+            settled = approvals.settle_locked(run=run, state=state, status=rules.EXPIRED,
+                                              now=now)
+            if settled is not None:
+                state = settled.state
+        new_state = rules.finish(state, status, already_finished=False, now=now)
+        if state.pending is not None and state.status == rules.RUNNING:
+            approvals.cancel_for_finish(run=run, state=state, new=new_state, now=now)
+        run.status, run.stop_reason = new_state.status, new_state.stop_reason
+        run.ended_at, run.finished_at, run.memory = new_state.ended_at, now, new_state.memory()
+        fields = ["status", "stop_reason", "ended_at", "finished_at", "memory"]
+        if output is not None:
+            run.output = output
+            fields.append("output")
+        run.save(update_fields=fields)
+    publish_run_event(run)
+    return run

@@ -97,17 +97,17 @@ def activity_chart(activity: HourlyActivity) -> Chart:
                 color = REASON_COLORS.get(reason, OTHER_COLOR)
                 bars.append(Rect(round(x, 1), round(y(base + counts[i]), 1), round(bar_w, 1),
                                  round(y(base) - y(base + counts[i]), 1), color,
-                                 f"{hour:%H}:00 UTC: {counts[i]} stopped by {reason}"))
+                                 f"{hour:{activity.tick}} UTC: {counts[i]} stopped by {reason}"))
                 base += counts[i]
     centers = [LEFT + i * slot + slot / 2 for i in range(n)]
     points = " ".join(f"{cx:.1f},{y(v):.1f}" for cx, v in zip(centers, activity.started,
                                                                strict=True))
     dots = [Rect(round(cx - 2, 1), round(y(v) - 2, 1), 4, 4, "#0f172a",
-                 f"{hour:%H}:00 UTC: {v} runs started")
+                 f"{hour:{activity.tick}} UTC: {v} runs started")
             for cx, v, hour in zip(centers, activity.started, activity.hours, strict=True)]
     y_ticks = [Tick(round(y(v), 1), str(v)) for v in (0, top // 2, top)]
-    x_ticks = [Tick(round(centers[i], 1), f"{activity.hours[i]:%H}:00")
-               for i in range(0, n, 3)]
+    x_ticks = [Tick(round(centers[i], 1), f"{activity.hours[i]:{activity.tick}}")
+               for i in range(0, n, activity.tick_every)]
     legend = [LegendItem(reason, REASON_COLORS.get(reason, OTHER_COLOR), sum(counts))
               for reason, counts in activity.stops.items()]
     return Chart(

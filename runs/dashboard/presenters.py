@@ -14,6 +14,7 @@ from typing import Any
 
 from django.utils import timezone
 
+from governance_client import rules
 from policies.models import Team
 from runs.audit.selectors import elapsed_s
 from runs.dashboard import selectors as dashboard
@@ -46,10 +47,16 @@ class StepRow:
     message: str
     directive: str
     shadow_reason: str
+    progress: str  # the progress value the agent reported, as JSON text ("" for none)
+    duration_s: float | None  # since the previous decision of the run (or its start)
+    kill: bool  # a fan-out kill: no action, the step number is the previous step's
+    approval_status: str = ""  # SPEC 11: the request this record opened or settled
+    approval_by: str = ""
+    local: bool = False  # decided by a fail-open client during an outage, uploaded later
     retry_after_s: float | None = None
 
 
-def step_row(d: Decision) -> StepRow:
+def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
     args_json = json.dumps(d.args, ensure_ascii=False, sort_keys=True) if d.args else "{}"
     full = json.dumps(d.args, ensure_ascii=False, indent=2, sort_keys=True) if d.args else "{}"
     last = d.last_result or {}
@@ -57,6 +64,9 @@ def step_row(d: Decision) -> StepRow:
     answer = d.answer or {}
     directive = answer.get("directive") or {}
     shadow = answer.get("shadow") or {}
+    approval = answer.get("approval") or {}
+    if not isinstance(approval, dict):
+        approval = {}
     return StepRow(
         id=d.pk,
         step=d.step,
@@ -75,8 +85,18 @@ def step_row(d: Decision) -> StepRow:
         message=answer.get("message") or "",
         directive=directive.get("content", "") if isinstance(directive, dict) else "",
         shadow_reason=shadow.get("reason", "") if isinstance(shadow, dict) else "",
+        progress="" if d.progress is None else json.dumps(d.progress, ensure_ascii=False),
+        duration_s=_since(d.at, getattr(d, "prev_at", None) or run_started),
+        kill=not d.action_name,
+        approval_status=approval.get("status", ""),
+        approval_by=approval.get("decided_by") or "",
+        local=answer.get("local") is True,
         retry_after_s=answer.get("retry_after_s"),
     )
+
+
+def _since(at: datetime, before: datetime | None) -> float | None:
+    return None if before is None else max(0.0, (at - before).total_seconds())
 
 
 @dataclass(frozen=True)
@@ -136,6 +156,25 @@ def banner(run: Run) -> Banner | None:
                   next_action=next_action, output=run.output, ended_at=run.ended_at)
 
 
+@dataclass(frozen=True)
+class ShadowSummary:
+    step: int
+    reason: str
+    message: str
+    count: int  # checks a shadow policy would have stopped
+
+
+def shadow_summary(run: Run) -> ShadowSummary | None:
+    """In shadow mode, where the run would have been stopped, had the policy enforced."""
+    would = run.decisions.filter(outcome="would_stop")
+    first = would.order_by("id").only("step", "answer").first()
+    if first is None:
+        return None
+    shadow = first.answer.get("shadow") or {}
+    return ShadowSummary(step=first.step, reason=shadow.get("reason", ""),
+                         message=shadow.get("message", ""), count=would.count())
+
+
 def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
     """The context of every live partial of the run page except the timeline rows."""
     doc = run.policy_version.document
@@ -144,22 +183,31 @@ def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
         "policy_doc": doc,
         "counters": counters(run, now),
         "banner": banner(run),
+        "shadow": shadow_summary(run) if doc.get("mode") == "shadow" else None,
         "elapsed": elapsed_s(run, now),
     }
 
 
-def overview_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
-    """The context of the overview's live partials."""
+def overview_context(team: Team, now: datetime | None = None, *, range_key: str = ""
+                     ) -> dict[str, Any]:
+    """The context of the overview's live partials, over one of dashboard.CHART_RANGES."""
     from runs.dashboard.charts import activity_chart
 
     now = now or timezone.now()
+    span = dashboard.chart_range(range_key)
+    since = now - dashboard.RANGES[span.key]
     running, running_count = dashboard.running_runs(team)
+    agents = dashboard.agent_breakdown(team, since=since)
     return {
         "team": team,
         "running": running,
         "running_count": running_count,
-        "chart": activity_chart(dashboard.hourly_activity(team, now=now)),
-        "loops": dashboard.top_loops(team, since=now - timedelta(hours=24)),
+        "span": span,
+        "ranges": list(dashboard.CHART_RANGES.values()),
+        "chart": activity_chart(dashboard.hourly_activity(team, now=now, span=span)),
+        "loops": dashboard.top_loops(team, since=since),
+        "agents": agents,
+        "would_stop": dashboard.would_stop_count(team, since=since),
         "rate_limited": dashboard.rate_limited(team, since=now - timedelta(hours=24)),
         "switches": dashboard.switches_covering(team),
         "now": now,
@@ -172,8 +220,94 @@ def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, An
         "team": team,
         "filters": filters,
         "page": page,
-        "runs": list(page.object_list),
-        "prev_query": filters.query(page=page.previous_page_number())
-        if page.has_previous() else None,
-        "next_query": filters.query(page=page.next_page_number()) if page.has_next() else None,
+        "runs": page.runs,
+        "first_query": filters.query(after="") if filters.after else None,
+        "next_query": filters.query(after=page.next_after) if page.next_after else None,
     }
+
+
+def killswitch_context(team: Team) -> dict[str, Any]:
+    """The kill switch page's live parts: what is engaged and what may still be engaged."""
+    from runs.killswitch.services import engaged_for_team
+    from runs.models import Scope
+
+    engaged = engaged_for_team(team)
+    return {
+        "team": team,
+        "engaged": engaged,
+        # The whole team is already stopped: offering to stop it again would only confuse.
+        "team_engaged": any(s.scope == Scope.TEAM for s in engaged),
+        "engaged_agents": sorted(s.agent for s in engaged if s.scope == Scope.AGENT),
+        "agents": dashboard.agents_of(team),
+        "running": Run.objects.filter(team=team, status="running").count(),
+        "agent_pattern": rules.AGENT_NAME_PATTERN,
+    }
+
+
+# --- Approvals (SPEC 11) ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ApprovalCard:
+    id: str
+    status: str
+    action: str
+    action_type: str
+    args_preview: str
+    args_full: str
+    args_cut: bool
+    run_id: str
+    agent: str
+    task: str
+    step: int
+    pattern: str
+    requested_at: datetime
+    expires_at: datetime
+    seconds_left: int
+    decided_at: datetime | None
+    decided_by: str
+    note: str
+    final_message: str
+
+
+def approval_card(approval: Any, now: datetime | None = None) -> ApprovalCard:
+    """One request as the approvals page and the run page show it (args as audited, so
+    already redacted)."""
+    now = now or timezone.now()
+    args_json = json.dumps(approval.args or {}, ensure_ascii=False, sort_keys=True)
+    full = json.dumps(approval.args or {}, ensure_ascii=False, indent=2, sort_keys=True)
+    final = approval.decision or {}
+    return ApprovalCard(
+        id=str(approval.pk), status=approval.status, action=approval.action_name,
+        action_type=approval.action_type, args_preview=_cut(args_json, ARGS_PREVIEW_CHARS),
+        args_full=_cut(full, ARGS_FULL_CHARS), args_cut=len(args_json) > ARGS_PREVIEW_CHARS,
+        run_id=str(approval.run_id), agent=approval.run.agent,
+        task=_cut(approval.run.task or "", SUMMARY_CHARS), step=approval.step,
+        pattern=approval.pattern, requested_at=approval.requested_at,
+        expires_at=approval.expires_at,
+        seconds_left=max(0, int((approval.expires_at - now).total_seconds())),
+        decided_at=approval.decided_at, decided_by=approval.decided_by_label,
+        note=approval.note, final_message=final.get("message") or "",
+    )
+
+
+def approvals_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
+    """The approvals page's live partials: pending first (soonest expiry first), then the
+    latest decided. Looking settles what is past its expiry (SPEC 11)."""
+    from runs.approvals.services import approvals_for_team, settle_due_for_team
+
+    now = now or timezone.now()
+    settle_due_for_team(team, now=now)
+    cards = [approval_card(a, now) for a in approvals_for_team(team, limit=50)]
+    pending = [c for c in cards if c.status == "pending"]
+    return {"team": team, "pending": pending, "decided": [c for c in cards if c not in pending],
+            "approvals_pending": len(pending), "now": now}
+
+
+def run_approval_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
+    """The run page's pending banner: the request the run waits for, if any."""
+    from runs.approvals.services import pending_for_run, settle_if_due
+
+    pending = pending_for_run(run) if run.status == "running" else None
+    if pending is not None and settle_if_due(pending, now=now):
+        pending = None
+    return {"approval": approval_card(pending, now) if pending is not None else None}

@@ -6,18 +6,21 @@ rows by passing the wrong id.
 
 from __future__ import annotations
 
+import re
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any
+from urllib.parse import urlencode
 
 from django.conf import settings
-from django.core.paginator import Page, Paginator
-from django.db.models import Count, Max
-from django.db.models.functions import TruncHour
+from django.db.models import Avg, Count, Exists, Max, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.functions import TruncDay, TruncHour, TruncMinute
 from django.utils import timezone
+from governance_client.rules import WOULD_STOP
 
 from policies.models import Policy, Team
-from runs.audit.selectors import decisions_of
 from runs.check.abandon import abandon_idle_runs
 from runs.check.rate_limits import prune_hits_now_and_then
 from runs.killswitch import cover
@@ -26,6 +29,26 @@ from runs.models import Decision, KillSwitch, Run, RunStatus
 RUN_STATUSES = tuple(RunStatus.values)
 TERMINAL_STOPS = (RunStatus.STOPPED, RunStatus.KILLED)
 RUNS_PER_PAGE = 25
+# Counting every run of a big team costs as much as listing them all; past this the list
+# says "10,000+".
+COUNT_CAP = 10_000
+
+# Time ranges offered by the runs list and the overview: name -> length.
+RANGES: dict[str, timedelta] = {
+    "1h": timedelta(hours=1),
+    "24h": timedelta(hours=24),
+    "7d": timedelta(days=7),
+    "30d": timedelta(days=30),
+}
+# Sort orders: name -> (column, descending). The run id breaks ties, so a page boundary is
+# exact (keyset paging: the next page starts after the last row's (value, id)).
+SORTS: dict[str, tuple[str, bool]] = {
+    "newest": ("started_at", True),
+    "oldest": ("started_at", False),
+    "steps": ("steps", True),
+    "cost": ("cost_usd", True),
+}
+HEX = re.compile(r"[0-9a-f]{4,32}")
 
 
 @dataclass(frozen=True)
@@ -33,56 +56,161 @@ class RunFilters:
     status: str = ""
     agent: str = ""
     stop_reason: str = ""
-    page: int = 1
+    q: str = ""  # run id (or its first characters), task text or external id
+    since: str = ""  # a key of RANGES, or "" for all time
+    sort: str = "newest"
+    would_stop: bool = False  # only runs a shadow policy would have stopped
+    after: str = ""  # keyset cursor: the last row of the previous page
 
     @classmethod
     def from_query(cls, query: Any) -> RunFilters:
         status = query.get("status", "")
-        try:
-            page = max(1, int(query.get("page") or 1))
-        except ValueError:
-            page = 1
+        since = query.get("since", "")
+        sort = query.get("sort", "")
         return cls(
             status=status if status in RUN_STATUSES else "",
             agent=(query.get("agent") or "")[:100],
             stop_reason=(query.get("stop_reason") or "")[:50],
-            page=page,
+            q=(query.get("q") or "").strip()[:200],
+            since=since if since in RANGES else "",
+            sort=sort if sort in SORTS else "newest",
+            would_stop=query.get("would_stop") in ("1", "on", "true"),
+            after=(query.get("after") or "")[:200],
         )
 
-    def query(self, *, page: int | None = None) -> str:
+    def query(self, *, after: str | None = None) -> str:
         """The query string of these filters (for links and the stream URL)."""
-        from urllib.parse import urlencode
-
         pairs = [("status", self.status), ("agent", self.agent),
-                 ("stop_reason", self.stop_reason)]
-        number = self.page if page is None else page
-        if number > 1:
-            pairs.append(("page", str(number)))
+                 ("stop_reason", self.stop_reason), ("q", self.q), ("since", self.since),
+                 ("sort", "" if self.sort == "newest" else self.sort),
+                 ("would_stop", "1" if self.would_stop else ""),
+                 ("after", self.after if after is None else after)]
         return urlencode([(k, v) for k, v in pairs if v])
 
 
-def runs_page(team: Team, filters: RunFilters) -> Page:
-    abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
-    runs = Run.objects.filter(team=team).select_related("policy_version__policy")
+@dataclass(frozen=True)
+class RunsPage:
+    runs: list[Run]
+    next_after: str | None  # the cursor of the next page, None on the last one
+    count: int  # matching runs, at most COUNT_CAP + 1
+    capped: bool
+
+
+def would_stop_q() -> Exists:
+    return Exists(Decision.objects.filter(run=OuterRef("pk"), outcome=WOULD_STOP))
+
+
+def _matching(team: Team, filters: RunFilters, now: datetime) -> QuerySet[Run]:
+    runs = Run.objects.filter(team=team)
     if filters.status:
         runs = runs.filter(status=filters.status)
     if filters.agent:
         runs = runs.filter(agent=filters.agent)
     if filters.stop_reason:
         runs = runs.filter(stop_reason=filters.stop_reason)
-    paginator = Paginator(runs.order_by("-started_at", "-pk"), RUNS_PER_PAGE)
-    return paginator.get_page(filters.page)
+    if filters.since:
+        runs = runs.filter(started_at__gte=now - RANGES[filters.since])
+    if filters.q:
+        runs = runs.filter(_search_q(filters.q))
+    if filters.would_stop:
+        runs = runs.filter(would_stop_q())
+    return runs
 
 
-def run_filter_choices(team: Team) -> dict[str, list[str]]:
+def _search_q(text: str) -> Q:
+    try:
+        return Q(pk=uuid.UUID(text))
+    except ValueError:
+        pass
+    found = Q(task__icontains=text) | Q(external_id=text)
+    bare = text.lower().replace("-", "")
+    if HEX.fullmatch(bare):
+        found |= Q(pk__startswith=bare)  # the 8 characters the list shows
+    return found
+
+
+def _cursor(run: Run, column: str) -> str:
+    value = getattr(run, column)
+    raw = value.isoformat() if isinstance(value, datetime) else str(value)
+    return f"{raw}~{run.pk}"
+
+
+def _after(column: str, descending: bool, cursor: str) -> Q | None:
+    """Rows strictly after the cursor's (value, id) in the sort order; None if unreadable."""
+    raw, _, pk = cursor.rpartition("~")
+    try:
+        run_id = uuid.UUID(pk)
+        value: Any = (datetime.fromisoformat(raw) if column == "started_at"
+                      else int(raw) if column == "steps" else Decimal(raw))
+    except (ValueError, ArithmeticError):
+        return None
+    op = "lt" if descending else "gt"
+    # "value <= v AND (value < v OR id < pk)": the first half is a plain range on the
+    # (team, value) index, which the planner walks in order; the OR alone would make it
+    # merge two index lookups and sort the whole team's rows.
+    return Q(**{f"{column}__{op}e": value}) & (
+        Q(**{f"{column}__{op}": value}) | Q(**{f"pk__{op}": run_id}))
+
+
+def page_rows(team: Team, filters: RunFilters, *, now: datetime | None = None
+              ) -> QuerySet[Run]:
+    """The rows of one page and the ones after it, in order (slice it: RUNS_PER_PAGE + 1)."""
+    rows = _matching(team, filters, now or timezone.now())
+    column, descending = SORTS[filters.sort]
+    if filters.after and (after := _after(column, descending, filters.after)) is not None:
+        rows = rows.filter(after)
+    order = [f"-{column}", "-pk"] if descending else [column, "pk"]
+    # prefetch, not a join: the page query stays on runs_run alone, whose index gives the order.
+    return (rows.prefetch_related("policy_version__policy").annotate(
+        shadow_step=Subquery(_first_would_stop().values("step")[:1]),
+        shadow_reason=Subquery(_first_would_stop().values("answer__shadow__reason")[:1]),
+    ).order_by(*order))
+
+
+def runs_page(team: Team, filters: RunFilters, *, now: datetime | None = None) -> RunsPage:
+    """One page of runs, by keyset: the query reads the next RUNS_PER_PAGE + 1 rows of an
+    index range, whatever the page, so the 4,000th page costs what the first does; the
+    count stops at COUNT_CAP."""
+    now = now or timezone.now()
+    abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
+    found = list(page_rows(team, filters, now=now)[:RUNS_PER_PAGE + 1])
+    runs, more = found[:RUNS_PER_PAGE], len(found) > RUNS_PER_PAGE
+    count = _matching(team, filters, now).order_by()[:COUNT_CAP + 1].count()
+    column = SORTS[filters.sort][0]
+    return RunsPage(runs=runs, next_after=_cursor(runs[-1], column) if more else None,
+                    count=min(count, COUNT_CAP), capped=count > COUNT_CAP)
+
+
+def _first_would_stop() -> QuerySet[Decision]:
+    return Decision.objects.filter(run=OuterRef("pk"), outcome=WOULD_STOP).order_by("id")
+
+
+def run_filter_choices(team: Team) -> dict[str, Any]:
+    # order_by() on the column itself: Run.Meta.ordering would otherwise add started_at to
+    # the SELECT DISTINCT and yield one option per run instead of one per value.
     runs = Run.objects.filter(team=team)
     return {
         "statuses": list(RUN_STATUSES),
-        "agents": sorted(runs.values_list("agent", flat=True).distinct()),
-        "stop_reasons": sorted(
-            runs.exclude(stop_reason__isnull=True).values_list("stop_reason", flat=True).distinct()
+        "agents": list(runs.order_by("agent").values_list("agent", flat=True).distinct()),
+        "stop_reasons": list(
+            runs.exclude(stop_reason__isnull=True).order_by("stop_reason")
+            .values_list("stop_reason", flat=True).distinct()
         ),
+        "ranges": [("", "any time"), ("1h", "last hour"), ("24h", "last 24 hours"),
+                   ("7d", "last 7 days"), ("30d", "last 30 days")],
+        "sorts": [("newest", "newest first"), ("oldest", "oldest first"),
+                  ("steps", "most steps"), ("cost", "most cost")],
     }
+
+
+def agents_of(team: Team, *, limit: int = 200) -> list[str]:
+    """The agent names this team has run, for pickers and the unknown-name warning."""
+    return list(Run.objects.filter(team=team).order_by("agent")
+                .values_list("agent", flat=True).distinct()[:limit])
+
+
+def agent_seen(team: Team, agent: str) -> bool:
+    return Run.objects.filter(team=team, agent=agent).exists()
 
 
 def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
@@ -97,43 +225,132 @@ def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
 
 
 @dataclass(frozen=True)
+class ChartRange:
+    key: str
+    label: str  # "Last 24 hours"
+    bucket: timedelta  # one bar
+    trunc: type[TruncMinute] | type[TruncHour] | type[TruncDay]  # what SQL groups by
+    tick: str  # strftime of an x-axis label
+    tick_every: int  # a label every so many bars
+
+
+CHART_RANGES: dict[str, ChartRange] = {
+    "1h": ChartRange("1h", "Last hour", timedelta(minutes=5), TruncMinute, "%H:%M", 2),
+    "24h": ChartRange("24h", "Last 24 hours", timedelta(hours=1), TruncHour, "%H:00", 3),
+    "7d": ChartRange("7d", "Last 7 days", timedelta(hours=6), TruncHour, "%a %H:00", 4),
+    "30d": ChartRange("30d", "Last 30 days", timedelta(days=1), TruncDay, "%b %d", 5),
+}
+DEFAULT_RANGE = "24h"
+
+
+def chart_range(key: str | None) -> ChartRange:
+    return CHART_RANGES.get(key or "", CHART_RANGES[DEFAULT_RANGE])
+
+
+@dataclass(frozen=True)
 class HourlyActivity:
-    hours: list[datetime]  # the start of each hour bucket, oldest first
+    """Runs started and stopped per bucket (an hour for the default range)."""
+
+    hours: list[datetime]  # the start of each bucket, oldest first
     started: list[int]
-    stops: dict[str, list[int]]  # stop reason -> count per hour
+    stops: dict[str, list[int]]  # stop reason -> count per bucket
+    tick: str = "%H:00"
+    tick_every: int = 3
 
 
-def hourly_activity(team: Team, *, now: datetime | None = None, hours: int = 24
-                    ) -> HourlyActivity:
-    """Runs started and runs stopped (by reason) per hour over the last ``hours`` hours."""
+def _bucket_start(moment: datetime, bucket: timedelta) -> datetime:
+    day = moment.replace(hour=0, minute=0, second=0, microsecond=0)
+    return day + bucket * ((moment - day) // bucket)
+
+
+def hourly_activity(team: Team, *, now: datetime | None = None, hours: int = 24,
+                    span: ChartRange | None = None) -> HourlyActivity:
+    """Runs started and runs stopped (by reason) per bucket over the range. SQL groups by the
+    truncated time (at most a few hundred rows); Python folds those into the range's bars."""
     now = now or timezone.now()
-    last = now.replace(minute=0, second=0, microsecond=0)
-    buckets = [last - timedelta(hours=hours - 1 - i) for i in range(hours)]
+    span = span or CHART_RANGES[DEFAULT_RANGE]
+    count = round(RANGES[span.key] / span.bucket)
+    last = _bucket_start(now, span.bucket)
+    buckets = [last - span.bucket * (count - 1 - i) for i in range(count)]
     index = {b: i for i, b in enumerate(buckets)}
     since = buckets[0]
-    started = [0] * hours
+    started = [0] * count
     for row in (Run.objects.filter(team=team, started_at__gte=since)
-                .annotate(h=TruncHour("started_at")).values("h").annotate(n=Count("pk"))):
-        if row["h"] in index:
-            started[index[row["h"]]] += row["n"]
+                .annotate(h=span.trunc("started_at")).values("h").annotate(n=Count("pk"))):
+        if (i := index.get(_bucket_start(row["h"], span.bucket))) is not None:
+            started[i] += row["n"]
     stops: dict[str, list[int]] = {}
     for row in (Run.objects.filter(team=team, ended_at__gte=since, status__in=TERMINAL_STOPS)
                 .exclude(stop_reason__isnull=True)
-                .annotate(h=TruncHour("ended_at")).values("h", "stop_reason")
+                .annotate(h=span.trunc("ended_at")).values("h", "stop_reason")
                 .annotate(n=Count("pk"))):
-        if row["h"] in index:
-            stops.setdefault(row["stop_reason"], [0] * hours)[index[row["h"]]] += row["n"]
-    return HourlyActivity(hours=buckets, started=started, stops=dict(sorted(stops.items())))
+        if (i := index.get(_bucket_start(row["h"], span.bucket))) is not None:
+            stops.setdefault(row["stop_reason"], [0] * count)[i] += row["n"]
+    return HourlyActivity(hours=buckets, started=started, stops=dict(sorted(stops.items())),
+                          tick=span.tick, tick_every=span.tick_every)
 
 
-def top_loops(team: Team, *, since: datetime, limit: int = 5) -> list[dict[str, Any]]:
-    """The repeat keys most often stopped as loops: which tools agents get stuck on."""
+@dataclass(frozen=True)
+class LoopVariant:
+    repeat_key: str
+    args: Any  # the (redacted) args of its latest stop
+    stops: int
+    runs: int
+    last: datetime
+
+
+@dataclass(frozen=True)
+class LoopingTool:
+    tool: str
+    stops: int
+    runs: int
+    last: datetime
+    variants: list[LoopVariant]
+
+
+def top_loops(team: Team, *, since: datetime, limit: int = 5, variants: int = 5
+              ) -> list[LoopingTool]:
+    """The tools most often stopped as loops, each with the argument variants (repeat keys)
+    it looped on folded under it."""
+    stops = Decision.objects.filter(run__team=team, reason="loop_detected", at__gte=since,
+                                    outcome__in=("stop", WOULD_STOP)).exclude(repeat_key="")
+    tools = list(stops.values("action_name")
+                 .annotate(stops=Count("pk"), runs=Count("run", distinct=True), last=Max("at"))
+                 .order_by("-stops", "-last")[:limit])
+    rows = list(stops.filter(action_name__in=[t["action_name"] for t in tools])
+                .values("action_name", "repeat_key")
+                .annotate(stops=Count("pk"), runs=Count("run", distinct=True), last=Max("at"),
+                          latest=Max("id"))
+                .order_by("-stops", "-last"))
+    args = dict(Decision.objects.filter(pk__in=[r["latest"] for r in rows])
+                .values_list("pk", "args"))
+    return [
+        LoopingTool(tool=t["action_name"], stops=t["stops"], runs=t["runs"], last=t["last"],
+                    variants=[LoopVariant(r["repeat_key"], args.get(r["latest"]), r["stops"],
+                                          r["runs"], r["last"])
+                              for r in rows if r["action_name"] == t["action_name"]][:variants])
+        for t in tools
+    ]
+
+
+def would_stop_count(team: Team, *, since: datetime) -> int:
+    """Runs started in the range that a shadow policy would have stopped."""
+    return Run.objects.filter(team=team, started_at__gte=since).filter(would_stop_q()).count()
+
+
+def agent_breakdown(team: Team, *, since: datetime, limit: int = 20) -> list[dict[str, Any]]:
+    """Per agent over the range: runs by outcome, shadow would-stops, spend, mean steps."""
+    def n(**match: Any) -> Count:
+        return Count("pk", filter=Q(**match))
+
     return list(
-        Decision.objects.filter(run__team=team, reason="loop_detected", at__gte=since)
-        .exclude(repeat_key="")
-        .values("action_name", "repeat_key")
-        .annotate(stops=Count("pk"), runs=Count("run", distinct=True), last=Max("at"))
-        .order_by("-stops", "-last")[:limit]
+        Run.objects.filter(team=team, started_at__gte=since).annotate(ws=would_stop_q())
+        .values("agent")
+        .annotate(runs=Count("pk"), running=n(status="running"), completed=n(status="completed"),
+                  stopped=n(status="stopped"), killed=n(status="killed"),
+                  failed=n(status="failed"), would_stop=n(ws=True), cost=Sum("cost_usd"),
+                  steps=Avg("steps"))
+        .order_by("-runs", "agent")[:limit]
     )
 
 
@@ -162,9 +379,40 @@ def switches_covering(team: Team) -> list[KillSwitch]:
                 .order_by("engaged_at"))
 
 
-def timeline(run: Run, *, after: int = 0, limit: int = 2000) -> list[Decision]:
-    """The run page's decisions: the API's read, with a page's longer limit."""
-    return list(decisions_of(run, after=after, limit=limit))
+TIMELINE_PAGE = 50
+
+
+def flagged_q() -> Q:
+    """Stops, shadow would-stops and nudges: what "stops and warnings only" keeps."""
+    return ~Q(outcome="allow") | Q(answer__directive__type__isnull=False)
+
+
+def _timeline_rows(run: Run, *, flagged: bool) -> QuerySet[Decision]:
+    # The API's read (runs.audit.selectors.decisions_of: the run's decisions by id) with what
+    # only the page needs: the filter and each step's previous decision time.
+    rows = run.decisions.all()
+    if flagged:
+        rows = rows.filter(flagged_q())
+    # The previous decision of the run (shown or not): a step's duration is the time from it.
+    previous = Decision.objects.filter(run=OuterRef("run"), id__lt=OuterRef("id"))
+    return rows.annotate(prev_at=Subquery(previous.order_by("-id").values("at")[:1]))
+
+
+def timeline(run: Run, *, after: int = 0, limit: int = 2000, flagged: bool = False
+             ) -> list[Decision]:
+    """Decisions after ``after``, oldest first (the stream's new rows)."""
+    return list(_timeline_rows(run, flagged=flagged).filter(id__gt=after).order_by("id")[:limit])
+
+
+def timeline_page(run: Run, *, before: int | None = None, flagged: bool = False,
+                  size: int = TIMELINE_PAGE) -> tuple[list[Decision], bool]:
+    """The ``size`` decisions before ``before`` (default: the last ones), oldest first, and
+    whether there are earlier ones: a long run's page shows its end, earlier steps on demand."""
+    rows = _timeline_rows(run, flagged=flagged)
+    if before is not None:
+        rows = rows.filter(id__lt=before)
+    found = list(rows.order_by("-id")[:size + 1])
+    return found[:size][::-1], len(found) > size
 
 
 def running_on_old_versions(team: Team, policy: Policy) -> int:

@@ -30,12 +30,24 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
 from django.db import DatabaseError, close_old_connections, connections
 from django.http import HttpRequest, StreamingHttpResponse
+from django.middleware.csrf import get_token
 from django.template.loader import render_to_string
+from django.urls import reverse
 
+from policies.access import controls
 from policies.models import Team
+from runs.approvals.services import pending_count
 from runs.check.abandon import abandon_if_idle
-from runs.dashboard.presenters import overview_context, run_context, runs_list_context, step_row
-from runs.dashboard.selectors import RunFilters, timeline
+from runs.dashboard.presenters import (
+    approvals_context,
+    killswitch_context,
+    overview_context,
+    run_approval_context,
+    run_context,
+    runs_list_context,
+    step_row,
+)
+from runs.dashboard.selectors import DEFAULT_RANGE, RunFilters, timeline
 from runs.live.events import wakeups
 from runs.models import Run
 
@@ -79,12 +91,48 @@ class Partials:
 
 
 class Source(ABC):
-    """What one screen streams. ``frames`` returns what changed since its last call."""
+    """What one screen streams. ``frames`` returns what changed since its last call.
 
+    Besides its own partials, every source streams the layout's live parts (the kill switch
+    banner with its release forms) as the ``chrome`` event, whose HTML swaps out of band
+    into the banner's slot, so a control never outlives the state that offered it.
+    """
+
+    request: HttpRequest
+    team: Team
     team_id: int
+    page_path: str  # the page the stream serves: where the banner's forms come back to
+    partials: Partials
 
     @abstractmethod
     def frames(self) -> list[Frame]: ...
+
+    def layout(self) -> dict[str, Any]:
+        """What the page layout gives every template: the team and what the role may do."""
+        role = getattr(self.request, "role", None)
+        # One CSRF token for the whole stream: Django masks the token afresh on every render,
+        # which would make every look a change and re-send (and re-swap) every form.
+        if getattr(self, "_csrf_token", None) is None:
+            self._csrf_token = get_token(self.request)
+        return {"team": self.team, "role": role, **controls(role), "page_path": self.page_path,
+                "live": True, "csrf_token": self._csrf_token}
+
+    def render(self, names: tuple[str, ...], context: dict[str, Any]) -> list[Frame]:
+        """The changed ones of these live partials (``run-header`` is runs/_run_header.html),
+        plus the layout's chrome."""
+        context = {**context, **self.layout()}
+        rendered = {
+            name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
+                                   request=self.request)
+            for name in names
+        }
+        rendered["chrome"] = render_to_string("runs/_killswitch_banner.html",
+                                              {**context, "oob": True}, request=self.request)
+        # The navigation's count of pending approvals (SPEC 11), an out-of-band swap too.
+        rendered["approvals-count"] = render_to_string(
+            "runs/_approvals_count.html", {"approvals_pending": pending_count(self.team)},
+            request=self.request)
+        return self.partials.changed(rendered)
 
     def finished(self) -> bool:
         """True when nothing on the screen can change any more: the stream says "end"."""
@@ -182,15 +230,17 @@ def last_event_id(request: HttpRequest) -> int:
     return 0
 
 
-# --- The three live screens --------------------------------------------------------------------
+# --- The live screens ---------------------------------------------------------------------------
 
 class RunSource(Source):
     """The run page: new timeline rows (with their decision id as the event id) and the
     header, counters and stop banner whenever they change."""
 
-    def __init__(self, request: HttpRequest, team: Team, run_id: Any, after: int):
+    def __init__(self, request: HttpRequest, team: Team, run_id: Any, after: int, *,
+                 flagged: bool = False):
         self.request, self.team, self.team_id = request, team, team.pk
-        self.run_id, self.after = run_id, after
+        self.run_id, self.after, self.flagged = run_id, after, flagged
+        self.page_path = reverse("runs:run", args=[team.slug, run_id])
         self.partials = Partials()
         self._finished = False
 
@@ -203,17 +253,14 @@ class RunSource(Source):
             return []
         run = abandon_if_idle(run)  # SPEC 14: a watched run past its deadline ends on screen
         frames = []
-        for decision in timeline(run, after=self.after):
-            html = render_to_string("runs/_step_row.html", {"row": step_row(decision)},
+        for decision in timeline(run, after=self.after, flagged=self.flagged):
+            html = render_to_string("runs/_step_row.html",
+                                    {"row": step_row(decision, run.started_at)},
                                     request=self.request)
             frames.append(Frame("step", html, id=decision.pk))
             self.after = decision.pk
-        context = {**run_context(run), "team": self.team}
-        frames += self.partials.changed({
-            name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
-                                   request=self.request)
-            for name in ("run-header", "run-counters", "run-banner")
-        })
+        frames += self.render(("run-header", "run-controls", "run-counters", "run-banner",
+                               "run-approval"), {**run_context(run), **run_approval_context(run)})
         self._finished = run.finished_at is not None
         return frames
 
@@ -222,29 +269,65 @@ class RunSource(Source):
 
 
 class OverviewSource(Source):
-    def __init__(self, request: HttpRequest, team: Team):
+    def __init__(self, request: HttpRequest, team: Team, range_key: str = ""):
         self.request, self.team, self.team_id = request, team, team.pk
+        self.range_key = range_key
+        self.page_path = reverse("runs:overview", args=[team.slug]) + (
+            f"?range={range_key}" if range_key and range_key != DEFAULT_RANGE else "")
         self.partials = Partials()
 
     def frames(self) -> list[Frame]:
-        context = overview_context(self.team)
-        return self.partials.changed({
-            name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
-                                   request=self.request)
-            for name in ("overview-running", "overview-chart", "overview-switches",
-                         "overview-loops", "overview-rate-limited")
-        })
+        return self.render(("overview-running", "overview-chart", "overview-switches",
+                            "overview-loops", "overview-agents", "overview-rate-limited"),
+                           overview_context(self.team, range_key=self.range_key))
 
 
 class RunsListSource(Source):
     def __init__(self, request: HttpRequest, team: Team, filters: RunFilters):
         self.request, self.team, self.team_id = request, team, team.pk
         self.filters = filters
+        query = filters.query()
+        self.page_path = reverse("runs:runs", args=[team.slug]) + (f"?{query}" if query else "")
         self.partials = Partials()
 
     def frames(self) -> list[Frame]:
-        context = runs_list_context(self.team, self.filters)
-        return self.partials.changed({
-            "runs-table": render_to_string("runs/_runs_table.html", context,
-                                           request=self.request)
-        })
+        return self.render(("runs-table",), runs_list_context(self.team, self.filters))
+
+
+class KillSwitchSource(Source):
+    """The team's kill switch page: what is engaged and which engage controls are offered."""
+
+    def __init__(self, request: HttpRequest, team: Team):
+        self.request, self.team, self.team_id = request, team, team.pk
+        self.page_path = reverse("runs:killswitch", args=[team.slug])
+        self.partials = Partials()
+
+    def frames(self) -> list[Frame]:
+        return self.render(("killswitch-engaged", "killswitch-engage"),
+                           killswitch_context(self.team))
+
+
+class TeamSource(Source):
+    """Any other team page (policies, keys, audit, a finished run): only the chrome."""
+
+    def __init__(self, request: HttpRequest, team: Team, page_path: str):
+        self.request, self.team, self.team_id = request, team, team.pk
+        # Only a path of this site goes back into a form (and the POST checks it again).
+        ok = page_path.startswith("/") and not page_path.startswith("//")
+        self.page_path = page_path if ok else reverse("runs:overview", args=[team.slug])
+        self.partials = Partials()
+
+    def frames(self) -> list[Frame]:
+        return self.render((), {})
+
+
+class ApprovalsSource(Source):
+    """The approvals page: the list (pending first), besides the layout's live parts."""
+
+    def __init__(self, request: HttpRequest, team: Team):
+        self.request, self.team, self.team_id = request, team, team.pk
+        self.page_path = reverse("runs:approvals", args=[team.slug])
+        self.partials = Partials()
+
+    def frames(self) -> list[Frame]:
+        return self.render(("approvals-list",), approvals_context(self.team))

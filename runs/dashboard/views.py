@@ -17,6 +17,7 @@ from runs.dashboard.stream import (
     OverviewSource,
     RunsListSource,
     RunSource,
+    TeamSource,
     last_event_id,
     sse_response,
 )
@@ -25,13 +26,17 @@ from runs.dashboard.stream import (
 @team_view(Role.VIEWER)
 @require_safe
 def overview(request: HttpRequest, slug: str) -> HttpResponse:
-    return page(request, "runs/overview.html", presenters.overview_context(request.team))
+    range_key = dashboard.chart_range(request.GET.get("range")).key
+    return page(request, "runs/overview.html",
+                {**presenters.overview_context(request.team, range_key=range_key),
+                 "own_stream": True})
 
 
 @team_view(Role.VIEWER)
 @require_safe
 def overview_stream(request: HttpRequest, slug: str) -> StreamingHttpResponse:
-    return sse_response(request, OverviewSource(request, request.team))
+    range_key = dashboard.chart_range(request.GET.get("range")).key
+    return sse_response(request, OverviewSource(request, request.team, range_key))
 
 
 @team_view(Role.VIEWER)
@@ -41,10 +46,15 @@ def runs_list(request: HttpRequest, slug: str) -> HttpResponse:
     context = {
         **presenters.runs_list_context(request.team, filters),
         "choices": dashboard.run_filter_choices(request.team),
+        "own_stream": True,
     }
     if request.htmx and request.htmx.target == "runs-region":
-        # A filter or page change: only the region (table and its stream) is replaced.
-        return page(request, "runs/_runs_region.html", context)
+        # A filter or page change: only the region (table and its stream) is replaced, and
+        # the address bar gets the canonical query (no empty fields).
+        response = page(request, "runs/_runs_region.html", context)
+        query = filters.query()
+        response["HX-Push-Url"] = request.path + (f"?{query}" if query else "")
+        return response
     return page(request, "runs/list.html", context)
 
 
@@ -60,11 +70,42 @@ def runs_stream(request: HttpRequest, slug: str) -> StreamingHttpResponse:
 def run_detail(request: HttpRequest, slug: str, run_id: str) -> HttpResponse:
     run = selectors.run_for_team(request.team, run_id)
     now = timezone.now()
-    rows = [presenters.step_row(d) for d in dashboard.timeline(run)]
+    flagged = request.GET.get("only") == "flagged"
+    decisions, earlier = dashboard.timeline_page(run, before=_int(request.GET.get("before")),
+                                                 flagged=flagged)
+    rows = [presenters.step_row(d, run.started_at) for d in decisions]
+    # The stream resumes after the newest decision of the run, shown or filtered out.
+    last = run.decisions.order_by("-id").values_list("id", flat=True).first() or 0
     return page(request, "runs/run.html", {
         **presenters.run_context(run, now),
+        **presenters.run_approval_context(run, now),
         "rows": rows,
-        "after": rows[-1].id if rows else 0,
+        "flagged": flagged,
+        "earlier_before": rows[0].id if earlier and rows else None,
+        "after": last,
+        "own_stream": run.finished_at is None,
+    })
+
+
+def _int(raw: str | None) -> int | None:
+    try:
+        return max(0, int(raw)) if raw else None
+    except ValueError:
+        return None
+
+
+@team_view(Role.VIEWER)
+@require_safe
+def run_timeline(request: HttpRequest, slug: str, run_id: str) -> HttpResponse:
+    """Earlier timeline rows (htmx): the page before ``before``, with its own "earlier" row."""
+    run = selectors.run_for_team(request.team, run_id)
+    flagged = request.GET.get("only") == "flagged"
+    decisions, earlier = dashboard.timeline_page(run, before=_int(request.GET.get("before")),
+                                                 flagged=flagged)
+    rows = [presenters.step_row(d, run.started_at) for d in decisions]
+    return page(request, "runs/_timeline_rows.html", {
+        "run": run, "rows": rows, "flagged": flagged,
+        "earlier_before": rows[0].id if earlier and rows else None,
     })
 
 
@@ -73,4 +114,12 @@ def run_detail(request: HttpRequest, slug: str, run_id: str) -> HttpResponse:
 def run_stream(request: HttpRequest, slug: str, run_id: str) -> StreamingHttpResponse:
     run = selectors.run_for_team(request.team, run_id)
     return sse_response(request, RunSource(request, request.team, run.pk,
-                                           last_event_id(request)))
+                                           last_event_id(request),
+                                           flagged=request.GET.get("only") == "flagged"))
+
+
+@team_view(Role.VIEWER)
+@require_safe
+def team_stream(request: HttpRequest, slug: str) -> StreamingHttpResponse:
+    """The layout's live parts for a page without a stream of its own."""
+    return sse_response(request, TeamSource(request, request.team, request.GET.get("next", "")))

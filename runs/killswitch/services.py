@@ -10,15 +10,22 @@ is idempotent and may run any number of times.
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from functools import partial
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, connections, transaction
 from django.db.models import Q, QuerySet
+from django.db.models.fields.json import KT
 from django.utils import timezone
 
 from governance_client import rules
@@ -27,7 +34,7 @@ from policies.services import audit
 from runs.check.policy_cache import rules_for_version
 from runs.check.services import state_of
 from runs.killswitch import cover
-from runs.live.events import publish_run_event, publish_team_event
+from runs.live.events import publish_team_event
 from runs.models import Decision, KillSwitch, Run, Scope, WebhookDelivery
 from runs.webhooks.delivery import PENDING, payload_for
 
@@ -131,20 +138,133 @@ def _wake(team: Team | None) -> None:
         publish_team_event(team_id)
 
 
+def _run_fanout_here(switch_id: int) -> None:
+    """Mark the covered runs killed without a worker (the webhooks wait for one: the
+    deliveries stay pending until the fan-out task or the sweep starts them)."""
+    try:
+        killswitch_fanout(switch_id=switch_id)
+    except Exception:
+        log.exception("the fan-out of kill switch %s failed", switch_id)
+
+
 def _enqueue_fanout(switch_id: int) -> None:
+    """After the engage's commit. The embedded default runs the task eagerly, here (no
+    broker to wait for); with a broker, the publish is handed to a background thread, so an
+    engage returns once its commit is done whatever Redis is doing (SPEC 10)."""
     from runs.killswitch.tasks import killswitch_fanout_task
 
-    try:
-        killswitch_fanout_task.delay(switch_id)
-    except Exception:
-        # The switch is committed and every check already stops: a broker outage must not
-        # fail the engage. Mark the runs here instead; the webhooks wait for a worker.
-        log.exception("could not enqueue the fan-out of kill switch %s; running it here",
-                      switch_id)
+    if killswitch_fanout_task.app.conf.task_always_eager:
         try:
-            killswitch_fanout(switch_id=switch_id)
+            killswitch_fanout_task.delay(switch_id)
         except Exception:
-            log.exception("the fan-out of kill switch %s failed", switch_id)
+            log.exception("the fan-out task of kill switch %s failed; running it here",
+                          switch_id)
+            _run_fanout_here(switch_id)
+        return
+    fanout_publisher.submit(switch_id)
+
+
+class FanoutPublisher:
+    """Publishes kill-switch fan-out tasks from one thread of the process, off the request
+    path, with short broker timeouts, retrying with capped backoff while the broker is down.
+
+    The switch is committed before anything is submitted, and every check of a covered run
+    already stops (SPEC 4.5): the fan-out only marks runs, wakes screens and notifies
+    webhooks. If this process dies or gives up before the publish succeeds, the beat sweep
+    (`stale_work`, every minute) finds the switch without `fanout_done_at` and publishes it
+    again; running the fan-out twice is harmless.
+    """
+
+    CONNECT_TIMEOUT_S = 1.0
+    SOCKET_TIMEOUT_S = 1.0
+    GIVE_UP_AFTER_S = 600.0  # then the beat sweep takes over
+    MAX_DELAY_S = 5.0
+
+    def __init__(self) -> None:
+        self._reset()
+        # A forked child (granian and Celery workers) has none of the parent's threads.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: dict[int, float] = {}  # switch id -> when it was submitted
+        self._marked: set[int] = set()  # switches this thread already fanned out itself
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, switch_id: int) -> None:
+        with self._cond:
+            self._pending.setdefault(switch_id, time.monotonic())
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="killswitch-publish",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Wait until everything submitted was published (or given up on); False on
+        timeout. Called at exit, so that `manage.py killswitch engage` publishes its own."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._busy,
+                                       timeout=timeout)
+
+    def _loop(self) -> None:
+        delay = 0.25
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._pending))
+                batch, self._busy = dict(self._pending), True
+            failed = False
+            for switch_id, submitted in batch.items():
+                if self._publish(switch_id):
+                    done = True
+                else:
+                    failed = True
+                    if switch_id not in self._marked:
+                        # The broker is down: mark the runs from here meanwhile, so screens
+                        # and the API show them killed without waiting for it.
+                        self._marked.add(switch_id)
+                        _run_fanout_here(switch_id)
+                        connections.close_all()  # this thread's own connections
+                    done = time.monotonic() - submitted > self.GIVE_UP_AFTER_S
+                    if done:
+                        log.error("gave up publishing the fan-out of kill switch %s; the beat "
+                                  "sweep will start it", switch_id)
+                if done:
+                    with self._cond:
+                        self._pending.pop(switch_id, None)
+                    self._marked.discard(switch_id)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                if failed:
+                    # Sleeps only this thread; a new submission does not cut the wait short,
+                    # the broker being down for it too.
+                    self._cond.wait(timeout=delay)
+                    delay = min(self.MAX_DELAY_S, delay * 2)
+                else:
+                    delay = 0.25
+
+    def _publish(self, switch_id: int) -> bool:
+        from runs.killswitch.tasks import killswitch_fanout_task
+
+        try:
+            with killswitch_fanout_task.app.connection_for_write(
+                connect_timeout=self.CONNECT_TIMEOUT_S,
+                transport_options={"socket_timeout": self.SOCKET_TIMEOUT_S,
+                                   "socket_connect_timeout": self.CONNECT_TIMEOUT_S,
+                                   "max_retries": 0},
+            ) as conn:
+                killswitch_fanout_task.apply_async((switch_id,), connection=conn, retry=False)
+            return True
+        except Exception:
+            log.warning("could not publish the fan-out of kill switch %s (broker unreachable);"
+                        " retrying", switch_id, exc_info=True)
+            return False
+
+
+fanout_publisher = FanoutPublisher()
+atexit.register(fanout_publisher.flush)
 
 
 def covered_running(target: Target) -> QuerySet[Run]:
@@ -241,19 +361,26 @@ class FanoutResult:
     deliveries: list[int]  # deliveries this pass must start
 
 
-def _kill_answer(switch: KillSwitch, run: Run, state: rules.RunState, now: datetime
-                 ) -> dict[str, Any]:
+def _kill_answer(switch: KillSwitch, state: rules.RunState, limits: dict[str, Any],
+                 now: datetime) -> dict[str, Any]:
     """The audit record's answer, shaped like a check answer so screens show it the same."""
+    return {
+        **_answer_base(switch),
+        "step": state.steps,
+        "usage": state.usage(now),
+        "limits": limits,
+    }
+
+
+def _answer_base(switch: KillSwitch) -> dict[str, Any]:
+    """The part of a kill's answer that is the same for every run the switch kills."""
     return {
         "decision": rules.STOP,
         "reason": "killed",
-        "step": state.steps,
         "repeat_key": "",
         "repeat_count": 0,
         "message": f"Stopped by a kill switch: {cover.switch_in_words(switch)}.",
         "next_action": rules.NEXT_ACTION["killed"],
-        "usage": state.usage(now),
-        "limits": rules_for_version(run.policy_version_id).limits(),
         "directive": None,
         "shadow": None,
         "approval": None,
@@ -262,29 +389,144 @@ def _kill_answer(switch: KillSwitch, run: Run, state: rules.RunState, now: datet
     }
 
 
-def _kill_one(switch: KillSwitch, run_id: Any) -> str | None:
-    """Kill one run under its lock, the same lock the check takes, so a kill and a check of
-    the run never interleave. None when the run is already over (the idempotence)."""
+# Runs killed per transaction: big enough that 10,000 runs take a few round trips, small
+# enough that one batch holds its row locks (which checks of those runs wait for) briefly.
+FANOUT_BATCH = 1000
+
+# The run columns the audit record's answer needs (rules.RunState.usage, the policy's limits).
+_KILL_FIELDS = ("id", "team_id", "policy_version_id", "status", "stop_reason", "steps",
+                "tool_calls", "cost_usd", "started_at", "ended_at")
+
+# PostgreSQL: the runs locked by the batch's first statement killed by one UPDATE, and their
+# audit records written by one INSERT ... SELECT from its RETURNING, in one statement. The
+# answer is built in SQL from the same parts as _kill_answer: the switch's fixed part, the
+# run's usage (rules.RunState.usage: the run ended now, so elapsed is now - started_at,
+# rounded to the millisecond) and the limits of the run's policy version.
+_KILL_SQL = """
+WITH killed AS (
+    UPDATE runs_run r SET status = %(killed)s, stop_reason = 'killed', ended_at = %(now)s
+    WHERE r.id = ANY(%(ids)s::uuid[]) AND r.status = %(running)s
+    RETURNING r.id, r.policy_version_id, r.steps, r.tool_calls, r.cost_usd,
+              greatest(0, extract(epoch FROM %(now)s - r.started_at)) AS elapsed
+)
+INSERT INTO runs_decision (run_id, step, outcome, reason, action_name, action_type, args,
+    repeat_key, repeat_count, check_id, progress, last_result, cost_usd, answer, at,
+    elapsed_s)
+SELECT k.id, k.steps, %(stop)s, 'killed', '', '', NULL, '', 0, NULL, NULL, NULL, 0,
+    %(base)s::jsonb || jsonb_build_object(
+        'step', k.steps,
+        'usage', jsonb_build_object(
+            'steps', k.steps, 'tool_calls', k.tool_calls, 'cost_usd', k.cost_usd::float8,
+            'elapsed_s', round(k.elapsed, 3)::float8),
+        'limits', %(limits)s::jsonb -> k.policy_version_id::text),
+    %(now)s, k.elapsed::float8
+FROM killed k
+RETURNING run_id
+"""
+
+
+def _limits_of(version_ids: set[int]) -> dict[int, dict[str, Any]]:
+    return {pk: rules_for_version(pk).limits() for pk in version_ids}
+
+
+def _kill_batch(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:
+    """Kill up to FANOUT_BATCH covered running runs in one transaction: one locking read of
+    the runs, then one UPDATE of them all and one INSERT of all their audit records.
+
+    The runs are locked in id order, each with the same row lock a check takes before it
+    reads the switches, so a check racing the kill either committed before (the kill then
+    sees its new state) or waits and then finds the run killed. Every fan-out locks in the
+    same order, so two of them (a team and a global switch) never deadlock. A run a check or
+    another pass ended meanwhile is re-read under the lock (READ COMMITTED) and left out:
+    each run is killed at most once (every run the locking read returns is running and
+    stays so under the lock, so each batch kills all it locked). Returns (run id, team id)
+    of the runs killed; empty when nothing is left."""
     with transaction.atomic():
-        run = (Run.objects.select_for_update()
-               .only("id", "team_id", "policy_version_id", "status", "stop_reason", "steps",
-                     "tool_calls", "cost_usd", "started_at", "ended_at", "memory")
-               .filter(pk=run_id).first())
-        if run is None:
-            return None
-        now = timezone.now()
-        new = rules.kill(state_of(run), now=now)
+        if connection.vendor == "postgresql":
+            return _kill_batch_sql(switch, running)
+        return _kill_batch_orm(switch, running)
+
+
+def _settle_pending(switch: KillSwitch, run_ids: list[Any]) -> set[Any]:
+    """The batch's runs that wait for an approval (SPEC 11), already locked by the batch:
+    the kill cancels the approval, and the approval's final answer (stop / killed, at the
+    same step) is the kill's audit record. Rare, so one by one. Returns the ids settled."""
+    if not run_ids:
+        return set()
+    from runs.approvals.services import settle_locked
+
+    settled = set()
+    now = timezone.now()
+    for run in (Run.objects.filter(pk__in=run_ids)
+                .only("id", "team_id", "policy_version_id", "status", "stop_reason", "steps",
+                      "tool_calls", "cost_usd", "started_at", "ended_at", "memory")):
+        state = state_of(run)
+        if state.pending is not None and state.status == rules.RUNNING and settle_locked(
+                run=run, state=state, status=rules.CANCELLED, now=now,
+                kill=cover.switch_in_words(switch)) is not None:
+            settled.add(run.pk)
+    return settled
+
+
+def _locked_batch(running: QuerySet[Run]) -> list[tuple[Any, int, int, Any]]:
+    """Lock the batch: (id, team id, policy version id, pending approval or None)."""
+    return list(running.select_for_update().order_by("pk")
+                .annotate(pending=KT("memory__pending"))
+                .values_list("pk", "team_id", "policy_version_id", "pending")[:FANOUT_BATCH])
+
+
+def _kill_batch_sql(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:
+    rows = _locked_batch(running)
+    if not rows:
+        return []
+    settled = _settle_pending(switch, [pk for pk, _, _, pending in rows if pending])
+    locked = [(pk, team_id, version) for pk, team_id, version, _ in rows if pk not in settled]
+    if not locked:
+        return [(str(pk), team_id) for pk, team_id, _, _ in rows]
+    limits = _limits_of({version for _, _, version in locked})
+    teams = {pk: team_id for pk, team_id, _ in locked}
+    with connection.cursor() as cursor:
+        cursor.execute(_KILL_SQL, {
+            "ids": list(teams), "now": timezone.now(), "killed": rules.KILLED,
+            "running": rules.RUNNING, "stop": rules.STOP,
+            "base": json.dumps(_answer_base(switch)),
+            "limits": json.dumps({str(k): v for k, v in limits.items()}),
+        })
+        killed = [row[0] for row in cursor.fetchall()]
+    every = {pk: team_id for pk, team_id, _, _ in rows}
+    return [(str(pk), every[pk]) for pk in [*settled, *killed]]
+
+
+def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:
+    locked = _locked_batch(running)
+    if not locked:
+        return []
+    settled = _settle_pending(switch, [pk for pk, _, _, pending in locked if pending])
+    rows = list(Run.objects.filter(pk__in=[pk for pk, *_ in locked if pk not in settled])
+                .order_by("pk").only(*_KILL_FIELDS))
+    teams = {pk: team_id for pk, team_id, _, _ in locked}
+    now = timezone.now()
+    limits = _limits_of({run.policy_version_id for run in rows})
+    killed: list[Run] = []
+    decisions: list[Decision] = []
+    for run in rows:
+        new = rules.kill(rules.RunState(
+            started_at=run.started_at, status=run.status, stop_reason=run.stop_reason,
+            ended_at=run.ended_at, steps=run.steps, tool_calls=run.tool_calls,
+            cost_usd=Decimal(run.cost_usd)), now=now)
         if new is None:
-            return None
-        run.status, run.stop_reason, run.ended_at = new.status, new.stop_reason, new.ended_at
-        run.save(update_fields=["status", "stop_reason", "ended_at"])
-        Decision.objects.create(
-            run=run, step=new.steps, outcome=rules.STOP, reason="killed", action_name="",
-            action_type="", args=None, answer=_kill_answer(switch, run, new, now), at=now,
-            elapsed_s=new.elapsed_s(now),
-        )
-    publish_run_event(run)
-    return str(run.pk)
+            continue
+        killed.append(run)
+        decisions.append(Decision(
+            run_id=run.pk, step=new.steps, outcome=rules.STOP, reason="killed",
+            action_name="", action_type="", args=None,
+            answer=_kill_answer(switch, new, limits[run.policy_version_id], now), at=now,
+            elapsed_s=new.elapsed_s(now)))
+    if killed:
+        Run.objects.filter(pk__in=[run.pk for run in killed]).update(
+            status=rules.KILLED, stop_reason="killed", ended_at=now)
+        Decision.objects.bulk_create(decisions, batch_size=FANOUT_BATCH)
+    return [(str(pk), teams[pk]) for pk in [*settled, *(run.pk for run in killed)]]
 
 
 def killed_by(switch: KillSwitch, team: Team) -> list[str]:
@@ -324,9 +566,10 @@ def _ensure_deliveries(switch: KillSwitch, *, resume: bool) -> list[int]:
 
 
 def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
-    """Mark every running covered run ``killed`` (one audit record each), then create the
-    webhook deliveries. Safe to run any number of times, concurrently too: each run is
-    killed under its lock at most once, each delivery exists at most once."""
+    """Mark every running covered run ``killed`` (one audit record each), set-based in
+    batches (_kill_batch), then create the webhook deliveries. Safe to run any number of
+    times, concurrently too: each run is killed under its lock at most once, each delivery
+    exists at most once."""
     switch = KillSwitch.objects.filter(pk=switch_id).first()
     if switch is None:
         return None
@@ -334,8 +577,11 @@ def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
     if switch.released_at is not None:
         # Released before this pass ran: runs started after the release were never covered.
         running = running.filter(started_at__lt=switch.released_at)
-    killed = [pk for pk in (_kill_one(switch, run_id)
-                            for run_id in running.values_list("pk", flat=True)) if pk]
+    killed: list[str] = []
+    while batch := _kill_batch(switch, running):
+        killed += [pk for pk, _ in batch]
+        for team_id in sorted({team_id for _, team_id in batch}):
+            publish_team_event(team_id)  # one wake-up per team and batch, not per run
     deliveries = _ensure_deliveries(switch, resume=switch.fanout_done_at is None)
     return FanoutResult(killed=killed, deliveries=deliveries)
 

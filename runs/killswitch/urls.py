@@ -9,6 +9,7 @@ TEAM = "teams/<slug:slug>/"  # a team's pages are under its slug
 
 urlpatterns = [
     path(TEAM + "killswitch/", views.killswitch_page, name="killswitch"),
+    path(TEAM + "killswitch/stream", views.killswitch_stream, name="killswitch-stream"),
     path(TEAM + "killswitch/engage", views.killswitch_engage_view, name="killswitch-engage"),
     path(TEAM + "killswitch/release", views.killswitch_release_view, name="killswitch-release"),
     path(TEAM + "runs/<uuid:run_id>/kill", views.killswitch_run_view, name="killswitch-run"),

@@ -25,15 +25,17 @@ from django.views.decorators.http import require_http_methods, require_POST, req
 
 from governance.web import page
 from governance_client import rules
-from policies.access import can, team_view
+from policies.access import team_view
 from policies.models import Role
+from runs.dashboard import presenters
+from runs.dashboard import selectors as dashboard
+from runs.dashboard.stream import KillSwitchSource, sse_response
 from runs.killswitch import cover
 from runs.killswitch.services import (
     MAX_REASON,
     KillSwitchError,
     Target,
     covered_running,
-    engaged_for_team,
     engaged_switch,
     history_for_team,
     killswitch_engage,
@@ -42,6 +44,9 @@ from runs.killswitch.services import (
 )
 from runs.models import KillSwitch, Run, RunStatus, Scope
 from runs.webhooks import delivery as webhooks
+
+# The engage confirmation names this many of the runs that will stop, then "and N more".
+CONFIRM_LISTS = 10
 
 
 class ReasonForm(forms.Form):
@@ -96,12 +101,21 @@ def _engage_flow(request: HttpRequest, target: Target, *, action: str, cancel: s
             return redirect(done)
     else:
         form = ReasonForm(initial={"reason": request.POST.get("reason", "")})
+    covered = covered_running(target)
+    first = list(covered.select_related("team").order_by("-started_at", "pk")[:CONFIRM_LISTS])
+    count = len(first) if len(first) < CONFIRM_LISTS else covered.count()
     context = {
         "target": target,
         "scope_label": target.describe(),
-        "covered": covered_running(target).count(),
         "covered_words": cover.covered_in_words(target.scope, team=target.team,
                                                 agent=target.agent),
+        "covered": count,
+        "covered_runs": first,
+        "covered_more": count - len(first),
+        # A name no run of the team ever used is most often a typo; engaging it is still
+        # allowed (it blocks that agent from starting), but the operator is told.
+        "unknown_agent": target.scope == Scope.AGENT and target.team is not None
+        and not dashboard.agent_seen(target.team, target.agent),
         "engaged": engaged_switch(target),
         "form": form,
         "action_url": action,
@@ -145,23 +159,23 @@ def _release_flow(request: HttpRequest, target: Target, *, action: str, done: st
 @team_view(Role.VIEWER)
 def killswitch_page(request: HttpRequest, slug: str) -> HttpResponse:
     team = request.team  # type: ignore[attr-defined]
-    role = request.role  # type: ignore[attr-defined]
     deliveries = webhooks.deliveries_for_team(team)
     return page(request, "runs/killswitch.html", {
-        "engaged": engaged_for_team(team),
+        **presenters.killswitch_context(team),
+        "own_stream": True,
         "history": history_for_team(team),
         "deliveries": deliveries,
         "overdue": {d.pk for d in deliveries if webhooks.overdue(d)},
         # The deliveries region looks again every few seconds while one is still pending.
         "polling": any(d.status == webhooks.PENDING for d in deliveries),
-        "agents": list(Run.objects.filter(team=team).order_by("agent")
-                       .values_list("agent", flat=True).distinct()[:200]),
-        "running": Run.objects.filter(team=team, status=RunStatus.RUNNING).count(),
-        "agent_pattern": rules.AGENT_NAME_PATTERN,
-        "may_engage": can(role, Role.OPERATOR),
-        "may_release": can(role, Role.ADMIN),
         "max_attempts": webhooks.MAX_ATTEMPTS,
     })
+
+
+@require_safe
+@team_view(Role.VIEWER)
+def killswitch_stream(request: HttpRequest, slug: str) -> HttpResponse:
+    return sse_response(request, KillSwitchSource(request, request.team))  # type: ignore[attr-defined]
 
 
 def _team_run(team: Any, run_id: Any) -> Run:

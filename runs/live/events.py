@@ -9,12 +9,14 @@ misses a wake-up catches up on its next poll.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from django.conf import settings
@@ -30,11 +32,33 @@ class LocalBroker:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._seq: dict[int, int] = {}
+        # Coroutines waiting (the approvals long poll), each with the loop that runs it.
+        self._async: dict[int, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
 
     def publish(self, team_id: int) -> None:
         with self._cond:
             self._seq[team_id] = self._seq.get(team_id, 0) + 1
             self._cond.notify_all()
+            waiters = list(self._async.get(team_id, ()))
+        for loop, event in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop has closed meanwhile
+                loop.call_soon_threadsafe(event.set)
+
+    async def wait_async(self, team_id: int, seen: int, timeout: float) -> int:
+        """`wait` for a coroutine: the event loop goes on while it waits, no thread does."""
+        event = asyncio.Event()
+        waiter = (asyncio.get_running_loop(), event)
+        with self._cond:
+            if self._seq.get(team_id, 0) != seen:
+                return self._seq.get(team_id, 0)
+            self._async.setdefault(team_id, set()).add(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout)
+        finally:
+            with self._cond:
+                self._async.get(team_id, set()).discard(waiter)
+        return self.seq(team_id)
 
     def seq(self, team_id: int) -> int:
         with self._cond:
@@ -60,8 +84,11 @@ def redis_client() -> Any:
         if _redis_client is None:
             import redis
 
+            # Short deadlines (SPEC 10: 100 ms), for the publisher's thread, /readyz and the
+            # streams alike; a subscriber's wait for a message has its own timeout.
             _redis_client = redis.Redis.from_url(
-                settings.REDIS_URL, socket_timeout=0.5, socket_connect_timeout=0.5
+                settings.REDIS_URL, socket_timeout=settings.REDIS_TIMEOUT_S,
+                socket_connect_timeout=settings.REDIS_TIMEOUT_S,
             )
         return _redis_client
 
@@ -187,3 +214,50 @@ def wakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0) -> Iter
                 pubsub.close()
             except Exception:
                 log.debug("pubsub close failed", exc_info=True)
+
+
+async def awakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 60.0
+                   ) -> AsyncIterator[bool]:
+    """`wakeups` for async views: the same wake-ups (Redis pub/sub when configured and
+    reachable, else this process's broker) awaited on the event loop, so a waiting request
+    holds no thread. Yields at least every ``poll`` seconds, so a missed wake-up costs at
+    most one interval (the caller re-reads the database then)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + lifetime
+    client = pubsub = None
+    if settings.REDIS_URL:
+        try:
+            import redis.asyncio as aredis
+
+            client = aredis.Redis.from_url(settings.REDIS_URL, socket_timeout=2.0,
+                                           socket_connect_timeout=0.5)
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            await asyncio.wait_for(pubsub.subscribe(f"{CHANNEL_PREFIX}{team_id}"), 0.5)
+        except Exception:
+            log.warning("long poll falls back to the local broker: Redis unreachable",
+                        exc_info=True)
+            pubsub = None
+    seen = local_broker.seq(team_id)
+    try:
+        while (left := deadline - loop.time()) > 0:
+            wait = min(poll, left)
+            if pubsub is not None:
+                try:
+                    message = await pubsub.get_message(timeout=wait)
+                except Exception:
+                    log.warning("long poll lost Redis; polling the database", exc_info=True)
+                    pubsub, message = None, None
+                    await asyncio.sleep(wait)
+                got = message is not None
+                while got and pubsub is not None and (
+                        await pubsub.get_message(timeout=0)) is not None:
+                    pass  # one look at the database serves the whole burst
+            else:
+                now_seq = await local_broker.wait_async(team_id, seen, wait)
+                got, seen = now_seq != seen, now_seq
+            yield got
+    finally:
+        for closing in (pubsub, client):
+            if closing is not None:
+                with contextlib.suppress(Exception):
+                    await closing.aclose()

@@ -78,6 +78,7 @@ def test_an_admin_edits_a_policy_and_watches_a_run_live(page: Page, server: Serv
     page.fill("#id_max_steps", "6")
     expect(page.locator("#err-max_steps")).to_be_empty()
     expect(page.locator("#form-status")).to_contain_text("Valid.")
+    page.fill("#id_note", "fewer steps for support")
     page.click("text=Save as version 2")
     expect(page.locator(".message-success")).to_contain_text("version 2")
     assert Policy.objects.get(team=team, name="default").current.document[

@@ -4,14 +4,18 @@ Check every action before running it, report its outcome, finish the run; compac
 so the agent does not loop in the first place (``governance_client.history``).
 """
 
-from .client import FailMode, GovernanceClient, Run, result_digest
+from ._core import FailMode, result_digest
+from .aio import AsyncGovernanceClient, AsyncRun
+from .client import GovernanceClient, Run
 from .decision import GOVERNANCE_UNAVAILABLE, Decision
 from .errors import (
     ApiError,
+    ApprovalPending,
     GovernanceError,
     GovernanceUnavailable,
     InvalidRequest,
     KillSwitchEngaged,
+    RunClosed,
     RunFinished,
 )
 from .keys import repeat_key
@@ -20,6 +24,9 @@ from .local import LocalLimits
 __all__ = [
     "GOVERNANCE_UNAVAILABLE",
     "ApiError",
+    "ApprovalPending",
+    "AsyncGovernanceClient",
+    "AsyncRun",
     "Decision",
     "FailMode",
     "GovernanceClient",
@@ -29,6 +36,7 @@ __all__ = [
     "KillSwitchEngaged",
     "LocalLimits",
     "Run",
+    "RunClosed",
     "RunFinished",
     "repeat_key",
     "result_digest",

@@ -10,60 +10,73 @@ Typical use::
                 run.output = decision.user_notice(partial_response)
                 break
             run.report(execute(action))
+
+``AsyncGovernanceClient`` (``governance_client.aio``) has the same surface for asyncio code.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
-import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import httpx
+import tenacity
 
-from .decision import GOVERNANCE_UNAVAILABLE, Decision
-from .errors import ApiError, GovernanceError, GovernanceUnavailable, RunFinished, api_error
-from .keys import normalize_text
-from .local import LocalLedger, LocalLimits
+from ._core import (
+    MAX_POLL_S,
+    ActionType,
+    FailMode,
+    FinishStatus,
+    PreparedCheck,
+    Retryable,
+    RunCore,
+    Settings,
+    approval_final,
+    approval_limit,
+    attempt_timeout,
+    classify_error,
+    classify_response,
+    expect,
+    gave_up,
+    local_start,
+    result_digest,
+    retry_policy,
+    start_body,
+)
+from .decision import DEADLINE_EXPIRED, Decision
+from .errors import GovernanceError, GovernanceUnavailable, RunFinished
+from .local import LocalLimits
 
 __all__ = ["FailMode", "GovernanceClient", "Run", "result_digest"]
 
 logger = logging.getLogger("governance_client")
 
-FailMode = Literal["closed", "open"]
-ActionType = Literal["tool", "llm", "other"]
-FinishStatus = Literal["completed", "failed", "stopped"]
-
-RETRY_STATUSES = frozenset({502, 503, 504})
-MAX_BACKOFF_S = 5.0
-TEXT_LIMIT = 2000  # SPEC 5.2: error and summary are at most 2,000 characters
-DIGEST_LIMIT = 128
-
-UNAVAILABLE_NEXT_ACTION = (
-    "Do not run this action: return the partial response and try again later, once the "
-    "governance service is reachable."
-)
-
 
 class GovernanceClient:
     """A connection to the governance service, shared by the runs of one agent process.
 
-    ``fail_mode`` says what a check answers when the service cannot be reached (connection error,
-    timeout or 5xx, after ``retries`` retries spaced by ``backoff * 2**n`` seconds):
+    Every request has one overall ``deadline`` (seconds, default 2): the attempts (at most
+    ``attempts``, default 3) and the waits between them (full jitter from ``backoff``, capped
+    at ``max_backoff``; a 429's or 503's ``Retry-After`` when given) all fit in it. A check
+    sends what is left of it to the service (``deadline_ms``), which refuses to decide past it.
+
+    ``fail_mode`` says what a check answers when the service cannot be reached in time:
 
     * ``"closed"`` (default): a stop with reason ``governance_unavailable``; ``start_run`` raises
       ``GovernanceUnavailable``. Nothing runs ungoverned.
-    * ``"open"``: the agent goes on under ``local_limits`` (``max_steps``, ``max_repeat_action``;
-      by default the step limits of the run's policy), decided by the client (``Decision.local``).
-      If ``start_run`` itself cannot reach the service, the run is started locally, with a
-      ``local-…`` id, and every check of it is decided locally.
+    * ``"open"``: the client decides with the server's own rules (``governance_client.rules``)
+      and the run's policy, or ``local_limits`` (``Decision.local``); the decisions are
+      uploaded, marked local, once the service answers again. If ``start_run`` itself cannot
+      reach the service, the run is started locally, with a ``local-…`` id.
+
+    A check answered ``wait`` (a rate limit, SPEC 12) is retried after ``retry_after_s`` for up
+    to ``wait_budget`` seconds (``wait_for_rate_limits=False`` returns it at once); a check
+    answered ``pending`` (an approval, SPEC 11) waits for the operator's decision until the
+    approval expires, or ``approval_timeout`` seconds if set.
     """
 
     def __init__(
@@ -71,28 +84,44 @@ class GovernanceClient:
         base_url: str,
         api_key: str,
         *,
-        timeout: float = 5.0,
+        deadline: float = 2.0,
+        attempts: int | None = None,
+        backoff: float = 0.1,
+        max_backoff: float = 1.0,
         fail_mode: FailMode = "closed",
         local_limits: LocalLimits | None = None,
-        retries: int = 2,
-        backoff: float = 0.25,
+        wait_for_rate_limits: bool = True,
+        wait_budget: float = 30.0,
+        approval_timeout: float | None = None,
+        retries: int | None = None,
+        timeout: float | None = None,
         http_client: httpx.Client | None = None,
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        if fail_mode not in ("closed", "open"):
-            raise ValueError(f"fail_mode must be 'closed' or 'open', not {fail_mode!r}")
-        if retries < 0 or backoff < 0:
-            raise ValueError("retries and backoff must be >= 0")
-        self.base_url = base_url.rstrip("/")
-        self.fail_mode: FailMode = fail_mode
-        self.local_limits = local_limits
-        self.retries = retries
-        self.backoff = backoff
+        # ``retries`` and ``timeout`` are the first version's names: n retries are n + 1
+        # attempts, and a timeout (per attempt then) becomes the overall deadline.
+        if attempts is None:
+            attempts = 3 if retries is None else retries + 1
+        if timeout is not None and deadline == 2.0:
+            deadline = timeout
+        self.settings = Settings(
+            base_url=base_url.rstrip("/"), api_key=api_key, deadline=deadline,
+            attempts=attempts, backoff=backoff, max_backoff=max_backoff, fail_mode=fail_mode,
+            local_limits=local_limits, wait_for_rate_limits=wait_for_rate_limits,
+            wait_budget=wait_budget, approval_timeout=approval_timeout,
+        )
         self._sleep = sleep
-        self._headers = {"Authorization": f"Bearer {api_key}", "Accept": "application/json"}
         self._owns_http = http_client is None
-        self._http = http_client or httpx.Client(timeout=timeout, transport=transport)
+        self._http = http_client or httpx.Client(transport=transport)
+
+    @property
+    def base_url(self) -> str:
+        return self.settings.base_url
+
+    @property
+    def fail_mode(self) -> FailMode:
+        return self.settings.fail_mode
 
     def __enter__(self) -> GovernanceClient:
         return self
@@ -123,22 +152,19 @@ class GovernanceClient:
         Raises ``KillSwitchEngaged`` (409), ``InvalidRequest`` (422, e.g. an unknown policy) and
         other ``ApiError``; ``GovernanceUnavailable`` only with ``fail_mode="closed"``.
         """
-        body: dict[str, Any] = {"agent": agent}
-        optional = {"task": task, "policy": policy, "metadata": metadata}
-        body.update({k: v for k, v in optional.items() if v is not None})
-        if external_id is not None:
-            body["external_id"] = external_id
+        body = start_body(agent, task=task, policy=policy, metadata=metadata,
+                          external_id=external_id)
         try:
             # Without an external_id a replayed POST could start a second run, so only the
             # failures that prove the request was not processed are retried.
-            response = self._send("POST", "/api/v1/runs", body, replay_safe=external_id is not None)
+            response = self._send("POST", "/api/v1/runs", lambda _: body,
+                                  replay_safe=external_id is not None)
         except GovernanceUnavailable as exc:
             if self.fail_mode == "closed":
                 raise
             logger.warning("governance unreachable, run of %s started locally: %s", agent, exc)
-            data = {"run_id": f"local-{uuid.uuid4().hex}", "status": "running", "agent": agent}
-            return Run(self, data, local=True)
-        return Run(self, self._expect(response, 200, 201))
+            return Run(self, local_start(agent), local=True)
+        return Run(self, expect(response, 200, 201))
 
     @contextmanager
     def run(
@@ -155,6 +181,7 @@ class GovernanceClient:
         On exit the run is finished ``stopped`` if a decision stopped it, ``failed`` if the block
         raised (the exception propagates), else ``completed``; with ``run.output`` in every case,
         so a partial response is never lost. A run finished inside the block is left alone.
+        After the block, the run refuses checks (``RunClosed``).
         """
         run = self.start_run(
             agent, task=task, policy=policy, metadata=metadata, external_id=external_id
@@ -173,50 +200,49 @@ class GovernanceClient:
     # -- HTTP ---------------------------------------------------------------------------------
 
     def _send(
-        self, method: str, path: str, body: Any = None, *, replay_safe: bool = True
+        self,
+        method: str,
+        path: str,
+        body: Callable[[float], Any] | None = None,
+        *,
+        replay_safe: bool = True,
+        deadline: float | None = None,
+        params: Mapping[str, Any] | None = None,
     ) -> httpx.Response:
-        """Send with bounded retries; raise ``GovernanceUnavailable`` once they are spent."""
-        failure = ""
+        """Send within one deadline, retrying what may be retried (tenacity); raise
+        ``GovernanceUnavailable`` once the attempts or the time are spent. ``body`` builds
+        the body from the seconds left (a check sends them to the service)."""
+        budget = self.settings.deadline if deadline is None else deadline
+        ends = time.monotonic() + budget
+        url = self.settings.base_url + path
         attempts = 0
-        for attempt in range(self.retries + 1):
-            if attempt:
-                self._sleep(min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+
+        def attempt() -> httpx.Response:
+            nonlocal attempts
             attempts += 1
+            remaining = ends - time.monotonic()
+            if remaining <= 0:
+                raise GovernanceUnavailable("deadline spent")
+            timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1)
             try:
                 response = self._http.request(
-                    method, self.base_url + path, json=body, headers=self._headers
+                    method, url, json=body(remaining) if body is not None else None,
+                    params=params, headers=self.settings.headers,
+                    timeout=httpx.Timeout(timeout),
                 )
             except httpx.TransportError as exc:
-                failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
-                if replay_safe or not_sent:
-                    continue
-                break
-            status = response.status_code
-            if status in RETRY_STATUSES:
-                failure = f"HTTP {status}"
-                # A 503 is the service saying it did nothing; a 502/504 may hide a success.
-                if replay_safe or status == 503:
-                    continue
-                break
-            if status >= 500:
-                raise GovernanceUnavailable(f"{method} {path}: HTTP {status}")
+                raise classify_error(exc, replay_safe=replay_safe) from exc
+            failure = classify_response(response, replay_safe=replay_safe)
+            if failure is not None:
+                raise failure
             return response
-        raise GovernanceUnavailable(
-            f"{method} {path} failed after {attempts} attempt(s): {failure}"
-        )
 
-    @staticmethod
-    def _expect(response: httpx.Response, *ok: int) -> dict[str, Any]:
         try:
-            body = response.json()
-        except ValueError:
-            body = None
-        if response.status_code not in ok:
-            raise api_error(response.status_code, body)
-        if not isinstance(body, dict):
-            raise ApiError(response.status_code, "invalid_response", "expected a JSON object")
-        return body
+            return tenacity.Retrying(sleep=self._sleep, **retry_policy(self.settings, budget))(
+                attempt
+            )
+        except (Retryable, GovernanceUnavailable) as exc:
+            raise gave_up(method, path, exc, attempts) from exc
 
 
 class Run:
@@ -225,31 +251,56 @@ class Run:
 
     def __init__(self, client: GovernanceClient, data: Mapping[str, Any], *, local: bool = False):
         self._client = client
-        self.data: dict[str, Any] = dict(data)
-        self.id = str(data["run_id"])
-        self.agent: str | None = data.get("agent")
-        self.status: str = str(data.get("status") or "running")
+        self._core = RunCore(client.settings, data, local=local)
+        self.id = self._core.id
+        self.agent = self._core.agent
+        self.data = self._core.data
         self.local = local
-        #: The final or partial response, sent by ``finish``.
-        self.output: str | None = None
-        #: The first decision that stopped the run, if any.
-        self.stop_decision: Decision | None = None
-        self.last_decision: Decision | None = None
-        self.finished = False
-        limits = client.local_limits or LocalLimits.from_policy(data.get("policy"))
-        self._ledger = LocalLedger(limits)
-        self._pending: dict[str, Any] | None = None
-        # Checks of one run are serialized, as on the server: the ledger and the pending
-        # result belong to one sequence of actions.
-        self._lock = threading.RLock()
 
     def __repr__(self) -> str:
         return f"<Run {self.id} {self.status}{' local' if self.local else ''}>"
 
+    # The run's memory lives in the core, shared with AsyncRun.
+    @property
+    def status(self) -> str:
+        return self._core.status
+
+    @property
+    def output(self) -> str | None:
+        """The final or partial response, sent by ``finish``."""
+        return self._core.output
+
+    @output.setter
+    def output(self, value: str | None) -> None:
+        self._core.output = value
+
+    @property
+    def stop_decision(self) -> Decision | None:
+        """The first decision that stopped the run, if any."""
+        return self._core.stop_decision
+
+    @property
+    def last_decision(self) -> Decision | None:
+        return self._core.last_decision
+
+    @property
+    def finished(self) -> bool:
+        return self._core.finished
+
     @property
     def pending_result(self) -> dict[str, Any] | None:
-        """The outcome reported since the last check, which the next check will send."""
-        return self._pending
+        """The oldest outcome reported and not yet sent, which the next check will carry."""
+        return next(iter(self._core.pending.values()), None)
+
+    @property
+    def pending_results(self) -> dict[str, dict[str, Any]]:
+        """Every outcome not yet sent, by tool call id, oldest first."""
+        return dict(self._core.pending)
+
+    @property
+    def unsynced(self) -> list[dict[str, Any]]:
+        """Decisions made locally during an outage and not yet uploaded."""
+        return list(self._core.unsynced)
 
     def check(
         self,
@@ -260,35 +311,109 @@ class Run:
         progress: str | int | float | None = None,
         last_result: Mapping[str, Any] | None = None,
         cost_usd: float | None = None,
+        call_id: str | None = None,
     ) -> Decision:
         """Ask whether the action may run. Call it after choosing the action, before running it.
 
-        ``last_result`` defaults to what ``report`` recorded. Retries reuse one ``check_id``, so
-        the service counts the check once however many times it is sent.
+        ``last_result`` defaults to the oldest result ``report`` recorded. Retries reuse one
+        ``check_id``, so the service counts the check once however many times it is sent.
+        ``call_id`` (the framework's tool call id) is echoed in ``Decision.call_id``.
         """
-        with self._lock:
-            if self.local or self._ledger.stop is not None:
-                return self._remember(self._ledger.decide(name, args))
-            result = dict(last_result) if last_result is not None else self._pending
-            body: dict[str, Any] = {
-                "check_id": uuid.uuid4().hex,
-                "action": {"name": name, "args": dict(args or {}), "type": type},
-            }
-            if progress is not None:
-                body["progress"] = progress
-            if result is not None:
-                body["last_result"] = result
-            if cost_usd is not None:
-                body["cost_usd"] = cost_usd
-            # A result describes one action: sent (or lost to an outage), it is not sent again.
-            self._pending = None
+        core = self._core
+        with core.lock:
+            prepared = core.prepare(name, args, type=type, progress=progress,
+                                    last_result=last_result, cost_usd=cost_usd, call_id=call_id)
+            offline = core.decide_offline(prepared)
+            if offline is not None:
+                return offline
+            self._upload()
+            return self._ask(prepared)
+
+    def _ask(self, prepared: PreparedCheck) -> Decision:
+        core, client = self._core, self._client
+        waited = 0.0  # the sleeps asked for: deterministic with an injected sleep
+        path = f"/api/v1/runs/{self.id}/check"
+        while True:
             try:
-                response = self._client._send("POST", f"/api/v1/runs/{self.id}/check", body)
+                response = client._send("POST", path, prepared.with_deadline)
             except GovernanceUnavailable as exc:
-                return self._remember(self._unavailable(name, args, str(exc)))
-            decision = Decision.from_response(self._client._expect(response, 200))
-            self._ledger.record(name, args, decision)
-            return self._remember(decision)
+                return core.local_decision(prepared, str(exc))
+            decision = Decision.from_response(expect(response, 200), check_id=prepared.check_id,
+                                              call_id=prepared.call_id)
+            if decision.reason == DEADLINE_EXPIRED:
+                # The service saw the deadline pass and decided nothing (audited expired).
+                return core.local_decision(prepared, "the service answered after the deadline")
+            if decision.decision == "wait" and client.settings.wait_for_rate_limits:
+                delay = max(decision.retry_after_s or 0.0, 0.001)
+                if waited + delay <= client.settings.wait_budget:
+                    waited += delay
+                    client._sleep(delay)
+                    continue  # SPEC 12: the same body again; a wait is decided again
+            if decision.decision == "pending":
+                decision = self._await_approval(prepared, decision)
+            return core.answered(prepared, decision)
+
+    def _await_approval(self, prepared: PreparedCheck, pending: Decision) -> Decision:
+        """Long-poll the approval until it is decided, expires, or the author's timeout."""
+        client = self._client
+        approval_id = (pending.approval or {}).get("id")
+        if not approval_id:
+            return pending
+        started = time.monotonic()
+        limit = approval_limit(client.settings, pending, started) - started
+        # Time spent, by the clock or by the polls that came back still pending (a fake
+        # service answers at once: its polls still add up to the time they asked for).
+        polled = 0.0
+        while (left := limit - max(time.monotonic() - started, polled)) > 0:
+            wait = int(min(MAX_POLL_S, left))
+            try:
+                response = client._send(
+                    "GET", f"/api/v1/approvals/{approval_id}", params={"wait": wait},
+                    deadline=wait + client.settings.deadline,
+                )
+                body = expect(response, 200)
+            except GovernanceUnavailable as exc:
+                # An action waiting for a person is never allowed locally.
+                return self._core.local_decision(prepared, str(exc), allow_local=False)
+            final = approval_final(body, prepared)
+            if final is not None:
+                return final
+            if body.get("status") != "pending":
+                # Decided, but the answer did not carry it: the same check_id asks again.
+                response = client._send("POST", f"/api/v1/runs/{self.id}/check",
+                                        prepared.with_deadline)
+                again = Decision.from_response(expect(response, 200),
+                                               check_id=prepared.check_id,
+                                               call_id=prepared.call_id)
+                if again.decision != "pending":
+                    return again
+            polled += wait
+            if wait == 0:
+                polled += min(left, 1.0)
+                client._sleep(min(left, 1.0))
+        return pending
+
+    def _upload(self) -> None:
+        """Send the decisions made locally during an outage (best effort: kept on failure)."""
+        core = self._core
+        body = core.upload_body()
+        if body is None:
+            return
+        try:
+            response = self._client._send(
+                "POST", f"/api/v1/runs/{self.id}/local-decisions", lambda _: body
+            )
+            data = expect(response, 200)
+        except GovernanceUnavailable:
+            return
+        except GovernanceError as exc:
+            logger.warning("local decisions of run %s refused, dropped: %s", self.id, exc)
+            core.uploaded(len(body["decisions"]))
+            return
+        core.uploaded(len(body["decisions"]))
+        run = data.get("run")
+        if isinstance(run, Mapping):
+            core.data.update(run)
 
     def report(
         self,
@@ -297,31 +422,19 @@ class Run:
         error: BaseException | str | None = None,
         summary: str | None = None,
         digest: str | None = None,
+        call_id: str | None = None,
     ) -> dict[str, Any]:
-        """Record the outcome of the last allowed action; the next ``check`` sends it.
+        """Record the outcome of an allowed action; the next ``check`` sends it.
 
         With ``error`` the outcome is ``status: error`` (the error text is what the service counts
         for repeated errors); otherwise ``ok`` with ``digest`` defaulting to
         ``result_digest(result)`` (none when ``result`` is None). A result whose digest was seen
-        before counts as no progress (SPEC 4.3).
+        before counts as no progress (SPEC 4.3). With parallel tool calls, pass each call's
+        ``call_id``: every result is kept and sent, oldest first, one per later check; a
+        second report of the same ``call_id`` replaces the first.
         """
-        entry: dict[str, Any] = {"status": "ok" if error is None else "error"}
-        if error is not None:
-            text = str(error)
-            if not text and isinstance(error, BaseException):
-                text = type(error).__name__
-            entry["error"] = normalize_text(text)[:TEXT_LIMIT]
-        if digest is None and error is None and result is not None:
-            digest = result_digest(result)
-        if digest is not None and len(digest) > DIGEST_LIMIT:
-            digest = hashlib.sha256(digest.encode()).hexdigest()
-        if digest is not None:
-            entry["digest"] = digest
-        if summary is not None:
-            entry["summary"] = summary[:TEXT_LIMIT]
-        with self._lock:
-            self._pending = entry
-        return entry
+        return self._core.report(result, error=error, summary=summary, digest=digest,
+                                 call_id=call_id)
 
     def finish(self, status: FinishStatus, output: str | None = None) -> dict[str, Any] | None:
         """End the run (``POST .../finish``) with the final or partial response.
@@ -329,88 +442,32 @@ class Run:
         A run that was already finished (409 ``run_finished``) is not an error: finishing is
         idempotent here. Returns the run as the service has it, or None if it had nothing to say.
         """
-        if output is not None:
-            self.output = output
+        core = self._core
+        body = core.finish_body(status, output)
         if self.local:
-            self.status = status if self.status == "running" else self.status
-            self.finished = True
+            core.finished_with(status, None)
             return None
-        body: dict[str, Any] = {"status": status}
-        if self.output is not None:
-            body["output"] = self.output
-        response = self._client._send("POST", f"/api/v1/runs/{self.id}/finish", body)
+        with core.lock:
+            self._upload()
         try:
-            data = self._client._expect(response, 200)
+            response = self._client._send("POST", f"/api/v1/runs/{self.id}/finish",
+                                          lambda _: body)
+            data = expect(response, 200)
         except RunFinished:
-            self.finished = True
+            core.finished_with(status, None)
             return None
-        self.finished = True
-        self.status = str(data.get("status") or status)
-        self.data.update(data)
+        core.finished_with(status, data)
         return data
 
     def _finish_on_exit(self, *, failed: bool) -> None:
-        if self.finished:
+        core = self._core
+        if core.finished:
             return
-        status: FinishStatus = "failed" if failed else "completed"
-        if self.stop_decision is not None:
-            status = "stopped"
+        status = core.exit_status(failed=failed)
         try:
             self.finish(status)
         except GovernanceUnavailable as exc:
             # The agent's work is done either way; the service will see the run as still running.
             logger.warning("could not finish run %s (%s): %s", self.id, status, exc)
-
-    def _unavailable(self, name: str, args: Mapping[str, Any] | None, detail: str) -> Decision:
-        if self._client.fail_mode == "open":
-            logger.warning("governance unreachable, deciding %s locally: %s", name, detail)
-            return self._ledger.decide(name, args)
-        return Decision(
-            decision="stop",
-            reason=GOVERNANCE_UNAVAILABLE,
-            message=f"The governance service is unreachable ({detail}); fail_mode='closed' "
-            "stops every action until it answers again.",
-            next_action=UNAVAILABLE_NEXT_ACTION,
-            local=True,
-        )
-
-    def _remember(self, decision: Decision) -> Decision:
-        self.last_decision = decision
-        if not decision.allowed and self.stop_decision is None:
-            self.stop_decision = decision
-            if decision.reason != "run_finished":
-                self.status = "killed" if decision.reason == "killed" else "stopped"
-        return decision
-
-
-def result_digest(result: Any) -> str:
-    """SHA-256 hex of a stable serialization: the same output always gives the same digest.
-
-    Text is hashed as UTF-8, bytes as is, anything else as sorted-keys JSON (dataclasses and
-    objects with ``model_dump`` as their fields). Pass ``digest=`` to ``report`` for objects
-    whose ``str`` is not stable.
-    """
-    if isinstance(result, bytes | bytearray):
-        data = bytes(result)
-    elif isinstance(result, str):
-        data = result.encode("utf-8")
-    else:
-        try:
-            text = json.dumps(
-                result, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_plain
-            )
-        except (TypeError, ValueError):
-            text = repr(result)
-        data = text.encode("utf-8")
-    return hashlib.sha256(data).hexdigest()
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    model_dump = getattr(value, "model_dump", None)
-    if callable(model_dump):
-        return model_dump()
-    if isinstance(value, set | frozenset):
-        return sorted(value, key=repr)
-    return str(value)
+        finally:
+            core.closed = True

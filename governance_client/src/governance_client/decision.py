@@ -1,12 +1,22 @@
-"""The answer to one check (SPEC 5.2), from the service or from the local fallback."""
+"""The answer to one check (SPEC 5.2, 15), from the service or from the local fallback."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 GOVERNANCE_UNAVAILABLE = "governance_unavailable"
+#: The service got the check too late (past its deadline_ms) and decided nothing.
+DEADLINE_EXPIRED = "deadline_expired"
+#: A check still waiting for an operator when the author's approval timeout ran out.
+APPROVAL_TIMEOUT = "approval_timeout"
+#: A check still rate limited when the client's wait budget ran out.
+RATE_LIMITED = "rate_limited"
+
+DecisionKind = Literal["allow", "stop", "pending", "wait"]
+_KINDS = frozenset({"allow", "stop", "pending", "wait"})
 
 
 @dataclass(frozen=True)
@@ -18,10 +28,16 @@ class Decision:
     ``directive`` (on an allow) is a message the agent should inject into its history, e.g. the
     change-approach nudge after a repeated error. ``local`` is True when the client decided
     without the service (it was unreachable: see ``GovernanceClient(fail_mode=...)``).
+
+    ``decision`` is ``pending`` or ``wait`` only when the client gave up waiting (the approval
+    was not decided within ``approval_timeout``, the rate limit did not clear within
+    ``wait_budget``); by default the client waits and returns the final answer.
+
+    A Decision is stored in agent state as ``to_state()`` (a plain dict, which every checkpoint
+    serializer keeps as is) and read back with ``Decision.from_state``.
     """
 
-    allowed: bool = field(init=False)
-    decision: Literal["allow", "stop"]
+    decision: DecisionKind
     reason: str
     message: str | None = None
     next_action: str | None = None
@@ -34,17 +50,29 @@ class Decision:
     repeat_count: int | None = None
     decision_id: int | None = None
     local: bool = False
+    approval: dict[str, Any] | None = None
+    retry_after_s: float | None = None
+    #: The check_id the client sent (None for a decision made without asking).
+    check_id: str | None = None
+    #: The framework's tool call id this decision is about, when the caller gave one.
+    call_id: str | None = None
 
-    def __post_init__(self) -> None:
-        # Derived rather than passed so that it can never contradict ``decision``.
-        object.__setattr__(self, "allowed", self.decision == "allow")
+    @property
+    def allowed(self) -> bool:
+        # A property, not a field: it can never contradict ``decision``, and it is not part of
+        # the constructor, so checkpoint serializers that rebuild dataclasses from their
+        # fields (LangGraph's) rebuild a Decision.
+        return self.decision == "allow"
 
     @classmethod
-    def from_response(cls, body: Mapping[str, Any]) -> Decision:
+    def from_response(
+        cls, body: Mapping[str, Any], *, check_id: str | None = None, call_id: str | None = None
+    ) -> Decision:
         """Build from a check answer; a malformed one is a stop, never an accidental allow."""
         decision = body.get("decision")
+        retry_after = body.get("retry_after_s")
         return cls(
-            decision="allow" if decision == "allow" else "stop",
+            decision=decision if decision in _KINDS else "stop",  # type: ignore[arg-type]
             reason=str(body.get("reason") or "invalid_response"),
             message=body.get("message"),
             next_action=body.get("next_action"),
@@ -56,7 +84,23 @@ class Decision:
             repeat_key=body.get("repeat_key"),
             repeat_count=body.get("repeat_count"),
             decision_id=body.get("decision_id"),
+            approval=body.get("approval"),
+            retry_after_s=float(retry_after) if isinstance(retry_after, int | float) else None,
+            check_id=check_id,
+            call_id=call_id,
         )
+
+    def to_state(self) -> dict[str, Any]:
+        """A plain, JSON-ready dict: what to keep in a framework's state or checkpoint."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state(cls, value: Decision | Mapping[str, Any] | None) -> Decision | None:
+        """The Decision back from ``to_state()`` (or a Decision, or None, as is)."""
+        if value is None or isinstance(value, Decision):
+            return value
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in value.items() if k in names})
 
     def user_notice(self, partial_response: str | None = None) -> str:
         """What an agent should show its user when it stops: what it got, why, what next."""

@@ -49,10 +49,21 @@ class RunFinished(ApiError):
     """409 ``run_finished``: the run was already finished."""
 
 
+class ApprovalPending(ApiError):
+    """409 ``approval_pending``: another check of the run is waiting for an operator (SPEC 11);
+    ``fields`` or the message name it."""
+
+
+class RunClosed(GovernanceError):
+    """The run was finished (its ``with`` block exited, or ``finish`` was called): a check or
+    report on it is a bug in the agent, refused before anything is sent."""
+
+
 _BY_CODE: dict[str, type[ApiError]] = {
     "invalid_request": InvalidRequest,
     "kill_switch_engaged": KillSwitchEngaged,
     "run_finished": RunFinished,
+    "approval_pending": ApprovalPending,
 }
 
 

@@ -1,27 +1,23 @@
-"""The local fallback of ``fail_mode="open"``: bounded steps and repeats while the service is down.
+"""The local fallback of ``fail_mode="open"``: the server's own rules while the service is down.
 
-An outage must never turn into an unbounded loop, so the client keeps a small ledger of every
-check of the run (the ones the service answered and the ones it decided itself) and applies the
-two limits that matter most against runaway agents: ``max_steps`` and ``max_repeat_action``,
-with the very repeat key the server uses (``governance_client.keys``).
+An outage must never turn into an unbounded loop, so the client keeps its own copy of the run's
+state (``governance_client.rules.RunState``), fed by every answer of the service, and decides
+with the very rules the server applies (``rules.evaluate``) when the service cannot be reached:
+steps, repeats, no progress, budgets, tool allow/deny lists, repeated errors. The decisions it
+makes are queued and uploaded, marked local, once the service answers again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
+from . import rules
 from .decision import Decision
-from .keys import repeat_key
 
-# Same wording as the server's, so an agent handles a local stop exactly like a remote one.
-NEXT_ACTION = {
-    "max_steps": "Return the partial response, then split the task or relaunch with a narrower "
-    "scope.",
-    "loop_detected": "Return the partial response, then reformulate the request or relaunch with "
-    "a narrower scope.",
-}
 _LOCALLY = "decided locally: the governance service is unreachable"
 
 
@@ -29,99 +25,170 @@ _LOCALLY = "decided locally: the governance service is unreachable"
 class LocalLimits:
     """Limits the client enforces itself while the service is unreachable (``fail_mode="open"``).
 
-    The defaults are the defaults of a new policy. ``ignore_args`` should mirror the policy's
-    ``repeat_key.ignore_args`` so that local keys match the server's.
+    Without them the client uses the policy the run started with (``start_run``'s answer: step
+    limits, budgets, tool lists, ``ignore_args`` and repeated-error handling). Set a field to
+    override that; ``ignore_args`` should mirror the policy's ``repeat_key.ignore_args``.
     """
 
-    max_steps: int = 18
-    max_repeat_action: int = 3
-    ignore_args: tuple[str, ...] = ()
+    max_steps: int | None = None
+    max_repeat_action: int | None = None
+    ignore_args: tuple[str, ...] | None = None
+    no_progress_window: int | None = None
+    max_usd: float | None = None
+    max_seconds: float | None = None
+    max_tool_calls: int | None = None
+    deny: tuple[str, ...] | None = None
+    allow: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_steps < 1 or self.max_repeat_action < 1:
-            raise ValueError("max_steps and max_repeat_action must be >= 1")
+        for name in ("max_steps", "max_repeat_action", "no_progress_window"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    def policy(self, policy_json: Mapping[str, Any] | None) -> rules.Policy:
+        """The rules' policy: the run's (as the service sent it), with these overrides."""
+        base = policy_from_json(policy_json)
+        changes: dict[str, Any] = {}
+        for name in ("max_steps", "max_repeat_action", "no_progress_window", "max_seconds",
+                     "max_tool_calls", "ignore_args", "deny", "allow"):
+            value = getattr(self, name)
+            if value is not None:
+                changes[name] = tuple(value) if isinstance(value, list) else value
+        if self.max_usd is not None:
+            changes["max_usd"] = Decimal(str(self.max_usd))
+        return rules.Policy(**{**_fields(base), **changes})
 
     @classmethod
     def from_policy(cls, policy: Mapping[str, Any] | None) -> LocalLimits:
-        """The step limits of the policy a run started with (``start_run``'s answer)."""
-        steps = (policy or {}).get("step_limits") or {}
-        defaults = cls()
-        return cls(
-            max_steps=int(steps.get("max_steps") or defaults.max_steps),
-            max_repeat_action=int(steps.get("max_repeat_action") or defaults.max_repeat_action),
+        """Kept for callers of the first version: the run's policy, no override."""
+        return cls()
+
+
+def _fields(policy: rules.Policy) -> dict[str, Any]:
+    return {name: getattr(policy, name) for name in rules.Policy.__slots__}
+
+
+def policy_from_json(policy: Mapping[str, Any] | None) -> rules.Policy:
+    """A ``rules.Policy`` from the ``policy`` of a run as the API shows it (SPEC 5.1).
+
+    Sections the answer leaves out keep the defaults of a new policy.
+    """
+    policy = policy or {}
+    default = rules.Policy()
+    steps = policy.get("step_limits") or {}
+    budgets = policy.get("budgets") or {}
+    tools = policy.get("tools") or {}
+    on_error = policy.get("on_repeated_error") or {}
+    changes: dict[str, Any] = {"mode": policy.get("mode") or default.mode}
+    for name in ("max_steps", "max_repeat_action", "no_progress_window"):
+        if isinstance(steps.get(name), int):
+            changes[name] = steps[name]
+    if "max_seconds" in budgets:
+        changes["max_seconds"] = budgets["max_seconds"]
+    if "max_usd" in budgets:
+        usd = budgets["max_usd"]
+        changes["max_usd"] = None if usd is None else Decimal(str(usd))
+    if "max_tool_calls" in budgets:
+        changes["max_tool_calls"] = budgets["max_tool_calls"]
+    if "allow" in tools:
+        changes["allow"] = None if tools["allow"] is None else tuple(tools["allow"])
+    if "deny" in tools:
+        changes["deny"] = tuple(tools["deny"] or ())
+    ignore = (policy.get("repeat_key") or {}).get("ignore_args")
+    if ignore is not None:
+        changes["ignore_args"] = tuple(ignore)
+    if "threshold" in on_error:
+        changes["error_threshold"] = on_error["threshold"]
+    if "action" in on_error:
+        changes["error_action"] = on_error["action"]
+    return rules.Policy(**{**_fields(default), **changes})
+
+
+def make_check(
+    name: str,
+    args: Mapping[str, Any] | None,
+    *,
+    type: str = "tool",
+    progress: str | int | float | None = None,
+    last_result: Mapping[str, Any] | None = None,
+    cost_usd: float | None = None,
+) -> rules.Check:
+    """The rules' view of one check body."""
+    result = None
+    if last_result is not None:
+        result = rules.LastResult(
+            status=str(last_result.get("status") or "ok"),
+            digest=last_result.get("digest"),
+            error=last_result.get("error"),
+            summary=last_result.get("summary"),
         )
+    return rules.Check(
+        name=name, type=type, args=dict(args or {}), progress=progress, last_result=result,
+        cost_usd=Decimal(str(cost_usd or 0)),
+    )
 
 
 class LocalLedger:
-    """Counters of one run, fed by every check; decides on its own only during an outage."""
+    """The client's copy of one run's state; decides on its own only during an outage."""
 
-    def __init__(self, limits: LocalLimits) -> None:
-        self.limits = limits
-        self.steps = 0
-        self.counts: dict[str, int] = {}
+    def __init__(self, policy: rules.Policy, *, started_at: datetime | None = None) -> None:
+        self.policy = policy
+        self.state = rules.RunState(started_at=started_at or datetime.now(UTC))
         self.stop: Decision | None = None
 
+    @property
+    def steps(self) -> int:
+        return self.state.steps
+
     def key(self, name: str, args: Mapping[str, Any] | None) -> str:
-        return repeat_key(name, args, self.limits.ignore_args)
+        return rules.repeat_key(name, args, self.policy.ignore_args)
 
-    def record(self, name: str, args: Mapping[str, Any] | None, decision: Decision) -> None:
-        """Account for a decision the service made."""
-        # The server's step is authoritative (other processes may check the same run).
-        self.steps = max(self.steps + 1, decision.step or 0)
-        if decision.allowed:
-            key = self.key(name, args)
-            self.counts[key] = self.counts.get(key, 0) + 1
+    def record(self, check: rules.Check, decision: Decision) -> None:
+        """Account for a final decision the service made."""
+        if decision.decision not in ("allow", "stop") or self.state.status != rules.RUNNING:
+            return
+        _, self.state = rules.record_outcome(
+            self.policy, self.state, check, allowed=decision.allowed, reason=decision.reason,
+            now=datetime.now(UTC),
+        )
+        # The service is authoritative (other processes may check the same run).
+        usage = decision.usage
+        if isinstance(usage.get("steps"), int):
+            self.state.steps = max(self.state.steps, usage["steps"])
+        if isinstance(usage.get("tool_calls"), int):
+            self.state.tool_calls = max(self.state.tool_calls, usage["tool_calls"])
+        if isinstance(usage.get("cost_usd"), int | float):
+            self.state.cost_usd = max(self.state.cost_usd, Decimal(str(usage["cost_usd"])))
 
-    def decide(self, name: str, args: Mapping[str, Any] | None) -> Decision:
-        """Decide one check without the service. A local stop is final for the run: the
+    def decide(self, check: rules.Check) -> Decision:
+        """Decide one check with the server's rules. A local stop is final for the run: the
         service never saw the locally allowed actions, so it cannot be trusted to stop them."""
         if self.stop is not None:
             return self.stop
-        self.steps += 1
-        key = self.key(name, args)
-        count = self.counts.get(key, 0)
-        limits = {
-            "max_steps": self.limits.max_steps,
-            "max_repeat_action": self.limits.max_repeat_action,
-        }
+        now = datetime.now(UTC)
+        verdict, self.state = rules.evaluate(self.policy, self.state, check, now=now)
         common: dict[str, Any] = {
-            "step": self.steps,
-            "repeat_key": key,
-            "limits": limits,
+            "step": verdict.step,
+            "repeat_key": verdict.repeat_key,
+            "repeat_count": verdict.repeat_count,
+            "usage": self.state.usage(now),
+            "limits": self.policy.limits(),
             "local": True,
         }
-        if self.steps > self.limits.max_steps:
-            self.stop = self._stop(
-                "max_steps",
-                f"Step {self.steps} exceeds max_steps={self.limits.max_steps} ({_LOCALLY}).",
-                repeat_count=count,
+        if verdict.answer == rules.STOP:
+            self.stop = Decision(
+                decision="stop",
+                reason=verdict.reason,
+                message=f"{verdict.message} ({_LOCALLY})",
+                next_action=verdict.next_action,
                 **common,
             )
             return self.stop
-        if count >= self.limits.max_repeat_action:
-            self.stop = self._stop(
-                "loop_detected",
-                f"{name} was called {count} times with the same arguments "
-                f"(max_repeat_action={self.limits.max_repeat_action}; {_LOCALLY}).",
-                repeat_count=count,
-                **common,
-            )
-            return self.stop
-        self.counts[key] = count + 1
         return Decision(
             decision="allow",
-            reason="step_ok",
-            repeat_count=count + 1,
-            usage={"steps": self.steps},
+            reason=verdict.reason,
+            directive=verdict.directive,
+            shadow=verdict.shadow,
             **common,
-        )
-
-    def _stop(self, reason: str, message: str, **fields: Any) -> Decision:
-        return Decision(
-            decision="stop",
-            reason=reason,
-            message=message,
-            next_action=NEXT_ACTION[reason],
-            usage={"steps": self.steps},
-            **fields,
         )

@@ -1,11 +1,14 @@
 """An in-process fake of the governance service, for testing agents without a server.
 
-It implements the HTTP surface of SPEC 5 (start, get, check, finish, error bodies) and the part
-of the SPEC 4 rules that agent tests usually need: ``max_steps``, ``max_repeat_action`` (with the
-server's repeat key), the repeated-error nudge, ``check_id`` replay and a global kill switch.
-Budgets, tool lists, progress and shadow mode are left to the real service::
+It serves the HTTP surface of SPEC 5 (start, get, check, finish, error bodies, the upload of
+local decisions) and decides every check with the server's own rules
+(``governance_client.rules.evaluate``): steps, repeats, no progress, budgets, tool allow/deny
+lists, repeated errors, shadow mode, ``check_id`` replay, a kill switch. On top of them it
+scripts what a person or other agents would do on the real service: approvals (SPEC 11),
+decided by an ``operator`` callback or by ``decide``, and rate limits (SPEC 12) on a clock of
+its own, which the client's sleeps advance::
 
-    fake = FakeGovernance(max_repeat_action=3)
+    fake = FakeGovernance(max_repeat_action=3, max_usd=1.0, deny=["shell.*"])
     with fake.client() as client, client.run("my-agent") as run:
         ...
     assert fake.runs[run.id].stop_reason == "loop_detected"
@@ -16,51 +19,88 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from fnmatch import fnmatchcase
+from typing import Any, Literal
 
 import httpx
 
+from . import rules
+from .aio import AsyncGovernanceClient
 from .client import GovernanceClient
-from .keys import normalize_text, repeat_key
+from .local import make_check
 
-__all__ = ["FakeGovernance", "FakeRun"]
+__all__ = ["FakeApproval", "FakeGovernance", "FakeRun", "RateLimit"]
 
 BASE_URL = "http://governance.test"
 AGENT_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
-TERMINAL = frozenset({"stopped", "killed", "completed", "failed"})
-NEXT_ACTION = {
-    "killed": "Stop now and return the partial response: an operator engaged the kill switch.",
-    "max_steps": "Return the partial response, then split the task or relaunch with a narrower "
-    "scope.",
-    "loop_detected": "Return the partial response, then reformulate the request or relaunch with "
-    "a narrower scope.",
-    "run_finished": "The run is over: do not execute the action; start a new run for new work.",
-}
+
+Verdict = Literal["approve", "deny"] | tuple[Literal["approve", "deny"], str] | None
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """A SPEC 12 rule: at most ``max`` allowed actions matching ``match`` per ``window_s``."""
+
+    match: str
+    max: int
+    window_s: float
+    per: Literal["run", "agent", "team"] = "team"
+
+
+@dataclass
+class FakeApproval:
+    id: str
+    run_id: str
+    check_id: str
+    action: dict[str, Any]
+    body: dict[str, Any]
+    requested_at: float
+    expires_at: float
+    status: str = "pending"
+    note: str | None = None
+    decision: dict[str, Any] | None = None
 
 
 @dataclass
 class FakeRun:
     id: str
     agent: str
+    state: rules.RunState
     task: str | None = None
     external_id: str | None = None
-    status: str = "running"
-    stop_reason: str | None = None
-    steps: int = 0
-    tool_calls: int = 0
     output: str | None = None
     finished: bool = False
-    repeat_counts: dict[str, int] = field(default_factory=dict)
-    error_counts: dict[str, int] = field(default_factory=dict)
     answers: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     #: Every check body received (replays included), in order.
     checks: list[dict[str, Any]] = field(default_factory=list, repr=False)
-    #: Every decision answered (replays excluded), in order.
+    #: Every decision answered or uploaded (replays excluded), in order.
     decisions: list[dict[str, Any]] = field(default_factory=list, repr=False)
-    started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    #: Decisions the client made locally during an outage, as uploaded.
+    uploaded: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def status(self) -> str:
+        return self.state.status
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.state.stop_reason
+
+    @property
+    def steps(self) -> int:
+        return self.state.steps
+
+    @property
+    def tool_calls(self) -> int:
+        return self.state.tool_calls
+
+    @property
+    def cost_usd(self) -> float:
+        return float(self.state.cost_usd)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -70,7 +110,8 @@ class FakeRun:
             "stop_reason": self.stop_reason,
             "steps": self.steps,
             "tool_calls": self.tool_calls,
-            "started_at": self.started_at,
+            "cost_usd": self.cost_usd,
+            "started_at": self.state.started_at.isoformat(),
             "task": self.task,
             "output": self.output,
         }
@@ -82,31 +123,66 @@ class _Failure:
     processed: bool
 
 
+_POLICY_FIELDS = {f.name for f in fields(rules.Policy)}
+
+
 class FakeGovernance:
-    """The fake service; ``client()`` gives a ``GovernanceClient`` wired to it (no sleeping)."""
+    """The fake service; ``client()`` / ``async_client()`` give clients wired to it.
+
+    The policy is ``policy`` (a ``rules.Policy``) with any of its fields given as keywords
+    (``max_steps=5``, ``max_usd=0.5``, ``deny=["shell.*"]``, ``mode="shadow"``...); by default
+    a new policy's defaults, without ``max_seconds`` or ``max_usd`` (tests should not depend
+    on the machine's speed or on costs they did not set).
+    """
 
     def __init__(
         self,
         *,
         api_key: str = "test-key",
-        max_steps: int = 18,
-        max_repeat_action: int = 3,
-        error_threshold: int = 3,
-        ignore_args: Iterable[str] = (),
         policies: Iterable[str] = ("default",),
+        policy: rules.Policy | None = None,
+        approvals: Iterable[str] = (),
+        approval_timeout_s: float = 900,
+        operator: Callable[[FakeApproval], Verdict] | None = None,
+        rate_limits: Iterable[RateLimit] = (),
+        **policy_fields: Any,
     ) -> None:
+        unknown = set(policy_fields) - _POLICY_FIELDS
+        if unknown:
+            raise TypeError(f"unknown policy fields: {sorted(unknown)}")
+        base = policy or rules.Policy(max_seconds=None, max_usd=None)
+        for name in ("allow", "deny", "ignore_args", "redact_args"):
+            if policy_fields.get(name) is not None:
+                policy_fields[name] = tuple(policy_fields[name])
+        if policy_fields.get("max_usd") is not None:
+            policy_fields["max_usd"] = Decimal(str(policy_fields["max_usd"]))
+        self.policy = replace(base, **policy_fields)
         self.api_key = api_key
-        self.max_steps = max_steps
-        self.max_repeat_action = max_repeat_action
-        self.error_threshold = error_threshold
-        self.ignore_args = tuple(ignore_args)
         self.policies = set(policies)
+        self.approval_patterns = tuple(approvals)
+        self.approval_timeout_s = approval_timeout_s
+        self.operator = operator
+        self.rate_limits = tuple(rate_limits)
         self.runs: dict[str, FakeRun] = {}
+        self.approvals: dict[str, FakeApproval] = {}
         self.kill_switch: str | None = None
         #: While True, every request fails with a connection error (an outage).
         self.down = False
         self.requests: list[httpx.Request] = []
+        #: The fake's clock (seconds), advanced by the clients' sleeps and long polls.
+        self.clock = 0.0
+        self._allowed_at: list[tuple[float, str, str, str]] = []  # (t, run, agent, name)
         self._failures: list[_Failure] = []
+        self._decisions = 0
+
+    # Kept for tests written against the first version of the fake.
+    @property
+    def max_steps(self) -> int:
+        return self.policy.max_steps
+
+    @property
+    def max_repeat_action(self) -> int:
+        return self.policy.max_repeat_action
 
     def fail_next(
         self, *failures: int | Exception | type[Exception], processed: bool = False
@@ -115,22 +191,44 @@ class FakeGovernance:
         the request is handled first and only its answer is lost (e.g. a read timeout)."""
         self._failures.extend(_Failure(f, processed) for f in failures)
 
+    def advance(self, seconds: float) -> None:
+        self.clock += max(0.0, seconds)
+
+    async def advance_async(self, seconds: float) -> None:
+        self.advance(seconds)
+
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
     def client(self, **kwargs: Any) -> GovernanceClient:
-        kwargs.setdefault("sleep", lambda _seconds: None)
+        kwargs.setdefault("sleep", self.advance)
         return GovernanceClient(BASE_URL, self.api_key, transport=self.transport(), **kwargs)
 
+    def async_client(self, **kwargs: Any) -> AsyncGovernanceClient:
+        kwargs.setdefault("sleep", self.advance_async)
+        return AsyncGovernanceClient(BASE_URL, self.api_key, transport=self.transport(),
+                                     **kwargs)
+
     def limits(self) -> dict[str, Any]:
-        return {
-            "max_steps": self.max_steps,
-            "max_repeat_action": self.max_repeat_action,
-            "no_progress_window": 4,
-            "max_seconds": None,
-            "max_usd": None,
-            "max_tool_calls": None,
-        }
+        return self.policy.limits()
+
+    def decide(self, approval_id: str, verdict: Literal["approve", "deny"],
+               note: str | None = None) -> None:
+        """An operator's decision on a pending approval (SPEC 11)."""
+        approval = self.approvals[approval_id]
+        if approval.status != "pending":
+            raise ValueError(f"approval {approval_id} is {approval.status}")
+        run = self.runs[approval.run_id]
+        if verdict == "approve":
+            approval.status = "approved"
+            answer = self._decide(run, approval.body, approved=True)
+        else:
+            approval.status = "denied"
+            approval.note = note
+            answer = self._stop(run, approval.body, "approval_denied",
+                                f"An operator denied {approval.action['name']}: {note or ''}")
+        approval.decision = answer
+        run.answers[approval.check_id] = answer
 
     # -- HTTP -----------------------------------------------------------------------------------
 
@@ -154,6 +252,8 @@ class FakeGovernance:
         except ValueError:
             return _error(400, "invalid_json", "The body is not JSON.")
         parts = request.url.path.strip("/").split("/")
+        if parts[:3] == ["api", "v1", "approvals"] and len(parts) == 4:
+            return self._approval(parts[3], request)
         if parts[:3] != ["api", "v1", "runs"]:
             return _error(404, "not_found", "No such endpoint.")
         if len(parts) == 3 and request.method == "POST":
@@ -163,17 +263,20 @@ class FakeGovernance:
             return _error(404, "not_found", "No such run.")
         if len(parts) == 4 and request.method == "GET":
             return httpx.Response(200, json=run.as_json())
-        if len(parts) == 5 and parts[4] == "check" and request.method == "POST":
-            return self._check(run, body)
-        if len(parts) == 5 and parts[4] == "finish" and request.method == "POST":
-            return self._finish(run, body)
+        if len(parts) == 5 and request.method == "POST":
+            if parts[4] == "check":
+                return self._check(run, body)
+            if parts[4] == "finish":
+                return self._finish(run, body)
+            if parts[4] == "local-decisions":
+                return self._upload(run, body)
         return _error(405, "method_not_allowed", "Method not allowed.")
 
     def _start(self, body: dict[str, Any]) -> httpx.Response:
         agent = body.get("agent")
         if not isinstance(agent, str) or not AGENT_RE.fullmatch(agent):
-            fields = {"agent": "must match [A-Za-z0-9._-]{1,100}"}
-            return _error(422, "invalid_request", "Invalid run.", fields)
+            fields_ = {"agent": "must match [A-Za-z0-9._-]{1,100}"}
+            return _error(422, "invalid_request", "Invalid run.", fields_)
         policy = body.get("policy") or "default"
         if policy not in self.policies:
             return _error(422, "invalid_request", "Invalid run.", {"policy": "unknown policy"})
@@ -184,24 +287,28 @@ class FakeGovernance:
         if self.kill_switch is not None:
             return _error(409, "kill_switch_engaged", f"Kill switch engaged: {self.kill_switch}")
         run = FakeRun(
-            id=str(uuid.uuid4()), agent=agent, task=body.get("task"), external_id=external_id
+            id=str(uuid.uuid4()), agent=agent, task=body.get("task"), external_id=external_id,
+            state=rules.RunState(started_at=datetime.now(UTC)),
         )
         self.runs[run.id] = run
         return httpx.Response(201, json=self._run_json(run, policy))
 
     def _run_json(self, run: FakeRun, policy: str) -> dict[str, Any]:
-        step_limits = {
-            "max_steps": self.max_steps,
-            "max_repeat_action": self.max_repeat_action,
-            "no_progress_window": 4,
-        }
+        p = self.policy
+        limits = p.limits()
         return run.as_json() | {
             "policy": {
                 "name": policy,
                 "version": 1,
-                "mode": "enforce",
-                "step_limits": step_limits,
-                "budgets": {"max_seconds": None, "max_usd": None, "max_tool_calls": None},
+                "mode": p.mode,
+                "step_limits": {k: limits[k] for k in
+                                ("max_steps", "max_repeat_action", "no_progress_window")},
+                "budgets": {k: limits[k] for k in ("max_seconds", "max_usd", "max_tool_calls")},
+                "tools": {"allow": None if p.allow is None else list(p.allow),
+                          "deny": list(p.deny)},
+                "repeat_key": {"ignore_args": list(p.ignore_args)},
+                "on_repeated_error": {"threshold": p.error_threshold,
+                                      "action": p.error_action},
             }
         }
 
@@ -211,75 +318,222 @@ class FakeGovernance:
         if not isinstance(action, dict) or not isinstance(action.get("name"), str):
             return _error(422, "invalid_request", "Invalid check.", {"action.name": "required"})
         check_id = body.get("check_id")
-        if run.status == "running" and check_id in run.answers:
-            return httpx.Response(200, json=run.answers[check_id])
-        name, args = action["name"], action.get("args") or {}
-        key = repeat_key(name, args, self.ignore_args)
-        if run.status in TERMINAL:
-            reason = run.stop_reason or "run_finished"
-            answer = self._answer(run, "stop", reason, key, f"The run is already {run.status}.")
-            run.decisions.append(answer)
-            return httpx.Response(200, json=answer)
-
-        run.steps += 1
-        result = body.get("last_result") or {}
-        error = result.get("error") if result.get("status") == "error" else None
-        error = normalize_text(error) if isinstance(error, str) else None
-        if error:
-            run.error_counts[error] = run.error_counts.get(error, 0) + 1
-        count = run.repeat_counts.get(key, 0)
-        stop: tuple[str, str] | None = None
-        if self.kill_switch is not None:
-            stop = "killed", f"Stopped by a kill switch: {self.kill_switch}."
-        elif run.steps > self.max_steps:
-            stop = "max_steps", f"Step {run.steps} exceeds max_steps={self.max_steps}."
-        elif count >= self.max_repeat_action:
-            stop = (
-                "loop_detected",
-                (
-                    f"{name} was called {count} times with the same arguments "
-                    f"(max_repeat_action={self.max_repeat_action})."
-                ),
-            )
-        if stop is not None:
-            run.status = "killed" if stop[0] == "killed" else "stopped"
-            run.stop_reason = stop[0]
-            answer = self._answer(run, "stop", stop[0], key, stop[1])
-        else:
-            run.repeat_counts[key] = count + 1
-            if action.get("type", "tool") == "tool":
-                run.tool_calls += 1
-            answer = self._answer(run, "allow", "step_ok", key, None)
-            seen = run.error_counts.get(error, 0) if error else 0
-            if error and seen >= self.error_threshold:
-                answer["directive"] = {
-                    "type": "inject_message",
-                    "role": "user",
-                    "content": f"The error '{error}' occurred {seen} times. "
-                    "Change approach radically or abandon this subtask.",
-                }
-        if isinstance(check_id, str):
+        first = run.answers.get(check_id) if isinstance(check_id, str) else None
+        if first is not None and (run.status == rules.RUNNING
+                                  or first["decision"] == rules.STOP):
+            if first["decision"] == "pending":
+                approval = self.approvals[first["approval"]["id"]]
+                self._settle(approval)
+                if approval.decision is not None:
+                    return httpx.Response(200, json=approval.decision)
+            return httpx.Response(200, json=first)
+        pending = [a for a in self.approvals.values()
+                   if a.run_id == run.id and a.status == "pending"]
+        for approval in pending:
+            self._settle(approval)
+        pending = [a for a in pending if a.status == "pending"]
+        if pending and self.kill_switch is None and run.status == rules.RUNNING:
+            return _error(409, "approval_pending",
+                          f"Approval {pending[0].id} is pending for this run.",
+                          {"approval": pending[0].id})
+        answer = self._decide(run, body)
+        if isinstance(check_id, str) and answer["decision"] != "wait":
             run.answers[check_id] = answer
-        run.decisions.append(answer)
         return httpx.Response(200, json=answer)
 
-    def _answer(
-        self, run: FakeRun, decision: str, reason: str, key: str, message: str | None
-    ) -> dict[str, Any]:
-        return {
-            "decision": decision,
-            "reason": reason,
-            "decision_id": sum(len(r.decisions) for r in self.runs.values()) + 1,
-            "step": run.steps,
-            "repeat_key": key,
-            "repeat_count": run.repeat_counts.get(key, 0),
-            "message": message,
-            "next_action": NEXT_ACTION.get(reason) if decision == "stop" else None,
-            "usage": {"steps": run.steps, "tool_calls": run.tool_calls, "cost_usd": 0.0},
-            "limits": self.limits(),
-            "directive": None,
-            "shadow": None,
+    def _decide(self, run: FakeRun, body: dict[str, Any], *, approved: bool = False
+                ) -> dict[str, Any]:
+        action = body["action"]
+        name = action["name"]
+        check = make_check(name, action.get("args"), type=action.get("type", "tool"),
+                           progress=body.get("progress"), last_result=body.get("last_result"),
+                           cost_usd=body.get("cost_usd"))
+        now = datetime.now(UTC)
+        if approved:
+            # The step was counted when the approval was asked for: only the allow remains.
+            key = rules.repeat_key(name, check.args, self.policy.ignore_args)
+            run.state.repeat_counts[key] = run.state.repeat_counts.get(key, 0) + 1
+            if check.type == "tool":
+                run.state.tool_calls += 1
+            self._allowed_at.append((self.clock, run.id, run.agent, name))
+            verdict = rules.Decision(outcome=rules.ALLOW, reason=rules.STEP_OK,
+                                     step=run.state.steps, repeat_key=key,
+                                     repeat_count=run.state.repeat_counts[key])
+            return self._answer(run, verdict, now)
+        if run.status == rules.RUNNING and self.kill_switch is None:
+            wait = self._rate_limited(run, name)
+            if wait is not None:
+                return self._answer(run, None, now) | {
+                    "decision": "wait", "reason": "rate_limited", "step": run.steps + 1,
+                    "retry_after_s": wait[0], "message": wait[1],
+                }
+        kill = f"the global kill switch: {self.kill_switch}" if self.kill_switch else None
+        verdict, new = rules.evaluate(self.policy, run.state, check, now=now, kill=kill)
+        needs_approval = (verdict.answer == rules.ALLOW and run.state.status == rules.RUNNING
+                          and any(fnmatchcase(name, p) for p in self.approval_patterns))
+        if needs_approval and self.policy.mode != "shadow":
+            # SPEC 11: the step is counted, the repeat count and tool_calls move on approval.
+            new = run.state.copy()
+            new.steps += 1
+            rules._register(new, check)  # same registration as evaluate's
+            run.state = new
+            approval = FakeApproval(
+                id=str(uuid.uuid4()), run_id=run.id, check_id=str(body.get("check_id")),
+                action={"name": name, "type": check.type, "args": dict(check.args)},
+                body=body, requested_at=self.clock,
+                expires_at=self.clock + self.approval_timeout_s,
+            )
+            self.approvals[approval.id] = approval
+            return self._answer(run, None, now) | {
+                "decision": "pending", "reason": "approval_required", "step": new.steps,
+                "approval": self._approval_json(approval)["approval"],
+                "message": f"{name} needs an operator's approval.",
+                "next_action": "Wait: GET /api/v1/approvals/{id}?wait=60 until it is decided.",
+            }
+        run.state = new
+        if verdict.answer == rules.ALLOW:
+            self._allowed_at.append((self.clock, run.id, run.agent, name))
+        return self._answer(run, verdict, now)
+
+    def _rate_limited(self, run: FakeRun, name: str) -> tuple[float, str] | None:
+        longest: tuple[float, str] | None = None
+        for limit in self.rate_limits:
+            if not fnmatchcase(name, limit.match):
+                continue
+            since = self.clock - limit.window_s
+            times = sorted(
+                t for t, run_id, agent, action in self._allowed_at
+                if t > since and fnmatchcase(action, limit.match)
+                and (limit.per == "team" or (limit.per == "run" and run_id == run.id)
+                     or (limit.per == "agent" and agent == run.agent))
+            )
+            if len(times) >= limit.max:
+                retry = round(times[len(times) - limit.max] + limit.window_s - self.clock, 3)
+                retry = max(retry, 0.001)
+                message = (f"Rate limit {limit.match!r}: {limit.max} per {limit.window_s} s "
+                           f"per {limit.per}.")
+                if longest is None or retry > longest[0]:
+                    longest = (retry, message)
+        return longest
+
+    def _stop(self, run: FakeRun, body: dict[str, Any], reason: str, message: str
+              ) -> dict[str, Any]:
+        now = datetime.now(UTC)
+        state = run.state.copy()
+        if state.status == rules.RUNNING:
+            state.status, state.stop_reason, state.ended_at = rules.STOPPED, reason, now
+        run.state = state
+        action = body["action"]
+        key = rules.repeat_key(action["name"], action.get("args"), self.policy.ignore_args)
+        verdict = rules.Decision(outcome=rules.STOP, reason=reason, step=state.steps,
+                                 repeat_key=key, repeat_count=state.repeat_counts.get(key, 0),
+                                 message=message,
+                                 next_action="Return the partial response.")
+        return self._answer(run, verdict, now)
+
+    def _answer(self, run: FakeRun, verdict: rules.Decision | None, now: datetime
+                ) -> dict[str, Any]:
+        self._decisions += 1
+        answer: dict[str, Any] = {
+            "decision": verdict.answer if verdict else "allow",
+            "reason": verdict.reason if verdict else rules.STEP_OK,
+            "decision_id": self._decisions,
+            "step": verdict.step if verdict else run.steps,
+            "repeat_key": verdict.repeat_key if verdict else None,
+            "repeat_count": verdict.repeat_count if verdict else None,
+            "message": verdict.message if verdict else None,
+            "next_action": verdict.next_action if verdict else None,
+            "usage": run.state.usage(now),
+            "limits": self.policy.limits(),
+            "directive": verdict.directive if verdict else None,
+            "shadow": verdict.shadow if verdict else None,
+            "approval": None,
+            "retry_after_s": None,
         }
+        run.decisions.append(answer)
+        return answer
+
+    def _settle(self, approval: FakeApproval) -> None:
+        """Ask the scripted operator, then settle an expiry (whoever looks first)."""
+        if approval.status != "pending":
+            return
+        if self.operator is not None:
+            verdict = self.operator(approval)
+            if verdict is not None:
+                kind, note = verdict if isinstance(verdict, tuple) else (verdict, None)
+                self.decide(approval.id, kind, note)
+                return
+        if self.clock >= approval.expires_at:
+            approval.status = "expired"
+            run = self.runs[approval.run_id]
+            approval.decision = self._stop(run, approval.body, "approval_expired",
+                                           "Nobody decided the approval before it expired.")
+            run.answers[approval.check_id] = approval.decision
+
+    def _approval_json(self, approval: FakeApproval) -> dict[str, Any]:
+        start = datetime(2026, 1, 1, tzinfo=UTC)
+        expires = datetime.now(UTC) + timedelta(seconds=approval.expires_at - self.clock)
+        data = {
+            "id": approval.id,
+            "run_id": approval.run_id,
+            "status": approval.status,
+            "action": approval.action,
+            "requested_at": (start + timedelta(seconds=approval.requested_at)).isoformat(),
+            "expires_at": expires.isoformat(),
+            "decided_at": None,
+            "decided_by": None,
+            "note": approval.note,
+            "decision": approval.decision,
+        }
+        return data | {"approval": {"id": approval.id, "status": approval.status,
+                                    "expires_at": data["expires_at"]}}
+
+    def _approval(self, approval_id: str, request: httpx.Request) -> httpx.Response:
+        approval = self.approvals.get(approval_id)
+        if approval is None:
+            return _error(404, "not_found", "No such approval.")
+        try:
+            wait = int(request.url.params.get("wait", "0"))
+        except ValueError:
+            wait = -1
+        if not 0 <= wait <= 60:
+            return _error(422, "invalid_request", "Invalid wait.", {"wait": "0..60"})
+        self._settle(approval)
+        if approval.status == "pending" and wait:
+            # A long poll that nobody answered: the time passes, then maybe it expired.
+            self.advance(wait)
+            self._settle(approval)
+        data = self._approval_json(approval)
+        data.pop("approval")
+        return httpx.Response(200, json=data)
+
+    def _upload(self, run: FakeRun, body: dict[str, Any]) -> httpx.Response:
+        entries = body.get("decisions")
+        if not isinstance(entries, list):
+            return _error(422, "invalid_request", "Invalid upload.", {"decisions": "a list"})
+        recorded = 0
+        for entry in entries:
+            check_id = entry.get("check_id")
+            if check_id in run.answers:
+                continue
+            action = entry["action"]
+            check = make_check(action["name"], action.get("args"),
+                               type=action.get("type", "tool"), progress=entry.get("progress"),
+                               last_result=entry.get("last_result"),
+                               cost_usd=entry.get("cost_usd"))
+            verdict, run.state = rules.record_outcome(
+                self.policy, run.state, check, allowed=entry["decision"] == "allow",
+                reason=entry.get("reason") or rules.STEP_OK, now=datetime.now(UTC),
+                message=entry.get("message"),
+            )
+            answer = self._answer(run, verdict, datetime.now(UTC)) | {"local": True}
+            run.decisions[-1] = answer
+            run.answers[check_id] = answer
+            run.uploaded.append(entry)
+            recorded += 1
+        return httpx.Response(200, json={"recorded": recorded,
+                                         "skipped": len(entries) - recorded,
+                                         "run": run.as_json()})
 
     def _finish(self, run: FakeRun, body: dict[str, Any]) -> httpx.Response:
         status = body.get("status")
@@ -287,19 +541,21 @@ class FakeGovernance:
             return _error(422, "invalid_request", "Invalid finish.", {"status": "required"})
         if run.finished:
             return _error(409, "run_finished", "The run is already finished.")
-        if run.status == "running":
-            run.status = status
-            run.stop_reason = "agent_stopped" if status == "stopped" else None
+        for approval in self.approvals.values():
+            if approval.run_id == run.id and approval.status == "pending":
+                approval.status = "cancelled"
+        run.state = rules.finish(run.state, status, already_finished=False,
+                                 now=datetime.now(UTC))
         run.finished = True
         run.output = body.get("output")
         return httpx.Response(200, json=run.as_json())
 
 
 def _error(
-    status: int, code: str, message: str, fields: dict[str, Any] | None = None
+    status: int, code: str, message: str, fields: Mapping[str, Any] | None = None
 ) -> httpx.Response:
     return httpx.Response(
-        status, json={"error": {"code": code, "message": message, "fields": fields or {}}}
+        status, json={"error": {"code": code, "message": message, "fields": dict(fields or {})}}
     )
 
 

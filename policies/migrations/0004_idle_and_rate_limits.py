@@ -28,6 +28,6 @@ def fill(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("policies", "0001_initial")]
+    dependencies = [("policies", "0003_version_note")]
 
     operations = [migrations.RunPython(fill, migrations.RunPython.noop)]

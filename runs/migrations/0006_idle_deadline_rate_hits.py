@@ -6,8 +6,8 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('policies', '0002_idle_and_rate_limits'),
-        ('runs', '0003_decision_elapsed_s'),
+        ('policies', '0004_idle_and_rate_limits'),
+        ('runs', '0005_webhook_attempt_secret_id'),
     ]
 
     operations = [

@@ -1,0 +1,29 @@
+"""Settings of the minimal baseline application: nothing but the database.
+
+No installed apps, no middleware, no templates, no static files: what is left per request is
+granian, Django's WSGI handler, URL resolution and the view. The database settings are the
+product's own (same URL, same persistent connections, same options), so the durable endpoint
+pays exactly what the product's PostgreSQL connection costs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dj_database_url
+
+SECRET_KEY = os.environ.get("SECRET_KEY", "bench-minimal-only")
+DEBUG = False
+ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
+INSTALLED_APPS: list[str] = []
+MIDDLEWARE: list[str] = []
+ROOT_URLCONF = "bench.minimal.urls"
+USE_TZ = True
+TIME_ZONE = "UTC"
+LOGGING_CONFIG = None
+
+_db = dj_database_url.parse(os.environ["DATABASE_URL"])
+_db["CONN_MAX_AGE"] = int(os.environ.get("DB_CONN_MAX_AGE", "60"))
+_db["CONN_HEALTH_CHECKS"] = True
+_db.setdefault("OPTIONS", {})["connect_timeout"] = 2
+DATABASES = {"default": _db}

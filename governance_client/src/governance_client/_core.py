@@ -1,0 +1,524 @@
+"""What the sync and the async clients share: retry policy, bodies, answers, a run's memory.
+
+Nothing here does I/O: ``client.py`` (httpx.Client) and ``aio.py`` (httpx.AsyncClient) send
+what this builds and feed back what they receive, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import httpx
+import tenacity
+
+from . import rules
+from .decision import GOVERNANCE_UNAVAILABLE, Decision
+from .errors import ApiError, GovernanceUnavailable, RunClosed, api_error
+from .keys import canonical_args, normalize_text
+from .local import LocalLedger, LocalLimits, make_check
+
+logger = logging.getLogger("governance_client")
+
+FailMode = Literal["closed", "open"]
+ActionType = Literal["tool", "llm", "other"]
+FinishStatus = Literal["completed", "failed", "stopped"]
+
+#: Answers worth another attempt: the service said it did nothing (429, 503) or a gateway
+#: may have lost the answer (502, 504; safe to resend only with a check_id or external_id).
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+BODY_LIMIT = 64 * 1024  # SPEC 5.3: a check body over 64 KiB answers 413
+BODY_MARGIN = 2048  # room for the fields added after sizing (deadline_ms, check_id)
+TEXT_LIMIT = 2000  # SPEC 5.2: error and summary are at most 2,000 characters
+DIGEST_LIMIT = 128
+PROGRESS_LIMIT = 256
+OVERSIZE_KEY = "oversize_args"
+MAX_POLL_S = 60  # SPEC 11: ?wait is at most 60 s
+
+UNAVAILABLE_NEXT_ACTION = (
+    "Do not run this action: return the partial response and try again later, once the "
+    "governance service is reachable."
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A client's configuration, validated once (see ``GovernanceClient`` for the meaning)."""
+
+    base_url: str
+    api_key: str
+    deadline: float = 2.0
+    attempts: int = 3
+    backoff: float = 0.1
+    max_backoff: float = 1.0
+    fail_mode: FailMode = "closed"
+    local_limits: LocalLimits | None = None
+    wait_for_rate_limits: bool = True
+    wait_budget: float = 30.0
+    approval_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.fail_mode not in ("closed", "open"):
+            raise ValueError(f"fail_mode must be 'closed' or 'open', not {self.fail_mode!r}")
+        if self.deadline <= 0:
+            raise ValueError("deadline must be > 0 seconds")
+        if self.attempts < 1 or self.backoff < 0 or self.max_backoff < 0:
+            raise ValueError("attempts must be >= 1, backoff and max_backoff >= 0")
+        if self.wait_budget < 0 or (self.approval_timeout is not None
+                                    and self.approval_timeout < 0):
+            raise ValueError("wait_budget and approval_timeout must be >= 0")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}", "Accept": "application/json"}
+
+
+# -- Retries ----------------------------------------------------------------------------------
+
+class Retryable(Exception):
+    """One attempt failed in a way another attempt may fix."""
+
+    def __init__(self, failure: str, retry_after: float | None = None) -> None:
+        super().__init__(failure)
+        self.failure = failure
+        self.retry_after = retry_after
+
+
+class _WaitRetryAfterOrFullJitter(tenacity.wait.wait_base):
+    """The server's ``Retry-After`` when it gave one, else full jitter (uniform between 0 and
+    the exponential backoff), so that agents knocked off together do not retry together."""
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self.jitter = tenacity.wait_random_exponential(multiplier=initial, max=maximum)
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        outcome = retry_state.outcome
+        exc = outcome.exception() if outcome is not None else None
+        if isinstance(exc, Retryable) and exc.retry_after is not None:
+            return exc.retry_after
+        return float(self.jitter(retry_state))
+
+
+def retry_policy(settings: Settings, deadline: float) -> dict[str, Any]:
+    """tenacity arguments: at most ``attempts`` tries, and no sleep that would end past the
+    deadline (``stop_before_delay``), so a check never outlives its deadline by a backoff."""
+    return {
+        "stop": tenacity.stop_after_attempt(settings.attempts)
+        | tenacity.stop_before_delay(deadline),
+        "wait": _WaitRetryAfterOrFullJitter(settings.backoff, settings.max_backoff),
+        "retry": tenacity.retry_if_exception_type(Retryable),
+        "reraise": True,
+    }
+
+
+def retry_after_s(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+def classify_error(exc: httpx.TransportError, *, replay_safe: bool) -> Exception:
+    """The exception an attempt ends with for a transport error."""
+    failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+    if replay_safe or not_sent:
+        return Retryable(failure)
+    return GovernanceUnavailable(failure)
+
+
+def classify_response(response: httpx.Response, *, replay_safe: bool) -> Exception | None:
+    """None when the answer stands; else the exception the attempt ends with."""
+    status = response.status_code
+    if status in RETRY_STATUSES:
+        # 429 and 503 are the service saying it did nothing; a 502/504 may hide a success.
+        if replay_safe or status in (429, 503):
+            return Retryable(f"HTTP {status}", retry_after_s(response))
+        return GovernanceUnavailable(f"HTTP {status}")
+    if status >= 500:
+        return GovernanceUnavailable(f"HTTP {status}")
+    return None
+
+
+def gave_up(method: str, path: str, exc: BaseException, attempts: int) -> GovernanceUnavailable:
+    detail = exc.failure if isinstance(exc, Retryable) else str(exc)
+    return GovernanceUnavailable(f"{method} {path} failed after {attempts} attempt(s): {detail}")
+
+
+def attempt_timeout(remaining: float, attempts_left: int) -> float:
+    """One attempt's share of what is left: a connection that hangs (a stuck worker, a dead
+    peer) leaves time for another attempt on a fresh one, but never less than half a second,
+    so that a slow answer is not abandoned too early. The body still carries the whole of
+    what is left (``deadline_ms``): an attempt given up on but decided in time is replayed
+    by its ``check_id``."""
+    return min(remaining, max(remaining / max(attempts_left, 1), 0.5))
+
+
+def server_budget_ms(remaining: float) -> int:
+    """The deadline sent with a check: what is left, less a margin for the answer's way back,
+    so that the service gives up (and audits ``expired``) before the client does."""
+    margin = max(0.05, remaining * 0.1)
+    return max(1, int((remaining - margin) * 1000))
+
+
+def expect(response: httpx.Response, *ok: int) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.status_code not in ok:
+        raise api_error(response.status_code, body)
+    if not isinstance(body, dict):
+        raise ApiError(response.status_code, "invalid_response", "expected a JSON object")
+    return body
+
+
+def start_body(
+    agent: str,
+    *,
+    task: str | None,
+    policy: str | None,
+    metadata: Mapping[str, Any] | None,
+    external_id: str | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"agent": agent}
+    optional = {"task": task, "policy": policy, "metadata": metadata, "external_id": external_id}
+    body.update({k: v for k, v in optional.items() if v is not None})
+    return body
+
+
+def local_start(agent: str) -> dict[str, Any]:
+    return {"run_id": f"local-{uuid.uuid4().hex}", "status": "running", "agent": agent}
+
+
+def parse_time(value: Any) -> float | None:
+    """An ISO-8601 time as seconds since the epoch (None when absent or unreadable)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
+
+
+# -- One check --------------------------------------------------------------------------------
+
+@dataclass
+class PreparedCheck:
+    name: str
+    args: dict[str, Any]
+    body: dict[str, Any]
+    check: rules.Check
+    check_id: str
+    call_id: str | None
+    #: when the client decided at least once: the time the action's decision was made
+    at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+
+    def with_deadline(self, remaining: float) -> dict[str, Any]:
+        return {**self.body, "deadline_ms": server_budget_ms(remaining)}
+
+
+def _size(body: Any) -> int:
+    return len(json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str)
+               .encode("utf-8"))
+
+
+def oversize_digest(args: Mapping[str, Any], ignore_args: tuple[str, ...]) -> dict[str, Any]:
+    """What a check sends instead of args too big for the service (SPEC 5.3's 64 KiB).
+
+    The digest is the SHA-256 of the canonical args (the policy's ``ignore_args`` removed, as
+    the repeat key does), so the same big call gives the same repeat key and loops are still
+    caught; the sizes and the top-level names let operators see what was called.
+    """
+    try:
+        data = canonical_args(args, ignore_args)
+    except (TypeError, ValueError):
+        data = repr(sorted(args.items(), key=lambda kv: str(kv[0]))).encode("utf-8")
+    names = sorted(str(k)[:100] for k in args)[:50]
+    return {OVERSIZE_KEY: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                           "keys": names}}
+
+
+def _fit_progress(progress: str | int | float | None) -> str | int | float | None:
+    if isinstance(progress, str) and len(progress) > PROGRESS_LIMIT:
+        return "sha256:" + hashlib.sha256(progress.encode("utf-8")).hexdigest()
+    return progress
+
+
+class RunCore:
+    """A run's memory on the agent's side, shared by ``Run`` and ``AsyncRun``."""
+
+    def __init__(self, settings: Settings, data: Mapping[str, Any], *, local: bool) -> None:
+        self.settings = settings
+        self.data: dict[str, Any] = dict(data)
+        self.id = str(data["run_id"])
+        self.agent: str | None = data.get("agent")
+        self.status: str = str(data.get("status") or "running")
+        self.local = local
+        self.output: str | None = None
+        self.stop_decision: Decision | None = None
+        self.last_decision: Decision | None = None
+        self.finished = False
+        self.closed = False
+        limits = settings.local_limits or LocalLimits()
+        self.ledger = LocalLedger(limits.policy(data.get("policy")))
+        # Tool results reported and not yet sent, oldest first, by tool call id: parallel
+        # calls each keep their own result, and each check carries one (SPEC 5.2 has one
+        # last_result per check).
+        self.pending: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # Decisions made locally during an outage, to upload once the service answers.
+        self.unsynced: list[dict[str, Any]] = []
+        self.lock = threading.RLock()
+
+    @property
+    def policy(self) -> rules.Policy:
+        return self.ledger.policy
+
+    def ensure_open(self) -> None:
+        if self.closed:
+            raise RunClosed(f"run {self.id} is finished: start a new run for new work")
+
+    def prepare(
+        self,
+        name: str,
+        args: Mapping[str, Any] | None,
+        *,
+        type: ActionType,
+        progress: str | int | float | None,
+        last_result: Mapping[str, Any] | None,
+        cost_usd: float | None,
+        call_id: str | None,
+    ) -> PreparedCheck:
+        self.ensure_open()
+        plain = dict(args or {})
+        if last_result is not None:
+            result: dict[str, Any] | None = dict(last_result)
+        elif self.pending:
+            # A result describes one action: sent (or lost to an outage), it is not sent again.
+            result = self.pending.popitem(last=False)[1]
+        else:
+            result = None
+        progress = _fit_progress(progress)
+        body: dict[str, Any] = {
+            "check_id": uuid.uuid4().hex,
+            "action": {"name": name, "args": plain, "type": type},
+        }
+        if progress is not None:
+            body["progress"] = progress
+        if result is not None:
+            body["last_result"] = result
+        if cost_usd is not None:
+            body["cost_usd"] = cost_usd
+        sent_args = plain
+        if _size(body) > BODY_LIMIT - BODY_MARGIN:
+            sent_args = oversize_digest(plain, self.policy.ignore_args)
+            body["action"] = {**body["action"], "args": sent_args}
+            logger.info("args of %s are over 64 KiB: sending their digest", name)
+        check = make_check(name, sent_args, type=type, progress=progress, last_result=result,
+                           cost_usd=cost_usd)
+        return PreparedCheck(name=name, args=sent_args, body=body, check=check,
+                             check_id=body["check_id"], call_id=call_id)
+
+    def answered(self, prepared: PreparedCheck, decision: Decision) -> Decision:
+        self.ledger.record(prepared.check, decision)
+        return self.remember(decision)
+
+    def local_decision(self, prepared: PreparedCheck, detail: str,
+                       *, allow_local: bool = True) -> Decision:
+        """The decision when the service could not be reached."""
+        if self.settings.fail_mode == "open" and allow_local:
+            logger.warning("governance unreachable, deciding %s locally: %s", prepared.name,
+                           detail)
+            decision = self.ledger.decide(prepared.check)
+            decision = _with_ids(decision, prepared)
+            if not self.local and not (self.unsynced and self.unsynced[-1]["decision"] == "stop"):
+                self.unsynced.append(self._upload_entry(prepared, decision))
+            return self.remember(decision)
+        return self.remember(Decision(
+            decision="stop",
+            reason=GOVERNANCE_UNAVAILABLE,
+            message=f"The governance service is unreachable ({detail}); fail_mode='closed' "
+            "stops every action until it answers again.",
+            next_action=UNAVAILABLE_NEXT_ACTION,
+            local=True,
+            check_id=prepared.check_id,
+            call_id=prepared.call_id,
+        ))
+
+    def decide_offline(self, prepared: PreparedCheck) -> Decision | None:
+        """A decision without asking: the run was started locally, or a local stop ended it."""
+        if self.local or self.ledger.stop is not None:
+            return self.remember(_with_ids(self.ledger.decide(prepared.check), prepared))
+        return None
+
+    def _upload_entry(self, prepared: PreparedCheck, decision: Decision) -> dict[str, Any]:
+        body = prepared.body
+        entry: dict[str, Any] = {
+            "check_id": prepared.check_id,
+            "action": body["action"],
+            "decision": decision.decision,
+            "reason": decision.reason,
+            "at": prepared.at,
+        }
+        for name in ("progress", "last_result", "cost_usd"):
+            if name in body:
+                entry[name] = body[name]
+        if decision.message:
+            entry["message"] = decision.message
+        return entry
+
+    def upload_body(self) -> dict[str, Any] | None:
+        return {"decisions": list(self.unsynced)} if self.unsynced else None
+
+    def uploaded(self, count: int) -> None:
+        del self.unsynced[:count]
+
+    def report(
+        self,
+        result: Any,
+        *,
+        error: BaseException | str | None,
+        summary: str | None,
+        digest: str | None,
+        call_id: str | None,
+    ) -> dict[str, Any]:
+        self.ensure_open()
+        entry: dict[str, Any] = {"status": "ok" if error is None else "error"}
+        if error is not None:
+            text = str(error)
+            if not text and isinstance(error, BaseException):
+                text = type(error).__name__
+            entry["error"] = normalize_text(text)[:TEXT_LIMIT]
+        if digest is None and error is None and result is not None:
+            digest = result_digest(result)
+        if digest is not None and len(digest) > DIGEST_LIMIT:
+            digest = hashlib.sha256(digest.encode()).hexdigest()
+        if digest is not None:
+            entry["digest"] = digest
+        if summary is not None:
+            entry["summary"] = summary[:TEXT_LIMIT]
+        key = call_id if call_id is not None else "\0last"
+        with self.lock:
+            # A second report of the same call (an error handler, then a hook) replaces the
+            # first and keeps its place in line.
+            self.pending[key] = entry
+        return entry
+
+    def remember(self, decision: Decision) -> Decision:
+        self.last_decision = decision
+        if decision.decision == "stop" and self.stop_decision is None \
+                and decision.reason != GOVERNANCE_UNAVAILABLE:
+            self.stop_decision = decision
+            if decision.reason != "run_finished":
+                self.status = "killed" if decision.reason == "killed" else "stopped"
+        return decision
+
+    def exit_status(self, *, failed: bool) -> FinishStatus:
+        if self.stop_decision is not None or (
+            self.last_decision is not None and self.last_decision.decision == "stop"
+        ):
+            return "stopped"
+        return "failed" if failed else "completed"
+
+    def finish_body(self, status: FinishStatus, output: str | None) -> dict[str, Any]:
+        if output is not None:
+            self.output = output
+        body: dict[str, Any] = {"status": status}
+        if self.output is not None:
+            body["output"] = self.output
+        return body
+
+    def finished_with(self, status: str, data: Mapping[str, Any] | None) -> None:
+        self.finished = True
+        self.closed = True
+        if data:
+            self.status = str(data.get("status") or status)
+            self.data.update(data)
+        elif self.status == "running":
+            self.status = status
+
+
+def _with_ids(decision: Decision, prepared: PreparedCheck) -> Decision:
+    from dataclasses import replace
+
+    return replace(decision, check_id=prepared.check_id, call_id=prepared.call_id)
+
+
+def approval_limit(settings: Settings, decision: Decision, started: float) -> float:
+    """Until when (time.monotonic) a pending check waits for its operator."""
+    limit = float("inf")
+    expires = parse_time((decision.approval or {}).get("expires_at"))
+    if expires is not None:
+        # A little past the expiry: whoever looks first after it settles it (SPEC 11), and
+        # the final answer (approval_expired) is worth having.
+        limit = started + max(0.0, expires - time.time()) + 5.0
+    if settings.approval_timeout is not None:
+        limit = min(limit, started + settings.approval_timeout)
+    return limit
+
+
+def approval_final(body: Mapping[str, Any], prepared: PreparedCheck) -> Decision | None:
+    """The final decision in a GET /approvals/{id} answer, once it is no longer pending."""
+    if body.get("status") == "pending":
+        return None
+    final = body.get("decision")
+    if isinstance(final, Mapping):
+        return Decision.from_response(final, check_id=prepared.check_id, call_id=prepared.call_id)
+    return None
+
+
+def result_digest(result: Any) -> str:
+    """SHA-256 hex of a stable serialization: the same output always gives the same digest.
+
+    Text is hashed as UTF-8, bytes as is, anything else as sorted-keys JSON (dataclasses and
+    objects with ``model_dump`` as their fields). Pass ``digest=`` to ``report`` for objects
+    whose ``str`` is not stable.
+    """
+    import dataclasses
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.asdict(value)
+        model_dump = getattr(value, "model_dump", None)
+        if callable(model_dump):
+            return model_dump()
+        if isinstance(value, set | frozenset):
+            return sorted(value, key=repr)
+        return str(value)
+
+    if isinstance(result, bytes | bytearray):
+        data = bytes(result)
+    elif isinstance(result, str):
+        data = result.encode("utf-8")
+    else:
+        try:
+            text = json.dumps(
+                result, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=plain
+            )
+        except (TypeError, ValueError):
+            text = repr(result)
+        data = text.encode("utf-8")
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,402 @@
+"""The asyncio twin of ``governance_client.client``: the same surface over httpx.AsyncClient.
+
+    async with AsyncGovernanceClient(url, key) as client:
+        async with client.run("support-bot", task=question) as run:
+            decision = await run.check(name, args)
+            ...
+            run.report(result)          # report is not a coroutine: it sends nothing
+
+The bodies, the answers, the local rules and the run's memory are the sync client's
+(``governance_client._core``); only the sending differs. Here the deadline is enforced as a
+whole with ``asyncio.timeout``, on top of httpx's per-operation timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any
+
+import httpx
+import tenacity
+
+from ._core import (
+    MAX_POLL_S,
+    ActionType,
+    FailMode,
+    FinishStatus,
+    PreparedCheck,
+    Retryable,
+    RunCore,
+    Settings,
+    approval_final,
+    approval_limit,
+    attempt_timeout,
+    classify_error,
+    classify_response,
+    expect,
+    gave_up,
+    local_start,
+    retry_policy,
+    start_body,
+)
+from .decision import DEADLINE_EXPIRED, Decision
+from .errors import GovernanceError, GovernanceUnavailable, RunFinished
+from .local import LocalLimits
+
+__all__ = ["AsyncGovernanceClient", "AsyncRun"]
+
+logger = logging.getLogger("governance_client")
+
+
+class AsyncGovernanceClient:
+    """``GovernanceClient`` for asyncio code: same arguments, same behaviour (see there)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        deadline: float = 2.0,
+        attempts: int = 3,
+        backoff: float = 0.1,
+        max_backoff: float = 1.0,
+        fail_mode: FailMode = "closed",
+        local_limits: LocalLimits | None = None,
+        wait_for_rate_limits: bool = True,
+        wait_budget: float = 30.0,
+        approval_timeout: float | None = None,
+        http_client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.settings = Settings(
+            base_url=base_url.rstrip("/"), api_key=api_key, deadline=deadline,
+            attempts=attempts, backoff=backoff, max_backoff=max_backoff, fail_mode=fail_mode,
+            local_limits=local_limits, wait_for_rate_limits=wait_for_rate_limits,
+            wait_budget=wait_budget, approval_timeout=approval_timeout,
+        )
+        self._sleep = sleep
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.AsyncClient(transport=transport)
+
+    @property
+    def base_url(self) -> str:
+        return self.settings.base_url
+
+    @property
+    def fail_mode(self) -> FailMode:
+        return self.settings.fail_mode
+
+    async def __aenter__(self) -> AsyncGovernanceClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def start_run(
+        self,
+        agent: str,
+        *,
+        task: str | None = None,
+        policy: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        external_id: str | None = None,
+    ) -> AsyncRun:
+        body = start_body(agent, task=task, policy=policy, metadata=metadata,
+                          external_id=external_id)
+        try:
+            response = await self._send("POST", "/api/v1/runs", lambda _: body,
+                                        replay_safe=external_id is not None)
+        except GovernanceUnavailable as exc:
+            if self.fail_mode == "closed":
+                raise
+            logger.warning("governance unreachable, run of %s started locally: %s", agent, exc)
+            return AsyncRun(self, local_start(agent), local=True)
+        return AsyncRun(self, expect(response, 200, 201))
+
+    @asynccontextmanager
+    async def run(
+        self,
+        agent: str,
+        *,
+        task: str | None = None,
+        policy: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        external_id: str | None = None,
+    ) -> AsyncIterator[AsyncRun]:
+        run = await self.start_run(
+            agent, task=task, policy=policy, metadata=metadata, external_id=external_id
+        )
+        try:
+            yield run
+        except BaseException:
+            try:
+                await run._finish_on_exit(failed=True)
+            except GovernanceError:
+                logger.exception("could not finish run %s", run.id)
+            raise
+        await run._finish_on_exit(failed=False)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        body: Callable[[float], Any] | None = None,
+        *,
+        replay_safe: bool = True,
+        deadline: float | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> httpx.Response:
+        budget = self.settings.deadline if deadline is None else deadline
+        ends = time.monotonic() + budget
+        url = self.settings.base_url + path
+        attempts = 0
+
+        async def attempt() -> httpx.Response:
+            nonlocal attempts
+            attempts += 1
+            remaining = ends - time.monotonic()
+            if remaining <= 0:
+                raise GovernanceUnavailable("deadline spent")
+            timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1)
+            try:
+                # httpx's timeouts bound each read; this bounds the attempt as a whole, so a
+                # server that trickles its answer cannot stretch it past the deadline.
+                async with asyncio.timeout(timeout):
+                    response = await self._http.request(
+                        method, url, json=body(remaining) if body is not None else None,
+                        params=params, headers=self.settings.headers,
+                        timeout=httpx.Timeout(timeout),
+                    )
+            except TimeoutError as exc:
+                raise classify_error(httpx.ReadTimeout("deadline reached"),
+                                     replay_safe=replay_safe) from exc
+            except httpx.TransportError as exc:
+                raise classify_error(exc, replay_safe=replay_safe) from exc
+            failure = classify_response(response, replay_safe=replay_safe)
+            if failure is not None:
+                raise failure
+            return response
+
+        try:
+            return await tenacity.AsyncRetrying(
+                sleep=self._sleep, **retry_policy(self.settings, budget)
+            )(attempt)
+        except (Retryable, GovernanceUnavailable) as exc:
+            raise gave_up(method, path, exc, attempts) from exc
+
+
+class AsyncRun:
+    """``Run`` for asyncio code: ``check`` and ``finish`` are coroutines."""
+
+    def __init__(
+        self, client: AsyncGovernanceClient, data: Mapping[str, Any], *, local: bool = False
+    ) -> None:
+        self._client = client
+        self._core = RunCore(client.settings, data, local=local)
+        self._lock = asyncio.Lock()
+        self.id = self._core.id
+        self.agent = self._core.agent
+        self.data = self._core.data
+        self.local = local
+
+    def __repr__(self) -> str:
+        return f"<AsyncRun {self.id} {self.status}{' local' if self.local else ''}>"
+
+    @property
+    def status(self) -> str:
+        return self._core.status
+
+    @property
+    def output(self) -> str | None:
+        return self._core.output
+
+    @output.setter
+    def output(self, value: str | None) -> None:
+        self._core.output = value
+
+    @property
+    def stop_decision(self) -> Decision | None:
+        return self._core.stop_decision
+
+    @property
+    def last_decision(self) -> Decision | None:
+        return self._core.last_decision
+
+    @property
+    def finished(self) -> bool:
+        return self._core.finished
+
+    @property
+    def pending_result(self) -> dict[str, Any] | None:
+        return next(iter(self._core.pending.values()), None)
+
+    @property
+    def pending_results(self) -> dict[str, dict[str, Any]]:
+        return dict(self._core.pending)
+
+    @property
+    def unsynced(self) -> list[dict[str, Any]]:
+        return list(self._core.unsynced)
+
+    async def check(
+        self,
+        name: str,
+        args: Mapping[str, Any] | None = None,
+        *,
+        type: ActionType = "tool",
+        progress: str | int | float | None = None,
+        last_result: Mapping[str, Any] | None = None,
+        cost_usd: float | None = None,
+        call_id: str | None = None,
+    ) -> Decision:
+        core = self._core
+        # Checks of one run are serialized, as on the server (the ledger is one sequence).
+        async with self._lock:
+            prepared = core.prepare(name, args, type=type, progress=progress,
+                                    last_result=last_result, cost_usd=cost_usd, call_id=call_id)
+            offline = core.decide_offline(prepared)
+            if offline is not None:
+                return offline
+            await self._upload()
+            return await self._ask(prepared)
+
+    async def _ask(self, prepared: PreparedCheck) -> Decision:
+        core, client = self._core, self._client
+        waited = 0.0  # the sleeps asked for: deterministic with an injected sleep
+        path = f"/api/v1/runs/{self.id}/check"
+        while True:
+            try:
+                response = await client._send("POST", path, prepared.with_deadline)
+            except GovernanceUnavailable as exc:
+                return core.local_decision(prepared, str(exc))
+            decision = Decision.from_response(expect(response, 200), check_id=prepared.check_id,
+                                              call_id=prepared.call_id)
+            if decision.reason == DEADLINE_EXPIRED:
+                # The service saw the deadline pass and decided nothing (audited expired).
+                return core.local_decision(prepared, "the service answered after the deadline")
+            if decision.decision == "wait" and client.settings.wait_for_rate_limits:
+                delay = max(decision.retry_after_s or 0.0, 0.001)
+                if waited + delay <= client.settings.wait_budget:
+                    waited += delay
+                    await client._sleep(delay)
+                    continue
+            if decision.decision == "pending":
+                decision = await self._await_approval(prepared, decision)
+            return core.answered(prepared, decision)
+
+    async def _await_approval(self, prepared: PreparedCheck, pending: Decision) -> Decision:
+        client = self._client
+        approval_id = (pending.approval or {}).get("id")
+        if not approval_id:
+            return pending
+        started = time.monotonic()
+        limit = approval_limit(client.settings, pending, started) - started
+        # Time spent, by the clock or by the polls that came back still pending (a fake
+        # service answers at once: its polls still add up to the time they asked for).
+        polled = 0.0
+        while (left := limit - max(time.monotonic() - started, polled)) > 0:
+            wait = int(min(MAX_POLL_S, left))
+            try:
+                response = await client._send(
+                    "GET", f"/api/v1/approvals/{approval_id}", params={"wait": wait},
+                    deadline=wait + client.settings.deadline,
+                )
+                body = expect(response, 200)
+            except GovernanceUnavailable as exc:
+                return self._core.local_decision(prepared, str(exc), allow_local=False)
+            final = approval_final(body, prepared)
+            if final is not None:
+                return final
+            if body.get("status") != "pending":
+                response = await client._send("POST", f"/api/v1/runs/{self.id}/check",
+                                              prepared.with_deadline)
+                again = Decision.from_response(expect(response, 200),
+                                               check_id=prepared.check_id,
+                                               call_id=prepared.call_id)
+                if again.decision != "pending":
+                    return again
+            polled += wait
+            if wait == 0:
+                polled += min(left, 1.0)
+                await client._sleep(min(left, 1.0))
+        return pending
+
+    async def _upload(self) -> None:
+        core = self._core
+        body = core.upload_body()
+        if body is None:
+            return
+        try:
+            response = await self._client._send(
+                "POST", f"/api/v1/runs/{self.id}/local-decisions", lambda _: body
+            )
+            data = expect(response, 200)
+        except GovernanceUnavailable:
+            return
+        except GovernanceError as exc:
+            logger.warning("local decisions of run %s refused, dropped: %s", self.id, exc)
+            core.uploaded(len(body["decisions"]))
+            return
+        core.uploaded(len(body["decisions"]))
+        run = data.get("run")
+        if isinstance(run, Mapping):
+            core.data.update(run)
+
+    def report(
+        self,
+        result: Any = None,
+        *,
+        error: BaseException | str | None = None,
+        summary: str | None = None,
+        digest: str | None = None,
+        call_id: str | None = None,
+    ) -> dict[str, Any]:
+        return self._core.report(result, error=error, summary=summary, digest=digest,
+                                 call_id=call_id)
+
+    async def finish(
+        self, status: FinishStatus, output: str | None = None
+    ) -> dict[str, Any] | None:
+        core = self._core
+        body = core.finish_body(status, output)
+        if self.local:
+            core.finished_with(status, None)
+            return None
+        async with self._lock:
+            await self._upload()
+        try:
+            response = await self._client._send("POST", f"/api/v1/runs/{self.id}/finish",
+                                                lambda _: body)
+            data = expect(response, 200)
+        except RunFinished:
+            core.finished_with(status, None)
+            return None
+        core.finished_with(status, data)
+        return data
+
+    async def _finish_on_exit(self, *, failed: bool) -> None:
+        core = self._core
+        if core.finished:
+            return
+        status = core.exit_status(failed=failed)
+        try:
+            await self.finish(status)
+        except GovernanceUnavailable as exc:
+            logger.warning("could not finish run %s (%s): %s", self.id, status, exc)
+        finally:
+            core.closed = True

@@ -1,0 +1,36 @@
+"""`manage.py invite_member --team SLUG --username NAME [--role viewer|operator|admin]
+[--base-url URL]`: add a person who has no account yet; prints their one-time link to choose
+a password (alone on the last line), as the Members page's invitation does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from policies.models import Role, Team
+from policies.services import member_invite
+
+
+class Command(BaseCommand):
+    help = "Invite someone without an account to a team: prints a one-time sign-in link."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--team", required=True)
+        parser.add_argument("--username", required=True)
+        parser.add_argument("--role", default=Role.VIEWER, choices=[r.value for r in Role])
+        parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                            help="the dashboard's address, for the printed link")
+
+    def handle(self, *args: Any, team: str, username: str, role: str, base_url: str,
+               **options: Any) -> None:
+        found = Team.objects.filter(slug=team).first()
+        if found is None:
+            raise CommandError(f"No team {team!r}.")
+        try:
+            invitation = member_invite(team=found, username=username, role=role, actor=None)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"Invited {username} to {found.slug} as {role}. Send them this "
+                          "link (valid once, for 3 days) to choose a password:")
+        self.stdout.write(base_url.rstrip("/") + invitation.path)

@@ -1,0 +1,69 @@
+"""The dashboard's one format for each kind of value, so every page reads the same:
+times relative with the absolute UTC time on hover, money in dollars, durations in words."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from django import template
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.timesince import timesince
+
+register = template.Library()
+
+
+@register.filter
+def when(value: datetime | None, now: datetime | None = None) -> SafeString | str:
+    """``<time>`` with "3 minutes ago" and the exact UTC time as its title."""
+    if not value:
+        return "—"
+    now = now or timezone.now()
+    utc = value.astimezone(UTC) if timezone.is_aware(value) else value
+    if value > now:
+        label = "just now"
+    else:
+        label = f"{timesince(value, now).split(',')[0]} ago"
+        if label.startswith("0\xa0minutes"):
+            label = "just now"
+    return format_html('<time datetime="{}" title="{} UTC">{}</time>',
+                       utc.isoformat(), utc.strftime("%Y-%m-%d %H:%M:%S"), label)
+
+
+@register.filter
+def money(value: Any, places: int = 2) -> str:
+    """Dollars: "$0.42"; amounts below a cent keep 4 places so a step's cost is not "$0.00"."""
+    if value is None or value == "":
+        return "—"
+    amount = Decimal(str(value))
+    if places == 2 and 0 < abs(amount) < Decimal("0.01"):
+        places = 4
+    return f"${amount:,.{int(places)}f}"
+
+
+@register.filter
+def duration(seconds: Any) -> str:
+    """"850 ms", "12.4 s", "3 min 04 s", "2 h 05 min"."""
+    if seconds is None or seconds == "":
+        return "—"
+    s = float(seconds)
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 60:
+        return f"{s:.1f} s"
+    minutes, rest = divmod(round(s), 60)
+    if minutes < 60:
+        return f"{minutes} min {rest:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+@register.filter
+def elapsed(run: Any) -> float:
+    """A run's duration so far: to its end, or to now while it runs."""
+    from runs.audit.selectors import elapsed_s
+
+    return elapsed_s(run)

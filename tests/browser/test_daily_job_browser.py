@@ -1,0 +1,107 @@
+"""The daily job in a real browser (issue 15): a long run's timeline pages and filters, the
+shadow summary, the runs list's search and would-stop filter."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any
+
+from policies.models import Team
+from runs.models import Decision, Run
+from tests.browser.test_dashboard_browser import (  # noqa: F401 (fixtures)
+    SCREENSHOTS,
+    Page,
+    browser,
+    expect,
+    pytestmark,
+    sign_in,
+)
+from tests.browser.test_dashboard_browser import page as page
+from tests.conftest import Agent, Server, set_policy
+
+pytestmark = list(pytestmark)
+
+
+def test_a_long_timeline_pages_and_filters_without_a_long_page(page: Page, server: Server,
+                                                               agent: Agent, team: Team,
+                                                               users: Any):
+    run_id = agent.start()["run_id"]
+    run = Run.objects.get(pk=run_id)
+    Decision.objects.bulk_create([
+        Decision(run=run, step=i + 1, outcome="allow", reason="step_ok", action_name="t.step",
+                 action_type="tool", args={"i": i}, answer={},
+                 at=run.started_at + timedelta(seconds=i + 1))
+        for i in range(299)
+    ])
+    Run.objects.filter(pk=run_id).update(steps=299)
+    stop = agent.check(run_id, "t.step", {"i": 5})  # the 300th step
+    sign_in(page, server, "viewer", "pw-viewer-123")
+    page.goto(f"{server.url}/teams/{team.slug}/runs/{run_id}/")
+    page.evaluate("window.__noReload = true")
+    rows = page.locator("#timeline tr.step")
+    expect(rows).to_have_count(50)
+    height = page.evaluate("document.documentElement.scrollHeight")
+    assert height < 6000, height  # not the 16,500 px of 300 rows
+    page.screenshot(path=str(SCREENSHOTS / "timeline.png"))
+    page.click("#timeline-earlier a")
+    expect(rows).to_have_count(100)
+    expect(page.locator("#timeline tr.step").first).to_have_attribute("data-step", "201")
+    page.click("#timeline-flagged")
+    flagged = page.locator("#timeline tr.step")
+    expect(flagged).to_have_count(1 if stop["decision"] == "stop" else 0)
+    expect(page.locator("#timeline-flagged")).to_have_attribute("aria-current", "true")
+
+
+def test_a_shadow_run_shows_where_it_would_have_stopped_live(page: Page, server: Server,
+                                                            agent: Agent, team: Team,
+                                                            users: Any):
+    set_policy(team, mode="shadow", step_limits={"max_repeat_action": 2})
+    run_id = agent.start(agent="shadow-bot")["run_id"]
+    sign_in(page, server, "viewer", "pw-viewer-123")
+    page.goto(f"{server.url}/teams/{team.slug}/runs/{run_id}/")
+    expect(page.locator("[data-live-status]")).to_have_text("Live")
+    for _ in range(3):
+        agent.check(run_id, "search.docs", {"q": "same"})
+    summary = page.locator(".shadow-summary")
+    expect(summary).to_contain_text("would have stopped at step 3: loop_detected")
+
+    page.goto(f"{server.url}/teams/{team.slug}/runs/")
+    other = agent.start(agent="plain-bot")["run_id"]
+    expect(page.locator(f"#run-{other}")).to_have_count(1)
+    page.check("input[name=would_stop]")
+    expect(page.locator(f"#run-{other}")).to_have_count(0)
+    expect(page.locator(f"#run-{run_id}")).to_contain_text("would stop at step 3")
+    page.uncheck("input[name=would_stop]")
+    expect(page.locator(f"#run-{other}")).to_have_count(1)
+    page.screenshot(path=str(SCREENSHOTS / "runs.png"), full_page=True)
+    page.check("input[name=would_stop]")
+    expect(page.locator(f"#run-{other}")).to_have_count(0)
+    page.fill("input[name=q]", run_id[:8])
+    page.wait_for_url(re.compile(f"q={run_id[:8]}"))
+    expect(page.locator("#runs-table tbody tr")).to_have_count(1)
+    assert "would_stop=1" in page.url and "status=" not in page.url
+
+
+def test_the_overview_time_range_picker_changes_the_chart_and_stays_live(
+        page: Page, server: Server, agent: Agent, team: Team, users: Any):
+    old = agent.start(agent="old-bot")["run_id"]
+    Run.objects.filter(pk=old).update(started_at=Run.objects.get(pk=old).started_at
+                                      - timedelta(days=3))
+    sign_in(page, server, "viewer", "pw-viewer-123")
+    page.goto(f"{server.url}/teams/{team.slug}/")
+    chart = page.locator("#overview-chart")
+    expect(chart).to_contain_text("Last 24 hours")
+    expect(page.locator("#overview-agents")).not_to_contain_text("old-bot")
+    page.click(".range-picker a[data-range='7d']")
+    expect(chart).to_contain_text("Last 7 days")
+    assert "range=7d" in page.url
+    expect(page.locator("#overview-agents")).to_contain_text("old-bot")
+    expect(page.locator("[data-live-status]")).to_have_text("Live")
+    agent.start(agent="new-bot")  # the chosen range stays live
+    expect(page.locator("#overview-agents")).to_contain_text("new-bot", timeout=15_000)
+    page.screenshot(path=str(SCREENSHOTS / "overview-7d.png"), full_page=True)
+    expect(chart).to_contain_text("Last 7 days")
+    page.click(".range-picker a[data-range='1h']")
+    expect(chart).to_contain_text("Last hour")
+    expect(page.locator("#overview-chart svg rect.started-dot")).to_have_count(12)

@@ -1,0 +1,217 @@
+"""The client against the real server: deadlines that travel with the check and are audited
+`expired`, fail-open decisions uploaded after an outage, the kill's reason reaching the agent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from django.db import connection, transaction
+from django.db.models import F
+
+from governance_client import GovernanceClient
+from policies.models import Team
+from runs.killswitch.services import killswitch_engage
+from runs.models import Decision, Run
+from tests.conftest import Agent, Server, set_policy
+
+
+def decisions(agent: Agent, run_id: str) -> list[dict[str, Any]]:
+    response = agent.http.get(f"/api/v1/runs/{run_id}/decisions")
+    assert response.status_code == 200, response.text
+    return response.json()["decisions"]
+
+
+def wait_for(predicate: Any, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+class Outage(httpx.BaseTransport):
+    """The network between the agent and the service, which a test can cut."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.down = False
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("network unreachable (test outage)", request=request)
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def hold_run_lock(run_id: str, seconds: float) -> None:
+    """Hold the lock every check of the run takes (PostgreSQL: the row; SQLite: the
+    database's write lock) for a while, so a check waits behind it."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            list(Run.objects.select_for_update().filter(pk=run_id))
+        else:
+            Run.objects.filter(pk=run_id).update(steps=F("steps"))
+        time.sleep(seconds)
+
+
+def test_a_check_answered_after_its_deadline_is_audited_expired_and_counts_nothing(
+    agent: Agent, server: Server
+) -> None:
+    with GovernanceClient(server.url, agent.token, deadline=0.6) as client:
+        run = client.start_run("support-bot")
+        run_id = run.id
+        holder = threading.Thread(target=hold_run_lock, args=(run_id, 2.0))
+        holder.start()
+        time.sleep(0.3)  # the lock is taken
+        started = time.monotonic()
+        decision = run.check("refund.issue", {"order": 1})
+        elapsed = time.monotonic() - started
+    holder.join()
+
+    assert decision.reason == "governance_unavailable" and not decision.allowed
+    assert elapsed < 2.0
+    wait_for(lambda: any(d["outcome"] == "expired" for d in decisions(agent, run_id)))
+    audited = decisions(agent, run_id)
+    assert {d["outcome"] for d in audited} == {"expired"}
+    assert all(d["reason"] == "deadline_expired" for d in audited)
+    stored = agent.http.get(f"/api/v1/runs/{run_id}").json()
+    assert (stored["steps"], stored["tool_calls"], stored["status"]) == (0, 0, "running")
+
+    # The run goes on: the next check is decided and counted as usual.
+    answer = agent.check(run_id, "refund.issue", {"order": 1}, deadline_ms=5000)
+    assert (answer["decision"], answer["step"]) == ("allow", 1)
+
+
+def test_a_check_within_its_deadline_is_decided_as_usual(agent: Agent) -> None:
+    run_id = agent.start()["run_id"]
+    answer = agent.check(run_id, deadline_ms=10_000)
+    assert (answer["decision"], answer["step"]) == ("allow", 1)
+
+
+@pytest.mark.parametrize("value", [0, -1, 600_001, "soon", True])
+def test_a_bad_deadline_is_refused_naming_the_field(agent: Agent, value: Any) -> None:
+    run_id = agent.start()["run_id"]
+    response = agent.http.post(f"/api/v1/runs/{run_id}/check",
+                               json={"action": {"name": "x"}, "deadline_ms": value})
+    assert response.status_code == 422
+    assert "deadline_ms" in response.json()["error"]["fields"]
+
+
+def test_fail_open_decisions_made_during_an_outage_are_uploaded_marked_local(
+    agent: Agent, server: Server
+) -> None:
+    network = Outage()
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=1,
+                          transport=network) as client, client.run("support-bot") as run:
+        assert run.check("search.docs", {"q": "refunds"}, cost_usd=0.1).allowed
+        run.report("page 1")
+        network.down = True
+        local = [run.check("search.docs", {"q": q}, cost_usd=0.1) for q in ("a", "b")]
+        run.report("page b")
+        assert all(d.allowed and d.local for d in local)
+        network.down = False
+        after = run.check("search.docs", {"q": "c"}, cost_usd=0.1)
+        assert after.step == 4 and not after.local
+
+    stored = agent.http.get(f"/api/v1/runs/{run.id}").json()
+    assert (stored["steps"], stored["tool_calls"], stored["status"]) == (4, 4, "completed")
+    assert stored["cost_usd"] == pytest.approx(0.4)
+    audited = decisions(agent, run.id)
+    assert [(d["step"], d["outcome"], d["local"]) for d in audited] == [
+        (1, "allow", False), (2, "allow", True), (3, "allow", True), (4, "allow", False)]
+    assert [d["action"]["args"]["q"] for d in audited] == ["refunds", "a", "b", "c"]
+
+
+def test_a_local_stop_uploaded_at_finish_ends_the_run_with_its_reason(
+    agent: Agent, server: Server, team: Team
+) -> None:
+    set_policy(team, step_limits={"max_repeat_action": 2})
+    network = Outage()
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=1,
+                          transport=network) as client, client.run("support-bot") as run:
+        run.check("edit_file", {"path": "a"})
+        network.down = True
+        run.check("edit_file", {"path": "a"})
+        stop = run.check("edit_file", {"path": "a"})
+        network.down = False
+        run.output = stop.user_notice("partial")
+
+    assert stop.local and stop.reason == "loop_detected"
+    stored = agent.http.get(f"/api/v1/runs/{run.id}").json()
+    assert (stored["status"], stored["stop_reason"], stored["steps"]) == (
+        "stopped", "loop_detected", 3)
+    assert stored["output"].startswith("partial")
+    assert [d["outcome"] for d in decisions(agent, run.id)] == ["allow", "allow", "stop"]
+
+
+def test_an_upload_sent_twice_is_counted_once(agent: Agent) -> None:
+    run_id = agent.start()["run_id"]
+    body = {"decisions": [
+        {"check_id": "local-1", "action": {"name": "search.docs", "args": {"q": 1}},
+         "decision": "allow", "reason": "step_ok", "cost_usd": 0.25},
+    ]}
+    first = agent.http.post(f"/api/v1/runs/{run_id}/local-decisions", json=body)
+    again = agent.http.post(f"/api/v1/runs/{run_id}/local-decisions", json=body)
+
+    assert first.status_code == again.status_code == 200, first.text
+    assert (first.json()["recorded"], again.json()["recorded"], again.json()["skipped"]) == (
+        1, 0, 1)
+    assert again.json()["run"]["steps"] == 1
+    assert again.json()["run"]["cost_usd"] == pytest.approx(0.25)
+    # A check_id the service decided itself is not counted again either.
+    answer = agent.check(run_id, check_id="served-1")
+    body["decisions"][0]["check_id"] = "served-1"
+    skipped = agent.http.post(f"/api/v1/runs/{run_id}/local-decisions", json=body).json()
+    assert skipped["skipped"] == 1 and skipped["run"]["steps"] == answer["step"] == 2
+
+
+@pytest.mark.parametrize("body", [
+    {}, {"decisions": []}, {"decisions": [{"check_id": "x", "action": {"name": "t"},
+                                           "decision": "maybe", "reason": "r"}]},
+    {"decisions": [{"action": {"name": "t"}, "decision": "allow", "reason": "step_ok"}]},
+])
+def test_a_bad_upload_is_refused_and_changes_nothing(agent: Agent, body: Any) -> None:
+    run_id = agent.start()["run_id"]
+    response = agent.http.post(f"/api/v1/runs/{run_id}/local-decisions", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["code"] == "invalid_request"
+    assert Decision.objects.filter(run_id=run_id).count() == 0
+
+
+def test_an_upload_to_another_teams_run_answers_404(agent: Agent, other_team: Team) -> None:
+    from policies.services import agent_key_create
+
+    other = agent_key_create(team=other_team, name="other").token
+    run_id = agent.start()["run_id"]
+    response = agent.http.post(
+        f"/api/v1/runs/{run_id}/local-decisions",
+        headers={"Authorization": f"Bearer {other}"},
+        json={"decisions": [{"check_id": "x", "action": {"name": "t"}, "decision": "allow",
+                             "reason": "step_ok"}]},
+    )
+    assert response.status_code == 404
+
+
+def test_the_stop_after_a_kill_carries_the_operators_reason(agent: Agent, team: Team) -> None:
+    run_id = agent.start()["run_id"]
+    assert agent.check(run_id)["decision"] == "allow"
+    killswitch_engage(scope="team", team=team, reason="refunds are looping, INC-42")
+    try:
+        first = agent.check(run_id, "search.docs", {"q": 2})
+        later = agent.check(run_id, "search.docs", {"q": 3})
+    finally:
+        from runs.killswitch.services import killswitch_release
+
+        killswitch_release(scope="team", team=team, reason="test over")
+    assert (first["decision"], first["reason"]) == ("stop", "killed")
+    assert "INC-42" in first["message"]
+    assert (later["decision"], later["reason"]) == ("stop", "killed")
+    assert "INC-42" in later["message"]

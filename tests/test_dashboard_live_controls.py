@@ -1,0 +1,191 @@
+"""What the dashboard shows stays true: filter choices listed once, controls re-rendered by the
+live streams from the current state (kill, release, engage), the engage confirmation naming
+the runs that will stop, policy diffs without spurious changes (issue 15, "wrong or stale")."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from policies.forms import PolicyForm
+from policies.models import Policy
+from runs.killswitch.services import killswitch_engage, killswitch_fanout
+from runs.models import KillSwitch, Scope
+from tests.test_dashboard_runs import _fast, as_user, check, events, read_all, start  # noqa: F401
+
+pytestmark = pytest.mark.django_db
+
+
+def stream(client: Client, url: str, **params: Any) -> list[dict[str, str]]:
+    return events(read_all(client.get(url, params)))
+
+
+# --- Filters ---------------------------------------------------------------------------------
+
+def test_the_runs_filters_list_each_agent_and_stop_reason_once(team, users,
+                                                              django_capture_on_commit_callbacks):
+    for _ in range(3):
+        start(team, "bot-a")
+    start(team, "bot-b")
+    for run in [start(team, "bot-a"), start(team, "bot-b")]:
+        # The fan-out marks it killed (here, not on a Celery worker, on either stack).
+        killswitch_fanout(switch_id=killswitch_engage(scope=Scope.RUN, run=run,
+                                                      reason="test").pk)
+    html = as_user(users).get(reverse("runs:runs", kwargs={"slug": team.slug})).content.decode()
+    assert html.count('<option value="bot-a"') == 1
+    assert html.count('<option value="bot-b"') == 1
+    assert html.count('<option value="killed"') == 2  # once as a status, once as a reason
+
+
+# --- The run page's controls -------------------------------------------------------------------
+
+def test_a_run_killed_elsewhere_loses_its_kill_button_on_the_stream(
+        team, users, settings, django_capture_on_commit_callbacks):
+    settings.DASHBOARD_STREAM_SECONDS = 10
+    run = start(team)
+    check(team, run)
+    operator = as_user(users, "operator")
+    page = operator.get(reverse("runs:run", kwargs={"slug": team.slug, "run_id": run.pk}))
+    assert 'id="kill-run"' in page.content.decode()
+    response = operator.get(reverse("runs:run_stream",
+                                    kwargs={"slug": team.slug, "run_id": run.pk}))
+    chunks = iter(response.streaming_content)
+    next(chunks)
+    first = events(next(chunks).decode())
+    controls = next(e for e in first if e["event"] == "run-controls")
+    assert 'id="kill-run"' in controls["data"]
+    killswitch_fanout(switch_id=killswitch_engage(scope=Scope.RUN, run=run,
+                                                  reason="someone else").pk)
+    later = events(b"".join(chunks).decode())
+    controls = [e for e in later if e["event"] == "run-controls"][-1]
+    assert 'id="kill-run"' not in controls["data"]
+    # An open confirmation is replaced too (out of band), so it cannot promise "0 runs".
+    assert 'id="killswitch-confirm-form" hx-swap-oob="true"' in controls["data"]
+
+
+def test_a_viewer_never_gets_a_kill_button_from_the_stream(team, users):
+    run = start(team)
+    frames = stream(as_user(users, "viewer"),
+                    reverse("runs:run_stream", kwargs={"slug": team.slug, "run_id": run.pk}))
+    controls = next(e for e in frames if e["event"] == "run-controls")
+    assert "kill-run" not in controls["data"]
+
+
+def test_every_stream_carries_the_banner_with_release_forms_for_admins_only(team, users):
+    killswitch_engage(scope=Scope.TEAM, team=team, reason="incident 42")
+    url = reverse("runs:overview_stream", kwargs={"slug": team.slug})
+    chrome = next(e for e in stream(as_user(users, "admin"), url) if e["event"] == "chrome")
+    assert 'id="killswitch-banner-slot" hx-swap-oob="true"' in chrome["data"]
+    assert "incident 42" in chrome["data"] and "Release" in chrome["data"]
+    # The release form comes back to the page, not to the stream's URL.
+    assert f'name="next" value="/teams/{team.slug}/"' in chrome["data"]
+    chrome = next(e for e in stream(as_user(users, "operator"), url) if e["event"] == "chrome")
+    assert "incident 42" in chrome["data"] and "Reason for release" not in chrome["data"]
+
+
+def test_the_team_stream_serves_pages_without_a_stream_of_their_own(team, users):
+    client = as_user(users, "viewer")
+    html = client.get(reverse("policies", kwargs={"slug": team.slug})).content.decode()
+    assert f'sse-connect="/teams/{team.slug}/live?next=' in html
+    killswitch_engage(scope=Scope.TEAM, team=team, reason="incident 43")
+    frames = stream(client, reverse("runs:team_stream", kwargs={"slug": team.slug}),
+                    next=f"/teams/{team.slug}/policies/")
+    chrome = next(e for e in frames if e["event"] == "chrome")
+    assert "incident 43" in chrome["data"]
+    # Only a path of this site goes into the forms.
+    admin = as_user(users, "admin")
+    frames = stream(admin, reverse("runs:team_stream", kwargs={"slug": team.slug}),
+                    next="//evil.example/")
+    chrome = next(e for e in frames if e["event"] == "chrome")
+    assert "evil.example" not in chrome["data"]
+
+
+@pytest.mark.parametrize("name", ["runs:team_stream", "runs:killswitch-stream"])
+def test_the_new_streams_follow_the_team_rules(team, other_team, users, name):
+    url = reverse(name, kwargs={"slug": team.slug})
+    anonymous = Client().get(url)
+    assert anonymous.status_code == 302 and "/accounts/login/" in anonymous["Location"]
+    assert as_user(users, "outsider").get(url).status_code == 404
+    assert as_user(users, "viewer").get(url).status_code == 200
+
+
+# --- The kill switch page -----------------------------------------------------------------------
+
+def test_the_kill_switch_page_offers_stopping_the_team_only_while_it_is_not_stopped(team, users,
+                                                                                     settings):
+    settings.DASHBOARD_STREAM_SECONDS = 10
+    operator = as_user(users, "operator")
+    html = operator.get(reverse("runs:killswitch", kwargs={"slug": team.slug})).content.decode()
+    assert "Stop the whole team" in html
+    response = operator.get(reverse("runs:killswitch-stream", kwargs={"slug": team.slug}))
+    chunks = iter(response.streaming_content)
+    next(chunks), next(chunks)
+    killswitch_engage(scope=Scope.TEAM, team=team, reason="incident 44")
+    later = events(b"".join(chunks).decode())
+    engage = [e for e in later if e["event"] == "killswitch-engage"][-1]
+    assert "Stop the whole team" not in engage["data"] and "whole team is stopped" in engage["data"]
+    assert "Stop one agent" in engage["data"]
+    engaged = [e for e in later if e["event"] == "killswitch-engaged"][-1]
+    assert "incident 44" in engaged["data"]
+    html = operator.get(reverse("runs:killswitch", kwargs={"slug": team.slug})).content.decode()
+    assert "Stop the whole team" not in html
+
+
+def test_a_viewer_gets_no_engage_controls_on_the_kill_switch_stream(team, users):
+    frames = stream(as_user(users, "viewer"),
+                    reverse("runs:killswitch-stream", kwargs={"slug": team.slug}))
+    engage = next(e for e in frames if e["event"] == "killswitch-engage")
+    assert "<form" not in engage["data"]
+
+
+def test_the_engage_confirmation_lists_the_first_runs_and_how_many_more(team, users):
+    runs = [start(team, "bot-a") for _ in range(12)]
+    html = as_user(users, "operator").post(
+        reverse("runs:killswitch-engage", kwargs={"slug": team.slug}),
+        {"scope": "team", "reason": ""}).content.decode()
+    assert "12 running runs" in html
+    listed = [r for r in runs if f"/runs/{r.pk}/" in html]
+    assert len(listed) == 10
+    assert "and 2 more" in html
+
+
+def test_an_agent_never_seen_is_accepted_with_a_warning(team, users):
+    start(team, "bot-a")
+    operator = as_user(users, "operator")
+    url = reverse("runs:killswitch-engage", kwargs={"slug": team.slug})
+    html = operator.post(url, {"scope": "agent", "agent": "bot-typo"}).content.decode()
+    assert "No run of agent <code>bot-typo</code> was ever seen" in html
+    html = operator.post(url, {"scope": "agent", "agent": "bot-a"}).content.decode()
+    assert "was ever seen" not in html
+    done = operator.post(url, {"scope": "agent", "agent": "bot-typo", "confirmed": "1",
+                               "reason": "just in case"})
+    assert done.status_code == 302
+    assert KillSwitch.objects.filter(team=team, agent="bot-typo", active=True).exists()
+
+
+# --- Policy history ----------------------------------------------------------------------------
+
+def test_a_form_save_does_not_show_a_spurious_money_change(team, users):
+    admin = as_user(users, "admin")
+    policy = Policy.objects.get(team=team, name="default")
+    data = {k: v for k, v in PolicyForm.initial_from(policy.current.document).items()
+            if v not in (None, False)}
+    data["max_steps"] = "7"
+    data["note"] = "fewer steps"
+    response = admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "default"}),
+                          data)
+    assert response.status_code == 302
+    policy.refresh_from_db()
+    assert policy.current.version == 2
+    assert policy.current.document["budgets"]["max_usd"] == 1.0
+    assert isinstance(policy.current.document["budgets"]["max_usd"], float)
+    html = admin.get(reverse("policy_history", kwargs={"slug": team.slug, "name": "default"})
+                     ).content.decode()
+    changed = re.findall(r'<span class="diff-(?:add|del)">([^<]*)</span>', html)
+    assert any("max_steps: 7" in line for line in changed)
+    assert not any("max_usd" in line for line in changed)
+    assert "</span>\n<span" not in html  # one line per span, not double-spaced

@@ -1,0 +1,74 @@
+"""Policy history: a change note on every save, "restore this version", diffs between any
+two versions (issue 15)."""
+
+from __future__ import annotations
+
+import pytest
+from django.urls import reverse
+
+from policies.models import OperatorEvent, Policy
+from tests.test_dashboard_policies import admin, form_data  # noqa: F401 (fixture)
+from tests.test_dashboard_runs import as_user
+
+pytestmark = pytest.mark.django_db
+
+
+def policy(team) -> Policy:
+    return Policy.objects.get(team=team, name="default")
+
+
+def test_a_save_needs_a_change_note_which_the_history_shows(team, admin):  # noqa: F811
+    save = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    refused = admin.post(save, form_data(max_steps="9", note="  "))
+    assert refused.status_code == 422 and "Say what changed and why" in refused.content.decode()
+    assert policy(team).current.version == 1
+    assert admin.post(save, form_data(max_steps="9", note="loops end sooner")).status_code == 302
+    current = policy(team).current
+    assert (current.version, current.note) == (2, "loops end sooner")
+    event = OperatorEvent.objects.get(action="policy.version", detail__version=2)
+    assert event.detail["note"] == "loops end sooner"
+    html = admin.get(reverse("policy_history", kwargs={"slug": team.slug, "name": "default"})
+                     ).content.decode()
+    assert '<td class="version-note">loops end sooner</td>' in html
+
+
+def test_restoring_an_old_version_adds_a_new_equal_version(team, admin, users):  # noqa: F811
+    save = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    admin.post(save, form_data(max_steps="9", note="v2"))
+    admin.post(save, form_data(max_steps="30", note="v3"))
+    first = policy(team).versions.get(version=1).document
+    restore = reverse("policy_restore", kwargs={"slug": team.slug, "name": "default",
+                                                "version": 1})
+    response = admin.post(restore, {"note": "v3 let a loop run too long"})
+    assert response.status_code == 302
+    current = policy(team).current
+    assert current.version == 4 and current.document == first
+    assert current.source == "restore"
+    assert current.note == "restored version 1: v3 let a loop run too long"
+    assert policy(team).versions.count() == 4  # nothing rewritten
+    # Restoring what is already current changes nothing.
+    assert admin.post(restore).status_code == 302 and policy(team).current.version == 4
+    missing = reverse("policy_restore", kwargs={"slug": team.slug, "name": "default",
+                                                "version": 99})
+    assert admin.post(missing).status_code == 404
+    assert as_user(users, "operator").post(restore).status_code == 403
+    assert policy(team).current.version == 4
+
+
+def test_history_compares_any_two_versions_either_way(team, admin):  # noqa: F811
+    save = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    admin.post(save, form_data(max_steps="10", note="a"))
+    admin.post(save, form_data(max_steps="12", mode="shadow", note="b"))
+    url = reverse("policy_history", kwargs={"slug": team.slug, "name": "default"})
+    backwards = admin.get(url, {"a": 3, "b": 1}).content.decode()
+    assert "v3 → v1" in backwards
+    assert "-  max_steps: 12" in backwards and "+  max_steps: 18" in backwards
+    assert "Restore v1" in backwards and "Restore v3" not in backwards  # v3 is current
+    same = admin.get(url, {"a": 2, "b": 2}).content.decode()
+    assert "No difference." in same
+
+
+def test_viewers_see_history_without_restore_buttons(team, users):
+    html = as_user(users, "viewer").get(
+        reverse("policy_history", kwargs={"slug": team.slug, "name": "default"})).content.decode()
+    assert "Restore v" not in html

@@ -1,0 +1,143 @@
+"""The runs list for the daily job: search, time range, sorting, duration, shadow would-stop
+filter, and keyset paging that costs the same on the 4,000th page as on the first."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+from urllib.parse import unquote
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+from django.utils import timezone
+
+from runs.dashboard import selectors as dashboard
+from runs.models import Run
+from tests.conftest import set_policy
+from tests.test_dashboard_runs import _fast, as_user, check, start  # noqa: F401
+
+pytestmark = pytest.mark.django_db
+
+
+def listed(html: str) -> list[str]:
+    return [part.split('"')[0] for part in html.split('<tr id="run-')[1:]]
+
+
+def url_of(team) -> str:
+    return reverse("runs:runs", kwargs={"slug": team.slug})
+
+
+def test_search_finds_a_run_by_id_prefix_full_id_task_and_external_id(team, users):
+    a = start(team, "bot-a", task="Refund order 1234")
+    b = start(team, "bot-b", task="Change the address")
+    Run.objects.filter(pk=b.pk).update(external_id="ticket-77")
+    client = as_user(users)
+    for q, expected in [(str(a.pk)[:8], [str(a.pk)]), (str(b.pk), [str(b.pk)]),
+                        ("refund ORDER", [str(a.pk)]), ("ticket-77", [str(b.pk)]),
+                        ("nothing like it", [])]:
+        assert listed(client.get(url_of(team), {"q": q}).content.decode()) == expected, q
+
+
+def test_the_time_range_keeps_only_recent_runs(team, users):
+    old, new = start(team, "old-bot"), start(team, "new-bot")
+    Run.objects.filter(pk=old.pk).update(started_at=timezone.now() - timedelta(days=3))
+    client = as_user(users)
+    assert listed(client.get(url_of(team), {"since": "24h"}).content.decode()) == [str(new.pk)]
+    assert set(listed(client.get(url_of(team), {"since": "7d"}).content.decode())) == {
+        str(old.pk), str(new.pk)}
+    assert len(listed(client.get(url_of(team), {"since": "bogus"}).content.decode())) == 2
+
+
+def test_runs_sort_by_steps_cost_and_age_and_show_their_duration(team, users):
+    runs = [start(team, f"bot-{i}") for i in range(3)]
+    for run, steps, cost in zip(runs, [5, 9, 1], ["0.5", "0.1", "2"], strict=True):
+        Run.objects.filter(pk=run.pk).update(steps=steps, cost_usd=Decimal(cost))
+    Run.objects.filter(pk=runs[0].pk).update(
+        status="completed", ended_at=runs[0].started_at + timedelta(seconds=75))
+    client = as_user(users)
+    ids = [str(r.pk) for r in runs]
+    assert listed(client.get(url_of(team), {"sort": "steps"}).content.decode()) == [
+        ids[1], ids[0], ids[2]]
+    assert listed(client.get(url_of(team), {"sort": "cost"}).content.decode()) == [
+        ids[2], ids[0], ids[1]]
+    assert listed(client.get(url_of(team), {"sort": "oldest"}).content.decode()) == ids
+    html = client.get(url_of(team)).content.decode()
+    assert "1 min 15 s" in html  # the completed run's duration
+
+
+def test_the_would_stop_filter_and_column_show_what_a_shadow_policy_would_have_done(team, users):
+    set_policy(team, mode="shadow", step_limits={"max_repeat_action": 1})
+    shadow = start(team, "shadow-bot")
+    check(team, shadow, "same", {"a": 1})
+    check(team, shadow, "same", {"a": 1})  # would stop: loop_detected at step 2
+    plain = start(team, "plain-bot")
+    check(team, plain, "other", {})
+    client = as_user(users)
+    html = client.get(url_of(team), {"would_stop": "1"}).content.decode()
+    assert listed(html) == [str(shadow.pk)]
+    assert "would stop at step 2: loop_detected" in html
+    assert set(listed(client.get(url_of(team)).content.decode())) == {str(shadow.pk),
+                                                                    str(plain.pk)}
+
+
+def test_a_bad_cursor_is_ignored_and_the_list_answers(team, users):
+    run = start(team)
+    for after in ("garbage", "2026-01-01~not-a-uuid", "~", "x" * 500):
+        response = as_user(users).get(url_of(team), {"after": after})
+        assert response.status_code == 200 and listed(response.content.decode()) == [str(run.pk)]
+
+
+def test_the_list_of_another_team_shows_nothing_of_it(team, other_team, users):
+    theirs = start(other_team, "their-bot", task="secret task")
+    client = as_user(users)
+    for q in ("secret", str(theirs.pk)):
+        assert listed(client.get(url_of(team), {"q": q}).content.decode()) == []
+    assert client.get(url_of(other_team)).status_code == 404
+
+
+@pytest.mark.slow
+def test_paging_at_100000_runs_reads_an_index_range_whatever_the_page(team, users):
+    """The proof is the plan and the SQL, not a timing: no OFFSET, a LIMIT of one page, the
+    (team, started_at) index walked in order, and a count that stops at COUNT_CAP."""
+    version = team.policies.get(name="default").current
+    now = timezone.now()
+    batch = []
+    for i in range(100_000):
+        batch.append(Run(team=team, agent=f"bot-{i % 19}", policy_version=version,
+                         status="completed", started_at=now - timedelta(seconds=i)))
+        if len(batch) == 5000:
+            Run.objects.bulk_create(batch)
+            batch = []
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
+    client = as_user(users)
+    deep = Run.objects.filter(team=team).order_by("-started_at", "-pk")[80_000]
+    cursor_value = f"{deep.started_at.isoformat()}~{deep.pk}"
+
+    with CaptureQueriesContext(connection) as first_page:
+        first = client.get(url_of(team))
+    with CaptureQueriesContext(connection) as deep_page:
+        response = client.get(url_of(team), {"after": cursor_value})
+    assert first.status_code == response.status_code == 200
+    assert "10000+ runs" in first.content.decode()
+    assert len(deep_page.captured_queries) == len(first_page.captured_queries)
+    html = response.content.decode()
+    assert len(listed(html)) == dashboard.RUNS_PER_PAGE
+    nxt = unquote(html.split('href="?after=')[1].split('"')[0])
+    assert nxt.endswith(listed(html)[-1])
+    run_sql = [q["sql"] for q in deep_page.captured_queries if '"runs_run"' in q["sql"]]
+    assert run_sql and not any("OFFSET" in sql.upper() for sql in run_sql)
+    assert any("LIMIT 26" in sql for sql in run_sql)
+    assert any("LIMIT 10001" in sql for sql in run_sql)  # the capped count
+
+    filters = dashboard.RunFilters(after=cursor_value)
+    plan = dashboard.page_rows(team, filters)[:26].explain()
+    assert "run_team_recent" in plan, plan
+    if connection.vendor == "sqlite":
+        # No sort of the whole team: the index gives the order; only rows that tie on
+        # started_at are put in id order ("RIGHT PART OF ORDER BY").
+        assert "TEMP B-TREE FOR ORDER BY" not in plan, plan
+    else:
+        assert "Seq Scan on runs_run" not in plan, plan

@@ -1,0 +1,329 @@
+"""The shipped integrations, each on a real agent of its framework with its scripted model,
+against the real server: loop, soft loop, budget, tool denied, kill switch mid-run, nudge.
+
+The Claude Agent SDK needs the Claude Code CLI and a model to run a whole agent, which a test
+machine cannot have: its hooks are driven here with the SDK's own hook input types, in the
+order the SDK calls them, with the tools run in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from governance_client import GovernanceClient
+from policies.models import Team
+from runs.killswitch.services import killswitch_engage, killswitch_release
+from tests.conftest import Agent, Server, set_policy
+
+pytest.importorskip("langchain")
+pytest.importorskip("agents")
+pytest.importorskip("claude_agent_sdk")
+
+TASK = "Rename user_id to account_id in auth.py."
+KILL_REASON = "runaway refunds, INC-7"
+
+
+@dataclass
+class Tools:
+    """The tools every framework's agent gets; they record what really ran."""
+
+    on_step: Callable[[int], None] = lambda _n: None
+    ran: list[str] = field(default_factory=list)
+    edits: int = 0
+
+    def edit_file(self, path: str, old: str, new: str) -> str:
+        """Replace old with new in the file at path."""
+        self.ran.append("edit_file")
+        self.edits += 1
+        if self.edits > 1:
+            raise ValueError("no matches found")
+        return "3 matches replaced"
+
+    def search(self, query: str) -> str:
+        """Search the documents."""
+        self.ran.append("search")
+        return "No document mentions refunds."  # the same result whatever the query
+
+    def run_shell(self, cmd: str) -> str:
+        """Run a shell command."""
+        self.ran.append("run_shell")
+        return "done"
+
+    def fetch(self, url: str) -> str:
+        """Fetch a URL."""
+        self.ran.append("fetch")
+        raise ConnectionError("connection refused")
+
+    def step(self, n: int) -> str:
+        """Do step n of the task."""
+        self.ran.append("step")
+        self.on_step(n)
+        return f"step {n} done"
+
+
+@dataclass
+class Scenario:
+    name: str
+    policy: dict[str, Any]
+    calls: list[tuple[str, dict[str, Any]]]
+    reason: str | None  # the expected stop reason (None: the run completes)
+    step: int | None = None  # the step of the stop
+
+
+EDIT = {"path": "auth.py", "old": "user_id", "new": "account_id"}
+SCENARIOS = [
+    Scenario("loop", {}, [("edit_file", EDIT)] * 8, "loop_detected", 4),
+    # Different queries, the same answer every time: four checks in a row bring nothing new.
+    Scenario("soft_loop", {}, [("search", {"query": f"refunds {i}"}) for i in range(10)],
+             "no_progress", 6),
+    Scenario("budget", {"budgets": {"max_tool_calls": 3}},
+             [("search", {"query": f"q{i}"}) for i in range(6)], "max_tool_calls", 4),
+    Scenario("tool_denied", {"tools": {"allow": None, "deny": ["run_shell"]}},
+             [("search", {"query": "a"}), ("run_shell", {"cmd": "rm -rf /"})],
+             "tool_denied", 2),
+    Scenario("kill_switch", {}, [("step", {"n": n}) for n in range(1, 8)], "killed", 3),
+    Scenario("nudge", {}, [("fetch", {"url": f"https://x/{i}"}) for i in range(4)], None),
+]
+SCENARIO_IDS = [s.name for s in SCENARIOS]
+
+
+@dataclass
+class Outcome:
+    run_id: str
+    answer: str
+    #: What the model was given before each of its turns, as text.
+    model_inputs: list[str] = field(default_factory=list)
+
+
+# -- One agent per framework ------------------------------------------------------------------
+
+def langchain_tools(tools: Tools) -> list[Any]:
+    from langchain_core.tools import tool
+
+    return [tool(tools.edit_file), tool(tools.search), tool(tools.run_shell), tool(tools.fetch),
+            tool(tools.step)]
+
+
+def scripted_chat_model(calls: list[tuple[str, dict[str, Any]]], seen: list[str]) -> Any:
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage
+
+    class ScriptedChatModel(GenericFakeChatModel):
+        def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedChatModel:
+            return self
+
+        def _generate(self, messages: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append("\n".join(str(m.content) for m in messages))
+            return super()._generate(messages, *args, **kwargs)
+
+    turns = [AIMessage(content=f"I'll now call {name} (turn {i}).",
+                       tool_calls=[{"name": name, "args": args, "id": f"call_{i}"}])
+             for i, (name, args) in enumerate(calls)]
+    turns.append(AIMessage(content="All done."))
+    return ScriptedChatModel(messages=iter(turns))
+
+
+def run_langchain(client: GovernanceClient, scenario: Scenario, tools: Tools) -> Outcome:
+    from governance_client.integrations.langchain import GovernanceMiddleware
+    from langchain.agents import create_agent
+    from langchain_core.messages import HumanMessage
+
+    seen: list[str] = []
+    with client.run("support-bot", task=TASK) as run:
+        agent = create_agent(scripted_chat_model(scenario.calls, seen), langchain_tools(tools),
+                             middleware=[GovernanceMiddleware(run)])
+        state = agent.invoke({"messages": [HumanMessage(TASK)]}, {"recursion_limit": 100})
+    return Outcome(run.id, str(state["messages"][-1].content), seen)
+
+
+def run_langgraph(client: GovernanceClient, scenario: Scenario, tools: Tools) -> Outcome:
+    from governance_client.integrations.langgraph import govern_graph
+    from langchain_core.messages import HumanMessage
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    seen: list[str] = []
+    model = scripted_chat_model(scenario.calls, seen)
+    with client.run("support-bot", task=TASK) as run:
+        builder = StateGraph(MessagesState)
+        builder.add_node("agent", lambda s: {"messages": [model.invoke(s["messages"])]})
+        builder.add_node("tools", ToolNode(langchain_tools(tools), handle_tool_errors=True))
+        builder.add_edge(START, "agent")
+        builder.add_conditional_edges("agent", tools_condition)
+        builder.add_edge("tools", "agent")
+        app = govern_graph(builder, run).compile()
+        state = app.invoke({"messages": [HumanMessage(TASK)]}, {"recursion_limit": 100})
+        run.output = str(state["messages"][-1].content)
+    return Outcome(run.id, run.output, seen)
+
+
+def run_openai_agents(client: GovernanceClient, scenario: Scenario, tools: Tools) -> Outcome:
+    from agents import Agent, RunConfig, Runner, function_tool
+    from agents.items import ModelResponse
+    from agents.models.interface import Model
+    from agents.usage import Usage
+    from governance_client.integrations.openai_agents import govern_agent
+    from openai.types.responses import (
+        ResponseFunctionToolCall,
+        ResponseOutputMessage,
+        ResponseOutputText,
+    )
+
+    def message(text: str, i: int) -> ResponseOutputMessage:
+        return ResponseOutputMessage(
+            id=f"msg_{i}", type="message", role="assistant", status="completed",
+            content=[ResponseOutputText(type="output_text", text=text, annotations=[])])
+
+    turns = [[message(f"I'll now call {name} (turn {i}).", i),
+              ResponseFunctionToolCall(id=f"fc_{i}", call_id=f"call_{i}", type="function_call",
+                                       name=name, arguments=json.dumps(args))]
+             for i, (name, args) in enumerate(scenario.calls)]
+    turns.append([message("All done.", 999)])
+    seen: list[str] = []
+
+    class ScriptedModel(Model):
+        def __init__(self) -> None:
+            self.turns = iter(turns)
+
+        async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+            given = kwargs.get("input", args[1] if len(args) > 1 else "")
+            seen.append(json.dumps(given, default=str))
+            return ModelResponse(output=next(self.turns), usage=Usage(), response_id=None)
+
+        def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+    agent = Agent(name="support-bot", instructions="Rename things.", model=ScriptedModel(),
+                  tools=[function_tool(tools.edit_file), function_tool(tools.search),
+                         function_tool(tools.run_shell), function_tool(tools.fetch),
+                         function_tool(tools.step)])
+
+    async def main() -> Outcome:
+        with client.run("support-bot", task=TASK) as run:
+            result = await Runner.run(govern_agent(agent, run), TASK, max_turns=100,
+                                      run_config=RunConfig(tracing_disabled=True))
+            run.output = str(result.final_output)
+        return Outcome(run.id, run.output, seen)
+
+    return asyncio.run(main())
+
+
+def run_claude_agent_sdk(client: GovernanceClient, scenario: Scenario, tools: Tools) -> Outcome:
+    from claude_agent_sdk import ClaudeAgentOptions
+    from claude_agent_sdk.types import (
+        PostToolUseFailureHookInput,
+        PostToolUseHookInput,
+        PreToolUseHookInput,
+    )
+    from governance_client.integrations.claude_agent_sdk import governance_hooks
+
+    seen: list[str] = []
+
+    async def main() -> Outcome:
+        with client.run("support-bot", task=TASK) as run:
+            options = ClaudeAgentOptions(hooks=governance_hooks(run))
+            hooks = options.hooks or {}
+            (pre,), (post,), (failure,) = (hooks[e][0].hooks for e in
+                                           ("PreToolUse", "PostToolUse", "PostToolUseFailure"))
+            base = {"session_id": "s", "transcript_path": "/dev/null", "cwd": "."}
+            context: list[str] = []
+            answer = "All done."
+            for i, (name, args) in enumerate(scenario.calls):
+                seen.append("\n".join(context))
+                call_id = f"toolu_{i}"
+                pre_input = PreToolUseHookInput(hook_event_name="PreToolUse", tool_name=name,
+                                                tool_input=args, tool_use_id=call_id, **base)
+                out = await pre(pre_input, call_id, {"signal": None})
+                specific = out.get("hookSpecificOutput", {})
+                if specific.get("additionalContext"):
+                    context.append(specific["additionalContext"])
+                if specific.get("permissionDecision") == "deny":
+                    assert out.get("continue_") is False
+                    answer = f"I'll now call {name} (turn {i}).\n\n{out['stopReason']}"
+                    break
+                try:
+                    # The CLI runs the tools, away from the hooks' event loop.
+                    response = await asyncio.to_thread(getattr(tools, name), **args)
+                except Exception as exc:
+                    failure_input = PostToolUseFailureHookInput(
+                        hook_event_name="PostToolUseFailure", tool_name=name, tool_input=args,
+                        tool_use_id=call_id, error=str(exc), **base)
+                    await failure(failure_input, call_id, {"signal": None})
+                else:
+                    post_input = PostToolUseHookInput(
+                        hook_event_name="PostToolUse", tool_name=name, tool_input=args,
+                        tool_response=response, tool_use_id=call_id, **base)
+                    await post(post_input, call_id, {"signal": None})
+            seen.append("\n".join(context))
+            run.output = answer
+        return Outcome(run.id, answer, seen)
+
+    return asyncio.run(main())
+
+
+FRAMEWORKS = {
+    "langchain": run_langchain,
+    "langgraph": run_langgraph,
+    "openai_agents": run_openai_agents,
+    "claude_agent_sdk": run_claude_agent_sdk,
+}
+
+
+# -- The scenarios ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=SCENARIO_IDS)
+def test_the_integration_governs_a_real_agent(
+    framework: str, scenario: Scenario, agent: Agent, server: Server, team: Team
+) -> None:
+    if scenario.policy:
+        set_policy(team, **scenario.policy)
+    tools = Tools()
+    engaged: list[bool] = []
+    if scenario.name == "kill_switch":
+        def on_step(n: int) -> None:
+            if n == 2 and not engaged:
+                killswitch_engage(scope="team", team=team, reason=KILL_REASON)
+                engaged.append(True)
+        tools.on_step = on_step
+    try:
+        with GovernanceClient(server.url, agent.token, deadline=10) as client:
+            outcome = FRAMEWORKS[framework](client, scenario, tools)
+    finally:
+        if engaged:
+            killswitch_release(scope="team", team=team, reason="test over")
+
+    stored = agent.http.get(f"/api/v1/runs/{outcome.run_id}").json()
+    audited = agent.http.get(f"/api/v1/runs/{outcome.run_id}/decisions").json()["decisions"]
+    if scenario.reason is None:
+        assert stored["status"] == "completed", outcome.answer
+        assert [d["outcome"] for d in audited] == ["allow"] * len(scenario.calls)
+        # The repeated-error directive reached the model (the 3rd error, on the 4th check).
+        # (Each framework words the error its own way; the count and the advice are the
+        # service's.)
+        directive = "occurred 3 times. Change approach radically or abandon this subtask."
+        assert any(directive in given for given in outcome.model_inputs), outcome.model_inputs
+        return
+    assert stored["stop_reason"] == scenario.reason, outcome.answer
+    stop = audited[-1]
+    assert (stop["outcome"], stop["reason"]) == ("stop", scenario.reason)
+    if scenario.reason == "killed":
+        # Killed by the fan-out before the 3rd check (Celery eager), or by that check itself.
+        assert stop["step"] in (2, 3)
+    else:
+        assert stop["step"] == scenario.step
+    # The stopped call did not run; the user gets the partial response and the notice.
+    assert len(tools.ran) == scenario.step - 1
+    assert f"Stopped by governance ({scenario.reason})" in outcome.answer
+    assert "Next:" in outcome.answer
+    assert outcome.answer.startswith("I'll now call")
+    assert stored["output"] == outcome.answer
+    if scenario.reason == "killed":
+        assert KILL_REASON in outcome.answer
