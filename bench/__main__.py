@@ -16,7 +16,7 @@ from . import report, stack
 from . import scenarios as sc
 
 PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "longrun", "stream",
-          "metrics")
+          "metrics", "ratelimit")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -144,6 +144,12 @@ def main(argv: list[str]) -> int:
         if "stream" in phases:
             results["stream"] = live_stream(server, team, quick=quick)
             print(report.live_line(results["stream"]), flush=True)
+        if "ratelimit" in phases:
+            from . import ratelimit
+
+            results["ratelimit"] = ratelimit.measure(server, agents=8, seconds=seconds / rounds,
+                                                     warmup=warmup, rounds=rounds)
+            print(ratelimit.line(results["ratelimit"]), flush=True)
 
     if "metrics" in phases:
         results["metrics"] = metrics_cost(team, args.workers, threads, seconds, warmup,

@@ -129,8 +129,8 @@ def measure(server: Server, *, team_slug: str, team_id: int, token: str, runs: i
         stop = asyncio.Event()
         streams = [
             asyncio.ensure_future(_watch(
-                server.port, reverse("runs:run_stream", args=[team_slug, run_id]), cookie,
-                seen, stop, errors))
+                server.port, reverse("runs:run_stream", args=[team_slug, run_id]), cookie, seen,
+                stop, errors))
             for run_id in watched_ids
         ]
         await asyncio.sleep(1.5)  # the streams are connected and have sent their first frames

@@ -161,6 +161,10 @@ def correctness(results: dict[str, Any]) -> list[str]:
         failed.append(f"kill switch: leaked allows {ks['leaked_allows']}, errors "
                       f"{ks['error_kinds']}, runs still running "
                       f"{ks['covered_runs_still_running']}")
+    rl = results.get("ratelimit")
+    if rl and (rl["errors"] or not rl["audit_ok"] or rl["waits"]):
+        failed.append(f"rate limit points: errors {rl['errors']}, audit ok {rl['audit_ok']}, "
+                      f"waits {rl['waits']} (the rule is never full)")
     fan = results.get("fanout")
     if fan and not fan["ok"]:
         failed.append(f"kill switch fan-out: {fan['covered_runs_still_running']} runs still "

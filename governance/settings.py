@@ -221,6 +221,9 @@ CELERY_BEAT_SCHEDULE = {
                           "schedule": crontab(hour=3, minute=30)},
     # Restarts kill-switch fan-outs and webhook deliveries that an outage left behind.
     "killswitch-sweep": {"task": "runs.tasks.killswitch_sweep", "schedule": 60.0},
+    # Ends abandoned runs (SPEC 14) and prunes old rate-limit hits (SPEC 12).
+    "idle-sweep": {"task": "runs.tasks.idle_sweep",
+                   "schedule": float(env_int("IDLE_SWEEP_SECONDS", 60))},
     # Settles approvals past their expiry that nobody looked at (SPEC 11).
     "approvals-expire": {"task": "runs.tasks.approvals_expire", "schedule": 10.0},
 }

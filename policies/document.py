@@ -74,6 +74,9 @@ class Budgets(_Strict):
         1.0
     )
     max_tool_calls: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
+    # SPEC 14. Versions stored before this field existed read it as null (never): the
+    # migration policies/0002 wrote that into them, so an export shows it.
+    max_idle_seconds: Annotated[Number, Field(gt=0, le=31_536_000)] | None = 3600
 
 
 Pattern = Annotated[StrictStr, Field(min_length=1, max_length=200)]
@@ -91,6 +94,15 @@ class RepeatKey(_Strict):
 class OnRepeatedError(_Strict):
     threshold: Annotated[StrictInt, Field(ge=1, le=1000)] = 3
     action: Literal["nudge", "stop"] = "nudge"
+
+
+class RateLimitDoc(_Strict):
+    """One rule of ``rate_limits`` (SPEC 12)."""
+
+    match: Pattern
+    per: Literal["run", "agent", "team"]
+    max: Annotated[StrictInt, Field(ge=1, le=100_000)]
+    window_s: Annotated[StrictInt, Field(ge=1, le=86_400)]
 
 
 class Approvals(_Strict):
@@ -112,6 +124,7 @@ class PolicyDoc(_Strict):
     redact_args: list[Annotated[StrictStr, Field(min_length=1, max_length=200)]] = list(
         DEFAULT_REDACT
     )
+    rate_limits: Annotated[list[RateLimitDoc], Field(max_length=50)] = []
     approvals: Approvals = Approvals()
 
 

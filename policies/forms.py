@@ -26,16 +26,19 @@ FIELD_PATHS = {
     "max_seconds": "budgets.max_seconds",
     "max_usd": "budgets.max_usd",
     "max_tool_calls": "budgets.max_tool_calls",
+    "max_idle_seconds": "budgets.max_idle_seconds",
     "tools_allow": "tools.allow",
     "tools_deny": "tools.deny",
     "ignore_args": "repeat_key.ignore_args",
     "error_threshold": "on_repeated_error.threshold",
     "error_action": "on_repeated_error.action",
     "redact_args": "redact_args",
+    "rate_limits": "rate_limits",
     "approval_tools": "approvals.tools",
     "approval_timeout_s": "approvals.timeout_s",
 }
-OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls"}
+OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls", "max_idle_seconds"}
+RATE_LINE = "match per max window_s, e.g. http.* agent 10 60"
 INT_RE = re.compile(r"^[+-]?\d+$")
 FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 
@@ -53,6 +56,27 @@ def _number(raw: str) -> Any:
 
 def _lines(raw: str) -> list[str]:
     return [line.strip() for line in raw.replace(",", "\n").splitlines() if line.strip()]
+
+
+def _rate_rules(raw: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """One rule per line, `match per max window_s` (the pattern may contain spaces: the last
+    three words are the others). Returns the rules and the lines that are not rules."""
+    rules, bad = [], []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        words = line.split()
+        if not words:
+            continue
+        if len(words) < 4:
+            bad.append(f"line {number}: write a rule as {RATE_LINE}")
+            continue
+        match, per, most, window = line.strip().rsplit(None, 3)
+        rules.append({"match": match, "per": per, "max": _number(most),
+                      "window_s": _number(window)})
+    return rules, bad
+
+
+def rate_rule_line(rule: dict[str, Any]) -> str:
+    return f"{rule['match']} {rule['per']} {rule['max']} {rule['window_s']}"
 
 
 class PolicyForm(forms.Form):
@@ -76,6 +100,8 @@ class PolicyForm(forms.Form):
     error_action = forms.ChoiceField(choices=[("nudge", "nudge"), ("stop", "stop")],
                                      required=False)
     redact_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    max_idle_seconds = forms.CharField(required=False, max_length=40)
+    rate_limits = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
     approval_tools = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
     approval_timeout_s = forms.CharField(required=False, max_length=40)
     # Not part of the policy: why it changed, kept on the version (required by the save view).
@@ -92,6 +118,7 @@ class PolicyForm(forms.Form):
         self.fixed_name = fixed_name
         self.document_errors: dict[str, str] = {}
         self.normalized: dict[str, Any] | None = None
+        self.rate_line_errors: list[str] = []
 
     @classmethod
     def initial_from(cls, document: dict[str, Any]) -> dict[str, Any]:
@@ -117,6 +144,8 @@ class PolicyForm(forms.Form):
             "error_threshold": text(document["on_repeated_error"]["threshold"]),
             "error_action": document["on_repeated_error"]["action"],
             "redact_args": "\n".join(document["redact_args"]),
+            "max_idle_seconds": text(budgets.get("max_idle_seconds")),
+            "rate_limits": "\n".join(rate_rule_line(r) for r in document.get("rate_limits", [])),
             # Versions saved before approvals existed have no block: they require none.
             "approval_tools": "\n".join(approvals.get("tools", [])),
             "approval_timeout_s": text(approvals.get("timeout_s", 900)),
@@ -132,6 +161,7 @@ class PolicyForm(forms.Form):
             return _number(raw) if raw.strip() else None
 
         threshold = data.get("error_threshold") or ""
+        rate_limits, self.rate_line_errors = _rate_rules(data.get("rate_limits") or "")
         timeout = data.get("approval_timeout_s") or ""
         return {
             "name": self.fixed_name if self.fixed_name is not None else (data.get("name") or ""),
@@ -153,6 +183,7 @@ class PolicyForm(forms.Form):
                 "action": data.get("error_action") or "nudge",
             },
             "redact_args": _lines(data.get("redact_args") or ""),
+            "rate_limits": rate_limits,
             "approvals": {
                 "tools": _lines(data.get("approval_tools") or ""),
                 "timeout_s": _number(timeout) if timeout.strip() else 900,
@@ -167,7 +198,13 @@ class PolicyForm(forms.Form):
             self.document_errors = exc.errors
             for path, message in exc.errors.items():
                 field = field_for_path(path)
+                if field == "rate_limits" and path != "rate_limits":
+                    # rate_limits[1].max -> the line people typed, and the value at fault.
+                    index, _, key = path.removeprefix("rate_limits[").partition("]")
+                    message = f"line {int(index) + 1}: {key.lstrip('.')}: {message}"
                 self.add_error(field, f"{path}: {message}" if field is None else message)
+        for message in self.rate_line_errors:
+            self.add_error("rate_limits", message)
         return cleaned
 
 

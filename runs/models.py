@@ -42,10 +42,16 @@ class Run(models.Model):
     external_id = models.CharField(max_length=200, null=True, blank=True)
     output = models.TextField(blank=True)
     memory = models.JSONField(default=dict, blank=True)
+    # SPEC 14: the last activity (start, check, wait) + the policy's max_idle_seconds; a
+    # running run past it is abandoned. Null: never (no limit, or a run older than the field).
+    idle_deadline = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-started_at"]
         indexes = [
+            # The abandoned-run sweep reads only the running runs that are overdue.
+            models.Index(fields=["idle_deadline"], name="run_idle_deadline",
+                         condition=models.Q(status="running", idle_deadline__isnull=False)),
             models.Index(fields=["team", "-started_at"], name="run_team_recent"),
             models.Index(fields=["team", "status"], name="run_team_status"),
             models.Index(fields=["team", "agent", "status"], name="run_team_agent_status"),
@@ -93,6 +99,28 @@ class Decision(models.Model):
                 condition=models.Q(check_id__isnull=False),
                 name="check_id_per_run",
             )
+        ]
+
+
+class RateHit(models.Model):
+    """One action counted by the rate limits of SPEC 12: a check answered allow, a shadow
+    would-stop (the action runs) or an action taken by a pending approval. Stamped by the
+    database's clock on PostgreSQL. Not the audit log (that is Decision): a working set that
+    the sweep empties of everything older than the longest window (86400 s)."""
+
+    id = models.BigAutoField(primary_key=True)
+    team_id = models.BigIntegerField()
+    agent = models.CharField(max_length=100)
+    run_id = models.UUIDField()
+    action_name = models.CharField(max_length=200)
+    at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["run_id", "at"], name="ratehit_run"),
+            models.Index(fields=["team_id", "agent", "at"], name="ratehit_agent"),
+            models.Index(fields=["team_id", "at"], name="ratehit_team"),
+            models.Index(fields=["at"], name="ratehit_at"),
         ]
 
 

@@ -232,6 +232,26 @@ def test_a_shadow_draft_stops_nothing(api, team, tmp_path):
 
 # --- Kill switches -----------------------------------------------------------------------------
 
+def test_recorded_rate_limit_waits_register_nothing(api, team, tmp_path):
+    """A wait (SPEC 12) is audited without a check_id and at no cost; the replay skips it, so
+    a draft counts only the checks that were decided."""
+    set_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 1000},
+               budgets=NO_BUDGETS,
+               rate_limits=[{"match": "search.*", "per": "run", "max": 2, "window_s": 600}])
+    run_id = start(api)
+    answers = [check(api, run_id, args={"q": i}, cost_usd=1, check_id=f"c{i}")["decision"]
+               for i in range(4)]
+    assert answers == ["allow", "allow", "wait", "wait"]
+    assert check(api, run_id, name="http.get")["decision"] == "allow"
+    finish(api, run_id)
+    waits = Decision.objects.filter(run_id=run_id, outcome="wait")
+    assert [(w.check_id, w.cost_usd) for w in waits] == [(None, 0), (None, 0)]
+    assert backtest(team)["changed"] == 0
+    # Three decided checks: a draft allowing three steps changes nothing (five would stop).
+    result = backtest(team, "--file", draft_file(tmp_path, team, step_limits={"max_steps": 3}))
+    assert (result["runs"], result["changed"]) == (1, 0)
+
+
 def test_a_kill_by_the_fanout_is_kept(api, team, tmp_path, django_capture_on_commit_callbacks):
     run_id = start(api)
     for i in range(3):

@@ -18,4 +18,4 @@ def test_the_state_update_names_columns_of_the_run() -> None:
     columns = {f.column for f in Run._meta.concrete_fields}
     assert set(check_store.UPDATE_FIELDS) <= columns
     for name in check_store.UPDATE_FIELDS:
-        assert f"{name} = n.{name}" in check_store.UPDATE_AND_INSERT_SQL
+        assert f"{name} = n.{name}" in check_store.WRITE_SQL

@@ -111,3 +111,45 @@ def test_a_finish_racing_the_checks_never_overwrites_their_stop(server, agent):
             assert (run_row.status, run_row.stop_reason) == ("completed", None)
         assert sum(a["decision"] == "allow" for a in answers) <= 18
         assert run_row.finished_at is not None
+
+
+@pytest.mark.postgres
+def test_100_simultaneous_checks_of_one_agent_allow_exactly_the_rate_limit(server, agent, team):
+    """SPEC 12: one agent's runs, 100 checks at once against two server processes (each with
+    its worker processes), max 10 in 60 s: exactly 10 allows, 90 waits."""
+    from runs.models import RateHit
+    from tests.conftest import set_policy, start_server
+
+    set_policy(team, step_limits={"max_steps": 1000, "max_repeat_action": 1000,
+                                  "no_progress_window": 1000},
+               rate_limits=[{"match": "http.*", "per": "agent", "max": 10, "window_s": 60}])
+    second = start_server()
+    try:
+        for round_ in range(2):
+            runs = [agent.start("crawler")["run_id"] for _ in range(10)]
+            jobs = [(server.url if i % 2 else second.url, runs[i % 10], i) for i in range(100)]
+            barrier = Barrier(len(jobs))
+
+            def one(job: tuple[str, str, int], barrier: Barrier = barrier) -> httpx.Response:
+                url, rid, i = job
+                with httpx.Client(base_url=url, timeout=60,
+                                  headers={"Authorization": f"Bearer {agent.token}"}) as http:
+                    barrier.wait()
+                    return http.post(f"/api/v1/runs/{rid}/check",
+                                     json={"action": {"name": "http.get", "args": {"i": i}}})
+
+            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                responses = list(pool.map(one, jobs))
+            assert [r.status_code for r in responses] == [200] * 100
+            decisions = [r.json()["decision"] for r in responses]
+            assert (decisions.count("allow"), decisions.count("wait")) == (10, 90), round_
+            waits = [r.json()["retry_after_s"] for r in responses
+                     if r.json()["decision"] == "wait"]
+            assert all(0 < w <= 60 for w in waits)
+            assert RateHit.objects.filter(run_id__in=runs).count() == 10
+            assert sum(Run.objects.get(pk=rid).steps for rid in runs) == 10
+            assert Decision.objects.filter(run_id__in=runs, outcome="wait").count() == 90
+            # The next round starts with an empty window.
+            RateHit.objects.all().delete()
+    finally:
+        second.stop()

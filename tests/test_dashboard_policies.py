@@ -3,6 +3,8 @@ import, and what the page says about running runs on older versions."""
 
 from __future__ import annotations
 
+import html
+import re
 from typing import Any
 
 import pytest
@@ -36,7 +38,7 @@ def form_data(**changes: str) -> dict[str, str]:
             "no_progress_window": "4", "max_seconds": "45", "max_usd": "1", "max_tool_calls": "",
             "tools_deny": "", "ignore_args": "", "error_threshold": "3", "error_action": "nudge",
             "redact_args": "password\napi_key\ntoken\nsecret\nauthorization",
-            "note": "a test edit"}
+            "max_idle_seconds": "3600", "rate_limits": "", "note": "a test edit"}
     return {**data, **changes}
 
 
@@ -240,3 +242,42 @@ def test_a_viewer_sees_the_policy_read_only(team, users):
     validate = reverse("policy_validate", kwargs={"slug": team.slug, "name": "default"})
     assert f'hx-post="{validate}"' not in html and "Save as version" not in html
     assert "Read only" in html
+
+
+# --- SPEC 12 rate limits and SPEC 14 max_idle_seconds in the editor ---------------------------
+
+def test_rate_limits_are_edited_one_rule_per_line(team, admin):
+    url = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    admin.post(url, form_data(rate_limits="http.* agent 10 60\nmail send * team 5 3600",
+                              max_idle_seconds="600"))
+    assert current(team)["rate_limits"] == [
+        {"match": "http.*", "per": "agent", "max": 10, "window_s": 60},
+        {"match": "mail send *", "per": "team", "max": 5, "window_s": 3600},
+    ]
+    assert current(team)["budgets"]["max_idle_seconds"] == 600
+    page = admin.get(reverse("policy", kwargs={"slug": team.slug, "name": "default"}))
+    assert "http.* agent 10 60" in page.content.decode()
+    assert 'value="600"' in page.content.decode()
+
+
+@pytest.mark.parametrize(("lines", "words"), [
+    ("http.* agent", "line 1: write a rule as match per max window_s"),
+    ("http.* user 10 60", "line 1: per: Input should be 'run', 'agent' or 'team'"),
+    ("a run 1 1\nhttp.* agent 0 60", "line 2: max: Input should be greater than or equal to 1"),
+    ("http.* agent 10 86401", "line 1: window_s: Input should be less than or equal to 86400"),
+])
+def test_a_bad_rate_limit_line_is_refused_naming_the_line(team, admin, lines, words):
+    url = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    response = admin.post(url, form_data(rate_limits=lines))
+    assert words in html.unescape(response.content.decode())
+    assert current(team)["rate_limits"] == []
+
+
+def test_the_diff_shows_a_new_rate_limit(team, admin):
+    url = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    admin.post(url, form_data(rate_limits="http.* agent 10 60"))
+    page = admin.get(reverse("policy_history", kwargs={"slug": team.slug, "name": "default"}))
+    text = page.content.decode()
+    assert "+rate_limits:" in text
+    # The key order of a stored document is the database's (jsonb sorts keys by length).
+    assert re.search(r'class="diff-add">\+[ -]*match: http\.\*<', text), text

@@ -63,7 +63,7 @@ def lock_sql_switch(run: Run) -> str | None:
         finally:
             cursor.execute("DEALLOCATE cover_test_lock")
     assert row is not None and row[5] == run.pk
-    return row[16]
+    return row[17]
 
 
 def orm_lock_switch(run: Run) -> KillSwitch | None:

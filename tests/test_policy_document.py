@@ -27,11 +27,13 @@ SPEC_DEFAULTS = {
     "name": "default",
     "mode": "enforce",
     "step_limits": {"max_steps": 18, "max_repeat_action": 3, "no_progress_window": 4},
-    "budgets": {"max_seconds": 45, "max_usd": 1.0, "max_tool_calls": None},
+    "budgets": {"max_seconds": 45, "max_usd": 1.0, "max_tool_calls": None,
+                "max_idle_seconds": 3600},
     "tools": {"allow": None, "deny": []},
     "repeat_key": {"ignore_args": []},
     "on_repeated_error": {"threshold": 3, "action": "nudge"},
     "redact_args": ["password", "api_key", "token", "secret", "authorization"],
+    "rate_limits": [],
     "approvals": {"tools": [], "timeout_s": 900},
 }
 
@@ -86,12 +88,14 @@ def test_omitted_keys_of_a_section_take_their_defaults() -> None:
     (team,) = parse_document(one_policy(budgets={"max_tool_calls": 50}, tools={"deny": ["x"]}))
 
     (parsed,) = team["policies"]
-    assert parsed["budgets"] == {"max_seconds": 45, "max_usd": 1.0, "max_tool_calls": 50}
+    assert parsed["budgets"] == {"max_seconds": 45, "max_usd": 1.0, "max_tool_calls": 50,
+                                 "max_idle_seconds": 3600}
     assert parsed["tools"] == {"allow": None, "deny": ["x"]}
 
 
 def test_null_budgets_mean_no_limit() -> None:
-    budgets = {"max_seconds": None, "max_usd": None, "max_tool_calls": None}
+    budgets = {"max_seconds": None, "max_usd": None, "max_tool_calls": None,
+               "max_idle_seconds": None}
 
     (team,) = parse_document(one_policy(budgets=budgets))
 
@@ -103,11 +107,14 @@ def test_a_full_document_is_kept_as_written() -> None:
         "name": "strict",
         "mode": "shadow",
         "step_limits": {"max_steps": 10, "max_repeat_action": 2, "no_progress_window": 3},
-        "budgets": {"max_seconds": 12.5, "max_usd": 0.25, "max_tool_calls": 8},
+        "budgets": {"max_seconds": 12.5, "max_usd": 0.25, "max_tool_calls": 8,
+                    "max_idle_seconds": 600},
         "tools": {"allow": ["search.*", "crm.read"], "deny": ["crm.delete*"]},
         "repeat_key": {"ignore_args": ["request_id", "timestamp"]},
         "on_repeated_error": {"threshold": 2, "action": "stop"},
         "redact_args": ["password", "ssn"],
+        "rate_limits": [{"match": "http.*", "per": "agent", "max": 10, "window_s": 60},
+                        {"match": "mail.send", "per": "team", "max": 100, "window_s": 86400}],
         "approvals": {"tools": ["payments.*"], "timeout_s": 60},
     }
 
@@ -554,7 +561,7 @@ def test_applying_a_document_creates_its_teams_and_policies(db: Any) -> None:
     assert strict.document["mode"] == "shadow"
     assert strict.document["step_limits"]["max_steps"] == 5
     assert strict.document["budgets"] == {"max_seconds": 45, "max_usd": 0.25,
-                                          "max_tool_calls": None}
+                                          "max_tool_calls": None, "max_idle_seconds": 3600}
     assert current("billing", "batch").document["budgets"]["max_seconds"] is None
     assert "team support: created" in changes
     assert "team billing: created" in changes
@@ -843,3 +850,45 @@ def test_apply_policies_exits_1_naming_the_bad_field(tmp_path: Path) -> None:
     assert "teams[0].policies[0].budgets.max_usd: must have at most 6 decimals" in done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+# --- SPEC 12 rate limits and SPEC 14 max_idle_seconds -----------------------------------------
+
+RULE = {"match": "http.*", "per": "agent", "max": 10, "window_s": 60}
+
+
+@pytest.mark.parametrize(("rule", "path", "words"), [
+    ({**RULE, "per": "user"}, "rate_limits[0].per", "'run', 'agent' or 'team'"),
+    ({**RULE, "max": 0}, "rate_limits[0].max", "greater than or equal to 1"),
+    ({**RULE, "max": 100_001}, "rate_limits[0].max", "less than or equal to 100000"),
+    ({**RULE, "max": 2.5}, "rate_limits[0].max", "integer"),
+    ({**RULE, "window_s": 0}, "rate_limits[0].window_s", "greater than or equal to 1"),
+    ({**RULE, "window_s": 86_401}, "rate_limits[0].window_s", "less than or equal to 86400"),
+    ({**RULE, "match": ""}, "rate_limits[0].match", "at least 1 character"),
+    ({k: v for k, v in RULE.items() if k != "max"}, "rate_limits[0].max", "Field required"),
+    ({**RULE, "burst": 3}, "rate_limits[0].burst", "unknown field"),
+])
+def test_a_bad_rate_limit_is_refused_naming_its_field(rule: dict, path: str, words: str) -> None:
+    with pytest.raises(DocumentError) as caught:
+        parse_policy(policy(rate_limits=[rule]))
+    assert path in caught.value.errors, caught.value.errors
+    assert words in caught.value.errors[path]
+
+
+def test_rate_limits_default_to_none_and_keep_their_order() -> None:
+    assert parse_policy(policy())["rate_limits"] == []
+    rules = [RULE, {**RULE, "match": "http.get", "per": "run", "max": 1, "window_s": 1}]
+    assert parse_policy(policy(rate_limits=rules))["rate_limits"] == rules
+
+
+@pytest.mark.parametrize("bad", [0, -1, "60", True])
+def test_max_idle_seconds_must_be_a_positive_number_or_null(bad: Any) -> None:
+    with pytest.raises(DocumentError) as caught:
+        parse_policy(policy(budgets={"max_idle_seconds": bad}))
+    assert "budgets.max_idle_seconds" in caught.value.errors
+
+
+def test_max_idle_seconds_defaults_to_an_hour_and_null_means_never() -> None:
+    assert parse_policy(policy())["budgets"]["max_idle_seconds"] == 3600
+    assert parse_policy(policy(budgets={"max_idle_seconds": None}))["budgets"][
+        "max_idle_seconds"] is None

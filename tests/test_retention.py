@@ -78,6 +78,10 @@ def world() -> dict[str, Any]:
             a.post(f"/api/v1/runs/{stopped}/check", {"action": {"name": "same"}})
         ids["old_stopped"] = stopped
         audit(actor=None, action="global.thing", team=None, target="everyone")
+        # Runs that stay running for weeks: as under a policy with max_idle_seconds null,
+        # else SPEC 14 would end them abandoned an hour after their last check.
+        Run.objects.filter(pk__in=[ids["old_running"], ids["ended_recently"]]).update(
+            idle_deadline=None)
     with at(recent):
         ids["recent_completed"] = a.run(checks=2)
         a.post(f"/api/v1/runs/{ids['ended_recently']}/finish", {"status": "failed"})

@@ -100,7 +100,9 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
     if status == rules.CANCELLED and kill is None:
         # Finishing the run: the final answer is the finished run's stop.
         raise ValueError("use run_finish to cancel by finishing")
-    decision, new = rules.settle(state, status, now=now, by=label or None, note=note, kill=kill)
+    # The policy restarts an approved run's idle deadline: time pending is not idle (SPEC 14).
+    decision, new = rules.settle(state, status, now=now, by=label or None, note=note, kill=kill,
+                                 policy=rules_for_version(run.policy_version_id))
     decided_at = pending.expires_at if status == rules.EXPIRED else now
     won = Approval.objects.filter(pk=pending.approval_id, status=ApprovalStatus.PENDING).update(
         status=status, decided_at=decided_at, decided_by=actor, decided_by_label=label,
@@ -110,7 +112,7 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
         return None
     Run.objects.filter(pk=run.id).update(
         status=new.status, stop_reason=new.stop_reason, ended_at=new.ended_at,
-        tool_calls=new.tool_calls, memory=new.memory(),
+        tool_calls=new.tool_calls, memory=new.memory(), idle_deadline=new.idle_deadline,
     )
     answer = _final(run, pending, decision, new, now, label)
     _record_final(run, pending, answer, now, decision)

@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from governance_client import rules
 from policies.models import PolicyVersion, Team
+from runs.check.abandon import abandon_idle_runs, abandon_if_idle
 from runs.models import Decision, Run
 
 
@@ -61,6 +62,7 @@ def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = 
                   limit: int = 50, key_agent: str = "") -> QuerySet[Run]:
     """``key_agent``: the agent an agent-bound key is limited to (SPEC 10); it sees only
     that agent's runs, as if the others were another team's."""
+    abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
     runs = Run.objects.filter(team=team).select_related("policy_version")
     if key_agent:
         runs = runs.filter(agent=key_agent)
@@ -78,7 +80,7 @@ def run_for_team(team: Team, run_id: Any, *, key_agent: str = "") -> Run:
     run = runs.first()
     if run is None:
         raise Http404("No such run.")
-    return run
+    return abandon_if_idle(run)
 
 
 def decisions_of(run: Run, *, after: int = 0, limit: int = 100) -> QuerySet[Decision]:

@@ -10,8 +10,14 @@ On PostgreSQL that is two network round trips, each one message with a prepared 
 1. `BEGIN; EXECUTE lock`: one SELECT that finds the key by its prefix (not revoked; the hash
    is compared in Python, in constant time), locks the run of the key's team `FOR UPDATE`,
    and reads the covering kill switch and the `check_id` replay in lateral subqueries;
-2. `EXECUTE write; COMMIT`: one statement that updates the run and inserts the decision (a
-   data-modifying CTE), returning the decision's id.
+2. `EXECUTE write; COMMIT`: one statement that updates the run, inserts the decision (a
+   data-modifying CTE) and, for an action counted by the rate limits, its hit, returning the
+   decision's id.
+
+A check whose action matches a rate limit of its policy (SPEC 12) also takes the rules'
+advisory locks and reads their windows (runs/check/rate_limits.py): as more statements of the first
+message when this process already knows the run's team, agent and policy version (they never
+change, `RateRead`), else in one more round trip between the two.
 
 Why not the ORM here: on the benchmark machine one ORM query cost more Python (about half a
 millisecond, mostly building the SQL) than this path's two statements together. And planning
@@ -32,7 +38,7 @@ import json
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields
 from datetime import datetime
@@ -49,10 +55,19 @@ from django.db import (
     connection,
     transaction,
 )
+from governance_client.rules import RateLimit, RateWindow
 
 from policies.models import AgentKey
+from runs.check.rate_limits import (
+    lock_keys,
+    windows_from_row,
+    windows_in_python,
+    windows_params,
+    windows_prepared,
+    windows_sql,
+)
 from runs.killswitch import cover
-from runs.models import Decision, Run, RunStatus
+from runs.models import Decision, RateHit, Run, RunStatus
 
 
 @dataclass(slots=True)
@@ -71,6 +86,7 @@ class RunRow:
     started_at: datetime
     ended_at: datetime | None
     memory: dict[str, Any]
+    idle_deadline: datetime | None = None
 
     @property
     def pk(self) -> uuid.UUID:
@@ -89,6 +105,17 @@ class Locked:
     run: RunRow | None
     switch: cover.SwitchFields | None  # the covering switch, as cover.switch_in_words needs it
     earlier_answer: tuple[int, dict[str, Any]] | None  # (decision id, answer) of this check_id
+    windows: list[RateWindow] | None = None  # read with the lock (RateRead), else None
+
+
+@dataclass(frozen=True, slots=True)
+class RateRead:
+    """Rate-limit windows to read in the locking round trip, for a run whose team, agent and
+    policy version the caller already knows from an earlier check (they never change)."""
+
+    rules: tuple[RateLimit, ...]
+    team_id: int
+    agent: str
 
 
 @dataclass(slots=True)
@@ -102,6 +129,7 @@ class RunUpdate:
     tool_calls: int
     cost_usd: Decimal
     memory: dict[str, Any]
+    idle_deadline: datetime | None = None
 
 
 @dataclass(slots=True)
@@ -123,6 +151,15 @@ class DecisionRow:
     elapsed_s: float | None  # since the run's start, as the rules counted it (backtests)
     answer: dict[str, Any]
     at: datetime
+
+
+@dataclass(slots=True)
+class HitRow:
+    """An action counted by the rate limits (runs/check/rate_limits.py); stamped by the store."""
+
+    team_id: int
+    agent: str
+    action_name: str
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,10 +200,16 @@ class StaleConnection(Exception):
 class CheckTransaction(Protocol):
     db_seconds: float
 
-    def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None) -> Locked | None:
+    def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None,
+             rate: RateRead | None = None) -> Locked | None:
         ...
 
-    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
+    def rate_windows(self, *, run: RunRow, rules: Sequence[RateLimit], now: datetime
+                     ) -> list[RateWindow]:
+        ...
+
+    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, rows: list[DecisionRow],
+              hit: HitRow | None = None) -> int:
         ...
 
 
@@ -194,14 +237,14 @@ def check_transaction(*, portable: bool = False) -> Iterator[CheckTransaction]:
 LOCK_SQL = f"""
 SELECT k.id, k.key_hash, k.last_used_at, k.team_id, t.slug,
        r.id, r.agent, r.policy_version_id, r.status, r.stop_reason, r.steps, r.tool_calls,
-       r.cost_usd, r.started_at, r.ended_at, r.memory,
+       r.cost_usd, r.started_at, r.ended_at, r.memory, r.idle_deadline,
        s.scope, s.agent, s.reason, s.engaged_by_label,
        d.id, d.answer
 FROM policies_agentkey k
 JOIN policies_team t ON t.id = k.team_id
 LEFT JOIN LATERAL (
     SELECT id, team_id, agent, policy_version_id, status, stop_reason, steps, tool_calls,
-           cost_usd, started_at, ended_at, memory
+           cost_usd, started_at, ended_at, memory, idle_deadline
     FROM runs_run WHERE id = $1 AND team_id = k.team_id
         AND (k.agent = '' OR runs_run.agent = k.agent)  -- an agent-bound key (SPEC 10)
     FOR UPDATE
@@ -220,21 +263,27 @@ LEFT JOIN LATERAL (
 WHERE k.prefix = $3 AND k.revoked_at IS NULL
 """
 
-# The write takes the decision (and the run's new state) as one JSON document each, unpacked
-# by jsonb_populate_record: one literal to quote instead of twenty-two, one json.dumps.
+# The write takes the decisions (one, or two when the check found the run abandoned), the
+# run's new state and the rate-limit hit as one JSON document each, unpacked by
+# jsonb_populate_recordset: one literal to quote instead of twenty-two, one json.dumps. An
+# empty array writes nothing. The data-modifying CTEs run even though the INSERT does not
+# read them: one statement for the state change and its audit record. The hit is stamped
+# with the database's clock, the clock every rate-limit window is read with.
 _COLUMNS = ", ".join(DECISION_COLUMNS)
 INSERT_SQL = f"""
 INSERT INTO runs_decision ({_COLUMNS})
-SELECT {_COLUMNS} FROM jsonb_populate_record(NULL::runs_decision, $1)
+SELECT {_COLUMNS} FROM jsonb_populate_recordset(NULL::runs_decision, $1)
 RETURNING id
 """
-# A data-modifying CTE runs even though the INSERT does not read it: one statement for the
-# state change and its audit record.
-UPDATE_AND_INSERT_SQL = """
+WRITE_SQL = """
 WITH run AS (
     UPDATE runs_run r SET """ + ", ".join(f"{name} = n.{name}" for name in UPDATE_FIELDS) + """
-    FROM jsonb_populate_record(NULL::runs_run, $2) n
+    FROM jsonb_populate_recordset(NULL::runs_run, $2) n
     WHERE r.id = n.id
+), hit AS (
+    INSERT INTO runs_ratehit (team_id, agent, run_id, action_name, at)
+    SELECT team_id, agent, run_id, action_name, clock_timestamp()
+    FROM jsonb_populate_recordset(NULL::runs_ratehit, $3)
 )""" + INSERT_SQL
 
 # Prepared once per connection with SQL PREPARE, then run with EXECUTE in the same simple-query
@@ -244,15 +293,15 @@ WITH run AS (
 # psycopg's pipeline costs more Python per check than the query strings this builds.
 PREPARE_SQL = (
     f"PREPARE governance_check_lock(uuid, text, text) AS {LOCK_SQL};"
-    f"PREPARE governance_check_insert(jsonb) AS {INSERT_SQL};"
-    f"PREPARE governance_check_update_insert(jsonb, jsonb) AS {UPDATE_AND_INSERT_SQL};"
+    f"PREPARE governance_check_write(jsonb, jsonb, jsonb) AS {WRITE_SQL};"
 )
 EXECUTE_LOCK = "BEGIN; EXECUTE governance_check_lock(%s, %s, %s)"
-EXECUTE_INSERT = "EXECUTE governance_check_insert(%s); COMMIT"
-EXECUTE_UPDATE_INSERT = "EXECUTE governance_check_update_insert(%s, %s); COMMIT"
+EXECUTE_WRITE = "EXECUTE governance_check_write(%s, %s, %s); COMMIT"
 
 # The connections (Django's, one per thread) on which the statements are prepared.
 _prepared: weakref.WeakSet[Any] = weakref.WeakSet()
+# The rate-limit window statements prepared on each connection, by name.
+_prepared_windows: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
 def _scalar(value: Any) -> str:
@@ -264,7 +313,7 @@ def _scalar(value: Any) -> str:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def _dumps(document: dict[str, Any]) -> str:
+def _dumps(document: Any) -> str:
     return json.dumps(document, separators=(",", ":"), default=_scalar)
 
 
@@ -287,23 +336,54 @@ class PostgresCheck:
         if self.raw not in _prepared:
             self.cursor.execute(PREPARE_SQL)
             _prepared.add(self.raw)
+            _prepared_windows[self.raw] = set()
 
-    def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None) -> Locked | None:
+    def _windows_statement(self, rules: Sequence[RateLimit], *, team_id: int, agent: str,
+                           run_id: uuid.UUID) -> tuple[str, list[Any]]:
+        """`EXECUTE` of the prepared window read, preparing it first on this connection."""
+        name, prepare = windows_prepared(rules)
+        done = _prepared_windows.setdefault(self.raw, set())
+        if name not in done:
+            self.cursor.execute(prepare)  # not transactional: kept if the check rolls back
+            done.add(name)
+        params = windows_params(rules, team_id=team_id, agent=agent, run_id=run_id)
+        return f"EXECUTE {name}({', '.join(['%s'] * len(params))})", params
+
+    def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None,
+             rate: RateRead | None = None) -> Locked | None:
         cursor = self.cursor
         started = time.perf_counter()
+        sql, params = EXECUTE_LOCK, [run_id, check_id, prefix]
+        if rate is not None:
+            # After the run's lock, in the same message: the rules' locks, then the windows,
+            # each a statement of its own so the read's snapshot follows the locks. Should the
+            # key or the run be refused, the rollback releases these locks at once.
+            keys = lock_keys(rate.rules, team_id=rate.team_id, agent=rate.agent, run_id=run_id)
+            sql += "".join(f"; SELECT pg_advisory_xact_lock({int(k)})" for k in keys)
+        windows_row = None
         try:
             with connection.wrap_database_errors:
                 self._prepare()
+                if rate is not None:
+                    windows, more = self._windows_statement(
+                        rate.rules, team_id=rate.team_id, agent=rate.agent, run_id=run_id)
+                    sql += "; " + windows
+                    params += more
                 self.open = True
-                cursor.execute(EXECUTE_LOCK, (run_id, check_id, prefix))
+                cursor.execute(sql, params)
                 cursor.nextset()  # past BEGIN's result, to the SELECT's
                 row = cursor.fetchone()
+                if rate is not None:
+                    while cursor.nextset():
+                        pass  # to the last statement's result: the windows
+                    windows_row = cursor.fetchone()
         except (OperationalError, InterfaceError, ProgrammingError) as exc:
             missing = isinstance(exc.__cause__, psycopg.errors.InvalidSqlStatementName)
             if missing or self.raw.broken or self.raw.closed:
                 # The connection died while idle, or its session lost the prepared statements
                 # (DISCARD ALL): nothing was read or written, a new connection may retry.
                 _prepared.discard(self.raw)
+                _prepared_windows.pop(self.raw, None)
                 raise StaleConnection() from exc
             raise
         finally:
@@ -316,30 +396,52 @@ class PostgresCheck:
                 id=row[5], team_id=row[3], agent=row[6], policy_version_id=row[7],
                 status=row[8], stop_reason=row[9], steps=row[10], tool_calls=row[11],
                 cost_usd=row[12], started_at=row[13], ended_at=row[14],
-                memory=_loaded(row[15]) or {},
+                memory=_loaded(row[15]) or {}, idle_deadline=row[16],
             )
         switch = None
-        if row[16] is not None:
-            switch = SwitchSeen(scope=row[16], agent=row[17], reason=row[18],
-                                engaged_by_label=row[19])
-        earlier = (int(row[20]), _loaded(row[21])) if row[20] is not None else None
+        if row[17] is not None:
+            switch = SwitchSeen(scope=row[17], agent=row[18], reason=row[19],
+                                engaged_by_label=row[20])
+        earlier = (int(row[21]), _loaded(row[22])) if row[21] is not None else None
         return Locked(key_id=row[0], key_hash=row[1], key_last_used_at=row[2], team_id=row[3],
-                      team_slug=row[4], run=run, switch=switch, earlier_answer=earlier)
+                      team_slug=row[4], run=run, switch=switch, earlier_answer=earlier,
+                      windows=windows_from_row(rate.rules, windows_row)
+                      if rate is not None and windows_row is not None else None)
 
-    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
-        decision = _dumps({"run_id": run_id, **_row_values(row)})
-        if update is not None:
-            sql = EXECUTE_UPDATE_INSERT
-            params: tuple[Any, ...] = (decision, _dumps({"id": run_id,
-                                                         **_update_values(update)}))
-        else:
-            sql, params = EXECUTE_INSERT, (decision,)
+    def rate_windows(self, *, run: RunRow, rules: Sequence[RateLimit], now: datetime
+                     ) -> list[RateWindow]:
+        """Take the rules' advisory locks, then read their windows with the database's
+        clock: one round trip (the locks and the read are separate statements of one
+        message, so the read's snapshot is taken once the locks are held)."""
+        keys = lock_keys(rules, team_id=run.team_id, agent=run.agent, run_id=run.id)
+        locks = "".join(f"SELECT pg_advisory_xact_lock({int(key)});" for key in keys)
+        started = time.perf_counter()
+        try:
+            with connection.wrap_database_errors:
+                sql, params = self._windows_statement(rules, team_id=run.team_id,
+                                                      agent=run.agent, run_id=run.id)
+                self.cursor.execute(locks + sql, params)
+                while self.cursor.nextset():
+                    pass  # to the last statement's result: the windows
+                row = self.cursor.fetchone()
+        finally:
+            self.db_seconds += time.perf_counter() - started
+        assert row is not None
+        return windows_from_row(rules, row)
+
+    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, rows: list[DecisionRow],
+              hit: HitRow | None = None) -> int:
+        decisions = _dumps([{"run_id": run_id, **_row_values(row)} for row in rows])
+        runs = _dumps([{"id": run_id, **_update_values(update)}] if update is not None else [])
+        hits = _dumps([{"team_id": hit.team_id, "agent": hit.agent, "run_id": run_id,
+                        "action_name": hit.action_name}] if hit is not None else [])
+        sql, params = EXECUTE_WRITE, (decisions, runs, hits)
         cursor = self.cursor
         started = time.perf_counter()
         try:
             with connection.wrap_database_errors:
                 cursor.execute(sql, params)
-                written = cursor.fetchone()
+                written = cursor.fetchall()
         except IntegrityError as exc:
             cause = getattr(exc.__cause__, "diag", None)
             if cause is not None and cause.constraint_name == "check_id_per_run":
@@ -352,8 +454,8 @@ class PostgresCheck:
         # An error in the INSERT skips the COMMIT of the same message; past this point the
         # COMMIT ran (psycopg raises for an error in any statement of the message).
         self.open = False
-        assert written is not None
-        return int(written[0])
+        assert written
+        return max(int(r[0]) for r in written)  # the check's own record is the last one
 
     def end(self) -> None:
         """Roll back whatever is still open (a refusal, a replay, an error)."""
@@ -377,7 +479,9 @@ class OrmCheck:
     def __init__(self) -> None:
         self.db_seconds = 0.0
 
-    def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None) -> Locked | None:
+    def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None,
+             rate: RateRead | None = None) -> Locked | None:
+        """`rate` is ignored here: the windows are read by `rate_windows`."""
         started = time.perf_counter()
         try:
             key = (AgentKey.objects.select_related("team")
@@ -390,7 +494,8 @@ class OrmCheck:
             run_row = (
                 runs
                 .only("id", "team_id", "agent", "policy_version_id", "status", "stop_reason",
-                      "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory")
+                      "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory",
+                      "idle_deadline")
                 .first()
             )
             run = switch = earlier = None
@@ -401,7 +506,7 @@ class OrmCheck:
                     stop_reason=run_row.stop_reason, steps=run_row.steps,
                     tool_calls=run_row.tool_calls, cost_usd=Decimal(run_row.cost_usd),
                     started_at=run_row.started_at, ended_at=run_row.ended_at,
-                    memory=run_row.memory or {},
+                    memory=run_row.memory or {}, idle_deadline=run_row.idle_deadline,
                 )
                 if run.status == RunStatus.RUNNING:
                     switch = cover.covering_switch(team_id=run.team_id, agent=run.agent,
@@ -417,12 +522,46 @@ class OrmCheck:
         finally:
             self.db_seconds += time.perf_counter() - started
 
-    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, row: DecisionRow) -> int:
+    def rate_windows(self, *, run: RunRow, rules: Sequence[RateLimit], now: datetime
+                     ) -> list[RateWindow]:
+        """On SQLite the transaction's BEGIN IMMEDIATE already serializes every check, and
+        the server's clock is the database's host clock. On PostgreSQL inside a caller's
+        transaction (tests) the same locks and SQL as PostgresCheck."""
+        started = time.perf_counter()
+        try:
+            if connection.vendor != "postgresql":
+                return windows_in_python(rules, team_id=run.team_id, agent=run.agent,
+                                         run_id=run.id, now=now)
+            with connection.cursor() as cursor:
+                for key in lock_keys(rules, team_id=run.team_id, agent=run.agent,
+                                     run_id=run.id):
+                    cursor.execute("SELECT pg_advisory_xact_lock(%s)", [key])
+                sql, params = windows_sql(rules, team_id=run.team_id, agent=run.agent,
+                                          run_id=run.id)
+                cursor.execute(sql, params)
+                row = cursor.fetchone()
+            return windows_from_row(rules, row)
+        finally:
+            self.db_seconds += time.perf_counter() - started
+
+    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, rows: list[DecisionRow],
+              hit: HitRow | None = None) -> int:
         started = time.perf_counter()
         try:
             if update is not None:
                 Run.objects.filter(pk=run_id).update(**_update_values(update))
-            decision = Decision.objects.create(run_id=run_id, **_row_values(row))
-            return int(decision.pk)
+            if hit is not None:
+                at = None
+                if connection.vendor == "postgresql":
+                    with connection.cursor() as cursor:
+                        cursor.execute("SELECT clock_timestamp()")
+                        at = cursor.fetchone()[0]
+                RateHit.objects.create(team_id=hit.team_id, agent=hit.agent, run_id=run_id,
+                                       action_name=hit.action_name,
+                                       at=at or rows[-1].at)
+            pk = 0
+            for row in rows:
+                pk = Decision.objects.create(run_id=run_id, **_row_values(row)).pk
+            return int(pk)
         finally:
             self.db_seconds += time.perf_counter() - started

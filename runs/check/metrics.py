@@ -13,6 +13,9 @@ that answered the scrape saw.
 
 Exported:
 - governance_decisions_total{team, outcome, reason}: decisions audited by the check;
+- governance_rate_limit_waits_total{team, rule, per, outcome}: checks a rate limit held
+  back (SPEC 12), by the rule that held them longest (its `match` pattern and `per`
+  scope); outcome `wait`, or `would_stop` in shadow mode;
 - governance_check_seconds: time to answer a check, in the view (validation included);
 - governance_check_db_seconds: of which spent waiting for the database;
 - governance_kill_switches_engaged{scope}: engaged switches, read from the database when
@@ -56,6 +59,9 @@ class _Metrics:
 
         self.decisions = Counter("governance_decisions", "Check decisions, as audited.",
                                  ["team", "outcome", "reason"])
+        self.rate_waits = Counter("governance_rate_limit_waits",
+                                  "Checks held back by a rate limit, by team and rule.",
+                                  ["team", "rule", "per", "outcome"])
         self.check_seconds = Histogram("governance_check_seconds",
                                        "Time to answer a check, in the view.",
                                        buckets=LATENCY_BUCKETS)
@@ -91,6 +97,16 @@ def decision_made(*, team: str, outcome: str, reason: str, db_seconds: float) ->
             m.check_db_seconds.observe(db_seconds)
     except Exception:
         log.warning("metrics: could not record a decision", exc_info=True)
+
+
+def rate_limited(*, team: str, rule: Any, outcome: str) -> None:
+    """A rate limit held a check back (``rule`` is a governance_client.rules.RateLimit)."""
+    try:
+        m = _get()
+        if m is not None:
+            m.rate_waits.labels(team, rule.match, rule.per, outcome).inc()
+    except Exception:
+        log.warning("metrics: could not record a rate-limit wait", exc_info=True)
 
 
 def check_answered(seconds: float) -> None:

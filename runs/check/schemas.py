@@ -270,7 +270,11 @@ class ApprovalRefOut(Schema):
 
 
 class CheckOut(Schema):
-    decision: Literal["allow", "stop", "pending"]
+    """Every field is present in every answer, null where it does not apply (SPEC 15)."""
+
+    decision: Literal["allow", "stop", "pending", "wait"] = Field(
+        description="Run the action only on allow. wait: send the same check again after "
+        "retry_after_s; pending: an operator must approve it first.")
     reason: str
     decision_id: int
     step: int
@@ -282,8 +286,11 @@ class CheckOut(Schema):
     limits: LimitsOut
     directive: DirectiveOut | None
     shadow: ShadowOut | None
-    approval: ApprovalRefOut | None
-    retry_after_s: float | None
+    approval: ApprovalRefOut | None = Field(
+        description="The approval request this check opened or settled (SPEC 11).")
+    retry_after_s: float | None = Field(
+        description="A wait only: seconds (> 0, to the millisecond) until every matching "
+        "rate limit has room.")
 
 
 class FinishIn(Schema):
@@ -300,7 +307,7 @@ class DecisionActionOut(Schema):
 class DecisionOut(Schema):
     id: int
     step: int
-    outcome: Literal["allow", "stop", "would_stop", "pending", "expired"]
+    outcome: Literal["allow", "stop", "would_stop", "pending", "wait", "expired"]
     reason: str
     action: DecisionActionOut | None
     repeat_key: str

@@ -21,10 +21,13 @@ from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs.approvals import services as approvals
 from runs.check import metrics
+from runs.check.abandon import abandon_if_idle
 from runs.check.check_store import (
     DecisionRow,
     DuplicateCheck,
+    HitRow,
     PostgresCheck,
+    RateRead,
     RunRow,
     RunUpdate,
     StaleConnection,
@@ -56,6 +59,7 @@ def state_of(run: Run | RunRow) -> rules.RunState:
         steps=run.steps,
         tool_calls=run.tool_calls,
         cost_usd=Decimal(run.cost_usd),
+        idle_deadline=run.idle_deadline,
     ).load_memory(run.memory)
 
 
@@ -78,10 +82,12 @@ def run_start(
     if policy_row is None or policy_row.current_id is None:
         raise ServiceError(422, "invalid_request", f"Unknown policy {name!r}.",
                            {"policy": f"no policy named {name!r} in this team"})
-    metadata = rules.redact(metadata or {}, rules_for_version(policy_row.current_id).redact_args)
+    limits = rules_for_version(policy_row.current_id)
+    metadata = rules.redact(metadata or {}, limits.redact_args)
+    now = timezone.now()
     run = Run(team=team, agent=agent, policy_version=policy_row.current,
-              started_at=timezone.now(), task=task or "", metadata=metadata,
-              external_id=external_id)
+              started_at=now, task=task or "", metadata=metadata,
+              external_id=external_id, idle_deadline=rules.idle_deadline(limits, now))
     try:
         for _ in range(2):
             if _insert_unless_switched(run):
@@ -174,6 +180,13 @@ EXPIRED = "expired"
 DEADLINE_EXPIRED = "deadline_expired"
 
 
+# SPEC 15: every check answer carries these, null where they do not apply. Answers stored
+# before a field existed get it on replay.
+ANSWER_DEFAULTS: dict[str, Any] = {
+    "directive": None, "shadow": None, "approval": None, "retry_after_s": None,
+}
+
+
 def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
                now: Any) -> dict[str, Any]:
     return {
@@ -189,8 +202,30 @@ def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Po
         "directive": decision.directive,
         "shadow": decision.shadow,
         "approval": decision.approval,
-        "retry_after_s": None,
+        "retry_after_s": decision.retry_after_s,
     }
+
+
+def abandon_answer(state: rules.RunState, policy: rules.Policy, now: Any) -> dict[str, Any]:
+    """The audit record of an abandonment (SPEC 14), shaped like a check answer (as a kill's
+    is) so screens show it the same way."""
+    return {
+        **ANSWER_DEFAULTS,
+        "decision": rules.STOP, "reason": rules.ABANDONED, "step": state.steps,
+        "repeat_key": "", "repeat_count": 0, "message": rules.abandoned_message(policy),
+        "next_action": rules.NEXT_ACTION[rules.ABANDONED], "usage": state.usage(now),
+        "limits": policy.limits(),
+    }
+
+
+def abandon_row(state: rules.RunState, policy: rules.Policy, now: Any) -> DecisionRow:
+    """Audited like a kill by the fan-out: outcome stop, no action, step unchanged."""
+    return DecisionRow(
+        step=state.steps, outcome=rules.STOP, reason=rules.ABANDONED, action_name="",
+        action_type="", args=None, repeat_key="", repeat_count=0, check_id=None,
+        progress=None, last_result=None, cost_usd=Decimal(0),
+        answer=abandon_answer(state, policy, now), at=now, elapsed_s=state.elapsed_s(now),
+    )
 
 
 UNAUTHORIZED = "A valid agent key is required (Authorization: Bearer)."
@@ -227,6 +262,22 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[
     raise AssertionError("unreachable")
 
 
+# A run's team, agent and policy version never change: once a check of the run succeeded in
+# this process, the next one can read its rate-limit windows in the locking round trip.
+# Bounded (cleared when full); a miss only costs the separate round trip.
+_RUN_FACTS: dict[uuid.UUID, tuple[int, str, int]] = {}
+_RUN_FACTS_MAX = 20_000
+
+
+def _rate_read(run_id: uuid.UUID, name: str) -> RateRead | None:
+    facts = _RUN_FACTS.get(run_id)
+    if facts is None:
+        return None
+    team_id, agent, version_id = facts
+    matching = rules.rate_limits_matching(rules_for_version(version_id), name)
+    return RateRead(rules=matching, team_id=team_id, agent=agent) if matching else None
+
+
 class _Portable(Exception):
     """The check touches approvals: start over on the portable (ORM) path."""
 
@@ -240,19 +291,32 @@ def _involves_approvals(policy: rules.Policy, state: rules.RunState, first: Any,
 
 def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
                 portable: bool = False) -> dict[str, Any]:
+    # The order of SPEC 15: an idle run is ended first, then a terminal run answers its stop,
+    # then a replay, then the 409 of a run waiting for an approval, then rules 1 to 9, the
+    # rate limits, the approvals, and the allow.
     with check_transaction(portable=portable) as tx:
-        locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=req.check_id)
+        rate = _rate_read(run_id, req.name)
+        locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=req.check_id, rate=rate)
         if locked is None or not agent_key_matches(claim, locked.key_hash):
             raise ServiceError(401, "unauthorized", UNAUTHORIZED)
         run = locked.run
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
+        if run.id not in _RUN_FACTS:
+            if len(_RUN_FACTS) >= _RUN_FACTS_MAX:
+                _RUN_FACTS.clear()
+            _RUN_FACTS[run.id] = (run.team_id, run.agent, run.policy_version_id)
         state = state_of(run)
         policy = rules_for_version(run.policy_version_id)
         if isinstance(tx, PostgresCheck) and _involves_approvals(
                 policy, state, locked.earlier_answer, req.name):
             raise _Portable()
         now = timezone.now()
+        rows: list[DecisionRow] = []
+        abandoned = rules.abandon(state, now=now)
+        if abandoned is not None:
+            rows.append(abandon_row(abandoned, policy, now))
+            state = abandoned
         kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
         first = locked.earlier_answer
         if state.pending is not None or (first is not None
@@ -263,8 +327,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
         check_id = req.check_id
         if first is not None:
             first_id, first_answer = first
-            if rules.replay_allowed(state, first_answer.get("decision", "")):
-                return {**first_answer, "decision_id": first_id}
+            if not rows and rules.replay_allowed(state, first_answer.get("decision", "")):
+                return {**ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}
             # The first answer was an allow and the run is over: answer the run's stop, as
             # a new audited decision (the retry must not leak an allow, SPEC 4.5).
             check_id = None
@@ -289,8 +353,15 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
         if missing is not None:
             raise ServiceError(422, "invalid_request", "The request is not valid.",
                                {"check_id": missing})
+        windows: list[rules.RateWindow] = []
+        if state.status == rules.RUNNING and kill is None:
+            matching = rules.rate_limits_matching(policy, req.name)
+            if locked.windows is not None and rate is not None and rate.rules == matching:
+                windows = locked.windows
+            elif matching:
+                windows = tx.rate_windows(run=run, rules=matching, now=now)
         decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
-                                             approval_id=str(uuid.uuid4()))
+                                             rate=windows, approval_id=str(uuid.uuid4()))
         answer = _answer_of(decision, new_state, policy, now)
         if new_state is not state and req.deadline is not None \
                 and time.monotonic() > req.deadline:
@@ -305,22 +376,31 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
             # The check_id stays free: the client may upload its own decision for it.
             check_id = None
         update = None
-        if new_state is not state:
+        if new_state is not state or rows:
             update = RunUpdate(
                 status=new_state.status, stop_reason=new_state.stop_reason,
                 ended_at=new_state.ended_at, steps=new_state.steps,
                 tool_calls=new_state.tool_calls, cost_usd=new_state.cost_usd,
-                memory=new_state.memory(),
+                memory=new_state.memory(), idle_deadline=new_state.idle_deadline,
             )
+        waited = decision.outcome == rules.WAIT
+        # A pending answer takes its hit now, not again once approved (SPEC 12, 15).
+        counted = decision.outcome in (rules.ALLOW, rules.WOULD_STOP, rules.PENDING)
         args = rules.redact(req.args, policy.redact_args)
-        decision_id = tx.write(run_id=run.id, update=update, row=DecisionRow(
+        rows.append(DecisionRow(
             step=decision.step, outcome=decision.outcome, reason=decision.reason,
             action_name=req.name, action_type=req.type,
             args=args, repeat_key=decision.repeat_key,
-            repeat_count=decision.repeat_count, check_id=check_id, progress=req.progress,
-            last_result=last, cost_usd=req.cost_usd, answer=answer, at=now,
-            elapsed_s=new_state.elapsed_s(now),
+            repeat_count=decision.repeat_count,
+            # A wait keeps no check_id: the same check_id is decided again (SPEC 12), and
+            # its cost is not registered (the agent sends it again).
+            check_id=None if waited else check_id, progress=req.progress,
+            last_result=last, cost_usd=Decimal(0) if waited else req.cost_usd, answer=answer,
+            at=now, elapsed_s=new_state.elapsed_s(now),
         ))
+        hit = HitRow(team_id=run.team_id, agent=run.agent, action_name=req.name) \
+            if counted else None
+        decision_id = tx.write(run_id=run.id, update=update, rows=rows, hit=hit)
         if decision.outcome == rules.PENDING:
             assert new_state.pending is not None  # only on the portable path, in its atomic
             approvals.approval_open(
@@ -330,6 +410,12 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
     # only logs its own failure).
     metrics.decision_made(team=locked.team_slug, outcome=decision.outcome,
                           reason=decision.reason, db_seconds=tx.db_seconds)
+    if decision.outcome == rules.WAIT or (decision.shadow or {}).get("reason") == \
+            rules.RATE_LIMITED:
+        limited = rules.rate_wait(windows)
+        if limited is not None:
+            metrics.rate_limited(team=locked.team_slug, rule=limited[0].rule,
+                                 outcome=decision.outcome)
     try:
         agent_key_touch(locked.key_id, locked.key_last_used_at)
     except DatabaseError:
@@ -470,6 +556,9 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
             return _finish_waiting(team=team, run_id=run.pk, status=status, output=output,
                                    key_agent=key_agent)
         now = timezone.now()
+        # A finish after the idle deadline finds the run abandoned (SPEC 14): it then keeps
+        # that status and reason and stores the output, like any stopped run.
+        run = abandon_if_idle(run, now=now)
         try:
             new_state = rules.finish(state_of(run), status,
                                      already_finished=run.finished_at is not None, now=now)

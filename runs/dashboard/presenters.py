@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -53,6 +53,7 @@ class StepRow:
     approval_status: str = ""  # SPEC 11: the request this record opened or settled
     approval_by: str = ""
     local: bool = False  # decided by a fail-open client during an outage, uploaded later
+    retry_after_s: float | None = None
 
 
 def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
@@ -90,6 +91,7 @@ def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
         approval_status=approval.get("status", ""),
         approval_by=approval.get("decided_by") or "",
         local=answer.get("local") is True,
+        retry_after_s=answer.get("retry_after_s"),
     )
 
 
@@ -206,6 +208,7 @@ def overview_context(team: Team, now: datetime | None = None, *, range_key: str 
         "loops": dashboard.top_loops(team, since=since),
         "agents": agents,
         "would_stop": dashboard.would_stop_count(team, since=since),
+        "rate_limited": dashboard.rate_limited(team, since=now - timedelta(hours=24)),
         "switches": dashboard.switches_covering(team),
         "now": now,
     }

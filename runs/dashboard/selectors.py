@@ -14,12 +14,15 @@ from decimal import Decimal
 from typing import Any
 from urllib.parse import urlencode
 
+from django.conf import settings
 from django.db.models import Avg, Count, Exists, Max, OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import TruncDay, TruncHour, TruncMinute
 from django.utils import timezone
 from governance_client.rules import WOULD_STOP
 
 from policies.models import Policy, Team
+from runs.check.abandon import abandon_idle_runs
+from runs.check.rate_limits import prune_hits_now_and_then
 from runs.killswitch import cover
 from runs.models import Decision, KillSwitch, Run, RunStatus
 
@@ -169,6 +172,7 @@ def runs_page(team: Team, filters: RunFilters, *, now: datetime | None = None) -
     index range, whatever the page, so the 4,000th page costs what the first does; the
     count stops at COUNT_CAP."""
     now = now or timezone.now()
+    abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
     found = list(page_rows(team, filters, now=now)[:RUNS_PER_PAGE + 1])
     runs, more = found[:RUNS_PER_PAGE], len(found) > RUNS_PER_PAGE
     count = _matching(team, filters, now).order_by()[:COUNT_CAP + 1].count()
@@ -210,6 +214,10 @@ def agent_seen(team: Team, agent: str) -> bool:
 
 
 def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
+    abandon_idle_runs(team_id=team.pk)  # SPEC 14: "running now" never counts an idle run
+    if not settings.REDIS_URL:
+        # The embedded default runs no beat: the overview's reads keep the hits small.
+        prune_hits_now_and_then(now=timezone.now())
     running = Run.objects.filter(team=team, status=RunStatus.RUNNING).select_related(
         "policy_version__policy"
     )
@@ -344,6 +352,25 @@ def agent_breakdown(team: Team, *, since: datetime, limit: int = 20) -> list[dic
                   steps=Avg("steps"))
         .order_by("-runs", "agent")[:limit]
     )
+
+
+@dataclass(frozen=True)
+class RateLimited:
+    waits: int  # checks answered wait (SPEC 12)
+    shadow: int  # checks a rate limit would have held back in shadow mode
+    tools: list[dict[str, Any]]  # the most held-back action names: action_name, waits, runs
+
+
+def rate_limited(team: Team, *, since: datetime, limit: int = 5) -> RateLimited:
+    """How often rate limits held the team's agents back: the overview's "rate limited"."""
+    waits = Decision.objects.filter(run__team=team, outcome="wait", reason="rate_limited",
+                                    at__gte=since)
+    shadow = Decision.objects.filter(run__team=team, outcome="would_stop", at__gte=since,
+                                     answer__shadow__reason="rate_limited")
+    tools = list(waits.values("action_name")
+                 .annotate(waits=Count("pk"), runs=Count("run", distinct=True))
+                 .order_by("-waits", "action_name")[:limit])
+    return RateLimited(waits=waits.count(), shadow=shadow.count(), tools=tools)
 
 
 def switches_covering(team: Team) -> list[KillSwitch]:

@@ -37,6 +37,7 @@ from django.urls import reverse
 from policies.access import controls
 from policies.models import Team
 from runs.approvals.services import pending_count
+from runs.check.abandon import abandon_if_idle
 from runs.dashboard.presenters import (
     approvals_context,
     killswitch_context,
@@ -250,6 +251,7 @@ class RunSource(Source):
         if run is None:  # deleted by retention while watched
             self._finished = True
             return []
+        run = abandon_if_idle(run)  # SPEC 14: a watched run past its deadline ends on screen
         frames = []
         for decision in timeline(run, after=self.after, flagged=self.flagged):
             html = render_to_string("runs/_step_row.html",
@@ -276,7 +278,7 @@ class OverviewSource(Source):
 
     def frames(self) -> list[Frame]:
         return self.render(("overview-running", "overview-chart", "overview-switches",
-                            "overview-loops", "overview-agents"),
+                            "overview-loops", "overview-agents", "overview-rate-limited"),
                            overview_context(self.team, range_key=self.range_key))
 
 

@@ -383,6 +383,8 @@ def _answer_base(switch: KillSwitch) -> dict[str, Any]:
         "next_action": rules.NEXT_ACTION["killed"],
         "directive": None,
         "shadow": None,
+        "approval": None,
+        "retry_after_s": None,
         "kill_switch": switch.pk,
     }
 

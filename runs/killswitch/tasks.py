@@ -63,3 +63,4 @@ def killswitch_sweep_task() -> dict[str, int]:
     for delivery_id, number in deliveries:
         webhooks.schedule_delivery(delivery_id, number, 0)
     return {"fanouts": len(fanouts), "deliveries": len(deliveries)}
+

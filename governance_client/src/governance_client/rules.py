@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -33,6 +33,7 @@ AGENT_NAME = re.compile(AGENT_NAME_PATTERN)
 ALLOW = "allow"
 STOP = "stop"
 WOULD_STOP = "would_stop"
+WAIT = "wait"  # SPEC 12: a rate limit is full; nothing is counted, the agent sends it again
 PENDING = "pending"  # SPEC 11: an answer, an audited outcome and an approval's status
 
 STEP_OK = "step_ok"
@@ -49,6 +50,9 @@ REASONS = (
 )
 RUN_FINISHED = "run_finished"
 AGENT_STOPPED = "agent_stopped"
+RATE_LIMITED = "rate_limited"
+ABANDONED = "abandoned"  # SPEC 14: no activity for budgets.max_idle_seconds
+SCOPES = ("run", "agent", "team")  # rate_limits[].per
 APPROVAL_REQUIRED = "approval_required"
 APPROVAL_DENIED = "approval_denied"
 APPROVAL_EXPIRED = "approval_expired"
@@ -82,6 +86,9 @@ NEXT_ACTION = {
     "repeated_error": "Return the partial response; the same error keeps coming back. Change "
     "approach or abandon this subtask.",
     "agent_stopped": "The agent stopped this run: start a new run for new work.",
+    RATE_LIMITED: "Do not run the action yet: wait retry_after_s seconds, then send the same "
+    "check again.",
+    ABANDONED: "The run was ended for inactivity: start a new run for new work.",
     RUN_FINISHED: "The run is over: do not execute the action; start a new run for new work.",
     APPROVAL_REQUIRED: "Do not run the action yet: wait for an operator's decision "
     "(GET /api/v1/approvals/{id}?wait=60, or send this check again with the same check_id), "
@@ -91,6 +98,24 @@ NEXT_ACTION = {
     APPROVAL_EXPIRED: "Do not run this action: nobody approved it in time. Return the partial "
     "response, or relaunch when an operator is available.",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    """One rule of ``rate_limits`` (SPEC 12): at most ``max`` actions whose name matches
+    ``match`` in any ``window_s`` seconds, counted over the same run, agent or team."""
+
+    match: str
+    per: str  # run | agent | team
+    max: int
+    window_s: int
+
+    def matches(self, name: str) -> bool:
+        return fnmatchcase(name, self.match)
+
+    def describe(self) -> str:
+        return (f"rate_limits rule match='{self.match}' per={self.per} max={self.max} "
+                f"window_s={self.window_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +135,9 @@ class Policy:
     error_threshold: int = 3
     error_action: str = "nudge"
     redact_args: tuple[str, ...] = DEFAULT_REDACT
+    # SPEC 14; None = never. A version stored before the field existed reads as None.
+    max_idle_seconds: float | None = 3600
+    rate_limits: tuple[RateLimit, ...] = ()
     approval_tools: tuple[str, ...] = ()
     approval_timeout_s: int = 900
 
@@ -134,6 +162,11 @@ class Policy:
             error_threshold=doc["on_repeated_error"]["threshold"],
             error_action=doc["on_repeated_error"]["action"],
             redact_args=tuple(doc["redact_args"]),
+            max_idle_seconds=budgets.get("max_idle_seconds"),
+            rate_limits=tuple(
+                RateLimit(match=r["match"], per=r["per"], max=r["max"], window_s=r["window_s"])
+                for r in doc.get("rate_limits") or ()
+            ),
             approval_tools=tuple(approvals.get("tools", ())),
             approval_timeout_s=int(approvals.get("timeout_s", 900)),
         )
@@ -241,6 +274,8 @@ class RunState:
     signatures_seen: set[str] = field(default_factory=set)
     no_progress_streak: int = 0
     error_counts: dict[str, int] = field(default_factory=dict)
+    # SPEC 14: when the run is abandoned unless something happens first (None: never).
+    idle_deadline: datetime | None = None
     # SPEC 11 / 15: time spent waiting for settled approvals, and the approval still open.
     paused_s: float = 0.0
     pending: Pending | None = None
@@ -297,7 +332,7 @@ class RunState:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    outcome: str  # as audited: allow | stop | would_stop | pending
+    outcome: str  # as audited: allow | stop | would_stop | pending | wait
     reason: str
     step: int
     repeat_key: str
@@ -306,12 +341,13 @@ class Decision:
     next_action: str | None = None
     directive: dict[str, str] | None = None
     shadow: dict[str, str] | None = None
+    retry_after_s: float | None = None  # a wait only
     approval: dict[str, str] | None = None
 
     @property
     def answer(self) -> str:
         """What the agent is told: a shadow would-stop still runs."""
-        if self.outcome in (STOP, PENDING):
+        if self.outcome in (STOP, WAIT, PENDING):
             return self.outcome
         return ALLOW
 
@@ -440,23 +476,113 @@ def nudge(error: str, count: int) -> dict[str, str]:
     }
 
 
+# --- Rate limits (SPEC 12) ---------------------------------------------------------------------
+#
+# The store counts, for each rule that matches the action, the actions of the rule's scope
+# (run, agent name in the team, or team) whose names match its pattern and that were counted
+# like an allow (allowed, shadow-allowed, or taken by a pending approval), stamped by the
+# database's clock. What it hands over is one RateWindow per rule: the stamp of the max-th
+# most recent such action still inside the window. The rule is full exactly when that stamp
+# exists, and it has room again once that action leaves the window. `window_of` computes the
+# same from a list of stamps (the embedded store and the client's fake use it; the SQL in
+# runs/check/rate_limits.py mirrors it and is tested against it).
+
+
+@dataclass(frozen=True, slots=True)
+class RateWindow:
+    rule: RateLimit
+    # The stamp of the rule.max-th most recent counted action in the window; None: room.
+    nth_recent: datetime | None
+    now: datetime  # the clock the window was read with
+
+
+def rate_limits_matching(policy: Policy, name: str) -> tuple[RateLimit, ...]:
+    """The rules of the policy that apply to this action name (every one applies)."""
+    return tuple(rule for rule in policy.rate_limits if rule.matches(name))
+
+
+def window_of(rule: RateLimit, stamps: Iterable[datetime], now: datetime) -> RateWindow:
+    """The RateWindow of a rule from the stamps of its scope's counted matching actions."""
+    start = now - timedelta(seconds=rule.window_s)
+    recent = sorted((t for t in stamps if t > start), reverse=True)
+    return RateWindow(rule, recent[rule.max - 1] if len(recent) >= rule.max else None, now)
+
+
+def retry_after_s(window: RateWindow) -> float | None:
+    """Seconds until the rule has room again, rounded up to the millisecond (None: it has)."""
+    if window.nth_recent is None:
+        return None
+    left = window.nth_recent + timedelta(seconds=window.rule.window_s) - window.now
+    micros = left // timedelta(microseconds=1)
+    # Integer arithmetic: float seconds * 1000 would round 12.345 up to 12.346 now and then.
+    return max(1, -(-micros // 1000)) / 1000
+
+
+def rate_wait(windows: Sequence[RateWindow]) -> tuple[RateWindow, float] | None:
+    """The full rule that keeps the action waiting longest, and for how long: the least time
+    until every matching rule has room. None when every rule has room."""
+    worst: tuple[RateWindow, float] | None = None
+    for window in windows:
+        wait = retry_after_s(window)
+        if wait is not None and (worst is None or wait > worst[1]):
+            worst = (window, wait)
+    return worst
+
+
+def _rate_message(name: str, window: RateWindow, wait: float) -> str:
+    rule = window.rule
+    return (f"{name} is rate limited by the {rule.describe()}: {rule.max} actions in the "
+            f"last {rule.window_s} s already; retry in {wait:.3f} s.")
+
+
+# --- Abandoned runs (SPEC 14) -----------------------------------------------------------------
+
+def idle_deadline(policy: Policy, at: datetime) -> datetime | None:
+    """When a run whose last activity (start, check, wait) was at ``at`` is abandoned."""
+    if policy.max_idle_seconds is None:
+        return None
+    return at + timedelta(seconds=policy.max_idle_seconds)
+
+
+def abandon(state: RunState, *, now: datetime) -> RunState | None:
+    """The run ended as abandoned, when it is running and past its idle deadline; else None.
+    ``ended_at`` is the deadline itself, not the moment somebody noticed."""
+    if state.status != RUNNING or state.idle_deadline is None or now < state.idle_deadline:
+        return None
+    new = state.copy()
+    new.status, new.stop_reason, new.ended_at = STOPPED, ABANDONED, state.idle_deadline
+    return new
+
+
+def abandoned_message(policy: Policy) -> str:
+    idle = "?" if policy.max_idle_seconds is None else _plain(policy.max_idle_seconds)
+    return (f"No check, wait, start or finish for {idle} s: the run was abandoned "
+            f"(max_idle_seconds={idle}).")
+
+
 def evaluate(
     policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None,
-    key: str | None = None,
+    rate: Sequence[RateWindow] = (), key: str | None = None,
     approval_id: str = "",
 ) -> tuple[Decision, RunState]:
-    """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any.
-    ``key`` is the check's repeat key when the caller already knows it: a backtest replays
-    the recorded key of a check whose args were stored redacted (replay.py).
-    ``approval_id`` is the id a new approval request gets, should this check open one.
+    """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any;
+    ``rate`` holds the windows of `rate_limits_matching(policy, check.name)`, read by the
+    caller (under its locks) for a running run. ``key`` is the check's repeat key when the
+    caller already knows it: a backtest replays the recorded key of a check whose args were
+    stored redacted (replay.py). ``approval_id`` is the id a new approval request gets,
+    should this check open one.
 
-    The order (SPEC 4.4, 11, 15): a terminal run answers its stop; rules 1 to 9; approvals;
-    allow. The caller answers replays and the 409 of a run already waiting for an approval
-    before calling this. The input state is left untouched; the returned state is what must
+    The order (SPEC 4.4, 11, 12, 14, 15): a run past its idle deadline is abandoned; a
+    terminal run answers its stop; rules 1 to 9; rate limits; approvals; allow. The caller
+    answers replays and the 409 of a run already waiting for an approval before calling
+    this. The input state is left untouched; the returned state is what must
     be stored.
     """
     if key is None:
         key = repeat_key(check.name, check.args, policy.ignore_args)
+    abandoned = abandon(state, now=now)
+    if abandoned is not None:
+        return terminal_decision(abandoned, key), abandoned
     if state.status in TERMINAL:
         return terminal_decision(state, key), state
 
@@ -465,12 +591,31 @@ def evaluate(
     _register(new, check)
     stop = _first_stop(policy, new, check, key, now, kill)
     if stop is None:
+        limited = rate_wait(rate)
+        if limited is not None:
+            window, wait = limited
+            message = _rate_message(check.name, window, wait)
+            if policy.mode != "shadow":
+                # A wait registers nothing: the agent sends the same body again. It is
+                # activity all the same (SPEC 14).
+                waited = state.copy()
+                waited.idle_deadline = idle_deadline(policy, now)
+                return Decision(
+                    outcome=WAIT, reason=RATE_LIMITED, step=state.steps + 1, repeat_key=key,
+                    repeat_count=state.repeat_counts.get(key, 0), message=message,
+                    next_action=NEXT_ACTION[RATE_LIMITED], retry_after_s=wait,
+                ), waited
+            stop = (RATE_LIMITED, message)
+    if stop is None:
         pattern = approval_pattern(policy, check.name)
         if pattern is not None:
             if policy.mode != "shadow":
+                # Time pending is not idle (SPEC 14, 15): no deadline until `settle`.
+                new.idle_deadline = None
                 return _pending(policy, new, check, key, pattern, now, approval_id), new
             # Shadow mode makes no request: the would-be wait is reported and the action runs.
             stop = APPROVAL_REQUIRED, _approval_message(check.name, pattern, policy)
+    new.idle_deadline = idle_deadline(policy, now)
 
     if stop is not None and (policy.mode != "shadow" or stop[0] == "killed"):
         reason, message = stop
@@ -538,7 +683,8 @@ def _pending(policy: Policy, new: RunState, check: Check, key: str, pattern: str
 
 
 def settle(state: RunState, status: str, *, now: datetime, by: str | None = None,
-           note: str = "", kill: str | None = None) -> tuple[Decision, RunState]:
+           note: str = "", kill: str | None = None, policy: Policy | None = None
+           ) -> tuple[Decision, RunState]:
     """The final answer of the run's pending approval (SPEC 11), for the same step:
 
     - ``approved``: allow / step_ok; the repeat count and (for a tool) ``tool_calls`` go up now;
@@ -546,7 +692,9 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
     - ``expired``: stop / approval_expired, the run stopped as of ``expires_at``;
     - ``cancelled`` by a kill switch (``kill`` describes it): stop / killed, the run killed.
 
-    The wait ends: its seconds move to ``paused_s`` (they never count as active time).
+    The wait ends: its seconds move to ``paused_s`` (they never count as active time). An
+    approved run's idle deadline starts again from ``now`` when ``policy`` is given (time
+    pending is not idle, SPEC 14).
     """
     pending = state.pending
     if pending is None or state.status in TERMINAL:
@@ -557,6 +705,8 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
     new.paused_s += max(0.0, (end - pending.since).total_seconds())
     key = pending.repeat_key
     if status == APPROVED:
+        if policy is not None:
+            new.idle_deadline = idle_deadline(policy, now)
         new.repeat_counts[key] = new.repeat_counts.get(key, 0) + 1
         if pending.action_type == "tool":
             new.tool_calls += 1

@@ -1,0 +1,95 @@
+"""Abandoned runs (SPEC 14): a running run with no start, check, wait or finish for its
+policy's `budgets.max_idle_seconds` is ended `stopped` / `abandoned`, with `ended_at` at its
+deadline, and audited like a kill by the fan-out (outcome stop, no action, step unchanged).
+
+Each run keeps its deadline in `Run.idle_deadline` (its last activity + max_idle_seconds,
+null for never), written by the start and by every check in the same statement as the rest
+of its state, so finding the overdue runs is one indexed range read. Who ends a run:
+- the check and the finish that find it overdue (runs/services.py), under the run's lock;
+- `abandon_idle_runs`: the Celery beat sweep on the production stack (every minute), and on
+  every read of a team's runs (lists, overview, the API's list) on both stacks, so that an
+  embedded deployment without beat ends them too and no screen counts them as running;
+- `abandon_if_idle` for a single run that is read after its deadline (the run page, the API).
+Every one locks the run and tests again, so a check that got the lock first wins: its new
+deadline makes the test fail and the run goes on.
+
+Time pending approval (SPEC 11) must not count as idle. The hook is the deadline itself:
+while a check waits for an operator's decision the approvals code sets `idle_deadline` to
+null (never idle), and the decision sets it to its own time + max_idle_seconds, using
+`rules.idle_deadline` like the check does.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from governance_client import rules
+from runs.check.policy_cache import rules_for_version
+from runs.live.events import publish_run_event
+from runs.models import Decision, Run
+
+log = logging.getLogger(__name__)
+
+# One sweep never holds a worker (or a page) for long; what is left goes next time.
+SWEEP_BATCH = 500
+
+
+def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
+    """End one overdue run under its lock; None when, once locked, it is not overdue any more
+    (a check or a finish came first) or is already over."""
+    from runs.check.services import abandon_answer, state_of
+
+    with transaction.atomic():
+        run = (Run.objects.select_for_update()
+               .only("id", "team_id", "agent", "policy_version_id", "status", "stop_reason",
+                     "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory",
+                     "idle_deadline")
+               .filter(pk=run_id).first())
+        if run is None:
+            return None
+        new = rules.abandon(state_of(run), now=now)
+        if new is None:
+            return None
+        policy = rules_for_version(run.policy_version_id)
+        Run.objects.filter(pk=run.pk).update(status=new.status, stop_reason=new.stop_reason,
+                                             ended_at=new.ended_at)
+        run.status, run.stop_reason, run.ended_at = new.status, new.stop_reason, new.ended_at
+        Decision.objects.create(
+            run_id=run.pk, step=new.steps, outcome=rules.STOP, reason=rules.ABANDONED,
+            action_name="", action_type="", args=None,
+            answer=abandon_answer(new, policy, now), at=now, elapsed_s=new.elapsed_s(now),
+        )
+        transaction.on_commit(lambda: publish_run_event(run))
+    return run
+
+
+def abandon_idle_runs(*, team_id: int | None = None, now: datetime | None = None) -> list[str]:
+    """End every overdue running run (of one team, or all): the ids of the runs ended."""
+    now = now or timezone.now()
+    overdue = Run.objects.filter(status=rules.RUNNING, idle_deadline__lte=now)
+    if team_id is not None:
+        overdue = overdue.filter(team_id=team_id)
+    ended = []
+    for run_id in overdue.order_by("idle_deadline").values_list("pk", flat=True)[:SWEEP_BATCH]:
+        if _abandon_one(run_id, now=now) is not None:
+            ended.append(str(run_id))
+    return ended
+
+
+def abandon_if_idle(run: Run, *, now: datetime | None = None) -> Run:
+    """The run as it should be read: ended first when it is past its deadline."""
+    now = now or timezone.now()
+    if run.status != rules.RUNNING or run.idle_deadline is None or now < run.idle_deadline:
+        return run
+    ended = _abandon_one(run.pk, now=now)
+    if ended is not None:
+        run.status, run.stop_reason, run.ended_at = ended.status, ended.stop_reason, \
+            ended.ended_at
+    else:
+        run.refresh_from_db()
+    return run
