@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
+from typing import Any
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
@@ -13,6 +15,7 @@ from django.shortcuts import render, resolve_url
 
 from runs.check.api import error
 
+from .pools import api_thread, pool
 from .throttle import Throttle, source_of
 
 api_key_throttle = Throttle(
@@ -42,16 +45,47 @@ def _has_nul(body: bytes) -> bool:
     return False
 
 
-class JsonApiErrorsMiddleware:
+class _SyncAndAsync:
+    """A middleware that runs in either chain: the synchronous one (every sync view, on a
+    pool thread) and the asynchronous one (async views, on the event loop: an API long poll).
+    Without an async path Django would run it on a thread that stays blocked for the whole
+    async view (docs/serving.md)."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]):
+        self.get_response = get_response
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
+            markcoroutinefunction(self)
+
+
+class JsonApiErrorsMiddleware(_SyncAndAsync):
     """Every answer under /api/ is JSON, including the ones Django makes before a view runs;
     bodies over the limit get 413 before parsing; sources sending bad keys are throttled."""
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
-        self.get_response = get_response
-
-    def __call__(self, request: HttpRequest) -> HttpResponse:
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
         if not request.path.startswith("/api/"):
             return self.get_response(request)
+        refused = self.before_view(request)
+        if refused is not None:
+            return refused
+        return self.after_view(request, self.get_response(request))
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        if not request.path.startswith("/api/"):
+            return await self.get_response(request)
+        # The throttle's cache calls block: they run on the API pool, never on the loop.
+        refused = await api_thread(self.before_view)(request)
+        if refused is not None:
+            return refused
+        response = await self.get_response(request)
+        return await api_thread(self.after_view)(request, response)
+
+    def before_view(self, request: HttpRequest) -> HttpResponse | None:
         source = source_of(request)
         wait = api_key_throttle.blocked_for(source)
         if wait:
@@ -77,9 +111,11 @@ class JsonApiErrorsMiddleware:
                 # PostgreSQL cannot store NUL in text or jsonb: refuse it as bad input.
                 return error(422, "invalid_request", "The request is not valid.",
                              {"body": "strings must not contain NUL (\\u0000) characters"})
-        response = self.get_response(request)
+        return None
+
+    def after_view(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
         if response.status_code == 401:
-            api_key_throttle.failed(source)
+            api_key_throttle.failed(source_of(request))
         content_type = response.get("Content-Type", "")
         if response.status_code >= 400 and not content_type.startswith("application/json"):
             codes = {404: "not_found", 405: "method_not_allowed", 403: "forbidden"}
@@ -96,31 +132,47 @@ def _login_path() -> str:
     return resolve_url(settings.LOGIN_URL)
 
 
-class SignInThrottleMiddleware:
+class SignInThrottleMiddleware(_SyncAndAsync):
     """Refuses sign-in attempts from a source that failed too often (counted by the
     ``user_login_failed`` signal, see policies/apps.py)."""
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
-        self.get_response = get_response
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        return self.refused(request) or self.get_response(request)
 
-    def __call__(self, request: HttpRequest) -> HttpResponse:
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        # The sign-in view is synchronous: an async view never needs the throttle's lookup.
+        if request.method == "POST" and request.path == _login_path():
+            refused = await sync_to_async(self.refused, thread_sensitive=False,
+                                          executor=pool("dashboard"))(request)
+            if refused is not None:
+                return refused
+        return await self.get_response(request)
+
+    def refused(self, request: HttpRequest) -> HttpResponse | None:
         if request.method == "POST" and request.path == _login_path():
             wait = sign_in_throttle.blocked_for(source_of(request))
             if wait:
                 response = render(request, "429.html", {"wait": int(wait) + 1}, status=429)
                 response["Retry-After"] = str(int(wait) + 1)
                 return response
-        return self.get_response(request)
+        return None
 
 
-class SecurityHeadersMiddleware:
+class SecurityHeadersMiddleware(_SyncAndAsync):
     """A Content-Security-Policy with no inline scripts: every script is a static file."""
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
-        self.get_response = get_response
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        return self.headers(self.get_response(request))
 
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        response = self.get_response(request)
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        return self.headers(await self.get_response(request))
+
+    @staticmethod
+    def headers(response: HttpResponse) -> HttpResponse:
         response.setdefault("Content-Security-Policy", settings.CONTENT_SECURITY_POLICY)
         response.setdefault("Referrer-Policy", "same-origin")
         response.setdefault("Permissions-Policy", "camera=(), microphone=(), geolocation=()")

@@ -235,6 +235,20 @@ CHECK_MAX_BODY_BYTES = 64 * 1024
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN") or ""
 DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 
+# --- Serving (docs/serving.md) ----------------------------------------------------------------
+# Threads per server process for the synchronous part of requests: the API's pool (`/api/`,
+# health) and the dashboard's, apart, so neither can take or queue behind the other's.
+# `manage.py serve --threads / --dashboard-threads` set these for the workers it starts.
+API_THREADS = env_int("WEB_THREADS", 4)
+DASHBOARD_THREADS = env_int("WEB_DASHBOARD_THREADS", 4)
+# A request body must have arrived whole within this many seconds (it is read on the event
+# loop, holding no thread): later, the request is answered 408 and its connection closed.
+REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
+# The most of one process's time the live streams' database looks may take together
+# (runs/stream.py): however many streams are open, they share it, so their screens refresh
+# less often instead of taking CPU from the checks.
+DASHBOARD_STREAM_SHARE = float(os.environ.get("DASHBOARD_STREAM_SHARE") or 0.2)
+
 # --- Dashboard live streams (docs/dashboard.md) --------------------------------------------
 # A stream holds a server thread under WSGI, so it ends after this many seconds and the
 # browser reconnects (resuming with Last-Event-ID).

@@ -9,12 +9,14 @@ misses a wake-up catches up on its next poll.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
@@ -24,17 +26,43 @@ log = logging.getLogger(__name__)
 CHANNEL_PREFIX = "governance:team:"
 
 
+@dataclass
+class _LoopWaiters:
+    """The streams of one team waiting on one event loop: they share one asyncio event, so a
+    publish costs one hand-off to that loop however many streams wait there."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    scheduled: bool = False
+    count: int = 0
+
+
 class LocalBroker:
-    """In-process wake-ups: a sequence number per team and one condition variable."""
+    """In-process wake-ups: a sequence number per team, one condition variable for blocking
+    waiters and, for async ones (live streams under ASGI), one event per team and loop."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._seq: dict[int, int] = {}
+        self._loops: dict[int, dict[asyncio.AbstractEventLoop, _LoopWaiters]] = {}
 
     def publish(self, team_id: int) -> None:
         with self._cond:
             self._seq[team_id] = self._seq.get(team_id, 0) + 1
             self._cond.notify_all()
+            for loop, waiters in self._loops.get(team_id, {}).items():
+                if not waiters.scheduled:
+                    waiters.scheduled = True
+                    try:
+                        loop.call_soon_threadsafe(self._wake, waiters)
+                    except RuntimeError:  # that loop is closed: its waiters are gone
+                        waiters.scheduled = False
+
+    def _wake(self, waiters: _LoopWaiters) -> None:
+        # On the waiters' loop: wake them all and give the next wait a fresh event.
+        with self._cond:
+            waiters.scheduled = False
+            event, waiters.event = waiters.event, asyncio.Event()
+        event.set()
 
     def seq(self, team_id: int) -> int:
         with self._cond:
@@ -44,6 +72,30 @@ class LocalBroker:
         with self._cond:
             self._cond.wait_for(lambda: self._seq.get(team_id, 0) != seen, timeout=timeout)
             return self._seq.get(team_id, 0)
+
+    async def await_change(self, team_id: int, seen: int, timeout: float) -> int:
+        """`wait` for a coroutine: holds no thread while it waits."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if self._seq.get(team_id, 0) != seen:
+                return self._seq[team_id]
+            waiters = self._loops.setdefault(team_id, {}).setdefault(loop, _LoopWaiters())
+            waiters.count += 1
+            event = waiters.event
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            with self._cond:
+                waiters.count -= 1
+                if waiters.count == 0:
+                    team_loops = self._loops.get(team_id, {})
+                    if team_loops.get(loop) is waiters and not waiters.scheduled:
+                        del team_loops[loop]
+                        if not team_loops:
+                            self._loops.pop(team_id, None)
+        return self.seq(team_id)
 
 
 local_broker = LocalBroker()
@@ -187,3 +239,76 @@ def wakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0) -> Iter
                 pubsub.close()
             except Exception:
                 log.debug("pubsub close failed", exc_info=True)
+
+
+class RedisListener:
+    """One Redis subscription per process, for every async stream in it: each team message
+    from another process becomes a local wake-up (`local_broker`). A stream then costs no
+    Redis connection of its own. While Redis is unreachable it retries every few seconds;
+    the streams meanwhile look at the database on their own schedule."""
+
+    RETRY_S = 2.0
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def ensure_running(self) -> None:
+        if not settings.REDIS_URL:
+            return
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="live-events-listen",
+                                                daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self._listen()
+            except Exception:
+                log.warning("live events: Redis subscription lost, retrying", exc_info=True)
+            time.sleep(self.RETRY_S)
+
+    @staticmethod
+    def _listen() -> None:
+        client = redis_client()
+        if client is None:
+            return
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.psubscribe(f"{CHANNEL_PREFIX}*")
+            while True:
+                message = pubsub.get_message(timeout=1.0)
+                if message is None:
+                    continue
+                channel = message.get("channel", b"")
+                if isinstance(channel, bytes):
+                    channel = channel.decode(errors="replace")
+                try:
+                    team_id = int(str(channel).rsplit(":", 1)[1])
+                except (IndexError, ValueError):
+                    continue
+                local_broker.publish(team_id)
+        finally:
+            pubsub.close()
+
+
+redis_listener = RedisListener()
+
+
+async def awakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0
+                   ) -> AsyncIterator[bool]:
+    """`wakeups` for a coroutine: yields True when the team may have changed (here or, via
+    Redis, in another process), False on a quiet ``poll`` interval; holds no thread."""
+    redis_listener.ensure_running()
+    deadline = time.monotonic() + lifetime
+    seen = local_broker.seq(team_id)
+    while time.monotonic() < deadline:
+        now_seq = await local_broker.await_change(team_id, seen, poll)
+        got, seen = now_seq != seen, now_seq
+        yield got
