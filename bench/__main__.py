@@ -15,7 +15,7 @@ from typing import Any
 from . import report, stack
 from . import scenarios as sc
 
-PHASES = ("micro", "backtest", "points", "soak", "killswitch", "stream", "metrics")
+PHASES = ("micro", "backtest", "points", "soak", "killswitch", "stream", "attacks", "metrics")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,6 +37,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"comma-separated phases to run, of: {', '.join(PHASES)}")
     parser.add_argument("--scenarios", default="real,durable,bare",
                         help="check endpoints to load (default real,durable,bare)")
+    parser.add_argument("--attacks", default="",
+                        help="comma-separated attacks of the attacks phase (default: every "
+                             "one in bench/attacks.py ATTACKS)")
     parser.add_argument("--no-history", action="store_true",
                         help="do not append this run to bench/history.jsonl")
     return parser.parse_args(argv)
@@ -120,6 +123,18 @@ def main(argv: list[str]) -> int:
         if "stream" in phases:
             results["stream"] = live_stream(server, team, quick=quick)
             print(report.live_line(results["stream"]), flush=True)
+        if "attacks" in phases:
+            from .attacks import ATTACKS
+
+            names = [a for a in args.attacks.split(",") if a] or list(ATTACKS)
+            unknown = sorted(set(names) - set(ATTACKS))
+            if unknown:
+                raise SystemExit(f"unknown attacks {unknown}; known: {', '.join(ATTACKS)}")
+            results["attacks"] = sc.attacks(server, team, names=names, agents=32,
+                                            seconds=seconds / rounds, warmup=warmup,
+                                            rounds=rounds)
+            for line in report.attack_lines(results["attacks"]):
+                print(line, flush=True)
 
     if "metrics" in phases:
         results["metrics"] = metrics_cost(team, args.workers, threads, seconds, warmup,

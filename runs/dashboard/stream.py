@@ -40,7 +40,7 @@ from django.template.loader import render_to_string
 from policies.models import Team
 from runs.dashboard.presenters import overview_context, run_context, runs_list_context, step_row
 from runs.dashboard.selectors import RunFilters, timeline
-from runs.live.events import awakeups, wakeups
+from runs.live.events import Changes, awakeups, wakeups
 from runs.models import Run
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,11 @@ class Source(ABC):
         """True when nothing on the screen can change any more: the stream says "end"."""
         return False
 
+    def concerned(self, changes: Changes) -> bool:
+        """Whether a change of the team (the runs that changed, or None for anything) can
+        change this screen: a look is spent only then (or on the periodic look)."""
+        return changes is None or bool(changes)
+
 
 def pump(source: Source, *, lifetime: float | None = None, stop: threading.Event | None = None
          ) -> Iterator[str]:
@@ -146,6 +151,8 @@ class LookLane:
     screens, not everyone's; each stream has at most one look waiting. The thread keeps one
     database connection for all of them."""
 
+    BURST_S = 0.1
+
     def __init__(self) -> None:
         self._reset()
         os.register_at_fork(after_in_child=self._reset)
@@ -154,7 +161,8 @@ class LookLane:
         self._cond = threading.Condition()
         self._queues: OrderedDict[Any, deque[_Look]] = OrderedDict()
         self._thread: threading.Thread | None = None
-        self._free_at = 0.0
+        self._budget = 0.0
+        self._filled_at = time.monotonic()
 
     async def look(self, source: Source, viewer: Any) -> str:
         loop = asyncio.get_running_loop()
@@ -184,9 +192,16 @@ class LookLane:
             item = self._next()
             if item.future.cancelled():  # its browser went away meanwhile
                 continue
-            rest = self._free_at - time.monotonic()
-            if rest > 0:
-                time.sleep(rest)
+            # A token bucket of look time: it fills at `share` seconds per second, up to a
+            # short burst, so a quiet dashboard's looks start at once and a crowded one's
+            # wait their turn; a look spends what it took.
+            share = min(1.0, max(0.01, settings.DASHBOARD_STREAM_SHARE))
+            now = time.monotonic()
+            self._budget = min(self.BURST_S, self._budget + (now - self._filled_at) * share)
+            self._filled_at = now
+            if self._budget < 0:
+                time.sleep(min(5.0, -self._budget / share))
+                self._budget, self._filled_at = 0.0, time.monotonic()
             started = time.monotonic()
             result, failure = "", None
             try:
@@ -194,9 +209,7 @@ class LookLane:
                 result = _look(item.source)
             except Exception as exc:
                 failure = exc
-            took = time.monotonic() - started
-            share = min(1.0, max(0.01, settings.DASHBOARD_STREAM_SHARE))
-            self._free_at = time.monotonic() + min(5.0, took * (1 - share) / share)
+            self._budget -= time.monotonic() - started
             with contextlib.suppress(RuntimeError):  # RuntimeError: that loop is closed
                 item.loop.call_soon_threadsafe(_settle, item.future, result, failure)
 
@@ -247,10 +260,10 @@ async def apump(source: Source, *, viewer: Any = None, lifetime: float | None = 
     if source.finished():
         yield encode(Frame("end", ""))
         return
-    async for changed in awakeups(source.team_id, poll=min(1.0, look_every),
+    async for changes in awakeups(source.team_id, poll=min(1.0, look_every),
                                   lifetime=end_at - time.monotonic()):
         now = time.monotonic()
-        if changed or now - last_look >= look_every:
+        if source.concerned(changes) or now - last_look >= look_every:
             chunk = await look()
             if chunk is None:
                 return
@@ -327,6 +340,11 @@ class RunSource(Source):
 
     def finished(self) -> bool:
         return self._finished
+
+    def concerned(self, changes: Changes) -> bool:
+        # Only this run's changes, or a team-wide one (a kill switch): the other runs'
+        # checks leave this page as it is.
+        return changes is None or str(self.run_id) in changes
 
 
 class OverviewSource(Source):

@@ -15,15 +15,20 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from django.conf import settings
 
 log = logging.getLogger(__name__)
 
 CHANNEL_PREFIX = "governance:team:"
+RUNS_PREFIX = b"runs:"  # a message naming the runs that changed; anything else: the whole team
+
+# What changed in a team: the ids of the runs that did, or None for anything.
+Changes: TypeAlias = frozenset[str] | None
 
 
 @dataclass
@@ -40,14 +45,24 @@ class LocalBroker:
     """In-process wake-ups: a sequence number per team, one condition variable for blocking
     waiters and, for async ones (live streams under ASGI), one event per team and loop."""
 
+    LOG_SIZE = 256
+
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._seq: dict[int, int] = {}
+        # The team's latest changes, (seq, runs changed or None for "anything"), so a run's
+        # stream can tell whether its own run changed (`changes_since`).
+        self._log: dict[int, deque[tuple[int, frozenset[str] | None]]] = {}
         self._loops: dict[int, dict[asyncio.AbstractEventLoop, _LoopWaiters]] = {}
 
-    def publish(self, team_id: int) -> None:
+    def publish(self, team_id: int, runs: frozenset[str] | None = None) -> None:
+        """Team `team_id` changed: only the runs `runs`, or anything (None)."""
         with self._cond:
-            self._seq[team_id] = self._seq.get(team_id, 0) + 1
+            seq = self._seq[team_id] = self._seq.get(team_id, 0) + 1
+            log = self._log.get(team_id)
+            if log is None:
+                log = self._log[team_id] = deque(maxlen=self.LOG_SIZE)
+            log.append((seq, runs))
             self._cond.notify_all()
             for loop, waiters in self._loops.get(team_id, {}).items():
                 if not waiters.scheduled:
@@ -67,6 +82,25 @@ class LocalBroker:
     def seq(self, team_id: int) -> int:
         with self._cond:
             return self._seq.get(team_id, 0)
+
+    def changes_since(self, team_id: int, seen: int) -> tuple[int, Changes]:
+        """The team's sequence number now and what changed after `seen`: the runs, or None
+        when anything may have (a team-wide change, or more than the log remembers)."""
+        with self._cond:
+            now = self._seq.get(team_id, 0)
+            if now == seen:
+                return now, frozenset()
+            log = self._log.get(team_id) or deque()
+            if not log or log[0][0] > seen + 1:
+                return now, None
+            runs: set[str] = set()
+            for seq, changed in reversed(log):
+                if seq <= seen:
+                    break
+                if changed is None:
+                    return now, None
+                runs |= changed
+            return now, frozenset(runs)
 
     def wait(self, team_id: int, seen: int, timeout: float) -> int:
         with self._cond:
@@ -136,13 +170,19 @@ class RedisPublisher:
 
     def _reset(self) -> None:
         self._cond = threading.Condition()
-        self._pending: set[int] = set()
+        self._pending: dict[int, set[str] | None] = {}
         self._busy = False
         self._thread: threading.Thread | None = None
 
-    def mark(self, team_id: int) -> None:
+    def mark(self, team_id: int, run_id: str | None = None) -> None:
+        """The team changed: run `run_id` only, or anything (None)."""
         with self._cond:
-            self._pending.add(team_id)
+            if run_id is None:
+                self._pending[team_id] = None
+            else:
+                runs = self._pending.setdefault(team_id, set())
+                if runs is not None:
+                    runs.add(run_id)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="live-events",
                                                 daemon=True)
@@ -160,7 +200,7 @@ class RedisPublisher:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._pending))
-                teams, self._pending, self._busy = self._pending, set(), True
+                teams, self._pending, self._busy = self._pending, {}, True
             try:
                 self._send(teams)
             finally:
@@ -169,14 +209,16 @@ class RedisPublisher:
                     self._cond.notify_all()
 
     @staticmethod
-    def _send(teams: set[int]) -> None:
+    def _send(teams: dict[int, set[str] | None]) -> None:
         client = redis_client()
         if client is None:
             return
         try:
             pipe = client.pipeline(transaction=False)
-            for team_id in teams:
-                pipe.publish(f"{CHANNEL_PREFIX}{team_id}", b"changed")
+            for team_id, runs in teams.items():
+                data = b"changed" if runs is None else RUNS_PREFIX + ",".join(
+                    sorted(runs)).encode()
+                pipe.publish(f"{CHANNEL_PREFIX}{team_id}", data)
             pipe.execute()
         except Exception:  # Redis is never the authority: a lost wake-up only delays a screen
             log.warning("could not publish live events to Redis", exc_info=True)
@@ -187,15 +229,20 @@ atexit.register(redis_publisher.flush)
 
 
 def publish_team_event(team_id: int) -> None:
-    """Screens of this team look again: a run started, decided or ended, or a kill switch
-    changed. Never raises and never waits for Redis."""
+    """Every screen of this team looks again (a kill switch changed). Never raises and never
+    waits for Redis."""
     local_broker.publish(team_id)
     if settings.REDIS_URL:
         redis_publisher.mark(team_id)
 
 
 def publish_run_event(run: Any) -> None:
-    publish_team_event(run.team_id)
+    """A run started, was decided or ended: the team's overview and lists look again, and of
+    the run pages only this run's."""
+    run_id = str(run.pk)
+    local_broker.publish(run.team_id, frozenset((run_id,)))
+    if settings.REDIS_URL:
+        redis_publisher.mark(run.team_id, run_id)
 
 
 def wakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0) -> Iterator[bool]:
@@ -293,7 +340,12 @@ class RedisListener:
                     team_id = int(str(channel).rsplit(":", 1)[1])
                 except (IndexError, ValueError):
                     continue
-                local_broker.publish(team_id)
+                data = message.get("data", b"")
+                runs = None
+                if isinstance(data, bytes) and data.startswith(RUNS_PREFIX):
+                    runs = frozenset(r for r in data[len(RUNS_PREFIX):].decode(
+                        errors="replace").split(",") if r)
+                local_broker.publish(team_id, runs)
         finally:
             pubsub.close()
 
@@ -302,13 +354,14 @@ redis_listener = RedisListener()
 
 
 async def awakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0
-                   ) -> AsyncIterator[bool]:
-    """`wakeups` for a coroutine: yields True when the team may have changed (here or, via
-    Redis, in another process), False on a quiet ``poll`` interval; holds no thread."""
+                   ) -> AsyncIterator[Changes]:
+    """`wakeups` for a coroutine, holding no thread: yields what changed in the team (here
+    or, via Redis, in another process) since the last yield: the runs that did, None for
+    anything, an empty set on a quiet ``poll`` interval."""
     redis_listener.ensure_running()
     deadline = time.monotonic() + lifetime
     seen = local_broker.seq(team_id)
     while time.monotonic() < deadline:
-        now_seq = await local_broker.await_change(team_id, seen, poll)
-        got, seen = now_seq != seen, now_seq
-        yield got
+        await local_broker.await_change(team_id, seen, poll)
+        seen, changes = local_broker.changes_since(team_id, seen)
+        yield changes
