@@ -224,8 +224,9 @@ class Application(ASGIHandler):
             disconnected.exception()  # the client left (RequestAborted): nothing to report
         if responding.done() and not responding.cancelled():
             exc = responding.exception()
-            if exc is not None and not isinstance(exc, OSError):
-                log.error("sending a response failed", exc_info=exc)
+            if exc is not None:
+                # Nearly always the client went away mid-answer (granian raises then).
+                log.info("a response was not sent whole: %r", exc)
         return made[0] if made else None
 
     async def refuse(self, send: Send, path: str, status: int) -> None:

@@ -44,6 +44,16 @@ def env_int(name: str, default: int) -> int:
         raise ImproperlyConfigured(f"{name} must be an integer, not {raw!r}") from None
 
 
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number, not {raw!r}") from None
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -247,7 +257,12 @@ REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
 # The most of one process's time the live streams' database looks may take together
 # (runs/stream.py): however many streams are open, they share it, so their screens refresh
 # less often instead of taking CPU from the checks.
-DASHBOARD_STREAM_SHARE = float(os.environ.get("DASHBOARD_STREAM_SHARE") or 0.2)
+DASHBOARD_STREAM_SHARE = env_float("DASHBOARD_STREAM_SHARE", 0.2)
+if not 0 < DASHBOARD_STREAM_SHARE <= 1:
+    raise ImproperlyConfigured("DASHBOARD_STREAM_SHARE must be in (0, 1]")
+if REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1:
+    raise ImproperlyConfigured(
+        "REQUEST_BODY_SECONDS, WEB_THREADS and WEB_DASHBOARD_THREADS must be at least 1")
 
 # --- Dashboard live streams (docs/dashboard.md) --------------------------------------------
 # A stream holds a server thread under WSGI, so it ends after this many seconds and the
