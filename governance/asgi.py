@@ -12,8 +12,8 @@ What it guarantees, by construction rather than by sizing:
   everything else on the dashboard's. Dashboard traffic cannot take or queue behind the
   API's threads. Each pool thread keeps a persistent database connection, as under WSGI, and
   a request costs one hand-off to its pool and back.
-- A live stream's view returns an async iterator (runs/stream.py): once its headers are sent,
-  it waits on the event loop and holds no thread.
+- A live stream's view returns an async iterator (runs/dashboard/stream.py): once its headers
+  are sent, it waits on the event loop and holds no thread.
 - An ``async def`` view (an API long poll) runs on the event loop through Django's async
   middleware chain; its database work goes to the API pool (`governance.pools.api_thread`).
 
@@ -232,7 +232,7 @@ class Application(ASGIHandler):
     async def refuse(self, send: Send, path: str, status: int) -> None:
         """413 or 408 from here, before Django: JSON under /api/, as every API answer."""
         if path.startswith("/api/"):
-            from runs.api import error
+            from runs.check.api import error
 
             if status == 413:
                 limit = body_limit(path)

@@ -255,7 +255,7 @@ DASHBOARD_THREADS = env_int("WEB_DASHBOARD_THREADS", 4)
 # loop, holding no thread): later, the request is answered 408 and its connection closed.
 REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
 # The most of one process's time the live streams' database looks may take together
-# (runs/stream.py): however many streams are open, they share it, so their screens refresh
+# (runs/dashboard/stream.py): however many streams are open, they share it, so their screens refresh
 # less often instead of taking CPU from the checks.
 DASHBOARD_STREAM_SHARE = env_float("DASHBOARD_STREAM_SHARE", 0.2)
 if not 0 < DASHBOARD_STREAM_SHARE <= 1:

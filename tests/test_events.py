@@ -89,7 +89,7 @@ def test_an_unreachable_redis_costs_the_request_nothing_and_is_logged(
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
     monkeypatch.setattr(events, "_redis_client", None)
     team_id = unused_team_id()
-    caplog.set_level(logging.WARNING, logger="runs.events")
+    caplog.set_level(logging.WARNING, logger="runs.live.events")
     with redis_publisher._cond:  # the thread cannot even start sending before we return
         publish_team_event(team_id)
     assert redis_publisher.flush(timeout=5)
@@ -141,7 +141,7 @@ def test_changes_since_names_the_runs_or_says_anything_for_a_team_wide_change() 
 
 
 def test_a_run_page_looks_only_for_its_own_run_or_a_team_wide_change() -> None:
-    from runs.stream import RunSource, Source
+    from runs.dashboard.stream import RunSource, Source
 
     source = RunSource.__new__(RunSource)
     source.run_id = "3f6c1d9e-0000-0000-0000-000000000001"
@@ -157,7 +157,7 @@ def test_the_look_lane_serves_viewers_in_turn() -> None:
     """One viewer's many streams wait behind each other, not in front of another viewer."""
     import asyncio
 
-    from runs.stream import Frame, LookLane, Source
+    from runs.dashboard.stream import Frame, LookLane, Source
 
     order: list[str] = []
 

@@ -1,7 +1,7 @@
 """Server-sent event streams for the live screens.
 
 A stream is a *source* (what a screen shows, rendered from the database) pumped by a loop that
-looks again whenever `runs.events.wakeups` says the team changed, and at least every
+looks again whenever `runs.live.events.wakeups` says the team changed, and at least every
 ``DASHBOARD_STREAM_LOOK_S`` seconds anyway, so a lost wake-up (Redis down, or another process
 without Redis) costs at most that delay. Only what changed is sent.
 
