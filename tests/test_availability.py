@@ -205,6 +205,10 @@ def test_async_api_views_hold_no_api_thread_while_they_wait(agent_token):
             assert response.status_code == 200, response.text
             return response.json()
 
+        # A run exists before the waits begin: each wait counts the runs on the API pool.
+        started = httpx.post(f"{srv.url}/api/v1/runs", json={"agent": "before-bot"},
+                             headers={"Authorization": f"Bearer {agent_token}"}, timeout=10)
+        assert started.status_code == 201, started.text
         with concurrent.futures.ThreadPoolExecutor(30) as pool:
             waits = [pool.submit(wait_once) for _ in range(30)]
             time.sleep(0.5)
