@@ -158,7 +158,11 @@ class Application(ASGIHandler):
             return
         except ClientGone:
             return
-        request = ASGIRequest(scope, io.BytesIO(body))
+        # Django's own request making: a path that is not UTF-8 is a 400, not an error.
+        request, refused = self.create_request(scope, io.BytesIO(body))
+        if request is None:
+            await self.send_response(refused, send)
+            return
         loop = asyncio.get_running_loop()
         if self.any_async_view and self.resolves_to_async_view(path):
             executor = pools.pool("api")
