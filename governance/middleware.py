@@ -12,6 +12,7 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render, resolve_url
+from whitenoise.middleware import WhiteNoiseMiddleware
 
 from runs.check.api import error
 
@@ -59,6 +60,36 @@ class _SyncAndAsync:
         self.async_mode = iscoroutinefunction(get_response)
         if self.async_mode:
             markcoroutinefunction(self)
+
+
+class StaticFilesMiddleware(WhiteNoiseMiddleware):
+    """WhiteNoise, able to run in the async chain too: WhiteNoise's own middleware is
+    sync-only, and Django would then hold a thread for the whole of every async view below
+    it (an API long poll), one view at a time (docs/serving.md)."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]):
+        super().__init__(get_response)
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        return super().__call__(request)
+
+    async def __acall__(self, request: HttpRequest) -> Any:
+        if self.autorefresh:  # DEBUG: it looks at the disk
+            static_file = await sync_to_async(self.find_file, thread_sensitive=False,
+                                              executor=pool("dashboard"))(request.path_info)
+        else:
+            static_file = self.files.get(request.path_info)
+        if static_file is not None:
+            return self.serve(static_file, request)
+        return await self.get_response(request)
 
 
 class JsonApiErrorsMiddleware(_SyncAndAsync):

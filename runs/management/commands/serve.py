@@ -60,6 +60,8 @@ class Command(BaseCommand):
                 "--http1-header-read-timeout", str(header_ms),
                 "--backlog", str(max(128, max_connections)),
                 "--backpressure", str(max_connections),
+                # A stop (deploy, restart) is not held up by open live streams: they resume.
+                "--workers-kill-timeout", "5",
                 "--static-path-route", "/" + settings.STATIC_URL.strip("/"),
                 "--static-path-mount", str(settings.STATIC_ROOT),
                 "governance.asgi:application"]
