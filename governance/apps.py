@@ -1,3 +1,5 @@
+from collections.abc import Callable
+
 from django.apps import AppConfig
 
 
@@ -7,16 +9,20 @@ class GovernanceConfig(AppConfig):
     name = "governance"
 
     def ready(self) -> None:
-        from django.contrib.auth.signals import user_login_failed
+        from django.contrib.auth.signals import user_logged_in, user_login_failed
 
-        from governance.middleware import sign_in_throttle
-        from governance.throttle import source_of
+        import governance.checks  # noqa: F401  (registers the deploy checks)
+        from governance.throttle import SIGN_IN_OUTCOME
 
-        def count_failure(sender: object, request: object = None, **kwargs: object) -> None:
-            if request is not None:
-                sign_in_throttle.failed(source_of(request))  # type: ignore[arg-type]
+        def mark(outcome: str) -> Callable[..., None]:
+            def receiver(sender: object, request: object = None, **kwargs: object) -> None:
+                if request is not None:
+                    setattr(request, SIGN_IN_OUTCOME, outcome)
+            return receiver
 
-        # The auth framework's own hook for failed sign-ins; nothing else uses signals here.
-        user_login_failed.connect(
-            count_failure, weak=False, dispatch_uid="governance-sign-in-throttle"
-        )
+        # The auth framework's own hooks tell the sign-in throttle (governance/middleware.py)
+        # what became of an attempt; nothing else uses signals here.
+        user_login_failed.connect(mark("failed"), weak=False,
+                                  dispatch_uid="governance-sign-in-failed")
+        user_logged_in.connect(mark("succeeded"), weak=False,
+                               dispatch_uid="governance-sign-in-succeeded")

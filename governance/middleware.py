@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -12,12 +11,14 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render, resolve_url
+from django.utils.cache import add_never_cache_headers, patch_cache_control
 from whitenoise.middleware import WhiteNoiseMiddleware
 
+from policies.services import agent_key_claim
 from runs.check.api import error
 
 from .pools import api_thread, pool
-from .throttle import Throttle, source_of
+from .throttle import SIGN_IN_OUTCOME, Throttle, Verdict, source_of
 
 api_key_throttle = Throttle(
     "api-key", limit=settings.THROTTLE_API_KEY_FAILURES, window=settings.THROTTLE_WINDOW_SECONDS
@@ -25,25 +26,31 @@ api_key_throttle = Throttle(
 sign_in_throttle = Throttle(
     "sign-in", limit=settings.THROTTLE_SIGN_IN_FAILURES, window=settings.THROTTLE_WINDOW_SECONDS
 )
+_ERROR_CODES = {400: "bad_request", 403: "forbidden", 404: "not_found",
+                405: "method_not_allowed", 500: "internal"}
+_ERROR_MESSAGES = {
+    400: "Bad request: a Host header that is missing or not allowed, or a malformed request.",
+    500: "Internal error.",
+}
 
 
-def _has_nul(body: bytes) -> bool:
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):
-        return False  # not JSON at all: the view answers 400 invalid_json
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if "\x00" in item:
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
+def presented_key(request: HttpRequest) -> str:
+    """The credential a request presented, as the throttle names it: the key's prefix (not
+    secret: the dashboard shows it), or what kind of non-key it was."""
+    header = request.headers.get("Authorization") or ""
+    if not header:
+        return "(no key)"
+    scheme, _, token = header.partition(" ")
+    claim = agent_key_claim(token.strip()) if scheme.lower() == "bearer" else None
+    return claim.prefix if claim is not None else "(not a key)"
+
+
+def too_many_failures(verdict: Verdict) -> HttpResponse:
+    response = error(429, "too_many_failures",
+                     "Too many failed authentications with this key from this address; "
+                     "retry after the Retry-After delay.")
+    response["Retry-After"] = str(verdict.retry_after)
+    return response
 
 
 class _SyncAndAsync:
@@ -60,6 +67,40 @@ class _SyncAndAsync:
         self.async_mode = iscoroutinefunction(get_response)
         if self.async_mode:
             markcoroutinefunction(self)
+
+
+def _on_dashboard_pool(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # Blocking work of a dashboard request reached through the async chain: on the
+    # dashboard's pool, never on the event loop nor on the API's pool.
+    return sync_to_async(fn, thread_sensitive=False, executor=pool("dashboard"))
+
+
+class ApiJsonMiddleware(_SyncAndAsync):
+    """Outermost: every answer under /api/ is JSON, including the ones Django makes before
+    any view or inner middleware runs (a refused Host header is a 400 from CommonMiddleware,
+    an exception in a middleware a 500 page)."""
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        return self.json(request, self.get_response(request))
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        return self.json(request, await self.get_response(request))
+
+    @staticmethod
+    def json(request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        if not request.path.startswith("/api/") or response.status_code < 400:
+            return response
+        if response.get("Content-Type", "").startswith("application/json"):
+            return response
+        code = _ERROR_CODES.get(response.status_code, "error")
+        message = _ERROR_MESSAGES.get(response.status_code, response.reason_phrase)
+        replacement = error(response.status_code, code, message)
+        for header in ("Allow", "Retry-After"):
+            if response.has_header(header):
+                replacement[header] = response[header]
+        return replacement
 
 
 class StaticFilesMiddleware(WhiteNoiseMiddleware):
@@ -83,8 +124,7 @@ class StaticFilesMiddleware(WhiteNoiseMiddleware):
 
     async def __acall__(self, request: HttpRequest) -> Any:
         if self.autorefresh:  # DEBUG: it looks at the disk
-            static_file = await sync_to_async(self.find_file, thread_sensitive=False,
-                                              executor=pool("dashboard"))(request.path_info)
+            static_file = await _on_dashboard_pool(self.find_file)(request.path_info)
         else:
             static_file = self.files.get(request.path_info)
         if static_file is not None:
@@ -93,8 +133,8 @@ class StaticFilesMiddleware(WhiteNoiseMiddleware):
 
 
 class JsonApiErrorsMiddleware(_SyncAndAsync):
-    """Every answer under /api/ is JSON, including the ones Django makes before a view runs;
-    bodies over the limit get 413 before parsing; sources sending bad keys are throttled."""
+    """Under /api/: bodies over the limit get 413 before parsing; a failed authentication is
+    counted per source and key, and past the limit its 401 becomes 429 (SPEC 10)."""
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.async_mode:
@@ -109,20 +149,19 @@ class JsonApiErrorsMiddleware(_SyncAndAsync):
     async def __acall__(self, request: HttpRequest) -> HttpResponse:
         if not request.path.startswith("/api/"):
             return await self.get_response(request)
-        # The throttle's cache calls block: they run on the API pool, never on the loop.
-        refused = await api_thread(self.before_view)(request)
+        # The body was read whole before the request was made (governance/asgi.py): the
+        # size check does not block.
+        refused = self.before_view(request)
         if refused is not None:
             return refused
         response = await self.get_response(request)
+        if response.status_code != 401:
+            return response
+        # Counting a failure is a database write: on the API pool, never on the loop.
         return await api_thread(self.after_view)(request, response)
 
-    def before_view(self, request: HttpRequest) -> HttpResponse | None:
-        source = source_of(request)
-        wait = api_key_throttle.blocked_for(source)
-        if wait:
-            response = error(429, "rate_limited", "Too many requests with a bad agent key.")
-            response["Retry-After"] = str(int(wait) + 1)
-            return response
+    @staticmethod
+    def before_view(request: HttpRequest) -> HttpResponse | None:
         if request.method in {"POST", "PUT", "PATCH"}:
             # SPEC 5.3 caps a check body at 64 KiB; other bodies (a finish carries up to
             # 100,000 characters of output) only at Django's own upload limit.
@@ -138,23 +177,18 @@ class JsonApiErrorsMiddleware(_SyncAndAsync):
                 too_big = True
             if too_big:
                 return error(413, "payload_too_large", f"The body is over {limit // 1024} KiB.")
-            if b"\\u0000" in request.body and _has_nul(request.body):
-                # PostgreSQL cannot store NUL in text or jsonb: refuse it as bad input.
-                return error(422, "invalid_request", "The request is not valid.",
-                             {"body": "strings must not contain NUL (\\u0000) characters"})
+            # NUL characters are refused by the schemas, field by field (runs/check/schemas.py):
+            # an unknown field is ignored, whatever it holds.
         return None
 
-    def after_view(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
+    @staticmethod
+    def after_view(request: HttpRequest, response: HttpResponse) -> HttpResponse:
         if response.status_code == 401:
-            api_key_throttle.failed(source_of(request))
-        content_type = response.get("Content-Type", "")
-        if response.status_code >= 400 and not content_type.startswith("application/json"):
-            codes = {404: "not_found", 405: "method_not_allowed", 403: "forbidden"}
-            code = codes.get(response.status_code, "error")
-            replacement = error(response.status_code, code, response.reason_phrase)
-            if response.has_header("Allow"):
-                replacement["Allow"] = response["Allow"]
-            return replacement
+            # Only here was the key checked and found wrong (missing, unknown, revoked): a
+            # valid key never reaches this line, so it is never refused for a bucket.
+            verdict = api_key_throttle.failed(source_of(request), presented_key(request))
+            if verdict.refused:
+                return too_many_failures(verdict)
         return response
 
 
@@ -163,47 +197,99 @@ def _login_path() -> str:
     return resolve_url(settings.LOGIN_URL)
 
 
+# What `SignInThrottleMiddleware.attempt` counted: (source, username, window start).
+_Attempt = tuple[str, str, float | None]
+
+
 class SignInThrottleMiddleware(_SyncAndAsync):
-    """Refuses sign-in attempts from a source that failed too often (counted by the
-    ``user_login_failed`` signal, see policies/apps.py)."""
+    """Sign-in attempts, per source and username (SPEC 10): an attempt is counted before the
+    password is checked, so that no number of concurrent attempts gets past the limit, and a
+    bucket over its limit is refused even with the right password (else guessing could go
+    on). The auth framework's signals (policies/apps.py) say what became of the attempt:
+    a failure keeps its count, a success clears the bucket, anything else (a form without
+    a password, a CSRF refusal) gives the count back."""
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.async_mode:
             return self.__acall__(request)
-        return self.refused(request) or self.get_response(request)
+        if not self.is_sign_in(request):
+            return self.get_response(request)
+        refused, attempt = self.attempt(request)
+        if refused is not None:
+            return refused
+        response = self.get_response(request)
+        if attempt is not None:
+            self.settle(request, attempt)
+        return response
 
     async def __acall__(self, request: HttpRequest) -> HttpResponse:
-        # The sign-in view is synchronous: an async view never needs the throttle's lookup.
-        if request.method == "POST" and request.path == _login_path():
-            refused = await sync_to_async(self.refused, thread_sensitive=False,
-                                          executor=pool("dashboard"))(request)
-            if refused is not None:
-                return refused
-        return await self.get_response(request)
+        # The sign-in view is synchronous: an async view never needs the throttle, and a
+        # sign-in reaching this chain counts on the dashboard's pool (database calls).
+        if not self.is_sign_in(request):
+            return await self.get_response(request)
+        refused, attempt = await _on_dashboard_pool(self.attempt)(request)
+        if refused is not None:
+            return refused
+        response = await self.get_response(request)
+        if attempt is not None:
+            await _on_dashboard_pool(self.settle)(request, attempt)
+        return response
 
-    def refused(self, request: HttpRequest) -> HttpResponse | None:
-        if request.method == "POST" and request.path == _login_path():
-            wait = sign_in_throttle.blocked_for(source_of(request))
-            if wait:
-                response = render(request, "429.html", {"wait": int(wait) + 1}, status=429)
-                response["Retry-After"] = str(int(wait) + 1)
-                return response
-        return None
+    @staticmethod
+    def is_sign_in(request: HttpRequest) -> bool:
+        return request.method == "POST" and request.path == _login_path()
+
+    @staticmethod
+    def attempt(request: HttpRequest) -> tuple[HttpResponse | None, _Attempt | None]:
+        """Count a sign-in attempt: (the 429 answer if its bucket is over the limit, what was
+        counted); nothing is counted for a form without a username or password."""
+        username = request.POST.get("username") or ""
+        if not username or not request.POST.get("password"):
+            return None, None  # no credential to check: nothing to count
+        source = source_of(request)
+        verdict, window_start = sign_in_throttle.attempt(source, username)
+        if verdict.refused:
+            response = render(request, "429.html", {"wait": verdict.retry_after}, status=429)
+            response["Retry-After"] = str(verdict.retry_after)
+            return response, None
+        return None, (source, username, window_start)
+
+    @staticmethod
+    def settle(request: HttpRequest, attempt: _Attempt) -> None:
+        source, username, window_start = attempt
+        outcome = getattr(request, SIGN_IN_OUTCOME, None)
+        if outcome == "succeeded":
+            sign_in_throttle.succeeded(source, username)
+        elif outcome != "failed" and window_start is not None:
+            sign_in_throttle.give_back(source, username, window_start)
 
 
 class SecurityHeadersMiddleware(_SyncAndAsync):
-    """A Content-Security-Policy with no inline scripts: every script is a static file."""
+    """A Content-Security-Policy with no inline scripts: every script is a static file. And
+    no page a signed-in person sees is kept by a browser or proxy cache (a new key's token,
+    the audit log): ``Cache-Control: no-store`` on every authenticated dashboard answer."""
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.async_mode:
             return self.__acall__(request)
-        return self.headers(self.get_response(request))
+        return self.headers(request, self.get_response(request))
 
     async def __acall__(self, request: HttpRequest) -> HttpResponse:
-        return self.headers(await self.get_response(request))
+        response = await self.get_response(request)
+        if request.path.startswith("/api/"):
+            return self.headers(request, response)  # no user to look up
+        # Whether someone is signed in may take a session read: not on the event loop.
+        return await _on_dashboard_pool(self.headers)(request, response)
 
     @staticmethod
-    def headers(response: HttpResponse) -> HttpResponse:
+    def headers(request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        user = getattr(request, "user", None)
+        if (not request.path.startswith("/api/") and user is not None
+                and user.is_authenticated):
+            if response.has_header("Cache-Control"):
+                patch_cache_control(response, no_store=True, private=True)
+            else:
+                add_never_cache_headers(response)  # no-store, private, max-age=0 ...
         response.setdefault("Content-Security-Policy", settings.CONTENT_SECURITY_POLICY)
         response.setdefault("Referrer-Policy", "same-origin")
         response.setdefault("Permissions-Policy", "camera=(), microphone=(), geolocation=()")

@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 
@@ -69,6 +69,12 @@ def api_thread(fn: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
     view. (asgiref's default, ``thread_sensitive=True``, would run it on one thread shared
     by the whole process.)"""
     async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        if getattr(AsyncToSync.executors, "current", None) is not None:
+            # The view was called from a synchronous thread (Django's test client, whose
+            # test holds a transaction open on that thread's connection): that thread does
+            # the work, as asgiref's default would; only it sees the transaction's writes.
+            # Under the server no such thread exists and the work goes to the API pool.
+            return await sync_to_async(fn)(*args, **kwargs)
         # The pool is looked up at each call, never at import: a worker forked after the
         # import makes its own.
         runner = sync_to_async(run_request, thread_sensitive=False, executor=pool("api"))

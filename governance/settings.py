@@ -7,7 +7,11 @@ message rather than being guessed at.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
+import secrets
+import tempfile
 from pathlib import Path
 
 import dj_database_url
@@ -61,13 +65,41 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
+def env_networks(name: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """Comma-separated addresses or CIDRs ("10.0.0.0/8, ::1"); a wrong entry stops the start."""
+    networks = []
+    for item in env_list(name, []):
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ImproperlyConfigured(
+                f"{name} must list IP addresses or CIDRs, not {item!r}") from None
+    return networks
+
+
+def installation_secret(path: Path) -> str:
+    """The embedded default's SECRET_KEY: made on first run, then read from ``path``.
+
+    Written to a temporary file and linked into place, so that processes starting together
+    (granian's workers) all end up with the one key that won, never a half-written file."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".secret-key-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as handle:
+                handle.write(secrets.token_urlsafe(50) + "\n")
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+    key = path.read_text(encoding="ascii").strip()
+    if len(key) < 50:
+        raise ImproperlyConfigured(
+            f"{path} does not hold a secret key: delete it, or set SECRET_KEY")
+    return key
+
+
 DEBUG = env_bool("DEBUG", False)
-_dev_secret = "insecure-development-key-only-for-the-embedded-default"
-SECRET_KEY = os.environ.get("SECRET_KEY") or ""
-if not SECRET_KEY:
-    if not DEBUG and os.environ.get("DATABASE_URL", "").startswith("postgres"):
-        raise ImproperlyConfigured("SECRET_KEY must be set when running on PostgreSQL")
-    SECRET_KEY = _dev_secret
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 
 INSTALLED_APPS = [
@@ -84,6 +116,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First, so that it sees the answers Django makes before anything else runs.
+    "governance.middleware.ApiJsonMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "governance.middleware.StaticFilesMiddleware",  # WhiteNoise, sync and async
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -156,6 +190,21 @@ elif _db["ENGINE"] == "django.db.backends.postgresql":
 else:
     raise ImproperlyConfigured("DATABASE_URL must be a sqlite:// or postgres:// URL")
 DATABASES = {"default": _db}
+
+# --- SECRET_KEY --------------------------------------------------------------------------------
+# Production is PostgreSQL: there SECRET_KEY must come from the environment (every server of a
+# deployment must share it, and nothing may be signed with a key anyone can read). The embedded
+# default (SQLite) makes a key of its own on first run, kept beside the database file
+# (`<database>.secret-key`, git-ignored), so that no installation signs with a key written in
+# the code; `check --deploy` says when that key is in use (governance/checks.py).
+SECRET_KEY = os.environ.get("SECRET_KEY") or ""
+SECRET_KEY_FILE: Path | None = None
+if not SECRET_KEY:
+    if _db["ENGINE"] != "django.db.backends.sqlite3":
+        raise ImproperlyConfigured(
+            "SECRET_KEY must be set when running on PostgreSQL (the production stack)")
+    SECRET_KEY_FILE = Path(f"{_db['NAME']}.secret-key")
+    SECRET_KEY = installation_secret(SECRET_KEY_FILE)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis and Celery ------------------------------------------------------------------------
@@ -182,12 +231,20 @@ CELERY_BEAT_SCHEDULE = {
                           "schedule": crontab(hour=3, minute=30)},
     # Restarts kill-switch fan-outs and webhook deliveries that an outage left behind.
     "killswitch-sweep": {"task": "runs.tasks.killswitch_sweep", "schedule": 60.0},
+    # Settles approvals past their expiry that nobody looked at (SPEC 11).
+    "approvals-expire": {"task": "runs.tasks.approvals_expire", "schedule": 10.0},
 }
 AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or DATA_DIR / "exports")
 
+# Redis is never on a check's critical path, and no call to it may hold a request for long
+# (SPEC 10): 100 ms to connect or to answer, whatever uses it. The kill switch's Celery
+# publish is off the request path altogether (runs/killswitch/services.py, FanoutPublisher).
+REDIS_TIMEOUT_S = 0.1
 if REDIS_URL:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
-                          "LOCATION": REDIS_URL, "KEY_PREFIX": "governance"}}
+                          "LOCATION": REDIS_URL, "KEY_PREFIX": "governance",
+                          "OPTIONS": {"socket_timeout": REDIS_TIMEOUT_S,
+                                      "socket_connect_timeout": REDIS_TIMEOUT_S}}}
 else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
@@ -218,6 +275,10 @@ CONTENT_SECURITY_POLICY = (
     "img-src 'self' data:; connect-src 'self'; font-src 'self'; object-src 'none'; "
     "base-uri 'self'; form-action 'self'; frame-ancestors 'none'"
 )
+# Failed authentications are counted per source and credential (governance/throttle.py).
+# The source is the TCP peer, or, when the peer is one of TRUSTED_PROXIES (unset: none), the
+# client named by its X-Forwarded-For header.
+TRUSTED_PROXIES = env_networks("TRUSTED_PROXIES")
 THROTTLE_WINDOW_SECONDS = env_int("THROTTLE_WINDOW_SECONDS", 60)
 THROTTLE_API_KEY_FAILURES = env_int("THROTTLE_API_KEY_FAILURES", 30)
 THROTTLE_SIGN_IN_FAILURES = env_int("THROTTLE_SIGN_IN_FAILURES", 10)
@@ -263,6 +324,10 @@ if not 0 < DASHBOARD_STREAM_SHARE <= 1:
 if REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1:
     raise ImproperlyConfigured(
         "REQUEST_BODY_SECONDS, WEB_THREADS and WEB_DASHBOARD_THREADS must be at least 1")
+# --- Kill-switch webhooks (runs/webhooks/delivery.py, policies/egress.py) ------------------
+# Webhooks go to public addresses only; a receiver on an internal network must be listed here
+# (host names as written in the URL, or addresses and CIDRs its name resolves to).
+WEBHOOK_ALLOWED_HOSTS = env_list("WEBHOOK_ALLOWED_HOSTS", [])
 
 # --- Dashboard live streams (docs/dashboard.md) --------------------------------------------
 # A stream holds a server thread under WSGI, so it ends after this many seconds and the

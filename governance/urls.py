@@ -1,5 +1,6 @@
 from django.urls import include, path
 
+from runs.approvals import urls as approvals_urls
 from runs.check.api import api
 from runs.check.metrics import metrics_view
 from runs.dashboard import urls as dashboard_urls
@@ -14,7 +15,8 @@ urlpatterns = [
     path("metrics", metrics_view, name="metrics"),
     path("api/v1/", api.urls),
     # Every page of the runs app, the dashboard's and the kill switch's, in one namespace.
-    path("", include(([*killswitch_urls.urlpatterns, *dashboard_urls.urlpatterns], "runs"))),
+    path("", include(([*killswitch_urls.urlpatterns, *dashboard_urls.urlpatterns,
+                        *approvals_urls.urlpatterns], "runs"))),
     path("", include("policies.urls")),
     path("", include("backtests.urls")),
 ]

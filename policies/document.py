@@ -23,6 +23,8 @@ from pydantic import (
     field_validator,
 )
 
+from .egress import RefusedTarget, check_webhook_url
+
 SLUG = r"^[a-z0-9-]{1,50}$"
 POLICY_NAME = r"^[a-z0-9_-]{1,50}$"
 
@@ -89,6 +91,14 @@ class OnRepeatedError(_Strict):
     action: Literal["nudge", "stop"] = "nudge"
 
 
+class Approvals(_Strict):
+    """SPEC 11: actions whose name matches one of ``tools`` wait for an operator's decision,
+    for at most ``timeout_s`` seconds."""
+
+    tools: list[Pattern] = []
+    timeout_s: Annotated[StrictInt, Field(ge=1, le=86400)] = 900
+
+
 class PolicyDoc(_Strict):
     name: Annotated[StrictStr, Field(pattern=POLICY_NAME)]
     mode: Literal["enforce", "shadow"] = "enforce"
@@ -100,6 +110,7 @@ class PolicyDoc(_Strict):
     redact_args: list[Annotated[StrictStr, Field(min_length=1, max_length=200)]] = list(
         DEFAULT_REDACT
     )
+    approvals: Approvals = Approvals()
 
 
 class TeamDoc(_Strict):
@@ -113,6 +124,11 @@ class TeamDoc(_Strict):
     def _http_url(cls, value: str | None) -> str | None:
         if value is not None and not _is_http_url(value):
             raise ValueError("must be an http:// or https:// URL with a host")
+        if value is not None:
+            try:
+                check_webhook_url(value)
+            except RefusedTarget as exc:
+                raise ValueError(str(exc)) from None
         return value
 
     @field_validator("policies")

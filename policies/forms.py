@@ -13,6 +13,7 @@ from django import forms
 from governance_client import rules
 
 from .document import DocumentError, parse_policy
+from .egress import RefusedTarget, check_webhook_url
 from .models import Role
 
 # Form field -> path of the value in the policy document (and of its errors).
@@ -31,6 +32,8 @@ FIELD_PATHS = {
     "error_threshold": "on_repeated_error.threshold",
     "error_action": "on_repeated_error.action",
     "redact_args": "redact_args",
+    "approval_tools": "approvals.tools",
+    "approval_timeout_s": "approvals.timeout_s",
 }
 OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls"}
 INT_RE = re.compile(r"^[+-]?\d+$")
@@ -73,6 +76,8 @@ class PolicyForm(forms.Form):
     error_action = forms.ChoiceField(choices=[("nudge", "nudge"), ("stop", "stop")],
                                      required=False)
     redact_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    approval_tools = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    approval_timeout_s = forms.CharField(required=False, max_length=40)
 
     def __init__(self, *args: Any, fixed_name: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -83,6 +88,7 @@ class PolicyForm(forms.Form):
     @classmethod
     def initial_from(cls, document: dict[str, Any]) -> dict[str, Any]:
         steps, budgets, tools = document["step_limits"], document["budgets"], document["tools"]
+        approvals = document.get("approvals") or {}
 
         def text(value: Any) -> str:
             return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
@@ -103,6 +109,9 @@ class PolicyForm(forms.Form):
             "error_threshold": text(document["on_repeated_error"]["threshold"]),
             "error_action": document["on_repeated_error"]["action"],
             "redact_args": "\n".join(document["redact_args"]),
+            # Versions saved before approvals existed have no block: they require none.
+            "approval_tools": "\n".join(approvals.get("tools", [])),
+            "approval_timeout_s": text(approvals.get("timeout_s", 900)),
         }
 
     def document(self) -> dict[str, Any]:
@@ -115,6 +124,7 @@ class PolicyForm(forms.Form):
             return _number(raw) if raw.strip() else None
 
         threshold = data.get("error_threshold") or ""
+        timeout = data.get("approval_timeout_s") or ""
         return {
             "name": self.fixed_name if self.fixed_name is not None else (data.get("name") or ""),
             "mode": data.get("mode") or "enforce",
@@ -135,6 +145,10 @@ class PolicyForm(forms.Form):
                 "action": data.get("error_action") or "nudge",
             },
             "redact_args": _lines(data.get("redact_args") or ""),
+            "approvals": {
+                "tools": _lines(data.get("approval_tools") or ""),
+                "timeout_s": _number(timeout) if timeout.strip() else 900,
+            },
         }
 
     def clean(self) -> dict[str, Any]:
@@ -201,4 +215,9 @@ class WebhookForm(forms.Form):
         url = self.cleaned_data.get("webhook_url") or None
         if url is not None and not url.startswith(("http://", "https://")):
             raise forms.ValidationError("must be an http:// or https:// URL")
+        if url is not None:
+            try:
+                check_webhook_url(url)
+            except RefusedTarget as exc:
+                raise forms.ValidationError(str(exc)) from None
         return url

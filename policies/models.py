@@ -108,3 +108,22 @@ class OperatorEvent(models.Model):
 
     class Meta:
         ordering = ["-at", "-id"]
+
+
+class AuthFailure(models.Model):
+    """Failed authentications of one credential from one source, in a fixed window: the
+    count the throttle decides by (governance/throttle.py). The database, not Redis, is the
+    authority: every server process shares it, and it stays exact when Redis is down."""
+
+    kind = models.CharField(max_length=20)  # "api-key" | "sign-in"
+    source = models.CharField(max_length=64)  # the client address (TRUSTED_PROXIES applied)
+    credential = models.CharField(max_length=150)  # a key's prefix, or a username
+    window_start = models.FloatField()  # Unix time: compared and pruned, never shown
+    failures = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["kind", "source", "credential"],
+                                    name="one_failure_count_per_credential_and_source")
+        ]
+        indexes = [models.Index(fields=["window_start"], name="authfailure_window_idx")]

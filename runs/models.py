@@ -135,10 +135,69 @@ class KillSwitch(models.Model):
         ]
 
 
-class WebhookDelivery(models.Model):
-    """A kill-switch notification to a team's webhook and its delivery state."""
+class ApprovalStatus(models.TextChoices):
+    PENDING = "pending"
+    APPROVED = "approved"
+    DENIED = "denied"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
 
-    switch = models.ForeignKey(KillSwitch, on_delete=models.CASCADE, related_name="deliveries")
+
+class Approval(models.Model):
+    """An action waiting for an operator's decision (SPEC 11), and that decision.
+
+    Every change of ``status`` happens under the run's row lock (the check's lock), as one
+    conditional UPDATE from ``pending``: that UPDATE is what lets exactly one decision win.
+    The audit records are the decisions' (``requested_decision_id``: the pending answer;
+    ``final_decision_id``: the final answer at the same step); ``decision`` repeats the final
+    answer as the agent receives it.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="approvals")
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="approvals")
+    check_id = models.CharField(max_length=100)
+    step = models.PositiveIntegerField()
+    status = models.CharField(max_length=20, choices=ApprovalStatus.choices,
+                              default=ApprovalStatus.PENDING)
+    action_name = models.CharField(max_length=200)
+    action_type = models.CharField(max_length=10)
+    args = models.JSONField(null=True, blank=True)  # redacted per policy, as audited
+    pattern = models.CharField(max_length=200, blank=True)
+    requested_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+    requested_decision_id = models.BigIntegerField(null=True, blank=True)
+    final_decision_id = models.BigIntegerField(null=True, blank=True)
+    decision = models.JSONField(null=True, blank=True)
+    decided_at = models.DateTimeField(null=True, blank=True)
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    decided_by_label = models.CharField(max_length=150, blank=True)
+    note = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-requested_at"]
+        indexes = [
+            models.Index(fields=["team", "status", "-requested_at"], name="approval_team_status"),
+            models.Index(fields=["status", "expires_at"], name="approval_status_expiry"),
+        ]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "check_id"], name="approval_per_check_id"),
+            models.UniqueConstraint(fields=["run"], condition=models.Q(status="pending"),
+                                    name="one_pending_approval_per_run"),
+        ]
+
+
+class WebhookDelivery(models.Model):
+    """A notification to a team's webhook and its delivery state: a kill switch engaged
+    (``switch``), or an approval requested or decided (``approval``, ``event``)."""
+
+    switch = models.ForeignKey(KillSwitch, null=True, blank=True, on_delete=models.CASCADE,
+                               related_name="deliveries")
+    approval = models.ForeignKey(Approval, null=True, blank=True, on_delete=models.CASCADE,
+                                 related_name="deliveries")
+    event = models.CharField(max_length=50, default="killswitch.engaged")
     team = models.ForeignKey(Team, on_delete=models.CASCADE)
     url = models.URLField(max_length=500)
     payload = models.JSONField()
@@ -150,7 +209,10 @@ class WebhookDelivery(models.Model):
     class Meta:
         ordering = ["-created_at"]
         constraints = [
-            models.UniqueConstraint(fields=["switch", "team"], name="one_delivery_per_team")
+            models.UniqueConstraint(fields=["switch", "team"], name="one_delivery_per_team"),
+            models.UniqueConstraint(fields=["approval", "event"],
+                                    condition=models.Q(approval__isnull=False),
+                                    name="one_delivery_per_approval_event"),
         ]
 
 

@@ -67,7 +67,10 @@ def server_env(**extra: str) -> dict[str, str]:
     # Suites send many bad keys from 127.0.0.1 on purpose; throttling has its own tests.
     env = {**os.environ, "DATABASE_URL": test_database_url(), "DEBUG": "false",
            "SECRET_KEY": settings.SECRET_KEY, "PYTHONUNBUFFERED": "1",
-           "THROTTLE_API_KEY_FAILURES": "100000"}
+           "THROTTLE_API_KEY_FAILURES": "100000",
+           # Kill-switch tests deliver webhooks to receivers on loopback (tests/workers.py),
+           # which only an allowed host may be (policies/egress.py).
+           "WEBHOOK_ALLOWED_HOSTS": "127.0.0.1"}
     if settings.REDIS_URL:
         env["REDIS_URL"] = settings.REDIS_URL
     return {**env, **extra}
@@ -165,13 +168,14 @@ def _fast_password_hashing() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _fresh_throttles() -> Iterator[None]:
-    """Failure counts are per source, and every test comes from 127.0.0.1."""
+    """Every test comes from 127.0.0.1: what one test's failures left in this process's
+    memory must not refuse the next one's (the counts are rows, gone with each test)."""
     from django.core.cache import cache
 
     from governance.middleware import api_key_throttle, sign_in_throttle
 
     for throttle in (api_key_throttle, sign_in_throttle):
-        throttle.reset()
+        throttle.forget()
     # Rolled-back tests hand their ids out again on SQLite: a parsed policy cached by
     # version id in one test must not be another test's version of the same id.
     from runs.check.policy_cache import rules_for_version

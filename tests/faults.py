@@ -12,6 +12,7 @@ import glob
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -146,9 +147,19 @@ class ThrowawayRedis:
             time.sleep(0.05)
         raise RuntimeError("redis-server did not start")
 
+    def freeze(self) -> None:
+        """SIGSTOP: connections are still accepted by the kernel, nothing is answered."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL: no goodbye to its clients, like a crash."""
         if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a frozen process dies only once thawed
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=10)
 
@@ -306,3 +317,55 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@dataclass
+class HungListener:
+    """A TCP port that accepts connections and never answers: a Redis that hangs (a frozen
+    process behind a live kernel, a proxy whose backend is gone). The connections it took
+    stay open until ``close``."""
+
+    sock: socket.socket
+    held: list[socket.socket] = field(default_factory=list)
+    _closed: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.sock.close()
+        for conn in self.held:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+@contextlib.contextmanager
+def hung_listener() -> Iterator[HungListener]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(512)
+    listener = HungListener(sock=sock)
+    threading.Thread(target=listener._accept, daemon=True).start()
+    try:
+        yield listener
+    finally:
+        listener.close()
+
+
+def refused_port() -> int:
+    """A loopback port nothing listens on (connections are refused at once)."""
+    return free_port()

@@ -27,8 +27,8 @@ def operations(client):
             yield path, method, op["operationId"]
 
 
-def call(client, path, method, operation, run_id, headers):
-    url = path.replace("{run_id}", run_id)
+def call(client, path, method, operation, run_id, headers, approval_id=""):
+    url = path.replace("{run_id}", run_id).replace("{approval_id}", approval_id)
     if method == "post":
         return client.post(url, json.dumps(BODIES[operation]), content_type="application/json",
                            **headers)
@@ -41,13 +41,28 @@ def run_id(api):
         "run_id"]
 
 
+@pytest.fixture
+def approval_id(api, team, run_id):
+    """A pending approval (SPEC 11) of another run of the team."""
+    from tests.conftest import set_policy
+
+    set_policy(team, approvals={"tools": ["gated.*"], "timeout_s": 600})
+    other = api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json").json()
+    answer = api.post(f"/api/v1/runs/{other['run_id']}/check",
+                      {"action": {"name": "gated.tool"}, "check_id": "c"},
+                      content_type="application/json").json()
+    return answer["approval"]["id"]
+
+
 def test_every_operation_is_documented_and_covered(client):
     assert {op for _, _, op in operations(client)} == {
-        "start_run", "list_runs", "get_run", "list_decisions", "check", "finish_run"}
+        "start_run", "list_runs", "get_run", "list_decisions", "check", "finish_run",
+        "get_approval"}
 
 
 @pytest.mark.parametrize("who", ["anonymous", "revoked", "session-only superuser"])
-def test_every_operation_refuses_callers_without_a_live_key(team, users, run_id, who):
+def test_every_operation_refuses_callers_without_a_live_key(team, users, run_id, approval_id,
+                                                             who):
     client = Client()
     headers = {}
     if who == "revoked":
@@ -57,17 +72,17 @@ def test_every_operation_refuses_callers_without_a_live_key(team, users, run_id,
     elif who == "session-only superuser":
         client.force_login(users["superuser"])
     for path, method, op in operations(client):
-        response = call(client, path, method, op, run_id, headers)
+        response = call(client, path, method, op, run_id, headers, approval_id)
         assert response.status_code == 401, (who, op)
         assert response.json()["error"]["code"] == "unauthorized"
 
 
-def test_another_teams_key_sees_none_of_this_teams_runs(other_team, run_id):
+def test_another_teams_key_sees_none_of_this_teams_runs(other_team, run_id, approval_id):
     token = agent_key_create(team=other_team, name="theirs").token
     client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
     for path, method, op in operations(client):
-        response = call(client, path, method, op, run_id, {})
-        if "{run_id}" in path:
+        response = call(client, path, method, op, run_id, {}, approval_id)
+        if "{run_id}" in path or "{approval_id}" in path:
             assert response.status_code == 404, op
         elif op == "list_runs":
             assert run_id not in {r["run_id"] for r in response.json()["runs"]}
@@ -75,8 +90,89 @@ def test_another_teams_key_sees_none_of_this_teams_runs(other_team, run_id):
             assert response.status_code == 201, op  # starts a run of its own team
 
 
-def test_the_right_key_may_call_every_operation(api, run_id):
+def test_the_right_key_may_call_every_operation(api, run_id, approval_id):
     expected = {"start_run": 201, "list_runs": 200, "get_run": 200, "list_decisions": 200,
-                "check": 200, "finish_run": 200}
+                "check": 200, "finish_run": 200, "get_approval": 200}
     for path, method, op in sorted(operations(api), key=lambda o: o[2] == "finish_run"):
-        assert call(api, path, method, op, run_id, {}).status_code == expected[op], op
+        response = call(api, path, method, op, run_id, {}, approval_id)
+        assert response.status_code == expected[op], op
+
+
+# --- Agent-bound keys (SPEC 10) ----------------------------------------------------------------
+
+def bound_client(team, agent="bot1"):
+    token = agent_key_create(team=team, name=f"{agent}-key", agent=agent).token
+    return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+
+
+def test_an_agent_bound_key_touches_no_other_agents_run_in_any_operation(team, api):
+    """Every operation that names a run answers 404 for another agent's run of the same team,
+    exactly as for another team's; the list leaves it out; nothing of it changes."""
+    from runs.models import Decision, Run
+
+    bot2_run = api.post("/api/v1/runs", {"agent": "bot2"},
+                        content_type="application/json").json()["run_id"]
+    bot1 = bound_client(team)
+    covered = set()
+    for path, method, op in operations(bot1):
+        if "{run_id}" in path:
+            response = call(bot1, path, method, op, bot2_run, {})
+            assert response.status_code == 404, op
+            assert response.json()["error"]["code"] == "not_found"
+            covered.add(op)
+    assert covered == {"get_run", "list_decisions", "check", "finish_run"}
+    assert bot1.get("/api/v1/runs").json()["runs"] == []
+    assert bot1.get("/api/v1/runs?agent=bot2").json()["runs"] == []
+    run = Run.objects.get(pk=bot2_run)
+    assert (run.status, run.steps, run.finished_at) == ("running", 0, None)
+    assert not Decision.objects.filter(run=run).exists()
+
+
+def test_an_agent_bound_key_may_call_every_operation_on_its_own_agents_runs(team, approval_id):
+    bot1 = bound_client(team)
+    own = bot1.post("/api/v1/runs", {"agent": "bot1"},
+                    content_type="application/json").json()["run_id"]
+    expected = {"start_run": 422, "list_runs": 200, "get_run": 200, "list_decisions": 200,
+                "check": 200, "finish_run": 200,  # start_run's body names agent "bot"
+                "get_approval": 404}  # the approval is agent "bot"'s, not bot1's
+    for path, method, op in sorted(operations(bot1), key=lambda o: o[2] == "finish_run"):
+        response = call(bot1, path, method, op, own, {}, approval_id)
+        assert response.status_code == expected[op], op
+    assert [r["run_id"] for r in bot1.get("/api/v1/runs").json()["runs"]] == [own]
+
+
+def test_a_start_with_another_agents_external_id_is_a_conflict(team, api):
+    theirs = api.post("/api/v1/runs", {"agent": "bot2", "external_id": "job-7"},
+                      content_type="application/json").json()
+    bot1 = bound_client(team)
+    response = bot1.post("/api/v1/runs", {"agent": "bot1", "external_id": "job-7"},
+                         content_type="application/json")
+    assert response.status_code == 409
+    body = response.json()["error"]
+    assert body["code"] == "external_id_conflict" and "external_id" in body["fields"]
+    assert theirs["run_id"] not in response.content.decode()
+    # An unbound key naming another agent gets the same answer; the same agent its run back.
+    other = api.post("/api/v1/runs", {"agent": "bot3", "external_id": "job-7"},
+                     content_type="application/json")
+    assert other.status_code == 409 and other.json()["error"]["code"] == "external_id_conflict"
+    again = api.post("/api/v1/runs", {"agent": "bot2", "external_id": "job-7"},
+                     content_type="application/json")
+    assert again.status_code == 200 and again.json()["run_id"] == theirs["run_id"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_bound_keys_check_of_another_agents_run_is_404_on_the_server(agent, team):
+    """Through the production server: on PostgreSQL the check looks the key and the run up in
+    one locking statement (runs/check/check_store.py), which must apply the agent too."""
+    import httpx
+
+    bot2_run = agent.start("bot2")["run_id"]
+    token = agent_key_create(team=team, name="bot1-key", agent="bot1").token
+    with httpx.Client(base_url=str(agent.http.base_url), timeout=30,
+                      headers={"Authorization": f"Bearer {token}"}) as bot1:
+        refused = bot1.post(f"/api/v1/runs/{bot2_run}/check", json={"action": {"name": "x"}})
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found"
+        own = bot1.post("/api/v1/runs", json={"agent": "bot1"}).json()["run_id"]
+        allowed = bot1.post(f"/api/v1/runs/{own}/check", json={"action": {"name": "x"}})
+        assert allowed.status_code == 200 and allowed.json()["decision"] == "allow"
+    assert agent.check(bot2_run)["decision"] == "allow"  # the unbound key still may

@@ -214,6 +214,41 @@ def test_nul_characters_are_refused_as_bad_input(api, run_id):
     raw = '{"action": {"name": "x\\u0000y", "args": {"k": "v"}}}'
     error = assert_error(post(api, f"/api/v1/runs/{run_id}/check", raw, raw=True), 422,
                          "invalid_request")
-    assert "body" in error["fields"]
+    assert "action.name" in error["fields"]
     assert_nothing_counted(run_id)
     assert_error(api.get("/api/v1/runs?agent=a%00b"), 422, "invalid_request")
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("check", {"action": {"name": "a", "args": {"k\u0000": 1}}}, "action.args"),
+    ("check", {"action": {"name": "a"}, "progress": "p\u0000"}, "progress"),
+    ("check", {"action": {"name": "a"}, "check_id": "c\u0000"}, "check_id"),
+    ("check", {"action": {"name": "a"}, "last_result": {"status": "ok", "error": "\u0000"}},
+     "last_result.error"),
+    ("finish", {"status": "completed", "output": "o\u0000"}, "output"),
+    ("start", {"agent": "bot", "task": "t\u0000"}, "task"),
+    ("start", {"agent": "bot", "metadata": {"m": ["\u0000"]}}, "metadata"),
+    ("start", {"agent": "bot", "external_id": "e\u0000"}, "external_id"),
+])
+def test_nul_in_a_known_field_is_refused_naming_that_field(api, run_id, path, body, field):
+    url = {"check": f"/api/v1/runs/{run_id}/check", "finish": f"/api/v1/runs/{run_id}/finish",
+           "start": "/api/v1/runs"}[path]
+    raw = json.dumps(body)
+    assert "\\u0000" in raw  # the JSON escape, as a client sends it
+    error = assert_error(post(api, url, raw, raw=True), 422, "invalid_request")
+    assert field in error["fields"], error
+    assert_nothing_counted(run_id)
+
+
+def test_nul_in_an_unknown_field_is_ignored_like_the_field(api, run_id):
+    """Unknown fields are ignored (SPEC 5.2), whatever they hold: nothing of them is stored."""
+    check = ('{"action": {"name": "a", "args": {}, "note\\u0000": "x\\u0000"},'
+             ' "extra": "\\u0000", "more": {"deep": ["\\u0000"]}}')
+    response = post(api, f"/api/v1/runs/{run_id}/check", check, raw=True)
+    assert response.status_code == 200, response.content
+    assert response.json()["decision"] == "allow"
+    started = post(api, "/api/v1/runs", '{"agent": "bot", "x\\u0000": "\\u0000"}', raw=True)
+    assert started.status_code == 201, started.content
+    finished = post(api, f"/api/v1/runs/{run_id}/finish",
+                    '{"status": "completed", "why": "\\u0000"}', raw=True)
+    assert finished.status_code == 200, finished.content

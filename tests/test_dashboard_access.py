@@ -192,3 +192,26 @@ def test_the_team_switcher_lists_only_my_teams(team, other_team, users):
 
 def test_unknown_team_is_404_for_a_superuser_too(users):
     assert signed_in("superuser").get("/teams/nope/").status_code == 404
+
+
+def test_every_authenticated_dashboard_answer_is_marked_no_store(users, team, world):
+    """No browser or proxy cache keeps a signed-in page (SPEC 10 issue: a new key's token,
+    the audit log), whatever the role and whether it is the page or a refusal."""
+    for username in ("superuser", "viewer"):
+        client = Client()
+        client.force_login(users[username])
+        for method, url, _, _data in urls(team, world):
+            if method != "GET":
+                continue
+            response = client.get(url)
+            assert "no-store" in response.get("Cache-Control", ""), (username, url)
+            assert "private" in response["Cache-Control"], (username, url)
+
+
+def test_the_page_showing_a_new_keys_token_is_marked_no_store(users, team):
+    admin = Client()
+    admin.force_login(users["admin"])
+    response = admin.post(reverse("keys", kwargs={"slug": team.slug}), {"name": "fresh"},
+                          follow=True)
+    assert b"data-new-token>gov_" in response.content
+    assert "no-store" in response["Cache-Control"]

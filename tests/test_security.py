@@ -1,4 +1,4 @@
-"""Security headers, deploy checks and throttling of bad credentials."""
+"""Security headers and deploy checks (throttling: tests/test_throttle.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from django.test import Client
 
-from governance.middleware import api_key_throttle, sign_in_throttle
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.django_db
@@ -39,37 +37,69 @@ def test_check_deploy_is_clean_with_production_settings():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_production_refuses_to_start_without_a_secret_key():
+@pytest.mark.parametrize("debug", ["false", "true"])
+def test_production_refuses_to_start_without_a_secret_key(debug):
+    """Production is PostgreSQL: there is no installation file to keep a key in, and every
+    server of a deployment must share one; DEBUG does not change that."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-           "DATABASE_URL": "postgres://postgres@127.0.0.1:5432/governance", "DEBUG": "false"}
-    result = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env,
-                            capture_output=True, text=True)
-    assert result.returncode != 0
-    assert "SECRET_KEY" in result.stderr
+           "DATABASE_URL": "postgres://postgres@127.0.0.1:5432/governance", "DEBUG": debug}
+    for command in (["check"], ["serve", "--port", "1"]):
+        result = subprocess.run([sys.executable, "manage.py", *command], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0
+        assert "SECRET_KEY must be set" in result.stderr
 
 
-def test_bad_api_keys_are_throttled_per_source(monkeypatch):
-    monkeypatch.setattr(api_key_throttle, "limit", 3)
-    bad = Client(HTTP_AUTHORIZATION="Bearer gov_000000000000_nope")
-    codes = [bad.get("/api/v1/runs").status_code for _ in range(5)]
-    assert codes == [401, 401, 401, 401, 429]
-    refused = bad.get("/api/v1/runs")
-    assert refused.status_code == 429
-    assert refused.json()["error"]["code"] == "rate_limited"
-    assert int(refused["Retry-After"]) >= 1
-    elsewhere = Client(REMOTE_ADDR="10.9.8.7", HTTP_AUTHORIZATION="Bearer gov_000000000000_nope")
-    assert elsewhere.get("/api/v1/runs").status_code == 401
+# --- The embedded default's secret key ------------------------------------------------------
+
+def embedded(tmp_path, *args: str, secret: str | None = None) -> subprocess.CompletedProcess:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}"}
+    if secret is not None:
+        env["SECRET_KEY"] = secret
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
 
 
-def test_failed_sign_ins_are_throttled_per_source(monkeypatch, users):
-    from django.conf import settings
-    from django.shortcuts import resolve_url
+PRINT_KEY = ["shell", "-v", "0", "-c",
+             "from django.conf import settings; print(settings.SECRET_KEY)"]
 
-    monkeypatch.setattr(sign_in_throttle, "limit", 2)
-    login = resolve_url(settings.LOGIN_URL)
-    browser = Client()
-    for _ in range(3):
-        assert browser.post(login, {"username": "admin", "password": "wrong"}).status_code == 200
-    refused = browser.post(login, {"username": "admin", "password": "pw-admin-123"})
-    assert refused.status_code == 429
-    assert b"Too many sign-in attempts" in refused.content
+
+def test_the_embedded_default_makes_its_own_key_once_beside_the_database(tmp_path):
+    first = embedded(tmp_path, *PRINT_KEY)
+    assert first.returncode == 0, first.stderr
+    key = first.stdout.strip()
+    assert len(key) >= 50 and "insecure" not in key
+    stored = tmp_path / "db.sqlite3.secret-key"
+    assert stored.read_text().strip() == key
+    assert embedded(tmp_path, *PRINT_KEY).stdout.strip() == key  # kept
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    assert embedded(other, *PRINT_KEY).stdout.strip() != key  # per installation
+
+
+def test_processes_starting_together_agree_on_one_key(tmp_path):
+    """granian starts its workers at once: all of them must sign with the key that won."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}"}
+    code = ("import django, os; os.environ.setdefault('DJANGO_SETTINGS_MODULE', "
+            "'governance.settings'); django.setup(); from django.conf import settings; "
+            "print(settings.SECRET_KEY)")
+    started = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    keys = {p.communicate(timeout=60)[0].strip() for p in started}
+    assert len(keys) == 1 and len(keys.pop()) >= 50
+    assert [p.name for p in tmp_path.iterdir() if "secret" in p.name] == ["db.sqlite3.secret-key"]
+
+
+def test_the_key_file_is_ignored_by_git():
+    for path in ("db.sqlite3.secret-key", "data/other.db.secret-key"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+
+
+def test_check_deploy_says_when_the_embedded_key_is_in_use(tmp_path):
+    without = embedded(tmp_path, "check", "--deploy")
+    assert "governance.W001" in without.stderr + without.stdout
+    assert "SECRET_KEY is not set" in without.stderr + without.stdout
+    configured = embedded(tmp_path, "check", "--deploy", secret="s" * 60 + "-configured-key")
+    assert "governance.W001" not in configured.stderr + configured.stdout

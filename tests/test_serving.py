@@ -22,9 +22,14 @@ def test_the_openapi_document_is_public_and_names_every_endpoint(client):
     assert doc["openapi"].startswith("3.")
     assert set(doc["paths"]) == {
         "/api/v1/runs", "/api/v1/runs/{run_id}", "/api/v1/runs/{run_id}/decisions",
-        "/api/v1/runs/{run_id}/check", "/api/v1/runs/{run_id}/finish"}
+        "/api/v1/runs/{run_id}/check", "/api/v1/runs/{run_id}/finish",
+        "/api/v1/approvals/{approval_id}"}
     check = doc["paths"]["/api/v1/runs/{run_id}/check"]["post"]
     assert {"200", "401", "404", "413", "422", "503"} <= set(check["responses"])
+    # SPEC 15: every check answer carries the new fields (null where they do not apply).
+    answer = doc["components"]["schemas"]["CheckOut"]
+    assert {"approval", "retry_after_s"} <= set(answer["required"])
+    assert "pending" in answer["properties"]["decision"]["enum"]
 
 
 @pytest.mark.slow

@@ -67,3 +67,40 @@
     if (button) button.remove();
   });
 })();
+
+// Approvals (SPEC 11): every countdown shows the time left until its request expires. The
+// server renders the expiry itself, so a live update never changes only because time passed.
+(function () {
+  "use strict";
+  function pad(n) { return n < 10 ? "0" + n : String(n); }
+  function tick() {
+    var now = Date.now();
+    document.querySelectorAll("time.countdown[data-expires-at]").forEach(function (el) {
+      var left = Math.floor((Date.parse(el.dataset.expiresAt) - now) / 1000);
+      if (isNaN(left)) return;
+      if (left <= 0) {
+        el.textContent = "expired";
+        el.dataset.left = "0";
+        return;
+      }
+      var h = Math.floor(left / 3600), m = Math.floor((left % 3600) / 60), s = left % 60;
+      el.textContent = (h ? h + ":" + pad(m) : m) + ":" + pad(s) + " left";
+      el.dataset.left = String(left);
+    });
+  }
+  tick();
+  setInterval(tick, 1000);
+  document.addEventListener("htmx:afterSwap", tick);
+})();
+
+// A refused decision (409: another decision won or the request expired; 422: a denial
+// without a note) comes back as the request's card with the reason: show it in place.
+// htmx leaves 4xx answers unswapped by default.
+document.addEventListener("htmx:beforeSwap", function (evt) {
+  var status = evt.detail.xhr && evt.detail.xhr.status;
+  if ((status === 409 || status === 422) && evt.detail.target &&
+      evt.detail.target.classList && evt.detail.target.classList.contains("approval")) {
+    evt.detail.shouldSwap = true;
+    evt.detail.isError = false;
+  }
+});

@@ -26,9 +26,14 @@ def policy_json(version: PolicyVersion) -> dict[str, Any]:
 
 
 def elapsed_s(run: Run, now: datetime | None = None) -> float:
-    """The rules' elapsed time (the one max_seconds is checked against), to the millisecond."""
-    return round(rules.elapsed_seconds(started_at=run.started_at, ended_at=run.ended_at,
-                                       status=run.status, now=now or timezone.now()), 3)
+    """The rules' elapsed time (the one max_seconds is checked against), to the millisecond:
+    active time (SPEC 15), without the time spent waiting for approvals."""
+    memory = run.memory or {}
+    pending = memory.get("pending")
+    return round(rules.elapsed_seconds(
+        started_at=run.started_at, ended_at=run.ended_at, status=run.status,
+        now=now or timezone.now(), paused_s=float(memory.get("paused_s", 0.0)),
+        pending_since=datetime.fromisoformat(pending["since"]) if pending else None), 3)
 
 
 def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
@@ -50,8 +55,12 @@ def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
 
 
 def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = None,
-                  limit: int = 50) -> QuerySet[Run]:
+                  limit: int = 50, key_agent: str = "") -> QuerySet[Run]:
+    """``key_agent``: the agent an agent-bound key is limited to (SPEC 10); it sees only
+    that agent's runs, as if the others were another team's."""
     runs = Run.objects.filter(team=team).select_related("policy_version")
+    if key_agent:
+        runs = runs.filter(agent=key_agent)
     if status:
         runs = runs.filter(status=status)
     if agent:
@@ -59,8 +68,11 @@ def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = 
     return runs.order_by("-started_at")[:limit]
 
 
-def run_for_team(team: Team, run_id: Any) -> Run:
-    run = Run.objects.select_related("policy_version").filter(team=team, pk=run_id).first()
+def run_for_team(team: Team, run_id: Any, *, key_agent: str = "") -> Run:
+    runs = Run.objects.select_related("policy_version").filter(team=team, pk=run_id)
+    if key_agent:
+        runs = runs.filter(agent=key_agent)
+    run = runs.first()
     if run is None:
         raise Http404("No such run.")
     return run

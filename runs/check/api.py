@@ -7,6 +7,7 @@ are replaced by the SPEC 5.3 envelope in the handlers below.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -14,6 +15,7 @@ import uuid
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
+from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
@@ -25,11 +27,14 @@ from ninja.parser import Parser
 from ninja.security import HttpBearer
 from pydantic import ValidationError as PydanticValidationError
 
+from governance.pools import api_thread
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
+from runs.approvals import services as approvals
 from runs.audit import selectors
 from runs.check import metrics
 from runs.check import schemas as s
 from runs.check.services import CheckRequest, ServiceError, run_check, run_finish, run_start
+from runs.live.events import awakeups
 
 log = logging.getLogger(__name__)
 MICRO = Decimal("0.000001")
@@ -130,8 +135,9 @@ def _on_exception(request: HttpRequest, exc: Exception) -> HttpResponse:
     return error(500, "internal", "Internal error.")
 
 
+# 429 is `too_many_failures`: a key that keeps failing from one address (governance/throttle.py).
 ERRORS = {400: s.ErrorOut, 401: s.ErrorOut, 404: s.ErrorOut, 409: s.ErrorOut, 413: s.ErrorOut,
-          422: s.ErrorOut, 503: s.ErrorOut}
+          422: s.ErrorOut, 429: s.ErrorOut, 503: s.ErrorOut}
 
 
 def _run_uuid(run_id: str) -> uuid.UUID:
@@ -168,7 +174,8 @@ def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
          operation_id="list_runs")
 def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, Any]:
     runs = selectors.runs_for_team(
-        request.auth.team, status=filters.status, agent=filters.agent, limit=filters.limit
+        request.auth.team, status=filters.status, agent=filters.agent, limit=filters.limit,
+        key_agent=request.auth.agent,
     )
     return {"runs": [selectors.run_json(r) for r in runs]}
 
@@ -176,14 +183,16 @@ def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, A
 @api.get("/runs/{run_id}", response={200: s.RunOut, **ERRORS}, summary="Get a run",
          operation_id="get_run")
 def get_run(request: HttpRequest, run_id: str) -> dict[str, Any]:
-    return selectors.run_json(selectors.run_for_team(request.auth.team, _run_uuid(run_id)))
+    return selectors.run_json(selectors.run_for_team(request.auth.team, _run_uuid(run_id),
+                                                     key_agent=request.auth.agent))
 
 
 @api.get("/runs/{run_id}/decisions", response={200: s.DecisionsOut, **ERRORS},
          summary="A run's decisions, in order", operation_id="list_decisions")
 def list_decisions(request: HttpRequest, run_id: str, filters: Query[s.DecisionsFilter]
                    ) -> dict[str, Any]:
-    run = selectors.run_for_team(request.auth.team, _run_uuid(run_id))
+    run = selectors.run_for_team(request.auth.team, _run_uuid(run_id),
+                                 key_agent=request.auth.agent)
     rows = selectors.decisions_of(run, after=filters.after, limit=filters.limit)
     return {"decisions": [selectors.decision_json(d) for d in rows]}
 
@@ -284,5 +293,57 @@ def _check(request: HttpRequest, run_id: uuid.UUID, payload: s.CheckIn) -> HttpR
           operation_id="finish_run")
 def finish(request: HttpRequest, run_id: str, payload: s.FinishIn) -> dict[str, Any]:
     run = run_finish(team=request.auth.team, run_id=_run_uuid(run_id), status=payload.status,
-                     output=payload.output)
+                     output=payload.output, key_agent=request.auth.agent)
     return selectors.run_json(run, now=timezone.now())
+
+
+# --- Approvals (SPEC 11) -----------------------------------------------------------------------
+
+@api_thread
+def _read_approval(key: Any, approval_id: uuid.UUID) -> dict[str, Any] | None:
+    """One look at the approval (settling its expiry if due), on the API pool: the pool's
+    thread keeps its database connection, as for every synchronous API request."""
+    approval = approvals.approval_for_key(key, approval_id)
+    return approvals.approval_json(approval) if approval is not None else None
+
+
+@api.get("/approvals/{approval_id}", response={200: s.ApprovalOut, **ERRORS},
+         summary="An approval request, waiting up to `wait` seconds for its decision",
+         operation_id="get_approval")
+async def get_approval(request: HttpRequest, approval_id: str, filters: Query[s.ApprovalWait]
+                       ) -> HttpResponse:
+    """A real long poll: answers as soon as the status changes, else after ``wait`` seconds.
+
+    An async view: while it waits it holds no thread, only a coroutine that awaits the team's
+    wake-ups (this process's broker, fed from Redis by the process's one listener) and
+    re-reads the database on the API pool on each one, every DASHBOARD_STREAM_LOOK_S seconds
+    anyway, and at the expiry (which it then settles). The answer is the approval as JSON,
+    its ``decision`` the check's final answer verbatim.
+    """
+    try:
+        wanted = uuid.UUID(approval_id)
+    except ValueError:
+        raise ServiceError(404, "not_found", "No such approval.") from None
+    key = request.auth
+    body = await _read_approval(key, wanted)
+    if body is None:
+        raise ServiceError(404, "not_found", "No such approval.")
+    loop = asyncio.get_running_loop()
+    look_every = float(settings.DASHBOARD_STREAM_LOOK_S)
+    last_look = loop.time()
+    expires = (timezone.datetime.fromisoformat(body["expires_at"]) - timezone.now()
+               ).total_seconds() + loop.time()
+    if body["status"] == "pending" and filters.wait > 0:
+        async for changes in awakeups(key.team_id, poll=min(1.0, look_every),
+                                      lifetime=filters.wait):
+            now = loop.time()
+            # Changes name runs, not approvals: any change in the team (None: anything) is
+            # worth a look at the database.
+            if changes is None or changes or now - last_look >= look_every or now >= expires:
+                last_look = now
+                body = await _read_approval(key, wanted)
+                if body is None or body["status"] != "pending":
+                    break
+        if body is None:  # deleted by retention while waiting
+            raise ServiceError(404, "not_found", "No such approval.")
+    return HttpResponse(json.dumps(body), content_type="application/json")

@@ -171,9 +171,11 @@ class CheckTransaction(Protocol):
 
 
 @contextmanager
-def check_transaction() -> Iterator[CheckTransaction]:
-    """One check's transaction: committed by `write`, rolled back on any other way out."""
-    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+def check_transaction(*, portable: bool = False) -> Iterator[CheckTransaction]:
+    """One check's transaction: committed by `write`, rolled back on any other way out.
+    ``portable``: the ORM path on every database, for checks that touch approvals (SPEC 11),
+    which read and write more than the two prepared statements do."""
+    if connection.vendor == "postgresql" and not connection.in_atomic_block and not portable:
         tx = PostgresCheck()
         try:
             yield tx
@@ -201,6 +203,7 @@ LEFT JOIN LATERAL (
     SELECT id, team_id, agent, policy_version_id, status, stop_reason, steps, tool_calls,
            cost_usd, started_at, ended_at, memory
     FROM runs_run WHERE id = $1 AND team_id = k.team_id
+        AND (k.agent = '' OR runs_run.agent = k.agent)  -- an agent-bound key (SPEC 10)
     FOR UPDATE
 ) r ON true
 LEFT JOIN LATERAL (
@@ -381,8 +384,11 @@ class OrmCheck:
                    .filter(prefix=prefix, revoked_at__isnull=True).first())
             if key is None:
                 return None
+            runs = Run.objects.select_for_update().filter(team_id=key.team_id, pk=run_id)
+            if key.agent:  # an agent-bound key: other agents' runs are not there (SPEC 10)
+                runs = runs.filter(agent=key.agent)
             run_row = (
-                Run.objects.select_for_update().filter(team_id=key.team_id, pk=run_id)
+                runs
                 .only("id", "team_id", "agent", "policy_version_id", "status", "stop_reason",
                       "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory")
                 .first()

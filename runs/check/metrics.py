@@ -16,7 +16,11 @@ Exported:
 - governance_check_seconds: time to answer a check, in the view (validation included);
 - governance_check_db_seconds: of which spent waiting for the database;
 - governance_kill_switches_engaged{scope}: engaged switches, read from the database when
-  scraped (the switch rows are the authority, no process keeps a copy).
+  scraped (the switch rows are the authority, no process keeps a copy);
+- governance_approvals_pending{team}: approval requests waiting for a decision, counted in
+  the database when scraped;
+- governance_approval_decision_seconds{team, status}: from request to settlement (approved,
+  denied, expired, cancelled), observed by the process that settled it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 DB_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 SCOPES = ("global", "team", "agent", "run")
+# People decide in seconds to minutes; the default timeout is 15 minutes, the longest a day.
+APPROVAL_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 14400, 86400)
 
 
 class _Metrics:
@@ -56,6 +62,9 @@ class _Metrics:
         self.check_db_seconds = Histogram("governance_check_db_seconds",
                                           "Time a check spent waiting for the database.",
                                           buckets=DB_BUCKETS)
+        self.approval_seconds = Histogram("governance_approval_decision_seconds",
+                                          "Time from an approval request to its settlement.",
+                                          ["team", "status"], buckets=APPROVAL_BUCKETS)
 
 
 _metrics: _Metrics | None = None
@@ -91,6 +100,39 @@ def check_answered(seconds: float) -> None:
             m.check_seconds.observe(seconds)
     except Exception:
         log.warning("metrics: could not record a check's latency", exc_info=True)
+
+
+def approval_decided(*, team: str, status: str, seconds: float) -> None:
+    """Called after a settlement committed: it must never fail the decision."""
+    try:
+        m = _get()
+        if m is not None:
+            m.approval_seconds.labels(team, status).observe(max(0.0, seconds))
+    except Exception:
+        log.warning("metrics: could not record an approval's latency", exc_info=True)
+
+
+class ApprovalsCollector:
+    """Pending approval requests by team, counted in the database at scrape time."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT t.slug, count(a.id) FROM policies_team t LEFT JOIN runs_approval a "
+                    "ON a.team_id = t.id AND a.status = 'pending' GROUP BY t.slug")
+                counts = cursor.fetchall()
+        except DatabaseError:
+            log.warning("metrics: could not count pending approvals", exc_info=True)
+            return
+        family = GaugeMetricFamily("governance_approvals_pending",
+                                   "Approval requests waiting for a decision, by team.",
+                                   labels=["team"])
+        for slug, count in sorted(counts):
+            family.add_metric([slug], count)
+        yield family
 
 
 class KillSwitchCollector:
@@ -131,6 +173,7 @@ def registry() -> Any:
         else:
             built = REGISTRY
         built.register(KillSwitchCollector())
+        built.register(ApprovalsCollector())
         _registry = built
     return _registry
 

@@ -226,8 +226,18 @@ class ShadowOut(Schema):
     message: str | None = None
 
 
+class ApprovalRefOut(Schema):
+    """The ``approval`` field of a check answer (SPEC 11): the request this check opened or
+    settled; ``decided_by`` is in final answers only."""
+
+    id: UUID
+    status: Literal["pending", "approved", "denied", "expired", "cancelled"]
+    expires_at: datetime
+    decided_by: str | None = None
+
+
 class CheckOut(Schema):
-    decision: Literal["allow", "stop"]
+    decision: Literal["allow", "stop", "pending"]
     reason: str
     decision_id: int
     step: int
@@ -239,6 +249,8 @@ class CheckOut(Schema):
     limits: LimitsOut
     directive: DirectiveOut | None
     shadow: ShadowOut | None
+    approval: ApprovalRefOut | None
+    retry_after_s: float | None
 
 
 class FinishIn(Schema):
@@ -255,7 +267,7 @@ class DecisionActionOut(Schema):
 class DecisionOut(Schema):
     id: int
     step: int
-    outcome: Literal["allow", "stop", "would_stop"]
+    outcome: Literal["allow", "stop", "would_stop", "pending"]
     reason: str
     action: DecisionActionOut | None
     repeat_key: str
@@ -277,3 +289,29 @@ class RunsFilter(Schema):
 class DecisionsFilter(Schema):
     after: Annotated[int, Field(ge=0)] = 0
     limit: Annotated[int, Field(ge=1, le=1000)] = 100
+
+
+class ApprovalActionOut(Schema):
+    name: str
+    type: str
+    args: dict[str, Any]
+
+
+class ApprovalOut(Schema):
+    """GET /api/v1/approvals/{id} (SPEC 11): ``decision`` is null while pending, else the
+    check's final answer, the same object the check answers."""
+
+    id: UUID
+    run_id: UUID
+    status: Literal["pending", "approved", "denied", "expired", "cancelled"]
+    action: ApprovalActionOut
+    requested_at: datetime
+    expires_at: datetime
+    decided_at: datetime | None
+    decided_by: str | None
+    note: str | None
+    decision: CheckOut | None
+
+
+class ApprovalWait(Schema):
+    wait: Annotated[int, Field(ge=0, le=60)] = 0

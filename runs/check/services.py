@@ -12,15 +12,18 @@ from decimal import Decimal
 from typing import Any
 
 from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
+from runs.approvals import services as approvals
 from runs.check import metrics
 from runs.check.check_store import (
     DecisionRow,
     DuplicateCheck,
+    PostgresCheck,
     RunRow,
     RunUpdate,
     StaleConnection,
@@ -29,7 +32,7 @@ from runs.check.check_store import (
 from runs.check.policy_cache import rules_for_version
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
-from runs.models import Run
+from runs.models import Approval, Run
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ def run_start(
     if external_id is not None:
         existing = Run.objects.filter(team=team, external_id=external_id).first()
         if existing is not None:
-            return existing, False
+            return _same_agent(existing, agent), False
     name = policy or "default"
     # The version comes along: the answer shows it, without a query of its own.
     policy_row = Policy.objects.filter(team=team, name=name).select_related("current").first()
@@ -98,9 +101,19 @@ def run_start(
         existing = Run.objects.filter(team=team, external_id=external_id).first()
         if existing is None:
             raise
-        return existing, False
+        return _same_agent(existing, agent), False
     publish_run_event(run)
     return run, True
+
+
+def _same_agent(existing: Run, agent: str) -> Run:
+    """The run an external_id names is given back only to a start for the same agent: else
+    a key bound to one agent could read another's run through it (SPEC 10)."""
+    if existing.agent != agent:
+        raise ServiceError(409, "external_id_conflict",
+                           "This external_id belongs to a run of another agent.",
+                           {"external_id": "already used by a run of another agent"})
+    return existing
 
 
 # The cover rule for a run that does not exist yet; parameters: True, team, team, agent.
@@ -168,6 +181,8 @@ def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Po
         "limits": policy.limits(),
         "directive": decision.directive,
         "shadow": decision.shadow,
+        "approval": decision.approval,
+        "retry_after_s": None,
     }
 
 
@@ -182,13 +197,17 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[
     check costs two round trips to PostgreSQL; a revoked or unknown key answers 401, another
     team's run 404, before anything is written.
     """
-    for attempt in (1, 2):
+    portable = False
+    for attempt in (1, 2, 3):
         try:
-            return _check_once(claim=claim, run_id=run_id, req=req)
+            return _check_once(claim=claim, run_id=run_id, req=req, portable=portable)
+        except _Portable:
+            # Approvals are involved: decided again, from the start, on the ORM path.
+            portable = True
         except DuplicateCheck:
             # A retry of this check_id committed while we waited for the run's lock: the
             # second attempt reads its answer (at most once: that answer now exists).
-            if attempt == 2:
+            if attempt == 3:
                 raise
         except StaleConnection as exc:
             # A persistent connection that died while idle (PostgreSQL restarted) fails the
@@ -196,13 +215,25 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[
             # per-request health check would do, without that check's extra round trip on
             # every request. Nothing was written: it was the locking read that failed.
             connection.close()
-            if attempt == 2:
+            if attempt == 3:
                 raise OperationalError("the database connection broke twice") from exc
     raise AssertionError("unreachable")
 
 
-def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[str, Any]:
-    with check_transaction() as tx:
+class _Portable(Exception):
+    """The check touches approvals: start over on the portable (ORM) path."""
+
+
+def _involves_approvals(policy: rules.Policy, state: rules.RunState, first: Any,
+                        name: str) -> bool:
+    return (state.pending is not None
+            or (first is not None and first[1].get("decision") == rules.PENDING)
+            or (policy.mode != "shadow" and rules.approval_pattern(policy, name) is not None))
+
+
+def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
+                portable: bool = False) -> dict[str, Any]:
+    with check_transaction(portable=portable) as tx:
         locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=req.check_id)
         if locked is None or not agent_key_matches(claim, locked.key_hash):
             raise ServiceError(401, "unauthorized", UNAUTHORIZED)
@@ -210,16 +241,32 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         state = state_of(run)
+        policy = rules_for_version(run.policy_version_id)
+        if isinstance(tx, PostgresCheck) and _involves_approvals(
+                policy, state, locked.earlier_answer, req.name):
+            raise _Portable()
+        now = timezone.now()
+        kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
+        first = locked.earlier_answer
+        if state.pending is not None or (first is not None
+                                         and first[1].get("decision") == rules.PENDING):
+            state, first = _settle_on_check(run, state, first, req, now=now, kill=kill)
         check_id = req.check_id
-        if locked.earlier_answer is not None:
-            first_id, first_answer = locked.earlier_answer
+        if first is not None:
+            first_id, first_answer = first
             if rules.replay_allowed(state, first_answer.get("decision", "")):
                 return {**first_answer, "decision_id": first_id}
             # The first answer was an allow and the run is over: answer the run's stop, as
             # a new audited decision (the retry must not leak an allow, SPEC 4.5).
             check_id = None
-        policy = rules_for_version(run.policy_version_id)
-        now = timezone.now()
+        if state.status == rules.RUNNING and state.pending is not None:
+            pending = state.pending
+            raise ServiceError(
+                409, "approval_pending",
+                f"The run is waiting for approval {pending.approval_id} of "
+                f"{pending.action_name} (check_id {pending.check_id!r}): resend that check, "
+                f"or wait with GET /api/v1/approvals/{pending.approval_id}.",
+                {"approval_id": pending.approval_id, "check_id": pending.check_id})
         last = req.last_result
         check = rules.Check(
             name=req.name, type=req.type, args=req.args, progress=req.progress,
@@ -227,10 +274,14 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
                 status=last["status"], digest=last.get("digest"), error=last.get("error"),
                 summary=last.get("summary"),
             ) if last else None,
-            cost_usd=req.cost_usd,
+            cost_usd=req.cost_usd, check_id=check_id,
         )
-        kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
-        decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill)
+        missing = rules.check_id_missing(policy, state, check, kill=kill)
+        if missing is not None:
+            raise ServiceError(422, "invalid_request", "The request is not valid.",
+                               {"check_id": missing})
+        decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
+                                             approval_id=str(uuid.uuid4()))
         answer = _answer_of(decision, new_state, policy, now)
         update = None
         if new_state is not state:
@@ -240,14 +291,20 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
                 tool_calls=new_state.tool_calls, cost_usd=new_state.cost_usd,
                 memory=new_state.memory(),
             )
+        args = rules.redact(req.args, policy.redact_args)
         decision_id = tx.write(run_id=run.id, update=update, row=DecisionRow(
             step=decision.step, outcome=decision.outcome, reason=decision.reason,
             action_name=req.name, action_type=req.type,
-            args=rules.redact(req.args, policy.redact_args), repeat_key=decision.repeat_key,
+            args=args, repeat_key=decision.repeat_key,
             repeat_count=decision.repeat_count, check_id=check_id, progress=req.progress,
             last_result=last, cost_usd=req.cost_usd, answer=answer, at=now,
             elapsed_s=new_state.elapsed_s(now),
         ))
+        if decision.outcome == rules.PENDING:
+            assert new_state.pending is not None  # only on the portable path, in its atomic
+            approvals.approval_open(
+                run=run, pending=new_state.pending, args=args,
+                pattern=rules.approval_pattern(policy, req.name) or "", decision_id=decision_id)
     # Committed: the agent must get this answer, so nothing below may raise (each of these
     # only logs its own failure).
     metrics.decision_made(team=locked.team_slug, outcome=decision.outcome,
@@ -260,7 +317,32 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dic
     return {**answer, "decision_id": decision_id}
 
 
-def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> Run:
+def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, req: CheckRequest, *,
+                     now: Any, kill: str | None) -> tuple[rules.RunState, Any]:
+    """The run waits for an approval and a check arrives (SPEC 11, 15): past its expiry the
+    request expires, under a kill switch it is cancelled (whoever looks first settles).
+    Returns the run's state after that, and what a replay of the pending check answers: its
+    final answer once there is one, else the pending answer."""
+    pending = state.pending
+    status = None
+    if pending is not None:
+        status = (rules.EXPIRED if now >= pending.expires_at
+                  else rules.CANCELLED if kill is not None else None)
+    if status is not None:
+        settled = approvals.settle_locked(run=run, state=state, status=status, now=now,
+                                          kill=kill)
+        if settled is not None:
+            state = settled.state
+    if first is not None and first[1].get("decision") == rules.PENDING:
+        final = (Approval.objects.filter(run_id=run.id, check_id=req.check_id)
+                 .values_list("decision", flat=True).first())
+        if final:
+            first = (int(final["decision_id"]), final)
+    return state, first
+
+
+def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
+               key_agent: str = "") -> Run:
     """Finish a run (SPEC 5.1) without a transaction around a read and a write: the run is
     read, `rules.finish` decides, and the update applies only if the run is still as read.
     A check that stopped the run or another finish in between makes it match nothing, and the
@@ -268,9 +350,14 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> R
     status and its finish each change once. Two round trips instead of four, on a request
     every run makes (docs/performance.md)."""
     for _ in range(3):
-        run = Run.objects.select_related("policy_version").filter(team=team, pk=run_id).first()
+        runs = Run.objects.select_related("policy_version").filter(team=team, pk=run_id)
+        if key_agent:  # an agent-bound key finishes only its agent's runs (SPEC 10)
+            runs = runs.filter(agent=key_agent)
+        run = runs.first()
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
+        if (run.memory or {}).get("pending"):
+            return _finish_waiting(team=team, run_id=run.pk, status=status, output=output)
         now = timezone.now()
         try:
             new_state = rules.finish(state_of(run), status,
@@ -283,10 +370,46 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None) -> R
                    "ended_at": new_state.ended_at, "finished_at": now}
         if output is not None:
             changes["output"] = output
-        if Run.objects.filter(pk=run.pk, status=run.status, finished_at__isnull=True
-                              ).update(**changes):
+        # A check that opened an approval since the read makes this match nothing too: the
+        # next pass finishes through _finish_waiting, which cancels it.
+        no_approval = Q(memory__pending=None) | Q(memory__pending__isnull=True)
+        if Run.objects.filter(no_approval, pk=run.pk, status=run.status,
+                              finished_at__isnull=True).update(**changes):
             for name, value in changes.items():
                 setattr(run, name, value)
             publish_run_event(run)
             return run
     raise OperationalError("the run kept changing while it was being finished")
+
+
+def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None) -> Run:
+    """Finish a run that waits for an approval (SPEC 11): under the run's lock, the request
+    expires if it is past its expiry, else finishing cancels it; then the run is finished as
+    usual (a stopped run keeps its status and reason)."""
+    with transaction.atomic():
+        run = (Run.objects.select_for_update().select_related("policy_version")
+               .filter(team=team, pk=run_id).first())
+        if run is None:
+            raise ServiceError(404, "not_found", "No such run.")
+        if run.finished_at is not None:
+            raise ServiceError(409, "run_finished", "This run was already finished.")
+        now = timezone.now()
+        state = state_of(run)
+        if state.pending is not None and state.status == rules.RUNNING and (
+                now >= state.pending.expires_at):
+            settled = approvals.settle_locked(run=run, state=state, status=rules.EXPIRED,
+                                              now=now)
+            if settled is not None:
+                state = settled.state
+        new_state = rules.finish(state, status, already_finished=False, now=now)
+        if state.pending is not None and state.status == rules.RUNNING:
+            approvals.cancel_for_finish(run=run, state=state, new=new_state, now=now)
+        run.status, run.stop_reason = new_state.status, new_state.stop_reason
+        run.ended_at, run.finished_at, run.memory = new_state.ended_at, now, new_state.memory()
+        fields = ["status", "stop_reason", "ended_at", "finished_at", "memory"]
+        if output is not None:
+            run.output = output
+            fields.append("output")
+        run.save(update_fields=fields)
+    publish_run_event(run)
+    return run

@@ -46,6 +46,8 @@ class StepRow:
     message: str
     directive: str
     shadow_reason: str
+    approval_status: str = ""  # SPEC 11: the request this record opened or settled
+    approval_by: str = ""
 
 
 def step_row(d: Decision) -> StepRow:
@@ -56,6 +58,9 @@ def step_row(d: Decision) -> StepRow:
     answer = d.answer or {}
     directive = answer.get("directive") or {}
     shadow = answer.get("shadow") or {}
+    approval = answer.get("approval") or {}
+    if not isinstance(approval, dict):
+        approval = {}
     return StepRow(
         id=d.pk,
         step=d.step,
@@ -74,6 +79,8 @@ def step_row(d: Decision) -> StepRow:
         message=answer.get("message") or "",
         directive=directive.get("content", "") if isinstance(directive, dict) else "",
         shadow_reason=shadow.get("reason", "") if isinstance(shadow, dict) else "",
+        approval_status=approval.get("status", ""),
+        approval_by=approval.get("decided_by") or "",
     )
 
 
@@ -174,3 +181,72 @@ def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, An
         if page.has_previous() else None,
         "next_query": filters.query(page=page.next_page_number()) if page.has_next() else None,
     }
+
+
+# --- Approvals (SPEC 11) ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ApprovalCard:
+    id: str
+    status: str
+    action: str
+    action_type: str
+    args_preview: str
+    args_full: str
+    args_cut: bool
+    run_id: str
+    agent: str
+    task: str
+    step: int
+    pattern: str
+    requested_at: datetime
+    expires_at: datetime
+    seconds_left: int
+    decided_at: datetime | None
+    decided_by: str
+    note: str
+    final_message: str
+
+
+def approval_card(approval: Any, now: datetime | None = None) -> ApprovalCard:
+    """One request as the approvals page and the run page show it (args as audited, so
+    already redacted)."""
+    now = now or timezone.now()
+    args_json = json.dumps(approval.args or {}, ensure_ascii=False, sort_keys=True)
+    full = json.dumps(approval.args or {}, ensure_ascii=False, indent=2, sort_keys=True)
+    final = approval.decision or {}
+    return ApprovalCard(
+        id=str(approval.pk), status=approval.status, action=approval.action_name,
+        action_type=approval.action_type, args_preview=_cut(args_json, ARGS_PREVIEW_CHARS),
+        args_full=_cut(full, ARGS_FULL_CHARS), args_cut=len(args_json) > ARGS_PREVIEW_CHARS,
+        run_id=str(approval.run_id), agent=approval.run.agent,
+        task=_cut(approval.run.task or "", SUMMARY_CHARS), step=approval.step,
+        pattern=approval.pattern, requested_at=approval.requested_at,
+        expires_at=approval.expires_at,
+        seconds_left=max(0, int((approval.expires_at - now).total_seconds())),
+        decided_at=approval.decided_at, decided_by=approval.decided_by_label,
+        note=approval.note, final_message=final.get("message") or "",
+    )
+
+
+def approvals_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
+    """The approvals page's live partials: pending first (soonest expiry first), then the
+    latest decided. Looking settles what is past its expiry (SPEC 11)."""
+    from runs.approvals.services import approvals_for_team, settle_due_for_team
+
+    now = now or timezone.now()
+    settle_due_for_team(team, now=now)
+    cards = [approval_card(a, now) for a in approvals_for_team(team, limit=50)]
+    pending = [c for c in cards if c.status == "pending"]
+    return {"team": team, "pending": pending, "decided": [c for c in cards if c not in pending],
+            "approvals_pending": len(pending), "now": now}
+
+
+def run_approval_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
+    """The run page's pending banner: the request the run waits for, if any."""
+    from runs.approvals.services import pending_for_run, settle_if_due
+
+    pending = pending_for_run(run) if run.status == "running" else None
+    if pending is not None and settle_if_due(pending, now=now):
+        pending = None
+    return {"approval": approval_card(pending, now) if pending is not None else None}

@@ -35,10 +35,20 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
 from django.db import DatabaseError, close_old_connections
 from django.http import HttpRequest, StreamingHttpResponse
+from django.middleware.csrf import get_token
 from django.template.loader import render_to_string
 
-from policies.models import Team
-from runs.dashboard.presenters import overview_context, run_context, runs_list_context, step_row
+from policies.access import can
+from policies.models import Role, Team
+from runs.approvals.services import pending_count
+from runs.dashboard.presenters import (
+    approvals_context,
+    overview_context,
+    run_approval_context,
+    run_context,
+    runs_list_context,
+    step_row,
+)
 from runs.dashboard.selectors import RunFilters, timeline
 from runs.live.events import Changes, awakeups, wakeups
 from runs.models import Run
@@ -304,7 +314,23 @@ def last_event_id(request: HttpRequest) -> int:
     return 0
 
 
-# --- The three live screens --------------------------------------------------------------------
+# --- The live screens ---------------------------------------------------------------------------
+
+def _operates(request: HttpRequest) -> dict[str, Any]:
+    """What the approval controls need: whether the viewer may decide (the stream renders the
+    same controls the page does; the decide view enforces the role again), and one CSRF
+    token for the whole stream. Django masks the token afresh on every render, which would
+    make every look a change and re-send (and re-swap) the controls every few seconds."""
+    return {"can_operate": can(getattr(request, "role", None), Role.OPERATOR),
+            "csrf_token": get_token(request)}
+
+
+def approvals_count(request: HttpRequest, team: Team) -> dict[str, str]:
+    """The navigation's count, as an out-of-band swap every live page carries (SPEC 11)."""
+    return {"approvals-count": render_to_string(
+        "runs/_approvals_count.html", {"approvals_pending": pending_count(team)},
+        request=request)}
+
 
 class RunSource(Source):
     """The run page: new timeline rows (with their decision id as the event id) and the
@@ -314,6 +340,7 @@ class RunSource(Source):
         self.request, self.team, self.team_id = request, team, team.pk
         self.run_id, self.after = run_id, after
         self.partials = Partials()
+        self.controls = _operates(request)
         self._finished = False
 
     def frames(self) -> list[Frame]:
@@ -329,11 +356,13 @@ class RunSource(Source):
                                     request=self.request)
             frames.append(Frame("step", html, id=decision.pk))
             self.after = decision.pk
-        context = {**run_context(run), "team": self.team}
+        context = {**run_context(run), **run_approval_context(run), "team": self.team,
+                   **self.controls}
         frames += self.partials.changed({
-            name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
-                                   request=self.request)
-            for name in ("run-header", "run-counters", "run-banner")
+            **{name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
+                                      request=self.request)
+               for name in ("run-header", "run-counters", "run-banner", "run-approval")},
+            **approvals_count(self.request, self.team),
         })
         self._finished = run.finished_at is not None
         return frames
@@ -355,10 +384,11 @@ class OverviewSource(Source):
     def frames(self) -> list[Frame]:
         context = overview_context(self.team)
         return self.partials.changed({
-            name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
-                                   request=self.request)
-            for name in ("overview-running", "overview-chart", "overview-switches",
-                         "overview-loops")
+            **{name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
+                                      request=self.request)
+               for name in ("overview-running", "overview-chart", "overview-switches",
+                            "overview-loops")},
+            **approvals_count(self.request, self.team),
         })
 
 
@@ -372,5 +402,24 @@ class RunsListSource(Source):
         context = runs_list_context(self.team, self.filters)
         return self.partials.changed({
             "runs-table": render_to_string("runs/_runs_table.html", context,
-                                           request=self.request)
+                                           request=self.request),
+            **approvals_count(self.request, self.team),
+        })
+
+
+class ApprovalsSource(Source):
+    """The approvals page: the list (pending first) and the navigation's count."""
+
+    def __init__(self, request: HttpRequest, team: Team):
+        self.request, self.team, self.team_id = request, team, team.pk
+        self.partials = Partials()
+        self.controls = _operates(request)
+
+    def frames(self) -> list[Frame]:
+        context = {**approvals_context(self.team), **self.controls}
+        return self.partials.changed({
+            "approvals-list": render_to_string("runs/_approvals_list.html", context,
+                                               request=self.request),
+            "approvals-count": render_to_string("runs/_approvals_count.html", context,
+                                                request=self.request),
         })

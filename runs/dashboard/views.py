@@ -63,6 +63,7 @@ def run_detail(request: HttpRequest, slug: str, run_id: str) -> HttpResponse:
     rows = [presenters.step_row(d) for d in dashboard.timeline(run)]
     return page(request, "runs/run.html", {
         **presenters.run_context(run, now),
+        **presenters.run_approval_context(run, now),
         "rows": rows,
         "after": rows[-1].id if rows else 0,
     })

@@ -10,14 +10,18 @@ is idempotent and may run any number of times.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
@@ -131,20 +135,133 @@ def _wake(team: Team | None) -> None:
         publish_team_event(team_id)
 
 
+def _run_fanout_here(switch_id: int) -> None:
+    """Mark the covered runs killed without a worker (the webhooks wait for one: the
+    deliveries stay pending until the fan-out task or the sweep starts them)."""
+    try:
+        killswitch_fanout(switch_id=switch_id)
+    except Exception:
+        log.exception("the fan-out of kill switch %s failed", switch_id)
+
+
 def _enqueue_fanout(switch_id: int) -> None:
+    """After the engage's commit. The embedded default runs the task eagerly, here (no
+    broker to wait for); with a broker, the publish is handed to a background thread, so an
+    engage returns once its commit is done whatever Redis is doing (SPEC 10)."""
     from runs.killswitch.tasks import killswitch_fanout_task
 
-    try:
-        killswitch_fanout_task.delay(switch_id)
-    except Exception:
-        # The switch is committed and every check already stops: a broker outage must not
-        # fail the engage. Mark the runs here instead; the webhooks wait for a worker.
-        log.exception("could not enqueue the fan-out of kill switch %s; running it here",
-                      switch_id)
+    if killswitch_fanout_task.app.conf.task_always_eager:
         try:
-            killswitch_fanout(switch_id=switch_id)
+            killswitch_fanout_task.delay(switch_id)
         except Exception:
-            log.exception("the fan-out of kill switch %s failed", switch_id)
+            log.exception("the fan-out task of kill switch %s failed; running it here",
+                          switch_id)
+            _run_fanout_here(switch_id)
+        return
+    fanout_publisher.submit(switch_id)
+
+
+class FanoutPublisher:
+    """Publishes kill-switch fan-out tasks from one thread of the process, off the request
+    path, with short broker timeouts, retrying with capped backoff while the broker is down.
+
+    The switch is committed before anything is submitted, and every check of a covered run
+    already stops (SPEC 4.5): the fan-out only marks runs, wakes screens and notifies
+    webhooks. If this process dies or gives up before the publish succeeds, the beat sweep
+    (`stale_work`, every minute) finds the switch without `fanout_done_at` and publishes it
+    again; running the fan-out twice is harmless.
+    """
+
+    CONNECT_TIMEOUT_S = 1.0
+    SOCKET_TIMEOUT_S = 1.0
+    GIVE_UP_AFTER_S = 600.0  # then the beat sweep takes over
+    MAX_DELAY_S = 5.0
+
+    def __init__(self) -> None:
+        self._reset()
+        # A forked child (granian and Celery workers) has none of the parent's threads.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: dict[int, float] = {}  # switch id -> when it was submitted
+        self._marked: set[int] = set()  # switches this thread already fanned out itself
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, switch_id: int) -> None:
+        with self._cond:
+            self._pending.setdefault(switch_id, time.monotonic())
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="killswitch-publish",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Wait until everything submitted was published (or given up on); False on
+        timeout. Called at exit, so that `manage.py killswitch engage` publishes its own."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._busy,
+                                       timeout=timeout)
+
+    def _loop(self) -> None:
+        delay = 0.25
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._pending))
+                batch, self._busy = dict(self._pending), True
+            failed = False
+            for switch_id, submitted in batch.items():
+                if self._publish(switch_id):
+                    done = True
+                else:
+                    failed = True
+                    if switch_id not in self._marked:
+                        # The broker is down: mark the runs from here meanwhile, so screens
+                        # and the API show them killed without waiting for it.
+                        self._marked.add(switch_id)
+                        _run_fanout_here(switch_id)
+                        connections.close_all()  # this thread's own connections
+                    done = time.monotonic() - submitted > self.GIVE_UP_AFTER_S
+                    if done:
+                        log.error("gave up publishing the fan-out of kill switch %s; the beat "
+                                  "sweep will start it", switch_id)
+                if done:
+                    with self._cond:
+                        self._pending.pop(switch_id, None)
+                    self._marked.discard(switch_id)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                if failed:
+                    # Sleeps only this thread; a new submission does not cut the wait short,
+                    # the broker being down for it too.
+                    self._cond.wait(timeout=delay)
+                    delay = min(self.MAX_DELAY_S, delay * 2)
+                else:
+                    delay = 0.25
+
+    def _publish(self, switch_id: int) -> bool:
+        from runs.killswitch.tasks import killswitch_fanout_task
+
+        try:
+            with killswitch_fanout_task.app.connection_for_write(
+                connect_timeout=self.CONNECT_TIMEOUT_S,
+                transport_options={"socket_timeout": self.SOCKET_TIMEOUT_S,
+                                   "socket_connect_timeout": self.CONNECT_TIMEOUT_S,
+                                   "max_retries": 0},
+            ) as conn:
+                killswitch_fanout_task.apply_async((switch_id,), connection=conn, retry=False)
+            return True
+        except Exception:
+            log.warning("could not publish the fan-out of kill switch %s (broker unreachable);"
+                        " retrying", switch_id, exc_info=True)
+            return False
+
+
+fanout_publisher = FanoutPublisher()
+atexit.register(fanout_publisher.flush)
 
 
 def covered_running(target: Target) -> QuerySet[Run]:
@@ -271,7 +388,17 @@ def _kill_one(switch: KillSwitch, run_id: Any) -> str | None:
         if run is None:
             return None
         now = timezone.now()
-        new = rules.kill(state_of(run), now=now)
+        state = state_of(run)
+        if state.pending is not None and state.status == rules.RUNNING:
+            # The run waits for an approval: the kill cancels it, and the approval's final
+            # answer (stop / killed, at the same step) is the kill's audit record.
+            from runs.approvals.services import settle_locked
+
+            if settle_locked(run=run, state=state, status=rules.CANCELLED, now=now,
+                             kill=cover.switch_in_words(switch)) is not None:
+                publish_run_event(run)
+                return str(run.pk)
+        new = rules.kill(state, now=now)
         if new is None:
             return None
         run.status, run.stop_reason, run.ended_at = new.status, new.stop_reason, new.ended_at

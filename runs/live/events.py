@@ -146,8 +146,11 @@ def redis_client() -> Any:
         if _redis_client is None:
             import redis
 
+            # Short deadlines (SPEC 10: 100 ms), for the publisher's thread, /readyz and the
+            # streams alike; a subscriber's wait for a message has its own timeout.
             _redis_client = redis.Redis.from_url(
-                settings.REDIS_URL, socket_timeout=0.5, socket_connect_timeout=0.5
+                settings.REDIS_URL, socket_timeout=settings.REDIS_TIMEOUT_S,
+                socket_connect_timeout=settings.REDIS_TIMEOUT_S,
             )
         return _redis_client
 
@@ -361,7 +364,8 @@ async def awakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0
     redis_listener.ensure_running()
     deadline = time.monotonic() + lifetime
     seen = local_broker.seq(team_id)
-    while time.monotonic() < deadline:
-        await local_broker.await_change(team_id, seen, poll)
+    while (left := deadline - time.monotonic()) > 0:
+        # The last wait ends at the deadline: a long poll answers when its wait is up.
+        await local_broker.await_change(team_id, seen, min(poll, left))
         seen, changes = local_broker.changes_since(team_id, seen)
         yield changes

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import httpcore
 import httpx
 from django.db import connections, transaction
 from django.utils import timezone
 
+from policies.egress import RefusedTarget, VettedBackend
 from policies.models import Team
 from runs.models import KillSwitch, WebhookAttempt, WebhookDelivery
 
@@ -41,9 +43,17 @@ TIMEOUT_S = 5.0
 # How long a claimed attempt may stay in flight before another worker calls it lost: the
 # POST's timeout plus slack for recording the outcome.
 LEASE_S = TIMEOUT_S + 2.0
+_TIMEOUTS = {"connect": TIMEOUT_S, "read": TIMEOUT_S, "write": TIMEOUT_S, "pool": TIMEOUT_S}
+# What operators see of a failed attempt: fixed phrases and the status code, nothing the
+# receiver (or whatever listens at that address) wrote.
+REFUSED = "refused: the address is not public (see WEBHOOK_ALLOWED_HOSTS)"
+TIMED_OUT = "no answer in time"
+UNREACHABLE = "could not connect"
 IN_FLIGHT = "in flight"
 INTERRUPTED = "interrupted: the worker stopped before the outcome was recorded"
 EVENT = "killswitch.engaged"
+APPROVAL_REQUESTED = "approval.requested"
+APPROVAL_DECIDED = "approval.decided"
 SIGNATURE_HEADER = "X-Governance-Signature"
 TIMESTAMP_HEADER = "X-Governance-Timestamp"
 TOLERANCE_S = 300
@@ -67,6 +77,31 @@ def payload_for(switch: KillSwitch, team: Team, killed: list[str]) -> dict[str, 
         "engaged_by": switch.engaged_by_label,
         "engaged_at": switch.engaged_at.isoformat().replace("+00:00", "Z"),
         "killed_runs": killed,
+    }
+
+
+def approval_payload(approval: Any, event: str) -> dict[str, Any]:
+    """The JSON body of an approval notification (SPEC 11): ``approval.requested`` when a
+    check starts waiting, ``approval.decided`` once it is approved, denied, expired or
+    cancelled. Args are redacted as audited."""
+    def iso(moment: Any) -> str | None:
+        return moment.isoformat().replace("+00:00", "Z") if moment is not None else None
+
+    return {
+        "id": str(approval.pk),
+        "event": event,
+        "team": approval.team.slug,
+        "run": str(approval.run_id),
+        "agent": approval.run.agent,
+        "status": approval.status,
+        "action": {"name": approval.action_name, "type": approval.action_type,
+                   "args": approval.args},
+        "step": approval.step,
+        "requested_at": iso(approval.requested_at),
+        "expires_at": iso(approval.expires_at),
+        "decided_at": iso(approval.decided_at),
+        "decided_by": approval.decided_by_label or None,
+        "note": approval.note or None,
     }
 
 
@@ -144,19 +179,36 @@ def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
     headers = {
         "Content-Type": "application/json",
         "User-Agent": "agent-governance-webhook/1",
-        "X-Governance-Event": EVENT,
+        "X-Governance-Event": delivery.event,
         "X-Governance-Delivery": str(delivery.pk),
         TIMESTAMP_HEADER: timestamp,
         SIGNATURE_HEADER: sign(delivery.team.webhook_secret, timestamp, body),
     }
     try:
-        response = httpx.post(delivery.url, content=body, headers=headers, timeout=TIMEOUT_S,
-                              follow_redirects=False)
-    except httpx.HTTPError as exc:
-        return None, f"{type(exc).__name__}: {exc}"[:500]
-    if 200 <= response.status_code < 300:
-        return response.status_code, ""
-    return response.status_code, f"HTTP {response.status_code}: {response.text[:200]}"
+        # Straight to a vetted address of the URL's host (policies/egress.py): no proxy from
+        # the environment, no redirect, and a name that now resolves to a private address
+        # is refused, not connected to.
+        with httpcore.ConnectionPool(network_backend=VettedBackend(),
+                                     ssl_context=httpx.create_ssl_context()) as pool:
+            response = pool.request("POST", delivery.url, headers=headers, content=body,
+                                    extensions={"timeout": _TIMEOUTS})
+    except RefusedTarget:
+        log.warning("webhook delivery %s refused: %s is not a public address", delivery.pk,
+                    delivery.url)
+        return None, REFUSED
+    except httpcore.TimeoutException:
+        return None, TIMED_OUT
+    except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol,
+            OSError) as exc:
+        # The detail (the host's error text) goes to the server log, never to the team's
+        # screens: it would describe whatever answers at that address.
+        log.info("webhook delivery %s: %s: %s", delivery.pk, type(exc).__name__, exc)
+        return None, UNREACHABLE
+    if 200 <= response.status < 300:
+        return response.status, ""
+    # Only the status: the receiver's body is not shown to anyone (it could be an internal
+    # service's page).
+    return response.status, f"HTTP {response.status}"
 
 
 def attempt_delivery(*, delivery_id: int, number: int) -> Next | None:

@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from fnmatch import fnmatchcase
 from typing import Any
@@ -33,6 +33,7 @@ AGENT_NAME = re.compile(AGENT_NAME_PATTERN)
 ALLOW = "allow"
 STOP = "stop"
 WOULD_STOP = "would_stop"
+PENDING = "pending"  # SPEC 11: an answer, an audited outcome and an approval's status
 
 STEP_OK = "step_ok"
 REASONS = (
@@ -48,6 +49,16 @@ REASONS = (
 )
 RUN_FINISHED = "run_finished"
 AGENT_STOPPED = "agent_stopped"
+APPROVAL_REQUIRED = "approval_required"
+APPROVAL_DENIED = "approval_denied"
+APPROVAL_EXPIRED = "approval_expired"
+
+# The life of an approval request (SPEC 11): pending, then exactly one of the others.
+APPROVED = "approved"
+DENIED = "denied"
+EXPIRED = "expired"
+CANCELLED = "cancelled"
+APPROVAL_STATUSES = (PENDING, APPROVED, DENIED, EXPIRED, CANCELLED)
 
 DEFAULT_REDACT = ("password", "api_key", "token", "secret", "authorization")
 REDACTED = "[redacted]"
@@ -72,6 +83,13 @@ NEXT_ACTION = {
     "approach or abandon this subtask.",
     "agent_stopped": "The agent stopped this run: start a new run for new work.",
     RUN_FINISHED: "The run is over: do not execute the action; start a new run for new work.",
+    APPROVAL_REQUIRED: "Do not run the action yet: wait for an operator's decision "
+    "(GET /api/v1/approvals/{id}?wait=60, or send this check again with the same check_id), "
+    "then act on the final answer.",
+    APPROVAL_DENIED: "Do not run this action: an operator denied it. Return the partial "
+    "response, or start a new run for a different approach.",
+    APPROVAL_EXPIRED: "Do not run this action: nobody approved it in time. Return the partial "
+    "response, or relaunch when an operator is available.",
 }
 
 
@@ -92,12 +110,16 @@ class Policy:
     error_threshold: int = 3
     error_action: str = "nudge"
     redact_args: tuple[str, ...] = DEFAULT_REDACT
+    approval_tools: tuple[str, ...] = ()
+    approval_timeout_s: int = 900
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Policy:
         """Build from one normalized policy of the policy document (SPEC section 3)."""
         steps, budgets, tools = doc["step_limits"], doc["budgets"], doc["tools"]
         max_usd = budgets["max_usd"]
+        # Versions saved before SPEC 11 have no approvals block: they require none.
+        approvals = doc.get("approvals") or {}
         return cls(
             mode=doc["mode"],
             max_steps=steps["max_steps"],
@@ -112,6 +134,8 @@ class Policy:
             error_threshold=doc["on_repeated_error"]["threshold"],
             error_action=doc["on_repeated_error"]["action"],
             redact_args=tuple(doc["redact_args"]),
+            approval_tools=tuple(approvals.get("tools", ())),
+            approval_timeout_s=int(approvals.get("timeout_s", 900)),
         )
 
     def limits(self) -> dict[str, Any]:
@@ -154,6 +178,53 @@ class Check:
     progress: str | int | float | None = None
     last_result: LastResult | None = None
     cost_usd: Decimal = Decimal(0)
+    check_id: str | None = None
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """The run's open approval request (SPEC 11): what its final answer needs to know."""
+
+    approval_id: str
+    check_id: str
+    step: int
+    action_name: str
+    action_type: str
+    repeat_key: str
+    since: datetime
+    expires_at: datetime
+
+    def to_json(self) -> dict[str, Any]:
+        return {"approval_id": self.approval_id, "check_id": self.check_id, "step": self.step,
+                "action_name": self.action_name, "action_type": self.action_type,
+                "repeat_key": self.repeat_key, "since": self.since.isoformat(),
+                "expires_at": self.expires_at.isoformat()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Pending:
+        return cls(approval_id=data["approval_id"], check_id=data["check_id"],
+                   step=int(data["step"]), action_name=data["action_name"],
+                   action_type=data["action_type"], repeat_key=data["repeat_key"],
+                   since=datetime.fromisoformat(data["since"]),
+                   expires_at=datetime.fromisoformat(data["expires_at"]))
+
+    def summary(self, status: str = PENDING) -> dict[str, str]:
+        """The ``approval`` field of a check answer."""
+        return {"id": self.approval_id, "status": status, "expires_at": _iso(self.expires_at)}
+
+
+def paused_seconds(memory: Mapping[str, Any], end: datetime) -> float:
+    """Seconds the run spent waiting for approvals up to ``end`` (SPEC 15 active time), from
+    its stored memory: the settled waits plus the one still open."""
+    paused = float(memory.get("paused_s", 0.0))
+    pending = memory.get("pending")
+    if pending:
+        paused += max(0.0, (end - datetime.fromisoformat(pending["since"])).total_seconds())
+    return paused
 
 
 @dataclass(slots=True)
@@ -170,6 +241,9 @@ class RunState:
     signatures_seen: set[str] = field(default_factory=set)
     no_progress_streak: int = 0
     error_counts: dict[str, int] = field(default_factory=dict)
+    # SPEC 11 / 15: time spent waiting for settled approvals, and the approval still open.
+    paused_s: float = 0.0
+    pending: Pending | None = None
 
     def copy(self) -> RunState:
         return replace(
@@ -181,8 +255,10 @@ class RunState:
         )
 
     def elapsed_s(self, now: datetime) -> float:
+        """Active time (SPEC 15): wall time since the start minus the time spent pending."""
         return elapsed_seconds(started_at=self.started_at, ended_at=self.ended_at,
-                               status=self.status, now=now)
+                               status=self.status, now=now, paused_s=self.paused_s,
+                               pending_since=self.pending.since if self.pending else None)
 
     def usage(self, now: datetime) -> dict[str, Any]:
         return {
@@ -200,6 +276,8 @@ class RunState:
             "signatures_seen": sorted(self.signatures_seen),
             "no_progress_streak": self.no_progress_streak,
             "error_counts": self.error_counts,
+            "paused_s": self.paused_s,
+            "pending": self.pending.to_json() if self.pending is not None else None,
         }
 
     def load_memory(self, memory: Mapping[str, Any]) -> RunState:
@@ -208,12 +286,15 @@ class RunState:
         self.signatures_seen = set(memory.get("signatures_seen", ()))
         self.no_progress_streak = int(memory.get("no_progress_streak", 0))
         self.error_counts = dict(memory.get("error_counts", {}))
+        self.paused_s = float(memory.get("paused_s", 0.0))
+        pending = memory.get("pending")
+        self.pending = Pending.from_json(pending) if pending else None
         return self
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    outcome: str  # as audited: allow | stop | would_stop
+    outcome: str  # as audited: allow | stop | would_stop | pending
     reason: str
     step: int
     repeat_key: str
@@ -222,11 +303,14 @@ class Decision:
     next_action: str | None = None
     directive: dict[str, str] | None = None
     shadow: dict[str, str] | None = None
+    approval: dict[str, str] | None = None
 
     @property
     def answer(self) -> str:
         """What the agent is told: a shadow would-stop still runs."""
-        return STOP if self.outcome == STOP else ALLOW
+        if self.outcome in (STOP, PENDING):
+            return self.outcome
+        return ALLOW
 
 
 def _plain(value: Decimal | float) -> str:
@@ -241,6 +325,29 @@ def _denied(policy: Policy, name: str) -> str | None:
     if policy.allow is not None and not any(fnmatchcase(name, p) for p in policy.allow):
         return f"{name} matches no pattern of the allow list {list(policy.allow)}."
     return None
+
+
+def approval_pattern(policy: Policy, name: str) -> str | None:
+    """The first ``approvals.tools`` pattern the action's name matches (SPEC 11)."""
+    for pattern in policy.approval_tools:
+        if fnmatchcase(name, pattern):
+            return pattern
+    return None
+
+
+def check_id_missing(policy: Policy, state: RunState, check: Check, *, kill: str | None
+                     ) -> str | None:
+    """Why this check is refused (422 naming ``check_id``) before anything is counted: in
+    enforce mode, a check of a running run whose action needs approval must carry a
+    ``check_id``, so that it can be resumed. A killed run answers its stop instead."""
+    if (policy.mode != "enforce" or state.status in TERMINAL or kill is not None
+            or check.check_id):
+        return None
+    pattern = approval_pattern(policy, check.name)
+    if pattern is None:
+        return None
+    return (f"{check.name} matches the approvals pattern '{pattern}': send a check_id so the "
+            "check can be resumed once an operator decides.")
 
 
 def _first_stop(
@@ -333,12 +440,17 @@ def nudge(error: str, count: int) -> dict[str, str]:
 def evaluate(
     policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None,
     key: str | None = None,
+    approval_id: str = "",
 ) -> tuple[Decision, RunState]:
     """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any.
     ``key`` is the check's repeat key when the caller already knows it: a backtest replays
     the recorded key of a check whose args were stored redacted (replay.py).
+    ``approval_id`` is the id a new approval request gets, should this check open one.
 
-    The input state is left untouched; the returned state is what must be stored.
+    The order (SPEC 4.4, 11, 15): a terminal run answers its stop; rules 1 to 9; approvals;
+    allow. The caller answers replays and the 409 of a run already waiting for an approval
+    before calling this. The input state is left untouched; the returned state is what must
+    be stored.
     """
     if key is None:
         key = repeat_key(check.name, check.args, policy.ignore_args)
@@ -349,6 +461,13 @@ def evaluate(
     new.steps += 1
     _register(new, check)
     stop = _first_stop(policy, new, check, key, now, kill)
+    if stop is None:
+        pattern = approval_pattern(policy, check.name)
+        if pattern is not None:
+            if policy.mode != "shadow":
+                return _pending(policy, new, check, key, pattern, now, approval_id), new
+            # Shadow mode makes no request: the would-be wait is reported and the action runs.
+            stop = APPROVAL_REQUIRED, _approval_message(check.name, pattern, policy)
 
     if stop is not None and (policy.mode != "shadow" or stop[0] == "killed"):
         reason, message = stop
@@ -388,6 +507,84 @@ def evaluate(
     return decision, new
 
 
+def _approval_message(name: str, pattern: str, policy: Policy) -> str:
+    return (f"{name} matches the approvals pattern '{pattern}': an operator must approve it "
+            f"(timeout_s={policy.approval_timeout_s}).")
+
+
+def _pending(policy: Policy, new: RunState, check: Check, key: str, pattern: str,
+             now: datetime, approval_id: str) -> Decision:
+    """Open an approval request (SPEC 11). The step is counted and the check's cost,
+    progress and result are registered (already done on ``new``); the repeat count and
+    ``tool_calls`` wait for the approval. Mutates ``new``, the caller's fresh copy."""
+    new.pending = Pending(
+        approval_id=approval_id, check_id=check.check_id or "", step=new.steps,
+        action_name=check.name, action_type=check.type, repeat_key=key, since=now,
+        expires_at=now + timedelta(seconds=policy.approval_timeout_s),
+    )
+    return Decision(
+        outcome=PENDING,
+        reason=APPROVAL_REQUIRED,
+        step=new.steps,
+        repeat_key=key,
+        repeat_count=new.repeat_counts.get(key, 0),
+        message=_approval_message(check.name, pattern, policy),
+        next_action=NEXT_ACTION[APPROVAL_REQUIRED],
+        approval=new.pending.summary(),
+    )
+
+
+def settle(state: RunState, status: str, *, now: datetime, by: str | None = None,
+           note: str = "", kill: str | None = None) -> tuple[Decision, RunState]:
+    """The final answer of the run's pending approval (SPEC 11), for the same step:
+
+    - ``approved``: allow / step_ok; the repeat count and (for a tool) ``tool_calls`` go up now;
+    - ``denied``: stop / approval_denied, the run stopped, the operator's note in the message;
+    - ``expired``: stop / approval_expired, the run stopped as of ``expires_at``;
+    - ``cancelled`` by a kill switch (``kill`` describes it): stop / killed, the run killed.
+
+    The wait ends: its seconds move to ``paused_s`` (they never count as active time).
+    """
+    pending = state.pending
+    if pending is None or state.status in TERMINAL:
+        raise ValueError("the run has no pending approval")
+    end = pending.expires_at if status == EXPIRED else now
+    new = state.copy()
+    new.pending = None
+    new.paused_s += max(0.0, (end - pending.since).total_seconds())
+    key = pending.repeat_key
+    if status == APPROVED:
+        new.repeat_counts[key] = new.repeat_counts.get(key, 0) + 1
+        if pending.action_type == "tool":
+            new.tool_calls += 1
+        return Decision(
+            outcome=ALLOW, reason=STEP_OK, step=pending.step, repeat_key=key,
+            repeat_count=new.repeat_counts[key], approval=pending.summary(APPROVED),
+        ), new
+    if status == DENIED:
+        reason = APPROVAL_DENIED
+        who = f" ({by})" if by else ""
+        message = f"An operator{who} denied {pending.action_name}: {note}"
+        new.status = STOPPED
+    elif status == EXPIRED:
+        reason = APPROVAL_EXPIRED
+        message = (f"Nobody decided on {pending.action_name} before the approval expired at "
+                   f"{_iso(pending.expires_at)}.")
+        new.status = STOPPED
+    elif status == CANCELLED and kill is not None:
+        reason = "killed"
+        message = f"Stopped by a kill switch: {kill}."
+        new.status = KILLED
+    else:
+        raise ValueError(f"an approval cannot be settled as {status!r} here")
+    new.stop_reason, new.ended_at = reason, end
+    return Decision(
+        outcome=STOP, reason=reason, step=pending.step, repeat_key=key,
+        repeat_count=new.repeat_counts.get(key, 0), message=message,
+        next_action=NEXT_ACTION[reason], approval=pending.summary(status),
+    ), new
+
+
 def terminal_decision(state: RunState, key: str) -> Decision:
     """The answer to any check of a run that is over: no counter moves."""
     if state.status in (STOPPED, KILLED):
@@ -408,11 +605,16 @@ def terminal_decision(state: RunState, key: str) -> Decision:
 
 
 def elapsed_seconds(*, started_at: datetime, ended_at: datetime | None, status: str,
-                    now: datetime) -> float:
-    """A run's time so far: until it ended if it is over, else until ``now``. The budget's
-    clock (max_seconds) and every screen's "Time"."""
+                    now: datetime, paused_s: float = 0.0,
+                    pending_since: datetime | None = None) -> float:
+    """A run's active time so far (SPEC 15): until it ended if it is over, else until ``now``,
+    minus the time spent waiting for approvals (``paused_s`` settled, and the wait open
+    since ``pending_since``). The budget's clock (max_seconds) and every screen's "Time"."""
     end = ended_at if status in TERMINAL and ended_at else now
-    return max(0.0, (end - started_at).total_seconds())
+    paused = paused_s
+    if pending_since is not None:
+        paused += max(0.0, (end - pending_since).total_seconds())
+    return max(0.0, (end - started_at).total_seconds() - paused)
 
 
 def replay_allowed(state: RunState, first: Decision | str | None) -> bool:
@@ -438,6 +640,10 @@ def finish(state: RunState, status: str, *, already_finished: bool, now: datetim
         new.status = status
         new.stop_reason = AGENT_STOPPED if status == STOPPED else None
         new.ended_at = now
+        if new.pending is not None:
+            # Finishing cancels the approval it waited for (SPEC 11): the wait ends now.
+            new.paused_s += max(0.0, (now - new.pending.since).total_seconds())
+            new.pending = None
     return new
 
 

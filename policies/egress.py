@@ -1,0 +1,177 @@
+"""Where the server may send webhooks: public addresses only (SPEC 10, docs/killswitch.md).
+
+A team admin chooses the webhook URL, and the server POSTs to it: without a guard that is a
+way to reach what only the server can (loopback services, the cloud metadata endpoint, the
+private network) and to scan it. So a URL is vetted twice: when it is saved (a literal
+address, or a name that resolves, must be public), and at every delivery, after DNS
+resolution, where the connection goes to the vetted address itself (``VettedBackend``), so a
+name cannot resolve to something else between the check and the connection (DNS rebinding).
+
+Public means `ipaddress`'s ``is_global`` and not multicast; IPv6 forms that carry an IPv4
+address (mapped, 6to4, NAT64) are judged by that address. Receivers on an internal network
+are allowed by name or by network in ``WEBHOOK_ALLOWED_HOSTS``.
+
+No library: the candidates (advocate, for requests; a few young httpx wrappers) are either
+unmaintained or new; this is the standard library's classification and one httpcore hook.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpcore
+from django.conf import settings
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Not public, whatever the Python version's `is_global` says (its tables changed in 3.11.x
+# and 3.12): IETF protocol assignments (Oracle's metadata at 192.0.0.192), carrier-grade NAT,
+# benchmarking, local-use NAT64, documentation, deprecated site-local.
+NOT_PUBLIC = [ipaddress.ip_network(n) for n in (
+    "192.0.0.0/24", "100.64.0.0/10", "198.18.0.0/15", "64:ff9b:1::/48", "2001:db8::/32",
+    "fec0::/10")]
+LOCAL_SUFFIXES = (".localhost", ".local", ".localdomain", ".internal", ".home.arpa")
+SAVE_RESOLVE_TIMEOUT_S = 3.0
+
+
+class RefusedTarget(ValueError):
+    """A webhook target the server will not connect to; the message is for the admin."""
+
+
+def is_public(address: Address) -> bool:
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = address.ipv4_mapped or address.sixtofour
+        if embedded is None and address in NAT64:
+            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        if embedded is not None:
+            return is_public(embedded)
+        if address.teredo is not None:
+            return False  # a tunnel to anywhere: nobody's webhook receiver
+    return (address.is_global and not address.is_multicast
+            and not any(address in n for n in NOT_PUBLIC if n.version == address.version))
+
+
+def literal_address(host: str) -> Address | None:
+    """The address a URL's host denotes when it is numeric, in any form the resolver takes
+    ("127.0.0.1", "2130706433", "0x7f.1", "[::1]"), else None."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:  # inet_aton reads the legacy forms (one number, octal, hex) as getaddrinfo does
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
+
+
+def _allowed_entries() -> tuple[set[str], list[ipaddress.IPv4Network | ipaddress.IPv6Network]]:
+    names: set[str] = set()
+    networks = []
+    for entry in settings.WEBHOOK_ALLOWED_HOSTS:
+        try:
+            networks.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
+        except ValueError:
+            names.add(entry.lower().rstrip("."))
+    return names, networks
+
+
+def _acceptable(address: Address, networks: list[Any]) -> bool:
+    return is_public(address) or any(address in n for n in networks
+                                     if n.version == address.version)
+
+
+def vetted_addresses(host: str, port: int) -> list[str]:
+    """The addresses to connect to for ``host``: resolved, each one public or allowed.
+    Raises RefusedTarget when any is not (a name with one private answer is refused whole)."""
+    names, networks = _allowed_entries()
+    by_name = host.lower().rstrip(".") in names
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise RefusedTarget("the host name does not resolve") from exc
+    addresses: list[str] = []
+    for info in infos:
+        text = str(info[4][0]).partition("%")[0]  # no IPv6 zone: a scoped address is local
+        address = ipaddress.ip_address(text)
+        if not by_name and not _acceptable(address, networks):
+            raise RefusedTarget("the host is not a public address")
+        if text not in addresses:
+            addresses.append(text)
+    return addresses
+
+
+def _resolves_within(host: str, port: int, timeout: float) -> list[str] | None:
+    """vetted_addresses with a deadline (getaddrinfo has none): None when DNS is slow."""
+    outcome: dict[str, Any] = {}
+
+    def resolve() -> None:
+        try:
+            outcome["addresses"] = vetted_addresses(host, port)
+        except RefusedTarget as exc:
+            outcome["refused"] = exc
+
+    thread = threading.Thread(target=resolve, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "refused" in outcome:
+        refused = outcome["refused"]
+        if isinstance(refused.__cause__, OSError | UnicodeError):
+            return None  # unknown today (not set up yet?): the delivery-time check guards
+        raise refused
+    return outcome.get("addresses")
+
+
+def check_webhook_url(url: str) -> None:
+    """Raise RefusedTarget unless ``url`` may be saved as a team's webhook: http(s), a host,
+    and a host that is public (or allowed) as written and as it resolves now."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        raise RefusedTarget("must be an http:// or https:// URL with a host") from None
+    if parts.scheme not in {"http", "https"} or not host:
+        raise RefusedTarget("must be an http:// or https:// URL with a host")
+    names, networks = _allowed_entries()
+    if host.rstrip(".") in names:
+        return
+    address = literal_address(host)
+    if address is not None:
+        if not _acceptable(address, networks):
+            raise RefusedTarget(
+                "must not point at a loopback, private, link-local or other non-public "
+                "address (list internal receivers in WEBHOOK_ALLOWED_HOSTS)")
+        return
+    if host == "localhost" or host.endswith(LOCAL_SUFFIXES):
+        raise RefusedTarget("must not point at a local host name "
+                            "(list internal receivers in WEBHOOK_ALLOWED_HOSTS)")
+    try:
+        _resolves_within(host, port or (443 if parts.scheme == "https" else 80),
+                         SAVE_RESOLVE_TIMEOUT_S)
+    except RefusedTarget:
+        raise RefusedTarget(
+            "resolves to a non-public address (list internal receivers in "
+            "WEBHOOK_ALLOWED_HOSTS)") from None
+
+
+class VettedBackend(httpcore.SyncBackend):
+    """httpcore's network backend, connecting only to vetted addresses of the host. TLS still
+    verifies the certificate of the name in the URL (httpcore passes it as server_hostname)."""
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None,
+                    socket_options: Any = None) -> httpcore.NetworkStream:
+        last: Exception | None = None
+        for address in vetted_addresses(host, port):
+            try:
+                return super().connect_tcp(address, port, timeout=timeout,
+                                           local_address=local_address,
+                                           socket_options=socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                last = exc
+        assert last is not None  # vetted_addresses returns at least one or raises
+        raise last

@@ -1,0 +1,77 @@
+"""Approval screens (SPEC 11, 7): the team's live approvals page and the decide action that
+the page, the run page and their live streams share. Views only translate between HTTP and
+runs/approvals/services.py; RBAC is the team_view decorator's (outsider 404, viewer 403 on
+decide)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import messages
+from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
+from django.shortcuts import redirect
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_POST, require_safe
+
+from governance.web import page
+from policies.access import team_view
+from policies.models import Role
+from runs.approvals.services import ApprovalError, approval_decide
+from runs.dashboard import presenters
+from runs.dashboard.stream import ApprovalsSource, sse_response
+from runs.models import Approval
+
+
+@team_view(Role.VIEWER)
+@require_safe
+def approvals_page(request: HttpRequest, slug: str) -> HttpResponse:
+    return page(request, "runs/approvals.html", presenters.approvals_context(request.team))
+
+
+@team_view(Role.VIEWER)
+@require_safe
+def approvals_stream(request: HttpRequest, slug: str) -> StreamingHttpResponse:
+    return sse_response(request, ApprovalsSource(request, request.team))
+
+
+def _next(request: HttpRequest, fallback: str) -> str:
+    target = request.POST.get("next") or ""
+    if target and url_has_allowed_host_and_scheme(
+        target, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
+        return target
+    return fallback
+
+
+@team_view(Role.OPERATOR)
+@require_POST
+def approval_decide_view(request: HttpRequest, slug: str, approval_id: Any) -> HttpResponse:
+    """Approve or deny. Answers 200 with the decided request, 409 when another decision won
+    or the request expired, 422 for an unknown decision or a denial without a note; under
+    htmx as the request's card (with the message), else as a redirect or the page."""
+    team = request.team  # type: ignore[attr-defined]
+    status, error = 200, ""
+    try:
+        approval_decide(team=team, approval_id=approval_id,
+                        decision=request.POST.get("decision", ""),
+                        note=request.POST.get("note", ""), actor=request.user)
+    except ApprovalError as exc:
+        if exc.status == 404:
+            raise Http404("No such approval.") from None
+        status, error = exc.status, exc.message
+    approval = Approval.objects.select_related("run").filter(team=team, pk=approval_id).first()
+    if approval is None:
+        raise Http404("No such approval.")
+    card = presenters.approval_card(approval)
+    if request.htmx:
+        return page(request, "runs/_approval_card.html",
+                    {"card": card, "error": error,
+                     "done": "" if error else f"{approval.status.capitalize()}."},
+                    status=status)
+    if status == 200:
+        messages.success(request, f"{approval.status.capitalize()}: {approval.action_name}.")
+        return redirect(_next(request, reverse("runs:approvals", args=[team.slug])))
+    messages.error(request, error)
+    return page(request, "runs/approvals.html", presenters.approvals_context(team),
+                status=status)

@@ -1,0 +1,307 @@
+"""Failed authentications are throttled per source *and* credential (SPEC 10).
+
+In-process through Django's test client (its source address is 127.0.0.1, like the agent's
+own), then against the real server: the limit across its two worker processes, for agent
+keys and sign-ins, and with Redis refused or hung (the counts live in the database).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ipaddress
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from django.test import Client, RequestFactory
+
+from governance import throttle
+from governance.middleware import api_key_throttle, sign_in_throttle
+from policies.models import AuthFailure
+from policies.services import agent_key_create, agent_key_revoke
+from tests.conftest import Server, server_env, start_server
+from tests.faults import hung_listener, refused_port
+
+BAD = "gov_000000000000_not-a-real-key"
+
+
+def bearer(token: str, **extra: Any) -> Client:
+    return Client(HTTP_AUTHORIZATION=f"Bearer {token}", **extra)
+
+
+def codes(client: Client, n: int, path: str = "/api/v1/runs") -> list[int]:
+    return [client.get(path).status_code for _ in range(n)]
+
+
+@pytest.fixture
+def limit_3(monkeypatch: Any) -> None:
+    monkeypatch.setattr(api_key_throttle, "limit", 3)
+
+
+# --- Agent keys, in process --------------------------------------------------------------------
+
+@pytest.mark.django_db
+def test_a_bad_key_is_refused_after_the_limit_with_too_many_failures(limit_3):
+    bad = bearer(BAD)
+    assert codes(bad, 4) == [401, 401, 401, 429]
+    refused = bad.get("/api/v1/runs")
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "too_many_failures"
+    assert 1 <= int(refused["Retry-After"]) <= api_key_throttle.window
+
+
+@pytest.mark.django_db
+def test_a_valid_key_from_the_same_source_is_never_refused(limit_3, team, agent_token):
+    assert codes(bearer(BAD), 5)[-1] == 429
+    good = bearer(agent_token)
+    assert good.get("/api/v1/runs").status_code == 200
+    run = good.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json")
+    assert run.status_code == 201
+    check = good.post(f"/api/v1/runs/{run.json()['run_id']}/check",
+                      {"action": {"name": "x"}}, content_type="application/json")
+    assert check.status_code == 200 and check.json()["decision"] == "allow"
+
+
+@pytest.mark.django_db
+def test_failures_with_my_keys_prefix_do_not_refuse_my_key(limit_3, team, agent_token):
+    """Someone sending my key's (public) prefix with a wrong secret fills that prefix's
+    bucket, and only their answers become 429: the key itself is checked first."""
+    prefix = agent_token.split("_")[1]
+    forged = bearer(f"gov_{prefix}_wrong-secret")
+    assert codes(forged, 5) == [401, 401, 401, 429, 429]
+    assert codes(bearer(agent_token), 3) == [200, 200, 200]
+
+
+@pytest.mark.django_db
+def test_every_source_and_every_credential_has_its_own_count(limit_3):
+    assert codes(bearer(BAD), 4)[-1] == 429
+    assert bearer(BAD, REMOTE_ADDR="10.9.8.7").get("/api/v1/runs").status_code == 401
+    assert bearer("gov_111111111111_other").get("/api/v1/runs").status_code == 401
+    assert codes(Client(), 4) == [401, 401, 401, 429]  # no key at all: a bucket of its own
+    assert bearer("garbage").get("/api/v1/runs").status_code == 401
+
+
+@pytest.mark.django_db
+def test_a_revoked_key_is_counted_like_any_wrong_key(limit_3, team):
+    old = agent_key_create(team=team, name="old")
+    agent_key_revoke(key=old.key, actor=None)
+    assert codes(bearer(old.token), 4) == [401, 401, 401, 429]
+
+
+@pytest.mark.django_db
+def test_only_credentials_checked_and_found_wrong_are_counted(limit_3, team, agent_token):
+    """A valid key's bad requests (422, 404, 413, 405) count nothing, however many."""
+    good = bearer(agent_token)
+    for _ in range(5):
+        assert good.post("/api/v1/runs", {"agent": "no spaces"},
+                         content_type="application/json").status_code == 422
+        assert good.get("/api/v1/runs/00000000-0000-0000-0000-000000000000").status_code == 404
+        assert good.delete("/api/v1/runs").status_code == 405
+    assert not AuthFailure.objects.exists()
+    bearer(BAD).get("/api/v1/runs")
+    row = AuthFailure.objects.get()
+    assert (row.kind, row.source, row.credential, row.failures) == (
+        "api-key", "127.0.0.1", "000000000000", 1)
+
+
+@pytest.mark.django_db
+def test_a_window_that_ended_starts_the_count_again(limit_3, monkeypatch):
+    now = [time.time()]
+    monkeypatch.setattr(throttle.time, "time", lambda: now[0])
+    assert codes(bearer(BAD), 4)[-1] == 429
+    now[0] += api_key_throttle.window - 1
+    assert bearer(BAD).get("/api/v1/runs").status_code == 429
+    now[0] += 2
+    assert codes(bearer(BAD), 4) == [401, 401, 401, 429]
+
+
+@pytest.mark.django_db
+def test_windows_that_ended_are_pruned(limit_3, monkeypatch):
+    now = [time.time()]
+    monkeypatch.setattr(throttle.time, "time", lambda: now[0])
+    for n in range(5):  # five different credentials tried once each
+        bearer(f"gov_{n:012d}_x").get("/api/v1/runs")
+    assert AuthFailure.objects.count() == 5
+    now[0] += api_key_throttle.window + throttle.PRUNE_EVERY_S + 1
+    bearer(BAD).get("/api/v1/runs")
+    assert list(AuthFailure.objects.values_list("credential", flat=True)) == ["000000000000"]
+
+
+@pytest.mark.django_db
+def test_the_count_needs_no_cache_at_all(limit_3, settings):
+    """The database is the authority: a cache pointing at a refused Redis changes nothing."""
+    settings.CACHES = {"default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": f"redis://127.0.0.1:{refused_port()}/0"}}
+    assert codes(bearer(BAD), 4) == [401, 401, 401, 429]
+
+
+# --- TRUSTED_PROXIES -------------------------------------------------------------------------
+
+def source(settings: Any, trusted: list[str], peer: str, forwarded: str | None) -> str:
+    settings.TRUSTED_PROXIES = [ipaddress.ip_network(t) for t in trusted]
+    meta = {"REMOTE_ADDR": peer}
+    if forwarded is not None:
+        meta["HTTP_X_FORWARDED_FOR"] = forwarded
+    return throttle.source_of(RequestFactory().get("/", **meta))
+
+
+def test_x_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy(settings):
+    assert source(settings, [], "127.0.0.1", "203.0.113.9") == "127.0.0.1"
+    assert source(settings, ["10.0.0.0/8"], "198.51.100.1", "203.0.113.9") == "198.51.100.1"
+
+
+def test_behind_a_trusted_proxy_the_client_is_the_nearest_untrusted_hop(settings):
+    assert source(settings, ["127.0.0.1"], "127.0.0.1", "203.0.113.9") == "203.0.113.9"
+    # What the client wrote itself (left) cannot choose its bucket.
+    assert source(settings, ["127.0.0.1"], "127.0.0.1", "1.2.3.4, 203.0.113.9") == "203.0.113.9"
+    # A chain of trusted proxies is walked back to the client.
+    assert source(settings, ["10.0.0.0/8", "127.0.0.1"], "127.0.0.1",
+                  "203.0.113.9, 10.0.0.7, 10.0.0.1") == "203.0.113.9"
+    assert source(settings, ["10.0.0.0/8"], "10.0.0.1", "10.0.0.2") == "10.0.0.2"
+    assert source(settings, ["::1"], "::1", "[2001:db8::5]:4711") == "2001:db8::5"
+    assert source(settings, ["::1"], "::1", "198.51.100.4:8080") == "198.51.100.4"
+
+
+def test_a_missing_or_garbled_header_leaves_the_last_trusted_address(settings):
+    assert source(settings, ["127.0.0.1"], "127.0.0.1", None) == "127.0.0.1"
+    assert source(settings, ["127.0.0.1"], "127.0.0.1", "") == "127.0.0.1"
+    assert source(settings, ["127.0.0.1"], "127.0.0.1", "nonsense") == "127.0.0.1"
+    assert source(settings, ["10.0.0.0/8", "127.0.0.1"], "127.0.0.1",
+                  "nonsense, 10.0.0.3") == "10.0.0.3"
+
+
+@pytest.mark.django_db
+def test_behind_a_trusted_proxy_each_client_has_its_own_count(limit_3, settings, agent_token):
+    settings.TRUSTED_PROXIES = [ipaddress.ip_network("127.0.0.1")]
+    a = bearer(BAD, HTTP_X_FORWARDED_FOR="203.0.113.9")
+    assert codes(a, 4) == [401, 401, 401, 429]
+    assert bearer(BAD, HTTP_X_FORWARDED_FOR="203.0.113.10").get("/api/v1/runs"
+                                                               ).status_code == 401
+    assert bearer(agent_token, HTTP_X_FORWARDED_FOR="203.0.113.9").get("/api/v1/runs"
+                                                                      ).status_code == 200
+    assert AuthFailure.objects.filter(source="203.0.113.9").exists()
+
+
+def test_trusted_proxies_must_be_addresses_or_networks():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    for value, ok in [("10.0.0.0/8, 127.0.0.1,::1", True), ("proxy.example", False)]:
+        result = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT,
+                                env=server_env(TRUSTED_PROXIES=value), capture_output=True,
+                                text=True, timeout=60)
+        assert (result.returncode == 0) is ok, result.stderr
+        if not ok:
+            assert "TRUSTED_PROXIES" in result.stderr
+
+
+# --- Sign-in, in process -----------------------------------------------------------------------
+
+def sign_in(client: Client, username: str, password: str) -> Any:
+    return client.post("/accounts/login/", {"username": username, "password": password})
+
+
+@pytest.mark.django_db
+def test_sign_ins_are_throttled_per_source_and_username(monkeypatch, users):
+    monkeypatch.setattr(sign_in_throttle, "limit", 2)
+    browser = Client()
+    assert [sign_in(browser, "admin", "wrong").status_code for _ in range(2)] == [200, 200]
+    refused = sign_in(browser, "admin", "pw-admin-123")  # the right password, too late
+    assert refused.status_code == 429 and int(refused["Retry-After"]) >= 1
+    assert b"Too many sign-in attempts" in refused.content
+    assert sign_in(Client(), "viewer", "pw-viewer-123").status_code == 302  # another user
+    assert sign_in(Client(REMOTE_ADDR="10.1.1.1"), "admin", "pw-admin-123").status_code == 302
+
+
+@pytest.mark.django_db
+def test_a_successful_sign_in_clears_its_count_and_an_unchecked_form_counts_nothing(
+        monkeypatch, users):
+    monkeypatch.setattr(sign_in_throttle, "limit", 2)
+    assert sign_in(Client(), "admin", "wrong").status_code == 200
+    assert sign_in(Client(), "admin", "pw-admin-123").status_code == 302
+    assert not AuthFailure.objects.filter(kind="sign-in").exists()
+    for _ in range(5):  # no password: the credential was never checked
+        assert Client().post("/accounts/login/", {"username": "admin"}).status_code == 200
+    assert AuthFailure.objects.filter(kind="sign-in", failures__gt=0).count() == 0
+    assert sign_in(Client(), "admin", "pw-admin-123").status_code == 302
+
+
+# --- Against the real server ---------------------------------------------------------------------
+
+LIMITS = {"THROTTLE_API_KEY_FAILURES": "10", "THROTTLE_SIGN_IN_FAILURES": "10"}
+
+
+@pytest.fixture(scope="module")
+def strict_server(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Server]:
+    srv = start_server(env=server_env(**LIMITS))  # two worker processes
+    yield srv
+    srv.stop()
+
+
+def fresh(url: str, token: str = BAD, **headers: str) -> httpx.Response:
+    """One request on a new connection, so the kernel spreads them over the workers."""
+    return httpx.get(f"{url}/api/v1/runs", timeout=30,
+                     headers={"Authorization": f"Bearer {token}", **headers})
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_key_limit_holds_across_server_processes(strict_server):
+    got = [fresh(strict_server.url).status_code for _ in range(14)]
+    assert got == [401] * 10 + [429] * 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_bad_keys_cannot_get_past_the_limit(strict_server):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: fresh(strict_server.url, "gov_222222222222_x").status_code,
+                            range(24)))
+    assert sorted(got) == [401] * 10 + [429] * 14
+
+
+def browser_sign_in(url: str, username: str, password: str) -> int:
+    with httpx.Client(base_url=url, timeout=30) as client:
+        page = client.get("/accounts/login/")
+        token = page.text.split('name="csrfmiddlewaretoken" value="')[1].split('"')[0]
+        return client.post("/accounts/login/", data={
+            "username": username, "password": password, "csrfmiddlewaretoken": token}
+        ).status_code
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_sign_in_limit_holds_across_server_processes_and_concurrency(strict_server, users):
+    """Before: 10 allowed 12 with two processes. The attempts are counted before the
+    password is checked, so even concurrent ones stop at exactly the limit."""
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda _: browser_sign_in(strict_server.url, "admin", "wrong"),
+                            range(16)))
+    assert sorted(got) == [200] * 10 + [429] * 6
+    assert browser_sign_in(strict_server.url, "admin", "pw-admin-123") == 429
+    assert browser_sign_in(strict_server.url, "operator", "pw-operator-123") == 302
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("redis", ["refused", "hung"])
+def test_failures_are_still_counted_and_answered_fast_without_a_working_redis(redis, team,
+                                                                             agent_token):
+    """Before: with Redis refused the count silently stopped (36 bad keys, no 429); with
+    Redis hung every 401 waited 5 s in the cache call."""
+    with hung_listener() as listener:
+        url = listener.url if redis == "hung" else f"redis://127.0.0.1:{refused_port()}/0"
+        srv = start_server(env=server_env(**LIMITS, REDIS_URL=url))
+        try:
+            answers = []
+            for _ in range(13):
+                started = time.monotonic()
+                answers.append((fresh(srv.url).status_code, time.monotonic() - started))
+            assert [status for status, _ in answers] == [401] * 10 + [429] * 3
+            assert max(took for _, took in answers) < 2.0, answers
+            good = fresh(srv.url, agent_token)
+            assert good.status_code == 200
+        finally:
+            srv.stop()
