@@ -619,9 +619,7 @@ def evaluate(
 
     if stop is not None and (policy.mode != "shadow" or stop[0] == "killed"):
         reason, message = stop
-        new.status = KILLED if reason == "killed" else STOPPED
-        new.stop_reason = reason
-        new.ended_at = now
+        _end(new, reason, now)
         decision = Decision(
             outcome=STOP,
             reason=reason,
@@ -718,24 +716,28 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
         reason = APPROVAL_DENIED
         who = f" ({by})" if by else ""
         message = f"An operator{who} denied {pending.action_name}: {note}"
-        new.status = STOPPED
     elif status == EXPIRED:
         reason = APPROVAL_EXPIRED
         message = (f"Nobody decided on {pending.action_name} before the approval expired at "
                    f"{_iso(pending.expires_at)}.")
-        new.status = STOPPED
     elif status == CANCELLED and kill is not None:
         reason = "killed"
         message = f"Stopped by a kill switch: {kill}."
-        new.status = KILLED
     else:
         raise ValueError(f"an approval cannot be settled as {status!r} here")
-    new.stop_reason, new.ended_at = reason, end
+    _end(new, reason, end)
     return Decision(
         outcome=STOP, reason=reason, step=pending.step, repeat_key=key,
         repeat_count=new.repeat_counts.get(key, 0), message=message,
         next_action=NEXT_ACTION[reason], approval=pending.summary(status),
     ), new
+
+
+def _end(state: RunState, reason: str, at: datetime) -> None:
+    """A stop makes the run terminal (SPEC 4.4): `killed` for a kill, else `stopped`."""
+    state.status = KILLED if reason == "killed" else STOPPED
+    state.stop_reason = reason
+    state.ended_at = at
 
 
 def terminal_decision(state: RunState, key: str) -> Decision:
@@ -802,9 +804,7 @@ def record_outcome(
     else:
         outcome = STOP
         if new.status == RUNNING:
-            new.status = KILLED if reason == "killed" else STOPPED
-            new.stop_reason = reason
-            new.ended_at = now
+            _end(new, reason, now)
     decision = Decision(
         outcome=outcome,
         reason=reason,
