@@ -220,6 +220,20 @@ def settle_if_due(approval: Approval, *, now: datetime | None = None) -> bool:
     return settled is not None
 
 
+def settle_if_due_for_run(run: Run, *, now: datetime | None = None) -> bool:
+    """A read of one run is a look too: the run's request, past its expiry, is settled
+    before the run is shown (else it would read as running and waiting). The run's memory
+    says whether it waits and until when, so a run with nothing due costs no query."""
+    pending = (run.memory or {}).get("pending")
+    if run.status != rules.RUNNING or not pending:
+        return False
+    now = now or timezone.now()
+    if now < datetime.fromisoformat(pending["expires_at"]):
+        return False
+    approval = Approval.objects.filter(pk=pending["approval_id"]).first()
+    return approval is not None and settle_if_due(approval, now=now)
+
+
 def expire_due(*, now: datetime | None = None, limit: int = 500) -> int:
     """The beat sweep: settle every request past its expiry. Returns how many it expired."""
     now = now or timezone.now()

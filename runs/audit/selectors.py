@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from governance_client import rules
 from policies.models import PolicyVersion, Team
+from runs.approvals.services import settle_due_for_team, settle_if_due_for_run
 from runs.check.abandon import abandon_idle_runs, abandon_if_idle
 from runs.models import Decision, Run
 
@@ -63,6 +64,7 @@ def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = 
     """``key_agent``: the agent an agent-bound key is limited to (SPEC 10); it sees only
     that agent's runs, as if the others were another team's."""
     abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
+    settle_due_for_team(team)  # SPEC 11: nor one whose approval expired (a read is a look)
     runs = Run.objects.filter(team=team).select_related("policy_version")
     if key_agent:
         runs = runs.filter(agent=key_agent)
@@ -80,6 +82,8 @@ def run_for_team(team: Team, run_id: Any, *, key_agent: str = "") -> Run:
     run = runs.first()
     if run is None:
         raise Http404("No such run.")
+    if settle_if_due_for_run(run):  # SPEC 11: a read after the expiry settles it
+        run.refresh_from_db()
     return abandon_if_idle(run)
 
 

@@ -21,6 +21,7 @@ from django.utils import timezone
 from governance_client.rules import WOULD_STOP
 
 from policies.models import Policy, Team
+from runs.approvals.services import settle_due_for_team
 from runs.check.abandon import abandon_idle_runs
 from runs.check.rate_limits import prune_hits_now_and_then
 from runs.killswitch import cover
@@ -173,6 +174,7 @@ def runs_page(team: Team, filters: RunFilters, *, now: datetime | None = None) -
     count stops at COUNT_CAP."""
     now = now or timezone.now()
     abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
+    settle_due_for_team(team, now=now)  # SPEC 11: nor one whose approval expired
     found = list(page_rows(team, filters, now=now)[:RUNS_PER_PAGE + 1])
     runs, more = found[:RUNS_PER_PAGE], len(found) > RUNS_PER_PAGE
     count = _matching(team, filters, now).order_by()[:COUNT_CAP + 1].count()
@@ -215,6 +217,7 @@ def agent_seen(team: Team, agent: str) -> bool:
 
 def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
     abandon_idle_runs(team_id=team.pk)  # SPEC 14: "running now" never counts an idle run
+    settle_due_for_team(team)  # SPEC 11: nor a run whose approval expired
     if not settings.REDIS_URL:
         # The embedded default runs no beat: the overview's reads keep the hits small.
         prune_hits_now_and_then(now=timezone.now())
