@@ -22,7 +22,7 @@ from governance_client import (
     RunClosed,
     repeat_key,
 )
-from governance_client._core import BODY_LIMIT, OVERSIZE_KEY
+from governance_client._core import BODY_LIMIT, OVERSIZE_KEY, attempt_timeout
 from governance_client.testing import FakeGovernance, RateLimit
 
 EDIT = {"path": "auth.py", "old": "user_id", "new": "account_id"}
@@ -386,6 +386,15 @@ def test_the_author_may_bound_the_wait_for_an_approval() -> None:
     decision = run.check("refund.issue", {"order": 7})
     assert decision.decision == "pending" and not decision.allowed
     assert decision.approval is not None
+
+
+def test_a_long_polls_attempts_last_as_long_as_the_service_holds_them() -> None:
+    # A check's 2 s deadline is shared by its attempts...
+    assert attempt_timeout(2.0, 3) == pytest.approx(2 / 3)
+    # ...a 60 s poll's attempts each get the 60 s on top of their share of the rest, never
+    # more than what is left (tests/test_client_waits_e2e.py has the poll against the server).
+    assert attempt_timeout(62.0, 3, hold=60) == pytest.approx(60 + 2 / 3)
+    assert attempt_timeout(30.0, 2, hold=60) == 30.0
 
 
 def test_a_rate_limited_check_sleeps_and_retries_by_itself() -> None:

@@ -165,12 +165,19 @@ def gave_up(method: str, path: str, exc: BaseException, attempts: int) -> Govern
     return GovernanceUnavailable(f"{method} {path} failed after {attempts} attempt(s): {detail}")
 
 
-def attempt_timeout(remaining: float, attempts_left: int) -> float:
+def attempt_timeout(remaining: float, attempts_left: int, hold: float = 0.0) -> float:
     """One attempt's share of what is left: a connection that hangs (a stuck worker, a dead
     peer) leaves time for another attempt on a fresh one, but never less than half a second,
     so that a slow answer is not abandoned too early. The body still carries the whole of
     what is left (``deadline_ms``): an attempt given up on but decided in time is replayed
-    by its ``check_id``."""
+    by its ``check_id``.
+
+    ``hold`` is how long the service keeps the request open on purpose (a long poll's
+    ``wait``): every attempt gets it on top of its share of the rest. Shared out like the
+    rest, a 60 s poll's attempts would end after 20 s each while the service still waited as
+    asked, and an approval nobody decided within a minute would read as an outage."""
+    if hold > 0:
+        return min(remaining, hold + attempt_timeout(max(remaining - hold, 0.0), attempts_left))
     return min(remaining, max(remaining / max(attempts_left, 1), 0.5))
 
 

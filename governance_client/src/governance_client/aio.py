@@ -160,6 +160,7 @@ class AsyncGovernanceClient:
         replay_safe: bool = True,
         deadline: float | None = None,
         params: Mapping[str, Any] | None = None,
+        hold: float = 0.0,
     ) -> httpx.Response:
         budget = self.settings.deadline if deadline is None else deadline
         ends = time.monotonic() + budget
@@ -172,7 +173,7 @@ class AsyncGovernanceClient:
             remaining = ends - time.monotonic()
             if remaining <= 0:
                 raise GovernanceUnavailable("deadline spent")
-            timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1)
+            timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1, hold)
             try:
                 # httpx's timeouts bound each read; this bounds the attempt as a whole, so a
                 # server that trickles its answer cannot stretch it past the deadline.
@@ -314,7 +315,7 @@ class AsyncRun:
             try:
                 response = await client._send(
                     "GET", f"/api/v1/approvals/{approval_id}", params={"wait": wait},
-                    deadline=wait + client.settings.deadline,
+                    deadline=wait + client.settings.deadline, hold=wait,
                 )
                 body = expect(response, 200)
             except GovernanceUnavailable as exc:

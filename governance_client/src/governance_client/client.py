@@ -208,10 +208,12 @@ class GovernanceClient:
         replay_safe: bool = True,
         deadline: float | None = None,
         params: Mapping[str, Any] | None = None,
+        hold: float = 0.0,
     ) -> httpx.Response:
         """Send within one deadline, retrying what may be retried (tenacity); raise
         ``GovernanceUnavailable`` once the attempts or the time are spent. ``body`` builds
-        the body from the seconds left (a check sends them to the service)."""
+        the body from the seconds left (a check sends them to the service); ``hold`` is how
+        long the service keeps the request open on purpose (a long poll)."""
         budget = self.settings.deadline if deadline is None else deadline
         ends = time.monotonic() + budget
         url = self.settings.base_url + path
@@ -223,7 +225,7 @@ class GovernanceClient:
             remaining = ends - time.monotonic()
             if remaining <= 0:
                 raise GovernanceUnavailable("deadline spent")
-            timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1)
+            timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1, hold)
             try:
                 response = self._http.request(
                     method, url, json=body(remaining) if body is not None else None,
@@ -369,7 +371,7 @@ class Run:
             try:
                 response = client._send(
                     "GET", f"/api/v1/approvals/{approval_id}", params={"wait": wait},
-                    deadline=wait + client.settings.deadline,
+                    deadline=wait + client.settings.deadline, hold=wait,
                 )
                 body = expect(response, 200)
             except GovernanceUnavailable as exc:
