@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from governance_client.aio import AsyncGovernanceClient
 
-from governance_client import Decision, GovernanceClient
+from governance_client import AsyncGovernanceClient, Decision, GovernanceClient
 from policies.models import Team
 from runs.approvals.services import approval_decide
 from runs.models import Approval, Run
