@@ -234,6 +234,12 @@ def test_a_kill_switch_covering_the_run_cancels_the_approval(api, approving, use
         approval_decide(team=approving, approval_id=first["approval"]["id"],
                         decision="approve", note="", actor=users["operator"])
     assert caught.value.code == "approval_decided"
+    # The operator's act is the engage, audited as such; the cancellation it caused is in
+    # the run's audit log, not a second operator event (docs/approvals.md).
+    events = list(OperatorEvent.objects.values_list("action", "actor__username"))
+    assert ("killswitch.engage", "operator") in events
+    assert not [action for action, _ in events if action.startswith("approval.")]
+    assert Decision.objects.filter(run_id=run_id, reason="killed", step=1).exists()
 
 
 def test_a_check_under_a_kill_switch_while_pending_answers_stop_killed(api, approving, users):
