@@ -257,6 +257,50 @@ def test_a_check_under_a_kill_switch_while_pending_answers_stop_killed(api, appr
     assert Run.objects.get(pk=run_id).status == "killed"
 
 
+@pytest.mark.parametrize("decision", ["approve", "deny"])
+def test_a_decision_after_a_kill_switch_covers_the_run_cancels_instead(api, approving, users,
+                                                                       decision):
+    """The fan-out has not reached the run yet (a busy or unreachable broker): an operator
+    deciding then must not let the action run. From the switch's commit on, the run's
+    answer is stop / killed (SPEC 4.5, 6), whoever settles the request."""
+    from unittest import mock
+
+    run_id, first = pending(api)
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):
+        killswitch_engage(scope="agent", team=approving, agent="support-bot",
+                          reason="refund storm", actor=users["admin"])
+    with pytest.raises(ApprovalError) as caught:
+        approval_decide(team=approving, approval_id=first["approval"]["id"],
+                        decision=decision, note="fine", actor=users["operator"])
+    assert (caught.value.status, caught.value.code) == (409, "kill_switch_engaged")
+    assert "refund storm" in caught.value.message
+
+    approval = Approval.objects.get(pk=first["approval"]["id"])
+    assert approval.status == "cancelled" and approval.decided_by_label == ""
+    run = Run.objects.get(pk=run_id)
+    assert (run.status, run.stop_reason, run.tool_calls) == ("killed", "killed", 0)
+    final = check(api, run_id, PAY, check_id="pay-1")
+    assert (final["decision"], final["reason"]) == ("stop", "killed")
+    assert not Decision.objects.filter(run_id=run_id, outcome="allow").exists()
+    assert not OperatorEvent.objects.filter(action__startswith="approval.").exists()
+
+
+def test_the_agents_poll_settles_the_cancellation_of_a_covered_run(api, approving, users):
+    """Whoever looks first: the waiting agent learns of the kill from its poll, without
+    waiting for the fan-out."""
+    from unittest import mock
+
+    run_id, first = pending(api)
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):
+        killswitch_engage(scope="run", run=Run.objects.get(pk=run_id), reason="enough",
+                          actor=users["operator"])
+    body = get_approval(api, first["approval"]["id"])
+    assert body["status"] == "cancelled"
+    assert (body["decision"]["decision"], body["decision"]["reason"]) == ("stop", "killed")
+    assert "enough" in body["decision"]["message"]
+    assert Run.objects.get(pk=run_id).status == "killed"
+
+
 def test_finishing_the_run_cancels_its_approval(api, approving):
     run_id, first = pending(api)
     response = api.post(f"/api/v1/runs/{run_id}/finish",

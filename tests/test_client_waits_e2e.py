@@ -15,12 +15,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import pytest
 
 from governance_client import AsyncGovernanceClient, Decision, GovernanceClient
 from policies.models import Team
 from runs.approvals.services import approval_decide
+from runs.killswitch.services import killswitch_engage
 from runs.models import Approval, Run
 from runs.models import Decision as AuditRecord
 from tests.conftest import Server, set_policy
@@ -164,6 +166,29 @@ def test_the_authors_approval_timeout_returns_the_pending_decision(kind, server,
     approval = Approval.objects.get(run_id=out.run_id)
     assert approval.status == "pending"  # still there for an operator; the agent moved on
     assert decision.approval is not None and decision.approval["id"] == str(approval.pk)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_kill_switch_reaches_the_waiting_check_without_the_fan_out(
+        kind, server, approving, agent_token, users):
+    """The fan-out never runs here (as with a broker down): the client's own poll settles the
+    cancellation, and an operator approving afterwards is refused, never an allow."""
+    agent = in_background(lambda: agent_checks(kind, server, agent_token, [PAY]))
+    request = waiting_request()
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):
+        killswitch_engage(scope="agent", team=approving, agent="support-bot",
+                          reason="refund storm", actor=users["admin"])
+    decision = agent.result(timeout=60).decisions[0]
+    assert (decision.decision, decision.reason) == ("stop", "killed")
+    assert "refund storm" in (decision.message or "")
+    operator = signed_in(server, "operator")
+    response = operator.post(f"/teams/{approving.slug}/approvals/{request.pk}/decide",
+                             data={"decision": "approve"})
+    assert response.status_code == 409
+    operator.close()
+    assert Approval.objects.get(pk=request.pk).status == "cancelled"
+    assert Run.objects.get(pk=request.run_id).status == "killed"
+    assert not AuditRecord.objects.filter(run_id=request.run_id, outcome="allow").exists()
 
 
 # --- wait ----------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ across processes:
 - an operator approves or denies it (`approval_decide`: the dashboard and the command);
 - it expires: whoever looks first after ``expires_at`` settles it (a check, a GET, a page,
   the Celery beat sweep, all through `settle_if_due` / `settle_locked`);
-- a kill switch that covers the run cancels it (a check, or the kill-switch fan-out);
+- a kill switch that covers the run cancels it (the kill-switch fan-out, or whoever comes
+  first: a check, the agent's poll, the run page, an operator's decision, which is then
+  refused with 409 ``kill_switch_engaged``: no allow under a switch);
 - the run is finished (runs/check/services.py `run_finish`).
 
 Settling applies `rules.settle` (the run's counters, status and active time), writes the final
@@ -206,17 +208,38 @@ def _locked(run_id: Any) -> tuple[Run, rules.RunState]:
     return run, state_of(run)
 
 
+def covering_kill(run: Any) -> str | None:
+    """The kill switch covering the run, in the words the agent reads; None when none does."""
+    from runs.killswitch import cover
+
+    switch = cover.covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
+    return cover.switch_in_words(switch) if switch is not None else None
+
+
 def settle_if_due(approval: Approval, *, now: datetime | None = None) -> bool:
-    """Whoever looks first after ``expires_at`` settles the expiry (SPEC 11): a GET, a page,
-    the sweep. True when this call expired it."""
+    """Whoever looks first settles what is due (SPEC 11): a GET, a page, the sweep. That is
+    the expiry once ``expires_at`` has passed, and the cancellation of a request whose run a
+    kill switch covers: the fan-out cancels it too, but from the switch's commit on the run's
+    answer is stop / killed (SPEC 4.5), and a look must not wait for a broker to say so.
+    True when this call settled it."""
     now = now or timezone.now()
-    if approval.status != ApprovalStatus.PENDING or now < approval.expires_at:
+    if approval.status != ApprovalStatus.PENDING:
+        return False
+    expired = now >= approval.expires_at
+    if not expired and covering_kill(approval.run) is None:
         return False
     with transaction.atomic():
         run, state = _locked(approval.run_id)
         if state.pending is None or state.pending.approval_id != str(approval.pk):
             return False
-        settled = settle_locked(run=run, state=state, status=rules.EXPIRED, now=now)
+        if expired:
+            settled = settle_locked(run=run, state=state, status=rules.EXPIRED, now=now)
+        else:
+            kill = covering_kill(run)  # again, under the run's lock: it may be released
+            if kill is None:
+                return False
+            settled = settle_locked(run=run, state=state, status=rules.CANCELLED, now=now,
+                                    kill=kill)
     return settled is not None
 
 
@@ -259,7 +282,9 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
     """Approve or deny (SPEC 11). Exactly one decision wins: the run's lock serializes the
     deciders and the conditional UPDATE from ``pending`` lets one through; the other gets 409
     ``approval_decided``. After ``expires_at`` the request expires instead, and the decision
-    is refused with 409 ``approval_expired``. ``team`` None: any team (the command line)."""
+    is refused with 409 ``approval_expired``; under a kill switch covering the run it is
+    cancelled instead, and the decision refused with 409 ``kill_switch_engaged``. ``team``
+    None: any team (the command line)."""
     status = DECISIONS.get(decision)
     if status is None:
         raise ApprovalError(422, "invalid_request", "Decide with approve or deny.",
@@ -274,14 +299,23 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
     if approval is None:
         raise ApprovalError(404, "not_found", "No such approval.")
     expired = False
+    kill = None
     with transaction.atomic():
         run, state = _locked(approval.run_id)
         now = timezone.now()
         current = Approval.objects.get(pk=approval.pk)
         mine = state.pending is not None and state.pending.approval_id == str(approval.pk)
+        if mine and current.status == ApprovalStatus.PENDING and now < current.expires_at:
+            # A kill switch covers the run and its fan-out has not got here yet: an approval
+            # now would be an allow under the switch. The request is cancelled instead.
+            kill = covering_kill(run)
         if current.status == ApprovalStatus.PENDING and mine and now >= current.expires_at:
             expired = settle_locked(run=run, state=state, status=rules.EXPIRED,
                                     now=now) is not None
+        elif current.status == ApprovalStatus.PENDING and mine and kill is not None:
+            if settle_locked(run=run, state=state, status=rules.CANCELLED, now=now,
+                             kill=kill) is None:
+                kill = None
         elif current.status == ApprovalStatus.PENDING and mine:
             settled = settle_locked(run=run, state=state, status=status, now=now, actor=actor,
                                     label=label, note=text)
@@ -293,6 +327,10 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
                               "note": text, "at": now.isoformat()})
                 return Approval.objects.select_related("team", "run").get(pk=approval.pk)
         current.refresh_from_db()
+    if kill is not None:
+        raise ApprovalError(409, "kill_switch_engaged",
+                            f"A kill switch covers the run ({kill}): the request was "
+                            "cancelled and the run killed.")
     if expired or current.status == ApprovalStatus.EXPIRED:
         raise ApprovalError(409, "approval_expired",
                             f"The approval expired at {iso(current.expires_at)}: nobody decided "
@@ -323,8 +361,9 @@ def approval_json(approval: Approval) -> dict[str, Any]:
 
 
 def approval_for_key(key: AgentKey, approval_id: Any) -> Approval | None:
-    """The key's team's approval (an agent-bound key: only its agent's), expiry settled."""
-    approvals = Approval.objects.filter(team_id=key.team_id)
+    """The key's team's approval (an agent-bound key: only its agent's), with what is due
+    (an expiry, a kill switch's cancellation) settled."""
+    approvals = Approval.objects.filter(team_id=key.team_id).select_related("run")
     if key.agent:
         approvals = approvals.filter(run__agent=key.agent)
     approval = approvals.filter(pk=approval_id).first()
