@@ -304,19 +304,18 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
         run, state = _locked(approval.run_id)
         now = timezone.now()
         current = Approval.objects.get(pk=approval.pk)
-        mine = state.pending is not None and state.pending.approval_id == str(approval.pk)
-        if mine and current.status == ApprovalStatus.PENDING and now < current.expires_at:
-            # A kill switch covers the run and its fan-out has not got here yet: an approval
-            # now would be an allow under the switch. The request is cancelled instead.
-            kill = covering_kill(run)
-        if current.status == ApprovalStatus.PENDING and mine and now >= current.expires_at:
+        waiting = (current.status == ApprovalStatus.PENDING and state.pending is not None
+                   and state.pending.approval_id == str(approval.pk))
+        if waiting and now >= current.expires_at:
             expired = settle_locked(run=run, state=state, status=rules.EXPIRED,
                                     now=now) is not None
-        elif current.status == ApprovalStatus.PENDING and mine and kill is not None:
+        elif waiting and (kill := covering_kill(run)) is not None:
+            # A kill switch covers the run and its fan-out has not got here yet: an approval
+            # now would be an allow under the switch. The request is cancelled instead.
             if settle_locked(run=run, state=state, status=rules.CANCELLED, now=now,
                              kill=kill) is None:
                 kill = None
-        elif current.status == ApprovalStatus.PENDING and mine:
+        elif waiting:
             settled = settle_locked(run=run, state=state, status=status, now=now, actor=actor,
                                     label=label, note=text)
             if settled is not None:
