@@ -10,9 +10,10 @@ plays the operator."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -74,9 +75,17 @@ def agent_checks(kind: str, server: Server, token: str, actions: list[tuple[str,
 
 
 def in_background(work: Callable[[], Outcome]) -> Future[Outcome]:
-    pool = ThreadPoolExecutor(max_workers=1)
-    future = pool.submit(work)
-    pool.shutdown(wait=False)
+    """The agent's thread. A daemon: if a test fails while its agent still waits for an
+    operator, the agent must not keep the test process alive until the approval expires."""
+    future: Future[Outcome] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # handed to the test through the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
     return future
 
 
