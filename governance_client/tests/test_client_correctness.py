@@ -409,6 +409,30 @@ def test_a_rate_limited_check_sleeps_and_retries_by_itself() -> None:
     assert len(checks(fake)) == 4  # the third check was sent twice, with one check_id
 
 
+def test_the_fake_counts_a_pending_answer_once_in_the_window_as_the_service_does() -> None:
+    # As on the service (tests/test_approvals_idle_rate.py): the pending answer takes the
+    # slot, its approval none; a denied request keeps its slot.
+    verdicts = iter(["approve", ("deny", "no")])
+    fake = FakeGovernance(approvals=["refund.*"], operator=lambda _a: next(verdicts),
+                          rate_limits=[RateLimit(match="refund.*", max=2, window_s=60)])
+    client = fake.client(wait_budget=0)
+    assert client.start_run("bot").check("refund.issue", {"order": 1}).allowed
+    assert client.start_run("bot").check("refund.issue", {"order": 2}).reason == \
+        "approval_denied"
+    third = client.start_run("bot").check("refund.issue", {"order": 3})
+    assert (third.decision, third.reason) == ("wait", "rate_limited")
+
+
+def test_the_fake_stops_before_it_makes_a_check_wait() -> None:
+    # The rate limits come after rules 1 to 9 (SPEC 12, 15): a loop is a stop, not a wait.
+    fake = FakeGovernance(max_repeat_action=1,
+                          rate_limits=[RateLimit(match="http.*", max=1, window_s=60)])
+    run = fake.client(wait_budget=0).start_run("bot")
+    assert run.check("http.get", {"n": 1}).allowed
+    repeated = run.check("http.get", {"n": 1})
+    assert (repeated.decision, repeated.reason) == ("stop", "loop_detected")
+
+
 def test_a_rate_limit_longer_than_the_wait_budget_is_returned() -> None:
     fake = FakeGovernance(rate_limits=[RateLimit(match="http.*", max=1, window_s=60)])
     run = fake.client(wait_budget=5).start_run("bot")

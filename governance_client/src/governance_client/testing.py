@@ -355,20 +355,23 @@ class FakeGovernance:
             run.state.repeat_counts[key] = run.state.repeat_counts.get(key, 0) + 1
             if check.type == "tool":
                 run.state.tool_calls += 1
-            self._allowed_at.append((self.clock, run.id, run.agent, name))
+            # Its rate-limit slot was taken by the pending answer, not again now (SPEC 12).
             verdict = rules.Decision(outcome=rules.ALLOW, reason=rules.STEP_OK,
                                      step=run.state.steps, repeat_key=key,
                                      repeat_count=run.state.repeat_counts[key])
             return self._answer(run, verdict, now)
-        if run.status == rules.RUNNING and self.kill_switch is None:
+        kill = f"the global kill switch: {self.kill_switch}" if self.kill_switch else None
+        verdict, new = rules.evaluate(self.policy, run.state, check, now=now, kill=kill)
+        if (verdict.answer == rules.ALLOW and run.state.status == rules.RUNNING
+                and self.policy.mode != "shadow"):
+            # The rate limits come after rules 1 to 9 and before approvals (SPEC 12, 15),
+            # as on the service: a check those rules stop is stopped, not made to wait.
             wait = self._rate_limited(run, name)
             if wait is not None:
                 return self._answer(run, None, now) | {
                     "decision": "wait", "reason": "rate_limited", "step": run.steps + 1,
                     "retry_after_s": wait[0], "message": wait[1],
                 }
-        kill = f"the global kill switch: {self.kill_switch}" if self.kill_switch else None
-        verdict, new = rules.evaluate(self.policy, run.state, check, now=now, kill=kill)
         needs_approval = (verdict.answer == rules.ALLOW and run.state.status == rules.RUNNING
                           and any(fnmatchcase(name, p) for p in self.approval_patterns))
         if needs_approval and self.policy.mode != "shadow":
@@ -384,6 +387,8 @@ class FakeGovernance:
                 expires_at=self.clock + self.approval_timeout_s,
             )
             self.approvals[approval.id] = approval
+            # A pending answer takes its rate-limit slot now, whatever comes of it (SPEC 12).
+            self._allowed_at.append((self.clock, run.id, run.agent, name))
             return self._answer(run, None, now) | {
                 "decision": "pending", "reason": "approval_required", "step": new.steps,
                 "approval": self._approval_json(approval)["approval"],
