@@ -285,15 +285,27 @@ def test_a_decision_after_a_kill_switch_covers_the_run_cancels_instead(api, appr
     assert not OperatorEvent.objects.filter(action__startswith="approval.").exists()
 
 
-def test_the_agents_poll_settles_the_cancellation_of_a_covered_run(api, approving, users):
-    """Whoever looks first: the waiting agent learns of the kill from its poll, without
-    waiting for the fan-out."""
+@pytest.mark.parametrize("looker", ["poll", "approvals page", "run page", "runs list"])
+def test_whoever_looks_first_settles_the_cancellation_of_a_covered_run(api, approving, users,
+                                                                       looker):
+    """The fan-out has not run: the waiting agent's poll, or a screen, cancels the request
+    as a check would, so nobody is shown (or waits for) a request the switch has ended."""
     from unittest import mock
 
     run_id, first = pending(api)
     with mock.patch("runs.killswitch.services._enqueue_fanout"):
         killswitch_engage(scope="run", run=Run.objects.get(pk=run_id), reason="enough",
                           actor=users["operator"])
+    viewer = Client()
+    viewer.force_login(users["viewer"])
+    if looker == "approvals page":
+        assert viewer.get(f"/teams/{approving.slug}/approvals/").status_code == 200
+    elif looker == "run page":
+        assert viewer.get(f"/teams/{approving.slug}/runs/{run_id}/").status_code == 200
+    elif looker == "runs list":
+        assert viewer.get(f"/teams/{approving.slug}/runs/").status_code == 200
+    if looker != "poll":
+        assert Approval.objects.get(pk=first["approval"]["id"]).status == "cancelled"
     body = get_approval(api, first["approval"]["id"])
     assert body["status"] == "cancelled"
     assert (body["decision"]["decision"], body["decision"]["reason"]) == ("stop", "killed")

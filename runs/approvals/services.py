@@ -29,6 +29,7 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from governance_client import rules
@@ -37,7 +38,15 @@ from policies.services import audit
 from runs.check import metrics
 from runs.check.policy_cache import rules_for_version
 from runs.live.events import publish_team_event
-from runs.models import Approval, ApprovalStatus, Decision, Run, WebhookDelivery
+from runs.models import (
+    Approval,
+    ApprovalStatus,
+    Decision,
+    KillSwitch,
+    Run,
+    Scope,
+    WebhookDelivery,
+)
 from runs.webhooks.delivery import APPROVAL_DECIDED, APPROVAL_REQUESTED, approval_payload
 
 log = logging.getLogger(__name__)
@@ -385,9 +394,16 @@ def pending_count(team: Team) -> int:
 
 
 def settle_due_for_team(team: Team, *, now: datetime | None = None) -> int:
-    """A page looks: it settles the team's requests past their expiry first."""
+    """A page looks: it settles the team's requests past their expiry first, and, while a
+    kill switch is engaged over any of the team's runs, the requests of the runs it covers
+    (its fan-out may not have got there yet). Without an engaged switch that is one
+    indexed read more."""
     now = now or timezone.now()
-    due = Approval.objects.filter(team=team, status=ApprovalStatus.PENDING, expires_at__lte=now)
+    pending = Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
+    due = list(pending.filter(expires_at__lte=now))
+    engaged = KillSwitch.objects.filter(Q(scope=Scope.GLOBAL) | Q(team=team), active=True)
+    if engaged.exists():
+        due += list(pending.filter(expires_at__gt=now).select_related("run"))
     return sum(settle_if_due(approval, now=now) for approval in due)
 
 
