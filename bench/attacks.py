@@ -1,7 +1,9 @@
 """Clients that try to take the server away from the agents: slow bodies, headers that never
-finish, a viewer's many open live streams. Used by the benchmark's `attacks` phase (the p99
-of valid checks under each, against the same point without it) and by
-tests/test_availability.py (valid checks keep being answered within 2 s under each).
+finish, a viewer's many open live streams, a flood of bad keys from the agents' own address;
+and a Redis that refuses or never answers (`REDIS_FAULTS`: the server is started against it).
+Used by the benchmark's `attacks` phase (the p99 of valid checks under each, against the same
+point without it) and by tests/test_availability.py and tests/test_attacks.py (valid checks
+keep being answered within 2 s under each).
 
 Each attack is one async function in `ATTACKS`, ``attack(target, stop, stats)``: it opens
 its connections, keeps them open (opening again those the server closes) until `stop` is set,
@@ -14,7 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 SLOW_BODY_CONNECTIONS = 200
 UNFINISHED_HEADER_CONNECTIONS = 200
 OPEN_STREAMS = 100
+BAD_KEYS_PER_S = 50
 
 
 @dataclass
@@ -178,20 +185,118 @@ async def open_streams(target: Target, stop: asyncio.Event, stats: AttackStats,
                            for i in range(streams)))
 
 
+async def _bad_key(target: Target, stats: AttackStats, n: int) -> None:
+    """One request with a key that does not exist, on a new connection, as a retrying agent
+    with a revoked key sends it."""
+    request = (f"POST /api/v1/runs HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
+               f"Authorization: Bearer gov_{n % 1000:012d}_revoked\r\n"
+               "Content-Type: application/json\r\nContent-Length: 2\r\n"
+               "Connection: close\r\n\r\n{}").encode()
+    try:
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+    except OSError as exc:
+        stats.errors[f"connect: {type(exc).__name__}"] += 1
+        return
+    stats.opening()
+    try:
+        writer.write(request)
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 10)
+        stats.answers[status.decode(errors="replace").strip()] += 1
+    except (OSError, TimeoutError) as exc:
+        stats.errors[f"bad key: {type(exc).__name__}"] += 1
+    finally:
+        stats.closing()
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def bad_keys(target: Target, stop: asyncio.Event, stats: AttackStats,
+                   per_s: int = BAD_KEYS_PER_S) -> None:
+    """`per_s` requests a second with bad keys, from the address the valid agents use."""
+    started, sent = time.monotonic(), 0
+    pending: set[asyncio.Task[None]] = set()
+    while not stop.is_set():
+        due = started + sent / per_s
+        if await _wait(stop, max(0.0, due - time.monotonic())):
+            break
+        task = asyncio.ensure_future(_bad_key(target, stats, sent))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        sent += 1
+    if pending:
+        await asyncio.wait(pending, timeout=15)
+
+
 async def together(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
     """Every attack above at once."""
     await asyncio.gather(slow_bodies(target, stop, stats),
                          unfinished_headers(target, stop, stats),
-                         open_streams(target, stop, stats))
+                         open_streams(target, stop, stats),
+                         bad_keys(target, stop, stats))
 
 
-# The benchmark measures each entry; the auth helper's attacks (bad keys, Redis) join here.
+async def _no_clients(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
+    """The Redis faults send nothing: the fault is the server's Redis (`REDIS_FAULTS`)."""
+    await stop.wait()
+
+
+# The benchmark measures each entry.
 ATTACKS: dict[str, Attack] = {
     "slow_bodies": slow_bodies,
     "unfinished_headers": unfinished_headers,
     "open_streams": open_streams,
+    "bad_keys": bad_keys,
     "together": together,
+    "redis_refused": _no_clients,
+    "redis_hung": _no_clients,
 }
+
+
+_HUNG_LISTENER = """
+import socket, sys
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen(512)
+print(sock.getsockname()[1], flush=True)
+held = []
+while True:
+    held.append(sock.accept()[0])
+"""
+
+
+class HungRedis:
+    """A loopback port that accepts connections and never answers: a Redis that hangs (a
+    frozen process behind a live kernel). It runs in a process of its own: in the load
+    generator's, its accepting thread would compete with the agents for the interpreter."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", _HUNG_LISTENER],
+                                        stdout=subprocess.PIPE)
+        assert self.process.stdout is not None
+        self.port = int(self.process.stdout.readline())
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def refused_redis_url() -> str:
+    """A Redis URL whose port nothing listens on: every connection is refused at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/0"
+
+
+# Attacks that are a fault of the server's Redis: the phase starts a second server of the
+# same shape against it, and alternates its slices with the healthy server's.
+REDIS_FAULTS = ("redis_refused", "redis_hung")
 
 
 @contextlib.contextmanager

@@ -7,12 +7,15 @@ bench/report.py prints and stores them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -594,6 +597,29 @@ def _watched_run(server: Server, team: Team) -> str:
     return str(response.json()["run_id"])
 
 
+@contextlib.contextmanager
+def _attacked(server: Server, name: str) -> Iterator[Server]:
+    """The server the attack `name` is measured on: `server` itself, or for a Redis fault a
+    second server of the same shape whose REDIS_URL is refused or never answers (ready when
+    it is alive: its readiness is what the fault degrades)."""
+    from . import attacks as at
+
+    if name not in at.REDIS_FAULTS:
+        yield server
+        return
+    hung = at.HungRedis() if name == "redis_hung" else None
+    url = hung.url if hung is not None else at.refused_redis_url()
+    faulted = dataclasses.replace(server, port=0, process=None, log_path=None,
+                                  extra_env={**server.extra_env, "REDIS_URL": url},
+                                  ready_path="/healthz")
+    try:
+        with faulted:
+            yield faulted
+    finally:
+        if hung is not None:
+            hung.close()
+
+
 def attacks(server: Server, team: Team, *, names: list[str], agents: int, seconds: float,
             warmup: float, rounds: int) -> dict[str, Any]:
     """For each attack of bench/attacks.py: the real check at `agents` agents without it and
@@ -608,18 +634,21 @@ def attacks(server: Server, team: Team, *, names: list[str], agents: int, second
         attack = at.ATTACKS[name]
         slices: dict[str, list[Slice]] = {"without": [], "with": []}
         seen: list[dict[str, Any]] = []
-        for _ in range(rounds):
-            slices["without"].append(run_slice(server, team, scenario=REAL, agents=agents,
-                                               seconds=seconds, warmup=warmup))
-            reset_runs()
-            target = at.Target(port=server.port, team_slug=team.slug, session_cookie=cookie,
-                               run_id=_watched_run(server, team))
-            with at.running(attack, target, settle=1.5) as stats:
-                slices["with"].append(run_slice(server, team, scenario=REAL, agents=agents,
-                                                seconds=seconds, warmup=warmup, reset=False))
-            seen.append({"opened": stats.opened, "most_open": stats.most_open,
-                         "answers": dict(stats.answers), "closed_by_server": stats.closed_by_server,
-                         "errors": dict(stats.errors)})
+        with _attacked(server, name) as attacked:
+            for _ in range(rounds):
+                slices["without"].append(run_slice(server, team, scenario=REAL, agents=agents,
+                                                   seconds=seconds, warmup=warmup))
+                reset_runs()
+                target = at.Target(port=attacked.port, team_slug=team.slug,
+                                   session_cookie=cookie, run_id=_watched_run(attacked, team))
+                with at.running(attack, target, settle=1.5) as stats:
+                    slices["with"].append(run_slice(attacked, team, scenario=REAL,
+                                                    agents=agents, seconds=seconds,
+                                                    warmup=warmup, reset=False))
+                seen.append({"opened": stats.opened, "most_open": stats.most_open,
+                             "answers": dict(stats.answers),
+                             "closed_by_server": stats.closed_by_server,
+                             "errors": dict(stats.errors)})
         without = summarize(slices["without"], scenario=REAL, agents=agents)
         under = summarize(slices["with"], scenario=REAL, agents=agents)
         out["attacks"][name] = {

@@ -158,6 +158,7 @@ class Server:
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     metrics_token: str = "bench-metrics-token"
+    ready_path: str = "/readyz"  # what says the server is up (a faulted one: /healthz)
 
     @property
     def url(self) -> str:
@@ -181,7 +182,7 @@ class Server:
                 raise RuntimeError(
                     f"server exited with {self.process.returncode}: {self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200 and \
+                if httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200 and \
                         len(self.worker_pids()) >= self.workers:
                     return self
             except httpx.HTTPError:
