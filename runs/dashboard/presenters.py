@@ -18,7 +18,8 @@ from governance_client import rules
 from policies.models import Team
 from runs.audit.selectors import elapsed_s
 from runs.dashboard import selectors as dashboard
-from runs.models import Decision, Run, RunStatus
+from runs.killswitch.selectors import engaged_for_team
+from runs.models import Decision, Run, RunStatus, Scope
 
 ARGS_PREVIEW_CHARS = 80
 ARGS_FULL_CHARS = 4000
@@ -228,9 +229,6 @@ def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, An
 
 def killswitch_context(team: Team) -> dict[str, Any]:
     """The kill switch page's live parts: what is engaged and what may still be engaged."""
-    from runs.killswitch.services import engaged_for_team
-    from runs.models import Scope
-
     engaged = engaged_for_team(team)
     return {
         "team": team,

@@ -34,6 +34,7 @@ from policies.services import audit
 from runs.check.policy_cache import rules_for_version
 from runs.check.services import state_of
 from runs.killswitch import cover
+from runs.killswitch.selectors import engaged_switch
 from runs.live.events import publish_team_event
 from runs.models import Decision, KillSwitch, Run, Scope, WebhookDelivery
 from runs.webhooks.delivery import PENDING, payload_for
@@ -265,15 +266,6 @@ class FanoutPublisher:
 
 fanout_publisher = FanoutPublisher()
 atexit.register(fanout_publisher.flush)
-
-
-def covered_running(target: Target) -> QuerySet[Run]:
-    """The running runs a switch on this target would stop (for the confirmation step)."""
-    return Run.objects.filter(target.cover(), status=rules.RUNNING)
-
-
-def engaged_switch(target: Target) -> KillSwitch | None:
-    return KillSwitch.objects.filter(target=target.key, active=True).first()
 
 
 def killswitch_engage(
@@ -609,24 +601,3 @@ def stale_work(*, now: datetime | None = None) -> tuple[list[int], list[tuple[in
         status=PENDING, created_at__lt=cutoff).values_list("pk", "attempts")]
     return fanouts, deliveries
 
-
-# --- Reads for screens ---------------------------------------------------------------------
-
-def engaged_for_team(team: Team) -> list[KillSwitch]:
-    """Engaged switches covering the team, for its banner and kill switch page. A run switch
-    is listed only while its run is running: once the run is killed (and a killed run stays
-    killed) it has nothing left to guard."""
-    return list(
-        KillSwitch.objects.filter(active=True)
-        .filter(cover.team_switches(team.pk)
-                | Q(scope=Scope.RUN, team=team, run__status=rules.RUNNING))
-        .select_related("team", "run")
-        .order_by("engaged_at", "pk")
-    )
-
-
-def history_for_team(team: Team, *, limit: int = 50) -> list[KillSwitch]:
-    return list(
-        KillSwitch.objects.filter(Q(scope=Scope.GLOBAL) | Q(team=team))
-        .select_related("team", "run").order_by("-engaged_at", "-pk")[:limit]
-    )
