@@ -252,7 +252,7 @@ def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
     """Start attempt ``number`` after ``delay`` seconds: a Celery task on the kill-switch
     queue, or, in the embedded default (no Redis, eager tasks), a background thread, since
     an eager task would run the whole backoff inside the engaging request."""
-    from runs.killswitch.tasks import webhook_deliver_task
+    from runs.webhooks.tasks import webhook_deliver_task
 
     # The task's own app (the project's Celery app once it is loaded), not an import of it.
     if webhook_deliver_task.app.conf.task_always_eager:
