@@ -29,9 +29,9 @@ from runs.check.check_store import (
     PostgresCheck,
     RateRead,
     RunRow,
-    RunUpdate,
     StaleConnection,
     check_transaction,
+    state_of,
 )
 from runs.check.policy_cache import rules_for_version
 from runs.killswitch import cover
@@ -47,20 +47,6 @@ class ServiceError(Exception):
     def __init__(self, status: int, code: str, message: str, fields: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.fields = status, code, message, fields or {}
-
-
-def state_of(run: Run | RunRow) -> rules.RunState:
-    """The rules' view of a run, from the ORM row or the check's own read (same fields)."""
-    return rules.RunState(
-        started_at=run.started_at,
-        status=run.status,
-        stop_reason=run.stop_reason,
-        ended_at=run.ended_at,
-        steps=run.steps,
-        tool_calls=run.tool_calls,
-        cost_usd=Decimal(run.cost_usd),
-        idle_deadline=run.idle_deadline,
-    ).load_memory(run.memory)
 
 
 def run_start(
@@ -306,7 +292,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
             if len(_RUN_FACTS) >= _RUN_FACTS_MAX:
                 _RUN_FACTS.clear()
             _RUN_FACTS[run.id] = (run.team_id, run.agent, run.policy_version_id)
-        state = state_of(run)
+        state = run.state
         policy = rules_for_version(run.policy_version_id)
         if isinstance(tx, PostgresCheck) and _involves_approvals(
                 policy, state, locked.earlier_answer, req.name):
@@ -375,14 +361,6 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
                       "directive": None, "shadow": None, "check_id": check_id}
             # The check_id stays free: the client may upload its own decision for it.
             check_id = None
-        update = None
-        if new_state is not state or rows:
-            update = RunUpdate(
-                status=new_state.status, stop_reason=new_state.stop_reason,
-                ended_at=new_state.ended_at, steps=new_state.steps,
-                tool_calls=new_state.tool_calls, cost_usd=new_state.cost_usd,
-                memory=new_state.memory(), idle_deadline=new_state.idle_deadline,
-            )
         waited = decision.outcome == rules.WAIT
         # A pending answer takes its hit now, not again once approved (SPEC 12, 15).
         counted = decision.outcome in (rules.ALLOW, rules.WOULD_STOP, rules.PENDING)
@@ -400,7 +378,9 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
         ))
         hit = HitRow(team_id=run.team_id, agent=run.agent, action_name=req.name) \
             if counted else None
-        decision_id = tx.write(run_id=run.id, update=update, rows=rows, hit=hit)
+        # The rules give a new state only when something changed; an abandonment ended it.
+        changed = new_state if new_state is not state or rows else None
+        decision_id = tx.write(run_id=run.id, state=changed, rows=rows, hit=hit)
         if decision.outcome == rules.PENDING:
             assert new_state.pending is not None  # only on the portable path, in its atomic
             approvals.approval_open(

@@ -31,8 +31,8 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import Team
 from policies.services import audit
+from runs.check.check_store import RUN_COLUMNS, state_of
 from runs.check.policy_cache import rules_for_version
-from runs.check.services import state_of
 from runs.killswitch import cover
 from runs.killswitch.selectors import engaged_switch
 from runs.live.events import publish_team_event
@@ -449,9 +449,7 @@ def _settle_pending(switch: KillSwitch, run_ids: list[Any]) -> set[Any]:
 
     settled = set()
     now = timezone.now()
-    for run in (Run.objects.filter(pk__in=run_ids)
-                .only("id", "team_id", "policy_version_id", "status", "stop_reason", "steps",
-                      "tool_calls", "cost_usd", "started_at", "ended_at", "memory")):
+    for run in Run.objects.filter(pk__in=run_ids).only(*RUN_COLUMNS):
         state = state_of(run)
         if state.pending is not None and state.status == rules.RUNNING and settle_locked(
                 run=run, state=state, status=rules.CANCELLED, now=now,
