@@ -237,7 +237,7 @@ def killswitch_context(team: Team) -> dict[str, Any]:
         "team_engaged": any(s.scope == Scope.TEAM for s in engaged),
         "engaged_agents": sorted(s.agent for s in engaged if s.scope == Scope.AGENT),
         "agents": dashboard.agents_of(team),
-        "running": Run.objects.filter(team=team, status="running").count(),
+        "running": Run.objects.filter(team=team, status=RunStatus.RUNNING).count(),
         "agent_pattern": rules.AGENT_NAME_PATTERN,
     }
 
@@ -305,7 +305,7 @@ def run_approval_context(run: Run, now: datetime | None = None) -> dict[str, Any
     """The run page's pending banner: the request the run waits for, if any."""
     from runs.approvals.services import pending_for_run, settle_if_due
 
-    pending = pending_for_run(run) if run.status == "running" else None
+    pending = pending_for_run(run) if run.status == RunStatus.RUNNING else None
     if pending is not None and settle_if_due(pending, now=now):
         pending = None
     return {"approval": approval_card(pending, now) if pending is not None else None}
