@@ -12,4 +12,5 @@ app.autodiscover_tasks()
 # The runs app keeps its tasks in its parts (docs/architecture.md), not in one runs/tasks.py.
 # Their names stay the ones they were queued under ("runs.tasks.*", "policies.tasks.*") so
 # messages already in a queue when an installation upgrades are still understood.
-app.autodiscover_tasks(["runs.killswitch", "runs.audit", "runs.check", "runs.approvals"])
+app.autodiscover_tasks(["runs.killswitch", "runs.webhooks", "runs.audit", "runs.check",
+                       "runs.approvals"])

@@ -62,6 +62,12 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
      "backtests only read: nothing of the policies or the runs depends on them"),
     ("backtests/probe.py", "from governance.celery import app",
      "the apps use only the project's shared web module"),
+    ("runs/webhooks/probe.py", "from runs.killswitch.tasks import killswitch_fanout_task",
+     "webhooks are a transport: they know nothing of what sends them"),
+    ("runs/killswitch/selectors.py", "from runs.killswitch.services import killswitch_engage",
+     "the kill switch and webhook reads change nothing"),
+    ("runs/webhooks/selectors.py", "from runs.live.events import publish_team_event",
+     "the kill switch and webhook reads change nothing"),
 ])
 def test_a_forbidden_import_breaks_its_contract(copy: Path, module: str, line: str,
                                                  contract: str) -> None:

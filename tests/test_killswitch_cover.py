@@ -17,7 +17,7 @@ from policies.services import agent_key_create
 from runs.check import check_store
 from runs.check.services import _insert_unless_switched
 from runs.killswitch import cover
-from runs.killswitch.services import engaged_for_team
+from runs.killswitch.selectors import engaged_for_team
 from runs.models import KillSwitch, Run, Scope
 
 pytestmark = pytest.mark.django_db

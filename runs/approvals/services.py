@@ -36,6 +36,7 @@ from governance_client import rules
 from policies.models import AgentKey, Team
 from policies.services import audit
 from runs.check import metrics
+from runs.check.check_store import state_of
 from runs.check.policy_cache import rules_for_version
 from runs.live.events import publish_team_event
 from runs.models import (
@@ -211,8 +212,6 @@ def _notify(approval: Approval, event: str) -> None:
 
 
 def _locked(run_id: Any) -> tuple[Run, rules.RunState]:
-    from runs.check.services import state_of
-
     run = Run.objects.select_for_update().get(pk=run_id)
     return run, state_of(run)
 

@@ -29,6 +29,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from governance_client import rules
+from runs.check.check_store import RUN_COLUMNS, state_of
 from runs.check.policy_cache import rules_for_version
 from runs.live.events import publish_run_event
 from runs.models import Decision, Run
@@ -42,13 +43,11 @@ SWEEP_BATCH = 500
 def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
     """End one overdue run under its lock; None when, once locked, it is not overdue any more
     (a check or a finish came first) or is already over."""
-    from runs.check.services import abandon_answer, state_of
+    from runs.check.services import abandon_answer
 
     with transaction.atomic():
         run = (Run.objects.select_for_update()
-               .only("id", "team_id", "agent", "policy_version_id", "status", "stop_reason",
-                     "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory",
-                     "idle_deadline")
+               .only(*RUN_COLUMNS)
                .filter(pk=run_id).first())
         if run is None:
             return None

@@ -13,7 +13,6 @@ import logging
 import time
 import uuid
 from datetime import UTC
-from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from django.conf import settings
@@ -35,7 +34,6 @@ from runs.audit import selectors
 from runs.check import metrics
 from runs.check import schemas as s
 from runs.check.services import (
-    CheckRequest,
     ServiceError,
     run_check,
     run_finish,
@@ -45,7 +43,6 @@ from runs.check.services import (
 from runs.live.events import awakeups
 
 log = logging.getLogger(__name__)
-MICRO = Decimal("0.000001")
 
 
 def _reject_constant(name: str) -> None:
@@ -286,18 +283,8 @@ def check(request: HttpRequest, run_id: str, payload: s.CheckIn) -> HttpResponse
 
 
 def _check(request: HttpRequest, run_id: uuid.UUID, payload: s.CheckIn) -> HttpResponse:
-    cost = Decimal(str(payload.cost_usd or 0)).quantize(MICRO, rounding=ROUND_HALF_UP)
-    last = payload.last_result
-    req = CheckRequest(
-        name=payload.action.name, type=payload.action.type, args=payload.action.args or {},
-        progress=payload.progress,
-        last_result={k: v for k, v in (("status", last.status), ("digest", last.digest),
-                                       ("error", last.error), ("summary", last.summary))
-                     if v is not None} if last is not None else None,
-        cost_usd=cost, check_id=payload.check_id,
-        deadline=_deadline(request, payload.deadline_ms),
-    )
-    answer = run_check(claim=request.auth, run_id=run_id, req=req)
+    answer = run_check(claim=request.auth, run_id=run_id, check=payload.to_check(),
+                       deadline=_deadline(request, payload.deadline_ms))
     return HttpResponse(json.dumps(answer), content_type="application/json")
 
 

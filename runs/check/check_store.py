@@ -55,7 +55,7 @@ from django.db import (
     connection,
     transaction,
 )
-from governance_client.rules import RateLimit, RateWindow
+from governance_client.rules import RateLimit, RateWindow, RunState
 
 from policies.models import AgentKey
 from runs.check.rate_limits import (
@@ -69,24 +69,43 @@ from runs.check.rate_limits import (
 from runs.killswitch import cover
 from runs.models import Decision, RateHit, Run, RunStatus
 
+# A run's columns that make its state as the rules see it (rules.RunState), in the order the
+# lock statement returns them; the rest of what the check reads of a run never changes (its
+# id, team, agent, policy version). The lock statement, the ORM's read and the write take
+# their column lists from here, and `state_of` is the one translation into a RunState.
+STATE_COLUMNS = ("status", "stop_reason", "steps", "tool_calls", "cost_usd", "started_at",
+                 "ended_at", "memory", "idle_deadline")
+RUN_COLUMNS = ("id", "team_id", "agent", "policy_version_id", *STATE_COLUMNS)
+# What a check may change: everything of the state but its start.
+UPDATE_FIELDS = tuple(name for name in STATE_COLUMNS if name != "started_at")
+
+
+def run_state(*, status: str, stop_reason: str | None, steps: int, tool_calls: int,
+              cost_usd: Decimal, started_at: datetime, ended_at: datetime | None,
+              memory: dict[str, Any] | None, idle_deadline: datetime | None) -> RunState:
+    """The rules' view of a run, from its STATE_COLUMNS."""
+    return RunState(
+        started_at=started_at, status=status, stop_reason=stop_reason, ended_at=ended_at,
+        steps=steps, tool_calls=tool_calls, cost_usd=Decimal(cost_usd),
+        idle_deadline=idle_deadline,
+    ).load_memory(memory or {})
+
+
+def state_of(run: Run) -> RunState:
+    """The rules' view of a run read by the ORM."""
+    return run_state(**{name: getattr(run, name) for name in STATE_COLUMNS})
+
 
 @dataclass(slots=True)
 class RunRow:
-    """The run columns the check reads; `pk` and `team_id` also serve publish_run_event."""
+    """The locked run: what never changes about it, and its state as read under the lock.
+    `pk` and `team_id` also serve publish_run_event and the approvals' services."""
 
     id: uuid.UUID
     team_id: int
     agent: str
     policy_version_id: int
-    status: str
-    stop_reason: str | None
-    steps: int
-    tool_calls: int
-    cost_usd: Decimal
-    started_at: datetime
-    ended_at: datetime | None
-    memory: dict[str, Any]
-    idle_deadline: datetime | None = None
+    state: RunState
 
     @property
     def pk(self) -> uuid.UUID:
@@ -116,20 +135,6 @@ class RateRead:
     rules: tuple[RateLimit, ...]
     team_id: int
     agent: str
-
-
-@dataclass(slots=True)
-class RunUpdate:
-    """A run's new state after a check: exactly the columns the check's write updates."""
-
-    status: str
-    stop_reason: str | None
-    ended_at: datetime | None
-    steps: int
-    tool_calls: int
-    cost_usd: Decimal
-    memory: dict[str, Any]
-    idle_deadline: datetime | None = None
 
 
 @dataclass(slots=True)
@@ -172,19 +177,20 @@ class SwitchSeen:
     engaged_by_label: str
 
 
-# The columns are the model's and the two dataclasses' own, written once each: the SQL below,
-# both writes and tests/test_check_store_shapes.py take them from there.
+# The columns are the model's and DecisionRow's own, written once each: the SQL below, both
+# writes and tests/test_check_store_shapes.py take them from there.
 DECISION_COLUMNS = tuple(f.column for f in Decision._meta.concrete_fields if not f.primary_key)
 ROW_FIELDS = tuple(f.name for f in fields(DecisionRow))
-UPDATE_FIELDS = tuple(f.name for f in fields(RunUpdate))
 
 
 def _row_values(row: DecisionRow) -> dict[str, Any]:
     return {name: getattr(row, name) for name in ROW_FIELDS}
 
 
-def _update_values(update: RunUpdate) -> dict[str, Any]:
-    return {name: getattr(update, name) for name in UPDATE_FIELDS}
+def _update_values(state: RunState) -> dict[str, Any]:
+    """The run's new columns: its memory is the state's JSON form, the rest attributes."""
+    return {name: state.memory() if name == "memory" else getattr(state, name)
+            for name in UPDATE_FIELDS}
 
 
 class DuplicateCheck(Exception):
@@ -208,8 +214,9 @@ class CheckTransaction(Protocol):
                      ) -> list[RateWindow]:
         ...
 
-    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, rows: list[DecisionRow],
+    def write(self, *, run_id: uuid.UUID, state: RunState | None, rows: list[DecisionRow],
               hit: HitRow | None = None) -> int:
+        """Store the audit records, the run's new state (None: unchanged) and the hit."""
         ...
 
 
@@ -236,15 +243,13 @@ def check_transaction(*, portable: bool = False) -> Iterator[CheckTransaction]:
 # committed before this check began is always seen (SPEC 4.5).
 LOCK_SQL = f"""
 SELECT k.id, k.key_hash, k.last_used_at, k.team_id, t.slug,
-       r.id, r.agent, r.policy_version_id, r.status, r.stop_reason, r.steps, r.tool_calls,
-       r.cost_usd, r.started_at, r.ended_at, r.memory, r.idle_deadline,
+       {", ".join(f"r.{name}" for name in RUN_COLUMNS if name != "team_id")},
        s.scope, s.agent, s.reason, s.engaged_by_label,
        d.id, d.answer
 FROM policies_agentkey k
 JOIN policies_team t ON t.id = k.team_id
 LEFT JOIN LATERAL (
-    SELECT id, team_id, agent, policy_version_id, status, stop_reason, steps, tool_calls,
-           cost_usd, started_at, ended_at, memory, idle_deadline
+    SELECT {", ".join(RUN_COLUMNS)}
     FROM runs_run WHERE id = $1 AND team_id = k.team_id
         AND (k.agent = '' OR runs_run.agent = k.agent)  -- an agent-bound key (SPEC 10)
     FOR UPDATE
@@ -392,12 +397,10 @@ class PostgresCheck:
             return None
         run = None
         if row[5] is not None:
-            run = RunRow(
-                id=row[5], team_id=row[3], agent=row[6], policy_version_id=row[7],
-                status=row[8], stop_reason=row[9], steps=row[10], tool_calls=row[11],
-                cost_usd=row[12], started_at=row[13], ended_at=row[14],
-                memory=_loaded(row[15]) or {}, idle_deadline=row[16],
-            )
+            state = dict(zip(STATE_COLUMNS, row[8:17], strict=True))
+            state["memory"] = _loaded(state["memory"])
+            run = RunRow(id=row[5], team_id=row[3], agent=row[6], policy_version_id=row[7],
+                         state=run_state(**state))
         switch = None
         if row[17] is not None:
             switch = SwitchSeen(scope=row[17], agent=row[18], reason=row[19],
@@ -429,10 +432,10 @@ class PostgresCheck:
         assert row is not None
         return windows_from_row(rules, row)
 
-    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, rows: list[DecisionRow],
+    def write(self, *, run_id: uuid.UUID, state: RunState | None, rows: list[DecisionRow],
               hit: HitRow | None = None) -> int:
         decisions = _dumps([{"run_id": run_id, **_row_values(row)} for row in rows])
-        runs = _dumps([{"id": run_id, **_update_values(update)}] if update is not None else [])
+        runs = _dumps([{"id": run_id, **_update_values(state)}] if state is not None else [])
         hits = _dumps([{"team_id": hit.team_id, "agent": hit.agent, "run_id": run_id,
                         "action_name": hit.action_name}] if hit is not None else [])
         sql, params = EXECUTE_WRITE, (decisions, runs, hits)
@@ -491,24 +494,13 @@ class OrmCheck:
             runs = Run.objects.select_for_update().filter(team_id=key.team_id, pk=run_id)
             if key.agent:  # an agent-bound key: other agents' runs are not there (SPEC 10)
                 runs = runs.filter(agent=key.agent)
-            run_row = (
-                runs
-                .only("id", "team_id", "agent", "policy_version_id", "status", "stop_reason",
-                      "steps", "tool_calls", "cost_usd", "started_at", "ended_at", "memory",
-                      "idle_deadline")
-                .first()
-            )
+            run_row = runs.only(*RUN_COLUMNS).first()
             run = switch = earlier = None
             if run_row is not None:
-                run = RunRow(
-                    id=run_row.pk, team_id=run_row.team_id, agent=run_row.agent,
-                    policy_version_id=run_row.policy_version_id, status=run_row.status,
-                    stop_reason=run_row.stop_reason, steps=run_row.steps,
-                    tool_calls=run_row.tool_calls, cost_usd=Decimal(run_row.cost_usd),
-                    started_at=run_row.started_at, ended_at=run_row.ended_at,
-                    memory=run_row.memory or {}, idle_deadline=run_row.idle_deadline,
-                )
-                if run.status == RunStatus.RUNNING:
+                run = RunRow(id=run_row.pk, team_id=run_row.team_id, agent=run_row.agent,
+                             policy_version_id=run_row.policy_version_id,
+                             state=state_of(run_row))
+                if run.state.status == RunStatus.RUNNING:
                     switch = cover.covering_switch(team_id=run.team_id, agent=run.agent,
                                                   run_id=run.id)
                 if check_id is not None:
@@ -544,12 +536,12 @@ class OrmCheck:
         finally:
             self.db_seconds += time.perf_counter() - started
 
-    def write(self, *, run_id: uuid.UUID, update: RunUpdate | None, rows: list[DecisionRow],
+    def write(self, *, run_id: uuid.UUID, state: RunState | None, rows: list[DecisionRow],
               hit: HitRow | None = None) -> int:
         started = time.perf_counter()
         try:
-            if update is not None:
-                Run.objects.filter(pk=run_id).update(**_update_values(update))
+            if state is not None:
+                Run.objects.filter(pk=run_id).update(**_update_values(state))
             if hit is not None:
                 at = None
                 if connection.vendor == "postgresql":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from datetime import datetime
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Annotated, Any, Literal
 from uuid import UUID
 
@@ -18,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, StrictFloat, StrictInt, StrictSt
 from governance_client import rules
 
 MAX_DEPTH = 32
+MICRO_USD = Decimal("0.000001")  # costs are counted in millionths of a dollar
 
 
 def _text_problem(text: str) -> str | None:
@@ -215,6 +217,22 @@ class CheckIn(BaseModel):
     # the check (README "Deadlines"): past it the check is audited `expired` and not counted.
     deadline_ms: (Annotated[StrictInt, Field(ge=1, le=600_000)]
                   | Annotated[StrictFloat, Field(ge=1, le=600_000)] | None) = None
+
+    def to_check(self) -> rules.Check:
+        """The check as the rules take it, which is the shape the services decide and audit
+        it in: no other request object on the way (the deadline is the transport's, passed
+        beside it). The cost becomes exact millionths of a dollar, rounded half up."""
+        last = self.last_result
+        return rules.Check(
+            name=self.action.name, type=self.action.type, args=self.action.args or {},
+            progress=self.progress,
+            last_result=None if last is None else rules.LastResult(
+                status=last.status, digest=last.digest, error=last.error,
+                summary=last.summary),
+            cost_usd=Decimal(str(self.cost_usd or 0)).quantize(MICRO_USD,
+                                                               rounding=ROUND_HALF_UP),
+            check_id=self.check_id,
+        )
 
 
 class LocalDecisionIn(BaseModel):

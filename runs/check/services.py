@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
@@ -29,9 +29,9 @@ from runs.check.check_store import (
     PostgresCheck,
     RateRead,
     RunRow,
-    RunUpdate,
     StaleConnection,
     check_transaction,
+    state_of,
 )
 from runs.check.policy_cache import rules_for_version
 from runs.killswitch import cover
@@ -47,20 +47,6 @@ class ServiceError(Exception):
     def __init__(self, status: int, code: str, message: str, fields: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.fields = status, code, message, fields or {}
-
-
-def state_of(run: Run | RunRow) -> rules.RunState:
-    """The rules' view of a run, from the ORM row or the check's own read (same fields)."""
-    return rules.RunState(
-        started_at=run.started_at,
-        status=run.status,
-        stop_reason=run.stop_reason,
-        ended_at=run.ended_at,
-        steps=run.steps,
-        tool_calls=run.tool_calls,
-        cost_usd=Decimal(run.cost_usd),
-        idle_deadline=run.idle_deadline,
-    ).load_memory(run.memory)
 
 
 def run_start(
@@ -163,19 +149,6 @@ def _insert_unless_switched(run: Run) -> bool:
     return inserted
 
 
-@dataclass(frozen=True)
-class CheckRequest:
-    name: str
-    type: str
-    args: dict[str, Any]
-    progress: str | int | float | None
-    last_result: dict[str, Any] | None
-    cost_usd: Decimal
-    check_id: str | None
-    #: time.monotonic() past which the agent no longer waits for the answer (None: no limit)
-    deadline: float | None = None
-
-
 EXPIRED = "expired"
 DEADLINE_EXPIRED = "deadline_expired"
 
@@ -231,9 +204,11 @@ def abandon_row(state: rules.RunState, policy: rules.Policy, now: Any) -> Decisi
 UNAUTHORIZED = "A valid agent key is required (Authorization: Bearer)."
 
 
-def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[str, Any]:
+def run_check(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
+              deadline: float | None = None) -> dict[str, Any]:
     """Decide one check and answer it (SPEC 4, 5.2): authenticate the key, lock the run,
     apply the pure rules, store the new state and the audit record in one transaction.
+    ``deadline``: the time.monotonic() past which the agent no longer waits for the answer.
 
     The key is looked up in the statement that locks the run (runs/check/check_store.py), so a
     check costs two round trips to PostgreSQL; a revoked or unknown key answers 401, another
@@ -242,7 +217,8 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest) -> dict[
     portable = False
     for attempt in (1, 2, 3):
         try:
-            return _check_once(claim=claim, run_id=run_id, req=req, portable=portable)
+            return _check_once(claim=claim, run_id=run_id, check=check, deadline=deadline,
+                               portable=portable)
         except _Portable:
             # Approvals are involved: decided again, from the start, on the ORM path.
             portable = True
@@ -289,14 +265,24 @@ def _involves_approvals(policy: rules.Policy, state: rules.RunState, first: Any,
             or (policy.mode != "shadow" and rules.approval_pattern(policy, name) is not None))
 
 
-def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
-                portable: bool = False) -> dict[str, Any]:
+def _last_result_json(last: rules.LastResult | None) -> dict[str, Any] | None:
+    """A check's last_result as its audit record keeps it: the fields the agent sent."""
+    if last is None:
+        return None
+    return {name: value for name, value in (("status", last.status), ("digest", last.digest),
+                                            ("error", last.error), ("summary", last.summary))
+            if value is not None}
+
+
+def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
+                deadline: float | None, portable: bool = False) -> dict[str, Any]:
     # The order of SPEC 15: an idle run is ended first, then a terminal run answers its stop,
     # then a replay, then the 409 of a run waiting for an approval, then rules 1 to 9, the
     # rate limits, the approvals, and the allow.
     with check_transaction(portable=portable) as tx:
-        rate = _rate_read(run_id, req.name)
-        locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=req.check_id, rate=rate)
+        rate = _rate_read(run_id, check.name)
+        locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=check.check_id,
+                         rate=rate)
         if locked is None or not agent_key_matches(claim, locked.key_hash):
             raise ServiceError(401, "unauthorized", UNAUTHORIZED)
         run = locked.run
@@ -306,10 +292,10 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
             if len(_RUN_FACTS) >= _RUN_FACTS_MAX:
                 _RUN_FACTS.clear()
             _RUN_FACTS[run.id] = (run.team_id, run.agent, run.policy_version_id)
-        state = state_of(run)
+        state = run.state
         policy = rules_for_version(run.policy_version_id)
         if isinstance(tx, PostgresCheck) and _involves_approvals(
-                policy, state, locked.earlier_answer, req.name):
+                policy, state, locked.earlier_answer, check.name):
             raise _Portable()
         now = timezone.now()
         rows: list[DecisionRow] = []
@@ -321,17 +307,16 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
         first = locked.earlier_answer
         if state.pending is not None or (first is not None
                                          and first[1].get("decision") == rules.PENDING):
-            state, first = _settle_on_check(run, state, first, req, now=now, kill=kill)
+            state, first = _settle_on_check(run, state, first, check, now=now, kill=kill)
         if state.status == rules.KILLED:
             state.stop_detail = kill_detail(run.id)
-        check_id = req.check_id
         if first is not None:
             first_id, first_answer = first
             if not rows and rules.replay_allowed(state, first_answer.get("decision", "")):
                 return {**ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}
             # The first answer was an allow and the run is over: answer the run's stop, as
             # a new audited decision (the retry must not leak an allow, SPEC 4.5).
-            check_id = None
+            check = replace(check, check_id=None)
         if state.status == rules.RUNNING and state.pending is not None:
             pending = state.pending
             raise ServiceError(
@@ -340,22 +325,14 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
                 f"{pending.action_name} (check_id {pending.check_id!r}): resend that check, "
                 f"or wait with GET /api/v1/approvals/{pending.approval_id}.",
                 {"approval_id": pending.approval_id, "check_id": pending.check_id})
-        last = req.last_result
-        check = rules.Check(
-            name=req.name, type=req.type, args=req.args, progress=req.progress,
-            last_result=rules.LastResult(
-                status=last["status"], digest=last.get("digest"), error=last.get("error"),
-                summary=last.get("summary"),
-            ) if last else None,
-            cost_usd=req.cost_usd, check_id=check_id,
-        )
+        check_id = check.check_id
         missing = rules.check_id_missing(policy, state, check, kill=kill)
         if missing is not None:
             raise ServiceError(422, "invalid_request", "The request is not valid.",
                                {"check_id": missing})
         windows: list[rules.RateWindow] = []
         if state.status == rules.RUNNING and kill is None:
-            matching = rules.rate_limits_matching(policy, req.name)
+            matching = rules.rate_limits_matching(policy, check.name)
             if locked.windows is not None and rate is not None and rate.rules == matching:
                 windows = locked.windows
             elif matching:
@@ -363,8 +340,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
         decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
                                              rate=windows, approval_id=str(uuid.uuid4()))
         answer = _answer_of(decision, new_state, policy, now)
-        if new_state is not state and req.deadline is not None \
-                and time.monotonic() > req.deadline:
+        if new_state is not state and deadline is not None and time.monotonic() > deadline:
             # The agent gave up on this check (its deadline_ms passed while the check waited,
             # for the run's lock usually): it will not run the action, so nothing is counted,
             # and the audit says so instead of recording an allow that never ran.
@@ -375,37 +351,32 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
                       "directive": None, "shadow": None, "check_id": check_id}
             # The check_id stays free: the client may upload its own decision for it.
             check_id = None
-        update = None
-        if new_state is not state or rows:
-            update = RunUpdate(
-                status=new_state.status, stop_reason=new_state.stop_reason,
-                ended_at=new_state.ended_at, steps=new_state.steps,
-                tool_calls=new_state.tool_calls, cost_usd=new_state.cost_usd,
-                memory=new_state.memory(), idle_deadline=new_state.idle_deadline,
-            )
         waited = decision.outcome == rules.WAIT
         # A pending answer takes its hit now, not again once approved (SPEC 12, 15).
         counted = decision.outcome in (rules.ALLOW, rules.WOULD_STOP, rules.PENDING)
-        args = rules.redact(req.args, policy.redact_args)
+        args = rules.redact(check.args, policy.redact_args)
         rows.append(DecisionRow(
             step=decision.step, outcome=decision.outcome, reason=decision.reason,
-            action_name=req.name, action_type=req.type,
+            action_name=check.name, action_type=check.type,
             args=args, repeat_key=decision.repeat_key,
             repeat_count=decision.repeat_count,
             # A wait keeps no check_id: the same check_id is decided again (SPEC 12), and
             # its cost is not registered (the agent sends it again).
-            check_id=None if waited else check_id, progress=req.progress,
-            last_result=last, cost_usd=Decimal(0) if waited else req.cost_usd, answer=answer,
+            check_id=None if waited else check_id, progress=check.progress,
+            last_result=_last_result_json(check.last_result),
+            cost_usd=Decimal(0) if waited else check.cost_usd, answer=answer,
             at=now, elapsed_s=new_state.elapsed_s(now),
         ))
-        hit = HitRow(team_id=run.team_id, agent=run.agent, action_name=req.name) \
+        hit = HitRow(team_id=run.team_id, agent=run.agent, action_name=check.name) \
             if counted else None
-        decision_id = tx.write(run_id=run.id, update=update, rows=rows, hit=hit)
+        # The rules give a new state only when something changed; an abandonment ended it.
+        changed = new_state if new_state is not state or rows else None
+        decision_id = tx.write(run_id=run.id, state=changed, rows=rows, hit=hit)
         if decision.outcome == rules.PENDING:
             assert new_state.pending is not None  # only on the portable path, in its atomic
             approvals.approval_open(
                 run=run, pending=new_state.pending, args=args,
-                pattern=rules.approval_pattern(policy, req.name) or "", decision_id=decision_id)
+                pattern=rules.approval_pattern(policy, check.name) or "", decision_id=decision_id)
     # Committed: the agent must get this answer, so nothing below may raise (each of these
     # only logs its own failure).
     metrics.decision_made(team=locked.team_slug, outcome=decision.outcome,
@@ -424,7 +395,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, req: CheckRequest,
     return {**answer, "decision_id": decision_id}
 
 
-def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, req: CheckRequest, *,
+def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, check: rules.Check, *,
                      now: Any, kill: str | None) -> tuple[rules.RunState, Any]:
     """The run waits for an approval and a check arrives (SPEC 11, 15): past its expiry the
     request expires, under a kill switch it is cancelled (whoever looks first settles).
@@ -441,7 +412,7 @@ def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, req: CheckR
         if settled is not None:
             state = settled.state
     if first is not None and first[1].get("decision") == rules.PENDING:
-        final = (Approval.objects.filter(run_id=run.id, check_id=req.check_id)
+        final = (Approval.objects.filter(run_id=run.id, check_id=check.check_id)
                  .values_list("decision", flat=True).first())
         if final:
             first = (int(final["decision_id"]), final)

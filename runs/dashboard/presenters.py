@@ -18,7 +18,8 @@ from governance_client import rules
 from policies.models import Team
 from runs.audit.selectors import elapsed_s
 from runs.dashboard import selectors as dashboard
-from runs.models import Decision, Run, RunStatus
+from runs.killswitch.selectors import engaged_for_team
+from runs.models import Decision, Run, RunStatus, Scope
 
 ARGS_PREVIEW_CHARS = 80
 ARGS_FULL_CHARS = 4000
@@ -228,9 +229,6 @@ def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, An
 
 def killswitch_context(team: Team) -> dict[str, Any]:
     """The kill switch page's live parts: what is engaged and what may still be engaged."""
-    from runs.killswitch.services import engaged_for_team
-    from runs.models import Scope
-
     engaged = engaged_for_team(team)
     return {
         "team": team,
@@ -239,7 +237,7 @@ def killswitch_context(team: Team) -> dict[str, Any]:
         "team_engaged": any(s.scope == Scope.TEAM for s in engaged),
         "engaged_agents": sorted(s.agent for s in engaged if s.scope == Scope.AGENT),
         "agents": dashboard.agents_of(team),
-        "running": Run.objects.filter(team=team, status="running").count(),
+        "running": Run.objects.filter(team=team, status=RunStatus.RUNNING).count(),
         "agent_pattern": rules.AGENT_NAME_PATTERN,
     }
 
@@ -307,7 +305,7 @@ def run_approval_context(run: Run, now: datetime | None = None) -> dict[str, Any
     """The run page's pending banner: the request the run waits for, if any."""
     from runs.approvals.services import pending_for_run, settle_if_due
 
-    pending = pending_for_run(run) if run.status == "running" else None
+    pending = pending_for_run(run) if run.status == RunStatus.RUNNING else None
     if pending is not None and settle_if_due(pending, now=now):
         pending = None
     return {"approval": approval_card(pending, now) if pending is not None else None}

@@ -349,10 +349,9 @@ def agent_breakdown(team: Team, *, since: datetime, limit: int = 20) -> list[dic
     return list(
         Run.objects.filter(team=team, started_at__gte=since).annotate(ws=would_stop_q())
         .values("agent")
-        .annotate(runs=Count("pk"), running=n(status="running"), completed=n(status="completed"),
-                  stopped=n(status="stopped"), killed=n(status="killed"),
-                  failed=n(status="failed"), would_stop=n(ws=True), cost=Sum("cost_usd"),
-                  steps=Avg("steps"))
+        # One count per status, named by it (running, stopped, killed, completed, failed).
+        .annotate(runs=Count("pk"), **{status: n(status=status) for status in RUN_STATUSES},
+                  would_stop=n(ws=True), cost=Sum("cost_usd"), steps=Avg("steps"))
         .order_by("-runs", "agent")[:limit]
     )
 

@@ -31,9 +31,10 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import Team
 from policies.services import audit
+from runs.check.check_store import RUN_COLUMNS, state_of
 from runs.check.policy_cache import rules_for_version
-from runs.check.services import state_of
 from runs.killswitch import cover
+from runs.killswitch.selectors import engaged_switch
 from runs.live.events import publish_team_event
 from runs.models import Decision, KillSwitch, Run, Scope, WebhookDelivery
 from runs.webhooks.delivery import PENDING, payload_for
@@ -267,15 +268,6 @@ fanout_publisher = FanoutPublisher()
 atexit.register(fanout_publisher.flush)
 
 
-def covered_running(target: Target) -> QuerySet[Run]:
-    """The running runs a switch on this target would stop (for the confirmation step)."""
-    return Run.objects.filter(target.cover(), status=rules.RUNNING)
-
-
-def engaged_switch(target: Target) -> KillSwitch | None:
-    return KillSwitch.objects.filter(target=target.key, active=True).first()
-
-
 def killswitch_engage(
     *, scope: str, team: Team | None = None, agent: str = "", run: Run | None = None,
     reason: str, actor: AbstractBaseUser | None = None, actor_label: str | None = None,
@@ -457,9 +449,7 @@ def _settle_pending(switch: KillSwitch, run_ids: list[Any]) -> set[Any]:
 
     settled = set()
     now = timezone.now()
-    for run in (Run.objects.filter(pk__in=run_ids)
-                .only("id", "team_id", "policy_version_id", "status", "stop_reason", "steps",
-                      "tool_calls", "cost_usd", "started_at", "ended_at", "memory")):
+    for run in Run.objects.filter(pk__in=run_ids).only(*RUN_COLUMNS):
         state = state_of(run)
         if state.pending is not None and state.status == rules.RUNNING and settle_locked(
                 run=run, state=state, status=rules.CANCELLED, now=now,
@@ -609,24 +599,3 @@ def stale_work(*, now: datetime | None = None) -> tuple[list[int], list[tuple[in
         status=PENDING, created_at__lt=cutoff).values_list("pk", "attempts")]
     return fanouts, deliveries
 
-
-# --- Reads for screens ---------------------------------------------------------------------
-
-def engaged_for_team(team: Team) -> list[KillSwitch]:
-    """Engaged switches covering the team, for its banner and kill switch page. A run switch
-    is listed only while its run is running: once the run is killed (and a killed run stays
-    killed) it has nothing left to guard."""
-    return list(
-        KillSwitch.objects.filter(active=True)
-        .filter(cover.team_switches(team.pk)
-                | Q(scope=Scope.RUN, team=team, run__status=rules.RUNNING))
-        .select_related("team", "run")
-        .order_by("engaged_at", "pk")
-    )
-
-
-def history_for_team(team: Team, *, limit: int = 50) -> list[KillSwitch]:
-    return list(
-        KillSwitch.objects.filter(Q(scope=Scope.GLOBAL) | Q(team=team))
-        .select_related("team", "run").order_by("-engaged_at", "-pk")[:limit]
-    )

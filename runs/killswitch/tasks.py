@@ -1,6 +1,6 @@
 """Celery tasks of the kill switch, on the dedicated ``killswitch`` queue (the settings'
 CELERY_TASK_ROUTES send ``runs.tasks.*`` there) so a backlog of other work never delays a
-kill.
+kill. The webhook deliveries the fan-out creates run as runs/webhooks/tasks.py's task.
 
 Each task takes ids, calls a service and is idempotent: ``acks_late`` with
 ``reject_on_worker_lost`` means a task whose worker dies is delivered again, and running it
@@ -42,14 +42,6 @@ def killswitch_fanout_task(switch_id: int, sweep: bool = False) -> None:
         return  # eager runs in one process with the engage: nothing can slip in between
     if KillSwitch.objects.filter(pk=switch_id, active=True).exclude(scope=Scope.RUN).exists():
         killswitch_fanout_task.apply_async((switch_id, True), countdown=SWEEP_DELAY_S)
-
-
-@shared_task(name="runs.tasks.webhook_deliver", acks_late=True,
-             reject_on_worker_lost=True, **_retry)
-def webhook_deliver_task(delivery_id: int, number: int = 1) -> None:
-    step = webhooks.attempt_delivery(delivery_id=delivery_id, number=number)
-    if step is not None:
-        webhooks.schedule_delivery(delivery_id, step.number, step.delay)
 
 
 @shared_task(name="runs.tasks.killswitch_sweep", acks_late=True, **_retry)

@@ -15,7 +15,7 @@ from typing import Any
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.views import redirect_to_login
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
@@ -31,19 +31,18 @@ from runs.dashboard import presenters
 from runs.dashboard import selectors as dashboard
 from runs.dashboard.stream import KillSwitchSource, sse_response
 from runs.killswitch import cover
+from runs.killswitch import selectors as switches
 from runs.killswitch.services import (
     MAX_REASON,
     KillSwitchError,
     Target,
-    covered_running,
-    engaged_switch,
-    history_for_team,
     killswitch_engage,
     killswitch_release,
     resolve_target,
 )
-from runs.models import KillSwitch, Run, RunStatus, Scope
+from runs.models import Run, Scope
 from runs.webhooks import delivery as webhooks
+from runs.webhooks import selectors as deliveries
 
 # The engage confirmation names this many of the runs that will stop, then "and N more".
 CONFIRM_LISTS = 10
@@ -101,22 +100,20 @@ def _engage_flow(request: HttpRequest, target: Target, *, action: str, cancel: s
             return redirect(done)
     else:
         form = ReasonForm(initial={"reason": request.POST.get("reason", "")})
-    covered = covered_running(target)
-    first = list(covered.select_related("team").order_by("-started_at", "pk")[:CONFIRM_LISTS])
-    count = len(first) if len(first) < CONFIRM_LISTS else covered.count()
+    covered = switches.covered_preview(target, limit=CONFIRM_LISTS)
     context = {
         "target": target,
         "scope_label": target.describe(),
         "covered_words": cover.covered_in_words(target.scope, team=target.team,
                                                 agent=target.agent),
-        "covered": count,
-        "covered_runs": first,
-        "covered_more": count - len(first),
+        "covered": covered.count,
+        "covered_runs": covered.first,
+        "covered_more": covered.more,
         # A name no run of the team ever used is most often a typo; engaging it is still
         # allowed (it blocks that agent from starting), but the operator is told.
         "unknown_agent": target.scope == Scope.AGENT and target.team is not None
         and not dashboard.agent_seen(target.team, target.agent),
-        "engaged": engaged_switch(target),
+        "engaged": switches.engaged_switch(target),
         "form": form,
         "action_url": action,
         "cancel_url": cancel,
@@ -144,7 +141,7 @@ def _release_flow(request: HttpRequest, target: Target, *, action: str, done: st
     context = {
         "target": target,
         "scope_label": target.describe(),
-        "engaged": engaged_switch(target),
+        "engaged": switches.engaged_switch(target),
         "form": form,
         "action_url": action,
         "cancel_url": done,
@@ -159,15 +156,15 @@ def _release_flow(request: HttpRequest, target: Target, *, action: str, done: st
 @team_view(Role.VIEWER)
 def killswitch_page(request: HttpRequest, slug: str) -> HttpResponse:
     team = request.team  # type: ignore[attr-defined]
-    deliveries = webhooks.deliveries_for_team(team)
+    recent = deliveries.deliveries_for_team(team)
     return page(request, "runs/killswitch.html", {
         **presenters.killswitch_context(team),
         "own_stream": True,
-        "history": history_for_team(team),
-        "deliveries": deliveries,
-        "overdue": {d.pk for d in deliveries if webhooks.overdue(d)},
+        "history": switches.history_for_team(team),
+        "deliveries": recent,
+        "overdue": {d.pk for d in recent if deliveries.overdue(d)},
         # The deliveries region looks again every few seconds while one is still pending.
-        "polling": any(d.status == webhooks.PENDING for d in deliveries),
+        "polling": any(d.status == webhooks.PENDING for d in recent),
         "max_attempts": webhooks.MAX_ATTEMPTS,
     })
 
@@ -180,10 +177,7 @@ def killswitch_stream(request: HttpRequest, slug: str) -> HttpResponse:
 
 def _team_run(team: Any, run_id: Any) -> Run:
     """The team's run, or 404: another team's run is as absent as a missing one."""
-    try:
-        run = Run.objects.select_related("team").filter(team=team, pk=run_id).first()
-    except (ValueError, ValidationError):  # not a UUID
-        run = None
+    run = switches.team_run(team, run_id)
     if run is None:
         raise Http404("No such run.")
     return run
@@ -255,16 +249,7 @@ def _superuser(request: HttpRequest) -> HttpResponse | None:
 def killswitch_global_page(request: HttpRequest) -> HttpResponse:
     if (refusal := _superuser(request)) is not None:
         return refusal
-    engaged = list(KillSwitch.objects.filter(active=True).select_related("team", "run")
-                   .order_by("engaged_at", "pk"))
-    return page(request, "runs/killswitch_global.html", {
-        "global_switch": next((s for s in engaged if s.scope == Scope.GLOBAL), None),
-        "engaged": [s for s in engaged if s.scope != Scope.RUN
-                    or (s.run is not None and s.run.status == RunStatus.RUNNING)],
-        "history": list(KillSwitch.objects.filter(scope=Scope.GLOBAL)
-                        .order_by("-engaged_at", "-pk")[:50]),
-        "running": Run.objects.filter(status=RunStatus.RUNNING).count(),
-    })
+    return page(request, "runs/killswitch_global.html", switches.global_page())
 
 
 @require_http_methods(["GET", "POST"])

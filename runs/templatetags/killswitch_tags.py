@@ -11,7 +11,7 @@ from django.urls import reverse
 from policies.access import can, role_in
 from policies.models import Role, Team
 from runs.killswitch import cover
-from runs.killswitch.services import engaged_for_team
+from runs.killswitch.selectors import engaged_for_team
 from runs.models import KillSwitch, Scope
 
 register = template.Library()

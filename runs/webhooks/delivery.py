@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import httpcore
@@ -253,7 +252,7 @@ def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
     """Start attempt ``number`` after ``delay`` seconds: a Celery task on the kill-switch
     queue, or, in the embedded default (no Redis, eager tasks), a background thread, since
     an eager task would run the whole backoff inside the engaging request."""
-    from runs.killswitch.tasks import webhook_deliver_task
+    from runs.webhooks.tasks import webhook_deliver_task
 
     # The task's own app (the project's Celery app once it is loaded), not an import of it.
     if webhook_deliver_task.app.conf.task_always_eager:
@@ -263,15 +262,3 @@ def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
         return
     webhook_deliver_task.apply_async((delivery_id, number), countdown=delay)
 
-
-def deliveries_for_team(team: Team, *, limit: int = 20) -> list[WebhookDelivery]:
-    return list(
-        WebhookDelivery.objects.filter(team=team).select_related("switch")
-        .prefetch_related("tries").order_by("-created_at", "-pk")[:limit]
-    )
-
-
-def overdue(delivery: WebhookDelivery) -> bool:
-    """A pending delivery with no attempt for long: no worker is taking it (for screens)."""
-    return (delivery.status == PENDING and delivery.attempts == 0
-            and timezone.now() - delivery.created_at > timedelta(minutes=1))

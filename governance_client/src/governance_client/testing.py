@@ -225,7 +225,7 @@ class FakeGovernance:
         else:
             approval.status = "denied"
             approval.note = note
-            answer = self._stop(run, approval.body, "approval_denied",
+            answer = self._stop(run, approval.body, rules.APPROVAL_DENIED,
                                 f"An operator denied {approval.action['name']}: {note or ''}")
         approval.decision = answer
         run.answers[approval.check_id] = answer
@@ -393,7 +393,7 @@ class FakeGovernance:
                 "decision": "pending", "reason": "approval_required", "step": new.steps,
                 "approval": self._approval_json(approval)["approval"],
                 "message": f"{name} needs an operator's approval.",
-                "next_action": "Wait: GET /api/v1/approvals/{id}?wait=60 until it is decided.",
+                "next_action": rules.NEXT_ACTION[rules.APPROVAL_REQUIRED],
             }
         run.state = new
         if verdict.answer == rules.ALLOW:
@@ -432,8 +432,7 @@ class FakeGovernance:
         key = rules.repeat_key(action["name"], action.get("args"), self.policy.ignore_args)
         verdict = rules.Decision(outcome=rules.STOP, reason=reason, step=state.steps,
                                  repeat_key=key, repeat_count=state.repeat_counts.get(key, 0),
-                                 message=message,
-                                 next_action="Return the partial response.")
+                                 message=message, next_action=rules.NEXT_ACTION[reason])
         return self._answer(run, verdict, now)
 
     def _answer(self, run: FakeRun, verdict: rules.Decision | None, now: datetime
@@ -471,7 +470,7 @@ class FakeGovernance:
         if self.clock >= approval.expires_at:
             approval.status = "expired"
             run = self.runs[approval.run_id]
-            approval.decision = self._stop(run, approval.body, "approval_expired",
+            approval.decision = self._stop(run, approval.body, rules.APPROVAL_EXPIRED,
                                            "Nobody decided the approval before it expired.")
             run.answers[approval.check_id] = approval.decision
 

@@ -9,9 +9,9 @@ from django.utils import timezone
 
 from policies.models import Team
 from runs.killswitch import cover
+from runs.killswitch.selectors import covered_running
 from runs.killswitch.services import (
     KillSwitchError,
-    covered_running,
     killswitch_engage,
     killswitch_release,
     resolve_target,

@@ -1,0 +1,93 @@
+"""Reads of the kill switch for people (SPEC 6, 7): what the banner, the kill switch pages
+and the ``killswitch`` command show. The writes, and the reads the fan-out and its sweep make
+for themselves, are in services.py; which switch covers which run is cover.py's rule, used
+here, never repeated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from django.core.exceptions import ValidationError
+from django.db.models import Q, QuerySet
+
+from policies.models import Team
+from runs.killswitch import cover
+from runs.models import KillSwitch, Run, RunStatus, Scope
+
+if TYPE_CHECKING:  # services imports this module: the type only, no cycle at run time
+    from runs.killswitch.services import Target
+
+
+def covered_running(target: Target) -> QuerySet[Run]:
+    """The running runs a switch on this target would stop (for the confirmation step)."""
+    return Run.objects.filter(target.cover(), status=RunStatus.RUNNING)
+
+
+@dataclass(frozen=True)
+class Covered:
+    """What the engage confirmation lists: the newest covered running runs, how many."""
+
+    first: list[Run]
+    count: int
+
+    @property
+    def more(self) -> int:
+        return self.count - len(self.first)
+
+
+def covered_preview(target: Target, *, limit: int) -> Covered:
+    covered = covered_running(target)
+    first = list(covered.select_related("team").order_by("-started_at", "pk")[:limit])
+    # Counted only when the list is full: a short list is the whole answer.
+    return Covered(first, len(first) if len(first) < limit else covered.count())
+
+
+def engaged_switch(target: Target) -> KillSwitch | None:
+    """The engaged switch of exactly this target (not of a wider one that covers it too)."""
+    return KillSwitch.objects.filter(target=target.key, active=True).first()
+
+
+def engaged_for_team(team: Team) -> list[KillSwitch]:
+    """Engaged switches covering the team, for its banner and kill switch page. A run switch
+    is listed only while its run is running: once the run is killed (and a killed run stays
+    killed) it has nothing left to guard."""
+    return list(
+        KillSwitch.objects.filter(active=True)
+        .filter(cover.team_switches(team.pk)
+                | Q(scope=Scope.RUN, team=team, run__status=RunStatus.RUNNING))
+        .select_related("team", "run")
+        .order_by("engaged_at", "pk")
+    )
+
+
+def history_for_team(team: Team, *, limit: int = 50) -> list[KillSwitch]:
+    return list(
+        KillSwitch.objects.filter(Q(scope=Scope.GLOBAL) | Q(team=team))
+        .select_related("team", "run").order_by("-engaged_at", "-pk")[:limit]
+    )
+
+
+def global_page(*, limit: int = 50) -> dict[str, Any]:
+    """The superuser's page: the global switch, every engaged switch of every team (a run
+    switch while its run runs, as on the team pages), the global history, running runs."""
+    engaged = list(KillSwitch.objects.filter(active=True).select_related("team", "run")
+                   .order_by("engaged_at", "pk"))
+    return {
+        "global_switch": next((s for s in engaged if s.scope == Scope.GLOBAL), None),
+        "engaged": [s for s in engaged if s.scope != Scope.RUN
+                    or (s.run is not None and s.run.status == RunStatus.RUNNING)],
+        "history": list(KillSwitch.objects.filter(scope=Scope.GLOBAL)
+                        .order_by("-engaged_at", "-pk")[:limit]),
+        "running": Run.objects.filter(status=RunStatus.RUNNING).count(),
+    }
+
+
+def team_run(team: Team, run_id: Any) -> Run | None:
+    """The team's run, or None: another team's run is as absent as a missing one, and so is
+    a run id that is not a UUID."""
+    try:
+        return Run.objects.select_related("team").filter(team=team, pk=run_id).first()
+    except (ValueError, ValidationError):
+        return None
+

@@ -1,0 +1,29 @@
+"""Reads of the webhook deliveries for people: the kill switch page's delivery log. The
+deliveries themselves (claim, POST, retries) are in delivery.py."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from policies.models import Team
+from runs.models import WebhookDelivery
+from runs.webhooks.delivery import PENDING
+
+# A delivery nobody attempted for this long has no worker taking it (the sweep's own
+# threshold, runs/killswitch/services.py STALE_AFTER, is the same minute).
+UNTAKEN_AFTER = timedelta(minutes=1)
+
+
+def deliveries_for_team(team: Team, *, limit: int = 20) -> list[WebhookDelivery]:
+    return list(
+        WebhookDelivery.objects.filter(team=team).select_related("switch")
+        .prefetch_related("tries").order_by("-created_at", "-pk")[:limit]
+    )
+
+
+def overdue(delivery: WebhookDelivery) -> bool:
+    """A pending delivery with no attempt for long: no worker is taking it."""
+    return (delivery.status == PENDING and delivery.attempts == 0
+            and timezone.now() - delivery.created_at > UNTAKEN_AFTER)

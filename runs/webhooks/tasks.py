@@ -1,0 +1,29 @@
+"""The Celery task of webhook delivery: one attempt per message, the next one scheduled by
+the attempt before it (runs/webhooks/delivery.py).
+
+Its name stays ``runs.tasks.webhook_deliver``, the name it had when it lived with the kill
+switch's tasks: a message queued by an older version is still understood after an upgrade,
+and the settings' route of ``runs.tasks.*`` keeps it on the ``killswitch`` queue, beside the
+fan-out that creates most deliveries (an approval notification uses it too).
+"""
+
+from __future__ import annotations
+
+from celery import shared_task
+from django.db import DatabaseError, InterfaceError
+from kombu.exceptions import OperationalError as BrokerError
+
+from runs.webhooks import delivery as webhooks
+
+# Store and broker errors are retried with bounded backoff, as the kill switch's tasks do; a
+# delivery that fails at the receiver is retried by delivery.py's own chain instead.
+_retry = {"autoretry_for": (DatabaseError, InterfaceError, BrokerError), "retry_backoff": True,
+          "retry_backoff_max": 60, "max_retries": 10}
+
+
+@shared_task(name="runs.tasks.webhook_deliver", acks_late=True,
+             reject_on_worker_lost=True, **_retry)
+def webhook_deliver_task(delivery_id: int, number: int = 1) -> None:
+    step = webhooks.attempt_delivery(delivery_id=delivery_id, number=number)
+    if step is not None:
+        webhooks.schedule_delivery(delivery_id, step.number, step.delay)
