@@ -399,6 +399,7 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
                                      or {}).get("decisions_per_s"),
         "attack_p99_ratios": {name: r["p99_ratio"] for name, r in
                               (results.get("attacks") or {}).get("attacks", {}).items()},
+        "growth_10m_over_empty": (results.get("growth") or {}).get("history_over_empty"),
         "correct": not correctness(results),
     }
 
