@@ -16,7 +16,7 @@ from . import report, stack
 from . import scenarios as sc
 
 PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "longrun", "stream",
-          "attacks", "metrics", "ratelimit")
+          "attacks", "metrics", "ratelimit", "growth")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -165,6 +165,10 @@ def main(argv: list[str]) -> int:
             results["ratelimit"] = ratelimit.measure(server, agents=8, seconds=seconds / rounds,
                                                      warmup=warmup, rounds=rounds)
             print(ratelimit.line(results["ratelimit"]), flush=True)
+        if "growth" in phases:
+            from . import growth
+
+            growth.phase(results, server, quick=quick)
 
     if "metrics" in phases:
         results["metrics"] = metrics_cost(team, args.workers, threads, seconds, warmup,

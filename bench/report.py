@@ -200,6 +200,7 @@ def correctness(results: dict[str, Any]) -> list[str]:
         if scrape.get("decisions_counted") != scrape.get("decisions_expected"):
             failed.append(f"/metrics counted {scrape.get('decisions_counted')} decisions, the "
                           f"audit log has {scrape.get('decisions_expected')}")
+    failed += [f"growth: {f}" for f in (results.get("growth") or {}).get("failures", [])]
     live = results.get("stream")
     if live and live.get("measured") and live["errors"]:
         failed.append(f"live stream: errors {live['error_kinds']}")
@@ -236,6 +237,10 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     if long and long.get("last_over_first") is not None and long["steps"] >= 5000:
         out.append(("one run: step 5,000 within 1.2x of step 10", f"{long['last_over_first']}x",
                     long["last_over_first"] <= 1.2))
+    growth = results.get("growth")
+    if growth and growth["history_rows_target"] >= 10_000_000 and growth["history_over_empty"]:
+        out.append(("10 M audit rows >= 0.9x the empty log", f"{growth['history_over_empty']}x",
+                    growth["history_over_empty"] >= 0.9))
     ks = results.get("killswitch")
     if ks:
         out.append(("kill switch: 0 leaked allows", str(ks["leaked_allows"]),
@@ -394,6 +399,7 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
                                      or {}).get("decisions_per_s"),
         "attack_p99_ratios": {name: r["p99_ratio"] for name, r in
                               (results.get("attacks") or {}).get("attacks", {}).items()},
+        "growth_10m_over_empty": (results.get("growth") or {}).get("history_over_empty"),
         "correct": not correctness(results),
     }
 

@@ -55,6 +55,12 @@ class Run(models.Model):
             models.Index(fields=["team", "-started_at"], name="run_team_recent"),
             models.Index(fields=["team", "status"], name="run_team_status"),
             models.Index(fields=["team", "agent", "status"], name="run_team_agent_status"),
+            # Retention's batch read: a team's runs that ended before the cutoff, oldest
+            # first (runs/audit/retention.py). Without it every batch read the team's whole
+            # runs table and sorted it. Running runs (no ended_at) stay out of it, so the
+            # check's update of a running run never writes to it.
+            models.Index(fields=["team", "ended_at", "id"], name="run_team_ended",
+                         condition=models.Q(ended_at__isnull=False)),
         ]
         constraints = [
             models.UniqueConstraint(

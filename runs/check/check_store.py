@@ -273,7 +273,12 @@ WHERE k.prefix = $3 AND k.revoked_at IS NULL
 # jsonb_populate_recordset: one literal to quote instead of twenty-two, one json.dumps. An
 # empty array writes nothing. The data-modifying CTEs run even though the INSERT does not
 # read them: one statement for the state change and its audit record. The hit is stamped
-# with the database's clock, the clock every rate-limit window is read with.
+# with the database's clock, the clock every rate-limit window is read with. The run's id is
+# also given as a value the planner can see through: it takes a function's rows for 100, so
+# over a runs table of a few thousand rows it joined them by a hash over a sequential scan of
+# the whole table, on every check (2 ms at 10,000 runs, docs/performance.md "Cost as the work
+# grows"); an equality on the primary key is an index lookup at any size. An empty array
+# makes the id NULL: nothing updated, as before.
 _COLUMNS = ", ".join(DECISION_COLUMNS)
 INSERT_SQL = f"""
 INSERT INTO runs_decision ({_COLUMNS})
@@ -284,7 +289,7 @@ WRITE_SQL = """
 WITH run AS (
     UPDATE runs_run r SET """ + ", ".join(f"{name} = n.{name}" for name in UPDATE_FIELDS) + """
     FROM jsonb_populate_recordset(NULL::runs_run, $2) n
-    WHERE r.id = n.id
+    WHERE r.id = n.id AND r.id = ($2 -> 0 ->> 'id')::uuid
 ), hit AS (
     INSERT INTO runs_ratehit (team_id, agent, run_id, action_name, at)
     SELECT team_id, agent, run_id, action_name, clock_timestamp()
