@@ -1,4 +1,5 @@
-"""Cross-cutting HTTP concerns: JSON errors under /api/, throttling, security headers."""
+"""Cross-cutting HTTP concerns: the API's own middleware chain, JSON errors under /api/,
+throttling, security headers."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import ImproperlyConfigured, MiddlewareNotUsed, RequestDataTooBig
+from django.core.handlers.base import BaseHandler
+from django.core.handlers.exception import convert_exception_to_response
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render, resolve_url
 from django.utils.cache import add_never_cache_headers, patch_cache_control
+from django.utils.module_loading import import_string
 from whitenoise.middleware import WhiteNoiseMiddleware
 
 from policies.services import agent_key_claim
@@ -75,10 +79,74 @@ def _on_dashboard_pool(fn: Callable[..., Any]) -> Callable[..., Any]:
     return sync_to_async(fn, thread_sensitive=False, executor=pool("dashboard"))
 
 
+API_PREFIX = "/api/"
+
+
+class _ApiChain(BaseHandler):
+    """Django's handler for the API: its own URL resolution and view call
+    (``BaseHandler._get_response``, with this chain's view, template-response and exception
+    hooks), inside the middleware of ``settings.API_MIDDLEWARE`` only, built as
+    ``BaseHandler.load_middleware`` builds ``MIDDLEWARE`` (each layer wrapped so that an
+    exception becomes a response at that layer)."""
+
+    def __init__(self, *, is_async: bool) -> None:
+        super().__init__()
+        self._view_middleware = []
+        self._template_response_middleware = []
+        self._exception_middleware = []
+        handler = convert_exception_to_response(
+            self._get_response_async if is_async else self._get_response)
+        for path in reversed(settings.API_MIDDLEWARE):
+            middleware = import_string(path)
+            # Every layer runs in both modes, so no layer needs a thread adapter: an async
+            # view (the approvals long poll) holds no thread through this chain.
+            if not (getattr(middleware, "sync_capable", True)
+                    and getattr(middleware, "async_capable", False)):
+                raise ImproperlyConfigured(
+                    f"{path} in API_MIDDLEWARE must be sync_capable and async_capable")
+            try:
+                instance = middleware(handler)
+            except MiddlewareNotUsed:
+                continue
+            if hasattr(instance, "process_view"):
+                self._view_middleware.insert(
+                    0, self.adapt_method_mode(is_async, instance.process_view))
+            if hasattr(instance, "process_template_response"):
+                self._template_response_middleware.append(
+                    self.adapt_method_mode(is_async, instance.process_template_response))
+            if hasattr(instance, "process_exception"):
+                self._exception_middleware.append(
+                    self.adapt_method_mode(False, instance.process_exception))
+            handler = convert_exception_to_response(instance)
+        self._middleware_chain = handler
+
+
+class ApiRouteMiddleware(_SyncAndAsync):
+    """First of ``MIDDLEWARE``: a request under /api/ leaves the pages' chain here for the
+    API's own (``API_MIDDLEWARE``: JSON errors, the Host check, security headers, the
+    failed-key throttle). Sessions, CSRF, sign-in, messages, htmx, frame options, static
+    files and the sign-in throttle serve people in a browser and run only for the pages:
+    an agent's bearer-key call never reads a session or a CSRF cookie, and skipping them
+    is most of what the framework cost a check (docs/performance.md).
+
+    Being a middleware, the split is the same under every server interface that loads
+    ``MIDDLEWARE``: `manage.py serve`'s ASGI application, WSGI and `runserver`, and the
+    test client."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]):
+        super().__init__(get_response)
+        self.api = _ApiChain(is_async=self.async_mode)._middleware_chain
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if request.path.startswith(API_PREFIX):
+            return self.api(request)
+        return self.get_response(request)
+
+
 class ApiJsonMiddleware(_SyncAndAsync):
-    """Outermost: every answer under /api/ is JSON, including the ones Django makes before
-    any view or inner middleware runs (a refused Host header is a 400 from CommonMiddleware,
-    an exception in a middleware a 500 page)."""
+    """Outermost of the API's chain: every answer under /api/ is JSON, including the ones
+    Django makes before any view or inner middleware runs (a refused Host header is a 400
+    from CommonMiddleware, an exception in a middleware a 500 page)."""
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.async_mode:
