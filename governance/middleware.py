@@ -82,7 +82,20 @@ def _on_dashboard_pool(fn: Callable[..., Any]) -> Callable[..., Any]:
 API_PREFIX = "/api/"
 
 
-class _ApiChain(BaseHandler):
+class ResolvedOnce:
+    """A handler that takes the URL match already made for this request: governance/asgi.py
+    resolves each request once to choose its thread (an async view or a pool), and Django
+    would otherwise resolve it a second time to call the view. Any other request (WSGI, the
+    test client, a middleware that set its own ``request.urlconf``) is resolved as usual."""
+
+    def resolve_request(self, request: HttpRequest) -> Any:
+        match = request.resolver_match
+        if match is not None and not hasattr(request, "urlconf"):
+            return match
+        return super().resolve_request(request)  # type: ignore[misc]
+
+
+class _ApiChain(ResolvedOnce, BaseHandler):
     """Django's handler for the API: its own URL resolution and view call
     (``BaseHandler._get_response``, with this chain's view, template-response and exception
     hooks), inside the middleware of ``settings.API_MIDDLEWARE`` only, built as
