@@ -44,7 +44,7 @@ from django.urls import URLPattern, URLResolver, get_resolver  # noqa: E402
 from django.urls.exceptions import Resolver404  # noqa: E402
 
 from . import pools  # noqa: E402
-from .middleware import ResolvedOnce  # noqa: E402
+from .handlers import ResolvedOnce  # noqa: E402
 
 log = logging.getLogger(__name__)
 

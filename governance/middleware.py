@@ -9,18 +9,16 @@ from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured, MiddlewareNotUsed, RequestDataTooBig
-from django.core.handlers.base import BaseHandler
-from django.core.handlers.exception import convert_exception_to_response
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render, resolve_url
 from django.utils.cache import add_never_cache_headers, patch_cache_control
-from django.utils.module_loading import import_string
 from whitenoise.middleware import WhiteNoiseMiddleware
 
 from policies.services import agent_key_claim
 from runs.check.api import error
 
+from .handlers import ApiChain
 from .pools import api_thread, pool
 from .throttle import SIGN_IN_OUTCOME, Throttle, Verdict, source_of
 
@@ -82,58 +80,6 @@ def _on_dashboard_pool(fn: Callable[..., Any]) -> Callable[..., Any]:
 API_PREFIX = "/api/"
 
 
-class ResolvedOnce:
-    """A handler that takes the URL match already made for this request: governance/asgi.py
-    resolves each request once to choose its thread (an async view or a pool), and Django
-    would otherwise resolve it a second time to call the view. Any other request (WSGI, the
-    test client, a middleware that set its own ``request.urlconf``) is resolved as usual."""
-
-    def resolve_request(self, request: HttpRequest) -> Any:
-        match = request.resolver_match
-        if match is not None and not hasattr(request, "urlconf"):
-            return match
-        return super().resolve_request(request)  # type: ignore[misc]
-
-
-class _ApiChain(ResolvedOnce, BaseHandler):
-    """Django's handler for the API: its own URL resolution and view call
-    (``BaseHandler._get_response``, with this chain's view, template-response and exception
-    hooks), inside the middleware of ``settings.API_MIDDLEWARE`` only, built as
-    ``BaseHandler.load_middleware`` builds ``MIDDLEWARE`` (each layer wrapped so that an
-    exception becomes a response at that layer)."""
-
-    def __init__(self, *, is_async: bool) -> None:
-        super().__init__()
-        self._view_middleware = []
-        self._template_response_middleware = []
-        self._exception_middleware = []
-        handler = convert_exception_to_response(
-            self._get_response_async if is_async else self._get_response)
-        for path in reversed(settings.API_MIDDLEWARE):
-            middleware = import_string(path)
-            # Every layer runs in both modes, so no layer needs a thread adapter: an async
-            # view (the approvals long poll) holds no thread through this chain.
-            if not (getattr(middleware, "sync_capable", True)
-                    and getattr(middleware, "async_capable", False)):
-                raise ImproperlyConfigured(
-                    f"{path} in API_MIDDLEWARE must be sync_capable and async_capable")
-            try:
-                instance = middleware(handler)
-            except MiddlewareNotUsed:
-                continue
-            if hasattr(instance, "process_view"):
-                self._view_middleware.insert(
-                    0, self.adapt_method_mode(is_async, instance.process_view))
-            if hasattr(instance, "process_template_response"):
-                self._template_response_middleware.append(
-                    self.adapt_method_mode(is_async, instance.process_template_response))
-            if hasattr(instance, "process_exception"):
-                self._exception_middleware.append(
-                    self.adapt_method_mode(False, instance.process_exception))
-            handler = convert_exception_to_response(instance)
-        self._middleware_chain = handler
-
-
 class ApiRouteMiddleware(_SyncAndAsync):
     """First of ``MIDDLEWARE``: a request under /api/ leaves the pages' chain here for the
     API's own (``API_MIDDLEWARE``: JSON errors, the Host check, security headers, the
@@ -148,7 +94,7 @@ class ApiRouteMiddleware(_SyncAndAsync):
 
     def __init__(self, get_response: Callable[[HttpRequest], Any]):
         super().__init__(get_response)
-        self.api = _ApiChain(is_async=self.async_mode)._middleware_chain
+        self.api = ApiChain(is_async=self.async_mode)._middleware_chain
 
     def __call__(self, request: HttpRequest) -> Any:
         if request.path.startswith(API_PREFIX):
@@ -249,7 +195,9 @@ class JsonApiErrorsMiddleware(_SyncAndAsync):
             limit = (settings.CHECK_MAX_BODY_BYTES if request.path.endswith("/check")
                      else settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
             try:
-                declared = int(request.headers.get("Content-Length") or 0)
+                # META, not request.headers: that mapping is built from every header on
+                # first use, and a check never needs it (runs/check/api.py _bearer_token).
+                declared = int(request.META.get("CONTENT_LENGTH") or 0)
             except ValueError:
                 declared = 0
             try:
