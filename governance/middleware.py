@@ -85,8 +85,8 @@ class ApiRouteMiddleware(_SyncAndAsync):
     API's own (``API_MIDDLEWARE``: JSON errors, the Host check, security headers, the
     failed-key throttle). Sessions, CSRF, sign-in, messages, htmx, frame options, static
     files and the sign-in throttle serve people in a browser and run only for the pages:
-    an agent's bearer-key call never reads a session or a CSRF cookie, and skipping them
-    is most of what the framework cost a check (docs/performance.md).
+    an agent's bearer-key call never reads a session or a CSRF cookie, and they were about
+    half of what the middleware cost a check (docs/performance.md).
 
     Being a middleware, the split is the same under every server interface that loads
     ``MIDDLEWARE``: `manage.py serve`'s ASGI application, WSGI and `runserver`, and the

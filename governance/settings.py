@@ -118,7 +118,7 @@ INSTALLED_APPS = [
 # The pages' middleware. A request under /api/ leaves it at the first entry for the API's
 # own chain below (governance/middleware.py ApiRouteMiddleware): sessions, CSRF, sign-in,
 # messages, htmx, frame options, static files and the sign-in throttle serve only people in
-# a browser, and cost an agent's check most of the framework's time (docs/performance.md).
+# a browser, and were about half of what the middleware cost a check (docs/performance.md).
 MIDDLEWARE = [
     "governance.middleware.ApiRouteMiddleware",
     "django.middleware.security.SecurityMiddleware",
