@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
+import json
 import socket
 import subprocess
 import sys
@@ -24,6 +26,8 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
 
 SLOW_BODY_CONNECTIONS = 200
 UNFINISHED_HEADER_CONNECTIONS = 200
@@ -63,6 +67,17 @@ class AttackStats:
 
     def closing(self) -> None:
         self.open_now -= 1
+
+    def dump(self) -> dict[str, object]:
+        return {"opened": self.opened, "closed_by_server": self.closed_by_server,
+                "open_now": self.open_now, "most_open": self.most_open,
+                "answers": dict(self.answers), "errors": dict(self.errors)}
+
+    def load(self, data: dict[str, Any]) -> None:
+        """The figures the attack's process last reported."""
+        self.opened, self.closed_by_server = data["opened"], data["closed_by_server"]
+        self.open_now, self.most_open = data["open_now"], data["most_open"]
+        self.answers, self.errors = Counter(data["answers"]), Counter(data["errors"])
 
 
 Attack = Callable[[Target, asyncio.Event, AttackStats], Awaitable[None]]
@@ -302,31 +317,75 @@ REDIS_FAULTS = ("redis_refused", "redis_hung")
 @contextlib.contextmanager
 def running(attack: Attack, target: Target, *, settle: float = 1.0
             ) -> Iterator[AttackStats]:
-    """Run `attack` on an event loop of its own thread while the block runs (`settle`
-    seconds first, so its connections are open), then stop it and wait for it to close
-    them all."""
+    """Run `attack` while the block runs (`settle` seconds first, so its connections are
+    open), then stop it and wait for it to close them all.
+
+    The attack runs in a process of its own (`python -m bench.attacks`), which reports its
+    figures four times a second into the `AttackStats` yielded: inside the process that
+    measures the valid checks, its hundreds of connections would compete with the measuring
+    client for the interpreter, and a slow client would read as a slow server."""
+    name = next(n for n, a in ATTACKS.items() if a is attack)
+    stats = AttackStats()
+    spec = json.dumps({"attack": name, "target": dataclasses.asdict(target)})
+    process = subprocess.Popen([sys.executable, "-m", "bench.attacks", spec],
+                               cwd=Path(__file__).resolve().parents[1], text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert process.stdin is not None and process.stdout is not None
+    failed: list[str] = []
+
+    def read(lines: IO[str]) -> None:
+        for line in lines:
+            data = json.loads(line)
+            if "failed" in data:
+                failed.append(data["failed"])
+            else:
+                stats.load(data)
+
+    reader = threading.Thread(target=read, args=(process.stdout,), daemon=True)
+    reader.start()
+    try:
+        time.sleep(settle)
+        yield stats
+    finally:
+        process.stdin.close()  # the child's signal to stop
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        reader.join(5)
+    if failed:
+        raise RuntimeError(f"the attack failed: {failed[0]}")
+
+
+def _child(spec: str) -> None:
+    """`python -m bench.attacks SPEC`: run one attack until stdin closes, printing its
+    figures as JSON lines."""
+    data = json.loads(spec)
+    attack, target = ATTACKS[data["attack"]], Target(**data["target"])
     stats = AttackStats()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
-    failed: list[BaseException] = []
 
-    def main() -> None:
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(attack(target, stop, stats))
-        except BaseException as exc:
-            failed.append(exc)
-        finally:
-            loop.close()
-
-    thread = threading.Thread(target=main, name="attack", daemon=True)
-    thread.start()
-    try:
-        threading.Event().wait(settle)
-        yield stats
-    finally:
-        with contextlib.suppress(RuntimeError):
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        with contextlib.suppress(RuntimeError):  # the loop is closed already
             loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-    if failed:
-        raise RuntimeError(f"the attack failed: {failed[0]!r}") from failed[0]
+
+    async def report() -> None:
+        while not await _wait(stop, 0.25):
+            print(json.dumps(stats.dump()), flush=True)
+
+    async def main() -> None:
+        await asyncio.gather(attack(target, stop, stats), report())
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    try:
+        loop.run_until_complete(main())
+    except Exception as exc:  # reported to the parent, which raises it
+        print(json.dumps({"failed": repr(exc)}), flush=True)
+    print(json.dumps(stats.dump()), flush=True)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
