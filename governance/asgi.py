@@ -44,6 +44,7 @@ from django.urls import URLPattern, URLResolver, get_resolver  # noqa: E402
 from django.urls.exceptions import Resolver404  # noqa: E402
 
 from . import pools  # noqa: E402
+from .handlers import ResolvedOnce  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def _is_async(view: Any) -> bool:
     return iscoroutinefunction(view) or bool(getattr(view, "is_async", False))
 
 
-class SyncHandler(BaseHandler):
+class SyncHandler(ResolvedOnce, BaseHandler):
     """Django's synchronous middleware chain, as WSGI runs it, called on a pool thread."""
 
     def __init__(self) -> None:
@@ -127,7 +128,7 @@ class SyncHandler(BaseHandler):
         self.load_middleware(is_async=False)
 
 
-class Application(ASGIHandler):
+class Application(ResolvedOnce, ASGIHandler):
     """See the module docstring. `ASGIHandler` gives the async middleware chain (for async
     views), the request class and the response encoding."""
 
@@ -164,15 +165,19 @@ class Application(ASGIHandler):
             await self.send_response(refused, send)
             return
         loop = asyncio.get_running_loop()
-        if self.any_async_view and self.resolves_to_async_view(path):
+        if self.any_async_view and self.resolves_to_async_view(request):
             executor = pools.pool("api")
             response = await self.serve(receive, send, self.get_response_async(request))
         else:
             executor = pools.pool(pool_name(path))
             made = await loop.run_in_executor(executor, self.respond_sync, request)
-            response = await self.serve(receive, send, _ready(made))
             if not made.streaming:
-                return  # closed on its thread already (respond_sync)
+                # Whole, and closed on its thread already (respond_sync): nothing is left
+                # to stop if the client goes away, so no race with a disconnect listener
+                # (two tasks per request: docs/performance.md).
+                await self.send_whole(made, send)
+                return
+            response = await self.serve(receive, send, _ready(made))
         if response is not None:
             # Django's request_finished (connection housekeeping) belongs on a thread of the
             # pool that used the connection.
@@ -191,12 +196,23 @@ class Application(ASGIHandler):
             response.close()
         return response
 
-    def resolves_to_async_view(self, path: str) -> bool:
+    def resolves_to_async_view(self, request: ASGIRequest) -> bool:
+        """Whether the request's view is async; the match is kept on the request, and the
+        handler that calls the view takes it (`ResolvedOnce`) instead of resolving again."""
         try:
-            match = get_resolver().resolve(path)
+            match = get_resolver().resolve(request.path_info)
         except Resolver404:
             return False
+        request.resolver_match = match
         return _is_async(match.func)
+
+    async def send_whole(self, response: HttpResponseBase, send: Send) -> None:
+        response._handler_class = self.__class__  # type: ignore[attr-defined]
+        try:
+            await self.send_response(response, send)
+        except Exception as exc:
+            # Nearly always the client went away mid-answer (granian raises then).
+            log.info("a response was not sent whole: %r", exc)
 
     async def serve(self, receive: Receive, send: Send,
                     getting: Awaitable[HttpResponseBase]) -> HttpResponseBase | None:

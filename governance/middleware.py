@@ -1,4 +1,5 @@
-"""Cross-cutting HTTP concerns: JSON errors under /api/, throttling, security headers."""
+"""Cross-cutting HTTP concerns: the API's own middleware chain, JSON errors under /api/,
+throttling, security headers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from whitenoise.middleware import WhiteNoiseMiddleware
 from policies.services import agent_key_claim
 from runs.check.api import error
 
+from .handlers import ApiChain
 from .pools import api_thread, pool
 from .throttle import SIGN_IN_OUTCOME, Throttle, Verdict, source_of
 
@@ -75,10 +77,35 @@ def _on_dashboard_pool(fn: Callable[..., Any]) -> Callable[..., Any]:
     return sync_to_async(fn, thread_sensitive=False, executor=pool("dashboard"))
 
 
+API_PREFIX = "/api/"
+
+
+class ApiRouteMiddleware(_SyncAndAsync):
+    """First of ``MIDDLEWARE``: a request under /api/ leaves the pages' chain here for the
+    API's own (``API_MIDDLEWARE``: JSON errors, the Host check, security headers, the
+    failed-key throttle). Sessions, CSRF, sign-in, messages, htmx, frame options, static
+    files and the sign-in throttle serve people in a browser and run only for the pages:
+    an agent's bearer-key call never reads a session or a CSRF cookie, and they were about
+    half of what the middleware cost a check (docs/performance.md).
+
+    Being a middleware, the split is the same under every server interface that loads
+    ``MIDDLEWARE``: `manage.py serve`'s ASGI application, WSGI and `runserver`, and the
+    test client."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]):
+        super().__init__(get_response)
+        self.api = ApiChain(is_async=self.async_mode)._middleware_chain
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if request.path.startswith(API_PREFIX):
+            return self.api(request)
+        return self.get_response(request)
+
+
 class ApiJsonMiddleware(_SyncAndAsync):
-    """Outermost: every answer under /api/ is JSON, including the ones Django makes before
-    any view or inner middleware runs (a refused Host header is a 400 from CommonMiddleware,
-    an exception in a middleware a 500 page)."""
+    """Outermost of the API's chain: every answer under /api/ is JSON, including the ones
+    Django makes before any view or inner middleware runs (a refused Host header is a 400
+    from CommonMiddleware, an exception in a middleware a 500 page)."""
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.async_mode:
@@ -168,7 +195,9 @@ class JsonApiErrorsMiddleware(_SyncAndAsync):
             limit = (settings.CHECK_MAX_BODY_BYTES if request.path.endswith("/check")
                      else settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
             try:
-                declared = int(request.headers.get("Content-Length") or 0)
+                # META, not request.headers: that mapping is built from every header on
+                # first use, and a check never needs it (runs/check/api.py _bearer_token).
+                declared = int(request.META.get("CONTENT_LENGTH") or 0)
             except ValueError:
                 declared = 0
             try:

@@ -115,9 +115,12 @@ INSTALLED_APPS = [
     "backtests",
 ]
 
+# The pages' middleware. A request under /api/ leaves it at the first entry for the API's
+# own chain below (governance/middleware.py ApiRouteMiddleware): sessions, CSRF, sign-in,
+# messages, htmx, frame options, static files and the sign-in throttle serve only people in
+# a browser, and were about half of what the middleware cost a check (docs/performance.md).
 MIDDLEWARE = [
-    # First, so that it sees the answers Django makes before anything else runs.
-    "governance.middleware.ApiJsonMiddleware",
+    "governance.middleware.ApiRouteMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "governance.middleware.StaticFilesMiddleware",  # WhiteNoise, sync and async
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -129,6 +132,15 @@ MIDDLEWARE = [
     "django_htmx.middleware.HtmxMiddleware",
     "governance.middleware.SecurityHeadersMiddleware",
     "governance.middleware.SignInThrottleMiddleware",
+]
+# The API's chain (/api/), in the same order as they stood in the one chain before; each
+# must run in both the sync and the async chain.
+API_MIDDLEWARE = [
+    # First, so that it sees the answers Django makes before anything else runs.
+    "governance.middleware.ApiJsonMiddleware",
+    "django.middleware.security.SecurityMiddleware",  # nosniff, HSTS, the HTTPS redirect
+    "django.middleware.common.CommonMiddleware",  # the Host check (ALLOWED_HOSTS)
+    "governance.middleware.SecurityHeadersMiddleware",
     "governance.middleware.JsonApiErrorsMiddleware",
 ]
 

@@ -204,7 +204,8 @@ def list_decisions(request: HttpRequest, run_id: str, filters: Query[s.Decisions
 
 def _bearer_token(request: HttpRequest) -> str | None:
     """The token of an `Authorization: Bearer` header, parsed as ninja's HttpBearer does."""
-    header = request.headers.get("Authorization")
+    # META: request.headers would build a mapping of every header for this one.
+    header = request.META.get("HTTP_AUTHORIZATION")
     if not header:
         return None
     scheme, _, token = header.partition(" ")

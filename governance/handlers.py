@@ -1,0 +1,68 @@
+"""Django handlers of the project's own: the API's middleware chain and resolving a URL once.
+
+Nothing here imports the project's apps: the benchmark's minimal application
+(bench/minimal/) serves through governance/asgi.py, which uses `ResolvedOnce`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured, MiddlewareNotUsed
+from django.core.handlers.base import BaseHandler
+from django.core.handlers.exception import convert_exception_to_response
+from django.http import HttpRequest
+from django.utils.module_loading import import_string
+
+
+class ResolvedOnce:
+    """A handler that takes the URL match already made for this request: governance/asgi.py
+    resolves each request once to choose its thread (an async view or a pool), and Django
+    would otherwise resolve it a second time to call the view. Any other request (WSGI, the
+    test client, a middleware that set its own ``request.urlconf``) is resolved as usual."""
+
+    def resolve_request(self, request: HttpRequest) -> Any:
+        match = request.resolver_match
+        if match is not None and not hasattr(request, "urlconf"):
+            return match
+        return super().resolve_request(request)  # type: ignore[misc]
+
+
+class ApiChain(ResolvedOnce, BaseHandler):
+    """Django's handler for the API: its own URL resolution and view call
+    (``BaseHandler._get_response``, with this chain's view, template-response and exception
+    hooks), inside the middleware of ``settings.API_MIDDLEWARE`` only, built as
+    ``BaseHandler.load_middleware`` builds ``MIDDLEWARE`` (each layer wrapped so that an
+    exception becomes a response at that layer)."""
+
+    def __init__(self, *, is_async: bool) -> None:
+        super().__init__()
+        self._view_middleware = []
+        self._template_response_middleware = []
+        self._exception_middleware = []
+        handler = convert_exception_to_response(
+            self._get_response_async if is_async else self._get_response)
+        for path in reversed(settings.API_MIDDLEWARE):
+            middleware = import_string(path)
+            # Every layer runs in both modes, so no layer needs a thread adapter: an async
+            # view (the approvals long poll) holds no thread through this chain.
+            if not (getattr(middleware, "sync_capable", True)
+                    and getattr(middleware, "async_capable", False)):
+                raise ImproperlyConfigured(
+                    f"{path} in API_MIDDLEWARE must be sync_capable and async_capable")
+            try:
+                instance = middleware(handler)
+            except MiddlewareNotUsed:
+                continue
+            if hasattr(instance, "process_view"):
+                self._view_middleware.insert(
+                    0, self.adapt_method_mode(is_async, instance.process_view))
+            if hasattr(instance, "process_template_response"):
+                self._template_response_middleware.append(
+                    self.adapt_method_mode(is_async, instance.process_template_response))
+            if hasattr(instance, "process_exception"):
+                self._exception_middleware.append(
+                    self.adapt_method_mode(False, instance.process_exception))
+            handler = convert_exception_to_response(instance)
+        self._middleware_chain = handler
