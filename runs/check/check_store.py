@@ -288,6 +288,10 @@ READ_KEYED_SQL = "SELECT digest, count FROM runs_runmemory WHERE run_id = %s AND
 # though the INSERT does not read them: one statement for the state change and its audit
 # record. The hit is stamped with the database's clock, the clock every rate-limit window is
 # read with. An entry's count is its new value, not an increment: the run's lock is held.
+# The run's update reads its one row with jsonb_populate_record: from a recordset the plan
+# (generic, the statement is prepared) expects 100 rows and scans the whole runs table,
+# every version of every run's row included, so a check's cost grew with the table (and with
+# the dead versions a long run leaves until vacuum) instead of being one index lookup.
 _COLUMNS = ", ".join(DECISION_COLUMNS)
 INSERT_SQL = f"""
 INSERT INTO runs_decision ({_COLUMNS})
@@ -297,7 +301,7 @@ RETURNING id
 WRITE_SQL = """
 WITH run AS (
     UPDATE runs_run r SET """ + ", ".join(f"{name} = n.{name}" for name in UPDATE_FIELDS) + """
-    FROM jsonb_populate_recordset(NULL::runs_run, $2) n
+    FROM jsonb_populate_record(NULL::runs_run, $2 -> 0) n
     WHERE r.id = n.id
 ), hit AS (
     INSERT INTO runs_ratehit (team_id, agent, run_id, action_name, at)
