@@ -541,6 +541,17 @@ def killswitch_fanout(server: Server, team: Team, *, runs: int, agents: int,
 
 # --- Cost as one run grows -------------------------------------------------------------------
 
+def analyze_runs() -> None:
+    """ANALYZE the tables the check reads (what autovacuum does; it may be off here)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        for table in ("runs_run", "runs_decision", "runs_runmemory"):
+            cursor.execute("SELECT to_regclass(%s)", [table])
+            if cursor.fetchone()[0]:
+                cursor.execute(f"ANALYZE {table}")
+
+
 def long_run(server: Server, team: Team, *, steps: int, window: int = 50,
              reference_step: int = 10) -> dict[str, Any]:
     """One agent, one run, `steps` sequential checks with distinct args, progress and
@@ -552,7 +563,13 @@ def long_run(server: Server, team: Team, *, steps: int, window: int = 50,
     being measured, so each window is paired: its checks alternate with those of a fresh
     reference run at steps 10 to 10 + `window` (advanced to step 10 first, past the first
     checks' one-time costs), on the same connection. `over_step_10` is the long run's median
-    over the reference's, per window; `last_over_first` is the last window's."""
+    over the reference's, per window; `last_over_first` is the last window's.
+
+    The run tables are analyzed once the runs exist, before the first window, as autovacuum
+    does on a production server (the benchmark's server may run without it): the check's
+    prepared statements are planned once per connection, and a plan made on tables never
+    analyzed may look the run and its check_id up by the team's and the run's indexes,
+    whose cost grows with every version of every run's row (docs/performance.md)."""
     from .client import Connection
 
     reset_runs()
@@ -598,6 +615,8 @@ def long_run(server: Server, team: Team, *, steps: int, window: int = 50,
                         for j in range(reference_step):
                             if await check(ref_path, ref_seed, j) is None:
                                 return
+                        if not reference:
+                            await asyncio.to_thread(analyze_runs)
                         reference[mark] = []
                         ref = (ref_path, ref_seed)
                     paired = reference_step + len(reference[mark])
