@@ -541,46 +541,111 @@ def killswitch_fanout(server: Server, team: Team, *, runs: int, agents: int,
 
 # --- Cost as one run grows -------------------------------------------------------------------
 
-def long_run(server: Server, team: Team, *, steps: int, window: int = 50) -> dict[str, Any]:
+def analyze_runs() -> None:
+    """ANALYZE the tables the check reads (what autovacuum does; it may be off here)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        for table in ("runs_run", "runs_decision", "runs_runmemory"):
+            cursor.execute("SELECT to_regclass(%s)", [table])
+            if cursor.fetchone()[0]:
+                cursor.execute(f"ANALYZE {table}")
+
+
+def long_run(server: Server, team: Team, *, steps: int, window: int = 50,
+             reference_step: int = 10) -> dict[str, Any]:
     """One agent, one run, `steps` sequential checks with distinct args, progress and
     results: the median latency of the checks in windows of `window` steps at a few points
-    of the run's life, and the last window's over the first's (target: step 5,000 within
-    1.2x of step 10)."""
+    of the run's life, each against step 10 measured at the same time (target: step 5,000
+    within 1.2x of step 10).
+
+    A shared machine's load changes over the minutes a long run takes, more than the cost
+    being measured, so each window is paired: its checks alternate with those of a fresh
+    reference run at steps 10 to 10 + `window` (advanced to step 10 first, past the first
+    checks' one-time costs), on the same connection. `over_step_10` is the long run's median
+    over the reference's, per window; `last_over_first` is the last window's.
+
+    The run tables are analyzed once the runs exist, before the first window, as autovacuum
+    does on a production server (the benchmark's server may run without it): the check's
+    prepared statements are planned once per connection, and a plan made on tables never
+    analyzed may look the run and its check_id up by the team's and the run's indexes,
+    whose cost grows with every version of every run's row (docs/performance.md)."""
     from .client import Connection
 
     reset_runs()
-    marks = [m for m in (0, 100, 500, 1000, 2000, 3000, 4000, steps - window) if
-             0 <= m <= steps - window]
+    marks = sorted({m for m in (reference_step, 100, 500, 1000, 2000, 3000, 4000,
+                                steps - window) if reference_step <= m <= steps - window})
     latencies: list[float] = []
+    reference: dict[int, list[float]] = {}
     errors: Counter[str] = Counter()
 
     async def drive() -> None:
         conn = Connection("127.0.0.1", server.port, token=team.token)
-        try:
+
+        async def start() -> str | None:
             status, started = await conn.post_json("/api/v1/runs", {
                 "agent": "bench-long-run", "task": "one long run"})
             if status != 201:
                 errors[f"start {status}"] += 1
+                return None
+            return ag.real_check_path(started["run_id"])
+
+        async def check(path: str, seed: str, i: int) -> float | None:
+            sent = time.monotonic()
+            status, answer = await conn.post_json(path, ag.long_body(seed, i))
+            took = time.monotonic() - sent
+            if status != 200 or answer.get("decision") != "allow":
+                errors[f"check {status} {answer.get('reason') if status == 200 else ''}"] += 1
+                return None
+            return took
+
+        try:
+            path = await start()
+            if path is None:
                 return
-            path = ag.real_check_path(started["run_id"])
             seed = uuid.uuid4().hex
             for i in range(steps):
-                sent = time.monotonic()
-                status, answer = await conn.post_json(path, ag.long_body(seed, i))
-                latencies.append(time.monotonic() - sent)
-                if status != 200 or answer.get("decision") != "allow":
-                    errors[f"check {status} {answer.get('reason') if status == 200 else ''}"] += 1
+                paired = None
+                if any(m <= i < m + window for m in marks):
+                    mark = max(m for m in marks if m <= i)
+                    if mark not in reference:
+                        ref_path, ref_seed = await start(), uuid.uuid4().hex
+                        if ref_path is None:
+                            return
+                        for j in range(reference_step):
+                            if await check(ref_path, ref_seed, j) is None:
+                                return
+                        if not reference:
+                            await asyncio.to_thread(analyze_runs)
+                        reference[mark] = []
+                        ref = (ref_path, ref_seed)
+                    paired = reference_step + len(reference[mark])
+                took = await check(path, seed, i)
+                if took is None:
                     return
+                latencies.append(took)
+                if paired is not None:
+                    ref_took = await check(ref[0], ref[1], paired)
+                    if ref_took is None:
+                        return
+                    reference[mark].append(ref_took)
         finally:
             await conn.close()
 
     asyncio.run(drive())
-    curve = {str(m): round(ag.percentile(latencies[m:m + window], 50) * 1000, 2)
-             for m in sorted(set(marks)) if len(latencies) >= m + window}
-    first, last = curve.get("0"), curve.get(str(sorted(set(marks))[-1]))
+
+    def median_ms(values: list[float]) -> float:
+        return round(ag.percentile(values, 50) * 1000, 2)
+
+    done = [m for m in marks if len(latencies) >= m + window and
+            len(reference.get(m, ())) == window]
+    curve = {str(m): median_ms(latencies[m:m + window]) for m in done}
+    at_reference = {str(m): median_ms(reference[m]) for m in done}
+    over = {m: round(curve[m] / at_reference[m], 2) for m in curve if at_reference[m]}
     return {
         "steps": steps, "window": window, "median_ms_from_step": curve,
-        "last_over_first": round(last / first, 2) if first and last else None,
+        "reference_step": reference_step, "reference_ms": at_reference, "over_step_10": over,
+        "last_over_first": over.get(str(done[-1])) if done else None,
         "checks": len(latencies), "errors": sum(errors.values()), "error_kinds": dict(errors),
     }
 

@@ -23,7 +23,9 @@ class RunStatus(models.TextChoices):
 
 class Run(models.Model):
     """One execution of an agent. Its counters are columns (queryable, shown on screens);
-    the rest of the per-run memory of SPEC 4.1 lives in ``memory``."""
+    the rest of the per-run memory of SPEC 4.1 lives in ``memory`` (what stays the same size:
+    the no-progress streak, the approval waited for) and in `RunMemory` rows (what grows
+    with the run: one per repeat key, progress value, result signature and error text)."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="runs")
@@ -69,6 +71,24 @@ class Run(models.Model):
                 name="external_id_per_team",
             )
         ]
+
+
+class RunMemory(models.Model):
+    """One entry of a run's keyed memory (SPEC 4.1; governance_client.rules `keyed`): the
+    allowed count of a repeat key, the count of an error text, or a progress value or result
+    signature seen (count 1). A check reads and writes only its own entries, by `digest`, so
+    its cost does not grow with the run's length (docs/performance.md, "Cost as one run
+    grows"). Written under the run's lock, like the run's row."""
+
+    pk = models.CompositePrimaryKey("run_id", "digest")
+    # The primary key's index leads with run_id: no index of its own.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+", db_index=False)
+    # SHA-256 of kind and text (runs/check/run_memory.py): the lookup key, of one size
+    # whatever the text (an error text of 2,000 characters would not fit a B-tree entry).
+    digest = models.CharField(max_length=64)
+    kind = models.CharField(max_length=10)  # rules.KEYED_KINDS
+    text = models.TextField()
+    count = models.PositiveIntegerField()
 
 
 class Decision(models.Model):

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from governance_client.rules import REPEAT
 
 from policies.document import default_policy
 from policies.models import Team
 from policies.services import policy_save
+from runs.check import run_memory
 from runs.models import Decision, Run
 from tests.conftest import server_env, set_policy, start_server
 from tests.faults import (
@@ -288,4 +290,5 @@ def test_a_server_process_killed_under_load_leaves_no_unaudited_allow_and_consis
         assert [d.step for d in decisions] == list(range(1, run.steps + 1))
         assert all(d.outcome == "allow" for d in decisions)
         assert run.tool_calls == sum(d.action_type == "tool" for d in decisions)
-        assert sum(run.memory["repeat_counts"].values()) == len(decisions)
+        repeats = {e: n for e, n in run_memory.entries(run.pk).items() if e[0] == REPEAT}
+        assert sum(repeats.values()) == len(decisions)

@@ -35,7 +35,7 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import AgentKey, Team
 from policies.services import audit
-from runs.check import metrics
+from runs.check import metrics, run_memory
 from runs.check.check_store import state_of
 from runs.check.policy_cache import rules_for_version
 from runs.live.events import publish_team_event
@@ -112,6 +112,8 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
     if status == rules.CANCELLED and kill is None:
         # Finishing the run: the final answer is the finished run's stop.
         raise ValueError("use run_finish to cancel by finishing")
+    # The answer names the approved key's count, which an approval also raises.
+    state = run_memory.load(state.copy(), run.id, [(rules.REPEAT, pending.repeat_key)])
     # The policy restarts an approved run's idle deadline: time pending is not idle (SPEC 14).
     decision, new = rules.settle(state, status, now=now, by=label or None, note=note, kill=kill,
                                  policy=rules_for_version(run.policy_version_id))
@@ -124,8 +126,9 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
         return None
     Run.objects.filter(pk=run.id).update(
         status=new.status, stop_reason=new.stop_reason, ended_at=new.ended_at,
-        tool_calls=new.tool_calls, memory=new.memory(), idle_deadline=new.idle_deadline,
+        tool_calls=new.tool_calls, memory=new.fixed_memory(), idle_deadline=new.idle_deadline,
     )
+    run_memory.save(run.id, state, new)
     answer = _final(run, pending, decision, new, now, label)
     _record_final(run, pending, answer, now, decision)
     requested_at = pending.since

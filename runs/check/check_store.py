@@ -9,10 +9,15 @@ On PostgreSQL that is two network round trips, each one message with a prepared 
 
 1. `BEGIN; EXECUTE lock`: one SELECT that finds the key by its prefix (not revoked; the hash
    is compared in Python, in constant time), locks the run of the key's team `FOR UPDATE`,
-   and reads the covering kill switch and the `check_id` replay in lateral subqueries;
-2. `EXECUTE write; COMMIT`: one statement that updates the run, inserts the decision (a
-   data-modifying CTE) and, for an action counted by the rate limits, its hit, returning the
-   decision's id.
+   and reads the covering kill switch, the `check_id` replay and the check's own entries of
+   the run's keyed memory (runs/check/run_memory.py) in lateral subqueries;
+2. `EXECUTE write; COMMIT`: one statement that updates the run, upserts the keyed memory's
+   changed entries, inserts the decision (data-modifying CTEs) and, for an action counted by
+   the rate limits, its hit, returning the decision's id.
+
+The keyed entries a check reads depend on its repeat key, hence on the run's policy: the
+caller names them when this process already knows the run's policy version (as for the rate
+limits below), else `read_keyed` reads them in one more round trip once the run is locked.
 
 A check whose action matches a rate limit of its policy (SPEC 12) also takes the rules'
 advisory locks and reads their windows (runs/check/rate_limits.py): as more statements of the first
@@ -58,6 +63,7 @@ from django.db import (
 from governance_client.rules import RateLimit, RateWindow, RunState
 
 from policies.models import AgentKey
+from runs.check import run_memory
 from runs.check.rate_limits import (
     lock_keys,
     windows_from_row,
@@ -125,6 +131,9 @@ class Locked:
     switch: cover.SwitchFields | None  # the covering switch, as cover.switch_in_words needs it
     earlier_answer: tuple[int, dict[str, Any]] | None  # (decision id, answer) of this check_id
     windows: list[RateWindow] | None = None  # read with the lock (RateRead), else None
+    # The counts of the keyed memory's entries named to `lock`, by digest (those the run
+    # has); None when none were named.
+    keyed: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,8 +197,9 @@ def _row_values(row: DecisionRow) -> dict[str, Any]:
 
 
 def _update_values(state: RunState) -> dict[str, Any]:
-    """The run's new columns: its memory is the state's JSON form, the rest attributes."""
-    return {name: state.memory() if name == "memory" else getattr(state, name)
+    """The run's new columns: its memory is the state's fixed part (the keyed entries are
+    rows of their own, runs/check/run_memory.py), the rest attributes."""
+    return {name: state.fixed_memory() if name == "memory" else getattr(state, name)
             for name in UPDATE_FIELDS}
 
 
@@ -207,7 +217,11 @@ class CheckTransaction(Protocol):
     db_seconds: float
 
     def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None,
-             rate: RateRead | None = None) -> Locked | None:
+             rate: RateRead | None = None, keyed: Sequence[str] | None = None
+             ) -> Locked | None:
+        ...
+
+    def read_keyed(self, *, run_id: uuid.UUID, keyed: Sequence[str]) -> dict[str, int]:
         ...
 
     def rate_windows(self, *, run: RunRow, rules: Sequence[RateLimit], now: datetime
@@ -215,8 +229,9 @@ class CheckTransaction(Protocol):
         ...
 
     def write(self, *, run_id: uuid.UUID, state: RunState | None, rows: list[DecisionRow],
-              hit: HitRow | None = None) -> int:
-        """Store the audit records, the run's new state (None: unchanged) and the hit."""
+              hit: HitRow | None = None, keyed: Sequence[dict[str, Any]] = ()) -> int:
+        """Store the audit records, the run's new state (None: unchanged), the hit and the
+        keyed memory's changed entries."""
         ...
 
 
@@ -245,7 +260,7 @@ LOCK_SQL = f"""
 SELECT k.id, k.key_hash, k.last_used_at, k.team_id, t.slug,
        {", ".join(f"r.{name}" for name in RUN_COLUMNS if name != "team_id")},
        s.scope, s.agent, s.reason, s.engaged_by_label,
-       d.id, d.answer
+       d.id, d.answer, m.counts
 FROM policies_agentkey k
 JOIN policies_team t ON t.id = k.team_id
 LEFT JOIN LATERAL (
@@ -265,20 +280,27 @@ LEFT JOIN LATERAL (
 LEFT JOIN LATERAL (
     SELECT id, answer FROM runs_decision WHERE run_id = r.id AND check_id = $2
 ) d ON true
+LEFT JOIN LATERAL (
+    SELECT jsonb_object_agg(m.digest, m.count) AS counts
+    FROM runs_runmemory m WHERE m.run_id = r.id AND m.digest = ANY($4)
+) m ON true
 WHERE k.prefix = $3 AND k.revoked_at IS NULL
 """
+READ_KEYED_SQL = "SELECT digest, count FROM runs_runmemory WHERE run_id = %s AND digest = ANY(%s)"
 
 # The write takes the decisions (one, or two when the check found the run abandoned), the
-# run's new state and the rate-limit hit as one JSON document each, unpacked by
-# jsonb_populate_recordset: one literal to quote instead of twenty-two, one json.dumps. An
-# empty array writes nothing. The data-modifying CTEs run even though the INSERT does not
-# read them: one statement for the state change and its audit record. The hit is stamped
-# with the database's clock, the clock every rate-limit window is read with. The run's id is
-# also given as a value the planner can see through: it takes a function's rows for 100, so
-# over a runs table of a few thousand rows it joined them by a hash over a sequential scan of
-# the whole table, on every check (2 ms at 10,000 runs, docs/performance.md "Cost as the work
-# grows"); an equality on the primary key is an index lookup at any size. An empty array
-# makes the id NULL: nothing updated, as before.
+# run's new state, the rate-limit hit and the keyed memory's changed entries as one JSON
+# document each, unpacked by jsonb_populate_recordset: one literal to quote instead of
+# twenty-two, one json.dumps. An empty array writes nothing. The data-modifying CTEs run even
+# though the INSERT does not read them: one statement for the state change and its audit
+# record. The hit is stamped with the database's clock, the clock every rate-limit window is
+# read with. An entry's count is its new value, not an increment: the run's lock is held.
+# The run's update reads its one row with jsonb_populate_record: from a recordset the plan
+# (generic, the statement is prepared) expects 100 rows and joined them by a hash over a
+# sequential scan of the whole runs table, every version of every run's row included, on
+# every check (2 ms at 10,000 runs, docs/performance.md "Cost as the work grows"), so a
+# check's cost grew with the table instead of being one index lookup. An empty array makes
+# the record NULL: nothing updated.
 _COLUMNS = ", ".join(DECISION_COLUMNS)
 INSERT_SQL = f"""
 INSERT INTO runs_decision ({_COLUMNS})
@@ -288,12 +310,17 @@ RETURNING id
 WRITE_SQL = """
 WITH run AS (
     UPDATE runs_run r SET """ + ", ".join(f"{name} = n.{name}" for name in UPDATE_FIELDS) + """
-    FROM jsonb_populate_recordset(NULL::runs_run, $2) n
-    WHERE r.id = n.id AND r.id = ($2 -> 0 ->> 'id')::uuid
+    FROM jsonb_populate_record(NULL::runs_run, $2 -> 0) n
+    WHERE r.id = n.id
 ), hit AS (
     INSERT INTO runs_ratehit (team_id, agent, run_id, action_name, at)
     SELECT team_id, agent, run_id, action_name, clock_timestamp()
     FROM jsonb_populate_recordset(NULL::runs_ratehit, $3)
+), keyed AS (
+    INSERT INTO runs_runmemory (run_id, digest, kind, text, count)
+    SELECT run_id, digest, kind, text, count
+    FROM jsonb_populate_recordset(NULL::runs_runmemory, $4)
+    ON CONFLICT (run_id, digest) DO UPDATE SET count = EXCLUDED.count
 )""" + INSERT_SQL
 
 # Prepared once per connection with SQL PREPARE, then run with EXECUTE in the same simple-query
@@ -302,11 +329,11 @@ WITH run AS (
 # Protocol-level prepared statements would need pipeline mode to keep two round trips, and
 # psycopg's pipeline costs more Python per check than the query strings this builds.
 PREPARE_SQL = (
-    f"PREPARE governance_check_lock(uuid, text, text) AS {LOCK_SQL};"
-    f"PREPARE governance_check_write(jsonb, jsonb, jsonb) AS {WRITE_SQL};"
+    f"PREPARE governance_check_lock(uuid, text, text, text[]) AS {LOCK_SQL};"
+    f"PREPARE governance_check_write(jsonb, jsonb, jsonb, jsonb) AS {WRITE_SQL};"
 )
-EXECUTE_LOCK = "BEGIN; EXECUTE governance_check_lock(%s, %s, %s)"
-EXECUTE_WRITE = "EXECUTE governance_check_write(%s, %s, %s); COMMIT"
+EXECUTE_LOCK = "BEGIN; EXECUTE governance_check_lock(%s, %s, %s, %s)"
+EXECUTE_WRITE = "EXECUTE governance_check_write(%s, %s, %s, %s); COMMIT"
 
 # The connections (Django's, one per thread) on which the statements are prepared.
 _prepared: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -360,10 +387,12 @@ class PostgresCheck:
         return f"EXECUTE {name}({', '.join(['%s'] * len(params))})", params
 
     def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None,
-             rate: RateRead | None = None) -> Locked | None:
+             rate: RateRead | None = None, keyed: Sequence[str] | None = None
+             ) -> Locked | None:
         cursor = self.cursor
         started = time.perf_counter()
-        sql, params = EXECUTE_LOCK, [run_id, check_id, prefix]
+        sql = EXECUTE_LOCK
+        params: list[Any] = [run_id, check_id, prefix, list(keyed) if keyed else None]
         if rate is not None:
             # After the run's lock, in the same message: the rules' locks, then the windows,
             # each a statement of its own so the read's snapshot follows the locks. Should the
@@ -414,7 +443,21 @@ class PostgresCheck:
         return Locked(key_id=row[0], key_hash=row[1], key_last_used_at=row[2], team_id=row[3],
                       team_slug=row[4], run=run, switch=switch, earlier_answer=earlier,
                       windows=windows_from_row(rate.rules, windows_row)
-                      if rate is not None and windows_row is not None else None)
+                      if rate is not None and windows_row is not None else None,
+                      keyed=(_loaded(row[23]) or {}) if keyed else None)
+
+    def read_keyed(self, *, run_id: uuid.UUID, keyed: Sequence[str]) -> dict[str, int]:
+        """The counts of these entries of the run's keyed memory, by digest: one round trip,
+        for a check whose entries `lock` could not name."""
+        if not keyed:
+            return {}
+        started = time.perf_counter()
+        try:
+            with connection.wrap_database_errors:
+                self.cursor.execute(READ_KEYED_SQL, [run_id, list(keyed)])
+                return dict(self.cursor.fetchall())
+        finally:
+            self.db_seconds += time.perf_counter() - started
 
     def rate_windows(self, *, run: RunRow, rules: Sequence[RateLimit], now: datetime
                      ) -> list[RateWindow]:
@@ -438,12 +481,13 @@ class PostgresCheck:
         return windows_from_row(rules, row)
 
     def write(self, *, run_id: uuid.UUID, state: RunState | None, rows: list[DecisionRow],
-              hit: HitRow | None = None) -> int:
+              hit: HitRow | None = None, keyed: Sequence[dict[str, Any]] = ()) -> int:
         decisions = _dumps([{"run_id": run_id, **_row_values(row)} for row in rows])
         runs = _dumps([{"id": run_id, **_update_values(state)}] if state is not None else [])
         hits = _dumps([{"team_id": hit.team_id, "agent": hit.agent, "run_id": run_id,
                         "action_name": hit.action_name}] if hit is not None else [])
-        sql, params = EXECUTE_WRITE, (decisions, runs, hits)
+        entries = _dumps([{"run_id": run_id, **entry} for entry in keyed])
+        sql, params = EXECUTE_WRITE, (decisions, runs, hits, entries)
         cursor = self.cursor
         started = time.perf_counter()
         try:
@@ -488,7 +532,8 @@ class OrmCheck:
         self.db_seconds = 0.0
 
     def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None,
-             rate: RateRead | None = None) -> Locked | None:
+             rate: RateRead | None = None, keyed: Sequence[str] | None = None
+             ) -> Locked | None:
         """`rate` is ignored here: the windows are read by `rate_windows`."""
         started = time.perf_counter()
         try:
@@ -500,7 +545,7 @@ class OrmCheck:
             if key.agent:  # an agent-bound key: other agents' runs are not there (SPEC 10)
                 runs = runs.filter(agent=key.agent)
             run_row = runs.only(*RUN_COLUMNS).first()
-            run = switch = earlier = None
+            run = switch = earlier = counts = None
             if run_row is not None:
                 run = RunRow(id=run_row.pk, team_id=run_row.team_id, agent=run_row.agent,
                              policy_version_id=run_row.policy_version_id,
@@ -512,10 +557,21 @@ class OrmCheck:
                     found = (Decision.objects.filter(run_id=run.id, check_id=check_id)
                              .values_list("id", "answer").first())
                     earlier = (found[0], found[1]) if found is not None else None
+                if keyed:
+                    counts = run_memory.counts(run.id, keyed)
             return Locked(key_id=key.pk, key_hash=key.key_hash,
                           key_last_used_at=key.last_used_at, team_id=key.team_id,
                           team_slug=key.team.slug, run=run, switch=switch,
-                          earlier_answer=earlier)
+                          earlier_answer=earlier, keyed=counts)
+        finally:
+            self.db_seconds += time.perf_counter() - started
+
+    def read_keyed(self, *, run_id: uuid.UUID, keyed: Sequence[str]) -> dict[str, int]:
+        if not keyed:
+            return {}
+        started = time.perf_counter()
+        try:
+            return run_memory.counts(run_id, keyed)
         finally:
             self.db_seconds += time.perf_counter() - started
 
@@ -542,11 +598,12 @@ class OrmCheck:
             self.db_seconds += time.perf_counter() - started
 
     def write(self, *, run_id: uuid.UUID, state: RunState | None, rows: list[DecisionRow],
-              hit: HitRow | None = None) -> int:
+              hit: HitRow | None = None, keyed: Sequence[dict[str, Any]] = ()) -> int:
         started = time.perf_counter()
         try:
             if state is not None:
                 Run.objects.filter(pk=run_id).update(**_update_values(state))
+            run_memory.upsert(run_id, list(keyed))
             if hit is not None:
                 at = None
                 if connection.vendor == "postgresql":

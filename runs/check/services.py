@@ -8,19 +8,20 @@ import logging
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
 
 from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
+from governance_client.keys import repeat_key
 
 from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs.approvals import services as approvals
-from runs.check import metrics
+from runs.check import metrics, run_memory
 from runs.check.abandon import abandon_if_idle
 from runs.check.check_store import (
     DecisionRow,
@@ -146,6 +147,7 @@ def _insert_unless_switched(run: Run) -> bool:
         inserted = cursor.rowcount == 1
     if inserted:
         run._state.adding, run._state.db = False, connection.alias
+        _remember(run.pk, run.team_id, run.agent, run.policy_version_id)
     return inserted
 
 
@@ -238,20 +240,43 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
     raise AssertionError("unreachable")
 
 
-# A run's team, agent and policy version never change: once a check of the run succeeded in
-# this process, the next one can read its rate-limit windows in the locking round trip.
-# Bounded (cleared when full); a miss only costs the separate round trip.
+# A run's team, agent and policy version never change: once this process started the run or
+# checked it, the next check can read its rate-limit windows and its keyed memory's entries
+# (which depend on the policy through the repeat key) in the locking round trip. Bounded
+# (cleared when full); a miss only costs a separate round trip.
 _RUN_FACTS: dict[uuid.UUID, tuple[int, str, int]] = {}
 _RUN_FACTS_MAX = 20_000
 
 
-def _rate_read(run_id: uuid.UUID, name: str) -> RateRead | None:
-    facts = _RUN_FACTS.get(run_id)
+def _remember(run_id: uuid.UUID, team_id: int, agent: str, version_id: int) -> None:
+    if run_id not in _RUN_FACTS:
+        if len(_RUN_FACTS) >= _RUN_FACTS_MAX:
+            _RUN_FACTS.clear()
+        _RUN_FACTS[run_id] = (team_id, agent, version_id)
+
+
+def _rate_read(facts: tuple[int, str, int] | None, name: str) -> RateRead | None:
     if facts is None:
         return None
     team_id, agent, version_id = facts
     matching = rules.rate_limits_matching(rules_for_version(version_id), name)
     return RateRead(rules=matching, team_id=team_id, agent=agent) if matching else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Keyed:
+    """The check's repeat key under one policy version, and the keyed memory's entries it
+    reads (by digest)."""
+
+    version_id: int
+    key: str
+    wanted: dict[str, rules.Entry]
+
+
+def _keyed_for(check: rules.Check, version_id: int) -> _Keyed:
+    policy = rules_for_version(version_id)
+    key = repeat_key(check.name, check.args, policy.ignore_args)
+    return _Keyed(version_id, key, run_memory.digests(rules.keyed_reads(check, key)))
 
 
 class _Portable(Exception):
@@ -280,19 +305,26 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
     # then a replay, then the 409 of a run waiting for an approval, then rules 1 to 9, the
     # rate limits, the approvals, and the allow.
     with check_transaction(portable=portable) as tx:
-        rate = _rate_read(run_id, check.name)
+        facts = _RUN_FACTS.get(run_id)
+        rate = _rate_read(facts, check.name)
+        guess = _keyed_for(check, facts[2]) if facts is not None else None
         locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=check.check_id,
-                         rate=rate)
+                         rate=rate, keyed=list(guess.wanted) if guess is not None else None)
         if locked is None or not agent_key_matches(claim, locked.key_hash):
             raise ServiceError(401, "unauthorized", UNAUTHORIZED)
         run = locked.run
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
-        if run.id not in _RUN_FACTS:
-            if len(_RUN_FACTS) >= _RUN_FACTS_MAX:
-                _RUN_FACTS.clear()
-            _RUN_FACTS[run.id] = (run.team_id, run.agent, run.policy_version_id)
-        state = run.state
+        _remember(run.id, run.team_id, run.agent, run.policy_version_id)
+        if guess is not None and guess.version_id == run.policy_version_id \
+                and locked.keyed is not None:
+            keyed, counts = guess, locked.keyed
+        else:
+            keyed = _keyed_for(check, run.policy_version_id)
+            counts = tx.read_keyed(run_id=run.id, keyed=list(keyed.wanted))
+        # Only the check's own entries of the keyed memory: the rules answer the same as with
+        # all of it (governance_client.rules, keyed_reads), and what they change is written.
+        loaded = state = run.state.load_keyed(run_memory.found(keyed.wanted, counts))
         policy = rules_for_version(run.policy_version_id)
         if isinstance(tx, PostgresCheck) and _involves_approvals(
                 policy, state, locked.earlier_answer, check.name):
@@ -338,7 +370,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             elif matching:
                 windows = tx.rate_windows(run=run, rules=matching, now=now)
         decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
-                                             rate=windows, approval_id=str(uuid.uuid4()))
+                                             rate=windows, key=keyed.key,
+                                             approval_id=str(uuid.uuid4()))
         answer = _answer_of(decision, new_state, policy, now)
         if new_state is not state and deadline is not None and time.monotonic() > deadline:
             # The agent gave up on this check (its deadline_ms passed while the check waited,
@@ -371,7 +404,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             if counted else None
         # The rules give a new state only when something changed; an abandonment ended it.
         changed = new_state if new_state is not state or rows else None
-        decision_id = tx.write(run_id=run.id, state=changed, rows=rows, hit=hit)
+        decision_id = tx.write(run_id=run.id, state=changed, rows=rows, hit=hit,
+                               keyed=run_memory.rows(rules.keyed_changes(loaded, new_state)))
         if decision.outcome == rules.PENDING:
             assert new_state.pending is not None  # only on the portable path, in its atomic
             approvals.approval_open(
@@ -460,23 +494,21 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         policy = rules_for_version(run.policy_version_id)
-        state = state_of(run)
+        checks = [_local_check(entry) for entry in entries]
+        # The entries of the keyed memory every uploaded decision reads, in one query.
+        loaded = state = run_memory.load(state_of(run), run.pk, [
+            entry for check in checks for entry in rules.keyed_reads(
+                check, repeat_key(check.name, check.args, policy.ignore_args))])
         seen = set(Decision.objects.filter(
             run=run, check_id__in=[e["check_id"] for e in entries]
         ).values_list("check_id", flat=True))
         now = timezone.now()
         rows = []
-        for entry in entries:
+        for entry, check in zip(entries, checks, strict=True):
             if entry["check_id"] in seen:
                 continue
             seen.add(entry["check_id"])
-            action, last = entry["action"], entry.get("last_result")
-            cost = Decimal(str(entry.get("cost_usd") or 0)).quantize(Decimal("0.000001"))
-            check = rules.Check(
-                name=action["name"], type=action["type"], args=action.get("args") or {},
-                progress=entry.get("progress"),
-                last_result=rules.LastResult(**last) if last else None, cost_usd=cost,
-            )
+            action, last, cost = entry["action"], entry.get("last_result"), check.cost_usd
             verdict, state = rules.record_outcome(
                 policy, state, check, allowed=entry["decision"] == rules.ALLOW,
                 reason=entry["reason"], message=entry.get("message"), now=now,
@@ -500,12 +532,24 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             Run.objects.filter(pk=run.pk).update(
                 status=state.status, stop_reason=state.stop_reason, ended_at=state.ended_at,
                 steps=state.steps, tool_calls=state.tool_calls, cost_usd=state.cost_usd,
-                memory=state.memory(),
+                memory=state.fixed_memory(),
             )
+            run_memory.save(run.pk, loaded, state)
             run.refresh_from_db()
     if rows:
         publish_run_event(run)
     return run, recorded, len(entries) - recorded
+
+
+def _local_check(entry: dict[str, Any]) -> rules.Check:
+    """An uploaded local decision's check, as the rules count it."""
+    action, last = entry["action"], entry.get("last_result")
+    return rules.Check(
+        name=action["name"], type=action["type"], args=action.get("args") or {},
+        progress=entry.get("progress"),
+        last_result=rules.LastResult(**last) if last else None,
+        cost_usd=Decimal(str(entry.get("cost_usd") or 0)).quantize(Decimal("0.000001")),
+    )
 
 
 def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
@@ -570,6 +614,9 @@ def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None,
             raise ServiceError(409, "run_finished", "This run was already finished.")
         now = timezone.now()
         state = state_of(run)
+        if state.pending is not None:
+            # The cancelled approval's final answer names its key's count.
+            state = run_memory.load(state, run.pk, [(rules.REPEAT, state.pending.repeat_key)])
         if state.pending is not None and state.status == rules.RUNNING and (
                 now >= state.pending.expires_at):
             settled = approvals.settle_locked(run=run, state=state, status=rules.EXPIRED,
@@ -580,7 +627,8 @@ def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None,
         if state.pending is not None and state.status == rules.RUNNING:
             approvals.cancel_for_finish(run=run, state=state, new=new_state, now=now)
         run.status, run.stop_reason = new_state.status, new_state.stop_reason
-        run.ended_at, run.finished_at, run.memory = new_state.ended_at, now, new_state.memory()
+        run.ended_at, run.finished_at = new_state.ended_at, now
+        run.memory = new_state.fixed_memory()
         fields = ["status", "stop_reason", "ended_at", "finished_at", "memory"]
         if output is not None:
             run.output = output

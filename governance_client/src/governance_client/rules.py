@@ -260,6 +260,48 @@ def paused_seconds(memory: Mapping[str, Any], end: datetime) -> float:
     return paused
 
 
+# --- The run's keyed memory (SPEC 4.1) ---------------------------------------------------------
+#
+# Four parts of a run's memory grow with its length: the allowed count of every repeat key,
+# the progress values and the result signatures seen, and the count of every error text. A
+# check reads and writes at most one entry of each: its own repeat key, progress value, result
+# signature and error text (`keyed_reads`). So a store may keep them as keyed rows and hand the
+# rules a state holding only those entries: every rule below answers the same as with the whole
+# memory, and `keyed_changes` of the two states is what the store must write
+# (tests/test_rules_keyed.py proves both for evaluate, settle, record_outcome and the rest).
+
+REPEAT = "repeat"
+PROGRESS = "progress"
+SIGNATURE = "signature"
+ERROR = "error"
+KEYED_KINDS = (REPEAT, PROGRESS, SIGNATURE, ERROR)
+Entry = tuple[str, str]  # (kind, text)
+
+
+def keyed_reads(check: Check, key: str) -> tuple[Entry, ...]:
+    """The entries of the keyed memory that deciding ``check`` (whose repeat key is ``key``)
+    reads or writes, whatever the policy: a rule that does not apply reads one entry less."""
+    entries: list[Entry] = [(REPEAT, key)]
+    if check.progress is not None:
+        entries.append((PROGRESS, progress_token(check.progress)))
+    if check.last_result is not None:
+        signature = check.last_result.signature
+        if signature is not None:
+            entries.append((SIGNATURE, signature))
+        error = check.last_result.error_text
+        if error is not None:
+            entries.append((ERROR, error))
+    return tuple(entries)
+
+
+def keyed_changes(before: RunState, after: RunState) -> dict[Entry, int]:
+    """The entries of ``after`` that ``before`` does not have with the same value: what a
+    store keeping the keyed memory apart writes (the rules only ever add entries or raise
+    counts). Proportional to the states' sizes: small for states loaded with `keyed_reads`."""
+    old = before.keyed()
+    return {entry: n for entry, n in after.keyed().items() if old.get(entry) != n}
+
+
 @dataclass(slots=True)
 class RunState:
     started_at: datetime
@@ -312,11 +354,44 @@ class RunState:
             "repeat_counts": self.repeat_counts,
             "progress_seen": sorted(self.progress_seen),
             "signatures_seen": sorted(self.signatures_seen),
-            "no_progress_streak": self.no_progress_streak,
             "error_counts": self.error_counts,
+            **self.fixed_memory(),
+        }
+
+    def fixed_memory(self) -> dict[str, Any]:
+        """The memory without its keyed parts (see `keyed`): what stays the same size however
+        long the run lasts."""
+        return {
+            "no_progress_streak": self.no_progress_streak,
             "paused_s": self.paused_s,
             "pending": self.pending.to_json() if self.pending is not None else None,
         }
+
+    def keyed(self) -> dict[Entry, int]:
+        """The keyed parts of the memory as entries: (kind, text) -> the allowed count of a
+        repeat key, the times an error text was reported, 1 for a progress token or a result
+        signature seen."""
+        entries: dict[Entry, int] = {(REPEAT, k): n for k, n in self.repeat_counts.items()}
+        entries.update(((PROGRESS, token), 1) for token in self.progress_seen)
+        entries.update(((SIGNATURE, sig), 1) for sig in self.signatures_seen)
+        entries.update(((ERROR, text), n) for text, n in self.error_counts.items())
+        return entries
+
+    def load_keyed(self, entries: Mapping[Entry, int]) -> RunState:
+        """Add entries (as `keyed` gives them) to the memory: a store that keeps them apart
+        loads the ones `keyed_reads` names for the check at hand."""
+        for (kind, text), count in entries.items():
+            if kind == REPEAT:
+                self.repeat_counts[text] = count
+            elif kind == PROGRESS:
+                self.progress_seen.add(text)
+            elif kind == SIGNATURE:
+                self.signatures_seen.add(text)
+            elif kind == ERROR:
+                self.error_counts[text] = count
+            else:
+                raise ValueError(f"unknown kind of memory entry {kind!r}")
+        return self
 
     def load_memory(self, memory: Mapping[str, Any]) -> RunState:
         self.repeat_counts = dict(memory.get("repeat_counts", {}))

@@ -38,7 +38,7 @@ class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run inside a transaction
 
     dependencies = [
-        ("runs", "0006_idle_deadline_rate_hits"),
+        ("runs", "0007_run_memory"),
     ]
 
     operations = [
