@@ -11,7 +11,7 @@ PIP ?= .venv/bin/pip
 # the pure rules with).
 install-run: .venv/bin/python
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e .
+	$(PIP) install -q -e . -e ./governance_client
 
 # What the tests need too: the test tools, and the client with every framework its
 # integrations and examples are tested against (the extra `all`).
