@@ -106,6 +106,7 @@ def test_an_admin_shows_the_secret_the_team_was_made_with_and_copies_it_once(
     page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
     page.goto(f"{server.url}/teams/{team.slug}/settings/")
     expect(page.locator("[data-secret-id]")).to_have_text(webhook_secret_id(secret))
+    page.screenshot(path=str(SCREENSHOTS / "settings.png"), full_page=True)
     page.click("button[data-show-secret]")
     expect(page.locator("#new-secret")).to_have_text(secret)
     page.click("button[data-copy='#new-secret']")
