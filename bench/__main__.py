@@ -16,14 +16,14 @@ from . import report, stack
 from . import scenarios as sc
 
 PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "longrun", "stream",
-          "metrics", "ratelimit")
+          "attacks", "metrics", "ratelimit")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="short phases: proves the benchmark and the audit invariant "
-                             "(CI), under 2 minutes")
+                             "(CI), about 3 minutes")
     parser.add_argument("--agents", default="1,8,32,128",
                         help="comma-separated concurrency points (default 1,8,32,128)")
     parser.add_argument("--seconds", type=float,
@@ -46,6 +46,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="running runs the fan-out phase kills (default 10000, quick 1000)")
     parser.add_argument("--longrun-steps", type=int,
                         help="checks of the one long run (default 5050, quick 400)")
+    parser.add_argument("--attacks", default="",
+                        help="comma-separated attacks of the attacks phase (default: every "
+                             "one in bench/attacks.py ATTACKS)")
     parser.add_argument("--no-history", action="store_true",
                         help="do not append this run to bench/history.jsonl")
     return parser.parse_args(argv)
@@ -144,6 +147,18 @@ def main(argv: list[str]) -> int:
         if "stream" in phases:
             results["stream"] = live_stream(server, team, quick=quick)
             print(report.live_line(results["stream"]), flush=True)
+        if "attacks" in phases:
+            from .attacks import ATTACKS
+
+            names = [a for a in args.attacks.split(",") if a] or list(ATTACKS)
+            unknown = sorted(set(names) - set(ATTACKS))
+            if unknown:
+                raise SystemExit(f"unknown attacks {unknown}; known: {', '.join(ATTACKS)}")
+            results["attacks"] = sc.attacks(server, team, names=names, agents=32,
+                                            seconds=seconds / rounds, warmup=warmup,
+                                            rounds=rounds)
+            for line in report.attack_lines(results["attacks"]):
+                print(line, flush=True)
         if "ratelimit" in phases:
             from . import ratelimit
 

@@ -98,6 +98,18 @@ def live_line(s: dict[str, Any]) -> str:
             f"({s['events_missing']} missing), errors {s['errors']}")
 
 
+def attack_lines(a: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, r in a["attacks"].items():
+        most = max((x["most_open"] for x in r["attack"]), default=0)
+        lines.append(
+            f"  under {name} ({most} attacking connections open at most), {a['agents']} "
+            f"agents: p99 {r['with']['p99_ms']} ms against {r['without']['p99_ms']} ms "
+            f"without: {r['p99_ratio']}x; checks/s {r['with']['checks_per_s']} against "
+            f"{r['without']['checks_per_s']}; errors {r['errors']}")
+    return lines
+
+
 def _point(results: dict[str, Any], scenario: str, agents: int, mode: str = "mix"
            ) -> dict[str, Any] | None:
     return next((p for p in results["points"] if p["scenario"] == scenario
@@ -191,6 +203,10 @@ def correctness(results: dict[str, Any]) -> list[str]:
     live = results.get("stream")
     if live and live.get("measured") and live["errors"]:
         failed.append(f"live stream: errors {live['error_kinds']}")
+    for name, r in (results.get("attacks") or {}).get("attacks", {}).items():
+        if r["errors"] or not r["audit_ok"] or r["agents_starved"]:
+            failed.append(f"under {name}: errors {r['error_kinds']}, audit ok "
+                          f"{r['audit_ok']}, agents starved {r['agents_starved']}")
     return failed
 
 
@@ -224,6 +240,10 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     if ks:
         out.append(("kill switch: 0 leaked allows", str(ks["leaked_allows"]),
                     ks["leaked_allows"] == 0))
+    for name, r in (results.get("attacks") or {}).get("attacks", {}).items():
+        ratio = r["p99_ratio"]
+        out.append((f"p99 under {name} <= 2 x without it", f"{ratio}x",
+                    None if ratio is None else ratio <= 2.0))
     return out
 
 
@@ -280,6 +300,8 @@ def summary(results: dict[str, Any]) -> str:
                      ("stream", live_line), ("metrics", metrics_line)):
         if key in results:
             lines.append(fmt(results[key]).strip())
+    if "attacks" in results:
+        lines.extend(line.strip() for line in attack_lines(results["attacks"]))
     lines.append("")
     lines.append("targets:")
     for name, measured, met in targets(results):
@@ -370,6 +392,8 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
         "live_p99_ms": (results.get("stream") or {}).get("p99_ms"),
         "backtest_decisions_per_s": ((results.get("backtest") or {}).get("recomputed_keys")
                                      or {}).get("decisions_per_s"),
+        "attack_p99_ratios": {name: r["p99_ratio"] for name, r in
+                              (results.get("attacks") or {}).get("attacks", {}).items()},
         "correct": not correctness(results),
     }
 

@@ -1,4 +1,4 @@
-"""The measurements: throughput points, metrics cost, soak, kill switch, live stream.
+"""The measurements: throughput points, metrics cost, soak, kill switch, live stream, attacks.
 
 Every function returns plain JSON-ready dicts; bench/__main__.py orders them and
 bench/report.py prints and stores them.
@@ -7,12 +7,15 @@ bench/report.py prints and stores them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,11 +120,14 @@ class Slice:
 
 
 def run_slice(server: Server, team: Team, *, scenario: str, agents: int, seconds: float,
-              warmup: float, minimal: Server | None = None, mode: str = MIX) -> Slice:
-    """`agents` agents for `seconds` against one check endpoint, from empty run tables; the
-    audit rows written are counted against the decisions the agents received. A minimal
-    scenario sends its checks to `minimal`, the starts and finishes still to `server`."""
-    reset_runs()
+              warmup: float, minimal: Server | None = None, mode: str = MIX,
+              reset: bool = True) -> Slice:
+    """`agents` agents for `seconds` against one check endpoint, from empty run tables (unless
+    the caller emptied them already); the audit rows written are counted against the
+    decisions the agents received. A minimal scenario sends its checks to `minimal`, the
+    starts and finishes still to `server`."""
+    if reset:
+        reset_runs()
     before = max_decision_id()
     check_server = minimal if scenario in MINIMAL else None
     if scenario in MINIMAL and minimal is None:
@@ -577,3 +583,83 @@ def long_run(server: Server, team: Team, *, steps: int, window: int = 50) -> dic
         "last_over_first": round(last / first, 2) if first and last else None,
         "checks": len(latencies), "errors": sum(errors.values()), "error_kinds": dict(errors),
     }
+
+
+# --- Attacks: the check's p99 under slow or greedy clients (SPEC 10) -------------------------
+
+def _watched_run(server: Server, team: Team) -> str:
+    """A running run of the team for the attack's run streams to watch."""
+    import httpx
+
+    response = httpx.post(f"{server.url}/api/v1/runs", json={"agent": "bench-watched"},
+                          headers={"Authorization": f"Bearer {team.token}"}, timeout=10)
+    response.raise_for_status()
+    return str(response.json()["run_id"])
+
+
+@contextlib.contextmanager
+def _attacked(server: Server, name: str) -> Iterator[Server]:
+    """The server the attack `name` is measured on: `server` itself, or for a Redis fault a
+    second server of the same shape whose REDIS_URL is refused or never answers (ready when
+    it is alive: its readiness is what the fault degrades)."""
+    from . import attacks as at
+
+    if name not in at.REDIS_FAULTS:
+        yield server
+        return
+    hung = at.HungRedis() if name == "redis_hung" else None
+    url = hung.url if hung is not None else at.refused_redis_url()
+    faulted = dataclasses.replace(server, port=0, process=None, log_path=None,
+                                  extra_env={**server.extra_env, "REDIS_URL": url},
+                                  ready_path="/healthz")
+    try:
+        with faulted:
+            yield faulted
+    finally:
+        if hung is not None:
+            hung.close()
+
+
+def attacks(server: Server, team: Team, *, names: list[str], agents: int, seconds: float,
+            warmup: float, rounds: int) -> dict[str, Any]:
+    """For each attack of bench/attacks.py: the real check at `agents` agents without it and
+    with it, in alternating slices (`rounds` of each), and the ratio of their p99s (SPEC 10:
+    at most 2x). Every check must still be answered right: errors count as for any point."""
+    from . import attacks as at
+    from .live import session_cookie
+
+    cookie = session_cookie(team.team_id)
+    out: dict[str, Any] = {"agents": agents, "attacks": {}}
+    for name in names:
+        attack = at.ATTACKS[name]
+        slices: dict[str, list[Slice]] = {"without": [], "with": []}
+        seen: list[dict[str, Any]] = []
+        with _attacked(server, name) as attacked:
+            for _ in range(rounds):
+                slices["without"].append(run_slice(server, team, scenario=REAL, agents=agents,
+                                                   seconds=seconds, warmup=warmup))
+                reset_runs()
+                target = at.Target(port=attacked.port, team_slug=team.slug,
+                                   session_cookie=cookie, run_id=_watched_run(attacked, team))
+                with at.running(attack, target, settle=1.5) as stats:
+                    slices["with"].append(run_slice(attacked, team, scenario=REAL,
+                                                    agents=agents, seconds=seconds,
+                                                    warmup=warmup, reset=False))
+                seen.append({"opened": stats.opened, "most_open": stats.most_open,
+                             "answers": dict(stats.answers),
+                             "closed_by_server": stats.closed_by_server,
+                             "errors": dict(stats.errors)})
+        without = summarize(slices["without"], scenario=REAL, agents=agents)
+        under = summarize(slices["with"], scenario=REAL, agents=agents)
+        out["attacks"][name] = {
+            "without": {k: without[k] for k in ("checks_per_s", "p50_ms", "p99_ms", "errors")},
+            "with": {k: under[k] for k in ("checks_per_s", "p50_ms", "p99_ms", "errors")},
+            "p99_ratio": round(under["p99_ms"] / without["p99_ms"], 2)
+            if without["p99_ms"] else None,
+            "errors": without["errors"] + under["errors"],
+            "error_kinds": {**without["error_kinds"], **under["error_kinds"]},
+            "audit_ok": without["audit_ok"] and under["audit_ok"],
+            "agents_starved": max(without["agents_starved"], under["agents_starved"]),
+            "attack": seen,
+        }
+    return out

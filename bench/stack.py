@@ -158,6 +158,7 @@ class Server:
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     metrics_token: str = "bench-metrics-token"
+    ready_path: str = "/readyz"  # what says the server is up (a faulted one: /healthz)
 
     @property
     def url(self) -> str:
@@ -181,7 +182,7 @@ class Server:
                 raise RuntimeError(
                     f"server exited with {self.process.returncode}: {self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200 and \
+                if httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200 and \
                         len(self.worker_pids()) >= self.workers:
                     return self
             except httpx.HTTPError:
@@ -236,21 +237,20 @@ def stop_group(process: subprocess.Popen[bytes] | None) -> None:
 @dataclass
 class MinimalServer(Server):
     """The minimal baseline application (bench/minimal/: no middleware, its own settings),
-    served by granian in the shape `manage.py serve` uses: the same interface, worker
-    processes, threads per worker and granian options, minus the static files it has none
-    of. Kept in step with runs/management/commands/serve.py by hand: if serve changes shape,
-    this must follow, or the ratios compare two servers instead of two applications."""
-
-    interface: str = "wsgi"
+    served exactly as `manage.py serve` serves the product: the same granian command line
+    (`granian_argv`), the same ASGI application class (the body read on the event loop, the
+    view on the API pool of ``threads`` threads), minus the static files it has none of."""
 
     def command(self) -> list[str]:
+        from runs.management.commands.serve import granian_argv
+
         granian = str(Path(sys.executable).with_name("granian"))
-        argv = [granian, "--interface", self.interface, "--host", "127.0.0.1",
-                "--port", str(self.port), "--workers", str(self.workers), "--no-ws",
-                "--respawn-failed-workers"]
-        if self.interface == "wsgi":
-            argv += ["--blocking-threads", str(self.threads)]
-        return [*argv, f"bench.minimal.{self.interface}:application"]
+        return granian_argv(granian, "bench.minimal.asgi:application", host="127.0.0.1",
+                            port=self.port, workers=self.workers, max_connections=2048)
+
+    def start(self) -> Server:
+        self.extra_env = {**self.extra_env, "WEB_THREADS": str(self.threads)}
+        return super().start()
 
 
 def create_minimal_tables() -> None:

@@ -1,4 +1,5 @@
-"""The benchmark server's URLconf: the product's URLs plus the two baselines.
+"""The benchmark server's URLconf: the product's URLs plus the two baselines and an async
+view (the shape of a long poll, for tests/test_availability.py).
 
 Selected by `BENCH_URLCONF=bench.urls`, which only the benchmark sets on the server it starts;
 production URLs (governance/urls.py) never include these endpoints. They sit under /api/ so
@@ -14,5 +15,6 @@ from . import views
 urlpatterns = [
     path("api/bench/runs/<str:run_id>/bare", views.bare, name="bench-bare"),
     path("api/bench/runs/<str:run_id>/durable", views.durable, name="bench-durable"),
+    path("api/bench/wait", views.wait, name="bench-wait"),
     path("", include("governance.urls")),
 ]

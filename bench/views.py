@@ -63,3 +63,27 @@ def durable(request: HttpRequest, run_id: str) -> HttpResponse:
         (decision_id,) = cursor.fetchone()
     return HttpResponse(json.dumps({**answer, "decision_id": decision_id}),
                         content_type="application/json")
+
+
+def _count_runs() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM runs_run")
+        return int(cursor.fetchone()[0])
+
+
+@csrf_exempt
+async def wait(request: HttpRequest) -> HttpResponse:
+    """An async API view, the shape of a long poll: it waits on the event loop (up to 5 s,
+    `?s=`) and reads the database on the API pool. tests/test_availability.py holds many
+    of these open on a server with one API thread while checks go on."""
+    import asyncio
+
+    from governance.pools import api_thread
+
+    try:
+        seconds = min(5.0, max(0.0, float(request.GET.get("s", "1"))))
+    except ValueError:
+        seconds = 1.0
+    await asyncio.sleep(seconds)
+    runs = await api_thread(_count_runs)()
+    return JsonResponse({"waited_s": seconds, "runs": runs})

@@ -1,9 +1,270 @@
-"""ASGI entry point. Serves every route, like the WSGI one; see docs/serving.md for which
-the production command uses and why."""
+"""The ASGI application `manage.py serve` runs (docs/serving.md).
 
+What it guarantees, by construction rather than by sizing:
+
+- A request takes no thread before its whole body has arrived: the body is read here, on the
+  event loop, within ``REQUEST_BODY_SECONDS`` (a total deadline, so a body sent a byte a
+  second is cut off) and at most its size limit; a late body is answered 408 and a large one
+  413 without a thread ever being involved. (Headers that never finish stay in granian's Rust
+  code until its header read timeout: Python never sees them.)
+- Then the request's synchronous part (Django's middleware and view) runs on one of two
+  bounded thread pools (governance/pools.py): `/api/` and the health endpoints on the API's,
+  everything else on the dashboard's. Dashboard traffic cannot take or queue behind the
+  API's threads. Each pool thread keeps a persistent database connection, as under WSGI, and
+  a request costs one hand-off to its pool and back.
+- A live stream's view returns an async iterator (runs/dashboard/stream.py): once its headers
+  are sent, it waits on the event loop and holds no thread.
+- An ``async def`` view (an API long poll) runs on the event loop through Django's async
+  middleware chain; its database work goes to the API pool (`governance.pools.api_thread`).
+
+Chunked request bodies (``Transfer-Encoding: chunked``) are decoded by the server and read
+here like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
 import os
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from django.core.asgi import get_asgi_application
+import django
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "governance.settings")
-application = get_asgi_application()
+django.setup(set_prefix=False)
+
+from asgiref.sync import iscoroutinefunction  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.core.handlers.asgi import ASGIHandler, ASGIRequest  # noqa: E402
+from django.core.handlers.base import BaseHandler  # noqa: E402
+from django.http import HttpResponse, HttpResponseBase  # noqa: E402
+from django.urls import URLPattern, URLResolver, get_resolver  # noqa: E402
+from django.urls.exceptions import Resolver404  # noqa: E402
+
+from . import pools  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+API_PREFIXES = ("/api/", "/healthz", "/readyz")
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+def pool_name(path: str) -> str:
+    return "api" if path.startswith(API_PREFIXES) else "dashboard"
+
+
+def body_limit(path: str) -> int:
+    """The most a body may be, by route: SPEC 5.3's 64 KiB for a check, Django's upload limit
+    for other API calls, and for the dashboard that plus room for a policy file upload."""
+    if path.startswith("/api/"):
+        if path.endswith("/check"):
+            return settings.CHECK_MAX_BODY_BYTES
+        return settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return settings.DATA_UPLOAD_MAX_MEMORY_SIZE + settings.FILE_UPLOAD_MAX_MEMORY_SIZE
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body, refusing it past `limit` bytes without reading further."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge
+            parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _declared_length(scope: Scope) -> int:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+
+
+def _has_async_views(patterns: list[Any]) -> bool:
+    for entry in patterns:
+        if isinstance(entry, URLResolver):
+            if _has_async_views(entry.url_patterns):
+                return True
+        elif isinstance(entry, URLPattern) and _is_async(entry.callback):
+            return True
+    return False
+
+
+def _is_async(view: Any) -> bool:
+    # django-ninja marks the path view of an async operation with `is_async`.
+    return iscoroutinefunction(view) or bool(getattr(view, "is_async", False))
+
+
+class SyncHandler(BaseHandler):
+    """Django's synchronous middleware chain, as WSGI runs it, called on a pool thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.load_middleware(is_async=False)
+
+
+class Application(ASGIHandler):
+    """See the module docstring. `ASGIHandler` gives the async middleware chain (for async
+    views), the request class and the response encoding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sync_handler = SyncHandler()
+        self.any_async_view = _has_async_views(get_resolver().url_patterns)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.lifespan(receive, send)
+            return
+        if scope["type"] != "http":  # websockets are off (--no-ws)
+            return
+        path = scope["path"]
+        limit = body_limit(path)
+        if _declared_length(scope) > limit:
+            await self.refuse(send, path, 413)
+            return
+        try:
+            body = await asyncio.wait_for(read_body(receive, limit),
+                                          settings.REQUEST_BODY_SECONDS)
+        except BodyTooLarge:
+            await self.refuse(send, path, 413)
+            return
+        except TimeoutError:
+            await self.refuse(send, path, 408)
+            return
+        except ClientGone:
+            return
+        # Django's own request making: a path that is not UTF-8 is a 400, not an error.
+        request, refused = self.create_request(scope, io.BytesIO(body))
+        if request is None:
+            await self.send_response(refused, send)
+            return
+        loop = asyncio.get_running_loop()
+        if self.any_async_view and self.resolves_to_async_view(path):
+            executor = pools.pool("api")
+            response = await self.serve(receive, send, self.get_response_async(request))
+        else:
+            executor = pools.pool(pool_name(path))
+            made = await loop.run_in_executor(executor, self.respond_sync, request)
+            response = await self.serve(receive, send, _ready(made))
+            if not made.streaming:
+                return  # closed on its thread already (respond_sync)
+        if response is not None:
+            # Django's request_finished (connection housekeeping) belongs on a thread of the
+            # pool that used the connection.
+            await loop.run_in_executor(executor, response.close)
+
+    def respond_sync(self, request: ASGIRequest) -> HttpResponseBase:
+        """The request on this pool thread, from request_started to request_finished (for a
+        stream: to its response, whose close sends request_finished once it has ended)."""
+        from django.core import signals
+
+        signals.request_started.send(sender=self.__class__, environ=request.META)
+        response = self.sync_handler.get_response(request)
+        if not response.streaming:
+            # Its content is made: closing it now (request_finished: the connection's
+            # housekeeping) spares a second hand-off to this pool after it is sent.
+            response.close()
+        return response
+
+    def resolves_to_async_view(self, path: str) -> bool:
+        try:
+            match = get_resolver().resolve(path)
+        except Resolver404:
+            return False
+        return _is_async(match.func)
+
+    async def serve(self, receive: Receive, send: Send,
+                    getting: Awaitable[HttpResponseBase]) -> HttpResponseBase | None:
+        """Send the response, stopping (and closing a stream) when the client goes away.
+        Returns the response, or None when the client left before it was made."""
+        made: list[HttpResponseBase] = []
+
+        async def respond() -> None:
+            response = await getting
+            made.append(response)
+            response._handler_class = self.__class__  # type: ignore[attr-defined]
+            await self.send_response(response, send)
+
+        responding = asyncio.ensure_future(respond())
+        disconnected = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait([responding, disconnected], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (responding, disconnected):
+                if not task.done():
+                    task.cancel()
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        pass
+                    except Exception:
+                        log.debug("request task failed while cancelled", exc_info=True)
+        if disconnected.done() and not disconnected.cancelled():
+            disconnected.exception()  # the client left (RequestAborted): nothing to report
+        if responding.done() and not responding.cancelled():
+            exc = responding.exception()
+            if exc is not None:
+                # Nearly always the client went away mid-answer (granian raises then).
+                log.info("a response was not sent whole: %r", exc)
+        return made[0] if made else None
+
+    async def refuse(self, send: Send, path: str, status: int) -> None:
+        """413 or 408 from here, before Django: JSON under /api/, as every API answer."""
+        if path.startswith("/api/"):
+            from runs.check.api import error
+
+            if status == 413:
+                limit = body_limit(path)
+                response: HttpResponseBase = error(
+                    413, "payload_too_large", f"The body is over {limit // 1024} KiB.")
+            else:
+                response = error(408, "request_timeout",
+                                 f"The request body did not arrive within "
+                                 f"{settings.REQUEST_BODY_SECONDS} s.")
+        else:
+            response = HttpResponse(
+                "Request body too large" if status == 413 else "Request body too slow",
+                status=status, content_type="text/plain")
+        response["Connection"] = "close"
+        await self.send_response(response, send)
+
+    async def lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def _ready(response: HttpResponseBase) -> HttpResponseBase:
+    return response
+
+
+application = Application()

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render, resolve_url
 from django.utils.cache import add_never_cache_headers, patch_cache_control
+from whitenoise.middleware import WhiteNoiseMiddleware
 
 from policies.services import agent_key_claim
 from runs.check.api import error
 
+from .pools import api_thread, pool
 from .throttle import SIGN_IN_OUTCOME, Throttle, Verdict, source_of
 
 api_key_throttle = Throttle(
@@ -49,16 +53,43 @@ def too_many_failures(verdict: Verdict) -> HttpResponse:
     return response
 
 
-class ApiJsonMiddleware:
+class _SyncAndAsync:
+    """A middleware that runs in either chain: the synchronous one (every sync view, on a
+    pool thread) and the asynchronous one (async views, on the event loop: an API long poll).
+    Without an async path Django would run it on a thread that stays blocked for the whole
+    async view (docs/serving.md)."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]):
+        self.get_response = get_response
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
+            markcoroutinefunction(self)
+
+
+def _on_dashboard_pool(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # Blocking work of a dashboard request reached through the async chain: on the
+    # dashboard's pool, never on the event loop nor on the API's pool.
+    return sync_to_async(fn, thread_sensitive=False, executor=pool("dashboard"))
+
+
+class ApiJsonMiddleware(_SyncAndAsync):
     """Outermost: every answer under /api/ is JSON, including the ones Django makes before
     any view or inner middleware runs (a refused Host header is a 400 from CommonMiddleware,
     an exception in a middleware a 500 page)."""
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
-        self.get_response = get_response
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        return self.json(request, self.get_response(request))
 
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        response = self.get_response(request)
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        return self.json(request, await self.get_response(request))
+
+    @staticmethod
+    def json(request: HttpRequest, response: HttpResponse) -> HttpResponse:
         if not request.path.startswith("/api/") or response.status_code < 400:
             return response
         if response.get("Content-Type", "").startswith("application/json"):
@@ -72,16 +103,65 @@ class ApiJsonMiddleware:
         return replacement
 
 
-class JsonApiErrorsMiddleware:
+class StaticFilesMiddleware(WhiteNoiseMiddleware):
+    """WhiteNoise, able to run in the async chain too: WhiteNoise's own middleware is
+    sync-only, and Django would then hold a thread for the whole of every async view below
+    it (an API long poll), one view at a time (docs/serving.md)."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]):
+        super().__init__(get_response)
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        return super().__call__(request)
+
+    async def __acall__(self, request: HttpRequest) -> Any:
+        if self.autorefresh:  # DEBUG: it looks at the disk
+            static_file = await _on_dashboard_pool(self.find_file)(request.path_info)
+        else:
+            static_file = self.files.get(request.path_info)
+        if static_file is not None:
+            return self.serve(static_file, request)
+        return await self.get_response(request)
+
+
+class JsonApiErrorsMiddleware(_SyncAndAsync):
     """Under /api/: bodies over the limit get 413 before parsing; a failed authentication is
     counted per source and key, and past the limit its 401 becomes 429 (SPEC 10)."""
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
-        self.get_response = get_response
-
-    def __call__(self, request: HttpRequest) -> HttpResponse:
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
         if not request.path.startswith("/api/"):
             return self.get_response(request)
+        refused = self.before_view(request)
+        if refused is not None:
+            return refused
+        return self.after_view(request, self.get_response(request))
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        if not request.path.startswith("/api/"):
+            return await self.get_response(request)
+        # The body was read whole before the request was made (governance/asgi.py): the
+        # size check does not block.
+        refused = self.before_view(request)
+        if refused is not None:
+            return refused
+        response = await self.get_response(request)
+        if response.status_code != 401:
+            return response
+        # Counting a failure is a database write: on the API pool, never on the loop.
+        return await api_thread(self.after_view)(request, response)
+
+    @staticmethod
+    def before_view(request: HttpRequest) -> HttpResponse | None:
         if request.method in {"POST", "PUT", "PATCH"}:
             # SPEC 5.3 caps a check body at 64 KiB; other bodies (a finish carries up to
             # 100,000 characters of output) only at Django's own upload limit.
@@ -99,7 +179,10 @@ class JsonApiErrorsMiddleware:
                 return error(413, "payload_too_large", f"The body is over {limit // 1024} KiB.")
             # NUL characters are refused by the schemas, field by field (runs/check/schemas.py):
             # an unknown field is ignored, whatever it holds.
-        response = self.get_response(request)
+        return None
+
+    @staticmethod
+    def after_view(request: HttpRequest, response: HttpResponse) -> HttpResponse:
         if response.status_code == 401:
             # Only here was the key checked and found wrong (missing, unknown, revoked): a
             # valid key never reaches this line, so it is never refused for a bucket.
@@ -114,7 +197,11 @@ def _login_path() -> str:
     return resolve_url(settings.LOGIN_URL)
 
 
-class SignInThrottleMiddleware:
+# What `SignInThrottleMiddleware.attempt` counted: (source, username, window start).
+_Attempt = tuple[str, str, float | None]
+
+
+class SignInThrottleMiddleware(_SyncAndAsync):
     """Sign-in attempts, per source and username (SPEC 10): an attempt is counted before the
     password is checked, so that no number of concurrent attempts gets past the limit, and a
     bucket over its limit is refused even with the right password (else guessing could go
@@ -122,40 +209,80 @@ class SignInThrottleMiddleware:
     a failure keeps its count, a success clears the bucket, anything else (a form without
     a password, a CSRF refusal) gives the count back."""
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
-        self.get_response = get_response
-
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        if request.method != "POST" or request.path != _login_path():
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        if not self.is_sign_in(request):
             return self.get_response(request)
+        refused, attempt = self.attempt(request)
+        if refused is not None:
+            return refused
+        response = self.get_response(request)
+        if attempt is not None:
+            self.settle(request, attempt)
+        return response
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        # The sign-in view is synchronous: an async view never needs the throttle, and a
+        # sign-in reaching this chain counts on the dashboard's pool (database calls).
+        if not self.is_sign_in(request):
+            return await self.get_response(request)
+        refused, attempt = await _on_dashboard_pool(self.attempt)(request)
+        if refused is not None:
+            return refused
+        response = await self.get_response(request)
+        if attempt is not None:
+            await _on_dashboard_pool(self.settle)(request, attempt)
+        return response
+
+    @staticmethod
+    def is_sign_in(request: HttpRequest) -> bool:
+        return request.method == "POST" and request.path == _login_path()
+
+    @staticmethod
+    def attempt(request: HttpRequest) -> tuple[HttpResponse | None, _Attempt | None]:
+        """Count a sign-in attempt: (the 429 answer if its bucket is over the limit, what was
+        counted); nothing is counted for a form without a username or password."""
         username = request.POST.get("username") or ""
         if not username or not request.POST.get("password"):
-            return self.get_response(request)  # no credential to check: nothing to count
+            return None, None  # no credential to check: nothing to count
         source = source_of(request)
         verdict, window_start = sign_in_throttle.attempt(source, username)
         if verdict.refused:
             response = render(request, "429.html", {"wait": verdict.retry_after}, status=429)
             response["Retry-After"] = str(verdict.retry_after)
-            return response
-        response = self.get_response(request)
+            return response, None
+        return None, (source, username, window_start)
+
+    @staticmethod
+    def settle(request: HttpRequest, attempt: _Attempt) -> None:
+        source, username, window_start = attempt
         outcome = getattr(request, SIGN_IN_OUTCOME, None)
         if outcome == "succeeded":
             sign_in_throttle.succeeded(source, username)
         elif outcome != "failed" and window_start is not None:
             sign_in_throttle.give_back(source, username, window_start)
-        return response
 
 
-class SecurityHeadersMiddleware:
+class SecurityHeadersMiddleware(_SyncAndAsync):
     """A Content-Security-Policy with no inline scripts: every script is a static file. And
     no page a signed-in person sees is kept by a browser or proxy cache (a new key's token,
     the audit log): ``Cache-Control: no-store`` on every authenticated dashboard answer."""
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
-        self.get_response = get_response
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        return self.headers(request, self.get_response(request))
 
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        response = self.get_response(request)
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        response = await self.get_response(request)
+        if request.path.startswith("/api/"):
+            return self.headers(request, response)  # no user to look up
+        # Whether someone is signed in may take a session read: not on the event loop.
+        return await _on_dashboard_pool(self.headers)(request, response)
+
+    @staticmethod
+    def headers(request: HttpRequest, response: HttpResponse) -> HttpResponse:
         user = getattr(request, "user", None)
         if (not request.path.startswith("/api/") and user is not None
                 and user.is_authenticated):

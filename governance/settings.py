@@ -48,6 +48,16 @@ def env_int(name: str, default: int) -> int:
         raise ImproperlyConfigured(f"{name} must be an integer, not {raw!r}") from None
 
 
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number, not {raw!r}") from None
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -109,7 +119,7 @@ MIDDLEWARE = [
     # First, so that it sees the answers Django makes before anything else runs.
     "governance.middleware.ApiJsonMiddleware",
     "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "governance.middleware.StaticFilesMiddleware",  # WhiteNoise, sync and async
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -299,6 +309,24 @@ CHECK_MAX_BODY_BYTES = 64 * 1024
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN") or ""
 DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 
+# --- Serving (docs/serving.md) ----------------------------------------------------------------
+# Threads per server process for the synchronous part of requests: the API's pool (`/api/`,
+# health) and the dashboard's, apart, so neither can take or queue behind the other's.
+# `manage.py serve --threads / --dashboard-threads` set these for the workers it starts.
+API_THREADS = env_int("WEB_THREADS", 4)
+DASHBOARD_THREADS = env_int("WEB_DASHBOARD_THREADS", 4)
+# A request body must have arrived whole within this many seconds (it is read on the event
+# loop, holding no thread): later, the request is answered 408 and its connection closed.
+REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
+# The most of one process's time the live streams' database looks may take together
+# (runs/dashboard/stream.py): however many streams are open, they share it, so their screens refresh
+# less often instead of taking CPU from the checks.
+DASHBOARD_STREAM_SHARE = env_float("DASHBOARD_STREAM_SHARE", 0.2)
+if not 0 < DASHBOARD_STREAM_SHARE <= 1:
+    raise ImproperlyConfigured("DASHBOARD_STREAM_SHARE must be in (0, 1]")
+if REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1:
+    raise ImproperlyConfigured(
+        "REQUEST_BODY_SECONDS, WEB_THREADS and WEB_DASHBOARD_THREADS must be at least 1")
 # --- Kill-switch webhooks (runs/webhooks/delivery.py, policies/egress.py) ------------------
 # Webhooks go to public addresses only; a receiver on an internal network must be listed here
 # (host names as written in the URL, or addresses and CIDRs its name resolves to).

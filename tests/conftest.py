@@ -91,13 +91,15 @@ class Server:
                 self.process.wait()
 
 
-def start_server(*, workers: int = 2, threads: int = 16, env: dict[str, str] | None = None,
-                 interface: str = "wsgi") -> Server:
-    """`manage.py serve`, the production command, on a free port; waits for /healthz."""
+def start_server(*, workers: int = 2, threads: int | None = None,
+                 env: dict[str, str] | None = None) -> Server:
+    """`manage.py serve`, the production command, on a free port; waits for /healthz.
+    `threads` is the API pool's size per worker (default: the command's own)."""
     port = free_port()
+    sized = ["--threads", str(threads)] if threads else []
     process = subprocess.Popen(
         [sys.executable, "manage.py", "serve", "--port", str(port), "--workers", str(workers),
-         "--threads", str(threads), "--interface", interface],
+         *sized],
         cwd=ROOT, env=env or server_env(), start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

@@ -206,8 +206,9 @@ def test_the_dashboard_refuses_bad_input_with_422(server, agent, approving, user
 # --- Webhooks -----------------------------------------------------------------------------
 
 def test_requests_and_decisions_are_posted_signed_to_the_webhook(
-        server, agent, approving, users, workers: list[Worker], settings):
-    # On the embedded default the delivery runs in this process: the receiver is on loopback.
+        server, agent, approving, users, workers: list[Worker], settings: Any):
+    # The decision is made in this process, which delivers its webhook when no Celery runs:
+    # the receiver on loopback must be allowed here as in the server's environment.
     settings.WEBHOOK_ALLOWED_HOSTS = ["127.0.0.1"]
     if HAS_REDIS:
         new_worker(workers)  # deliveries run on Celery
@@ -238,18 +239,18 @@ def test_requests_and_decisions_are_posted_signed_to_the_webhook(
         receiver.stop()
 
 
-# --- The long poll holds no thread under ASGI -------------------------------------------------
+# --- The long poll holds no thread -----------------------------------------------------------
 
 @pytest.fixture
 def asgi_server(transactional_db: Any) -> Iterator[Server]:
-    srv = start_server(interface="asgi", workers=1, env=server_env())
+    srv = start_server(workers=1, env=server_env())
     yield srv
     srv.stop()
 
 
 def test_under_asgi_many_waiting_polls_hold_no_thread(asgi_server, approving, agent_token,
                                                        users):
-    polls = 40  # more than the 16 threads a WSGI worker would have
+    polls = 40  # more than the threads of the worker's API pool
     with httpx.Client(base_url=asgi_server.url, timeout=60,
                       headers={"Authorization": f"Bearer {agent_token}"}) as http:
         agent = Agent(token=agent_token, http=http)

@@ -1,5 +1,5 @@
-"""The run stream through the real servers: granian WSGI (the production command) and the
-ASGI application, each read with a plain HTTP client while an agent calls the check API."""
+"""The run stream through the real server (`manage.py serve`: granian, ASGI), read with a plain
+HTTP client while an agent calls the check API: resumed, unbuffered, and without Redis."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture(scope="module")
-def asgi_server(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Server]:
-    srv = start_server(interface="asgi", workers=1, env=server_env(DASHBOARD_STREAM_SECONDS="20"))
+def long_stream_server(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Server]:
+    srv = start_server(workers=1, env=server_env(DASHBOARD_STREAM_SECONDS="20"))
     yield srv
     srv.stop()
 
@@ -71,7 +71,7 @@ def read_step_while_checking(server: Server, agent: Agent, run_id: str, *,
     return ids, arrived - decided["sent"]
 
 
-def test_the_wsgi_production_server_streams_a_step_while_the_agent_checks(server, agent, users):
+def test_the_production_server_streams_a_step_while_the_agent_checks(server, agent, users):
     run_id = agent.start()["run_id"]
     earlier = agent.check(run_id, "before.tool", {})
     ids, delay = read_step_while_checking(server, agent, run_id,
@@ -80,10 +80,10 @@ def test_the_wsgi_production_server_streams_a_step_while_the_agent_checks(server
     assert len(ids) == 1 and delay < 3  # a wake-up (or one look) away, not the lifetime
 
 
-def test_the_asgi_application_streams_without_buffering(asgi_server, agent, users):
-    agent.http.base_url = asgi_server.url
+def test_the_production_server_streams_without_buffering(long_stream_server, agent, users):
+    agent.http.base_url = long_stream_server.url
     run_id = agent.start()["run_id"]
-    ids, delay = read_step_while_checking(asgi_server, agent, run_id)
+    ids, delay = read_step_while_checking(long_stream_server, agent, run_id)
     assert len(ids) == 1 and delay < 3  # the 20 s stream was not buffered to its end
 
 

@@ -89,9 +89,120 @@ def test_an_unreachable_redis_costs_the_request_nothing_and_is_logged(
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
     monkeypatch.setattr(events, "_redis_client", None)
     team_id = unused_team_id()
-    caplog.set_level(logging.WARNING, logger="runs.events")
+    caplog.set_level(logging.WARNING, logger="runs.live.events")
     with redis_publisher._cond:  # the thread cannot even start sending before we return
         publish_team_event(team_id)
     assert redis_publisher.flush(timeout=5)
     assert "could not publish live events to Redis" in caplog.text
     monkeypatch.setattr(events, "_redis_client", None)  # the next test gets the real one
+
+
+# --- The async side (live streams under `manage.py serve`) ---------------------------------
+
+class _Run:
+    def __init__(self, team_id: int, pk: str):
+        self.team_id, self.pk = team_id, pk
+
+
+def test_an_async_stream_is_woken_by_a_check_on_another_thread_and_told_which_run(
+        settings: Any) -> None:
+    import asyncio
+
+    settings.REDIS_URL = ""
+    team_id = unused_team_id()
+
+    async def first_change() -> Any:
+        stream = events.awakeups(team_id, poll=5, lifetime=10)
+        threading.Timer(0.2, events.publish_run_event, args=[_Run(team_id, "run-a")]).start()
+        started = time.monotonic()
+        changes = await stream.__anext__()
+        return changes, time.monotonic() - started
+
+    changes, took = asyncio.run(first_change())
+    assert changes == frozenset({"run-a"})
+    assert took < 4  # woken by the publish, not by the 5 s poll
+
+
+def test_changes_since_names_the_runs_or_says_anything_for_a_team_wide_change() -> None:
+    broker = events.LocalBroker()
+    team_id = unused_team_id()
+    seen = broker.seq(team_id)
+    assert broker.changes_since(team_id, seen) == (seen, frozenset())
+    broker.publish(team_id, frozenset({"a"}))
+    broker.publish(team_id, frozenset({"b"}))
+    now, changes = broker.changes_since(team_id, seen)
+    assert (now, changes) == (seen + 2, frozenset({"a", "b"}))
+    broker.publish(team_id)  # a kill switch: every screen looks
+    assert broker.changes_since(team_id, now) == (now + 1, None)
+    # Older than the log remembers: anything may have changed.
+    for i in range(events.LocalBroker.LOG_SIZE + 1):
+        broker.publish(team_id, frozenset({str(i)}))
+    assert broker.changes_since(team_id, now + 1)[1] is None
+
+
+def test_a_run_page_looks_only_for_its_own_run_or_a_team_wide_change() -> None:
+    from runs.dashboard.stream import RunSource, Source
+
+    source = RunSource.__new__(RunSource)
+    source.run_id = "3f6c1d9e-0000-0000-0000-000000000001"
+    assert source.concerned(frozenset({source.run_id}))
+    assert not source.concerned(frozenset({"another-run"}))
+    assert not source.concerned(frozenset())
+    assert source.concerned(None)
+    overview = Source.concerned
+    assert overview(source, frozenset({"another-run"})) and not overview(source, frozenset())
+
+
+def test_the_look_lane_serves_viewers_in_turn() -> None:
+    """One viewer's many streams wait behind each other, not in front of another viewer."""
+    import asyncio
+
+    from runs.dashboard.stream import Frame, LookLane, Source
+
+    order: list[str] = []
+
+    class Tab(Source):
+        def __init__(self, name: str):
+            self.name, self.team_id = name, 0
+
+        def frames(self) -> list[Frame]:
+            order.append(self.name)
+            time.sleep(0.01)
+            return [Frame("x", self.name)]
+
+    lane = LookLane()
+
+    async def crowd() -> list[str]:
+        greedy = [lane.look(Tab(f"greedy-{i}"), viewer="greedy") for i in range(6)]
+        tasks = [asyncio.ensure_future(g) for g in greedy]
+        await asyncio.sleep(0)  # the greedy viewer's looks are queued first
+        other = asyncio.ensure_future(lane.look(Tab("other"), viewer="other"))
+        return await asyncio.gather(*tasks, other)
+
+    answers = asyncio.run(crowd())
+    assert all("data: " in a for a in answers)
+    assert order.index("other") <= 2  # not behind the greedy viewer's six
+
+
+@pytest.mark.redis
+def test_with_redis_one_subscription_per_process_wakes_async_streams_with_the_runs() -> None:
+    """A check answered by another process: its message names the run, and the process's
+    one listener turns it into a local wake-up for every async stream of the team."""
+    import asyncio
+
+    team_id = unused_team_id()
+    events.redis_listener.ensure_running()
+    client = events.redis_client()
+    deadline = time.monotonic() + 5  # the listener's subscription is confirmed
+    while time.monotonic() < deadline and not any(
+            n for _, n in client.pubsub_numsub(f"{CHANNEL_PREFIX}{team_id}")) and \
+            client.execute_command("PUBSUB", "NUMPAT") == 0:
+        time.sleep(0.05)
+
+    async def first_change() -> Any:
+        stream = events.awakeups(team_id, poll=5, lifetime=10)
+        asyncio.get_running_loop().call_later(
+            0.2, client.publish, f"{CHANNEL_PREFIX}{team_id}", b"runs:run-x,run-y")
+        return await stream.__anext__()
+
+    assert asyncio.run(first_change()) == frozenset({"run-x", "run-y"})

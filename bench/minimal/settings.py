@@ -27,3 +27,10 @@ _db["CONN_MAX_AGE"] = int(os.environ.get("DB_CONN_MAX_AGE", "60"))
 _db["CONN_HEALTH_CHECKS"] = True
 _db.setdefault("OPTIONS", {})["connect_timeout"] = 2
 DATABASES = {"default": _db}
+
+# What the product's ASGI application reads (governance/asgi.py, governance/pools.py), from
+# the same environment `manage.py serve` sets.
+API_THREADS = int(os.environ.get("WEB_THREADS", "4"))
+DASHBOARD_THREADS = int(os.environ.get("WEB_DASHBOARD_THREADS", "4"))
+REQUEST_BODY_SECONDS = int(os.environ.get("REQUEST_BODY_SECONDS", "10"))
+CHECK_MAX_BODY_BYTES = 64 * 1024

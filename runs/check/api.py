@@ -16,9 +16,8 @@ from datetime import UTC
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import DatabaseError, InterfaceError, OperationalError, connection, connections
+from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
@@ -29,6 +28,7 @@ from ninja.parser import Parser
 from ninja.security import HttpBearer
 from pydantic import ValidationError as PydanticValidationError
 
+from governance.pools import api_thread
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
 from runs.approvals import services as approvals
 from runs.audit import selectors
@@ -341,16 +341,12 @@ def finish(request: HttpRequest, run_id: str, payload: s.FinishIn) -> dict[str, 
 
 # --- Approvals (SPEC 11) -----------------------------------------------------------------------
 
+@api_thread
 def _read_approval(key: Any, approval_id: uuid.UUID) -> dict[str, Any] | None:
-    """One look at the approval (settling its expiry if due), in a worker thread."""
-    try:
-        approval = approvals.approval_for_key(key, approval_id)
-        return approvals.approval_json(approval) if approval is not None else None
-    finally:
-        # Under ASGI this thread is the request's own and goes away with it: its connection
-        # must not outlive it (inside a test's transaction there is nothing to close).
-        if not connection.in_atomic_block:
-            connections.close_all()
+    """One look at the approval (settling its expiry if due), on the API pool: the pool's
+    thread keeps its database connection, as for every synchronous API request."""
+    approval = approvals.approval_for_key(key, approval_id)
+    return approvals.approval_json(approval) if approval is not None else None
 
 
 @api.get("/approvals/{approval_id}", response={200: s.ApprovalOut, **ERRORS},
@@ -361,17 +357,17 @@ async def get_approval(request: HttpRequest, approval_id: str, filters: Query[s.
     """A real long poll: answers as soon as the status changes, else after ``wait`` seconds.
 
     An async view: while it waits it holds no thread, only a coroutine that awaits the team's
-    wake-ups (Redis pub/sub, or this process's broker) and re-reads the database on each one,
-    every DASHBOARD_STREAM_LOOK_S seconds anyway, and at the expiry (which it then settles).
-    The answer is the approval as JSON, its ``decision`` the check's final answer verbatim.
+    wake-ups (this process's broker, fed from Redis by the process's one listener) and
+    re-reads the database on the API pool on each one, every DASHBOARD_STREAM_LOOK_S seconds
+    anyway, and at the expiry (which it then settles). The answer is the approval as JSON,
+    its ``decision`` the check's final answer verbatim.
     """
     try:
         wanted = uuid.UUID(approval_id)
     except ValueError:
         raise ServiceError(404, "not_found", "No such approval.") from None
     key = request.auth
-    read = sync_to_async(_read_approval)
-    body = await read(key, wanted)
+    body = await _read_approval(key, wanted)
     if body is None:
         raise ServiceError(404, "not_found", "No such approval.")
     loop = asyncio.get_running_loop()
@@ -380,12 +376,14 @@ async def get_approval(request: HttpRequest, approval_id: str, filters: Query[s.
     expires = (timezone.datetime.fromisoformat(body["expires_at"]) - timezone.now()
                ).total_seconds() + loop.time()
     if body["status"] == "pending" and filters.wait > 0:
-        async for changed in awakeups(key.team_id, poll=min(1.0, look_every),
+        async for changes in awakeups(key.team_id, poll=min(1.0, look_every),
                                       lifetime=filters.wait):
             now = loop.time()
-            if changed or now - last_look >= look_every or now >= expires:
+            # Changes name runs, not approvals: any change in the team (None: anything) is
+            # worth a look at the database.
+            if changes is None or changes or now - last_look >= look_every or now >= expires:
                 last_look = now
-                body = await read(key, wanted)
+                body = await _read_approval(key, wanted)
                 if body is None or body["status"] != "pending":
                     break
         if body is None:  # deleted by retention while waiting

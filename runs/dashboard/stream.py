@@ -1,34 +1,39 @@
 """Server-sent event streams for the live screens.
 
 A stream is a *source* (what a screen shows, rendered from the database) pumped by a loop that
-looks again whenever `runs.events.wakeups` says the team changed, and at least every
+looks again whenever `runs.live.events.wakeups` says the team changed, and at least every
 ``DASHBOARD_STREAM_LOOK_S`` seconds anyway, so a lost wake-up (Redis down, or another process
 without Redis) costs at most that delay. Only what changed is sent.
 
-Streams have a bounded lifetime (``DASHBOARD_STREAM_SECONDS``): under WSGI each one holds a
-server thread, so it ends and the browser's EventSource reconnects after ``retry`` ms,
-sending ``Last-Event-ID`` (the last decision id it received) so nothing is missed or repeated.
+Streams have a bounded lifetime (``DASHBOARD_STREAM_SECONDS``): it ends and the browser's
+EventSource reconnects after ``retry`` ms, sending ``Last-Event-ID`` (the last decision id it
+received) so nothing is missed or repeated, and is authorized again.
 
-Django buffers a sync iterator entirely under ASGI and an async one under WSGI, so the view
-hands out the same loop either directly (WSGI) or driven from one dedicated thread (ASGI).
+Under `manage.py serve` (ASGI) a stream is `apump`: it waits on the event loop, holding no
+thread, and its looks at the database go through the process's one `look_lane`, whose share of
+the process's time is bounded however many streams are open (docs/serving.md). Under WSGI
+(Django's test client, `runserver`) it is the blocking `pump`: Django buffers a sync iterator
+entirely under ASGI and an async one under WSGI, so each interface gets its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
-from django.db import DatabaseError, close_old_connections, connections
+from django.db import DatabaseError, close_old_connections
 from django.http import HttpRequest, StreamingHttpResponse
 from django.middleware.csrf import get_token
 from django.template.loader import render_to_string
@@ -48,7 +53,7 @@ from runs.dashboard.presenters import (
     step_row,
 )
 from runs.dashboard.selectors import DEFAULT_RANGE, RunFilters, timeline
-from runs.live.events import wakeups
+from runs.live.events import Changes, awakeups, wakeups
 from runs.models import Run
 
 log = logging.getLogger(__name__)
@@ -138,6 +143,11 @@ class Source(ABC):
         """True when nothing on the screen can change any more: the stream says "end"."""
         return False
 
+    def concerned(self, changes: Changes) -> bool:
+        """Whether a change of the team (the runs that changed, or None for anything) can
+        change this screen: a look is spent only then (or on the periodic look)."""
+        return changes is None or bool(changes)
+
 
 def pump(source: Source, *, lifetime: float | None = None, stop: threading.Event | None = None
          ) -> Iterator[str]:
@@ -182,36 +192,149 @@ def _look(source: Source) -> str:
         return ""
 
 
-async def apump(source: Source) -> AsyncIterator[str]:
-    """`pump` for ASGI: the blocking loop runs in one thread of its own, so its database
-    connection stays in that thread and is closed there when the stream ends."""
-    loop = asyncio.get_running_loop()
-    stop = threading.Event()
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sse")
-    chunks = pump(source, stop=stop)
-    done = object()
-    try:
+class LookLane:
+    """Every async stream's look at the database, on one thread per process, resting after
+    each look so that together they take at most ``DASHBOARD_STREAM_SHARE`` of the process's
+    time, however many streams are open: more streams refresh less often, and the checks keep
+    their CPU. Viewers take turns (round robin), so one person's hundred tabs slow their own
+    screens, not everyone's; each stream has at most one look waiting. The thread keeps one
+    database connection for all of them."""
+
+    BURST_S = 0.1
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._queues: OrderedDict[Any, deque[_Look]] = OrderedDict()
+        self._thread: threading.Thread | None = None
+        self._budget = 0.0
+        self._filled_at = time.monotonic()
+
+    async def look(self, source: Source, viewer: Any) -> str:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str] = loop.create_future()
+        with self._cond:
+            self._queues.setdefault(viewer, deque()).append(_Look(source, loop, future))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="stream-look",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return await future
+
+    def _next(self) -> _Look:
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._queues))
+            viewer, queue = next(iter(self._queues.items()))
+            item = queue.popleft()
+            if queue:
+                self._queues.move_to_end(viewer)  # the next viewer's turn
+            else:
+                del self._queues[viewer]
+            return item
+
+    def _serve(self) -> None:
         while True:
-            chunk = await loop.run_in_executor(executor, next, chunks, done)
-            if chunk is done:
+            item = self._next()
+            if item.future.cancelled():  # its browser went away meanwhile
+                continue
+            # A token bucket of look time: it fills at `share` seconds per second, up to a
+            # short burst, so a quiet dashboard's looks start at once and a crowded one's
+            # wait their turn; a look spends what it took.
+            share = min(1.0, max(0.01, settings.DASHBOARD_STREAM_SHARE))
+            now = time.monotonic()
+            self._budget = min(self.BURST_S, self._budget + (now - self._filled_at) * share)
+            self._filled_at = now
+            if self._budget < 0:
+                time.sleep(min(5.0, -self._budget / share))
+                self._budget, self._filled_at = 0.0, time.monotonic()
+            started = time.monotonic()
+            result, failure = "", None
+            try:
+                close_old_connections()  # a broken or old connection is replaced
+                result = _look(item.source)
+            except Exception as exc:
+                failure = exc
+            self._budget -= time.monotonic() - started
+            with contextlib.suppress(RuntimeError):  # RuntimeError: that loop is closed
+                item.loop.call_soon_threadsafe(_settle, item.future, result, failure)
+
+
+@dataclass
+class _Look:
+    source: Source
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[str]
+
+
+def _settle(future: asyncio.Future[str], result: str, failure: Exception | None) -> None:
+    if future.done():
+        return
+    if failure is not None:
+        future.set_exception(failure)
+    else:
+        future.set_result(result)
+
+
+look_lane = LookLane()
+
+
+async def apump(source: Source, *, viewer: Any = None, lifetime: float | None = None
+                ) -> AsyncIterator[str]:
+    """`pump` for ASGI: waits on the event loop (no thread) and looks at the database through
+    the process's `look_lane`, in `viewer`'s turn."""
+    lifetime = settings.DASHBOARD_STREAM_SECONDS if lifetime is None else lifetime
+    end_at = time.monotonic() + lifetime
+    look_every = settings.DASHBOARD_STREAM_LOOK_S
+    yield f"retry: {RETRY_MS}\n\n"
+
+    async def look() -> str | None:
+        # A look still waiting for its turn when the lifetime is over ends the stream; the
+        # browser reconnects and resumes (Last-Event-ID), as at any end.
+        try:
+            return await asyncio.wait_for(look_lane.look(source, viewer),
+                                          max(0.0, end_at - time.monotonic()))
+        except TimeoutError:
+            return None
+
+    chunk = await look()
+    if chunk is None:
+        return
+    last_look = last_write = time.monotonic()
+    if chunk:
+        yield chunk
+    if source.finished():
+        yield encode(Frame("end", ""))
+        return
+    async for changes in awakeups(source.team_id, poll=min(1.0, look_every),
+                                  lifetime=end_at - time.monotonic()):
+        now = time.monotonic()
+        if source.concerned(changes) or now - last_look >= look_every:
+            chunk = await look()
+            if chunk is None:
                 return
-            yield chunk  # type: ignore[misc]
-    finally:
-        stop.set()
-        # Close the generator and the thread's database connections in that same thread.
-        await loop.run_in_executor(executor, _close, chunks)
-        executor.shutdown(wait=False)
-
-
-def _close(chunks: Iterator[str]) -> None:
-    try:
-        chunks.close()  # type: ignore[attr-defined]
-    finally:
-        connections.close_all()
+            last_look = now = time.monotonic()
+            if chunk:
+                last_write = now
+                yield chunk
+            if source.finished():
+                yield encode(Frame("end", ""))
+                return
+        if now - last_write >= KEEPALIVE_S:
+            last_write = now
+            yield ": keep-alive\n\n"
 
 
 def sse_response(request: HttpRequest, source: Source) -> StreamingHttpResponse:
-    content: Any = apump(source) if isinstance(request, ASGIRequest) else pump(source)
+    if isinstance(request, ASGIRequest):
+        # Viewers take turns for the database looks: by user, else by session.
+        viewer = getattr(request.user, "pk", None) or request.COOKIES.get("sessionid")
+        content: Any = apump(source, viewer=viewer)
+    else:
+        content = pump(source)
     response = StreamingHttpResponse(content, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache, no-store"
     response["X-Accel-Buffering"] = "no"  # a proxy must not hold events back
@@ -266,6 +389,11 @@ class RunSource(Source):
 
     def finished(self) -> bool:
         return self._finished
+
+    def concerned(self, changes: Changes) -> bool:
+        # Only this run's changes, or a team-wide one (a kill switch): the other runs'
+        # checks leave this page as it is.
+        return changes is None or str(self.run_id) in changes
 
 
 class OverviewSource(Source):

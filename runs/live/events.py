@@ -11,63 +11,125 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 from django.conf import settings
 
 log = logging.getLogger(__name__)
 
 CHANNEL_PREFIX = "governance:team:"
+RUNS_PREFIX = b"runs:"  # a message naming the runs that changed; anything else: the whole team
+
+# What changed in a team: the ids of the runs that did, or None for anything.
+Changes: TypeAlias = frozenset[str] | None
+
+
+@dataclass
+class _LoopWaiters:
+    """The streams of one team waiting on one event loop: they share one asyncio event, so a
+    publish costs one hand-off to that loop however many streams wait there."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    scheduled: bool = False
+    count: int = 0
 
 
 class LocalBroker:
-    """In-process wake-ups: a sequence number per team and one condition variable."""
+    """In-process wake-ups: a sequence number per team, one condition variable for blocking
+    waiters and, for async ones (live streams under ASGI), one event per team and loop."""
+
+    LOG_SIZE = 256
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._seq: dict[int, int] = {}
-        # Coroutines waiting (the approvals long poll), each with the loop that runs it.
-        self._async: dict[int, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        # The team's latest changes, (seq, runs changed or None for "anything"), so a run's
+        # stream can tell whether its own run changed (`changes_since`).
+        self._log: dict[int, deque[tuple[int, frozenset[str] | None]]] = {}
+        self._loops: dict[int, dict[asyncio.AbstractEventLoop, _LoopWaiters]] = {}
 
-    def publish(self, team_id: int) -> None:
+    def publish(self, team_id: int, runs: frozenset[str] | None = None) -> None:
+        """Team `team_id` changed: only the runs `runs`, or anything (None)."""
         with self._cond:
-            self._seq[team_id] = self._seq.get(team_id, 0) + 1
+            seq = self._seq[team_id] = self._seq.get(team_id, 0) + 1
+            log = self._log.get(team_id)
+            if log is None:
+                log = self._log[team_id] = deque(maxlen=self.LOG_SIZE)
+            log.append((seq, runs))
             self._cond.notify_all()
-            waiters = list(self._async.get(team_id, ()))
-        for loop, event in waiters:
-            with contextlib.suppress(RuntimeError):  # that loop has closed meanwhile
-                loop.call_soon_threadsafe(event.set)
+            for loop, waiters in self._loops.get(team_id, {}).items():
+                if not waiters.scheduled:
+                    waiters.scheduled = True
+                    try:
+                        loop.call_soon_threadsafe(self._wake, waiters)
+                    except RuntimeError:  # that loop is closed: its waiters are gone
+                        waiters.scheduled = False
 
-    async def wait_async(self, team_id: int, seen: int, timeout: float) -> int:
-        """`wait` for a coroutine: the event loop goes on while it waits, no thread does."""
-        event = asyncio.Event()
-        waiter = (asyncio.get_running_loop(), event)
+    def _wake(self, waiters: _LoopWaiters) -> None:
+        # On the waiters' loop: wake them all and give the next wait a fresh event.
         with self._cond:
-            if self._seq.get(team_id, 0) != seen:
-                return self._seq.get(team_id, 0)
-            self._async.setdefault(team_id, set()).add(waiter)
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout)
-        finally:
-            with self._cond:
-                self._async.get(team_id, set()).discard(waiter)
-        return self.seq(team_id)
+            waiters.scheduled = False
+            event, waiters.event = waiters.event, asyncio.Event()
+        event.set()
 
     def seq(self, team_id: int) -> int:
         with self._cond:
             return self._seq.get(team_id, 0)
 
+    def changes_since(self, team_id: int, seen: int) -> tuple[int, Changes]:
+        """The team's sequence number now and what changed after `seen`: the runs, or None
+        when anything may have (a team-wide change, or more than the log remembers)."""
+        with self._cond:
+            now = self._seq.get(team_id, 0)
+            if now == seen:
+                return now, frozenset()
+            log = self._log.get(team_id) or deque()
+            if not log or log[0][0] > seen + 1:
+                return now, None
+            runs: set[str] = set()
+            for seq, changed in reversed(log):
+                if seq <= seen:
+                    break
+                if changed is None:
+                    return now, None
+                runs |= changed
+            return now, frozenset(runs)
+
     def wait(self, team_id: int, seen: int, timeout: float) -> int:
         with self._cond:
             self._cond.wait_for(lambda: self._seq.get(team_id, 0) != seen, timeout=timeout)
             return self._seq.get(team_id, 0)
+
+    async def await_change(self, team_id: int, seen: int, timeout: float) -> int:
+        """`wait` for a coroutine: holds no thread while it waits."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if self._seq.get(team_id, 0) != seen:
+                return self._seq[team_id]
+            waiters = self._loops.setdefault(team_id, {}).setdefault(loop, _LoopWaiters())
+            waiters.count += 1
+            event = waiters.event
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            with self._cond:
+                waiters.count -= 1
+                if waiters.count == 0:
+                    team_loops = self._loops.get(team_id, {})
+                    if team_loops.get(loop) is waiters and not waiters.scheduled:
+                        del team_loops[loop]
+                        if not team_loops:
+                            self._loops.pop(team_id, None)
+        return self.seq(team_id)
 
 
 local_broker = LocalBroker()
@@ -111,13 +173,19 @@ class RedisPublisher:
 
     def _reset(self) -> None:
         self._cond = threading.Condition()
-        self._pending: set[int] = set()
+        self._pending: dict[int, set[str] | None] = {}
         self._busy = False
         self._thread: threading.Thread | None = None
 
-    def mark(self, team_id: int) -> None:
+    def mark(self, team_id: int, run_id: str | None = None) -> None:
+        """The team changed: run `run_id` only, or anything (None)."""
         with self._cond:
-            self._pending.add(team_id)
+            if run_id is None:
+                self._pending[team_id] = None
+            else:
+                runs = self._pending.setdefault(team_id, set())
+                if runs is not None:
+                    runs.add(run_id)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="live-events",
                                                 daemon=True)
@@ -135,7 +203,7 @@ class RedisPublisher:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._pending))
-                teams, self._pending, self._busy = self._pending, set(), True
+                teams, self._pending, self._busy = self._pending, {}, True
             try:
                 self._send(teams)
             finally:
@@ -144,14 +212,16 @@ class RedisPublisher:
                     self._cond.notify_all()
 
     @staticmethod
-    def _send(teams: set[int]) -> None:
+    def _send(teams: dict[int, set[str] | None]) -> None:
         client = redis_client()
         if client is None:
             return
         try:
             pipe = client.pipeline(transaction=False)
-            for team_id in teams:
-                pipe.publish(f"{CHANNEL_PREFIX}{team_id}", b"changed")
+            for team_id, runs in teams.items():
+                data = b"changed" if runs is None else RUNS_PREFIX + ",".join(
+                    sorted(runs)).encode()
+                pipe.publish(f"{CHANNEL_PREFIX}{team_id}", data)
             pipe.execute()
         except Exception:  # Redis is never the authority: a lost wake-up only delays a screen
             log.warning("could not publish live events to Redis", exc_info=True)
@@ -162,15 +232,20 @@ atexit.register(redis_publisher.flush)
 
 
 def publish_team_event(team_id: int) -> None:
-    """Screens of this team look again: a run started, decided or ended, or a kill switch
-    changed. Never raises and never waits for Redis."""
+    """Every screen of this team looks again (a kill switch changed). Never raises and never
+    waits for Redis."""
     local_broker.publish(team_id)
     if settings.REDIS_URL:
         redis_publisher.mark(team_id)
 
 
 def publish_run_event(run: Any) -> None:
-    publish_team_event(run.team_id)
+    """A run started, was decided or ended: the team's overview and lists look again, and of
+    the run pages only this run's."""
+    run_id = str(run.pk)
+    local_broker.publish(run.team_id, frozenset((run_id,)))
+    if settings.REDIS_URL:
+        redis_publisher.mark(run.team_id, run_id)
 
 
 def wakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0) -> Iterator[bool]:
@@ -216,48 +291,81 @@ def wakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0) -> Iter
                 log.debug("pubsub close failed", exc_info=True)
 
 
-async def awakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 60.0
-                   ) -> AsyncIterator[bool]:
-    """`wakeups` for async views: the same wake-ups (Redis pub/sub when configured and
-    reachable, else this process's broker) awaited on the event loop, so a waiting request
-    holds no thread. Yields at least every ``poll`` seconds, so a missed wake-up costs at
-    most one interval (the caller re-reads the database then)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + lifetime
-    client = pubsub = None
-    if settings.REDIS_URL:
-        try:
-            import redis.asyncio as aredis
+class RedisListener:
+    """One Redis subscription per process, for every async stream in it: each team message
+    from another process becomes a local wake-up (`local_broker`). A stream then costs no
+    Redis connection of its own. While Redis is unreachable it retries every few seconds;
+    the streams meanwhile look at the database on their own schedule."""
 
-            client = aredis.Redis.from_url(settings.REDIS_URL, socket_timeout=2.0,
-                                           socket_connect_timeout=0.5)
-            pubsub = client.pubsub(ignore_subscribe_messages=True)
-            await asyncio.wait_for(pubsub.subscribe(f"{CHANNEL_PREFIX}{team_id}"), 0.5)
-        except Exception:
-            log.warning("long poll falls back to the local broker: Redis unreachable",
-                        exc_info=True)
-            pubsub = None
-    seen = local_broker.seq(team_id)
-    try:
-        while (left := deadline - loop.time()) > 0:
-            wait = min(poll, left)
-            if pubsub is not None:
+    RETRY_S = 2.0
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def ensure_running(self) -> None:
+        if not settings.REDIS_URL:
+            return
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="live-events-listen",
+                                                daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self._listen()
+            except Exception:
+                log.warning("live events: Redis subscription lost, retrying", exc_info=True)
+            time.sleep(self.RETRY_S)
+
+    @staticmethod
+    def _listen() -> None:
+        client = redis_client()
+        if client is None:
+            return
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.psubscribe(f"{CHANNEL_PREFIX}*")
+            while True:
+                message = pubsub.get_message(timeout=1.0)
+                if message is None:
+                    continue
+                channel = message.get("channel", b"")
+                if isinstance(channel, bytes):
+                    channel = channel.decode(errors="replace")
                 try:
-                    message = await pubsub.get_message(timeout=wait)
-                except Exception:
-                    log.warning("long poll lost Redis; polling the database", exc_info=True)
-                    pubsub, message = None, None
-                    await asyncio.sleep(wait)
-                got = message is not None
-                while got and pubsub is not None and (
-                        await pubsub.get_message(timeout=0)) is not None:
-                    pass  # one look at the database serves the whole burst
-            else:
-                now_seq = await local_broker.wait_async(team_id, seen, wait)
-                got, seen = now_seq != seen, now_seq
-            yield got
-    finally:
-        for closing in (pubsub, client):
-            if closing is not None:
-                with contextlib.suppress(Exception):
-                    await closing.aclose()
+                    team_id = int(str(channel).rsplit(":", 1)[1])
+                except (IndexError, ValueError):
+                    continue
+                data = message.get("data", b"")
+                runs = None
+                if isinstance(data, bytes) and data.startswith(RUNS_PREFIX):
+                    runs = frozenset(r for r in data[len(RUNS_PREFIX):].decode(
+                        errors="replace").split(",") if r)
+                local_broker.publish(team_id, runs)
+        finally:
+            pubsub.close()
+
+
+redis_listener = RedisListener()
+
+
+async def awakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0
+                   ) -> AsyncIterator[Changes]:
+    """`wakeups` for a coroutine, holding no thread: yields what changed in the team (here
+    or, via Redis, in another process) since the last yield: the runs that did, None for
+    anything, an empty set on a quiet ``poll`` interval."""
+    redis_listener.ensure_running()
+    deadline = time.monotonic() + lifetime
+    seen = local_broker.seq(team_id)
+    while (left := deadline - time.monotonic()) > 0:
+        # The last wait ends at the deadline: a long poll answers when its wait is up.
+        await local_broker.await_change(team_id, seen, min(poll, left))
+        seen, changes = local_broker.changes_since(team_id, seen)
+        yield changes

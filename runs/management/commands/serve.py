@@ -13,8 +13,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 class Command(BaseCommand):
     help = (
-        "Run the production web server: granian, WSGI interface, several worker processes. "
-        "See docs/serving.md for why WSGI and how the live streams are served."
+        "Run the production web server: granian's ASGI interface, several worker processes, "
+        "each with an API thread pool and a dashboard thread pool apart. See docs/serving.md."
     )
 
     def add_arguments(self, parser: Any) -> None:
@@ -22,33 +22,64 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
         parser.add_argument("--workers", type=int, default=int(os.environ.get("WEB_WORKERS", "2")))
         parser.add_argument(
-            "--threads", type=int, default=int(os.environ.get("WEB_THREADS", "16")),
-            help="blocking threads per worker: requests in flight, live streams included",
+            "--threads", type=int, default=int(os.environ.get("WEB_THREADS", "4")),
+            help="API threads per worker: /api/ requests (checks) in flight at once",
         )
-        parser.add_argument("--interface", choices=["wsgi", "asgi"], default="wsgi")
+        parser.add_argument(
+            "--dashboard-threads", type=int,
+            default=int(os.environ.get("WEB_DASHBOARD_THREADS", "4")),
+            help="dashboard threads per worker: page requests in flight at once (open live "
+                 "streams hold none)",
+        )
+        parser.add_argument(
+            "--max-connections", type=int,
+            default=int(os.environ.get("WEB_MAX_CONNECTIONS", "2048")),
+            help="connections one worker serves at once, idle and slow ones included",
+        )
 
     def handle(self, *args: Any, host: str, port: int, workers: int, threads: int,
-               interface: str, **options: Any) -> None:
+               dashboard_threads: int, max_connections: int, **options: Any) -> None:
         granian = shutil.which("granian") or os.path.join(os.path.dirname(sys.executable),
                                                             "granian")
         if not os.path.exists(granian):
             raise CommandError("granian is not installed (pip install -e .)")
-        target = f"governance.{interface}:application"
         # The dashboard's CSS/JS (and htmx from django-htmx) are served by granian itself from
         # STATIC_ROOT, so they cost no Python thread; collecting first keeps them current.
         call_command("collectstatic", interactive=False, verbosity=0)
-        argv = [granian, "--interface", interface, "--host", host, "--port", str(port),
-                "--workers", str(workers), "--no-ws", "--respawn-failed-workers",
-                "--static-path-route", "/" + settings.STATIC_URL.strip("/"),
-                "--static-path-mount", str(settings.STATIC_ROOT)]
-        if interface == "wsgi":
-            argv += ["--blocking-threads", str(threads)]
-        argv.append(target)
+        if min(threads, dashboard_threads, max_connections) < 1:
+            raise CommandError("--threads, --dashboard-threads and --max-connections must be "
+                               "at least 1")
+        # The workers read their pool sizes from the environment (governance/settings.py).
+        os.environ["WEB_THREADS"] = str(threads)
+        os.environ["WEB_DASHBOARD_THREADS"] = str(dashboard_threads)
+        argv = granian_argv(granian, "governance.asgi:application", host=host, port=port,
+                            workers=workers, max_connections=max_connections,
+                            static=(settings.STATIC_URL, str(settings.STATIC_ROOT)))
         if os.environ.get("METRICS_TOKEN"):
             _prepare_metrics_dir()
         self.stdout.write(" ".join(argv[1:]))
         sys.stdout.flush()
         os.execv(granian, argv)
+
+
+def granian_argv(granian: str, app: str, *, host: str, port: int, workers: int,
+                 max_connections: int, static: tuple[str, str] | None = None) -> list[str]:
+    """The granian command line of `serve`; the benchmark's minimal baseline is served by the
+    same one (bench/stack.py), so that their ratios compare applications, not servers."""
+    # Headers that never finish are dropped by granian itself (Python never sees them)
+    # after the same deadline a body has (governance/asgi.py).
+    header_ms = min(60_000, max(1, settings.REQUEST_BODY_SECONDS * 1000))
+    argv = [granian, "--interface", "asgi", "--host", host, "--port", str(port),
+            "--workers", str(workers), "--no-ws", "--respawn-failed-workers",
+            "--http1-header-read-timeout", str(header_ms),
+            "--backlog", str(max(128, max_connections)),
+            "--backpressure", str(max_connections),
+            # A stop (deploy, restart) is not held up by open live streams: they resume.
+            "--workers-kill-timeout", "5"]
+    if static is not None:
+        url, root = static
+        argv += ["--static-path-route", "/" + url.strip("/"), "--static-path-mount", root]
+    return [*argv, app]
 
 
 def _prepare_metrics_dir() -> None:

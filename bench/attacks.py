@@ -1,0 +1,391 @@
+"""Clients that try to take the server away from the agents: slow bodies, headers that never
+finish, a viewer's many open live streams, a flood of bad keys from the agents' own address;
+and a Redis that refuses or never answers (`REDIS_FAULTS`: the server is started against it).
+Used by the benchmark's `attacks` phase (the p99 of valid checks under each, against the same
+point without it) and by tests/test_availability.py and tests/test_attacks.py (valid checks
+keep being answered within 2 s under each).
+
+Each attack is one async function in `ATTACKS`, ``attack(target, stop, stats)``: it opens
+its connections, keeps them open (opening again those the server closes) until `stop` is set,
+then closes them all. Another attack is one more entry. Loopback only: `Target.host` must be a
+127.x address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+SLOW_BODY_CONNECTIONS = 200
+UNFINISHED_HEADER_CONNECTIONS = 200
+OPEN_STREAMS = 100
+BAD_KEYS_PER_S = 50
+
+
+@dataclass
+class Target:
+    port: int
+    host: str = "127.0.0.1"
+    team_slug: str = ""
+    # A signed-in viewer of the team (the `sessionid` cookie) and a run of it, for streams.
+    session_cookie: str = ""
+    run_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not ipaddress.ip_address(self.host).is_loopback:
+            raise ValueError("attacks are sent to loopback addresses only")
+
+
+@dataclass
+class AttackStats:
+    """What the attack saw: connections opened, and how the server ended them."""
+
+    opened: int = 0
+    answers: Counter[str] = field(default_factory=Counter)  # status lines the server sent
+    closed_by_server: int = 0  # connections closed, or streams ended, by the server
+    errors: Counter[str] = field(default_factory=Counter)
+    open_now: int = 0
+    most_open: int = 0
+
+    def opening(self) -> None:
+        self.opened += 1
+        self.open_now += 1
+        self.most_open = max(self.most_open, self.open_now)
+
+    def closing(self) -> None:
+        self.open_now -= 1
+
+    def dump(self) -> dict[str, object]:
+        return {"opened": self.opened, "closed_by_server": self.closed_by_server,
+                "open_now": self.open_now, "most_open": self.most_open,
+                "answers": dict(self.answers), "errors": dict(self.errors)}
+
+    def load(self, data: dict[str, Any]) -> None:
+        """The figures the attack's process last reported."""
+        self.opened, self.closed_by_server = data["opened"], data["closed_by_server"]
+        self.open_now, self.most_open = data["open_now"], data["most_open"]
+        self.answers, self.errors = Counter(data["answers"]), Counter(data["errors"])
+
+
+Attack = Callable[[Target, asyncio.Event, AttackStats], Awaitable[None]]
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to `seconds`; True when `stop` was set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+    return stop.is_set()
+
+
+async def _hold(target: Target, stop: asyncio.Event, stats: AttackStats, first: bytes,
+                drip: bytes, every: float) -> None:
+    """One connection: send `first`, then one `drip` every `every` seconds, never the rest;
+    when the server answers or closes, note it and connect again."""
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(target.host, target.port)
+        except OSError as exc:
+            stats.errors[f"connect: {type(exc).__name__}"] += 1
+            if await _wait(stop, 0.5):
+                return
+            continue
+        stats.opening()
+        try:
+            writer.write(first)
+            await writer.drain()
+            reading = asyncio.ensure_future(reader.readline())
+            while not stop.is_set():
+                done, _ = await asyncio.wait({reading}, timeout=every)
+                if done:
+                    line = reading.result()
+                    if line:
+                        stats.answers[line.decode(errors="replace").strip()] += 1
+                    else:
+                        stats.closed_by_server += 1
+                    break
+                writer.write(drip)
+                await writer.drain()
+            reading.cancel()
+        except (OSError, asyncio.IncompleteReadError):
+            stats.closed_by_server += 1
+        finally:
+            stats.closing()
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def slow_bodies(target: Target, stop: asyncio.Event, stats: AttackStats,
+                      connections: int = SLOW_BODY_CONNECTIONS) -> None:
+    """POST /api/v1/runs announcing a 1,000-byte body, then one byte a second."""
+    head = (f"POST /api/v1/runs HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
+            "Authorization: Bearer gov_000000000000_slow\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{").encode()
+    await asyncio.gather(*(_hold(target, stop, stats, head, b" ", 1.0)
+                           for _ in range(connections)))
+
+
+async def unfinished_headers(target: Target, stop: asyncio.Event, stats: AttackStats,
+                             connections: int = UNFINISHED_HEADER_CONNECTIONS) -> None:
+    """A request line and headers that never end: one more header byte a second."""
+    head = (f"POST /api/v1/runs HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
+            "X-Never-Ending: a").encode()
+    await asyncio.gather(*(_hold(target, stop, stats, head, b"a", 1.0)
+                           for _ in range(connections)))
+
+
+async def _stream(target: Target, path: str, stop: asyncio.Event, stats: AttackStats) -> None:
+    """One browser tab's EventSource: read the stream, reconnect when the server ends it."""
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(target.host, target.port)
+        except OSError as exc:
+            stats.errors[f"connect: {type(exc).__name__}"] += 1
+            if await _wait(stop, 0.5):
+                return
+            continue
+        stats.opening()
+        try:
+            writer.write((f"GET {path} HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
+                          "Accept: text/event-stream\r\n"
+                          f"Cookie: sessionid={target.session_cookie}\r\n\r\n").encode())
+            await writer.drain()
+            status = await asyncio.wait_for(reader.readline(), 30)
+            stats.answers[status.decode(errors="replace").strip()] += 1
+            if b" 200 " not in status:
+                await _wait(stop, 1.0)  # a browser would back off, and so do we
+                continue
+            tail = b""
+            while not stop.is_set():
+                try:
+                    chunk = await asyncio.wait_for(reader.read(65536), 0.5)
+                except TimeoutError:
+                    continue
+                tail = (tail + chunk)[-16:]
+                # The stream's lifetime is over (the connection closed, or the last chunk of
+                # a chunked body): reconnect, as EventSource does.
+                if not chunk or tail.endswith(b"\r\n0\r\n\r\n"):
+                    stats.closed_by_server += 1
+                    break
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            stats.errors[f"stream: {type(exc).__name__}"] += 1
+        finally:
+            stats.closing()
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def open_streams(target: Target, stop: asyncio.Event, stats: AttackStats,
+                       streams: int = OPEN_STREAMS) -> None:
+    """One signed-in viewer's tabs: half the team overview's stream, half a run page's."""
+    if not target.session_cookie or not target.run_id:
+        raise ValueError("open_streams needs a viewer's session cookie and a run id")
+    paths = [f"/teams/{target.team_slug}/stream",
+             f"/teams/{target.team_slug}/runs/{target.run_id}/stream"]
+    await asyncio.gather(*(_stream(target, paths[i % 2], stop, stats)
+                           for i in range(streams)))
+
+
+async def _bad_key(target: Target, stats: AttackStats, n: int) -> None:
+    """One request with a key that does not exist, on a new connection, as a retrying agent
+    with a revoked key sends it."""
+    request = (f"POST /api/v1/runs HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
+               f"Authorization: Bearer gov_{n % 1000:012d}_revoked\r\n"
+               "Content-Type: application/json\r\nContent-Length: 2\r\n"
+               "Connection: close\r\n\r\n{}").encode()
+    try:
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+    except OSError as exc:
+        stats.errors[f"connect: {type(exc).__name__}"] += 1
+        return
+    stats.opening()
+    try:
+        writer.write(request)
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 10)
+        stats.answers[status.decode(errors="replace").strip()] += 1
+    except (OSError, TimeoutError) as exc:
+        stats.errors[f"bad key: {type(exc).__name__}"] += 1
+    finally:
+        stats.closing()
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def bad_keys(target: Target, stop: asyncio.Event, stats: AttackStats,
+                   per_s: int = BAD_KEYS_PER_S) -> None:
+    """`per_s` requests a second with bad keys, from the address the valid agents use."""
+    started, sent = time.monotonic(), 0
+    pending: set[asyncio.Task[None]] = set()
+    while not stop.is_set():
+        due = started + sent / per_s
+        if await _wait(stop, max(0.0, due - time.monotonic())):
+            break
+        task = asyncio.ensure_future(_bad_key(target, stats, sent))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        sent += 1
+    if pending:
+        await asyncio.wait(pending, timeout=15)
+
+
+async def together(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
+    """Every attack above at once."""
+    await asyncio.gather(slow_bodies(target, stop, stats),
+                         unfinished_headers(target, stop, stats),
+                         open_streams(target, stop, stats),
+                         bad_keys(target, stop, stats))
+
+
+async def _no_clients(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
+    """The Redis faults send nothing: the fault is the server's Redis (`REDIS_FAULTS`)."""
+    await stop.wait()
+
+
+# The benchmark measures each entry.
+ATTACKS: dict[str, Attack] = {
+    "slow_bodies": slow_bodies,
+    "unfinished_headers": unfinished_headers,
+    "open_streams": open_streams,
+    "bad_keys": bad_keys,
+    "together": together,
+    "redis_refused": _no_clients,
+    "redis_hung": _no_clients,
+}
+
+
+_HUNG_LISTENER = """
+import socket, sys
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen(512)
+print(sock.getsockname()[1], flush=True)
+held = []
+while True:
+    held.append(sock.accept()[0])
+"""
+
+
+class HungRedis:
+    """A loopback port that accepts connections and never answers: a Redis that hangs (a
+    frozen process behind a live kernel). It runs in a process of its own: in the load
+    generator's, its accepting thread would compete with the agents for the interpreter."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", _HUNG_LISTENER],
+                                        stdout=subprocess.PIPE)
+        assert self.process.stdout is not None
+        self.port = int(self.process.stdout.readline())
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def refused_redis_url() -> str:
+    """A Redis URL whose port nothing listens on: every connection is refused at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/0"
+
+
+# Attacks that are a fault of the server's Redis: the phase starts a second server of the
+# same shape against it, and alternates its slices with the healthy server's.
+REDIS_FAULTS = ("redis_refused", "redis_hung")
+
+
+@contextlib.contextmanager
+def running(attack: Attack, target: Target, *, settle: float = 1.0
+            ) -> Iterator[AttackStats]:
+    """Run `attack` while the block runs (`settle` seconds first, so its connections are
+    open), then stop it and wait for it to close them all.
+
+    The attack runs in a process of its own (`python -m bench.attacks`), which reports its
+    figures four times a second into the `AttackStats` yielded: inside the process that
+    measures the valid checks, its hundreds of connections would compete with the measuring
+    client for the interpreter, and a slow client would read as a slow server."""
+    name = next(n for n, a in ATTACKS.items() if a is attack)
+    stats = AttackStats()
+    spec = json.dumps({"attack": name, "target": dataclasses.asdict(target)})
+    process = subprocess.Popen([sys.executable, "-m", "bench.attacks", spec],
+                               cwd=Path(__file__).resolve().parents[1], text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert process.stdin is not None and process.stdout is not None
+    failed: list[str] = []
+
+    def read(lines: IO[str]) -> None:
+        for line in lines:
+            data = json.loads(line)
+            if "failed" in data:
+                failed.append(data["failed"])
+            else:
+                stats.load(data)
+
+    reader = threading.Thread(target=read, args=(process.stdout,), daemon=True)
+    reader.start()
+    try:
+        time.sleep(settle)
+        yield stats
+    finally:
+        process.stdin.close()  # the child's signal to stop
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        reader.join(5)
+    if failed:
+        raise RuntimeError(f"the attack failed: {failed[0]}")
+
+
+def _child(spec: str) -> None:
+    """`python -m bench.attacks SPEC`: run one attack until stdin closes, printing its
+    figures as JSON lines."""
+    data = json.loads(spec)
+    attack, target = ATTACKS[data["attack"]], Target(**data["target"])
+    stats = AttackStats()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        with contextlib.suppress(RuntimeError):  # the loop is closed already
+            loop.call_soon_threadsafe(stop.set)
+
+    async def report() -> None:
+        while not await _wait(stop, 0.25):
+            print(json.dumps(stats.dump()), flush=True)
+
+    async def main() -> None:
+        await asyncio.gather(attack(target, stop, stats), report())
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    try:
+        loop.run_until_complete(main())
+    except Exception as exc:  # reported to the parent, which raises it
+        print(json.dumps({"failed": repr(exc)}), flush=True)
+    print(json.dumps(stats.dump()), flush=True)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

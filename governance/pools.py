@@ -1,0 +1,83 @@
+"""The thread pools of one server process (docs/serving.md).
+
+Under `manage.py serve` a request holds no thread until its body has arrived (governance/asgi.py
+reads it on the event loop); then its synchronous part runs on one of two bounded pools: the
+API's (`/api/`: the agents' calls) or the dashboard's (pages, forms, the opening of live
+streams). Neither can take the other's threads, so dashboard traffic cannot queue the checks.
+A thread of a pool keeps its database connection across requests, as a WSGI thread does
+(``CONN_MAX_AGE``); `run_request` closes a connection that is broken or too old before and
+after each request, as Django's request signals do under WSGI.
+
+An async API view (``async def``, e.g. a long poll) runs on the event loop and holds no
+thread while it waits; it runs its database work on the API pool with `api_thread`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ParamSpec, TypeVar
+
+from asgiref.sync import AsyncToSync, sync_to_async
+from django.conf import settings
+from django.db import close_old_connections
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_lock = threading.Lock()
+_pools: dict[str, ThreadPoolExecutor] = {}
+
+
+def _reset() -> None:
+    # A forked child has none of the parent's threads: it makes its own pools.
+    global _lock
+    _lock = threading.Lock()
+    _pools.clear()
+
+
+os.register_at_fork(after_in_child=_reset)
+
+
+def pool(name: str) -> ThreadPoolExecutor:
+    """The process's pool `api` or `dashboard`, made on first use."""
+    try:
+        return _pools[name]
+    except KeyError:
+        pass
+    size = {"api": settings.API_THREADS, "dashboard": settings.DASHBOARD_THREADS}[name]
+    with _lock:
+        if name not in _pools:
+            _pools[name] = ThreadPoolExecutor(max_workers=size, thread_name_prefix=name)
+        return _pools[name]
+
+
+def run_request(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """Run one request's synchronous part on this (pool) thread, with the connection
+    housekeeping Django's request_started / request_finished signals do under WSGI."""
+    close_old_connections()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        close_old_connections()
+
+
+def api_thread(fn: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """`fn` as a coroutine function that runs on the API pool: database work of an async API
+    view. (asgiref's default, ``thread_sensitive=True``, would run it on one thread shared
+    by the whole process.)"""
+    async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        if getattr(AsyncToSync.executors, "current", None) is not None:
+            # The view was called from a synchronous thread (Django's test client, whose
+            # test holds a transaction open on that thread's connection): that thread does
+            # the work, as asgiref's default would; only it sees the transaction's writes.
+            # Under the server no such thread exists and the work goes to the API pool.
+            return await sync_to_async(fn)(*args, **kwargs)
+        # The pool is looked up at each call, never at import: a worker forked after the
+        # import makes its own.
+        runner = sync_to_async(run_request, thread_sensitive=False, executor=pool("api"))
+        return await runner(fn, *args, **kwargs)
+
+    return call
