@@ -9,6 +9,9 @@ class Team(models.Model):
     name = models.CharField(max_length=200)
     webhook_url = models.URLField(max_length=500, null=True, blank=True)
     webhook_secret = models.CharField(max_length=100, blank=True)
+    # When an admin was shown the current secret (null: never, e.g. the one a team is made
+    # with): each secret is shown once, like an agent key's token.
+    webhook_secret_shown_at = models.DateTimeField(null=True, blank=True)
     retention_days = models.PositiveIntegerField(default=90)
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -290,9 +290,26 @@ def team_rotate_webhook_secret(*, team: Team, actor: AbstractBaseUser | None) ->
     before = webhook_secret_id(team.webhook_secret)
     secret = secrets.token_hex(32)
     team.webhook_secret = secret
-    team.save(update_fields=["webhook_secret"])
+    team.webhook_secret_shown_at = timezone.now()  # the caller shows it, this once
+    team.save(update_fields=["webhook_secret", "webhook_secret_shown_at"])
     audit(actor=actor, action="team.webhook_secret", team=team, target=team.slug,
           detail={"before": before, "after": webhook_secret_id(secret)})
+    return secret
+
+
+@transaction.atomic
+def team_show_webhook_secret(*, team: Team, actor: AbstractBaseUser | None) -> str | None:
+    """The team's current signing secret if it was never shown (the one the team was made
+    with, until someone sees it), else None: like a rotated one, it is shown once. Two
+    admins asking at the same moment: the conditional UPDATE lets exactly one of them see
+    it, and the row it wrote stays locked until the read, so a rotation cannot slip in."""
+    shown = Team.objects.filter(pk=team.pk, webhook_secret_shown_at__isnull=True).exclude(
+        webhook_secret="").update(webhook_secret_shown_at=timezone.now())
+    if not shown:
+        return None
+    secret = Team.objects.values_list("webhook_secret", flat=True).get(pk=team.pk)
+    audit(actor=actor, action="team.webhook_secret.shown", team=team, target=team.slug,
+          detail={"secret": webhook_secret_id(secret)})
     return secret
 
 

@@ -39,5 +39,7 @@ urlpatterns = [
     path(TEAM + "settings/", views.team_settings, name="team_settings"),
     path(TEAM + "settings/webhook-secret", views.webhook_secret_rotate,
          name="webhook_secret_rotate"),
+    path(TEAM + "settings/webhook-secret/show", views.webhook_secret_show,
+         name="webhook_secret_show"),
     path(TEAM + "audit/", views.audit_log, name="audit"),
 ]

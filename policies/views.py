@@ -42,6 +42,7 @@ from .services import (
     policy_apply,
     policy_save,
     team_rotate_webhook_secret,
+    team_show_webhook_secret,
     team_update_webhook,
     webhook_secret_id,
 )
@@ -379,6 +380,7 @@ def team_settings(request: HttpRequest, slug: str) -> HttpResponse:
     return page(request, "policies/settings.html", {
         "form": form,
         "secret_id": webhook_secret_id(request.team.webhook_secret),
+        "secret_shown_at": request.team.webhook_secret_shown_at,
         "new_secret": request.session.pop(NEW_SECRET_SESSION_KEY, None),
     }, status=422 if request.method == "POST" else 200)
 
@@ -399,8 +401,24 @@ def webhook_secret_rotate(request: HttpRequest, slug: str) -> HttpResponse:
         })
     secret = team_rotate_webhook_secret(team=request.team, actor=request.user)
     # Shown once on the next page, then gone, like a new key's token.
-    request.session[NEW_SECRET_SESSION_KEY] = {"secret": secret,
-                                               "id": webhook_secret_id(secret)}
+    request.session[NEW_SECRET_SESSION_KEY] = {"secret": secret, "id": webhook_secret_id(secret),
+                                               "new": True}
+    return redirect("team_settings", slug=slug)
+
+
+@team_view(Role.ADMIN)
+@require_POST
+def webhook_secret_show(request: HttpRequest, slug: str) -> HttpResponse:
+    """Shows the current secret once if nobody has seen it yet (the one the team was made
+    with), the same way a rotated one is shown; nothing changes for receivers."""
+    secret = team_show_webhook_secret(team=request.team, actor=request.user)
+    if secret is None:
+        messages.error(request, "This secret was already shown once; rotate it to get a new "
+                                "one.")
+    else:
+        request.session[NEW_SECRET_SESSION_KEY] = {"secret": secret,
+                                                   "id": webhook_secret_id(secret),
+                                                   "new": False}
     return redirect("team_settings", slug=slug)
 
 

@@ -12,9 +12,9 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from governance.templatetags.dashboard_tags import duration, money, when
 from policies.models import AgentKey, Membership
 from policies.services import agent_key_create
-from runs.templatetags.dashboard_tags import duration, money, when
 from tests.test_dashboard_runs import as_user
 
 pytestmark = pytest.mark.django_db

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from decimal import Decimal
+from html import unescape as html_unescape
 from urllib.parse import unquote
 
 import pytest
@@ -132,12 +133,109 @@ def test_paging_at_100000_runs_reads_an_index_range_whatever_the_page(team, user
     assert any("LIMIT 26" in sql for sql in run_sql)
     assert any("LIMIT 10001" in sql for sql in run_sql)  # the capped count
 
-    filters = dashboard.RunFilters(after=cursor_value)
-    plan = dashboard.page_rows(team, filters)[:26].explain()
-    assert "run_team_recent" in plan, plan
-    if connection.vendor == "sqlite":
-        # No sort of the whole team: the index gives the order; only rows that tie on
-        # started_at are put in id order ("RIGHT PART OF ORDER BY").
-        assert "TEMP B-TREE FOR ORDER BY" not in plan, plan
-    else:
-        assert "Seq Scan on runs_run" not in plan, plan
+    # Forward (after) and back (before): the same index range, walked either way.
+    for filters, backwards in [(dashboard.RunFilters(after=cursor_value), False),
+                               (dashboard.RunFilters(before=cursor_value), True)]:
+        plan = dashboard.page_rows(team, filters, backwards=backwards)[:26].explain()
+        assert "run_team_recent" in plan, plan
+        if connection.vendor == "sqlite":
+            # No sort of the whole team: the index gives the order; only rows that tie on
+            # started_at are put in id order ("RIGHT PART OF ORDER BY").
+            assert "TEMP B-TREE FOR ORDER BY" not in plan, plan
+        else:
+            assert "Seq Scan on runs_run" not in plan, plan
+    with CaptureQueriesContext(connection) as back_page:
+        back = client.get(url_of(team), {"before": cursor_value}).content.decode()
+    assert len(listed(back)) == dashboard.RUNS_PER_PAGE
+    assert listed(back)[-1] == str(
+        Run.objects.filter(team=team).order_by("-started_at", "-pk")[79_999].pk)
+    back_sql = [q["sql"] for q in back_page.captured_queries if '"runs_run"' in q["sql"]]
+    assert not any("OFFSET" in sql.upper() for sql in back_sql)
+
+
+def pager_links(html: str) -> dict[str, str]:
+    """The pager's links by name (first, previous, next): their query strings."""
+    nav = html.split('<nav class="pager"')[1].split("</nav>")[0]
+    links = {}
+    for part in nav.split("<a ")[1:]:
+        query = html_unescape(part.split('href="?')[1].split('"')[0])  # still URL-encoded
+        links[part.split('data-page="')[1].split('"')[0]] = query
+    return links
+
+
+def query_dict(query: str) -> dict[str, str]:
+    from urllib.parse import parse_qsl
+
+    return dict(parse_qsl(query, keep_blank_values=True))
+
+
+@pytest.mark.parametrize("sort", ["newest", "oldest", "steps", "cost"])
+def test_previous_page_links_walk_back_through_the_same_pages(team, users, sort):
+    """60 runs, with ties on every sort column (the id breaks them): forward to the last page
+    by "next", then back by "previous" gives the same pages in reverse, ending on the first
+    page, which has neither a previous nor a first link."""
+    version = team.policies.get(name="default").current
+    now = timezone.now()
+    Run.objects.bulk_create([
+        Run(team=team, agent=f"bot-{i}", policy_version=version, status="completed",
+            started_at=now - timedelta(seconds=i // 3), steps=i % 7,
+            cost_usd=Decimal(i % 4) / 10)
+        for i in range(60)])
+    client = as_user(users)
+    per = dashboard.RUNS_PER_PAGE
+    params = {} if sort == "newest" else {"sort": sort}
+    pages, links = [], []
+    html = client.get(url_of(team), params).content.decode()
+    for _ in range(5):  # bounded: a cursor that does not move would loop forever
+        pages.append(listed(html))
+        links.append(pager_links(html))
+        if "next" not in links[-1]:
+            break
+        html = client.get(url_of(team), query_dict(links[-1]["next"])).content.decode()
+    assert [len(p) for p in pages] == [per, per, 60 - 2 * per]
+    everything = [r for p in pages for r in p]
+    assert len(set(everything)) == 60
+    assert set(links[0]) == {"next"}
+    assert set(links[1]) == {"first", "previous", "next"}
+    assert set(links[2]) == {"first", "previous"}
+    assert query_dict(links[2]["first"]) == params  # the filters kept, the cursor dropped
+
+    back, current = [], links[2]
+    for _ in range(5):
+        if "previous" not in current:
+            break
+        previous = query_dict(current["previous"])
+        assert previous.get("sort", "newest") == sort and "after" not in previous
+        html = client.get(url_of(team), previous).content.decode()
+        back.append(listed(html))
+        current = pager_links(html)
+    assert back == [pages[1], pages[0]]
+    assert set(current) == {"next"}  # the first page again: neither previous nor first
+    assert "a later page" not in html
+
+
+def test_paging_back_to_the_start_shows_the_whole_first_page(team, users):
+    """A page reached from a cursor near the start (the runs before it were fewer than a
+    page): its previous page is the first page, full, not the few rows before the cursor."""
+    version = team.policies.get(name="default").current
+    now = timezone.now()
+    Run.objects.bulk_create([
+        Run(team=team, agent="bot", policy_version=version, status="completed",
+            started_at=now - timedelta(seconds=i)) for i in range(40)])
+    ordered = list(Run.objects.filter(team=team).order_by("-started_at", "-pk"))
+    client = as_user(users)
+    cursor = f"{ordered[4].started_at.isoformat()}~{ordered[4].pk}"
+    html = client.get(url_of(team), {"after": cursor}).content.decode()
+    assert listed(html) == [str(r.pk) for r in ordered[5:5 + dashboard.RUNS_PER_PAGE]]
+    back = client.get(url_of(team), query_dict(pager_links(html)["previous"])
+                      ).content.decode()
+    assert listed(back) == [str(r.pk) for r in ordered[:dashboard.RUNS_PER_PAGE]]
+    assert set(pager_links(back)) == {"next"}
+
+
+def test_a_bad_before_cursor_is_the_first_page(team, users):
+    run = start(team)
+    for before in ("garbage", "2026-01-01~not-a-uuid", "~", "x" * 500):
+        response = as_user(users).get(url_of(team), {"before": before})
+        assert response.status_code == 200 and listed(response.content.decode()) == [str(run.pk)]
+        assert pager_links(response.content.decode()) == {}

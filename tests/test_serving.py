@@ -32,15 +32,48 @@ def test_the_openapi_document_is_public_and_names_every_endpoint(client):
     assert "pending" in answer["properties"]["decision"]["enum"]
 
 
+def test_readyz_is_ready_but_degraded_while_redis_is_refused(client, settings, monkeypatch):
+    """SPEC 9: 200 whenever the database answers; Redis's state is only reported."""
+    import redis
+
+    from governance import views
+
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    refused = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=0.1)
+    monkeypatch.setattr(views, "redis_client", lambda: refused)
+    ready = client.get("/readyz")
+    assert ready.status_code == 200
+    body = ready.json()
+    assert body["status"] == "degraded"
+    assert body["checks"]["database"] == "ok"
+    assert body["checks"]["redis"].startswith("error: ")
+
+
+def test_readyz_answers_503_when_the_database_does_not(client, monkeypatch):
+    from django.db import connection
+    from django.db.utils import OperationalError
+
+    def down(*args, **kwargs):
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(connection, "cursor", down)
+    ready = client.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["status"] == "unavailable"
+    assert ready.json()["checks"]["database"] == "error: OperationalError"
+
+
 @pytest.mark.slow
-def test_readyz_says_unavailable_when_redis_is_unreachable():
+def test_readyz_answers_200_degraded_when_redis_is_unreachable():
     from tests.conftest import server_env
 
     env = server_env(REDIS_URL="redis://127.0.0.1:1/0")
     srv = start_server(workers=1, env=env)
     try:
         response = httpx.get(f"{srv.url}/readyz", timeout=10)
-        assert response.status_code == 503
+        assert response.status_code == 200
+        assert response.json()["status"] == "degraded"
+        assert response.json()["checks"]["database"] == "ok"
         assert response.json()["checks"]["redis"].startswith("error")
     finally:
         srv.stop()

@@ -222,7 +222,9 @@ def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, An
         "filters": filters,
         "page": page,
         "runs": page.runs,
-        "first_query": filters.query(after="") if filters.after else None,
+        "first_query": None if page.first else filters.query(after=""),
+        "previous_query": (filters.query(before=page.previous_before)
+                           if page.previous_before else None),
         "next_query": filters.query(after=page.next_after) if page.next_after else None,
     }
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -42,7 +42,8 @@ RANGES: dict[str, timedelta] = {
     "30d": timedelta(days=30),
 }
 # Sort orders: name -> (column, descending). The run id breaks ties, so a page boundary is
-# exact (keyset paging: the next page starts after the last row's (value, id)).
+# exact (keyset paging: the next page starts after the last row's (value, id), the previous
+# one ends before the first row's).
 SORTS: dict[str, tuple[str, bool]] = {
     "newest": ("started_at", True),
     "oldest": ("started_at", False),
@@ -61,7 +62,8 @@ class RunFilters:
     since: str = ""  # a key of RANGES, or "" for all time
     sort: str = "newest"
     would_stop: bool = False  # only runs a shadow policy would have stopped
-    after: str = ""  # keyset cursor: the last row of the previous page
+    after: str = ""  # keyset cursor: the page starts after this row (the previous last)
+    before: str = ""  # or: the page ends before this row (the next page's first); wins
 
     @classmethod
     def from_query(cls, query: Any) -> RunFilters:
@@ -77,22 +79,35 @@ class RunFilters:
             sort=sort if sort in SORTS else "newest",
             would_stop=query.get("would_stop") in ("1", "on", "true"),
             after=(query.get("after") or "")[:200],
+            before=(query.get("before") or "")[:200],
         )
 
-    def query(self, *, after: str | None = None) -> str:
-        """The query string of these filters (for links and the stream URL)."""
+    def query(self, *, after: str | None = None, before: str | None = None) -> str:
+        """The query string of these filters (for links and the stream URL); naming a cursor
+        drops the other one, and ``after=""`` (with no before) is the first page."""
+        if after is not None or before is not None:
+            after, before = after or "", before or ""
+        else:
+            after, before = self.after, self.before
         pairs = [("status", self.status), ("agent", self.agent),
                  ("stop_reason", self.stop_reason), ("q", self.q), ("since", self.since),
                  ("sort", "" if self.sort == "newest" else self.sort),
                  ("would_stop", "1" if self.would_stop else ""),
-                 ("after", self.after if after is None else after)]
+                 ("after", after), ("before", before)]
         return urlencode([(k, v) for k, v in pairs if v])
+
+    @property
+    def paged(self) -> bool:
+        """A page other than the first one was asked for."""
+        return bool(self.after or self.before)
 
 
 @dataclass(frozen=True)
 class RunsPage:
     runs: list[Run]
     next_after: str | None  # the cursor of the next page, None on the last one
+    previous_before: str | None  # the cursor of the previous page, None on the first one
+    first: bool  # the first page (no cursor, an unreadable one, or paged back to the start)
     count: int  # matching runs, at most COUNT_CAP + 1
     capped: bool
 
@@ -137,7 +152,8 @@ def _cursor(run: Run, column: str) -> str:
 
 
 def _after(column: str, descending: bool, cursor: str) -> Q | None:
-    """Rows strictly after the cursor's (value, id) in the sort order; None if unreadable."""
+    """Rows strictly after the cursor's (value, id) in the sort order; None if unreadable.
+    (Rows strictly before it are the rows after it in the opposite order.)"""
     raw, _, pk = cursor.rpartition("~")
     try:
         run_id = uuid.UUID(pk)
@@ -153,12 +169,17 @@ def _after(column: str, descending: bool, cursor: str) -> Q | None:
         Q(**{f"{column}__{op}": value}) | Q(**{f"pk__{op}": run_id}))
 
 
-def page_rows(team: Team, filters: RunFilters, *, now: datetime | None = None
-              ) -> QuerySet[Run]:
-    """The rows of one page and the ones after it, in order (slice it: RUNS_PER_PAGE + 1)."""
+def page_rows(team: Team, filters: RunFilters, *, now: datetime | None = None,
+              backwards: bool = False) -> QuerySet[Run]:
+    """The rows of one page and the ones after it, in order (slice it: RUNS_PER_PAGE + 1).
+    ``backwards``: the rows before ``filters.before``, nearest first (the page in reverse
+    and the ones before it), the same index range walked the other way."""
     rows = _matching(team, filters, now or timezone.now())
     column, descending = SORTS[filters.sort]
-    if filters.after and (after := _after(column, descending, filters.after)) is not None:
+    if backwards:
+        descending = not descending
+    cursor = filters.before if backwards else filters.after
+    if cursor and (after := _after(column, descending, cursor)) is not None:
         rows = rows.filter(after)
     order = [f"-{column}", "-pk"] if descending else [column, "pk"]
     # prefetch, not a join: the page query stays on runs_run alone, whose index gives the order.
@@ -171,15 +192,30 @@ def page_rows(team: Team, filters: RunFilters, *, now: datetime | None = None
 def runs_page(team: Team, filters: RunFilters, *, now: datetime | None = None) -> RunsPage:
     """One page of runs, by keyset: the query reads the next RUNS_PER_PAGE + 1 rows of an
     index range, whatever the page, so the 4,000th page costs what the first does; the
-    count stops at COUNT_CAP."""
+    count stops at COUNT_CAP. Paging back (``before``) reads the range the other way; when
+    it reaches the start it is the first page, shown whole."""
     now = now or timezone.now()
     abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
     settle_due_for_team(team, now=now)  # SPEC 11: nor one whose approval expired
-    found = list(page_rows(team, filters, now=now)[:RUNS_PER_PAGE + 1])
-    runs, more = found[:RUNS_PER_PAGE], len(found) > RUNS_PER_PAGE
+    column, descending = SORTS[filters.sort]
+    runs: list[Run] = []
+    if filters.before and _after(column, descending, filters.before) is not None:
+        found = list(page_rows(team, filters, now=now, backwards=True)[:RUNS_PER_PAGE + 1])
+        if len(found) > RUNS_PER_PAGE:  # rows before this page: a page in the middle
+            runs = found[:RUNS_PER_PAGE][::-1]
+            # Reached from the next page, whose rows follow this one's.
+            first, more_after = False, True
+        else:  # nothing before it: the first page, shown whole rather than short
+            filters = replace(filters, before="", after="")
+    if not runs:
+        found = list(page_rows(team, filters, now=now)[:RUNS_PER_PAGE + 1])
+        runs, more_after = found[:RUNS_PER_PAGE], len(found) > RUNS_PER_PAGE
+        first = not filters.after or _after(column, descending, filters.after) is None
     count = _matching(team, filters, now).order_by()[:COUNT_CAP + 1].count()
-    column = SORTS[filters.sort][0]
-    return RunsPage(runs=runs, next_after=_cursor(runs[-1], column) if more else None,
+    return RunsPage(runs=runs, first=first,
+                    next_after=_cursor(runs[-1], column) if runs and more_after else None,
+                    # A later page was reached from an earlier one: rows come before it.
+                    previous_before=_cursor(runs[0], column) if runs and not first else None,
                     count=min(count, COUNT_CAP), capped=count > COUNT_CAP)
 
 

@@ -95,3 +95,25 @@ def test_an_admin_rotates_the_webhook_secret_and_copies_it_once(page: Page, serv
     assert page.evaluate("navigator.clipboard.readText()") == secret
     page.reload()
     expect(page.locator("#new-secret")).to_have_count(0)  # shown once
+
+
+def test_an_admin_shows_the_secret_the_team_was_made_with_and_copies_it_once(
+        page: Page, server: Server, team: Team, users: Any):
+    from policies.services import webhook_secret_id
+
+    secret = team.webhook_secret
+    sign_in(page, server, "admin", "pw-admin-123")
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+    page.goto(f"{server.url}/teams/{team.slug}/settings/")
+    expect(page.locator("[data-secret-id]")).to_have_text(webhook_secret_id(secret))
+    page.screenshot(path=str(SCREENSHOTS / "settings.png"), full_page=True)
+    page.click("button[data-show-secret]")
+    expect(page.locator("#new-secret")).to_have_text(secret)
+    page.click("button[data-copy='#new-secret']")
+    assert page.evaluate("navigator.clipboard.readText()") == secret
+    expect(page.locator("[data-show-secret]")).to_have_count(0)
+    page.reload()
+    expect(page.locator("#new-secret")).to_have_count(0)  # shown once
+    expect(page.locator("[data-secret-shown]")).to_contain_text("Shown")
+    team.refresh_from_db()
+    assert team.webhook_secret == secret  # receivers keep verifying with it

@@ -105,3 +105,45 @@ def test_the_overview_time_range_picker_changes_the_chart_and_stays_live(
     page.click(".range-picker a[data-range='1h']")
     expect(chart).to_contain_text("Last hour")
     expect(page.locator("#overview-chart svg rect.started-dot")).to_have_count(12)
+
+
+def test_the_runs_list_pages_forward_and_back(page: Page, server: Server, team: Team,
+                                             users: Any):
+    """Next, Previous and First page swap the table in place (htmx), keep the address bar
+    shareable, and Previous brings back exactly the rows seen before."""
+    from django.utils import timezone
+
+    version = team.policies.get(name="default").current
+    now = timezone.now()
+    Run.objects.bulk_create([
+        Run(team=team, agent=f"pager-{i:02d}", policy_version=version, status="completed",
+            started_at=now - timedelta(minutes=i), ended_at=now - timedelta(minutes=i))
+        for i in range(60)])
+    sign_in(page, server, "viewer", "pw-viewer-123")
+    page.goto(f"{server.url}/teams/{team.slug}/runs/")
+    rows = page.locator("table.runs tbody tr")
+
+    def agents() -> list[str]:
+        return rows.locator("td:nth-child(2)").all_inner_texts()
+
+    expect(rows).to_have_count(25)
+    first = agents()
+    expect(page.locator("[data-page=previous]")).to_have_count(0)
+    page.click("[data-page=next]")
+    expect(page).to_have_url(re.compile(r"after="))
+    expect(page.locator("[data-page=previous]")).to_be_visible()
+    second = agents()
+    assert second[0] == "pager-25" and not set(first) & set(second)
+    page.click("[data-page=next]")
+    expect(rows).to_have_count(10)
+    page.click("[data-page=previous]")
+    expect(page).to_have_url(re.compile(r"before="))
+    expect(rows.first.locator("td:nth-child(2)")).to_have_text("pager-25")
+    assert agents() == second
+    page.click("[data-page=previous]")
+    expect(rows.first.locator("td:nth-child(2)")).to_have_text("pager-00")
+    assert agents() == first
+    expect(page.locator("[data-page=previous]")).to_have_count(0)
+    expect(page.locator("[data-page=first]")).to_have_count(0)
+    page.go_back()  # the pushed addresses are real pages too
+    expect(rows.first.locator("td:nth-child(2)")).to_have_text("pager-25")

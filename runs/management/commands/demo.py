@@ -160,9 +160,10 @@ class QuietAgentTraffic(logging.Filter):
 
 
 class Command(BaseCommand):
-    help = ("The embedded-default demo: a team, policies, users and an agent key (only those "
-            "missing), then the web server with simulated agents calling it, so the dashboard "
-            "is live at once. The port is --port, else $PORT, else 8000.")
+    help = ("The embedded-default demo: the database migrated, a team, policies, users and an "
+            "agent key (only those missing), then the web server with simulated agents "
+            "calling it, so the dashboard is live at once. The port is --port, else $PORT, "
+            "else 8000.")
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--port", type=int, default=None)
@@ -175,6 +176,9 @@ class Command(BaseCommand):
         problem = port_problem("127.0.0.1", port)
         if problem:
             raise CommandError(problem)
+        # Here rather than a separate `manage.py migrate`: a fresh clone's first command
+        # starts Django once. Nothing to do on a migrated database.
+        call_command("migrate", interactive=False, verbosity=0)
         setup = demo_setup()
         if setup.created:
             self.stdout.write("  created: " + ", ".join(setup.created))

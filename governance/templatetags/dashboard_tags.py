@@ -1,5 +1,9 @@
 """The dashboard's one format for each kind of value, so every page reads the same:
-times relative with the absolute UTC time on hover, money in dollars, durations in words."""
+times relative with the absolute UTC time on hover, money in dollars, durations in words.
+
+Here, in the project package, because the pages of every app use it: the policies app may not
+depend on runs (pyproject's import contracts), so the formats cannot live there. Plain values
+in, text out: nothing here reads a model."""
 
 from __future__ import annotations
 
@@ -60,10 +64,3 @@ def duration(seconds: Any) -> str:
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes:02d} min"
 
-
-@register.filter
-def elapsed(run: Any) -> float:
-    """A run's duration so far: to its end, or to now while it runs."""
-    from runs.audit.selectors import elapsed_s
-
-    return elapsed_s(run)
