@@ -1,6 +1,6 @@
 """The check's write finds its run by the primary key however many runs there are
 (docs/performance.md "Cost as the work grows"). It used to join the runs table with the
-JSON-unpacked new state by a hash over a sequential scan of the whole table once it held a
+JSON-unpacked new state (a recordset, now one record) by a hash over a sequential scan of the whole table once it held a
 few thousand runs: 2 ms of PostgreSQL per check at 10,000 running runs, growing with them.
 
 PostgreSQL only: the two-round-trip path (runs/check/check_store.py) is PostgreSQL's; SQLite
@@ -61,10 +61,11 @@ def test_the_write_reads_the_run_by_its_primary_key(many_runs: dict[str, Any], m
              "steps": 1, "tool_calls": 1, "cost_usd": "0", "memory": {}, "idle_deadline": None}
     with connection.cursor() as cursor:
         cursor.execute(f"SET plan_cache_mode = {mode}")
-        cursor.execute(f"PREPARE {name}(jsonb, jsonb, jsonb) AS {check_store.WRITE_SQL}")
+        # The decisions, the run's new state, the rate-limit hit, the keyed memory's entries.
+        cursor.execute(f"PREPARE {name}(jsonb, jsonb, jsonb, jsonb) AS {check_store.WRITE_SQL}")
         try:
-            cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}(%s, %s, %s)",
-                           ["[]", json.dumps([state]), "[]"])
+            cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}(%s, %s, %s, %s)",
+                           ["[]", json.dumps([state]), "[]", "[]"])
             plan = cursor.fetchone()[0]
         finally:
             cursor.execute(f"DEALLOCATE {name}")
