@@ -10,7 +10,7 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import render, resolve_url
 from django.utils.cache import add_never_cache_headers, patch_cache_control
 from whitenoise.middleware import WhiteNoiseMiddleware
@@ -20,6 +20,7 @@ from runs.check.api import error
 
 from .handlers import ApiChain
 from .pools import api_thread, pool
+from .text import text_problem
 from .throttle import SIGN_IN_OUTCOME, Throttle, Verdict, source_of
 
 api_key_throttle = Throttle(
@@ -157,6 +158,37 @@ class StaticFilesMiddleware(WhiteNoiseMiddleware):
         if static_file is not None:
             return self.serve(static_file, request)
         return await self.get_response(request)
+
+
+class StorableInputMiddleware(_SyncAndAsync):
+    """The pages' chain: a query-string or form value (or name) that cannot be stored (a NUL,
+    a lone surrogate: governance/text.py) is refused with 400 before any view runs. Every
+    form and filter would otherwise hand it to PostgreSQL, which refuses NUL in text, as a
+    500; no valid input of a page contains one. (The API refuses them field by field, as
+    422 naming the field, in its input models.)"""
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        return self.refused(request) or self.get_response(request)
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        return self.refused(request) or await self.get_response(request)
+
+    @staticmethod
+    def refused(request: HttpRequest) -> HttpResponse | None:
+        sources = [request.GET]
+        if request.method == "POST":
+            sources.append(request.POST)
+        for values in sources:
+            for name, items in values.lists():
+                for text in (name, *items):
+                    problem = text_problem(text)
+                    if problem is not None:
+                        return HttpResponseBadRequest(
+                            f"The field {name!r} {problem}: nothing was changed.",
+                            content_type="text/plain; charset=utf-8")
+        return None
 
 
 class JsonApiErrorsMiddleware(_SyncAndAsync):

@@ -23,6 +23,8 @@ from pydantic import (
     field_validator,
 )
 
+from governance.text import first_text_problem
+
 from .egress import RefusedTarget, check_webhook_url
 
 SLUG = r"^[a-z0-9-]{1,50}$"
@@ -200,10 +202,20 @@ def _errors(exc: ValidationError, prefix: str = "") -> dict[str, str]:
     return errors
 
 
+def _storable(data: Any) -> None:
+    """A text PostgreSQL cannot hold (a YAML "\\0" escape gives a NUL) is the document's
+    error, named by its path, not a failure of the save."""
+    found = first_text_problem(data)
+    if found is not None:
+        path, problem = found
+        raise DocumentError({path or "document": problem})
+
+
 def parse_document(data: Any) -> list[dict[str, Any]]:
     """Validate a whole document; return its teams, each policy normalized (defaults filled)."""
     if not isinstance(data, dict):
         raise DocumentError({"document": "must be a mapping with a 'teams' list"})
+    _storable(data)
     try:
         doc = Document.model_validate(data)
     except ValidationError as exc:
@@ -215,6 +227,7 @@ def parse_policy(data: Any) -> dict[str, Any]:
     """Validate one policy (the browser editor); return it normalized."""
     if not isinstance(data, dict):
         raise DocumentError({"policy": "must be a mapping"})
+    _storable(data)
     try:
         return PolicyDoc.model_validate(data).model_dump()
     except ValidationError as exc:

@@ -1,7 +1,8 @@
 """The check's write finds its run by the primary key however many runs there are
 (docs/performance.md "Cost as the work grows"). It used to join the runs table with the
-JSON-unpacked new state (a recordset, now one record) by a hash over a sequential scan of the whole table once it held a
-few thousand runs: 2 ms of PostgreSQL per check at 10,000 running runs, growing with them.
+JSON-unpacked new state (a recordset, now one record) by a hash over a sequential scan of
+the whole table once it held a few thousand runs: 2 ms of PostgreSQL per check at 10,000
+running runs, growing with them.
 
 PostgreSQL only: the two-round-trip path (runs/check/check_store.py) is PostgreSQL's; SQLite
 updates the run through the ORM by its primary key.

@@ -16,24 +16,11 @@ from uuid import UUID
 from ninja import Field, Schema
 from pydantic import AfterValidator, BaseModel, StrictFloat, StrictInt, StrictStr
 
+from governance.text import text_problem
 from governance_client import rules
 
 MAX_DEPTH = 32
 MICRO_USD = Decimal("0.000001")  # costs are counted in millionths of a dollar
-
-
-def _text_problem(text: str) -> str | None:
-    """Why a string cannot be stored as given, or None. PostgreSQL refuses NUL in text and
-    jsonb, and a lone surrogate cannot be encoded to UTF-8: both would otherwise surface
-    as a store error (503) or a crash instead of a 422 naming the field."""
-    if "\x00" in text:
-        return "must not contain NUL characters (\\u0000)"
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            return "must be valid Unicode (no lone surrogate code points)"
-    return None
 
 
 def _json_problem(value: Any, containers: int = 1) -> str | None:
@@ -44,7 +31,7 @@ def _json_problem(value: Any, containers: int = 1) -> str | None:
     items: Any
     if isinstance(value, dict):
         for key in value:
-            problem = _text_problem(str(key))
+            problem = text_problem(str(key))
             if problem is not None:
                 return problem
         items = value.values()
@@ -52,7 +39,7 @@ def _json_problem(value: Any, containers: int = 1) -> str | None:
         items = value
     for item in items:
         if isinstance(item, str):
-            problem = _text_problem(item)
+            problem = text_problem(item)
         elif isinstance(item, float):
             # 1e400 parses to inf, which no JSON column accepts.
             problem = None if math.isfinite(item) else "must contain finite numbers only"
@@ -74,7 +61,7 @@ def _storable_json(value: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _storable_text(value: str) -> str:
-    problem = _text_problem(value)
+    problem = text_problem(value)
     if problem is not None:
         raise ValueError(problem)
     return value

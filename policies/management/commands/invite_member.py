@@ -4,6 +4,7 @@ a password (alone on the last line), as the Members page's invitation does."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -19,8 +20,10 @@ class Command(BaseCommand):
         parser.add_argument("--team", required=True)
         parser.add_argument("--username", required=True)
         parser.add_argument("--role", default=Role.VIEWER, choices=[r.value for r in Role])
-        parser.add_argument("--base-url", default="http://127.0.0.1:8000",
-                            help="the dashboard's address, for the printed link")
+        parser.add_argument("--base-url",
+                            default=f"http://127.0.0.1:{os.environ.get('PORT', '8000')}",
+                            help="the dashboard's address, for the printed link (default: "
+                                 "this machine on $PORT, else 8000, as `make demo` serves)")
 
     def handle(self, *args: Any, team: str, username: str, role: str, base_url: str,
                **options: Any) -> None:
