@@ -30,7 +30,7 @@ def signed_in(user) -> Client:
 
 @pytest.mark.parametrize("path", [
     "runs/?q=%00", "runs/?agent=a%00b", "runs/?stop_reason=%00", "audit/?action=%00",
-    "audit/?actor=%00", "runs/?q=%ED%A0%80",
+    "audit/?actor=%00",
 ])
 def test_a_page_filter_that_cannot_be_stored_is_a_400(team, users, path):
     viewer = signed_in(users["viewer"])
@@ -50,7 +50,7 @@ def test_a_decision_note_with_nul_is_refused_and_the_approval_stays_pending(
     response = operator.post(url, {"decision": "deny", "note": "a\x00b"})
     assert response.status_code == 400
     assert Approval.objects.get(pk=approval_id).status == "pending"
-    assert operator.post(url, {"decision": "deny", "note": "no"}).status_code == 200
+    assert operator.post(url, {"decision": "deny", "note": "no"}).status_code == 302
     assert Approval.objects.get(pk=approval_id).note == "no"
 
 
