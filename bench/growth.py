@@ -321,12 +321,16 @@ def explain_check(team: sc.Team, *, repeats: int) -> dict[str, Any]:
         with raw.cursor() as pg:
             # Names of their own: the check's own statements are left as they are.
             name = f"growth_{uuid.uuid4().hex[:8]}"
-            pg.execute(f"PREPARE {name}_lock(uuid, text, text) AS {check_store.LOCK_SQL}")
-            pg.execute(f"PREPARE {name}_write(jsonb, jsonb, jsonb) AS {check_store.WRITE_SQL}")
+            # As the check prepares them: the lock also reads the check's keyed-memory entries
+            # (by digest), the write also takes their new counts.
+            pg.execute(f"PREPARE {name}_lock(uuid, text, text, text[]) AS "
+                       f"{check_store.LOCK_SQL}")
+            pg.execute(f"PREPARE {name}_write(jsonb, jsonb, jsonb, jsonb) AS "
+                       f"{check_store.WRITE_SQL}")
             pg.execute("SELECT jsonb_agg(to_jsonb(r)) FROM runs_run r WHERE id = %s", [run_id])
             run_json = _loaded(pg.fetchone()[0])
-            lock = _explained(pg, f"EXECUTE {name}_lock(%s, %s, %s)",
-                              [run_id, uuid.uuid4().hex, prefix], repeats)
+            lock = _explained(pg, f"EXECUTE {name}_lock(%s, %s, %s, %s)",
+                              [run_id, uuid.uuid4().hex, prefix, [uuid.uuid4().hex]], repeats)
             decision = {
                 "run_id": str(run_id), "step": 1, "outcome": "allow", "reason": "step_ok",
                 "action_name": "search.docs", "action_type": "tool",
@@ -339,8 +343,8 @@ def explain_check(team: sc.Team, *, repeats: int) -> dict[str, Any]:
             writes = []
             for _ in range(repeats):
                 decision["check_id"] = uuid.uuid4().hex
-                writes.append(_explained(pg, f"EXECUTE {name}_write(%s, %s, %s)", [
-                    json.dumps([decision]), json.dumps(run_json), "[]"], 1))
+                writes.append(_explained(pg, f"EXECUTE {name}_write(%s, %s, %s, %s)", [
+                    json.dumps([decision]), json.dumps(run_json), "[]", "[]"], 1))
             writes.sort(key=lambda w: w["execution_ms"])
             write = writes[len(writes) // 2]
             write["execution_ms_min"] = writes[0]["execution_ms"]
