@@ -196,6 +196,14 @@ def _row_values(row: DecisionRow) -> dict[str, Any]:
     return {name: getattr(row, name) for name in ROW_FIELDS}
 
 
+def _last_row(cursor: Any) -> Any:
+    """The first row of a multi-statement message's last result: the rate-limit windows,
+    read after the advisory locks' statements."""
+    while cursor.nextset():
+        pass
+    return cursor.fetchone()
+
+
 def _update_values(state: RunState) -> dict[str, Any]:
     """The run's new columns: its memory is the state's fixed part (the keyed entries are
     rows of their own, runs/check/run_memory.py), the rest attributes."""
@@ -413,9 +421,7 @@ class PostgresCheck:
                 cursor.nextset()  # past BEGIN's result, to the SELECT's
                 row = cursor.fetchone()
                 if rate is not None:
-                    while cursor.nextset():
-                        pass  # to the last statement's result: the windows
-                    windows_row = cursor.fetchone()
+                    windows_row = _last_row(cursor)
         except (OperationalError, InterfaceError, ProgrammingError) as exc:
             missing = isinstance(exc.__cause__, psycopg.errors.InvalidSqlStatementName)
             if missing or self.raw.broken or self.raw.closed:
@@ -472,9 +478,7 @@ class PostgresCheck:
                 sql, params = self._windows_statement(rules, team_id=run.team_id,
                                                       agent=run.agent, run_id=run.id)
                 self.cursor.execute(locks + sql, params)
-                while self.cursor.nextset():
-                    pass  # to the last statement's result: the windows
-                row = self.cursor.fetchone()
+                row = _last_row(self.cursor)
         finally:
             self.db_seconds += time.perf_counter() - started
         assert row is not None
