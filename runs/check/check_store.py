@@ -273,7 +273,7 @@ FROM policies_agentkey k
 JOIN policies_team t ON t.id = k.team_id
 LEFT JOIN LATERAL (
     SELECT {", ".join(RUN_COLUMNS)}
-    FROM runs_run WHERE id = $1 AND team_id = k.team_id
+    FROM runs_run WHERE id = $1 AND team_id + 0 = k.team_id
         AND (k.agent = '' OR runs_run.agent = k.agent)  -- an agent-bound key (SPEC 10)
     FOR UPDATE
 ) r ON true
@@ -281,16 +281,16 @@ LEFT JOIN LATERAL (
     SELECT ks.scope, ks.agent, ks.reason, ks.engaged_by_label
     FROM runs_killswitch ks
     WHERE ks.active AND r.status = '{RunStatus.RUNNING.value}' AND (
-        {cover.covers_sql(switch="ks", team="r.team_id", agent="r.agent", run="r.id")})
+        {cover.covers_sql(switch="ks", team="r.team_id", agent="r.agent", run="$1")})
     ORDER BY ks.engaged_at
     LIMIT 1
 ) s ON true
 LEFT JOIN LATERAL (
-    SELECT id, answer FROM runs_decision WHERE run_id = r.id AND check_id = $2
+    SELECT id, answer FROM runs_decision WHERE r.id IS NOT NULL AND run_id = $1 AND check_id = $2
 ) d ON true
 LEFT JOIN LATERAL (
     SELECT jsonb_object_agg(m.digest, m.count) AS counts
-    FROM runs_runmemory m WHERE m.run_id = r.id AND m.digest = ANY($4)
+    FROM runs_runmemory m WHERE r.id IS NOT NULL AND m.run_id = $1 AND m.digest = ANY($4)
 ) m ON true
 WHERE k.prefix = $3 AND k.revoked_at IS NULL
 """

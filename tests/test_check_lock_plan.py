@@ -1,0 +1,86 @@
+"""The check's locking read takes each table by the one index that fits, whatever the
+statistics say (docs/performance.md "Cost as one run grows").
+
+The statement is prepared once per connection, and PostgreSQL's generic plan for it is made
+from the statistics of the moment. Made on tables never analyzed (a new database; a server
+without autovacuum), two of its lookups tied with a wrong index and took it: the run by the
+team's index (every run of the team read, the id a filter) and the `check_id` replay by
+`check_id` alone (every run's decision with that check_id). The statement now names the run
+by its id (`$1`) in every lateral read and keeps the team's condition out of the indexes, so
+no such plan exists to be chosen.
+
+The test puts the tables back in the never-analyzed state (the planner's own markers:
+no `pg_statistic` rows, `reltuples = -1`) and reads the generic plan with sequential scans
+disabled, so the plan shows which index each lookup takes. PostgreSQL only, as the statement.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from policies.models import AgentKey, Policy
+from policies.services import agent_key_create, team_ensure
+from runs.check import check_store
+from runs.models import Run
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+TABLES = ("runs_run", "runs_decision", "runs_runmemory", "runs_killswitch")
+
+
+def _never_analyzed(cursor: Any) -> None:
+    for table in TABLES:
+        cursor.execute("DELETE FROM pg_statistic WHERE starelid = %s::regclass", [table])
+        cursor.execute("UPDATE pg_class SET reltuples = -1, relpages = 0 WHERE oid = %s::regclass",
+                       [table])
+
+
+def _scans(plan: dict[str, Any]) -> list[tuple[str, str | None, str | None, str]]:
+    found = []
+    if "Relation Name" in plan:
+        found.append((plan["Node Type"], plan["Relation Name"], plan.get("Index Name"),
+                      plan.get("Index Cond", "")))
+    for child in plan.get("Plans", []):
+        found += _scans(child)
+    return found
+
+
+@pytest.mark.parametrize("stats", ["never analyzed", "analyzed"])
+def test_the_lock_reads_the_run_and_its_replay_by_their_own_keys(stats: str) -> None:
+    team, _ = team_ensure(slug="plan")
+    agent_key_create(team=team, name="k")
+    key = AgentKey.objects.get(team=team)
+    version = Policy.objects.get(team=team, name="default").current_id
+    run = Run.objects.create(team=team, agent="bot", policy_version_id=version,
+                             started_at=timezone.now())
+    name = f"lock_{uuid.uuid4().hex[:8]}"
+    with connection.cursor() as cursor:
+        if stats == "analyzed":
+            for table in TABLES:
+                cursor.execute(f"ANALYZE {table}")
+        else:
+            _never_analyzed(cursor)
+        cursor.execute("SET plan_cache_mode = force_generic_plan")
+        cursor.execute("SET enable_seqscan = off")
+        cursor.execute(f"PREPARE {name}(uuid, text, text, text[]) AS {check_store.LOCK_SQL}")
+        try:
+            cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}(%s, %s, %s, %s)",
+                           [run.pk, "c-1", key.prefix, ["a", "b"]])
+            plan = cursor.fetchone()[0]
+        finally:
+            cursor.execute(f"DEALLOCATE {name}")
+            cursor.execute("RESET plan_cache_mode")
+            cursor.execute("RESET enable_seqscan")
+    scans = {relation: (node, index, cond) for node, relation, index, cond in
+             _scans((json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"])}
+    assert scans["runs_run"][:2] == ("Index Scan", "runs_run_pkey"), scans["runs_run"]
+    node, index, cond = scans["runs_decision"]
+    assert index == "check_id_per_run" and "run_id = $1" in cond, scans["runs_decision"]
+    node, index, cond = scans["runs_runmemory"]
+    assert index == "runs_runmemory_pkey" and "run_id = $1" in cond, scans["runs_runmemory"]
