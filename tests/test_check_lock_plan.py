@@ -80,7 +80,7 @@ def test_the_lock_reads_the_run_and_its_replay_by_their_own_keys(stats: str) -> 
     scans = {relation: (node, index, cond) for node, relation, index, cond in
              _scans((json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"])}
     assert scans["runs_run"][:2] == ("Index Scan", "runs_run_pkey"), scans["runs_run"]
-    node, index, cond = scans["runs_decision"]
+    _, index, cond = scans["runs_decision"]
     assert index == "check_id_per_run" and "run_id = $1" in cond, scans["runs_decision"]
-    node, index, cond = scans["runs_runmemory"]
+    _, index, cond = scans["runs_runmemory"]
     assert index == "runs_runmemory_pkey" and "run_id = $1" in cond, scans["runs_runmemory"]

@@ -78,7 +78,8 @@ def orm_lock_switch(run: Run) -> KillSwitch | None:
 
 
 def test_the_lock_statement_uses_the_rules_sql() -> None:
-    assert cover.covers_sql(switch="ks", team="r.team_id", agent="r.agent", run="r.id") in (
+    # The run by the statement's parameter, as every lateral read of the lock statement.
+    assert cover.covers_sql(switch="ks", team="r.team_id", agent="r.agent", run="$1") in (
         check_store.LOCK_SQL)
 
 

@@ -27,6 +27,7 @@ from ninja.parser import Parser
 from ninja.security import HttpBearer
 from pydantic import ValidationError as PydanticValidationError
 
+from governance import fastjson
 from governance.pools import api_thread
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
 from runs.approvals import services as approvals
@@ -286,7 +287,7 @@ def check(request: HttpRequest, run_id: str, payload: s.CheckIn) -> HttpResponse
 def _check(request: HttpRequest, run_id: uuid.UUID, payload: s.CheckIn) -> HttpResponse:
     answer = run_check(claim=request.auth, run_id=run_id, check=payload.to_check(),
                        deadline=_deadline(request, payload.deadline_ms))
-    return HttpResponse(json.dumps(answer), content_type="application/json")
+    return HttpResponse(fastjson.dumps(answer), content_type="application/json")
 
 
 def _deadline(request: HttpRequest, deadline_ms: float | None) -> float | None:

@@ -7,6 +7,7 @@ the HTTP check, the kill-switch fan-out and the model-based tests.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -933,11 +934,17 @@ def kill(state: RunState, *, now: datetime) -> RunState | None:
 
 def redact(value: Any, names: tuple[str, ...] | frozenset[str]) -> Any:
     """Replace the value of every key named in ``names`` (any case, any depth)."""
-    lowered = {n.lower() for n in names}
-    return _redact(value, lowered)
+    return _redact(value, _lowered(names if isinstance(names, tuple | frozenset)
+                                   else tuple(names)))
 
 
-def _redact(value: Any, lowered: set[str]) -> Any:
+@functools.lru_cache(maxsize=256)
+def _lowered(names: tuple[str, ...] | frozenset[str]) -> frozenset[str]:
+    # A policy's names, lowered once: the check redacts every action's args with them.
+    return frozenset(n.lower() for n in names)
+
+
+def _redact(value: Any, lowered: frozenset[str]) -> Any:
     if isinstance(value, Mapping):
         return {
             k: REDACTED if str(k).lower() in lowered else _redact(v, lowered)
