@@ -95,10 +95,7 @@ class Decision(models.Model):
     """The audit log of the check: one row for every decision, allow and stop. Append-only."""
 
     id = models.BigAutoField(primary_key=True)
-    # No index of its own: check_id_per_run (run, check_id) serves every read by run, and
-    # one index fewer is one B-tree insert fewer on every check (migration 0009).
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="decisions",
-                            db_index=False)
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="decisions")
     step = models.PositiveIntegerField()
     outcome = models.CharField(max_length=20)  # allow | stop | would_stop
     reason = models.CharField(max_length=50)
@@ -123,11 +120,11 @@ class Decision(models.Model):
     class Meta:
         ordering = ["id"]
         constraints = [
-            # Unique per run where check_id is set: NULLs are distinct in a unique index, so
-            # the kills, waits and abandonments without one never collide. Not partial, so
-            # that it is the run's index too: the check's replay lookup has no other index
-            # to tie with (docs/performance.md "Cost as one run grows").
-            models.UniqueConstraint(fields=["run", "check_id"], name="check_id_per_run")
+            models.UniqueConstraint(
+                fields=["run", "check_id"],
+                condition=models.Q(check_id__isnull=False),
+                name="check_id_per_run",
+            )
         ]
 
 

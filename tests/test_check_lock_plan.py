@@ -10,8 +10,9 @@ by its id (`$1`) in every lateral read and keeps the team's condition out of the
 no such plan exists to be chosen.
 
 The test puts the tables back in the never-analyzed state (the planner's own markers:
-no `pg_statistic` rows, `reltuples = -1`) and reads the generic plan with sequential scans
-disabled, so the plan shows which index each lookup takes. PostgreSQL only, as the statement.
+no `pg_statistic` rows, `reltuples = -1`), or analyzes them nearly empty, and reads the
+generic plan with sequential scans disabled, so the plan shows which index each lookup
+takes. PostgreSQL only, as the statement.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def test_the_lock_reads_the_run_and_its_replay_by_their_own_keys(stats: str) -> 
              _scans((json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"])}
     assert scans["runs_run"][:2] == ("Index Scan", "runs_run_pkey"), scans["runs_run"]
     _, index, cond = scans["runs_decision"]
-    assert index == "check_id_per_run" and "run_id = $1" in cond, scans["runs_decision"]
+    assert "run_id = $1" in cond, scans["runs_decision"]
+    if stats == "never analyzed":
+        # Right after an ANALYZE of a nearly empty table the planner sees one row behind
+        # either index starting with the run (docs/performance.md says what is left).
+        assert index == "check_id_per_run", scans["runs_decision"]
     _, index, cond = scans["runs_runmemory"]
     assert index == "runs_runmemory_pkey" and "run_id = $1" in cond, scans["runs_runmemory"]
