@@ -15,14 +15,22 @@ PIP ?= .venv/bin/pip
 # the pure rules with), and the client package itself, editable, because the checkout's
 # governance_client/ folder would otherwise hide the server's editable copy of it.
 # The venv's own pip is recent enough; `install` upgrades it.
-install-run: .venv/bin/python
+# Each install leaves a stamp in .venv and runs again only when a pyproject.toml is newer:
+# `make test` then starts at once, and two `make test` at the same time (CI runs the two
+# stacks side by side) never run pip in one venv together. `rm .venv/.installed*` forces it.
+install-run: .venv/.installed-run
+install: .venv/.installed
+
+.venv/.installed-run: pyproject.toml governance_client/pyproject.toml | .venv/bin/python
 	PIP_NO_COMPILE=1 $(PIP) install -q -e . -e ./governance_client
+	touch $@
 
 # What the tests need too: the test tools, and the client with every framework its
 # integrations and examples are tested against (the extra `all`).
-install: install-run
+.venv/.installed: .venv/.installed-run
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e './governance_client[all]' -e '.[test]'
+	touch $@
 
 # `demo` migrates the database itself (one start of Django instead of two).
 demo: install-run
