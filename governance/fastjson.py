@@ -1,12 +1,13 @@
 """JSON text for the check's hot path: the answer sent to the agent and the documents its
 write statement unpacks (runs/check/check_store.py).
 
-orjson makes the same JSON as the standard library for these values (compact separators,
-RFC 3339 datetimes with their offset, as `isoformat()`, canonical UUIDs) in about a fifth of
-the time: JSON encoding was 5.7% of a check's Python under load before (docs/performance.md
-"Where a check's CPU goes"). What orjson refuses and the standard library takes, an agent's
-integer beyond 64 bits in its args or a lone surrogate in a string, falls back to the
-standard library, so the answer never depends on which encoder made it.
+orjson makes JSON of the same values as the standard library (compact separators, RFC 3339
+datetimes with their offset as `isoformat()` writes them, canonical UUIDs; non-ASCII text as
+UTF-8 rather than escapes) in a fraction of the time: JSON encoding was 5.7% of a
+check's Python under load before, 0.9% after (docs/performance.md "This stop's changes,
+measured"). What orjson refuses and the standard library takes, an agent's integer beyond 64
+bits in its args or a lone surrogate in a string, falls back to the standard library, so no
+value a client may send turns into an error here.
 """
 
 from __future__ import annotations

@@ -161,10 +161,9 @@ class RedisPublisher:
     A check only marks its team as changed (a set insert under a lock); the thread publishes
     one message per changed team within COALESCE_S of the first mark. Under load, the checks
     of a team that arrive in that time or while a publish is on the wire become one message:
-    the message only ever said
-    "look again", so nothing is lost, and the check saves a Redis round trip (about a tenth of
-    its CPU on the benchmark's machine). A slow or unreachable Redis delays wake-ups and never
-    a check.
+    the message only ever said "look again", so nothing is lost, and the check saves a Redis
+    round trip (about a tenth of its CPU on the benchmark's machine). A slow or unreachable
+    Redis delays wake-ups and never a check.
     """
 
     COALESCE_S = 0.01
@@ -208,8 +207,9 @@ class RedisPublisher:
                 self._cond.wait_for(lambda: bool(self._pending))
                 self._busy = True
             # The marks of the next few milliseconds join this message: under load one
-            # publish per check was 5% of a check's Python (redis-py's pipeline), one per
-            # COALESCE_S is a few per second; a screen hears of a change that much later.
+            # publish per check was 5% of a check's Python (redis-py's pipeline); one per
+            # COALESCE_S is at most a hundred a second, and a screen hears of a change at
+            # most that much later.
             time.sleep(self.COALESCE_S)
             with self._cond:
                 teams, self._pending = self._pending, {}
