@@ -24,6 +24,7 @@ here like any other.
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import logging
 import os
@@ -40,7 +41,7 @@ from django.conf import settings  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler, ASGIRequest  # noqa: E402
 from django.core.handlers.base import BaseHandler  # noqa: E402
 from django.http import HttpResponse, HttpResponseBase  # noqa: E402
-from django.urls import URLPattern, URLResolver, get_resolver  # noqa: E402
+from django.urls import ResolverMatch, URLPattern, URLResolver, get_resolver  # noqa: E402
 from django.urls.exceptions import Resolver404  # noqa: E402
 
 from . import pools  # noqa: E402
@@ -113,6 +114,19 @@ def _has_async_views(patterns: list[Any]) -> bool:
         elif isinstance(entry, URLPattern) and _is_async(entry.callback):
             return True
     return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolved(resolver: URLResolver, path: str) -> ResolverMatch | None:
+    """The URL match of ``path``, None for no match. Cached: an agent checks the same run's
+    URL at every step, and the resolution, on the event loop every request shares, was 3% of
+    a check's Python under load (docs/performance.md "This stop's changes, measured"). Keyed
+    by the resolver too, which Django makes anew when the URLconf changes (tests that
+    override it). A match is only read: Django passes copies of its arguments to the view."""
+    try:
+        return resolver.resolve(path)
+    except Resolver404:
+        return None
 
 
 def _is_async(view: Any) -> bool:
@@ -199,9 +213,8 @@ class Application(ResolvedOnce, ASGIHandler):
     def resolves_to_async_view(self, request: ASGIRequest) -> bool:
         """Whether the request's view is async; the match is kept on the request, and the
         handler that calls the view takes it (`ResolvedOnce`) instead of resolving again."""
-        try:
-            match = get_resolver().resolve(request.path_info)
-        except Resolver404:
+        match = _resolved(get_resolver(), request.path_info)
+        if match is None:
             return False
         request.resolver_match = match
         return _is_async(match.func)

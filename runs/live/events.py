@@ -166,7 +166,7 @@ class RedisPublisher:
     Redis delays wake-ups and never a check.
     """
 
-    COALESCE_S = 0.01
+    COALESCE_S = 0.05
 
     def __init__(self) -> None:
         self._reset()
@@ -207,9 +207,9 @@ class RedisPublisher:
                 self._cond.wait_for(lambda: bool(self._pending))
                 self._busy = True
             # The marks of the next few milliseconds join this message: under load one
-            # publish per check was 5% of a check's Python (redis-py's pipeline); one per
-            # COALESCE_S is at most a hundred a second, and a screen hears of a change at
-            # most that much later.
+            # publish per check was 5% of a check's Python (redis-py's pipeline), 2.5% with a
+            # 10 ms window; one per COALESCE_S is at most twenty a second, and a screen hears
+            # of a change at most that much later (its stream looks again within a second).
             time.sleep(self.COALESCE_S)
             with self._cond:
                 teams, self._pending = self._pending, {}
