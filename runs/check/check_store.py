@@ -341,7 +341,16 @@ PREPARE_SQL = (
     f"PREPARE governance_check_lock(uuid, text, text, text[]) AS {LOCK_SQL};"
     f"PREPARE governance_check_write(jsonb, jsonb, jsonb, jsonb) AS {WRITE_SQL};"
 )
-EXECUTE_LOCK = "BEGIN; EXECUTE governance_check_lock(%s, %s, %s, %s)"
+# Sequential scans off for the check's transaction (SET LOCAL ends with it): every table the
+# check reads it reads by a key, and a plan made when a table was a page or two (a new
+# database, a truncated table, statistics from then) would otherwise keep scanning it
+# whole as it grows, until an ANALYZE replans: measured in one benchmark run, 17,257
+# sequential scans of runs_runmemory reading 43.7 M rows, PostgreSQL's CPU per check 1.18 ms
+# instead of 0.7 to 0.9 (docs/performance.md "A plan that grew too"). The setting is read
+# whenever PostgreSQL plans the statements (the first executions, and every replan), so
+# their plans take the keys' indexes at any size and with any statistics.
+EXECUTE_LOCK = ("BEGIN; SET LOCAL enable_seqscan = off; "
+                "EXECUTE governance_check_lock(%s, %s, %s, %s)")
 EXECUTE_WRITE = "EXECUTE governance_check_write(%s, %s, %s, %s); COMMIT"
 
 # The connections (Django's, one per thread) on which the statements are prepared.
@@ -417,7 +426,8 @@ class PostgresCheck:
                     params += more
                 self.open = True
                 cursor.execute(sql, params)
-                cursor.nextset()  # past BEGIN's result, to the SELECT's
+                cursor.nextset()  # past BEGIN's and SET's results, to the SELECT's
+                cursor.nextset()
                 row = cursor.fetchone()
                 if rate is not None:
                     windows_row = _last_row(cursor)
