@@ -20,24 +20,6 @@ from . import scenarios as sc
 from . import stack
 
 
-class OtherServer(stack.Server):
-    """`manage.py serve` of another checkout, with that checkout's virtualenv."""
-
-    root: Path = Path()
-
-    def command(self) -> list[str]:
-        command = super().command()
-        command[0] = str(self.root / ".venv" / "bin" / "python")
-        return command
-
-    def start(self) -> stack.Server:
-        saved, stack.ROOT = stack.ROOT, self.root  # Server.start runs it from ROOT
-        try:
-            return super().start()
-        finally:
-            stack.ROOT = saved
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__)
     parser.add_argument("--other", required=True, type=Path,
@@ -58,8 +40,8 @@ def main(argv: list[str]) -> int:
     stack.create_minimal_tables()
     team = sc.seed_team("bench-long", policy=sc.LONG_POLICY)
     shape = {"workers": args.workers, "threads": args.threads}
-    other = OtherServer(**shape)
-    other.root = other_root
+    other = stack.Server(root=other_root, python=str(other_root / ".venv" / "bin" / "python"),
+                         **shape)
     slices: dict[str, list[sc.Slice]] = {"other": [], "this": [], "min-durable": []}
     with other, stack.Server(**shape) as this, stack.MinimalServer(**shape) as minimal:
         plan: list[tuple[str, stack.Server, str]] = [

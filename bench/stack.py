@@ -159,6 +159,10 @@ class Server:
     log_path: Path | None = None
     metrics_token: str = "bench-metrics-token"
     ready_path: str = "/readyz"  # what says the server is up (a faulted one: /healthz)
+    # The checkout served and its interpreter: this one, unless another tree is compared
+    # with it (bench/ab.py).
+    root: Path = ROOT
+    python: str = sys.executable
 
     @property
     def url(self) -> str:
@@ -173,7 +177,7 @@ class Server:
             env["METRICS_TOKEN"] = self.metrics_token
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            self.command(), cwd=ROOT, env=env, start_new_session=True, stdout=log,
+            self.command(), cwd=self.root, env=env, start_new_session=True, stdout=log,
             stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
@@ -192,7 +196,7 @@ class Server:
         raise RuntimeError(f"server did not become ready in 60 s: {self.log_tail()}")
 
     def command(self) -> list[str]:
-        return [sys.executable, "manage.py", "serve", "--port", str(self.port),
+        return [self.python, "manage.py", "serve", "--port", str(self.port),
                 "--workers", str(self.workers), "--threads", str(self.threads)]
 
     def worker_pids(self) -> list[int]:

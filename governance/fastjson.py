@@ -35,5 +35,5 @@ def dumps(document: Any) -> str:
     """Compact JSON text of ``document``."""
     try:
         return orjson.dumps(document, default=_scalar).decode()
-    except (orjson.JSONEncodeError, UnicodeEncodeError):
+    except orjson.JSONEncodeError:  # a TypeError, as the fallback's own refusal
         return json.dumps(document, separators=(",", ":"), default=_scalar)
