@@ -26,7 +26,9 @@ from policies.services import agent_key_create
 from tests.conftest import Server, server_env, start_server
 from tests.faults import hung_listener, refused_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+# One suite's attacks at a time on this machine (tests/conftest.py `attack_turn`).
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True),
+              pytest.mark.usefixtures("attack_turn")]
 
 DEADLINE_S = 2.0
 ATTACK_S = 6.0

@@ -20,14 +20,17 @@ import pytest
 from bench import attacks
 from tests.conftest import Server, server_env, start_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+# One suite's attacks at a time on this machine (tests/conftest.py `attack_turn`).
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True),
+              pytest.mark.usefixtures("attack_turn")]
 
 DEADLINE_S = 2.0
 BODY_SECONDS = 3
 
 
 @pytest.fixture(scope="module")
-def attacked(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Server]:
+def attacked(attack_turn: None, django_db_setup: Any, django_db_blocker: Any
+             ) -> Iterator[Server]:
     srv = start_server(workers=2, env=server_env(REQUEST_BODY_SECONDS=str(BODY_SECONDS),
                                                  DASHBOARD_STREAM_SECONDS="4"))
     yield srv
@@ -51,7 +54,11 @@ def sign_in(server: Server, username: str, password: str) -> str:
 
 def timed(http: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response:
     started = time.monotonic()
-    response = http.request(method, path, **kwargs)
+    try:
+        response = http.request(method, path, **kwargs)
+    except httpx.TimeoutException as exc:  # the client's own timeout is the deadline
+        raise AssertionError(f"{method} {path}: no answer within {DEADLINE_S} s "
+                             f"({type(exc).__name__})") from exc
     took = time.monotonic() - started
     assert took < DEADLINE_S, f"{method} {path} took {took:.2f} s"
     return response

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import httpx
 import pytest
+from django.core.management.base import CommandError
 
-from tests.conftest import start_server
+from runs.management.commands.serve import listen_address
+from tests.conftest import ROOT, free_port, server_env, start_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -90,21 +97,93 @@ def test_the_production_command_serves_the_check(team, agent_token):
                                  json={"action": {"name": "x"}}).json() for _ in range(4)]
             assert [a["decision"] for a in answers] == ["allow"] * 3 + ["stop"]
             assert http.get("/readyz").json()["checks"]["database"] == "ok"
+            # HEAD through granian: the GET's status and length, no body.
+            got, head = (getattr(http, m)(f"/api/v1/runs/{run['run_id']}") for m in ("get", "head"))
+            assert head.status_code == 200 and head.content == b""
+            assert head.headers["content-length"] == str(len(got.content))
             bad = http.post(f"/api/v1/runs/{run['run_id']}/check", content=b"{nope")
             assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
     finally:
         srv.stop()
 
 
+def test_a_second_server_on_a_port_in_use_refuses_to_start():
+    """granian listens with SO_REUSEPORT: without the check, a second `serve` on the same
+    port started and the kernel sent it part of the first one's connections."""
+    first = start_server(workers=1)
+    try:
+        port = first.url.rsplit(":", 1)[1]
+        second = subprocess.Popen(
+            [sys.executable, "manage.py", "serve", "--port", port, "--workers", "1"],
+            cwd=ROOT, env=server_env(), start_new_session=True, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            _, printed = second.communicate(timeout=60)
+        finally:
+            if second.poll() is None:  # it started: stop it and its workers
+                os.killpg(second.pid, signal.SIGKILL)
+                second.wait()
+        assert second.returncode == 1, printed
+        assert f"port {port} on 127.0.0.1 is in use" in printed
+        # Every connection still reaches the first server.
+        for _ in range(20):
+            with httpx.Client(base_url=first.url, timeout=10) as http:
+                assert http.get("/healthz").status_code == 200
+        assert first.process.poll() is None
+    finally:
+        first.stop()
+
+
+@pytest.mark.parametrize("port", [0, -1, 70000])
+def test_serve_refuses_a_port_out_of_range(port):
+    with pytest.raises(CommandError, match=f"--port must be from 1 to 65535, not {port}"):
+        listen_address("127.0.0.1", port)
+
+
+def test_serve_listens_on_the_address_of_a_host_name_and_refuses_an_unknown_one():
+    # granian takes only numeric addresses: a name crashed it with a traceback.
+    assert listen_address("localhost", free_port()) in {"127.0.0.1", "::1"}
+    with pytest.raises(CommandError, match=r"'nowhere\.invalid' is not an address"):
+        listen_address("nowhere.invalid", free_port())
+
+
 def test_settings_refuse_a_bad_database_url():
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
     result = subprocess.run(
         [sys.executable, "manage.py", "check"], cwd=ROOT, capture_output=True, text=True,
         env={"PATH": "/usr/bin:/bin", "DATABASE_URL": "mysql://x@y/z"},
     )
     assert result.returncode != 0
     assert "DATABASE_URL" in result.stderr
+
+
+def _asgi_request(path: str, headers: list[tuple[bytes, bytes]] = ()) -> object:
+    import io
+
+    from django.core.handlers.asgi import ASGIRequest
+
+    scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "scheme": "http",
+             "headers": [(b"host", b"127.0.0.1"), *headers],
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000)}
+    return ASGIRequest(scope, io.BytesIO(b""))
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("path", ["/healthz", "/api/v1/runs"])
+def test_an_api_request_closes_a_connection_past_its_age(path, agent_token):
+    """The API's requests skip Django's request signals (governance/asgi.py `respond_sync`)
+    but not their housekeeping: a pool thread's connection past CONN_MAX_AGE is closed, as
+    `close_old_connections` does around every request under WSGI."""
+    import time
+
+    from django.db import connection
+
+    from governance.asgi import application
+
+    connection.ensure_connection()
+    old = connection.connection
+    connection.close_at = time.monotonic() - 1  # past its age
+    request = _asgi_request(path, [(b"authorization", f"Bearer {agent_token}".encode())])
+    response = application.respond_sync(request)
+    assert response.status_code == 200
+    assert connection.connection is not old and old.closed

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from typing import Any
@@ -43,6 +45,7 @@ class Command(BaseCommand):
                                                             "granian")
         if not os.path.exists(granian):
             raise CommandError("granian is not installed (pip install -e .)")
+        host = listen_address(host, port)
         # The dashboard's CSS/JS (and htmx from django-htmx) are served by granian itself from
         # STATIC_ROOT, so they cost no Python thread; collecting first keeps them current.
         call_command("collectstatic", interactive=False, verbosity=0)
@@ -60,6 +63,34 @@ class Command(BaseCommand):
         self.stdout.write(" ".join(argv[1:]))
         sys.stdout.flush()
         os.execv(granian, argv)
+
+
+def listen_address(host: str, port: int) -> str:
+    """The numeric address to listen on (granian takes no host name), once the port is known
+    to be free there. granian listens with SO_REUSEPORT, so a second server started on a port
+    another one listens on started without a word and the kernel split the connections
+    between the two (an old deployment left running would answer part of the checks). A plain
+    bind first, which any listener on the port refuses, makes that an error instead."""
+    if not 1 <= port <= 65535:
+        raise CommandError(f"--port must be from 1 to 65535, not {port}")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CommandError(f"--host {host!r} is not an address of this machine: "
+                           f"{exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # Connections of a previous server still in TIME_WAIT do not count as in use.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CommandError(f"port {port} on {host} is in use (another server listens "
+                                   "there): stop it or choose --port / PORT") from None
+            raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return str(address[0])
 
 
 def granian_argv(granian: str, app: str, *, host: str, port: int, workers: int,
