@@ -120,7 +120,7 @@ def _has_async_views(patterns: list[Any]) -> bool:
 def _resolved(resolver: URLResolver, path: str) -> ResolverMatch | None:
     """The URL match of ``path``, None for no match. Cached: an agent checks the same run's
     URL at every step, and the resolution, on the event loop every request shares, was 3% of
-    a check's Python under load (docs/performance.md "This stop's changes, measured"). Keyed
+    a check's Python under load (docs/performance.md "Python cuts of issue 17, measured"). Keyed
     by the resolver too, which Django makes anew when the URLconf changes (tests that
     override it). A match is only read: Django passes copies of its arguments to the view."""
     try:
@@ -199,9 +199,21 @@ class Application(ResolvedOnce, ASGIHandler):
 
     def respond_sync(self, request: ASGIRequest) -> HttpResponseBase:
         """The request on this pool thread, from request_started to request_finished (for a
-        stream: to its response, whose close sends request_finished once it has ended)."""
+        stream: to its response, whose close sends request_finished once it has ended).
+
+        An API request (the API's pool) does what those signals' receivers do, without the
+        signals: Django's receivers are the connections' housekeeping
+        (`close_old_connections`, before and after), the query log of DEBUG and the caches'
+        close (a no-op for Redis and local memory), and the dispatch, with every receiver
+        looking up the thread's connections and caches through asgiref's context-local
+        storage, cost 40 to 90 us of a worker's 900 per check (docs/performance.md
+        "Connection housekeeping"). A non-streaming response holds nothing to close (Django
+        keeps only a stream's iterator or file to close); a stream's close, once it has been
+        sent, sends request_finished as for a page."""
         from django.core import signals
 
+        if pool_name(request.path) == "api":
+            return pools.run_request(self.sync_handler.get_response, request)
         signals.request_started.send(sender=self.__class__, environ=request.META)
         response = self.sync_handler.get_response(request)
         if not response.streaming:

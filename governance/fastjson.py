@@ -4,7 +4,7 @@ write statement unpacks (runs/check/check_store.py).
 orjson makes JSON of the same values as the standard library (compact separators, RFC 3339
 datetimes with their offset as `isoformat()` writes them, canonical UUIDs; non-ASCII text as
 UTF-8 rather than escapes) in a fraction of the time: JSON encoding was 5.7% of a
-check's Python under load before, 0.9% after (docs/performance.md "This stop's changes,
+check's Python under load before, 0.9% after (docs/performance.md "Python cuts of issue 17,
 measured"). What orjson refuses and the standard library takes, an agent's integer beyond 64
 bits in its args or a lone surrogate in a string, falls back to the standard library, so no
 value a client may send turns into an error here.

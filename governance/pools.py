@@ -22,7 +22,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, reset_queries
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -56,7 +56,10 @@ def pool(name: str) -> ThreadPoolExecutor:
 
 def run_request(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     """Run one request's synchronous part on this (pool) thread, with the connection
-    housekeeping Django's request_started / request_finished signals do under WSGI."""
+    housekeeping Django's request_started / request_finished signals do under WSGI (their
+    receivers, called directly: governance/asgi.py `respond_sync`)."""
+    if settings.DEBUG:
+        reset_queries()  # DEBUG's query log is per request
     close_old_connections()
     try:
         return fn(*args, **kwargs)

@@ -4,6 +4,7 @@ import uuid
 
 from django.conf import settings
 from django.db import models
+from django.db.models.functions import Cast, Concat
 
 from governance_client import rules
 from policies.models import PolicyVersion, Team
@@ -120,8 +121,15 @@ class Decision(models.Model):
     class Meta:
         ordering = ["id"]
         constraints = [
+            # One answer per check_id in a run (SPEC 4.5), on one expression rather than the
+            # two columns: the check's lock statement finds an earlier answer by this
+            # expression (runs/check/check_store.py LOCK_SQL), which no other index can
+            # serve. On (run, check_id), the plan made while the table was nearly empty read
+            # the run's every decision through the run's index instead, a check's cost
+            # growing with its run (docs/performance.md "Two more ties").
+            # A run id's text has a fixed length, so the expression is one-to-one.
             models.UniqueConstraint(
-                fields=["run", "check_id"],
+                Concat(Cast("run", models.TextField()), "check_id"),
                 condition=models.Q(check_id__isnull=False),
                 name="check_id_per_run",
             )

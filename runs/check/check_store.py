@@ -52,14 +52,17 @@ from typing import Any, Protocol
 
 import psycopg
 from django.db import (
+    DEFAULT_DB_ALIAS,
     DatabaseError,
     IntegrityError,
     InterfaceError,
     OperationalError,
     ProgrammingError,
     connection,
+    connections,
     transaction,
 )
+from django.db.backends.base.base import BaseDatabaseWrapper
 from governance_client.rules import RateLimit, RateWindow, RunState
 
 from governance.fastjson import dumps
@@ -249,8 +252,9 @@ def check_transaction(*, portable: bool = False) -> Iterator[CheckTransaction]:
     """One check's transaction: committed by `write`, rolled back on any other way out.
     ``portable``: the ORM path on every database, for checks that touch approvals (SPEC 11),
     which read and write more than the two prepared statements do."""
-    if connection.vendor == "postgresql" and not connection.in_atomic_block and not portable:
-        tx = PostgresCheck()
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.vendor == "postgresql" and not db.in_atomic_block and not portable:
+        tx = PostgresCheck(db)
         try:
             yield tx
         finally:
@@ -261,6 +265,22 @@ def check_transaction(*, portable: bool = False) -> Iterator[CheckTransaction]:
 
 
 # --- PostgreSQL: two round trips ------------------------------------------------------------
+
+# The expression of the unique index `check_id_per_run` (runs/models.py Decision, as Django
+# writes it for PostgreSQL): the earlier answer of a check_id is found by it alone, so the
+# run's index of its decisions cannot be chosen instead (tests/test_check_lock_plan.py).
+REPLAY_KEY = "(COALESCE((run_id)::text, '') || COALESCE(check_id, ''))"
+
+# A check names at most four entries of its keyed memory (`rules.keyed_reads`: its repeat
+# key, progress token, result signature and error text), each read by its own equality on
+# both columns of the primary key, which no plan can turn into a read of the run's whole
+# memory. Written as `digest = ANY($4)`, a plan made while the table was nearly empty read
+# every entry of the run and filtered the digests (116 buffers a check after 400 steps;
+# docs/performance.md "Two more ties").
+KEYED_MAX = 4
+KEYED_READS = "\n        UNION ALL ".join(
+    f"SELECT digest, count FROM runs_runmemory WHERE r.id IS NOT NULL AND run_id = $1 "
+    f"AND digest = $4[{i}]" for i in range(1, KEYED_MAX + 1))
 
 # The switch subquery is the cover rule's SQL form (runs/killswitch/cover.py). It reads with
 # the statement's snapshot, taken when the statement started, so a switch whose engage
@@ -287,11 +307,13 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) s ON true
 LEFT JOIN LATERAL (
-    SELECT id, answer FROM runs_decision WHERE r.id IS NOT NULL AND run_id = $1 AND check_id = $2
+    SELECT id, answer FROM runs_decision
+    WHERE r.id IS NOT NULL AND check_id IS NOT NULL AND {REPLAY_KEY} = ($1::text || $2)
 ) d ON true
 LEFT JOIN LATERAL (
-    SELECT jsonb_object_agg(m.digest, m.count) AS counts
-    FROM runs_runmemory m WHERE r.id IS NOT NULL AND m.run_id = $1 AND m.digest = ANY($4)
+    SELECT jsonb_object_agg(m.digest, m.count) AS counts FROM (
+        {KEYED_READS}
+    ) m
 ) m ON true
 WHERE k.prefix = $3 AND k.revoked_at IS NULL
 """
@@ -371,16 +393,19 @@ def _loaded(value: Any) -> Any:
 
 
 class PostgresCheck:
-    def __init__(self) -> None:
-        connection.ensure_connection()
-        self.raw: psycopg.Connection[Any] = connection.connection
+    def __init__(self, db: BaseDatabaseWrapper) -> None:
+        db.ensure_connection()
+        self.raw: psycopg.Connection[Any] = db.connection
+        # The wrapper's error translation, looked up once: every `connection.` goes through
+        # asgiref's context-local storage (several microseconds each, seven per check).
+        self.errors = db.wrap_database_errors
         # Client-side binding (what Django's own cursors do): the parameters become literals
         # of the EXECUTE, which is what lets BEGIN and COMMIT share its message. One cursor
         # per connection, kept on Django's (per-thread) wrapper: every check used to make one.
-        cursor = getattr(connection, "_governance_check_cursor", None)
+        cursor = getattr(db, "_governance_check_cursor", None)
         if cursor is None or cursor.connection is not self.raw:
             cursor = psycopg.ClientCursor(self.raw)
-            connection._governance_check_cursor = cursor  # type: ignore[attr-defined]
+            db._governance_check_cursor = cursor  # type: ignore[attr-defined]
         self.cursor: psycopg.ClientCursor[Any] = cursor
         self.open = False
         self.db_seconds = 0.0
@@ -405,6 +430,8 @@ class PostgresCheck:
     def lock(self, *, prefix: str, run_id: uuid.UUID, check_id: str | None,
              rate: RateRead | None = None, keyed: Sequence[str] | None = None
              ) -> Locked | None:
+        if keyed and len(keyed) > KEYED_MAX:  # the statement reads KEYED_MAX entries at most
+            raise ValueError(f"{len(keyed)} keyed entries named, at most {KEYED_MAX} are read")
         cursor = self.cursor
         started = time.perf_counter()
         sql = EXECUTE_LOCK
@@ -417,7 +444,7 @@ class PostgresCheck:
             sql += "".join(f"; SELECT pg_advisory_xact_lock({int(k)})" for k in keys)
         windows_row = None
         try:
-            with connection.wrap_database_errors:
+            with self.errors:
                 self._prepare()
                 if rate is not None:
                     windows, more = self._windows_statement(
@@ -468,7 +495,7 @@ class PostgresCheck:
             return {}
         started = time.perf_counter()
         try:
-            with connection.wrap_database_errors:
+            with self.errors:
                 self.cursor.execute(READ_KEYED_SQL, [run_id, list(keyed)])
                 return dict(self.cursor.fetchall())
         finally:
@@ -483,7 +510,7 @@ class PostgresCheck:
         locks = "".join(f"SELECT pg_advisory_xact_lock({int(key)});" for key in keys)
         started = time.perf_counter()
         try:
-            with connection.wrap_database_errors:
+            with self.errors:
                 sql, params = self._windows_statement(rules, team_id=run.team_id,
                                                       agent=run.agent, run_id=run.id)
                 self.cursor.execute(locks + sql, params)
@@ -504,7 +531,7 @@ class PostgresCheck:
         cursor = self.cursor
         started = time.perf_counter()
         try:
-            with connection.wrap_database_errors:
+            with self.errors:
                 cursor.execute(sql, params)
                 written = cursor.fetchall()
         except IntegrityError as exc:
@@ -530,7 +557,7 @@ class PostgresCheck:
         started = time.perf_counter()
         # A connection that broke is closed by Django at the end of the request
         # (wrap_database_errors marks it); nothing more to do for it here.
-        with suppress(DatabaseError), connection.wrap_database_errors:
+        with suppress(DatabaseError), self.errors:
             self.cursor.execute("ROLLBACK")
         self.db_seconds += time.perf_counter() - started
 
