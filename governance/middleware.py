@@ -4,6 +4,7 @@ throttling, security headers."""
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -99,8 +100,27 @@ class ApiRouteMiddleware(_SyncAndAsync):
 
     def __call__(self, request: HttpRequest) -> Any:
         if request.path.startswith(API_PREFIX):
+            if request.method == "HEAD":
+                # HEAD is GET without the body (RFC 9110 9.3.2): the API's operations name
+                # GET only, so the request is served as one and its body left out; where
+                # GET is not allowed, neither is HEAD (the 405 says what is).
+                request.method = "GET"
+                if self.async_mode:
+                    return self._head_async(request)
+                return _headless(self.api(request))
             return self.api(request)
         return self.get_response(request)
+
+    async def _head_async(self, request: HttpRequest) -> HttpResponse:
+        return _headless(await self.api(request))
+
+
+def _headless(response: HttpResponse) -> HttpResponse:
+    """The answer to a HEAD: the GET's status and headers (its Content-Length included, set by
+    CommonMiddleware in the API's chain), no body."""
+    if not response.streaming:
+        response.content = b""
+    return response
 
 
 class ApiJsonMiddleware(_SyncAndAsync):
@@ -128,6 +148,9 @@ class ApiJsonMiddleware(_SyncAndAsync):
         for header in ("Allow", "Retry-After"):
             if response.has_header(header):
                 replacement[header] = response[header]
+        allowed = replacement.get("Allow", "").split(", ")
+        if "GET" in allowed and "HEAD" not in allowed:  # served as GET (ApiRouteMiddleware)
+            replacement["Allow"] = ", ".join([*allowed, "HEAD"])
         return replacement
 
 
@@ -140,7 +163,12 @@ class StaticFilesMiddleware(WhiteNoiseMiddleware):
     async_capable = True
 
     def __init__(self, get_response: Callable[[HttpRequest], Any]):
-        super().__init__(get_response)
+        with warnings.catch_warnings():
+            # Before the first `collectstatic` there is no STATIC_ROOT; the finders
+            # (WHITENOISE_USE_FINDERS) serve the apps' files meanwhile, so WhiteNoise's
+            # "No directory at" is noise (every test server and a first `runserver` said it).
+            warnings.filterwarnings("ignore", message="No directory at", category=UserWarning)
+            super().__init__(get_response)
         self.async_mode = iscoroutinefunction(get_response)
         if self.async_mode:
             markcoroutinefunction(self)

@@ -5,6 +5,8 @@ from django.db import connection
 from django.http import HttpRequest, HttpResponsePermanentRedirect, JsonResponse
 from django.templatetags.static import static
 from django.views.decorators.cache import never_cache
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_safe
 
 from runs.live.events import redis_client
 
@@ -14,13 +16,18 @@ def favicon(request: HttpRequest) -> HttpResponsePermanentRedirect:
     return HttpResponsePermanentRedirect(static("favicon.svg"))
 
 
+# No CSRF check: a probe's POST is refused as a method (405 with Allow), not as a forgery.
+@csrf_exempt
 @never_cache
+@require_safe
 def healthz(request: HttpRequest) -> JsonResponse:
     """The process is alive; says nothing of its stores."""
     return JsonResponse({"status": "ok"})
 
 
+@csrf_exempt
 @never_cache
+@require_safe
 def readyz(request: HttpRequest) -> JsonResponse:
     """SPEC 9: ready whenever the database answers, since checks need nothing else (SPEC 10:
     Redis is never the authority). Redis's state is in the body: "degraded" means live screens

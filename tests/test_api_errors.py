@@ -83,6 +83,36 @@ def test_it_answers_422_naming_the_bad_field(api, run_id, body, field):
     assert_nothing_counted(run_id)
 
 
+@pytest.mark.parametrize("cost", ["0.1", True, [1], {"usd": 1}])
+def test_a_cost_that_is_not_a_number_is_refused_as_such(api, run_id, cost):
+    body = {"action": {"name": "x"}, "cost_usd": cost}
+    error = assert_error(post(api, f"/api/v1/runs/{run_id}/check", body), 422, "invalid_request")
+    assert error["fields"] == {"cost_usd": "Input should be a number (US dollars)"}, error
+    assert_nothing_counted(run_id)
+
+
+@pytest.mark.parametrize("progress", [{}, [1], True, {"step": 2}])
+def test_a_progress_of_the_wrong_kind_is_refused_saying_what_it_may_be(api, run_id, progress):
+    body = {"action": {"name": "x"}, "progress": progress}
+    error = assert_error(post(api, f"/api/v1/runs/{run_id}/check", body), 422, "invalid_request")
+    assert error["fields"] == {
+        "progress": "Input should be a string of at most 256 characters or a finite number"}
+    assert_nothing_counted(run_id)
+
+
+@pytest.mark.parametrize(("body", "field", "limit"), [
+    ({"action": {"name": "x" * 201}}, "action.name", 200),
+    ({"action": {"name": "x"}, "progress": "p" * 257}, "progress", 256),
+    ({"action": {"name": "x"}, "check_id": "c" * 101}, "check_id", 100),
+    ({"action": {"name": "x"}, "last_result": {"status": "ok", "digest": "d" * 129}},
+     "last_result.digest", 128),
+])
+def test_a_text_too_long_is_refused_in_characters(api, run_id, body, field, limit):
+    error = assert_error(post(api, f"/api/v1/runs/{run_id}/check", body), 422, "invalid_request")
+    assert error["fields"] == {field: f"String should have at most {limit} characters"}
+    assert_nothing_counted(run_id)
+
+
 def test_unknown_fields_are_ignored(api, run_id):
     response = post(api, f"/api/v1/runs/{run_id}/check",
                     {"action": {"name": "x", "color": "red"}, "mood": "happy"})
@@ -252,3 +282,35 @@ def test_nul_in_an_unknown_field_is_ignored_like_the_field(api, run_id):
     finished = post(api, f"/api/v1/runs/{run_id}/finish",
                     '{"status": "completed", "why": "\\u0000"}', raw=True)
     assert finished.status_code == 200, finished.content
+
+
+@pytest.mark.parametrize("path", ["/api/v1/runs", "/api/v1/runs/{run}",
+                                  "/api/v1/runs/{run}/decisions", "/api/v1/openapi.json",
+                                  "/healthz", "/readyz"])
+def test_head_answers_as_get_without_the_body(api, run_id, path):
+    path = path.format(run=run_id)
+    got, head = api.get(path), api.head(path)
+    assert got.status_code == head.status_code == 200
+    assert head.content == b""
+    assert head["Content-Type"] == got["Content-Type"]
+
+
+@pytest.mark.parametrize("path", ["/api/v1/openapi.json", "/api/v1/runs/{run}"])
+def test_a_method_a_read_does_not_take_is_a_json_405_naming_get_and_head(api, run_id, path):
+    response = api.put(path.format(run=run_id), "{}", content_type="application/json")
+    assert_error(response, 405, "method_not_allowed")
+    assert response["Allow"] == "GET, HEAD"
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics"])
+@pytest.mark.parametrize("method", ["post", "put", "delete", "patch"])
+def test_the_probes_answer_only_get_and_head(path, method):
+    # As a probe or a scraper sends them: no CSRF cookie, and Django checking CSRF (the test
+    # client skips the check unless asked; these once answered 403 "CSRF verification failed").
+    response = getattr(Client(enforce_csrf_checks=True), method)(path)
+    assert response.status_code == 405 and response["Allow"] == "GET, HEAD"
+
+
+def test_head_of_a_write_only_route_is_refused(api, run_id):
+    response = api.head(f"/api/v1/runs/{run_id}/check")
+    assert response.status_code == 405 and "HEAD" not in response["Allow"]

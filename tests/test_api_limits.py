@@ -174,7 +174,16 @@ def test_big_integers_are_kept_exactly_up_to_what_json_parsing_allows(
     assert again.json()["repeat_key"] == first.json()["repeat_key"]
     # Past 4300 digits Python will not turn the text into an int (a CPU-exhaustion guard).
     too_many_digits = '{"action": {"name": "x", "args": {"n": ' + "9" * 5000 + "}}}"
-    refused(post(api, f"/api/v1/runs/{run_id}/check", too_many_digits), 400)
+    answer = post(api, f"/api/v1/runs/{run_id}/check", too_many_digits)
+    refused(answer, 400)
+    assert answer.json()["error"] == {"code": "invalid_json", "fields": {},
+                                      "message": "A number in the request body has more "
+                                                 "than 4300 digits."}
+    upload = '{"decisions": [{"check_id": "c", "action": {"name": "x"}, "decision": "allow", ' \
+        '"reason": "step_ok", "progress": ' + "9" * 5000 + "}]}"
+    answer = post(api, f"/api/v1/runs/{run_id}/local-decisions", upload)
+    refused(answer, 400)
+    assert "more than 4300 digits" in answer.json()["error"]["message"]
     assert Decision.objects.count() == 2
 
 

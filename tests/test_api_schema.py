@@ -117,10 +117,12 @@ def test_runs_followed_through_their_links_answer_within_the_schema(
     class Workflow(machine):  # type: ignore[misc, valid-type]
         def before_call(self, case: Any) -> None:
             existing_policy(case)
-            if isinstance(case.body, dict) and isinstance(case.body.get("deadline_ms"), int) \
-                    and 1 <= case.body["deadline_ms"] <= 600_000:
-                # A short deadline makes the answer depend on the clock (expired or not), and
-                # Hypothesis needs a scenario's answers to depend on its draws only.
+            deadline = case.body.get("deadline_ms") if isinstance(case.body, dict) else None
+            if isinstance(deadline, int | float) and not isinstance(deadline, bool) \
+                    and 1 <= deadline <= 600_000:
+                # A short deadline (an integer or not) makes the answer depend on the clock
+                # (expired or not), and Hypothesis needs a scenario's answers to depend on its
+                # draws only.
                 case.body["deadline_ms"] = 600_000
             if starts_a_valid_run(case) and isinstance(case.body.get("external_id"), str):
                 # An external_id drawn by an earlier scenario would answer 200 with that

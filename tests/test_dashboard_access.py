@@ -160,19 +160,35 @@ def test_another_teams_key_and_membership_cannot_be_reached_through_my_team(
     assert Membership.objects.filter(pk=foreign_membership.pk).exists()
 
 
-@pytest.mark.parametrize("name", STREAMS)
-def test_streams_follow_the_same_rules(name, team, world, settings):
-    settings.DASHBOARD_STREAM_SECONDS = 0
+def stream_url(name: str, team: Any, world: dict[str, Any]) -> str:
     kwargs: dict[str, Any] = {"slug": team.slug}
     if name == "runs:run_stream":
         kwargs["run_id"] = world["run"].pk
-    url = reverse(name, kwargs=kwargs)
+    return reverse(name, kwargs=kwargs)
+
+
+@pytest.mark.parametrize("name", STREAMS)
+def test_streams_follow_the_same_rules(name, team, world, settings):
+    settings.DASHBOARD_STREAM_SECONDS = 0
+    url = stream_url(name, team, world)
     assert Client().get(url).status_code == 302
     assert signed_in("outsider").get(url).status_code == 404
     response = signed_in("viewer").get(url)
     assert response.status_code == 200
     assert response["Content-Type"] == "text/event-stream"
     response.close()
+
+
+@pytest.mark.parametrize("name", STREAMS)
+def test_a_head_to_a_stream_answers_its_headers_without_a_stream(name, team, world):
+    """A HEAD has no body: under WSGI a stream's body would be iterated all the same,
+    holding a thread for the stream's lifetime."""
+    url = stream_url(name, team, world)
+    assert Client().head(url).status_code == 302
+    assert signed_in("outsider").head(url).status_code == 404
+    response = signed_in("viewer").head(url)
+    assert response.status_code == 200 and not response.streaming
+    assert response["Content-Type"] == "text/event-stream" and response.content == b""
 
 
 def test_get_only_pages_refuse_post_and_post_only_endpoints_refuse_get(team, world):

@@ -19,6 +19,7 @@ from django.utils import timezone
 from policies.models import Team
 from policies.services import agent_key_create
 from runs.check.policy_cache import rules_for_version
+from runs.dashboard.stream import Frame, Source, look_lane
 from runs.models import Decision, KillSwitch, Run
 from tests.conftest import set_policy
 
@@ -297,6 +298,17 @@ def test_the_stream_of_another_teams_run_is_404(team, other_team, users):
     assert response.status_code == 404
 
 
+class _CloseLaneConnection(Source):
+    """A 'look' that closes the look lane thread's database connection (its one thread keeps
+    it for every stream of the process)."""
+
+    team_id = 0
+
+    def frames(self) -> list[Frame]:
+        connections.close_all()
+        return []
+
+
 def check_then_close(*args: Any) -> dict[str, Any]:
     """`check` from a thread that is not Django's: its connection is closed before it ends."""
     try:
@@ -337,6 +349,8 @@ def test_under_asgi_the_stream_is_async_and_not_buffered(team, users, settings):
         # the test client never closes: left open, it keeps PostgreSQL from dropping the test
         # database at the end of the session.
         SyncToAsync.single_thread_executor.submit(connections.close_all).result()
+        # So do the stream's looks, on this process's look lane.
+        asyncio.run(look_lane.look(_CloseLaneConnection(), viewer="test"))
     assert "async.tool" in seen
     assert took < 3  # arrived on the wake-up, long before the 8 s lifetime ended
 

@@ -188,3 +188,20 @@ def test_a_refusal_is_logged_as_one_line_without_a_traceback(caplog):
     refusals = [r for r in caplog.records if r.name == "django.request"]
     assert refusals and all(r.exc_info is None for r in refusals)
     assert "Forbidden" in refusals[0].getMessage()
+
+
+def test_a_request_refused_for_its_host_is_one_line_on_the_console(caplog):
+    import io
+    import sys
+
+    console = next(h for h in logging.getLogger().handlers
+                   if isinstance(h, logging.StreamHandler) and h.stream in (sys.stderr,
+                                                                            sys.stdout))
+    with caplog.at_level(logging.WARNING, logger="django.security.DisallowedHost"):
+        assert Client(HTTP_HOST="evil.example").get("/healthz").status_code == 400
+    [record] = [r for r in caplog.records if r.name == "django.security.DisallowedHost"]
+    out = io.StringIO()
+    printed = logging.StreamHandler(out)
+    printed.filters = console.filters
+    printed.handle(record)
+    assert "evil.example" in out.getvalue() and "Traceback" not in out.getvalue()

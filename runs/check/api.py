@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
 from datetime import UTC
@@ -20,6 +21,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
+from django.views.decorators.http import require_safe
 from ninja import NinjaAPI, Query, Status
 from ninja.decorators import decorate_view
 from ninja.errors import AuthenticationError, HttpError, ValidationError
@@ -71,6 +73,7 @@ api = NinjaAPI(
     urls_namespace="api",
     docs_url=None,
     openapi_url="/openapi.json",
+    docs_decorator=require_safe,  # the document answers GET and HEAD only
     parser=StrictJsonParser(),
     auth=AgentKeyAuth(),
 )
@@ -90,7 +93,7 @@ def _field_path(loc: list[Any] | tuple[Any, ...]) -> str:
         parts = parts[1:]
     # pydantic names union branches ("str", "constrained-str", "int"...): drop them.
     kept = [p for p in parts if not (p.islower() and "-" in p) and p not in
-            {"str", "int", "float", "function-after[_finite(), union[int,float]]"}
+            {"str", "int", "float"}
             and not p.startswith(("function-", "union["))]
     return ".".join(kept) or "body"
 
@@ -100,7 +103,10 @@ def _on_validation(request: HttpRequest, exc: ValidationError) -> HttpResponse:
     fields: dict[str, str] = {}
     for err in exc.errors:
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        fields.setdefault(_field_path(err.get("loc", ())), msg)
+        path = _field_path(err.get("loc", ()))
+        if err.get("type") == s.LOCAL_DECISION_UNKNOWN:  # placed on the entry by pydantic
+            path += ".decision"
+        fields.setdefault(path, msg)
     if "body" in fields and fields["body"].lower().startswith("field required"):
         fields["body"] = "a JSON object body is required"
     return error(422, "invalid_request", "The request is not valid.", fields)
@@ -114,6 +120,12 @@ def _on_auth(request: HttpRequest, exc: Exception) -> HttpResponse:
 @api.exception_handler(HttpError)
 def _on_http(request: HttpRequest, exc: HttpError) -> HttpResponse:
     if exc.status_code == 400:
+        cause = exc.__cause__
+        if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+            # Valid JSON all the same: Python refuses to read an integer past 4,300 digits
+            # (a guard against quadratic-time parsing), so the body cannot be taken.
+            return error(400, "invalid_json", "A number in the request body has more than "
+                         f"{sys.get_int_max_str_digits()} digits.")
         return error(400, "invalid_json", "The request body is not valid JSON.")
     return error(exc.status_code, "error", str(exc))
 

@@ -39,6 +39,8 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 from django.http import Http404, HttpRequest, HttpResponse
 from django.views.decorators.cache import never_cache
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_safe
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +196,9 @@ def registry() -> Any:
     return _registry
 
 
+@csrf_exempt  # a scraper's POST is refused as a method (405), not as a forgery
 @never_cache
+@require_safe
 def metrics_view(request: HttpRequest) -> HttpResponse:
     token = settings.METRICS_TOKEN
     if not token:

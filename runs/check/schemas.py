@@ -13,8 +13,19 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Annotated, Any, Literal
 from uuid import UUID
 
+import annotated_types
 from ninja import Field, Schema
-from pydantic import AfterValidator, BaseModel, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    Discriminator,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    Tag,
+)
+from pydantic_core import PydanticCustomError
 
 from governance.text import text_problem
 from governance_client import rules
@@ -78,20 +89,69 @@ def _small_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
-def _finite(value: float | int) -> float | int:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError("must be a finite number")
+PROGRESS_MAX_CHARS = 256
+
+
+def _progress(value: Any) -> Any:
+    # One message for every wrong kind (a union's first branch said "a valid string" for
+    # `{}` or `true`). SPEC 5.2 takes any number: an integer is kept exactly, bounded by the
+    # body's 64 KiB and the JSON parser's 4,300 digits (a 400), as in `args`.
+    if isinstance(value, str):
+        if len(value) > PROGRESS_MAX_CHARS:
+            raise PydanticCustomError(
+                "progress", "String should have at most {max} characters",
+                {"max": PROGRESS_MAX_CHARS})
+        return _storable_text(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    raise PydanticCustomError(
+        "progress", "Input should be a string of at most {max} characters or a finite number",
+        {"max": PROGRESS_MAX_CHARS})
+
+
+# The declared union is what the OpenAPI document shows; the validator decides alone.
+Progress = Annotated[Annotated[StrictStr, Field(max_length=PROGRESS_MAX_CHARS)] | StrictInt
+                     | StrictFloat, BeforeValidator(_progress)]
+
+
+DEADLINE_MS_MAX = 600_000
+
+
+def _deadline_ms(value: Any) -> Any:
+    # One message for every wrong value; the union of an integer and a float said "a valid
+    # integer" even for 0.5, whose problem is the minimum.
+    if isinstance(value, int | float) and not isinstance(value, bool) \
+            and 1 <= value <= DEADLINE_MS_MAX:
+        return value
+    raise PydanticCustomError(
+        "deadline_ms", "Input should be a number of milliseconds from 1 to {max}",
+        {"max": DEADLINE_MS_MAX})
+
+
+DeadlineMs = Annotated[Annotated[StrictInt, Field(ge=1, le=DEADLINE_MS_MAX)]
+                       | Annotated[StrictFloat, Field(ge=1, le=DEADLINE_MS_MAX)],
+                       BeforeValidator(_deadline_ms)]
+
+
+def _money(value: Any) -> Any:
+    # A number, an integer or not, and nothing else (no string, no boolean): checked here with
+    # one message, rather than by a union of an integer and a float, whose first error, "a
+    # valid integer", was what the agent read for `"cost_usd": "0.1"`.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("money", "Input should be a number (US dollars)")
     return value
 
 
-Number = Annotated[StrictInt | StrictFloat, AfterValidator(_finite)]
-# Bounds on each branch, not on the union: only there do they reach the OpenAPI document as
-# minimum/maximum (on a union pydantic emits raw "ge"/"le", which JSON Schema ignores).
-Money = (Annotated[StrictInt, Field(ge=0, le=1_000_000)]
-         | Annotated[StrictFloat, Field(ge=0, le=1_000_000)])
+# The bounds before the check of the type, so that they reach the OpenAPI document as the
+# minimum and maximum of a number (wrapped by the validator, pydantic emits raw "ge"/"le").
+Money = Annotated[float, annotated_types.Interval(ge=0, le=1_000_000), BeforeValidator(_money)]
 JsonObject = Annotated[dict[str, Any] | None, AfterValidator(_storable_json)]
-# Every free-text field: what is accepted must be storable on every database.
-Text = Annotated[StrictStr, AfterValidator(_storable_text)]
+# Every free-text field: what is accepted must be storable on every database. Its length goes
+# before it (`Annotated[StrictStr, Field(max_length=N), Storable]`): after a validator, pydantic
+# checks a length generically ("at most N items") instead of as a string's characters.
+Storable = AfterValidator(_storable_text)
 AGENT_PATTERN = f"^{rules.AGENT_NAME_PATTERN}$"
 # runs.models.RunStatus, spelled out for the OpenAPI schema (tests/test_vocabulary.py).
 RunStatusName = Literal["running", "stopped", "killed", "completed", "failed"]
@@ -109,11 +169,11 @@ class ErrorOut(Schema):
 
 class RunStartIn(Schema):
     agent: Annotated[StrictStr, Field(pattern=AGENT_PATTERN)]
-    policy: Annotated[Text, Field(min_length=1, max_length=50)] | None = None
-    task: Annotated[Text, Field(max_length=10_000)] | None = None
+    policy: Annotated[StrictStr, Field(min_length=1, max_length=50), Storable] | None = None
+    task: Annotated[StrictStr, Field(max_length=10_000), Storable] | None = None
     metadata: Annotated[JsonObject, AfterValidator(_small_metadata),
                         Field(description="Any JSON object, at most 16 KiB as JSON.")] = None
-    external_id: Annotated[Text, Field(min_length=1, max_length=200)] | None = None
+    external_id: Annotated[StrictStr, Field(min_length=1, max_length=200), Storable] | None = None
 
 
 class LimitsOut(Schema):
@@ -144,10 +204,12 @@ class PolicyOut(Schema):
     step_limits: StepLimitsOut
     budgets: BudgetsOut
     # What the client's fail-open mode needs to decide with the same rules (its tool lists,
-    # repeat key and repeated-error handling); not in SPEC 5.1's list, added for the client.
+    # repeat key and repeated-error handling, and which actions need an operator, never
+    # allowed locally); not in SPEC 5.1's list, added for the client.
     tools: dict[str, Any] | None = None
     repeat_key: dict[str, Any] | None = None
     on_repeated_error: dict[str, Any] | None = None
+    approvals: dict[str, Any] | None = None
 
 
 class RunStartOut(Schema):
@@ -182,28 +244,27 @@ class RunsOut(Schema):
 # in a getter for Django model attributes, which a JSON body never needs, and made validating
 # a check body take about 35 µs instead of 13 (docs/performance.md).
 class ActionIn(BaseModel):
-    name: Annotated[Text, Field(min_length=1, max_length=200)]
+    name: Annotated[StrictStr, Field(min_length=1, max_length=200), Storable]
     args: JsonObject = None
     type: Literal["tool", "llm", "other"] = "tool"
 
 
 class LastResultIn(BaseModel):
     status: Literal["ok", "error"]
-    digest: Annotated[Text, Field(max_length=128)] | None = None
-    error: Annotated[Text, Field(max_length=2000)] | None = None
-    summary: Annotated[Text, Field(max_length=2000)] | None = None
+    digest: Annotated[StrictStr, Field(max_length=128), Storable] | None = None
+    error: Annotated[StrictStr, Field(max_length=2000), Storable] | None = None
+    summary: Annotated[StrictStr, Field(max_length=2000), Storable] | None = None
 
 
 class CheckIn(BaseModel):
     action: ActionIn
-    progress: Annotated[Text, Field(max_length=256)] | Number | None = None
+    progress: Progress | None = None
     last_result: LastResultIn | None = None
     cost_usd: Money | None = None
-    check_id: Annotated[Text, Field(min_length=1, max_length=100)] | None = None
+    check_id: Annotated[StrictStr, Field(min_length=1, max_length=100), Storable] | None = None
     # How long the agent waits for this answer, counted from the moment the server receives
     # the check (README "Deadlines"): past it the check is audited `expired` and not counted.
-    deadline_ms: (Annotated[StrictInt, Field(ge=1, le=600_000)]
-                  | Annotated[StrictFloat, Field(ge=1, le=600_000)] | None) = None
+    deadline_ms: DeadlineMs | None = None
 
     def to_check(self) -> rules.Check:
         """The check as the rules take it, which is the shape the services decide and audit
@@ -222,18 +283,52 @@ class CheckIn(BaseModel):
         )
 
 
-class LocalDecisionIn(BaseModel):
-    """One decision the client made by itself while the service was unreachable."""
+class _LocalDecision(BaseModel):
+    """One decision the client made by itself while the service was unreachable. Its reason
+    is one the client's local rules can give (`rules.evaluate` without rate windows or
+    approvals, without a kill): an allow's is `step_ok`, a stop's one of SPEC 4.4's but
+    `killed`, which becomes the run's stop reason."""
 
-    check_id: Annotated[Text, Field(min_length=1, max_length=100)]
+    check_id: Annotated[StrictStr, Field(min_length=1, max_length=100), Storable]
     action: ActionIn
-    progress: Annotated[Text, Field(max_length=256)] | Number | None = None
+    progress: Progress | None = None
     last_result: LastResultIn | None = None
     cost_usd: Money | None = None
-    decision: Literal["allow", "stop"]
-    reason: Annotated[Text, Field(min_length=1, max_length=50)]
-    message: Annotated[Text, Field(max_length=2000)] | None = None
+    message: Annotated[StrictStr, Field(max_length=2000), Storable] | None = None
     at: datetime | None = None
+
+
+class LocalAllowIn(_LocalDecision):
+    decision: Literal["allow"]
+    reason: Literal["step_ok"]
+
+
+# A kill is the service's alone (an operator's kill switch): a local stop never says it, and
+# an agent must not be able to make its run look killed by somebody.
+LOCAL_STOP_REASONS = tuple(reason for reason in rules.REASONS if reason != rules.KILLED)
+
+
+class LocalStopIn(_LocalDecision):
+    decision: Literal["stop"]
+    reason: Literal[LOCAL_STOP_REASONS]  # type: ignore[valid-type]  # the tuple's values
+
+
+def _local_kind(value: Any) -> str | None:
+    decision = value.get("decision") if isinstance(value, dict) else getattr(
+        value, "decision", None)
+    # Tags in pydantic's error locations; lowercase with a dash, so _field_path drops them.
+    return {"allow": "local-allow", "stop": "local-stop"}.get(decision) \
+        if isinstance(decision, str) else None
+
+
+# The error type of an entry whose `decision` names neither branch: pydantic places it on the
+# entry, and the API's error envelope names the entry's `decision` field for it.
+LOCAL_DECISION_UNKNOWN = "local_decision"
+LocalDecisionIn = Annotated[
+    Annotated[LocalAllowIn, Tag("local-allow")] | Annotated[LocalStopIn, Tag("local-stop")],
+    Discriminator(_local_kind, custom_error_type=LOCAL_DECISION_UNKNOWN,
+                  custom_error_message="decision should be 'allow' or 'stop'"),
+]
 
 
 class LocalDecisionsIn(BaseModel):
@@ -296,11 +391,16 @@ class CheckOut(Schema):
     retry_after_s: float | None = Field(
         description="A wait only: seconds (> 0, to the millisecond) until every matching "
         "rate limit has room.")
+    # Only in the replay of a check_id that a fail-open client decided itself and uploaded.
+    local: bool | None = Field(default=None, description="True when the client decided this "
+                               "check itself during an outage (an uploaded local decision).")
+    decided_at: datetime | None = Field(default=None, description="A local decision only: "
+                                        "when the client decided it.")
 
 
 class FinishIn(Schema):
     status: Literal["completed", "failed", "stopped"]
-    output: Annotated[Text, Field(max_length=100_000)] | None = None
+    output: Annotated[StrictStr, Field(max_length=100_000), Storable] | None = None
 
 
 class DecisionActionOut(Schema):

@@ -34,7 +34,7 @@ from typing import Any
 from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
 from django.db import DatabaseError, close_old_connections
-from django.http import HttpRequest, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 from django.middleware.csrf import get_token
 from django.template.loader import render_to_string
 from django.urls import reverse
@@ -328,17 +328,23 @@ async def apump(source: Source, *, viewer: Any = None, lifetime: float | None = 
             yield ": keep-alive\n\n"
 
 
-def sse_response(request: HttpRequest, source: Source) -> StreamingHttpResponse:
+def sse_response(request: HttpRequest, source: Source) -> HttpResponseBase:
+    if request.method == "HEAD":
+        # The headers a GET would get, and no stream: a HEAD has no body to wait for, yet
+        # WSGI servers iterate the body anyway, which held a thread for the stream's lifetime.
+        response: HttpResponse = HttpResponse(content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache, no-store"
+        return response
     if isinstance(request, ASGIRequest):
         # Viewers take turns for the database looks: by user, else by session.
         viewer = getattr(request.user, "pk", None) or request.COOKIES.get("sessionid")
         content: Any = apump(source, viewer=viewer)
     else:
         content = pump(source)
-    response = StreamingHttpResponse(content, content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache, no-store"
-    response["X-Accel-Buffering"] = "no"  # a proxy must not hold events back
-    return response
+    stream = StreamingHttpResponse(content, content_type="text/event-stream")
+    stream["Cache-Control"] = "no-cache, no-store"
+    stream["X-Accel-Buffering"] = "no"  # a proxy must not hold events back
+    return stream
 
 
 def last_event_id(request: HttpRequest) -> int:
