@@ -96,13 +96,14 @@ def test_a_check_within_its_deadline_is_decided_as_usual(agent: Agent) -> None:
     assert (answer["decision"], answer["step"]) == ("allow", 1)
 
 
-@pytest.mark.parametrize("value", [0, -1, 600_001, "soon", True])
+@pytest.mark.parametrize("value", [0, -1, 600_001, "soon", True, 0.5, 600_000.5, {}, "5"])
 def test_a_bad_deadline_is_refused_naming_the_field(agent: Agent, value: Any) -> None:
     run_id = agent.start()["run_id"]
     response = agent.http.post(f"/api/v1/runs/{run_id}/check",
                                json={"action": {"name": "x"}, "deadline_ms": value})
     assert response.status_code == 422
-    assert "deadline_ms" in response.json()["error"]["fields"]
+    assert response.json()["error"]["fields"] == {
+        "deadline_ms": "Input should be a number of milliseconds from 1 to 600000"}
 
 
 def test_fail_open_decisions_made_during_an_outage_are_uploaded_marked_local(
@@ -152,6 +153,27 @@ def test_a_local_stop_uploaded_at_finish_ends_the_run_with_its_reason(
     assert [d["outcome"] for d in decisions(agent, run.id)] == ["allow", "allow", "stop"]
 
 
+def test_an_action_that_needs_an_approval_is_not_allowed_during_an_outage(
+    agent: Agent, server: Server, team: Team
+) -> None:
+    """The run's policy tells the client which actions need an operator (SPEC 11): during
+    an outage they are refused locally and nothing of them is uploaded."""
+    set_policy(team, approvals={"tools": ["refund.*"], "timeout_s": 60})
+    network = Outage()
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=1,
+                          transport=network) as client, client.run("support-bot") as run:
+        network.down = True
+        refund = run.check("refund.issue", {"amount": 120})
+        search = run.check("search.docs", {"q": "refunds"})
+        network.down = False
+
+    assert not refund.allowed and refund.reason == "governance_unavailable"
+    assert search.allowed and search.local
+    audited = decisions(agent, run.id)
+    assert [(d["action"]["name"], d["outcome"], d["local"]) for d in audited] == [
+        ("search.docs", "allow", True)]
+
+
 def test_an_upload_sent_twice_is_counted_once(agent: Agent) -> None:
     run_id = agent.start()["run_id"]
     body = {"decisions": [
@@ -186,6 +208,37 @@ def test_a_bad_upload_is_refused_and_changes_nothing(agent: Agent, body: Any) ->
     assert Decision.objects.filter(run_id=run_id).count() == 0
 
 
+@pytest.mark.parametrize("decision", ["maybe", None, 1])
+def test_an_upload_with_a_bad_decision_names_that_field(agent: Agent, decision: Any) -> None:
+    run_id = agent.start()["run_id"]
+    entry = {"check_id": "x", "action": {"name": "t"}, "decision": decision, "reason": "r"}
+    response = agent.http.post(f"/api/v1/runs/{run_id}/local-decisions",
+                               json={"decisions": [entry]})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["fields"] == {
+        "decisions.0.decision": "decision should be 'allow' or 'stop'"}
+
+
+@pytest.mark.parametrize(("decision", "reason", "says"), [
+    ("stop", "made_up", "'loop_detected'"),
+    ("stop", "step_ok", "'loop_detected'"),
+    ("stop", "approval_required", "'loop_detected'"),
+    ("stop", "killed", "'loop_detected'"),  # an operator's kill is not the agent's to claim
+    ("allow", "loop_detected", "'step_ok'"),
+])
+def test_a_local_decision_gives_a_reason_the_local_rules_can_give(
+        agent: Agent, decision: str, reason: str, says: str) -> None:
+    """A local stop's reason becomes the run's stop reason: only the rules' own are taken."""
+    run_id = agent.start()["run_id"]
+    body = {"decisions": [{"check_id": "l-1", "action": {"name": "t"}, "decision": decision,
+                           "reason": reason}]}
+    response = agent.http.post(f"/api/v1/runs/{run_id}/local-decisions", json=body)
+    assert response.status_code == 422, response.text
+    assert says in response.json()["error"]["fields"]["decisions.0.reason"]
+    run = agent.http.get(f"/api/v1/runs/{run_id}").json()
+    assert (run["status"], run["steps"]) == ("running", 0)
+
+
 def test_an_upload_to_another_teams_run_answers_404(agent: Agent, other_team: Team) -> None:
     from policies.services import agent_key_create
 
@@ -215,3 +268,69 @@ def test_the_stop_after_a_kill_carries_the_operators_reason(agent: Agent, team: 
     assert "INC-42" in first["message"]
     assert (later["decision"], later["reason"]) == ("stop", "killed")
     assert "INC-42" in later["message"]
+
+
+def _uploaded_in_parts(agent: Agent, server: Server, checks: list[dict[str, Any]]) -> Any:
+    """A fail-open run: one check online, then `checks` decided locally during an outage,
+    uploaded when the service answers again (at the run's finish)."""
+    network = Outage()
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=1,
+                          transport=network) as client, client.run("support-bot") as run:
+        assert run.check("search.docs", {"q": "online"}).allowed
+        network.down = True
+        local = [run.check("files.write", **check) for check in checks]
+        network.down = False
+        assert all(d.allowed and d.local for d in local)
+    assert not run.unsynced
+    return agent.http.get(f"/api/v1/runs/{run.id}").json()
+
+
+def test_local_decisions_over_one_body_are_uploaded_in_several(
+        agent: Agent, server: Server, team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service takes 1,000 entries and 1 MiB per upload: the client sends as many
+    bodies as it takes (here 17 writes of 63 KB: two bodies; and 7 entries, 3 a body)."""
+    set_policy(team, step_limits={"max_steps": 100, "max_repeat_action": 100})
+    blob = "x" * 63_000
+    stored = _uploaded_in_parts(agent, server, [
+        {"args": {"i": i, "blob": blob}} for i in range(17)])
+    assert stored["steps"] == 18
+    from governance_client import _core
+
+    monkeypatch.setattr(_core, "UPLOAD_MAX_ENTRIES", 3)
+    stored = _uploaded_in_parts(agent, server, [{"args": {"i": i}} for i in range(7)])
+    assert stored["steps"] == 8
+
+
+def test_an_upload_over_the_body_limit_is_sent_again_in_halves(
+        agent: Agent, server: Server, team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
+    from governance_client import _core
+
+    set_policy(team, step_limits={"max_steps": 100, "max_repeat_action": 100})
+    monkeypatch.setattr(_core, "UPLOAD_MAX_BYTES", 10 * 1024 * 1024)  # as if measured wrong
+    stored = _uploaded_in_parts(agent, server, [
+        {"args": {"i": i, "blob": "x" * 63_000}} for i in range(17)])
+    assert stored["steps"] == 18
+
+
+def test_a_local_decision_the_service_refuses_costs_only_itself(
+        agent: Agent, server: Server, caplog: pytest.LogCaptureFixture) -> None:
+    """An action the client allowed locally whose body the service would have refused (NUL
+    in its args): that entry is dropped and logged, the others are counted."""
+    stored = _uploaded_in_parts(agent, server, [
+        {"args": {"q": "before"}}, {"args": {"q": "nul\x00inside"}}, {"args": {"q": "after"}}])
+    assert stored["steps"] == 3
+    names = [d["action"]["args"].get("q") for d in decisions(agent, stored["run_id"])]
+    assert names == ["online", "before", "after"]
+    assert any("refused, dropped" in r.getMessage() and "decisions.1" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_the_clients_upload_limits_fit_the_services(settings: Any) -> None:
+    import annotated_types
+
+    from governance_client import _core
+    from runs.check.schemas import LocalDecisionsIn
+
+    bounds = LocalDecisionsIn.model_fields["decisions"].metadata
+    assert annotated_types.MaxLen(_core.UPLOAD_MAX_ENTRIES) in bounds
+    assert _core.UPLOAD_MAX_BYTES < settings.DATA_UPLOAD_MAX_MEMORY_SIZE

@@ -275,6 +275,23 @@ def test_fail_open_decides_with_the_policy_of_the_run() -> None:
     assert denied.local and denied.reason == "tool_denied"
 
 
+def test_fail_open_never_allows_locally_an_action_that_needs_an_approval() -> None:
+    fake = FakeGovernance(approvals=["refund.*"], operator=lambda _a: ("approve", "ok"))
+    run = fake.client(fail_mode="open").start_run("bot")
+    fake.down = True
+
+    refund = run.check("refund.issue", {"amount": 120})
+    search = run.check("search", {"q": 1})
+
+    assert refund.local and not refund.allowed and refund.reason == "governance_unavailable"
+    assert "needs an operator's approval" in (refund.message or "")
+    # Not decided: nothing counted, nothing to upload, and the run goes on locally.
+    assert search.local and search.allowed and search.step == 1
+    assert [entry["action"]["name"] for entry in run.unsynced] == ["search"]
+    fake.down = False
+    assert run.check("refund.issue", {"amount": 120}).allowed  # the operator approves
+
+
 def test_fail_open_budgets_count_the_spend_seen_before_the_outage() -> None:
     fake = FakeGovernance(max_usd=1.0)
     run = fake.client(fail_mode="open").start_run("bot")
@@ -469,3 +486,112 @@ def test_the_async_client_has_the_same_surface() -> None:
     assert (stored.status, stored.stop_reason) == ("stopped", "loop_detected")
     assert stored.output and stored.output.startswith("partial")
     assert decisions[-1].repeat_key == repeat_key("edit_file", EDIT)
+
+
+@pytest.mark.parametrize(("progress", "error"), [
+    (float("nan"), ValueError), (float("inf"), ValueError), ({"page": 2}, TypeError),
+    (True, TypeError), ([1], TypeError),
+])
+def test_a_progress_the_service_would_refuse_is_refused_before_anything_is_sent(
+        progress: Any, error: type[Exception]) -> None:
+    fake = FakeGovernance()
+    run = fake.client(fail_mode="open").start_run("bot")
+    with pytest.raises(error, match="progress must be"):
+        run.check("search", {"q": 1}, progress=progress)
+    fake.down = True  # nor decided locally, to be refused in the upload after it ran
+    with pytest.raises(error, match="progress must be"):
+        run.check("search", {"q": 1}, progress=progress)
+    assert not run.unsynced and not fake.runs[run.id].checks
+
+
+def test_a_run_the_service_ended_uploads_nothing_of_what_follows_in_an_outage() -> None:
+    fake = FakeGovernance(max_steps=1)
+    run = fake.client(fail_mode="open").start_run("bot")
+    assert run.check("search", {"q": 1}).allowed
+    assert run.check("search", {"q": 2}).reason == "max_steps"
+    fake.down = True
+    again = run.check("search", {"q": 3})
+    assert not again.allowed and again.local
+    assert not run.unsynced  # the service's own stop, answered again: nothing happened
+
+
+def test_a_run_started_locally_refuses_what_its_local_limits_say_needs_an_operator() -> None:
+    fake = FakeGovernance()
+    fake.down = True
+    client = fake.client(fail_mode="open", local_limits=LocalLimits(
+        deny=("shell.*",), approvals=("payments.*",)))
+    run = client.start_run("bot")
+    assert run.id.startswith("local-")
+    refund, shell, search = (run.check(name, {}) for name in (
+        "payments.refund", "shell.exec", "search"))
+    assert (refund.allowed, refund.reason) == (False, "governance_unavailable")
+    assert "needs an operator's approval" in (refund.message or "")
+    assert (shell.allowed, shell.reason) == (False, "tool_denied")
+    assert not search.allowed  # the denied tool was a local stop: final for the run
+
+
+def test_an_api_error_says_its_fields_in_its_text() -> None:
+    from governance_client import InvalidRequest
+
+    error = InvalidRequest(422, "invalid_request", "The request is not valid.",
+                           {"progress": "must be a number", "action.name": "too long"})
+    assert str(error) == ("422 invalid_request: The request is not valid. "
+                          "(progress: must be a number; action.name: too long)")
+    assert str(InvalidRequest(422, "invalid_request", "Bad.")) == "422 invalid_request: Bad."
+
+
+def test_the_same_action_checked_after_the_author_stopped_waiting_resumes_its_approval() -> None:
+    approve = False
+    fake = FakeGovernance(approvals=["refund.*"],
+                          operator=lambda _a: "approve" if approve else None)
+    run = fake.client(approval_timeout=30).start_run("bot")
+    first = run.check("refund.issue", {"order": 7})
+    assert first.decision == "pending"
+
+    approve = True  # the operator decides meanwhile
+    again = run.check("refund.issue", {"order": 7})
+
+    assert again.allowed and again.check_id == first.check_id  # not a 409 approval_pending
+    assert len(fake.approvals) == 1
+    later = run.check("refund.issue", {"order": 7})  # a new request: settled, not resumed
+    assert later.check_id != first.check_id
+
+
+def test_the_same_action_checked_after_an_outage_cut_its_approval_wait_resumes_it() -> None:
+    polls = 0
+    fake = FakeGovernance(approvals=["refund.*"])
+
+    def operator(_approval: Any) -> Any:
+        nonlocal polls
+        polls += 1
+        if polls == 2:  # the service goes down during the client's wait
+            fake.down = True
+        return "approve" if polls > 3 else None
+
+    fake.operator = operator
+    run = fake.client(fail_mode="open").start_run("bot")
+    cut = run.check("refund.issue", {"order": 7})
+    assert (cut.allowed, cut.reason) == (False, "governance_unavailable")
+
+    fake.down = False
+    again = run.check("refund.issue", {"order": 7})
+    assert again.allowed and again.check_id == cut.check_id
+    assert len(fake.approvals) == 1
+
+
+def test_the_async_client_resumes_an_approval_it_stopped_waiting_for() -> None:
+    approve = False
+    fake = FakeGovernance(approvals=["refund.*"],
+                          operator=lambda _a: "approve" if approve else None)
+
+    async def scenario() -> tuple[Decision, Decision]:
+        nonlocal approve
+        async with fake.async_client(approval_timeout=30) as client:
+            run = await client.start_run("bot")
+            first = await run.check("refund.issue", {"order": 7})
+            approve = True
+            return first, await run.check("refund.issue", {"order": 7})
+
+    first, again = asyncio.run(scenario())
+    assert first.decision == "pending" and again.allowed
+    assert again.check_id == first.check_id and len(fake.approvals) == 1

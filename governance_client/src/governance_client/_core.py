@@ -10,6 +10,7 @@ import email.utils
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -24,7 +25,7 @@ import tenacity
 
 from . import rules
 from .decision import GOVERNANCE_UNAVAILABLE, Decision
-from .errors import ApiError, GovernanceUnavailable, RunClosed, api_error
+from .errors import ApiError, GovernanceError, GovernanceUnavailable, RunClosed, api_error
 from .keys import canonical_args, normalize_text
 from .local import LocalLedger, LocalLimits, make_check
 
@@ -42,6 +43,11 @@ BODY_MARGIN = 2048  # room for the fields added after sizing (deadline_ms, check
 TEXT_LIMIT = 2000  # SPEC 5.2: error and summary are at most 2,000 characters
 DIGEST_LIMIT = 128
 PROGRESS_LIMIT = 256
+# An upload of local decisions is one body of at most 1,000 entries and 1 MiB on the service
+# (README "Local decisions"); the client sends them in as many bodies as it takes, each with
+# room to spare (its size is measured as sent, in compact UTF-8 JSON).
+UPLOAD_MAX_ENTRIES = 1000
+UPLOAD_MAX_BYTES = 768 * 1024
 OVERSIZE_KEY = "oversize_args"
 MAX_POLL_S = 60  # SPEC 11: ?wait is at most 60 s
 
@@ -270,6 +276,12 @@ def oversize_digest(args: Mapping[str, Any], ignore_args: tuple[str, ...]) -> di
 
 
 def _fit_progress(progress: str | int | float | None) -> str | int | float | None:
+    # What the service takes (SPEC 5.2), said here: a wrong kind would be refused online and,
+    # decided locally during an outage, refused in the upload after the action ran.
+    if isinstance(progress, bool) or not isinstance(progress, str | int | float | None):
+        raise TypeError(f"progress must be a string or a number, not {type(progress).__name__}")
+    if isinstance(progress, float) and not math.isfinite(progress):
+        raise ValueError(f"progress must be a finite number, not {progress}")
     if isinstance(progress, str) and len(progress) > PROGRESS_LIMIT:
         return "sha256:" + hashlib.sha256(progress.encode("utf-8")).hexdigest()
     return progress
@@ -298,6 +310,12 @@ class RunCore:
         self.pending: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Decisions made locally during an outage, to upload once the service answers.
         self.unsynced: list[dict[str, Any]] = []
+        self.upload_cap = UPLOAD_MAX_ENTRIES
+        # A check whose approval wait the client gave up (an outage, or the author's
+        # approval_timeout): its action and check_id. The same action checked again resumes
+        # that request (SPEC 11: the same check_id answers the same thing) instead of being
+        # refused 409 approval_pending as another check.
+        self.awaiting: tuple[str, str] | None = None
         self.lock = threading.RLock()
 
     @property
@@ -346,29 +364,48 @@ class RunCore:
             logger.info("args of %s are over 64 KiB: sending their digest", name)
         check = make_check(name, sent_args, type=type, progress=progress, last_result=result,
                            cost_usd=cost_usd)
+        if self.awaiting is not None and self.awaiting[0] == self._action_of(check):
+            body["check_id"] = self.awaiting[1]
         return PreparedCheck(name=name, args=sent_args, body=body, check=check,
                              check_id=body["check_id"], call_id=call_id)
 
     def answered(self, prepared: PreparedCheck, decision: Decision) -> Decision:
+        if self.awaiting is not None and self.awaiting[1] == prepared.check_id \
+                and decision.decision in ("allow", "stop") \
+                and decision.reason != GOVERNANCE_UNAVAILABLE:
+            self.awaiting = None  # the request was settled
         self.ledger.record(prepared.check, decision)
         return self.remember(decision)
+
+    def _action_of(self, check: rules.Check) -> str:
+        return f"{check.type}:{self.ledger.key(check.name, check.args)}"
+
+    def gave_up_waiting(self, prepared: PreparedCheck) -> None:
+        """The approval of this check is still pending, but the client stops waiting."""
+        self.awaiting = (self._action_of(prepared.check), prepared.check_id)
 
     def local_decision(self, prepared: PreparedCheck, detail: str,
                        *, allow_local: bool = True) -> Decision:
         """The decision when the service could not be reached."""
+        why = "fail_mode='closed' stops every action until it answers again."
         if self.settings.fail_mode == "open" and allow_local:
             logger.warning("governance unreachable, deciding %s locally: %s", prepared.name,
                            detail)
-            decision = self.ledger.decide(prepared.check)
-            decision = _with_ids(decision, prepared)
-            if not self.local and not (self.unsynced and self.unsynced[-1]["decision"] == "stop"):
-                self.unsynced.append(self._upload_entry(prepared, decision))
-            return self.remember(decision)
+            # A run the service had already ended answers its end again: nothing to upload.
+            running = self.ledger.stop is None and self.ledger.state.status == rules.RUNNING
+            local = self.ledger.decide(prepared.check)
+            if local is not None:
+                decision = _with_ids(local, prepared)
+                if running and not self.local:
+                    self.unsynced.append(self._upload_entry(prepared, decision))
+                return self.remember(decision)
+            why = (f"{prepared.name} needs an operator's approval (the policy's "
+                   "approvals.tools), which is never given locally; the next check asks the "
+                   "service again.")
         return self.remember(Decision(
             decision="stop",
             reason=GOVERNANCE_UNAVAILABLE,
-            message=f"The governance service is unreachable ({detail}); fail_mode='closed' "
-            "stops every action until it answers again.",
+            message=f"The governance service is unreachable ({detail}); {why}",
             next_action=UNAVAILABLE_NEXT_ACTION,
             local=True,
             check_id=prepared.check_id,
@@ -378,7 +415,10 @@ class RunCore:
     def decide_offline(self, prepared: PreparedCheck) -> Decision | None:
         """A decision without asking: the run was started locally, or a local stop ended it."""
         if self.local or self.ledger.stop is not None:
-            return self.remember(_with_ids(self.ledger.decide(prepared.check), prepared))
+            decision = self.ledger.decide(prepared.check)
+            if decision is None:  # an action that needs an operator: refused, as in an outage
+                return self.local_decision(prepared, "the run was started locally")
+            return self.remember(_with_ids(decision, prepared))
         return None
 
     def _upload_entry(self, prepared: PreparedCheck, decision: Decision) -> dict[str, Any]:
@@ -398,10 +438,58 @@ class RunCore:
         return entry
 
     def upload_body(self) -> dict[str, Any] | None:
-        return {"decisions": list(self.unsynced)} if self.unsynced else None
+        """The next upload: the oldest local decisions, as many as the service takes in one
+        body (UPLOAD_MAX_ENTRIES, UPLOAD_MAX_BYTES); the rest go in the next ones."""
+        batch: list[dict[str, Any]] = []
+        size = len('{"decisions": []}')
+        for entry in self.unsynced[:self.upload_cap]:
+            entry_size = _size(entry) + 2
+            if batch and size + entry_size > UPLOAD_MAX_BYTES:
+                break
+            batch.append(entry)
+            size += entry_size
+        return {"decisions": batch} if batch else None
 
-    def uploaded(self, count: int) -> None:
+    def uploaded(self, count: int, answer: Mapping[str, Any]) -> None:
+        """The service took the first ``count`` local decisions; its answer has the run."""
         del self.unsynced[:count]
+        run = answer.get("run")
+        if isinstance(run, Mapping):
+            self.data.update(run)
+
+    def refused(self, count: int, error: GovernanceError) -> bool:
+        """The service refused an upload of the first ``count`` local decisions. A 413 halves
+        the batch; a 422 that names entries (``decisions.3.progress``) drops those alone; both
+        send the rest again (True). Anything else drops all ``count``. Dropped entries are
+        logged: their actions ran, but the service will not count them."""
+        if not isinstance(error, ApiError):
+            logger.warning("local decisions of run %s not sent, %d dropped: %s", self.id, count,
+                           error)
+            del self.unsynced[:count]
+            return False
+        if error.status == 413 and count > 1:
+            # Larger than measured (an older httpx escapes non-ASCII text): halve the batch.
+            self.upload_cap = max(1, count // 2)
+            return True
+        bad: set[int] = set()
+        if error.status == 422:
+            for name in error.fields:
+                parts = str(name).split(".")
+                if len(parts) > 1 and parts[0] == "decisions" and parts[1].isdigit():
+                    bad.add(int(parts[1]))
+        if not bad or max(bad) >= count:
+            logger.warning("local decisions of run %s refused, %d dropped: %s", self.id, count,
+                           error)
+            del self.unsynced[:count]
+            return False
+        for index in sorted(bad, reverse=True):
+            entry = self.unsynced.pop(index)
+            logger.warning("local decision %s of run %s (%s) refused, dropped: %s", index,
+                           self.id, entry["action"].get("name"), {
+                               k: v for k, v in error.fields.items()
+                               if str(k).startswith(f"decisions.{index}.")
+                               or k == f"decisions.{index}"})
+        return True
 
     def report(
         self,

@@ -319,6 +319,7 @@ class AsyncRun:
                 )
                 body = expect(response, 200)
             except GovernanceUnavailable as exc:
+                self._core.gave_up_waiting(prepared)
                 return self._core.local_decision(prepared, str(exc), allow_local=False)
             final = approval_final(body, prepared)
             if final is not None:
@@ -335,28 +336,25 @@ class AsyncRun:
             if wait == 0:
                 polled += min(left, 1.0)
                 await client._sleep(min(left, 1.0))
+        self._core.gave_up_waiting(prepared)
         return pending
 
     async def _upload(self) -> None:
         core = self._core
-        body = core.upload_body()
-        if body is None:
-            return
-        try:
-            response = await self._client._send(
-                "POST", f"/api/v1/runs/{self.id}/local-decisions", lambda _: body
-            )
-            data = expect(response, 200)
-        except GovernanceUnavailable:
-            return
-        except GovernanceError as exc:
-            logger.warning("local decisions of run %s refused, dropped: %s", self.id, exc)
-            core.uploaded(len(body["decisions"]))
-            return
-        core.uploaded(len(body["decisions"]))
-        run = data.get("run")
-        if isinstance(run, Mapping):
-            core.data.update(run)
+        while (body := core.upload_body()) is not None:
+            sent = len(body["decisions"])
+            try:
+                response = await self._client._send(
+                    "POST", f"/api/v1/runs/{self.id}/local-decisions",
+                    lambda _, body=body: body)
+                data = expect(response, 200)
+            except GovernanceUnavailable:
+                return
+            except GovernanceError as exc:
+                if core.refused(sent, exc):
+                    continue
+                return
+            core.uploaded(sent, data)
 
     def report(
         self,

@@ -376,6 +376,7 @@ class Run:
                 body = expect(response, 200)
             except GovernanceUnavailable as exc:
                 # An action waiting for a person is never allowed locally.
+                self._core.gave_up_waiting(prepared)
                 return self._core.local_decision(prepared, str(exc), allow_local=False)
             final = approval_final(body, prepared)
             if final is not None:
@@ -393,29 +394,26 @@ class Run:
             if wait == 0:
                 polled += min(left, 1.0)
                 client._sleep(min(left, 1.0))
+        self._core.gave_up_waiting(prepared)
         return pending
 
     def _upload(self) -> None:
         """Send the decisions made locally during an outage (best effort: kept on failure)."""
         core = self._core
-        body = core.upload_body()
-        if body is None:
-            return
-        try:
-            response = self._client._send(
-                "POST", f"/api/v1/runs/{self.id}/local-decisions", lambda _: body
-            )
-            data = expect(response, 200)
-        except GovernanceUnavailable:
-            return
-        except GovernanceError as exc:
-            logger.warning("local decisions of run %s refused, dropped: %s", self.id, exc)
-            core.uploaded(len(body["decisions"]))
-            return
-        core.uploaded(len(body["decisions"]))
-        run = data.get("run")
-        if isinstance(run, Mapping):
-            core.data.update(run)
+        while (body := core.upload_body()) is not None:
+            sent = len(body["decisions"])
+            try:
+                response = self._client._send(
+                    "POST", f"/api/v1/runs/{self.id}/local-decisions",
+                    lambda _, body=body: body)
+                data = expect(response, 200)
+            except GovernanceUnavailable:
+                return
+            except GovernanceError as exc:
+                if core.refused(sent, exc):
+                    continue
+                return
+            core.uploaded(sent, data)
 
     def report(
         self,

@@ -30,7 +30,9 @@ class ApiError(GovernanceError):
         message: str,
         fields: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(f"{status} {code}: {message}")
+        named = "; ".join(f"{name}: {problem}" for name, problem in (fields or {}).items())
+        # The fields in the text too: a log line or a traceback then says what was wrong.
+        super().__init__(f"{status} {code}: {message}" + (f" ({named})" if named else ""))
         self.status = status
         self.code = code
         self.message = message

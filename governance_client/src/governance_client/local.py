@@ -39,6 +39,9 @@ class LocalLimits:
     max_tool_calls: int | None = None
     deny: tuple[str, ...] | None = None
     allow: tuple[str, ...] | None = None
+    #: Action name patterns that need an operator (the policy's ``approvals.tools``): never
+    #: allowed locally. For runs started locally, which know no policy of the service.
+    approvals: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "max_repeat_action", "no_progress_window"):
@@ -57,6 +60,8 @@ class LocalLimits:
                 changes[name] = tuple(value) if isinstance(value, list) else value
         if self.max_usd is not None:
             changes["max_usd"] = Decimal(str(self.max_usd))
+        if self.approvals is not None:
+            changes["approval_tools"] = tuple(self.approvals)
         return rules.Policy(**{**_fields(base), **changes})
 
     @classmethod
@@ -102,6 +107,9 @@ def policy_from_json(policy: Mapping[str, Any] | None) -> rules.Policy:
         changes["error_threshold"] = on_error["threshold"]
     if "action" in on_error:
         changes["error_action"] = on_error["action"]
+    approvals = policy.get("approvals") or {}
+    if approvals.get("tools"):
+        changes["approval_tools"] = tuple(approvals["tools"])
     return rules.Policy(**{**_fields(default), **changes})
 
 
@@ -161,13 +169,18 @@ class LocalLedger:
         if isinstance(usage.get("cost_usd"), int | float):
             self.state.cost_usd = max(self.state.cost_usd, Decimal(str(usage["cost_usd"])))
 
-    def decide(self, check: rules.Check) -> Decision:
+    def decide(self, check: rules.Check) -> Decision | None:
         """Decide one check with the server's rules. A local stop is final for the run: the
-        service never saw the locally allowed actions, so it cannot be trusted to stop them."""
+        service never saw the locally allowed actions, so it cannot be trusted to stop them.
+        None when the rules want an operator's approval (SPEC 11): nobody can give it during
+        an outage, so the check is not decided here and changes nothing."""
         if self.stop is not None:
             return self.stop
         now = datetime.now(UTC)
-        verdict, self.state = rules.evaluate(self.policy, self.state, check, now=now)
+        verdict, state = rules.evaluate(self.policy, self.state, check, now=now)
+        if verdict.answer == rules.PENDING:
+            return None
+        self.state = state
         common: dict[str, Any] = {
             "step": verdict.step,
             "repeat_key": verdict.repeat_key,

@@ -309,6 +309,8 @@ class FakeGovernance:
                 "repeat_key": {"ignore_args": list(p.ignore_args)},
                 "on_repeated_error": {"threshold": p.error_threshold,
                                       "action": p.error_action},
+                "approvals": {"tools": list(self.approval_patterns),
+                              "timeout_s": self.approval_timeout_s},
             }
         }
 
