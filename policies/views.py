@@ -142,7 +142,13 @@ def policy_validate(request: HttpRequest, slug: str, name: str) -> HttpResponse:
     form.is_valid()
     return render(request, "policies/_validation.html", {
         "form": form,
-        "slots": [(field, form.errors.get(field, [])) for field in FIELD_PATHS],
+        # Saving an existing policy needs a note (policy_save_view): say so before the save
+        # is refused for it.
+        "needs_note": fixed is not None and not form.errors and not form.cleaned_data["note"],
+        # Every error slot of this editor (an existing policy's has no name field), the
+        # note's too: it clears what a refused save left there (the note is checked on save).
+        "slots": [(field, form.errors.get(field, [])) for field in (*FIELD_PATHS, "note")
+                  if field != "name" or fixed is None],
     })
 
 

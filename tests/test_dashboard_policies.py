@@ -115,7 +115,26 @@ def test_inline_validation_returns_out_of_band_field_errors(team, admin):
     assert yaml_error(team, {"step_limits.max_steps": 0})["step_limits.max_steps"] in html
     assert "2 fields to fix" in html
     ok = admin.post(url, form_data(), HTTP_HX_REQUEST="true").content.decode()
-    assert "Valid." in ok
+    assert "Valid." in ok and "note" not in ok.split("</p>")[0]
+    # Valid but not yet savable: the save asks for a note, and the validation says so first.
+    no_note = admin.post(url, form_data(note=""), HTTP_HX_REQUEST="true").content.decode()
+    assert "Valid. Add a note saying what changed to save it." in no_note
+    new = reverse("policy_validate", kwargs={"slug": team.slug, "name": "-"})
+    created = admin.post(new, form_data(name="fresh", note=""), HTTP_HX_REQUEST="true")
+    assert "Add a note" not in created.content.decode()  # a new policy's note is optional
+    # The slots swapped are the editor's own: an existing policy's has no name field, and
+    # the note's slot is always sent, so a refused save's note error does not stay.
+    assert 'id="err-name"' not in no_note and 'id="err-note"' in no_note
+    assert 'id="err-name"' in created.content.decode()
+
+
+def test_a_save_refused_for_its_note_shows_the_error_where_validation_clears_it(team, admin):
+    save = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    refused = admin.post(save, form_data(max_steps="20", note=""))
+    assert refused.status_code == 422
+    html = refused.content.decode()
+    slot = html[html.index('id="err-note"'):]
+    assert slot.index("Say what changed and why") < slot.index("</div>")
     assert Policy.objects.get(team=team, name="default").current.version == 1
 
 
