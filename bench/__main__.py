@@ -14,6 +14,7 @@ from typing import Any
 
 from . import report, stack
 from . import scenarios as sc
+from .report import TARGET_AGENTS
 
 PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "longrun", "stream",
           "attacks", "metrics", "ratelimit", "growth")
@@ -42,6 +43,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--checks-only-scenarios", default="real,min-durable,min-bare",
                         help="check endpoints to load with the runs already started "
                              "(default real,min-durable,min-bare; empty to skip)")
+    parser.add_argument("--long-seconds", type=float,
+                        help="one slice of this length per endpoint at 32 agents, runs "
+                             "already started, after the checks-only points (default 30, "
+                             "quick 0: skipped)")
     parser.add_argument("--fanout-runs", type=int,
                         help="running runs the fan-out phase kills (default 10000, quick 1000)")
     parser.add_argument("--longrun-steps", type=int,
@@ -112,7 +117,9 @@ def main(argv: list[str]) -> int:
             try:
                 points_phase(results, server, team, minimal, scenarios=scenarios,
                              checks_only=checks_only, points=points, rounds=rounds,
-                             seconds=seconds, warmup=warmup, quick=quick)
+                             seconds=seconds, warmup=warmup, quick=quick,
+                             long_seconds=args.long_seconds if args.long_seconds is not None
+                             else (0.0 if quick else 30.0))
             finally:
                 if minimal is not None:
                     minimal.stop()
@@ -182,10 +189,11 @@ def main(argv: list[str]) -> int:
 def points_phase(results: dict[str, Any], server: stack.Server, team: sc.Team,
                  minimal: stack.Server | None, *, scenarios: list[str], checks_only: list[str],
                  points: list[int], rounds: int, seconds: float, warmup: float,
-                 quick: bool) -> None:
+                 quick: bool, long_seconds: float = 0.0) -> None:
     """The throughput points: every concurrency in the start-checks-finish mix, then with the
-    runs already started (checks only). Quick mode loads the minimal baselines and the
-    checks-only points at 32 agents only, to stay short."""
+    runs already started (checks only), then one long slice of each checks-only endpoint but
+    the bare one at 32 agents (`long_seconds`, 0 to skip). Quick mode loads the minimal
+    baselines and the checks-only points at 32 agents only, to stay short."""
     # One short unmeasured round first: imports, caches, connections, prepared
     # statements are then warm for every scenario alike.
     for scenario in scenarios:
@@ -209,6 +217,15 @@ def points_phase(results: dict[str, Any], server: stack.Server, team: sc.Team,
                 seconds=seconds / rounds, warmup=warmup, minimal=minimal, mode=sc.CHECKS):
             results["points"].append(point)
             print(report.point_line(point), flush=True)
+    if long_seconds <= 0:
+        return
+    for scenario in [s for s in checks_only if s != "min-bare"]:
+        point = sc.summarize([sc.run_slice(server, long_team, scenario=scenario,
+                                           agents=TARGET_AGENTS, seconds=long_seconds,
+                                           warmup=warmup, minimal=minimal, mode=sc.CHECKS)],
+                             scenario=scenario, agents=TARGET_AGENTS, mode=sc.LONG)
+        results["points"].append(point)
+        print(report.point_line(point), flush=True)
 
 
 def live_stream(server: stack.Server, team: sc.Team, *, quick: bool) -> dict[str, Any]:

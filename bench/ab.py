@@ -1,5 +1,5 @@
 """`python -m bench.ab --other ../other-checkout`: this tree's check against another tree's,
-in one run (docs/performance.md "This stop's changes, measured").
+in one run (docs/performance.md "Python cuts of issue 17, measured").
 
 Starts this tree's server and the other checkout's (its own `.venv`, its own code, the same
 serve command and shape), and the minimal durable baseline, against the benchmark's

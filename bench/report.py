@@ -274,8 +274,9 @@ def summary(results: dict[str, Any]) -> str:
                      f"{p['p50_ms']:8.1f} {p['p95_ms']:8.1f} {p['p99_ms']:8.1f} "
                      f"{p.get('start_finish_p99_ms', 0.0):17.1f} "
                      f"{p['errors']:7}  {audit} {'ok' if p['audit_ok'] else 'MISMATCH'}")
-    for mode, title in (("mix", "start-checks-finish mix"), ("checks", "runs already started, "
-                                                                  "checks only")):
+    for mode, title in (("mix", "start-checks-finish mix"),
+                        ("checks", "runs already started, checks only"),
+                        ("long", "runs already started, checks only, one long slice each")):
         rows = ratios(results, mode)
         if not rows:
             continue
@@ -386,6 +387,9 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
         "real_over_min_bare_32": ratio.get("real_over_min_bare"),
         "real_over_min_durable_32_checks_only": next(
             (r["real_over_min_durable"] for r in ratios(results, "checks")
+             if r["agents"] == TARGET_AGENTS), None),
+        "real_over_min_durable_32_long": next(
+            (r["real_over_min_durable"] for r in ratios(results, "long")
              if r["agents"] == TARGET_AGENTS), None),
         "metrics_cost_pct": (results.get("metrics") or {}).get("cost_pct"),
         "soak_rss_growth_pct": (results.get("soak") or {}).get("rss_growth_max_pct"),

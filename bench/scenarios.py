@@ -35,6 +35,10 @@ CHECK_PATHS: dict[str, ag.CheckPath] = {
     MIN_BARE: lambda run_id: f"/runs/{run_id}/bare",
 }
 MIX, CHECKS = "mix", "checks"  # start-checks-finish runs; or runs already started, checks only
+# Checks only, one long slice per endpoint (a point of its own in the results): what the
+# short alternating slices hide, a cost that grows as the runs do (docs/performance.md "Two
+# more ties").
+LONG = "long"
 
 
 @dataclass
