@@ -127,6 +127,52 @@ def test_a_late_decision_answers_409_on_the_card(api, approving, users):
     assert late.status_code == 409 and "already approved by operator" in late.content.decode()
 
 
+def test_the_forms_answer_into_the_region_the_stream_swaps(api, approving, users):
+    """The decide form posts into its card's live region, the element the page's stream
+    swaps too (the approvals list, the run's banner), so the two can only overwrite each
+    other: a card swapped inside a list being replaced left two cards of one id on screen."""
+    run_id, approval_id = waiting(api)
+    operator = signed_in(users["operator"])
+    page_html = operator.get(reverse("runs:approvals", args=[approving.slug])).content.decode()
+    assert 'hx-target="#approvals-list" hx-swap="innerHTML"' in page_html
+    run_html = operator.get(reverse("runs:run", args=[approving.slug, run_id])).content.decode()
+    assert 'hx-target="#run-approval" hx-swap="innerHTML"' in run_html
+
+    url = reverse("runs:approval_decide", args=[approving.slug, approval_id])
+    in_list = {"HTTP_HX_REQUEST": "true", "HTTP_HX_TARGET": "approvals-list"}
+    refused = operator.post(url, {"decision": "deny", "note": ""}, **in_list)
+    html = refused.content.decode()
+    assert refused.status_code == 422 and "<html" not in html
+    assert html.count(f'id="approval-{approval_id}"') == 1
+    assert 'data-status="pending"' in html and "approval__error" in html and "note" in html
+    assert "Waiting for a decision" in html and "Decided" in html  # the whole list
+
+    denied = operator.post(url, {"decision": "deny", "note": "wrong customer"}, **in_list)
+    html = denied.content.decode()
+    assert denied.status_code == 200 and html.count(f'id="approval-{approval_id}"') == 1
+    assert 'data-status="denied"' in html and "Denied." in html
+    assert 'id="approvals-empty"' in html  # nothing waits any more
+
+
+def test_a_decision_from_the_run_page_answers_its_banner(api, approving, users):
+    _, approval_id = waiting(api)
+    operator = signed_in(users["operator"])
+    url = reverse("runs:approval_decide", args=[approving.slug, approval_id])
+    in_banner = {"HTTP_HX_REQUEST": "true", "HTTP_HX_TARGET": "run-approval"}
+    refused = operator.post(url, {"decision": "bogus"}, **in_banner)
+    html = refused.content.decode()
+    assert refused.status_code == 422 and "Waiting for approval" in html
+    assert "approval__error" in html and html.count(f'id="approval-{approval_id}"') == 1
+
+    approved = operator.post(url, {"decision": "approve"}, **in_banner)
+    html = approved.content.decode()
+    assert approved.status_code == 200 and "Waiting for approval" not in html
+    assert "Approved." in html and "approval-" not in html
+
+    late = signed_in(users["admin"]).post(url, {"decision": "deny", "note": "x"}, **in_banner)
+    assert late.status_code == 409 and "already approved by operator" in late.content.decode()
+
+
 @pytest.mark.parametrize("who, status", [("viewer", 403), ("outsider", 404)])
 def test_a_forged_decision_is_refused_and_changes_nothing(api, approving, users, who, status):
     _, approval_id = waiting(api)

@@ -94,12 +94,13 @@
 })();
 
 // A refused decision (409: another decision won or the request expired; 422: a denial
-// without a note) comes back as the request's card with the reason: show it in place.
-// htmx leaves 4xx answers unswapped by default.
+// without a note) comes back as the card's region (or the card) with the reason on the
+// card: show it in place. htmx leaves 4xx answers unswapped by default.
 document.addEventListener("htmx:beforeSwap", function (evt) {
   var status = evt.detail.xhr && evt.detail.xhr.status;
-  if ((status === 409 || status === 422) && evt.detail.target &&
-      evt.detail.target.classList && evt.detail.target.classList.contains("approval")) {
+  var target = evt.detail.target;
+  if ((status === 409 || status === 422) && target && target.matches &&
+      target.matches("[data-decide-region], .approval")) {
     evt.detail.shouldSwap = true;
     evt.detail.isError = false;
   }

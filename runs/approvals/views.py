@@ -44,12 +44,18 @@ def _next(request: HttpRequest, fallback: str) -> str:
     return fallback
 
 
+# The live regions a decide form can answer into (runs/_approval_card.html `region`), by the
+# element id htmx names in HX-Target.
+LIST_REGION, RUN_REGION = "approvals-list", "run-approval"
+
+
 @team_view(Role.OPERATOR)
 @require_POST
 def approval_decide_view(request: HttpRequest, slug: str, approval_id: Any) -> HttpResponse:
     """Approve or deny. Answers 200 with the decided request, 409 when another decision won
     or the request expired, 422 for an unknown decision or a denial without a note; under
-    htmx as the request's card (with the message), else as a redirect or the page."""
+    htmx as the region the form's card is in (the approvals list or the run's banner, with
+    the message on the card), else as a redirect or the page."""
     team = request.team  # type: ignore[attr-defined]
     status, error = 200, ""
     try:
@@ -63,11 +69,18 @@ def approval_decide_view(request: HttpRequest, slug: str, approval_id: Any) -> H
     approval = Approval.objects.select_related("run").filter(team=team, pk=approval_id).first()
     if approval is None:
         raise Http404("No such approval.")
-    card = presenters.approval_card(approval)
     if request.htmx:
+        flash = {"id": str(approval.pk), "error": error,
+                 "done": "" if error else f"{approval.status.capitalize()}."}
+        if request.htmx.target == LIST_REGION:
+            return page(request, "runs/_approvals_list.html",
+                        {**presenters.approvals_context(team), "flash": flash}, status=status)
+        if request.htmx.target == RUN_REGION:
+            return page(request, "runs/_run_approval.html",
+                        {**presenters.run_approval_context(approval.run), "flash": flash},
+                        status=status)
         return page(request, "runs/_approval_card.html",
-                    {"card": card, "error": error,
-                     "done": "" if error else f"{approval.status.capitalize()}."},
+                    {"card": presenters.approval_card(approval), "flash": flash},
                     status=status)
     if status == 200:
         messages.success(request, f"{approval.status.capitalize()}: {approval.action_name}.")
