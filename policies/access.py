@@ -13,6 +13,7 @@ from typing import Any
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
+from django_htmx.http import HttpResponseClientRedirect
 
 from .models import ROLE_RANK, Membership, Role, Team
 
@@ -47,7 +48,7 @@ def team_view(needed: Role = Role.VIEWER) -> Callable[[Callable[..., HttpRespons
         @wraps(view)
         def wrapper(request: HttpRequest, slug: str, *args: Any, **kwargs: Any) -> HttpResponse:
             if not request.user.is_authenticated:
-                return redirect_to_login(request.get_full_path())
+                return _to_login(request)
             team = Team.objects.filter(slug=slug).first()
             role = role_in(request.user, team) if team is not None else None
             if team is None or role is None:
@@ -61,6 +62,18 @@ def team_view(needed: Role = Role.VIEWER) -> Callable[[Callable[..., HttpRespons
         return wrapper
 
     return decorator
+
+
+def _to_login(request: HttpRequest) -> HttpResponse:
+    """The login page, then back. An htmx request (a decide form, a table's page) whose
+    session ended goes there as a whole page, back to the page it was sent from: followed
+    inside htmx, the redirect swapped the login form into the region, and signing in from
+    it came back to a POST-only URL (405)."""
+    htmx = getattr(request, "htmx", None)
+    if htmx:
+        back = htmx.current_url_abs_path or request.get_full_path()  # None if off-site
+        return HttpResponseClientRedirect(redirect_to_login(back).url)
+    return redirect_to_login(request.get_full_path())
 
 
 def controls(role: Role | None) -> dict[str, bool]:

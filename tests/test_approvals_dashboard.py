@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.conf import settings
+from django.shortcuts import resolve_url
 from django.test import Client, RequestFactory, override_settings
 from django.urls import reverse
 
@@ -270,3 +272,49 @@ def test_the_delivery_log_lists_approval_notifications(api, approving, users):
     html = signed_in(users["viewer"]).get(reverse("runs:killswitch", args=[approving.slug])
                                           ).content.decode()
     assert "approval.requested" in html
+
+
+def test_a_stale_decision_on_the_run_page_says_so_above_the_new_request(api, approving, users):
+    run_id, first = waiting(api, "pay-1")
+    approval_decide(team=approving, approval_id=first, decision="approve", note="",
+                    actor=users["admin"])
+    second = check(api, run_id, PAY, check_id="pay-2")["approval"]["id"]
+    late = signed_in(users["operator"]).post(
+        reverse("runs:approval_decide", args=[approving.slug, first]), {"decision": "approve"},
+        HTTP_HX_REQUEST="true", HTTP_HX_TARGET="run-approval")
+    html = late.content.decode()
+    assert late.status_code == 409
+    assert "already approved by admin" in html and "A new request of the run waits below" in html
+    assert html.index("approval__error") < html.index(f'id="approval-{second}"')
+    assert Approval.objects.get(pk=second).status == "pending"
+
+
+def test_the_forms_next_is_the_page_they_are_on_wherever_they_were_rendered(
+        api, approving, users):
+    run_id, approval_id = waiting(api)
+    operator = signed_in(users["operator"])
+    url = reverse("runs:approval_decide", args=[approving.slug, approval_id])
+    listed = operator.post(url, {"decision": "bogus"}, HTTP_HX_REQUEST="true",
+                           HTTP_HX_TARGET="approvals-list").content.decode()
+    page_url = reverse("runs:approvals", args=[approving.slug])
+    assert f'name="next" value="{page_url}"' in listed and f'value="{url}"' not in listed
+    banner = operator.post(url, {"decision": "bogus"}, HTTP_HX_REQUEST="true",
+                           HTTP_HX_TARGET="run-approval").content.decode()
+    assert f'name="next" value="{reverse("runs:run", args=[approving.slug, run_id])}"' in banner
+
+
+def test_an_htmx_request_without_a_session_goes_to_the_login_page_and_back(api, approving):
+    _, approval_id = waiting(api)
+    page_url = reverse("runs:approvals", args=[approving.slug])
+    response = Client().post(
+        reverse("runs:approval_decide", args=[approving.slug, approval_id]),
+        {"decision": "approve"}, HTTP_HX_REQUEST="true", HTTP_HX_TARGET="approvals-list",
+        HTTP_HX_CURRENT_URL=f"http://testserver{page_url}")
+    assert response.status_code == 200 and response.content == b""
+    login = response["HX-Redirect"]
+    assert login == f"{resolve_url(settings.LOGIN_URL)}?next={page_url}"
+    assert Approval.objects.get(pk=approval_id).status == "pending"
+    plain = Client().post(reverse("runs:approval_decide", args=[approving.slug, approval_id]),
+                          {"decision": "approve"})
+    assert plain.status_code == 302
+    assert plain["Location"].startswith(resolve_url(settings.LOGIN_URL))
