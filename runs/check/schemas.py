@@ -317,8 +317,7 @@ def _local_kind(value: Any) -> str | None:
     decision = value.get("decision") if isinstance(value, dict) else getattr(
         value, "decision", None)
     # Tags in pydantic's error locations; lowercase with a dash, so _field_path drops them.
-    return {"allow": "local-allow", "stop": "local-stop"}.get(decision) \
-        if isinstance(decision, str) else None
+    return f"local-{decision}" if decision in ("allow", "stop") else None
 
 
 # The error type of an entry whose `decision` names neither branch: pydantic places it on the
