@@ -42,6 +42,37 @@ class RefusedTarget(ValueError):
     """A webhook target the server will not connect to; the message is for the admin."""
 
 
+class UnresolvedHost(RefusedTarget):
+    """The host name has no address (today): a DNS failure, not a refused address, so the
+    operator is sent to the right fix."""
+
+
+def ascii_url(url: str) -> str:
+    """``url`` with an internationalised host name in its IDNA (punycode) form, the only form
+    HTTP and DNS carry: "https://例え.jp/hook" becomes "https://xn--r8jz45g.jp/hook". Saved
+    that way, every delivery connects to the name the admin meant. Raises RefusedTarget for
+    a host that has no IDNA form (an empty label, a label over 63 characters)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        raise RefusedTarget("must be an http:// or https:// URL with a host") from None
+    if not host or host.isascii():
+        return url
+    try:
+        encoded = host.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise RefusedTarget("has a host name that is not a valid internationalised "
+                            "domain name") from None
+    netloc = parts.netloc
+    # Replace the host inside netloc and keep any credentials and port as written;
+    # urlsplit lowercases `hostname`, so find it case-insensitively.
+    at = netloc.rfind("@") + 1
+    start = netloc.lower().find(host, at)
+    netloc = netloc[:start] + encoded + netloc[start + len(host):] if start >= 0 else encoded
+    return parts._replace(netloc=netloc).geturl()
+
+
 def is_public(address: Address) -> bool:
     if isinstance(address, ipaddress.IPv6Address):
         embedded = address.ipv4_mapped or address.sixtofour
@@ -93,7 +124,7 @@ def vetted_addresses(host: str, port: int) -> list[str]:
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
-        raise RefusedTarget("the host name does not resolve") from exc
+        raise UnresolvedHost("the host name does not resolve") from exc
     addresses: list[str] = []
     for info in infos:
         text = str(info[4][0]).partition("%")[0]  # no IPv6 zone: a scoped address is local
@@ -120,7 +151,7 @@ def _resolves_within(host: str, port: int, timeout: float) -> list[str] | None:
     thread.join(timeout)
     if "refused" in outcome:
         refused = outcome["refused"]
-        if isinstance(refused.__cause__, OSError | UnicodeError):
+        if isinstance(refused, UnresolvedHost):
             return None  # unknown today (not set up yet?): the delivery-time check guards
         raise refused
     return outcome.get("addresses")
@@ -128,7 +159,9 @@ def _resolves_within(host: str, port: int, timeout: float) -> list[str] | None:
 
 def check_webhook_url(url: str) -> None:
     """Raise RefusedTarget unless ``url`` may be saved as a team's webhook: http(s), a host,
-    and a host that is public (or allowed) as written and as it resolves now."""
+    and a host that is public (or allowed) as written and as it resolves now. An
+    internationalised host is judged in its IDNA form (``ascii_url``), the one saved."""
+    url = ascii_url(url)
     try:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port
@@ -156,6 +189,39 @@ def check_webhook_url(url: str) -> None:
         raise RefusedTarget(
             "resolves to a non-public address (list internal receivers in "
             "WEBHOOK_ALLOWED_HOSTS)") from None
+
+
+MASK = "•••"
+
+
+def _secret_looking(segment: str) -> bool:
+    # Slack's /services/T0/B0/XXXX, Discord's /api/webhooks/ID/TOKEN, random path tokens:
+    # long, or mixing letters and digits over a length no word has.
+    has_digit = any(c.isdigit() for c in segment)
+    has_alpha = any(c.isalpha() for c in segment)
+    return len(segment) >= 24 or (len(segment) >= 12 and has_digit and has_alpha)
+
+
+def masked_url(url: str | None) -> str:
+    """The webhook URL as shown to those who may not see its credentials (everyone but the
+    team's admins): user and password, query values, fragment and path segments that look
+    like tokens replaced by "•••"; scheme, host, port and plain path words kept, so a
+    viewer can still tell which receiver it is."""
+    if not url:
+        return ""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError:
+        return MASK
+    netloc = ("[" + host + "]" if ":" in host else host) + (f":{port}" if port else "")
+    if parts.username is not None or parts.password is not None:
+        netloc = f"{MASK}@{netloc}"
+    path = "/".join(MASK if _secret_looking(seg) else seg for seg in parts.path.split("/"))
+    query = "&".join(f"{pair.partition('=')[0]}={MASK}" if pair else ""
+                     for pair in parts.query.split("&")) if parts.query else ""
+    return parts._replace(netloc=netloc, path=path, query=query,
+                          fragment=MASK if parts.fragment else "").geturl()
 
 
 class VettedBackend(httpcore.SyncBackend):

@@ -13,7 +13,7 @@ from django import forms
 from governance_client import rules
 
 from .document import DocumentError, parse_policy
-from .egress import RefusedTarget, check_webhook_url
+from .egress import RefusedTarget, ascii_url, check_webhook_url
 from .models import Role
 
 # Form field -> path of the value in the policy document (and of its errors).
@@ -268,6 +268,7 @@ class WebhookForm(forms.Form):
             raise forms.ValidationError("must be an http:// or https:// URL")
         if url is not None:
             try:
+                url = ascii_url(url)  # saved as HTTP and DNS carry it
                 check_webhook_url(url)
             except RefusedTarget as exc:
                 raise forms.ValidationError(str(exc)) from None

@@ -16,6 +16,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from .document import default_policy, parse_document
+from .egress import ascii_url
 from .models import AgentKey, Membership, OperatorEvent, Policy, PolicyVersion, Role, Team
 
 KEY_PREFIX = "gov"
@@ -98,9 +99,11 @@ def policy_apply(
         if created:
             changes.append(f"team {team.slug}: created")
         name = doc["name"] or doc["slug"]
-        if (team.name, team.webhook_url) != (name, doc["webhook_url"]):
+        # The document's validation refused a host with no IDNA form already.
+        webhook_url = ascii_url(doc["webhook_url"]) if doc["webhook_url"] else None
+        if (team.name, team.webhook_url) != (name, webhook_url):
             before = {"name": team.name, "webhook_url": team.webhook_url}
-            team.name, team.webhook_url = name, doc["webhook_url"]
+            team.name, team.webhook_url = name, webhook_url
             team.save(update_fields=["name", "webhook_url"])
             after = {"name": name, "webhook_url": team.webhook_url}
             audit(actor=actor, action="team.update", team=team, target=team.slug,
@@ -264,6 +267,7 @@ def team_update_webhook(*, team: Team, webhook_url: str | None,
                         actor: AbstractBaseUser | None) -> bool:
     """Set the URL kill-switch notifications are POSTed to. Returns False when unchanged."""
     team = Team.objects.select_for_update().get(pk=team.pk)
+    webhook_url = ascii_url(webhook_url) if webhook_url else None
     if team.webhook_url == webhook_url:
         return False
     before = team.webhook_url

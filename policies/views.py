@@ -4,6 +4,7 @@ role too low gets 403. Reads are in selectors, writes in services; views only tr
 
 from __future__ import annotations
 
+import json
 from typing import Any
 from urllib.parse import urlencode
 
@@ -20,8 +21,9 @@ from django.views.decorators.http import require_http_methods, require_POST, req
 from governance.web import page
 
 from . import selectors
-from .access import team_view, teams_of
+from .access import can, team_view, teams_of
 from .document import DocumentError, default_policy
+from .egress import masked_url
 from .forms import (
     FIELD_PATHS,
     ImportForm,
@@ -430,6 +432,22 @@ def webhook_secret_show(request: HttpRequest, slug: str) -> HttpResponse:
 
 # --- Operator audit log --------------------------------------------------------------------------
 
+def _detail_items(action: str, detail: Any, admin: bool) -> list[tuple[str, str]]:
+    """An event's detail as key=value pairs, each value as JSON (what the API would show, not
+    Python's repr), with webhook URLs masked for everyone but admins (their credentials):
+    `team.webhook`'s before and after, and any `webhook_url` inside a detail."""
+    def shown(value: Any, is_url: bool) -> Any:
+        if isinstance(value, dict):
+            return {k: shown(v, k == "webhook_url") for k, v in value.items()}
+        return masked_url(value) if is_url and isinstance(value, str) and not admin else value
+
+    if not isinstance(detail, dict):
+        return [("", json.dumps(detail, ensure_ascii=False, default=str))] if detail else []
+    return [(key, json.dumps(shown(value, action == "team.webhook" or key == "webhook_url"),
+                             ensure_ascii=False, default=str))
+            for key, value in detail.items()]
+
+
 @team_view(Role.VIEWER)
 @require_safe
 def audit_log(request: HttpRequest, slug: str) -> HttpResponse:
@@ -448,7 +466,9 @@ def audit_log(request: HttpRequest, slug: str) -> HttpResponse:
                 version > 1 else "(nothing)",
                 after_label=f"version {version}",
             )
-        rows.append({"event": event, "diff": diff})
+        rows.append({"event": event, "diff": diff,
+                     "detail": _detail_items(event.action, event.detail,
+                                             can(request.role, Role.ADMIN))})
     query = {k: v for k, v in (("action", action), ("actor", actor)) if v}
     return page(request, "policies/audit.html", {
         "events": events, "rows": rows, "action": action, "actor": actor,

@@ -169,6 +169,18 @@ def killswitch_page(request: HttpRequest, slug: str) -> HttpResponse:
     })
 
 
+@require_POST
+@team_view(Role.ADMIN)
+def webhook_test_view(request: HttpRequest, slug: str) -> HttpResponse:
+    """Send test: a signed `webhook.test` delivery, shown in the deliveries log below."""
+    team = request.team  # type: ignore[attr-defined]
+    if webhooks.send_test(team=team, sent_by=request.user.get_username()) is None:
+        messages.error(request, "This team has no webhook URL: set one in the team settings.")
+    else:
+        messages.success(request, "Test notification sent: its attempts show below.")
+    return redirect(reverse("runs:killswitch", args=[slug]) + "#killswitch-deliveries")
+
+
 @require_safe
 @team_view(Role.VIEWER)
 def killswitch_stream(request: HttpRequest, slug: str) -> HttpResponse:

@@ -9,10 +9,12 @@ from django.http import HttpRequest
 from django.urls import reverse
 
 from policies.access import can, role_in
+from policies.egress import masked_url
 from policies.models import Role, Team
 from runs.killswitch import cover
 from runs.killswitch.selectors import engaged_for_team
-from runs.models import KillSwitch, Scope
+from runs.models import KillSwitch, Scope, WebhookAttempt
+from runs.webhooks.selectors import failing_notice
 
 register = template.Library()
 
@@ -54,3 +56,15 @@ def killswitch_banner(team: Team | None, request: HttpRequest | None) -> list[di
 @register.filter
 def scope_label(switch: KillSwitch) -> str:
     return cover.switch_scope_in_words(switch)
+
+
+@register.filter
+def webhook_url_for(url: str | None, can_admin: bool) -> str:
+    """A webhook URL as this reader may see it: whole for the team's admins, its credentials
+    (user and password, query values, token-like path segments) masked for everyone else."""
+    return (url or "") if can_admin else masked_url(url)
+
+
+@register.simple_tag
+def webhook_failing(team: Team | None) -> WebhookAttempt | None:
+    return failing_notice(team) if team is not None else None

@@ -28,7 +28,7 @@ import httpx
 from django.db import connections, transaction
 from django.utils import timezone
 
-from policies.egress import RefusedTarget, VettedBackend
+from policies.egress import RefusedTarget, UnresolvedHost, VettedBackend, ascii_url
 from policies.models import Team
 from policies.services import webhook_secret_id
 from runs.models import KillSwitch, WebhookAttempt, WebhookDelivery
@@ -44,16 +44,20 @@ TIMEOUT_S = 5.0
 # POST's timeout plus slack for recording the outcome.
 LEASE_S = TIMEOUT_S + 2.0
 _TIMEOUTS = {"connect": TIMEOUT_S, "read": TIMEOUT_S, "write": TIMEOUT_S, "pool": TIMEOUT_S}
-# What operators see of a failed attempt: fixed phrases and the status code, nothing the
-# receiver (or whatever listens at that address) wrote.
-REFUSED = "refused: the address is not public (see WEBHOOK_ALLOWED_HOSTS)"
-TIMED_OUT = "no answer in time"
-UNREACHABLE = "could not connect"
+# What operators see of a failed attempt: what happened, in fixed phrases that point at the
+# fix, and the status code; nothing the receiver (or whatever listens at that address) wrote.
+REFUSED = "refused: the host resolves to an address that is not public (see WEBHOOK_ALLOWED_HOSTS)"
+UNRESOLVED = "DNS failure: the host name does not resolve"
+TIMED_OUT = f"timeout: no answer within {TIMEOUT_S:g} s"
+UNREACHABLE = "could not connect: the connection was refused or the host is unreachable"
+BAD_URL = "the URL cannot be used (save it again in the team settings)"
+UNEXPECTED = "failed: an unexpected error (the server log has the details)"
 IN_FLIGHT = "in flight"
 INTERRUPTED = "interrupted: the worker stopped before the outcome was recorded"
 EVENT = "killswitch.engaged"
 APPROVAL_REQUESTED = "approval.requested"
 APPROVAL_DECIDED = "approval.decided"
+TEST_EVENT = "webhook.test"
 SIGNATURE_HEADER = "X-Governance-Signature"
 TIMESTAMP_HEADER = "X-Governance-Timestamp"
 TOLERANCE_S = 300
@@ -103,6 +107,30 @@ def approval_payload(approval: Any, event: str) -> dict[str, Any]:
         "decided_by": approval.decided_by_label or None,
         "note": approval.note or None,
     }
+
+
+def send_test(*, team: Team, sent_by: str) -> WebhookDelivery | None:
+    """A `webhook.test` notification to the team's webhook, delivered (signed, retried,
+    recorded) like any other, so an admin sees what a real one would meet: a DNS failure, a
+    refused address, a timeout, the receiver's status. None when the team has no webhook."""
+    if not team.webhook_url:
+        return None
+    now = timezone.now()
+    with transaction.atomic():
+        delivery = WebhookDelivery.objects.create(
+            team=team, event=TEST_EVENT, url=team.webhook_url,
+            payload={"event": TEST_EVENT, "team": team.slug, "sent_by": sent_by,
+                     "sent_at": now.isoformat().replace("+00:00", "Z")})
+        transaction.on_commit(lambda: _schedule_or_log(delivery.pk))
+    return delivery
+
+
+def _schedule_or_log(delivery_id: int) -> None:
+    try:
+        schedule_delivery(delivery_id, 1, 0)
+    except Exception:
+        # The broker is down: the beat sweep restarts pending deliveries.
+        log.exception("could not schedule webhook delivery %s", delivery_id)
 
 
 def body_of(payload: dict[str, Any]) -> bytes:
@@ -185,13 +213,21 @@ def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
         SIGNATURE_HEADER: sign(delivery.team.webhook_secret, timestamp, body),
     }
     try:
+        # A URL saved before internationalised names were stored in their IDNA form.
+        url = ascii_url(delivery.url)
+    except RefusedTarget:
+        return None, BAD_URL
+    try:
         # Straight to a vetted address of the URL's host (policies/egress.py): no proxy from
         # the environment, no redirect, and a name that now resolves to a private address
         # is refused, not connected to.
         with httpcore.ConnectionPool(network_backend=VettedBackend(),
                                      ssl_context=httpx.create_ssl_context()) as pool:
-            response = pool.request("POST", delivery.url, headers=headers, content=body,
+            response = pool.request("POST", url, headers=headers, content=body,
                                     extensions={"timeout": _TIMEOUTS})
+    except UnresolvedHost:
+        log.info("webhook delivery %s: %s does not resolve", delivery.pk, delivery.url)
+        return None, UNRESOLVED
     except RefusedTarget:
         log.warning("webhook delivery %s refused: %s is not a public address", delivery.pk,
                     delivery.url)
@@ -204,6 +240,11 @@ def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
         # screens: it would describe whatever answers at that address.
         log.info("webhook delivery %s: %s: %s", delivery.pk, type(exc).__name__, exc)
         return None, UNREACHABLE
+    except Exception:
+        # Whatever else goes wrong is still this attempt's outcome: recorded as failed (and
+        # retried), never left "in flight" with the worker's traceback as the only trace.
+        log.exception("webhook delivery %s failed unexpectedly", delivery.pk)
+        return None, UNEXPECTED
     if 200 <= response.status < 300:
         return response.status, ""
     # Only the status: the receiver's body is not shown to anyone (it could be an internal

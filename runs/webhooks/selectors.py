@@ -8,8 +8,8 @@ from datetime import timedelta
 from django.utils import timezone
 
 from policies.models import Team
-from runs.models import WebhookDelivery
-from runs.webhooks.delivery import PENDING
+from runs.models import WebhookAttempt, WebhookDelivery
+from runs.webhooks.delivery import IN_FLIGHT, PENDING
 
 # A delivery nobody attempted for this long has no worker taking it (the sweep's own
 # threshold, runs/killswitch/services.py STALE_AFTER, is the same minute).
@@ -27,3 +27,20 @@ def overdue(delivery: WebhookDelivery) -> bool:
     """A pending delivery with no attempt for long: no worker is taking it."""
     return (delivery.status == PENDING and delivery.attempts == 0
             and timezone.now() - delivery.created_at > UNTAKEN_AFTER)
+
+
+# How far back a failed attempt still makes the overview say notifications are failing.
+FAILING_WITHIN = timedelta(hours=24)
+
+
+def failing_notice(team: Team) -> WebhookAttempt | None:
+    """The team's latest finished webhook attempt when it failed (within a day): kill switch
+    and approval notifications are not reaching the receiver, which the overview says. A
+    later success clears it. One indexed read of the day's attempts, newest first."""
+    latest = (WebhookAttempt.objects
+              .filter(delivery__team=team, at__gte=timezone.now() - FAILING_WITHIN)
+              .exclude(error=IN_FLIGHT).select_related("delivery")
+              .order_by("-at", "-pk").first())
+    if latest is None or not latest.error:
+        return None
+    return latest

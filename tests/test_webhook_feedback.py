@@ -1,0 +1,227 @@
+"""Webhooks that fail say why, and can be tested (issue 26): an internationalised host saved
+in its IDNA form, a DNS failure told apart from a refused address, a "Send test" button, a
+banner on the overview while notifications fail, credentials masked for all but admins."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from policies.egress import ascii_url, masked_url
+from policies.services import team_update_webhook
+from runs.models import KillSwitch, WebhookAttempt, WebhookDelivery
+from runs.webhooks import delivery as webhooks
+from tests.workers import Receiver
+
+SECRET_URL = ("https://ops:hunter2@hooks.example.com/services/T0001/B0002/"
+              "q8Zr4kV9mX2pL7tN1bW6yH3c?token=s3cr3t-value")
+
+
+def signed_in(user: Any) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def delivery_to(team: Any, url: str) -> WebhookDelivery:
+    switch = KillSwitch.objects.create(scope="team", team=team, target=f"team:{team.pk}",
+                                       reason="r", engaged_by_label="x",
+                                       engaged_at=timezone.now())
+    return WebhookDelivery.objects.create(switch=switch, team=team, url=url,
+                                          payload={"id": switch.pk})
+
+
+@pytest.fixture
+def receiver(team: Any) -> Iterator[Receiver]:
+    rec = Receiver(secrets={team.slug: team.webhook_secret}).start()
+    yield rec
+    rec.stop()
+
+
+# --- Internationalised host names ------------------------------------------------------------
+
+def test_an_internationalised_host_is_saved_in_its_idna_form(team, users, settings):
+    settings.WEBHOOK_ALLOWED_HOSTS = []
+    response = signed_in(users["admin"]).post(
+        reverse("team_settings", kwargs={"slug": team.slug}),
+        {"webhook_url": "https://例え.jp/hook"})
+    assert response.status_code == 302, response.content
+    team.refresh_from_db()
+    assert team.webhook_url == "https://xn--r8jz45g.jp/hook"
+
+
+def test_a_host_with_no_idna_form_is_refused_with_a_message(team, users, settings):
+    settings.WEBHOOK_ALLOWED_HOSTS = []
+    response = signed_in(users["admin"]).post(
+        reverse("team_settings", kwargs={"slug": team.slug}),
+        {"webhook_url": "https://例え" + "あ" * 70 + ".jp/hook"})
+    assert response.status_code == 422
+    assert b"field-error" in response.content  # Django's URLField or ours: a message
+    team.refresh_from_db()
+    assert team.webhook_url is None
+
+
+def test_a_host_with_no_idna_form_has_a_message_of_its_own() -> None:
+    from policies.egress import RefusedTarget
+
+    with pytest.raises(RefusedTarget, match="internationalised domain name"):
+        ascii_url("https://例え" + "あ" * 70 + ".jp/hook")
+
+
+def test_ascii_url_keeps_credentials_port_path_and_query() -> None:
+    assert (ascii_url("https://u:p@Bücher.example:8443/a/b?x=1#f")
+            == "https://u:p@xn--bcher-kva.example:8443/a/b?x=1#f")
+    assert ascii_url("https://plain.example/hook") == "https://plain.example/hook"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stored_internationalised_url_is_delivered_not_stuck_in_flight(team, settings):
+    """Saved before the IDNA conversion: the attempt gets an outcome (here, as this machine
+    has no DNS for it, a DNS failure), never stays "in flight" behind a TypeError."""
+    settings.WEBHOOK_ALLOWED_HOSTS = []
+    delivery = delivery_to(team, "https://例え.invalid/hook")
+    webhooks.attempt_delivery(delivery_id=delivery.pk, number=1)
+    [attempt] = delivery.tries.all()
+    assert attempt.error == webhooks.UNRESOLVED
+    assert attempt.error != webhooks.IN_FLIGHT
+
+
+# --- Errors that say what happened -----------------------------------------------------------
+
+@pytest.mark.django_db(transaction=True)
+def test_an_unresolvable_host_is_reported_as_a_dns_failure_not_a_refused_address(
+        team, settings):
+    settings.WEBHOOK_ALLOWED_HOSTS = []
+    delivery = delivery_to(team, "https://hooks.nothing-here.invalid/hook")
+    webhooks.attempt_delivery(delivery_id=delivery.pk, number=1)
+    [attempt] = delivery.tries.all()
+    assert attempt.error == webhooks.UNRESOLVED
+    assert "DNS" in attempt.error and "not public" not in attempt.error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_unexpected_error_is_recorded_as_the_attempts_outcome(team, settings,
+                                                                 monkeypatch):
+    settings.WEBHOOK_ALLOWED_HOSTS = ["127.0.0.1"]
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("something no one planned for")
+
+    monkeypatch.setattr(webhooks.httpcore.ConnectionPool, "request", broken)
+    delivery = delivery_to(team, "http://127.0.0.1:9/hook")
+    step = webhooks.attempt_delivery(delivery_id=delivery.pk, number=1)
+    [attempt] = delivery.tries.all()
+    assert attempt.error == webhooks.UNEXPECTED
+    assert step is not None and step.number == 2  # retried like any failure
+
+
+# --- Send test ---------------------------------------------------------------------------------
+
+@pytest.mark.django_db(transaction=True)
+def test_an_admin_sends_a_test_and_sees_its_outcome(team, users, receiver, settings):
+    settings.WEBHOOK_ALLOWED_HOSTS = ["127.0.0.1"]
+    team_update_webhook(team=team, webhook_url=f"{receiver.url}/{team.slug}", actor=None)
+    admin = signed_in(users["admin"])
+    response = admin.post(reverse("runs:webhook-test", args=[team.slug]))
+    assert response.status_code == 302
+    [delivery] = WebhookDelivery.objects.filter(team=team, event=webhooks.TEST_EVENT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        delivery.refresh_from_db()
+        if delivery.status == webhooks.DELIVERED:
+            break
+        time.sleep(0.1)
+    assert delivery.status == webhooks.DELIVERED
+    assert receiver.valid[team.slug] == 1
+    assert receiver.bodies[0]["event"] == "webhook.test"
+    assert receiver.bodies[0]["sent_by"] == "admin"
+    page = admin.get(reverse("runs:killswitch", args=[team.slug])).content.decode()
+    assert "webhook.test" in page and "data-webhook-test" in page
+
+
+def test_only_admins_may_send_a_test(team, users, other_team):
+    url = reverse("runs:webhook-test", args=[team.slug])
+    assert signed_in(users["operator"]).post(url).status_code == 403
+    assert signed_in(users["viewer"]).post(url).status_code == 403
+    assert signed_in(users["outsider"]).post(url).status_code == 404
+    assert signed_in(users["admin"]).get(url).status_code == 405
+    assert not WebhookDelivery.objects.exists()
+    page = signed_in(users["operator"]).get(reverse("runs:killswitch", args=[team.slug]))
+    assert b"data-webhook-test" not in page.content
+
+
+def test_a_test_without_a_webhook_says_so(team, users):
+    response = signed_in(users["admin"]).post(reverse("runs:webhook-test", args=[team.slug]),
+                                              follow=True)
+    assert b"no webhook URL" in response.content
+    assert not WebhookDelivery.objects.exists()
+
+
+# --- The overview says when notifications fail --------------------------------------------------
+
+def attempt(delivery: WebhookDelivery, number: int, *, error: str = "",
+            status_code: int | None = None) -> WebhookAttempt:
+    return WebhookAttempt.objects.create(delivery=delivery, number=number, at=timezone.now(),
+                                         error=error, status_code=status_code)
+
+
+def test_the_overview_shows_a_banner_while_notifications_fail(team, users):
+    overview = reverse("runs:overview", args=[team.slug])
+    viewer = signed_in(users["viewer"])
+    assert b"data-webhook-failing" not in viewer.get(overview).content
+    delivery = delivery_to(team, "https://hooks.example.com/x")
+    attempt(delivery, 1, error=webhooks.UNRESOLVED)
+    page = viewer.get(overview).content.decode()
+    assert "data-webhook-failing" in page
+    assert "DNS failure" in page
+    # A later success clears it.
+    attempt(delivery, 2, status_code=200)
+    assert b"data-webhook-failing" not in viewer.get(overview).content
+
+
+# --- Credentials masked for everyone but admins ----------------------------------------------------
+
+def test_masked_url_hides_credentials_tokens_and_query_values() -> None:
+    shown = masked_url(SECRET_URL)
+    for secret in ("hunter2", "ops:", "q8Zr4kV9mX2pL7tN1bW6yH3c", "s3cr3t-value"):
+        assert secret not in shown
+    assert shown.startswith("https://•••@hooks.example.com/services/")
+    assert "token=•••" in shown
+    assert masked_url("https://hooks.example.com/governance") == \
+        "https://hooks.example.com/governance"
+    assert masked_url(None) == ""
+
+
+def test_the_webhook_url_is_masked_for_viewers_and_operators_not_admins(team, users,
+                                                                        settings):
+    settings.WEBHOOK_ALLOWED_HOSTS = ["hooks.example.com"]
+    team_update_webhook(team=team, webhook_url=SECRET_URL, actor=users["admin"])
+    delivery_to(team, SECRET_URL)
+    for role in ("viewer", "operator"):
+        client = signed_in(users[role])
+        for page in (reverse("runs:killswitch", args=[team.slug]),
+                     reverse("audit", args=[team.slug])):
+            content = client.get(page).content.decode()
+            assert "hunter2" not in content and "s3cr3t-value" not in content, (role, page)
+            assert "hooks.example.com" in content, (role, page)
+    admin = signed_in(users["admin"])
+    assert "hunter2" in admin.get(reverse("runs:killswitch", args=[team.slug])).content.decode()
+    assert "hunter2" in admin.get(reverse("audit", args=[team.slug])).content.decode()
+
+
+def test_the_audit_log_shows_details_as_json_not_python_repr(team, users, settings):
+    from policies.services import policy_apply
+
+    settings.WEBHOOK_ALLOWED_HOSTS = ["hooks.example.com"]
+    policy_apply(data={"teams": [{"slug": team.slug, "name": "Renamed",
+                             "webhook_url": "https://hooks.example.com/x"}]},
+                 actor=users["admin"])
+    content = signed_in(users["admin"]).get(reverse("audit", args=[team.slug])).content.decode()
+    assert "&#x27;webhook_url&#x27;" not in content and "None" not in content
+    assert "&quot;webhook_url&quot;: &quot;https://hooks.example.com/x&quot;" in content
