@@ -84,7 +84,7 @@ def test_one_time_format_and_one_money_format():
     now = timezone.now()
     html = str(when(now - timedelta(minutes=3), now))
     assert ">3\xa0minutes ago</time>" in html and " UTC\"" in html and "datetime=" in html
-    assert money(Decimal("1234.5")) == "$1,234.50" and money(0.004) == "$0.0040"
+    assert money(Decimal("1234.5")) == "$1,234.50" and money(0.004) == "$0.004"
     assert money(Decimal("0.1234"), 4) == "$0.1234" and money(None) == "—"
     assert (duration(0.25), duration(12.34), duration(75), duration(7300)) == (
         "250 ms", "12.3 s", "1 min 15 s", "2 h 01 min")

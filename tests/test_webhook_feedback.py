@@ -185,7 +185,7 @@ def test_the_overview_shows_a_banner_while_notifications_fail(team, users):
     assert b"data-webhook-failing" not in viewer.get(overview).content
 
 
-# --- Credentials masked for everyone but admins ----------------------------------------------------
+# --- Credentials masked for everyone but admins ---------------------------------------------
 
 def test_masked_url_hides_credentials_tokens_and_query_values() -> None:
     shown = masked_url(SECRET_URL)

@@ -7,8 +7,9 @@ in, text out: nothing here reads a model."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from django import template
@@ -38,14 +39,17 @@ def when(value: datetime | None, now: datetime | None = None) -> SafeString | st
 
 
 @register.filter
-def money(value: Any, places: int = 2) -> str:
-    """Dollars: "$0.42"; amounts below a cent keep 4 places so a step's cost is not "$0.00"."""
+def money(value: Any, places: int = 4) -> str:
+    """Dollars, one format on every page: cents always ("$0.42", "$1,234.50"), and the
+    fractions of a cent a step's cost has, up to `places` decimals ("$0.009", "$0.0125"), so
+    the same amount never reads "$0.0090" in one place and "$0.01" in another."""
     if value is None or value == "":
         return "—"
-    amount = Decimal(str(value))
-    if places == 2 and 0 < abs(amount) < Decimal("0.01"):
-        places = 4
-    return f"${amount:,.{int(places)}f}"
+    amount = Decimal(str(value)).quantize(Decimal(1).scaleb(-max(2, int(places))),
+                                          rounding=ROUND_HALF_UP)
+    text = f"{amount:,f}"
+    whole, _, fraction = text.partition(".")
+    return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
 
 
 @register.filter
@@ -64,3 +68,9 @@ def duration(seconds: Any) -> str:
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes:02d} min"
 
+
+
+@register.filter
+def as_json(value: Any) -> str:
+    """A value as the API shows it (`{"q": "refunds"}`), not Python's repr (`{'q': ...}`)."""
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "), default=str)

@@ -7,6 +7,7 @@ with the same contexts, so a live update can never look different from a reload.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -14,6 +15,7 @@ from typing import Any
 
 from django.utils import timezone
 
+from governance.templatetags.dashboard_tags import money
 from governance_client import rules
 from policies.models import Team
 from runs.audit.selectors import elapsed_s
@@ -109,13 +111,14 @@ class Counter:
     level: str  # ok | warn | over
 
 
-def _counter(label: str, value: float, limit: float | None, fmt: str) -> Counter:
+def _counter(label: str, value: float, limit: float | None,
+             fmt: str | Callable[[float], str]) -> Counter:
+    show = fmt.format if isinstance(fmt, str) else fmt
     if limit is None or limit <= 0:
-        return Counter(label, fmt.format(value), "", 0.0, "ok")
-    ratio = value / limit
+        return Counter(label, show(value), "", 0.0, "ok")
+    ratio = float(value) / float(limit)
     level = "over" if ratio >= 1 else "warn" if ratio >= 0.75 else "ok"
-    return Counter(label, fmt.format(value), fmt.format(limit), round(min(ratio, 1.0) * 100, 1),
-                   level)
+    return Counter(label, show(value), show(limit), round(min(ratio, 1.0) * 100, 1), level)
 
 
 def counters(run: Run, now: datetime | None = None) -> list[Counter]:
@@ -124,8 +127,9 @@ def counters(run: Run, now: datetime | None = None) -> list[Counter]:
     max_usd = budgets.get("max_usd")
     return [
         _counter("Steps", run.steps, steps["max_steps"], "{:g}"),
-        _counter("Cost", float(run.cost_usd), None if max_usd is None else float(max_usd),
-                 "${:,.2f}"),
+        # The one money format of every page: $0.0090 is not rounded up to "$0.01" here
+        # while the timeline beside it says "$0.0090".
+        _counter("Cost", run.cost_usd, None if max_usd is None else max_usd, money),
         _counter("Time", elapsed_s(run, now or timezone.now()), budgets.get("max_seconds"),
                  "{:.0f} s"),
         _counter("Tool calls", run.tool_calls, budgets.get("max_tool_calls"), "{:g}"),

@@ -54,7 +54,7 @@ from runs.dashboard.presenters import (
 )
 from runs.dashboard.selectors import DEFAULT_RANGE, RunFilters, timeline
 from runs.live.events import Changes, awakeups, wakeups
-from runs.models import Run
+from runs.models import Run, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -388,8 +388,10 @@ class RunSource(Source):
                                     request=self.request)
             frames.append(Frame("step", html, id=decision.pk))
             self.after = decision.pk
-        frames += self.render(("run-header", "run-controls", "run-counters", "run-banner",
-                               "run-approval"), {**run_context(run), **run_approval_context(run)})
+        names = ("run-header", "run-controls", "run-counters", "run-banner", "run-approval")
+        if run.status != RunStatus.RUNNING:
+            names += ("run-confirm-form",)  # only then: it replaces an open confirmation
+        frames += self.render(names, {**run_context(run), **run_approval_context(run)})
         self._finished = run.finished_at is not None
         return frames
 
