@@ -84,8 +84,8 @@ def test_the_on_calls_pages_fit_a_phone_and_log_no_errors(
             page.wait_for_load_state("networkidle")
             assert page_width(page) <= PHONE["width"], (path, page_width(page),
                                                         too_wide(page, PHONE["width"]))
-        page.goto(f"{server.url}/teams/{team.slug}/")
-        page.screenshot(path=str(SCREENSHOTS / "overview-phone.png"), full_page=True)
+            name = path.strip("/").replace("/", "-").replace(team.slug, "phone")[:40]
+            page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
     finally:
         context.close()
     assert errors == []
