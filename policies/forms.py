@@ -14,7 +14,7 @@ from governance_client import rules
 
 from .document import DocumentError, parse_policy
 from .egress import RefusedTarget, ascii_url, check_webhook_url
-from .models import Role
+from .models import OperatorRelease, Role
 
 # Form field -> path of the value in the policy document (and of its errors).
 FIELD_PATHS = {
@@ -257,6 +257,11 @@ class MemberInviteForm(forms.Form):
 
 class MemberRoleForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices)
+
+
+class OperatorReleaseForm(forms.Form):
+    operator_release = forms.ChoiceField(choices=OperatorRelease.choices,
+                                         widget=forms.RadioSelect)
 
 
 class WebhookForm(forms.Form):

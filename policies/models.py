@@ -4,6 +4,16 @@ from django.conf import settings
 from django.db import models
 
 
+class OperatorRelease(models.TextChoices):
+    """Who besides the team's admins may release the team's kill switches (team, agent and
+    run scopes; the global switch is the superusers'): the on-call operator who pressed the
+    switch can lift it again without waking an admin."""
+
+    NONE = "none", "Only admins"
+    OWN = "own", "Operators: the switches they engaged themselves"
+    ANY = "any", "Operators: any switch of the team"
+
+
 class Team(models.Model):
     slug = models.SlugField(max_length=50, unique=True)
     name = models.CharField(max_length=200)
@@ -13,6 +23,8 @@ class Team(models.Model):
     # with): each secret is shown once, like an agent key's token.
     webhook_secret_shown_at = models.DateTimeField(null=True, blank=True)
     retention_days = models.PositiveIntegerField(default=90)
+    operator_release = models.CharField(max_length=10, choices=OperatorRelease.choices,
+                                        default=OperatorRelease.OWN)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

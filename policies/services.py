@@ -278,6 +278,21 @@ def team_update_webhook(*, team: Team, webhook_url: str | None,
     return True
 
 
+@transaction.atomic
+def team_set_operator_release(*, team: Team, value: str,
+                              actor: AbstractBaseUser | None) -> bool:
+    """Who besides admins may release the team's kill switches (OperatorRelease). Returns
+    False when unchanged."""
+    team = Team.objects.select_for_update().get(pk=team.pk)
+    if team.operator_release == value:
+        return False
+    before, team.operator_release = team.operator_release, value
+    team.save(update_fields=["operator_release"])
+    audit(actor=actor, action="team.operator_release", team=team, target=team.slug,
+          detail={"before": before, "after": value})
+    return True
+
+
 def webhook_secret_id(secret: str) -> str:
     """A short public name for a signing secret (not the secret): the settings page and the
     delivery log show it, so a receiver can tell which secret signed a delivery."""

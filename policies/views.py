@@ -31,6 +31,7 @@ from .forms import (
     MemberAddForm,
     MemberInviteForm,
     MemberRoleForm,
+    OperatorReleaseForm,
     PolicyForm,
     WebhookForm,
 )
@@ -44,6 +45,7 @@ from .services import (
     policy_apply,
     policy_save,
     team_rotate_webhook_secret,
+    team_set_operator_release,
     team_show_webhook_secret,
     team_update_webhook,
     webhook_secret_id,
@@ -377,9 +379,19 @@ def member_remove(request: HttpRequest, slug: str, membership_id: int) -> HttpRe
 
 @team_view(Role.ADMIN)
 def team_settings(request: HttpRequest, slug: str) -> HttpResponse:
-    form = WebhookForm(request.POST or None,
+    # Two forms on one page; the submit button's name says which was sent.
+    release_sent = request.method == "POST" and "operator_release" in request.POST
+    form = WebhookForm(request.POST if request.method == "POST" and not release_sent else None,
                        initial={"webhook_url": request.team.webhook_url or ""})
-    if request.method == "POST" and form.is_valid():
+    release = OperatorReleaseForm(request.POST if release_sent else None,
+                                  initial={"operator_release": request.team.operator_release})
+    if release_sent and release.is_valid():
+        changed = team_set_operator_release(
+            team=request.team, value=release.cleaned_data["operator_release"],
+            actor=request.user)
+        messages.success(request, "Kill switch release saved." if changed else "Nothing changed.")
+        return redirect("team_settings", slug=slug)
+    if request.method == "POST" and not release_sent and form.is_valid():
         changed = team_update_webhook(team=request.team,
                                       webhook_url=form.cleaned_data["webhook_url"],
                                       actor=request.user)
@@ -387,6 +399,7 @@ def team_settings(request: HttpRequest, slug: str) -> HttpResponse:
         return redirect("team_settings", slug=slug)
     return page(request, "policies/settings.html", {
         "form": form,
+        "release_form": release,
         "secret_id": webhook_secret_id(request.team.webhook_secret),
         "secret_shown_at": request.team.webhook_secret_shown_at,
         "new_secret": request.session.pop(NEW_SECRET_SESSION_KEY, None),

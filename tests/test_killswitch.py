@@ -520,6 +520,10 @@ def test_the_kill_switch_page_shows_state_history_and_deliveries(client, team, u
 
 
 def test_the_banner_offers_release_to_admins_only(client, team, users, commit):
+    # Only when the team says so (its default lets operators release their own switches:
+    # tests/test_killswitch_release.py).
+    team.operator_release = "none"
+    team.save()
     with commit():
         killswitch_engage(scope="team", team=team, reason="banner", actor=users["operator"])
     page = reverse("runs:killswitch", args=["support"])
@@ -559,6 +563,8 @@ def test_who_may_release_the_team_switch(client, team, users, who, status, commi
 
 
 def test_an_operator_engages_an_agent_switch_but_may_not_release_it(client, team, users, commit):
+    team.operator_release = "none"  # the team's choice; by default they may (issue 26)
+    team.save()
     login(client, users["operator"])
     with commit():
         response = client.post(engage_url(), {"scope": "agent", "agent": "support-bot",

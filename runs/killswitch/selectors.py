@@ -11,12 +11,30 @@ from typing import TYPE_CHECKING, Any
 from django.core.exceptions import ValidationError
 from django.db.models import Q, QuerySet
 
-from policies.models import Team
+from policies.access import can
+from policies.models import OperatorRelease, Role, Team
 from runs.killswitch import cover
 from runs.models import KillSwitch, Run, RunStatus, Scope
 
 if TYPE_CHECKING:  # services imports this module: the type only, no cycle at run time
     from runs.killswitch.services import Target
+
+
+def may_release(switch: KillSwitch, *, team: Team, user: Any, role: Role | None) -> bool:
+    """Whether this person may release this switch (SPEC 7 and the team's setting): the
+    global switch is the superusers'; a team, agent or run switch is its team's admins', and
+    its operators' too as the team's `operator_release` says (by default the switches they
+    engaged themselves, so the on-call can undo their own kill without waking an admin)."""
+    if switch.scope == Scope.GLOBAL:
+        return bool(getattr(user, "is_superuser", False))
+    if can(role, Role.ADMIN):
+        return True
+    if not can(role, Role.OPERATOR):
+        return False
+    if team.operator_release == OperatorRelease.ANY:
+        return True
+    return (team.operator_release == OperatorRelease.OWN and switch.engaged_by_id is not None
+            and switch.engaged_by_id == getattr(user, "pk", None))
 
 
 def covered_running(target: Target) -> QuerySet[Run]:

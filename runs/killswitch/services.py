@@ -36,7 +36,7 @@ from runs.check.policy_cache import rules_for_version
 from runs.killswitch import cover
 from runs.killswitch.selectors import engaged_switch
 from runs.live.events import publish_team_event
-from runs.models import Decision, KillSwitch, Run, Scope, WebhookDelivery
+from runs.models import Decision, KillSwitch, Run, RunStatus, Scope, WebhookDelivery
 from runs.webhooks.delivery import PENDING, payload_for
 
 log = logging.getLogger(__name__)
@@ -573,7 +573,24 @@ def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
         for team_id in sorted({team_id for _, team_id in batch}):
             publish_team_event(team_id)  # one wake-up per team and batch, not per run
     deliveries = _ensure_deliveries(switch, resume=switch.fanout_done_at is None)
+    if switch.scope == Scope.RUN:
+        retire_run_switch(switch_id=switch.pk)
     return FanoutResult(killed=killed, deliveries=deliveries)
+
+
+RUN_ENDED = "its run ended"
+
+
+def retire_run_switch(*, switch_id: int) -> bool:
+    """A run switch whose run has ended has nothing left to guard (a killed run stays killed,
+    and a check of an ended run is answered by its end, before any switch is read): it is
+    released as "its run ended", so the history does not show it engaged for ever and no
+    read of the engaged switches keeps finding it. Returns whether it was retired."""
+    return bool(KillSwitch.objects.filter(
+        pk=switch_id, scope=Scope.RUN, active=True,
+        run__status__in=[s for s in RunStatus.values if s != RunStatus.RUNNING],
+    ).update(active=False, released_at=timezone.now(), released_by_label="the system",
+             release_reason=RUN_ENDED))
 
 
 def killswitch_fanout_done(*, switch_id: int) -> None:

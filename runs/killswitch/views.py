@@ -26,7 +26,7 @@ from django.views.decorators.http import require_http_methods, require_POST, req
 from governance.web import page
 from governance_client import rules
 from policies.access import team_view
-from policies.models import Role
+from policies.models import OperatorRelease, Role
 from runs.dashboard import presenters
 from runs.dashboard import selectors as dashboard
 from runs.dashboard.stream import KillSwitchSource, sse_response
@@ -125,6 +125,14 @@ def _engage_flow(request: HttpRequest, target: Target, *, action: str, cancel: s
 
 def _release_flow(request: HttpRequest, target: Target, *, action: str, done: str
                   ) -> HttpResponse:
+    engaged = switches.engaged_switch(target)
+    team = target.team or getattr(request, "team", None)
+    if engaged is not None and team is not None and not switches.may_release(
+            engaged, team=team, user=request.user, role=getattr(request, "role", None)):
+        raise PermissionDenied(
+            "Only the team's admins may release this switch"
+            + (" (operators: the switches they engaged themselves)."
+               if team.operator_release == OperatorRelease.OWN else "."))
     form = ReasonForm(request.POST if request.method == "POST" else None)
     if request.method == "POST" and form.is_valid():
         switch = killswitch_release(
@@ -230,7 +238,7 @@ def killswitch_run_view(request: HttpRequest, slug: str, run_id: Any) -> HttpRes
 
 
 @require_http_methods(["GET", "POST"])
-@team_view(Role.ADMIN)
+@team_view(Role.OPERATOR)  # _release_flow asks selectors.may_release for the switch itself
 def killswitch_release_view(request: HttpRequest, slug: str) -> HttpResponse:
     team = request.team  # type: ignore[attr-defined]
     page_url = reverse("runs:killswitch", args=[slug])

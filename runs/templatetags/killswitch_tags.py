@@ -8,11 +8,11 @@ from django import template
 from django.http import HttpRequest
 from django.urls import reverse
 
-from policies.access import can, role_in
+from policies.access import role_in
 from policies.egress import masked_url
-from policies.models import Role, Team
+from policies.models import OperatorRelease, Role, Team
 from runs.killswitch import cover
-from runs.killswitch.selectors import engaged_for_team
+from runs.killswitch.selectors import engaged_for_team, may_release
 from runs.models import KillSwitch, Scope, WebhookAttempt
 from runs.webhooks.selectors import failing_notice
 
@@ -20,13 +20,12 @@ register = template.Library()
 
 
 def release_url(switch: KillSwitch, team: Team, user: Any, role: Role | None) -> str | None:
-    """Where this user may release the switch, or None (SPEC 7): the global switch is the
-    superuser's; a team, agent or run switch is its team admins'."""
+    """Where this user may release the switch, or None (selectors.may_release)."""
+    if not may_release(switch, team=team, user=user, role=role):
+        return None
     if switch.scope == Scope.GLOBAL:
-        return reverse("runs:killswitch-global-release") if user.is_superuser else None
-    if can(role, Role.ADMIN):
-        return reverse("runs:killswitch-release", args=[team.slug])
-    return None
+        return reverse("runs:killswitch-global-release")
+    return reverse("runs:killswitch-release", args=[team.slug])
 
 
 @register.simple_tag
@@ -68,3 +67,17 @@ def webhook_url_for(url: str | None, can_admin: bool) -> str:
 @register.simple_tag
 def webhook_failing(team: Team | None) -> WebhookAttempt | None:
     return failing_notice(team) if team is not None else None
+
+
+@register.simple_tag
+def release_hint(banner: list[dict[str, Any]], team: Team | None) -> str:
+    """What the reader can do about the engaged switches, never an instruction they cannot
+    follow: where their release forms are, or who may release."""
+    if any(item["release_url"] for item in banner):
+        return "Release forms are in the banner above."
+    who = "its team's admins"
+    if team is not None and team.operator_release == OperatorRelease.OWN:
+        who += " and the operator who engaged it"
+    elif team is not None and team.operator_release == OperatorRelease.ANY:
+        who += " and operators"
+    return f"A switch is released by {who} (the global switch: superusers)."

@@ -1,0 +1,110 @@
+"""Kill switch for the on-call (issue 26): a team setting lets operators release switches (by
+default the ones they engaged themselves); no page tells a reader to do what they cannot;
+a run switch does not stay "engaged" in the history once its run has ended."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from policies.models import OperatorEvent
+from runs.killswitch.services import RUN_ENDED, killswitch_engage
+from runs.models import KillSwitch
+from tests.test_dashboard_runs import check, start
+
+RELEASE = {"scope": "team", "reason": "all clear"}
+
+
+@pytest.fixture
+def commit(django_capture_on_commit_callbacks: Any) -> Any:
+    return lambda: django_capture_on_commit_callbacks(execute=True)
+
+
+def signed_in(user: Any) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def release(user: Any, slug: str = "support") -> int:
+    return signed_in(user).post(reverse("runs:killswitch-release", args=[slug]),
+                                RELEASE).status_code
+
+
+def engaged() -> bool:
+    return KillSwitch.objects.filter(active=True).exists()
+
+
+def test_by_default_an_operator_releases_the_switch_they_engaged(team, users):
+    assert team.operator_release == "own"
+    killswitch_engage(scope="team", team=team, reason="incident", actor=users["operator"])
+    page = signed_in(users["operator"]).get(reverse("runs:killswitch", args=[team.slug]))
+    assert b"Release</button>" in page.content
+    assert b"Release forms are in the banner above." in page.content
+    assert release(users["operator"]) == 302
+    assert not engaged()
+
+
+def test_by_default_an_operator_may_not_release_someone_elses_switch(team, users):
+    killswitch_engage(scope="team", team=team, reason="incident", actor=users["admin"])
+    page = signed_in(users["operator"]).get(reverse("runs:killswitch", args=[team.slug]))
+    html = page.content.decode()
+    assert "Release</button>" not in html
+    # No instruction the reader cannot follow: it says who can.
+    assert "release it in the banner above" not in html
+    assert "Release forms are in the banner above" not in html
+    assert "the operator who engaged it" in html
+    assert release(users["operator"]) == 403
+    assert engaged()
+
+
+def test_a_team_may_let_operators_release_any_switch_or_none(team, users):
+    killswitch_engage(scope="team", team=team, reason="incident", actor=users["admin"])
+    team.operator_release = "any"
+    team.save()
+    assert release(users["operator"]) == 302
+    assert not engaged()
+    killswitch_engage(scope="team", team=team, reason="again", actor=users["operator"])
+    team.operator_release = "none"
+    team.save()
+    assert release(users["operator"]) == 403
+    assert release(users["viewer"]) == 403
+    assert release(users["outsider"]) == 404
+    assert engaged()
+    assert release(users["admin"]) == 302
+    assert not engaged()
+
+
+def test_an_admin_sets_it_in_the_team_settings_and_it_is_audited(team, users):
+    url = reverse("team_settings", args=[team.slug])
+    assert signed_in(users["operator"]).post(url, {"operator_release": "any"}).status_code == 403
+    admin = signed_in(users["admin"])
+    assert b'name="operator_release"' in admin.get(url).content
+    assert admin.post(url, {"operator_release": "bogus"}).status_code == 422
+    assert admin.post(url, {"operator_release": "any"}).status_code == 302
+    team.refresh_from_db()
+    assert team.operator_release == "any"
+    event = OperatorEvent.objects.get(action="team.operator_release")
+    assert event.detail == {"before": "own", "after": "any"}
+
+
+def test_a_run_switch_is_released_once_its_run_has_ended(team, users, commit):
+    run = start(team)
+    check(team, run)
+    with commit():
+        switch = killswitch_engage(scope="run", run=run, reason="runaway",
+                                   actor=users["operator"])
+    run.refresh_from_db()
+    switch.refresh_from_db()
+    assert run.status == "killed"
+    assert not switch.active and switch.release_reason == RUN_ENDED
+    history = signed_in(users["viewer"]).get(
+        reverse("runs:killswitch", args=[team.slug])).content.decode()
+    assert RUN_ENDED in history
+    assert "<strong>engaged</strong>" not in history
+    # The killed run's checks still answer killed.
+    answer = check(team, run)
+    assert (answer["decision"], answer["reason"]) == ("stop", "killed")
