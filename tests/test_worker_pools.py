@@ -24,9 +24,10 @@ from runs.models import KillSwitch, Run
 from tests.conftest import ROOT
 from tests.workers import POOLS, Receiver, Worker, new_worker, wait_for, workers_fixture  # noqa: F401
 
-# What must be as prompt as a kill: the fan-out, its sweep, and the webhooks it sends.
+# What must be as prompt as a kill: the fan-out, its sweep, the webhooks (the kill switch's
+# and the approvals'), and the approvals' expiry.
 PROMPT = {"runs.tasks.killswitch_fanout", "runs.tasks.killswitch_sweep",
-          "runs.tasks.webhook_deliver"}
+          "runs.tasks.webhook_deliver", "runs.tasks.approvals_expire"}
 BULK = {"backtests.tasks.backtest_run", "policies.tasks.prune_audit"}
 
 # SPEC 10's fairness test: a team B kill switch fans out within 1 s (of the engage's return).

@@ -2,9 +2,9 @@
 the attempt before it (runs/webhooks/delivery.py).
 
 Its name stays ``runs.tasks.webhook_deliver``, the name it had when it lived with the kill
-switch's tasks: a message queued by an older version is still understood after an upgrade,
-and the settings' route of ``runs.tasks.*`` keeps it on the ``killswitch`` queue, beside the
-fan-out that creates most deliveries (an approval notification uses it too).
+switch's tasks: a message queued by an older version is still understood after an upgrade.
+The settings route it to the ``killswitch`` queue, beside the fan-out that creates most
+deliveries (an approval notification uses it too), on the kill switch's own worker.
 """
 
 from __future__ import annotations
