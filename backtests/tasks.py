@@ -1,5 +1,5 @@
-"""The dashboard's backtests run here, on the default queue: never on the kill switch's, and
-never in a web process on the production stack (eagerly in-process on the embedded default,
+"""The dashboard's backtests run here, on the ``bulk`` queue: never on the kill switch's worker,
+and never in a web process on the production stack (eagerly in-process on the embedded default,
 like every task there)."""
 
 from __future__ import annotations

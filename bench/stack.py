@@ -269,7 +269,8 @@ def create_minimal_tables() -> None:
 
 @dataclass
 class CeleryWorker:
-    """One Celery worker on the kill switch queue, as in production (`make worker`)."""
+    """The kill switch's own Celery worker, as in production (`make worker` starts it beside
+    the bulk one, which the benchmark has no work for)."""
 
     process: subprocess.Popen[bytes] | None = None
 
@@ -278,7 +279,7 @@ class CeleryWorker:
         log = (LOG_DIR / "celery.log").open("wb")
         celery = str(Path(sys.executable).with_name("celery"))
         self.process = subprocess.Popen(
-            [celery, "-A", "governance", "worker", "-Q", "default,killswitch",
+            [celery, "-A", "governance", "worker", "-Q", "killswitch", "-n", "killswitch@%h",
              "--concurrency", "1", "-l", "warning", "--without-gossip", "--without-mingle"],
             cwd=ROOT, env=base_env(), start_new_session=True, stdout=log,
             stderr=subprocess.STDOUT,

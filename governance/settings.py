@@ -231,15 +231,32 @@ CELERY_TASK_ALWAYS_EAGER = REDIS_URL is None
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# With late acks a task at work still counts against the prefetch window, so a multiplier of 1
+# means a worker takes a message only for a free process: it never holds a fan-out behind a
+# long task while another worker of its queue is idle.
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 60)}
-CELERY_TASK_ROUTES = {"runs.tasks.*": {"queue": "killswitch"}}
+# Queues (docs/reliability.md, "Worker pools"): the kill switch's fan-out, its sweep, every
+# webhook delivery (kill switches', approvals') and the approvals' expiry (short, bounded, and
+# it stops runs) go to `killswitch`, which a worker of its own consumes, so no backtest or
+# prune ever holds the process a kill waits for. Backtests and the audit prune go to `bulk`,
+# the idle sweep (its rate-limit prune grows with traffic) to `default`, both served by the
+# other worker (the Makefile's `worker`, the README). Names, not patterns: a task added later
+# lands on `default`, never on the kill switch's pool by accident.
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_TASK_ROUTES = {
+    "runs.tasks.killswitch_fanout": {"queue": "killswitch"},
+    "runs.tasks.killswitch_sweep": {"queue": "killswitch"},
+    "runs.tasks.webhook_deliver": {"queue": "killswitch"},
+    "runs.tasks.approvals_expire": {"queue": "killswitch"},
+    "backtests.tasks.backtest_run": {"queue": "bulk"},
+    "policies.tasks.prune_audit": {"queue": "bulk"},
+}
 # Dashboard backtests (docs/backtest.md) a team may run at once, and how long a backtest
 # whose task stopped reporting progress still counts as running.
 BACKTEST_MAX_PER_TEAM = env_int("BACKTEST_MAX_PER_TEAM", 2)
 BACKTEST_STALE_SECONDS = env_int("BACKTEST_STALE_SECONDS", 300)
-CELERY_TASK_DEFAULT_QUEUE = "default"
 # Audit retention (docs/reliability.md): `celery -A governance beat` runs the prune daily,
 # at a quiet hour; exports (JSON lines, one directory per team) go to AUDIT_EXPORT_DIR.
 CELERY_BEAT_SCHEDULE = {

@@ -46,3 +46,38 @@ def test_a_message_queued_under_the_old_name_delivers(team: Any, receiver: Recei
     delivery.refresh_from_db()
     assert (delivery.status, delivery.attempts) == ("delivered", 1)
     assert receiver.valid[team.slug] == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_process_builds_its_tls_context_once_at_start(
+        team: Any, receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building one reads the CA bundle (a quarter of a second of CPU on a busy machine): a
+    kill's webhook must not pay it, nor every retry."""
+    from celery.signals import worker_process_init
+
+    from runs.webhooks import delivery as webhooks
+
+    built: list[object] = []
+
+    def counting() -> object:
+        built.append(object())
+        return real()
+
+    real = webhooks.httpx.create_ssl_context
+    monkeypatch.setattr(webhooks.httpx, "create_ssl_context", counting)
+    webhooks.ssl_context.cache_clear()
+    app.loader.import_default_modules()
+    worker_process_init.send(sender=None)  # what each worker process does once forked
+    assert len(built) == 1
+    team.webhook_url = f"{receiver.url}/{team.slug}"
+    team.save()
+    for n in range(2):  # two switches: one delivery each
+        switch = KillSwitch.objects.create(scope="team", team=team, target=f"test:{n}",
+                                           reason="r", engaged_by_label="x",
+                                           engaged_at=timezone.now())
+        delivery = WebhookDelivery.objects.create(switch=switch, team=team,
+                                                  url=team.webhook_url, payload={"id": n})
+        app.tasks[OLD_NAME].apply(args=(delivery.pk, 1)).get()
+    assert receiver.valid[team.slug] == 2
+    assert len(built) == 1
+    webhooks.ssl_context.cache_clear()

@@ -1,12 +1,15 @@
-"""Real processes for end-to-end kill-switch tests: a Celery worker on the test database and
-Redis, and a local webhook receiver that checks signatures.
+"""Real processes for end-to-end kill-switch tests: the Celery workers on the test database
+and Redis, and a local webhook receiver that checks signatures.
 
-The worker is the production command (``celery -A governance worker``) in its own process
-group, so a test can SIGKILL all of it at once, as a crashed machine would.
+The workers are the production commands (``celery -A governance worker``), one per pool of
+the Makefile's ``worker`` target (``POOLS``; tests/test_worker_pools.py checks that they
+agree), each in a process group of its own, so a test can SIGKILL all of them (main processes
+and pool children) at once, as a crashed machine would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,59 +32,91 @@ from tests.conftest import ROOT, server_env
 
 CELERY = Path(sys.executable).parent / "celery"
 
+# The Makefile's worker pools, name: queues. The kill switch's queue has a worker of its own,
+# so backtests and other bulk work can never hold the process its fan-out waits for.
+POOLS: dict[str, str] = {"killswitch": "killswitch", "bulk": "default,bulk"}
+QUEUES = ("killswitch", "default", "bulk")
+
 
 @dataclass
 class Worker:
-    process: subprocess.Popen[bytes]
-    log_path: Path
+    """The workers of one ``make worker``: a process (and process group) per pool."""
+
+    processes: list[subprocess.Popen[bytes]]
+    log_paths: list[Path]
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return "\n".join(path.read_text(errors="replace") for path in self.log_paths)
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return any(process.poll() is None for process in self.processes)
+
+    def _signal(self, signum: int) -> None:
+        for process in self.processes:
+            # ProcessLookupError: every process of that group has exited already.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signum)
 
     def kill(self) -> None:
-        """SIGKILL the whole worker (main process and pool children): no ack, no cleanup."""
+        """SIGKILL every worker (main processes and pool children): no ack, no cleanup."""
         if self.alive():
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            self._signal(signal.SIGKILL)
+        for process in self.processes:
+            process.wait()
 
     def stop(self, timeout: float = 15) -> None:
-        """Warm shutdown: the task at hand finishes, reserved messages go back to Redis."""
+        """Warm shutdown: the tasks at hand finish, reserved messages go back to Redis."""
         if self.alive():
-            os.killpg(self.process.pid, signal.SIGTERM)
+            self._signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
             try:
-                self.process.wait(timeout=timeout)
+                for process in self.processes:
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill()
 
 
 def start_worker(*, visibility_timeout: int = 5, env: dict[str, str] | None = None,
-                 ready_timeout: float = 30) -> Worker:
-    """Start ``celery -A governance worker -Q killswitch,default --concurrency 1 -P prefork``
-    on the test database and the test Redis; returns once it is ready to consume."""
-    log = Path(tempfile.mkstemp(prefix="celery-worker-", suffix=".log")[1])
+                 ready_timeout: float = 30, pools: dict[str, str] | None = None,
+                 concurrency: int = 1) -> Worker:
+    """Start ``celery -A governance worker -Q <queues> -n <pool>@%h`` for each pool of the
+    Makefile's (``POOLS``), ``--concurrency 1 -P prefork`` unless told, on the test database
+    and the test Redis; returns once every one is ready to consume."""
     worker_env = env or server_env(CELERY_VISIBILITY_TIMEOUT=str(visibility_timeout),
                                    LOG_LEVEL="INFO")
-    process = subprocess.Popen(
-        [str(CELERY), "-A", "governance", "worker", "-Q", "killswitch,default",
-         "--concurrency", "1", "-P", "prefork", "-l", "info", "--without-gossip",
-         "--without-mingle", "--without-heartbeat", "-n", f"test-{uuid.uuid4().hex[:8]}@%h",
-         "--logfile", str(log)],
-        cwd=ROOT, env=worker_env, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )
-    worker = Worker(process=process, log_path=log)
-    deadline = time.monotonic() + ready_timeout
+    worker = Worker(processes=[], log_paths=[])
+    try:
+        for name, queues in (pools or POOLS).items():
+            log = Path(tempfile.mkstemp(prefix=f"celery-{name}-", suffix=".log")[1])
+            worker.log_paths.append(log)
+            worker.processes.append(subprocess.Popen(
+                [str(CELERY), "-A", "governance", "worker", "-Q", queues,
+                 "-n", f"{name}-{uuid.uuid4().hex[:8]}@%h", "--concurrency", str(concurrency),
+                 "-P", "prefork", "-l", "info", "--without-gossip", "--without-mingle",
+                 "--without-heartbeat", "--logfile", str(log)],
+                cwd=ROOT, env=worker_env, start_new_session=True,
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            ))
+        _wait_ready(worker, ready_timeout)
+    except BaseException:
+        worker.kill()  # none of them outlives a failed start (they would consume the queues)
+        for path in worker.log_paths:
+            path.unlink(missing_ok=True)
+        raise
+    return worker
+
+
+def _wait_ready(worker: Worker, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not worker.alive():
-            raise RuntimeError(f"celery worker exited with {process.returncode}:\n{worker.log()}")
-        if " ready." in worker.log():
-            return worker
+        for process, log in zip(worker.processes, worker.log_paths, strict=True):
+            if process.poll() is not None:
+                raise RuntimeError(f"celery worker exited with {process.returncode}:\n"
+                                   f"{log.read_text(errors='replace')}")
+        if all(" ready." in log.read_text(errors="replace") for log in worker.log_paths):
+            return
         time.sleep(0.1)
-    worker.kill()
-    raise RuntimeError(f"celery worker not ready in {ready_timeout} s:\n{worker.log()}")
+    raise RuntimeError(f"celery workers not ready in {timeout} s:\n{worker.log()}")
 
 
 def purge_broker() -> None:
@@ -90,7 +125,7 @@ def purge_broker() -> None:
 
     client = redis_client()
     if client is not None:
-        client.delete("killswitch", "default", "unacked", "unacked_index", "unacked_mutex")
+        client.delete(*QUEUES, "unacked", "unacked_index", "unacked_mutex")
 
 
 @pytest.fixture(name="workers")
@@ -102,12 +137,14 @@ def workers_fixture(transactional_db: Any) -> Iterator[list[Worker]]:
     yield started
     for worker in started:
         worker.stop()
-        worker.log_path.unlink(missing_ok=True)
+        for path in worker.log_paths:
+            path.unlink(missing_ok=True)
     purge_broker()
 
 
-def new_worker(workers: list[Worker], *, visibility_timeout: int = 5) -> Worker:
-    worker = start_worker(visibility_timeout=visibility_timeout)
+def new_worker(workers: list[Worker], *, visibility_timeout: int = 5,
+               concurrency: int = 1) -> Worker:
+    worker = start_worker(visibility_timeout=visibility_timeout, concurrency=concurrency)
     workers.append(worker)
     return worker
 

@@ -1,6 +1,6 @@
 """Celery tasks of the check's side: the sweep of abandoned runs (SPEC 14) and of rate-limit
-hits no window can reach (SPEC 12). On the `killswitch` queue with the other runs.tasks.*
-(governance/settings.py routes them): short, idempotent database work."""
+hits no window can reach (SPEC 12). On the `default` queue (governance/settings.py): the
+prune grows with the traffic, so it stays off the kill switch's worker. Idempotent."""
 
 from __future__ import annotations
 

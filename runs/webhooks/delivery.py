@@ -14,10 +14,12 @@ timestamps older than a few minutes (see ``verify`` and docs/killswitch.md).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
 import logging
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -200,6 +202,14 @@ def _claim(delivery_id: int, number: int) -> tuple[WebhookDelivery, WebhookAttem
     return delivery, attempt
 
 
+@functools.cache
+def ssl_context() -> ssl.SSLContext:
+    """One per process, shared by its attempts: building it reads the CA bundle, up to a
+    quarter of a second of CPU on a busy machine, which a kill's webhook should not wait for.
+    Workers build it when their process starts (runs/webhooks/tasks.py)."""
+    return httpx.create_ssl_context()
+
+
 def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
     body = body_of(delivery.payload)
     # Fresh on every attempt, so a retry passes the receivers' age check.
@@ -222,7 +232,7 @@ def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
         # the environment, no redirect, and a name that now resolves to a private address
         # is refused, not connected to.
         with httpcore.ConnectionPool(network_backend=VettedBackend(),
-                                     ssl_context=httpx.create_ssl_context()) as pool:
+                                     ssl_context=ssl_context()) as pool:
             response = pool.request("POST", url, headers=headers, content=body,
                                     extensions={"timeout": _TIMEOUTS})
     except UnresolvedHost:

@@ -2,14 +2,17 @@
 the attempt before it (runs/webhooks/delivery.py).
 
 Its name stays ``runs.tasks.webhook_deliver``, the name it had when it lived with the kill
-switch's tasks: a message queued by an older version is still understood after an upgrade,
-and the settings' route of ``runs.tasks.*`` keeps it on the ``killswitch`` queue, beside the
-fan-out that creates most deliveries (an approval notification uses it too).
+switch's tasks: a message queued by an older version is still understood after an upgrade.
+The settings route it to the ``killswitch`` queue, beside the fan-out that creates most
+deliveries (an approval notification uses it too), on the kill switch's own worker.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import shared_task
+from celery.signals import worker_process_init
 from django.db import DatabaseError, InterfaceError
 from kombu.exceptions import OperationalError as BrokerError
 
@@ -27,3 +30,10 @@ def webhook_deliver_task(delivery_id: int, number: int = 1) -> None:
     step = webhooks.attempt_delivery(delivery_id=delivery_id, number=number)
     if step is not None:
         webhooks.schedule_delivery(delivery_id, step.number, step.delay)
+
+
+@worker_process_init.connect
+def build_tls_context(**_: Any) -> None:
+    """Each worker process builds its TLS context as it starts, not during a kill's first
+    webhook."""
+    webhooks.ssl_context()
