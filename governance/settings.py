@@ -351,9 +351,9 @@ DASHBOARD_THREADS = env_int("WEB_DASHBOARD_THREADS", 4)
 # A request body must have arrived whole within this many seconds (it is read on the event
 # loop, holding no thread): later, the request is answered 408 and its connection closed.
 REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
-# The most of one process's time the live streams' database looks may take together
-# (runs/dashboard/stream.py): however many streams are open, they share it, so their screens refresh
-# less often instead of taking CPU from the checks.
+# The most of one process's time the database looks of the live streams and of the approvals'
+# waiting long polls may take together (runs/live/looks.py): however many are open, they share
+# it, so screens refresh less often instead of taking CPU from the checks.
 DASHBOARD_STREAM_SHARE = env_float("DASHBOARD_STREAM_SHARE", 0.2)
 if not 0 < DASHBOARD_STREAM_SHARE <= 1:
     raise ImproperlyConfigured("DASHBOARD_STREAM_SHARE must be in (0, 1]")
@@ -372,6 +372,16 @@ DASHBOARD_STREAM_SECONDS = env_int("DASHBOARD_STREAM_SECONDS", 60)
 # How often a stream looks at the database even without a wake-up (lost Redis messages,
 # another process's change without Redis, elapsed-time counters).
 DASHBOARD_STREAM_LOOK_S = env_int("DASHBOARD_STREAM_LOOK_S", 2)
+
+# --- Approval long polls (docs/approvals.md) ------------------------------------------------
+# How many `GET /api/v1/approvals/{id}?wait=N` may wait at once in one server process, per
+# agent key and per team; past either, a poll that would wait is answered 429 too_many_waits.
+# The team's cap keeps one team's polls to a share of a worker's connections.
+APPROVAL_WAITS_PER_KEY = env_int("APPROVAL_WAITS_PER_KEY", 100)
+APPROVAL_WAITS_PER_TEAM = env_int("APPROVAL_WAITS_PER_TEAM", 500)
+if APPROVAL_WAITS_PER_KEY < 1 or APPROVAL_WAITS_PER_TEAM < 1:
+    raise ImproperlyConfigured("APPROVAL_WAITS_PER_KEY and APPROVAL_WAITS_PER_TEAM must be at "
+                               "least 1")
 
 LOGGING = {
     "version": 1,

@@ -7,16 +7,14 @@ are replaced by the SPEC 5.3 envelope in the handlers below.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import sys
 import time
 import uuid
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
-from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
@@ -33,6 +31,7 @@ from governance import fastjson
 from governance.pools import api_thread
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
 from runs.approvals import services as approvals
+from runs.approvals.waits import RETRY_AFTER_S, TooManyWaits, approval_waits
 from runs.audit import selectors
 from runs.check import metrics
 from runs.check import schemas as s
@@ -43,7 +42,6 @@ from runs.check.services import (
     run_local_decisions,
     run_start,
 )
-from runs.live.events import awakeups
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +151,8 @@ def _on_exception(request: HttpRequest, exc: Exception) -> HttpResponse:
     return error(500, "internal", "Internal error.")
 
 
-# 429 is `too_many_failures`: a key that keeps failing from one address (governance/throttle.py).
+# 429 is `too_many_failures`: a key that keeps failing from one address (governance/throttle.py);
+# for the approval long poll, `too_many_waits` too (runs/approvals/waits.py).
 ERRORS = {400: s.ErrorOut, 401: s.ErrorOut, 404: s.ErrorOut, 409: s.ErrorOut, 413: s.ErrorOut,
           422: s.ErrorOut, 429: s.ErrorOut, 503: s.ErrorOut}
 
@@ -357,36 +356,37 @@ async def get_approval(request: HttpRequest, approval_id: str, filters: Query[s.
                        ) -> HttpResponse:
     """A real long poll: answers as soon as the status changes, else after ``wait`` seconds.
 
-    An async view: while it waits it holds no thread, only a coroutine that awaits the team's
-    wake-ups (this process's broker, fed from Redis by the process's one listener) and
-    re-reads the database on the API pool on each one, every DASHBOARD_STREAM_LOOK_S seconds
-    anyway, and at the expiry (which it then settles). The answer is the approval as JSON,
-    its ``decision`` the check's final answer verbatim.
+    An async view: the poll's own look at the approval (settling what is due) runs on the API
+    pool, as any API read; then, while it waits, it holds no thread and costs no work of its
+    own: the team's polls in this process share one watcher and one database look per
+    wake-up, off the API pool (runs/approvals/waits.py). Past the key's or the team's cap of
+    waiting polls it answers 429 ``too_many_waits`` at once. The answer is the approval as
+    JSON, its ``decision`` the check's final answer verbatim.
     """
     try:
         wanted = uuid.UUID(approval_id)
     except ValueError:
         raise ServiceError(404, "not_found", "No such approval.") from None
     key = request.auth
+    seen = approval_waits.seen(key.team_id)
     body = await _read_approval(key, wanted)
     if body is None:
         raise ServiceError(404, "not_found", "No such approval.")
-    loop = asyncio.get_running_loop()
-    look_every = float(settings.DASHBOARD_STREAM_LOOK_S)
-    last_look = loop.time()
-    expires = (timezone.datetime.fromisoformat(body["expires_at"]) - timezone.now()
-               ).total_seconds() + loop.time()
     if body["status"] == "pending" and filters.wait > 0:
-        async for changes in awakeups(key.team_id, poll=min(1.0, look_every),
-                                      lifetime=filters.wait):
-            now = loop.time()
-            # Changes name runs, not approvals: any change in the team (None: anything) is
-            # worth a look at the database.
-            if changes is None or changes or now - last_look >= look_every or now >= expires:
-                last_look = now
-                body = await _read_approval(key, wanted)
-                if body is None or body["status"] != "pending":
-                    break
-        if body is None:  # deleted by retention while waiting
-            raise ServiceError(404, "not_found", "No such approval.")
+        try:
+            with approval_waits.slot(key_id=key.pk, team_id=key.team_id):
+                outcome = await approval_waits.wait(
+                    team_id=key.team_id, approval_id=body["id"], run_id=body["run_id"],
+                    expires_at=datetime.fromisoformat(body["expires_at"]), seen=seen,
+                    timeout=filters.wait)
+        except TooManyWaits:
+            refused = error(429, "too_many_waits",
+                            "Too many polls of this key or team are waiting already: ask again "
+                            "after Retry-After seconds, or with wait=0 for the status now.")
+            refused["Retry-After"] = str(RETRY_AFTER_S)
+            return refused
+        if outcome is not None:
+            if outcome.body is None:  # deleted by retention while waiting
+                raise ServiceError(404, "not_found", "No such approval.")
+            body = outcome.body
     return HttpResponse(json.dumps(body), content_type="application/json")

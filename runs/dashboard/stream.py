@@ -10,25 +10,24 @@ EventSource reconnects after ``retry`` ms, sending ``Last-Event-ID`` (the last d
 received) so nothing is missed or repeated, and is authorized again.
 
 Under `manage.py serve` (ASGI) a stream is `apump`: it waits on the event loop, holding no
-thread, and its looks at the database go through the process's one `look_lane`, whose share of
-the process's time is bounded however many streams are open (docs/serving.md). Under WSGI
-(Django's test client, `runserver`) it is the blocking `pump`: Django buffers a sync iterator
-entirely under ASGI and an async one under WSGI, so each interface gets its own.
+thread, and its looks at the database go through the process's one look lane
+(runs/live/looks.py, `look_lane` here), whose share of the process's time is bounded however
+many streams are open (docs/serving.md). Under WSGI (Django's test client, `runserver`) it is
+the blocking `pump`: Django buffers a sync iterator entirely under ASGI and an async one under
+WSGI, so each interface gets its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
-import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -53,6 +52,7 @@ from runs.dashboard.presenters import (
     step_row,
 )
 from runs.dashboard.selectors import DEFAULT_RANGE, RunFilters, timeline
+from runs.live import looks
 from runs.live.events import Changes, awakeups, wakeups
 from runs.models import Run, RunStatus
 
@@ -193,93 +193,17 @@ def _look(source: Source) -> str:
 
 
 class LookLane:
-    """Every async stream's look at the database, on one thread per process, resting after
-    each look so that together they take at most ``DASHBOARD_STREAM_SHARE`` of the process's
-    time, however many streams are open: more streams refresh less often, and the checks keep
-    their CPU. Viewers take turns (round robin), so one person's hundred tabs slow their own
-    screens, not everyone's; each stream has at most one look waiting. The thread keeps one
-    database connection for all of them."""
+    """The streams' looks at the database (`_look`) on a look lane (runs/live/looks.py):
+    the process's one, which the approvals' long polls share, or a lane of its own."""
 
-    BURST_S = 0.1
-
-    def __init__(self) -> None:
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._cond = threading.Condition()
-        self._queues: OrderedDict[Any, deque[_Look]] = OrderedDict()
-        self._thread: threading.Thread | None = None
-        self._budget = 0.0
-        self._filled_at = time.monotonic()
+    def __init__(self, lane: looks.LookLane | None = None) -> None:
+        self.lane = lane if lane is not None else looks.LookLane()
 
     async def look(self, source: Source, viewer: Any) -> str:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[str] = loop.create_future()
-        with self._cond:
-            self._queues.setdefault(viewer, deque()).append(_Look(source, loop, future))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._serve, name="stream-look",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify()
-        return await future
-
-    def _next(self) -> _Look:
-        with self._cond:
-            self._cond.wait_for(lambda: bool(self._queues))
-            viewer, queue = next(iter(self._queues.items()))
-            item = queue.popleft()
-            if queue:
-                self._queues.move_to_end(viewer)  # the next viewer's turn
-            else:
-                del self._queues[viewer]
-            return item
-
-    def _serve(self) -> None:
-        while True:
-            item = self._next()
-            if item.future.cancelled():  # its browser went away meanwhile
-                continue
-            # A token bucket of look time: it fills at `share` seconds per second, up to a
-            # short burst, so a quiet dashboard's looks start at once and a crowded one's
-            # wait their turn; a look spends what it took.
-            share = min(1.0, max(0.01, settings.DASHBOARD_STREAM_SHARE))
-            now = time.monotonic()
-            self._budget = min(self.BURST_S, self._budget + (now - self._filled_at) * share)
-            self._filled_at = now
-            if self._budget < 0:
-                time.sleep(min(5.0, -self._budget / share))
-                self._budget, self._filled_at = 0.0, time.monotonic()
-            started = time.monotonic()
-            result, failure = "", None
-            try:
-                close_old_connections()  # a broken or old connection is replaced
-                result = _look(item.source)
-            except Exception as exc:
-                failure = exc
-            self._budget -= time.monotonic() - started
-            with contextlib.suppress(RuntimeError):  # RuntimeError: that loop is closed
-                item.loop.call_soon_threadsafe(_settle, item.future, result, failure)
+        return await self.lane.run(partial(_look, source), viewer)
 
 
-@dataclass
-class _Look:
-    source: Source
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[str]
-
-
-def _settle(future: asyncio.Future[str], result: str, failure: Exception | None) -> None:
-    if future.done():
-        return
-    if failure is not None:
-        future.set_exception(failure)
-    else:
-        future.set_result(result)
-
-
-look_lane = LookLane()
+look_lane = LookLane(looks.look_lane)
 
 
 async def apump(source: Source, *, viewer: Any = None, lifetime: float | None = None
