@@ -33,6 +33,11 @@ SLOW_BODY_CONNECTIONS = 200
 UNFINISHED_HEADER_CONNECTIONS = 200
 OPEN_STREAMS = 100
 BAD_KEYS_PER_S = 50
+LONG_POLLS = 500  # another team's agents waiting on their approvals (SPEC 11)
+LONG_POLL_WAIT_S = 30
+IDLE_CONNECTIONS = 2000  # from IDLE_SOURCES loopback addresses, 100 each
+IDLE_SOURCES = 20
+HEAVY_RATE_AGENTS = 8  # another team's agents checking under 50 rate-limit rules
 
 
 @dataclass
@@ -43,6 +48,10 @@ class Target:
     # A signed-in viewer of the team (the `sessionid` cookie) and a run of it, for streams.
     session_cookie: str = ""
     run_id: str = ""
+    # Another team's agents, for the attacks a tenant makes on its neighbours: their keys
+    # and, for the long polls, the approvals they wait on.
+    other_tokens: list[str] = field(default_factory=list)
+    approval_ids: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not ipaddress.ip_address(self.host).is_loopback:
@@ -244,6 +253,178 @@ async def bad_keys(target: Target, stop: asyncio.Event, stats: AttackStats,
         await asyncio.wait(pending, timeout=15)
 
 
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    request: bytes, timeout: float) -> tuple[str, bytes]:
+    """One request on a kept-alive connection: the status line and the body (which the
+    server always sends with a Content-Length here: JSON answers)."""
+    writer.write(request)
+    await writer.drain()
+    status = (await asyncio.wait_for(reader.readline(), timeout)).decode(errors="replace")
+    if not status:
+        raise ConnectionResetError("closed by the server")
+    length = 0
+    while (line := await asyncio.wait_for(reader.readline(), timeout)) not in (b"\r\n", b""):
+        name, _, value = line.decode(errors="replace").partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value.strip())
+    body = await asyncio.wait_for(reader.readexactly(length), timeout) if length else b""
+    return status.strip(), body
+
+
+def _request(target: Target, method: str, path: str, token: str, body: bytes = b"") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def _poller(target: Target, stop: asyncio.Event, stats: AttackStats, token: str,
+                  approval_id: str) -> None:
+    """An agent waiting on its approval: one long poll after another on one connection."""
+    path = f"/api/v1/approvals/{approval_id}?wait={LONG_POLL_WAIT_S}"
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(target.host, target.port)
+        except OSError as exc:
+            stats.errors[f"connect: {type(exc).__name__}"] += 1
+            if await _wait(stop, 0.5):
+                return
+            continue
+        stats.opening()
+        try:
+            while not stop.is_set():
+                poll = asyncio.ensure_future(_exchange(reader, writer,
+                                                       _request(target, "GET", path, token),
+                                                       LONG_POLL_WAIT_S + 10))
+                stopping = asyncio.ensure_future(stop.wait())
+                done, _ = await asyncio.wait({poll, stopping},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                stopping.cancel()
+                if poll not in done:
+                    poll.cancel()
+                    return
+                status, _ = poll.result()
+                stats.answers[status] += 1
+                if " 200 " not in status and await _wait(stop, 1.0):
+                    return  # a capped poll (429) backs off, as the client does
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            stats.errors[f"poll: {type(exc).__name__}"] += 1
+            stats.closed_by_server += 1
+        finally:
+            stats.closing()
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def long_polls(target: Target, stop: asyncio.Event, stats: AttackStats,
+                     polls: int = LONG_POLLS) -> None:
+    """Another team's agents each waiting on its pending approval with `?wait=30`, polling
+    again as soon as an answer comes: `polls` waits held open at once, from its keys."""
+    if not target.other_tokens or not target.approval_ids:
+        raise ValueError("long_polls needs another team's keys and pending approvals")
+    await asyncio.gather(*(
+        _poller(target, stop, stats, target.other_tokens[i % len(target.other_tokens)],
+                target.approval_ids[i % len(target.approval_ids)]) for i in range(polls)))
+
+
+async def _silent(target: Target, stop: asyncio.Event, stats: AttackStats, source: str
+                  ) -> None:
+    """A connection that never sends a byte; opened again when the server closes it."""
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(target.host, target.port,
+                                                           local_addr=(source, 0))
+        except OSError as exc:
+            stats.errors[f"connect: {type(exc).__name__}"] += 1
+            if await _wait(stop, 0.5):
+                return
+            continue
+        stats.opening()
+        try:
+            reading = asyncio.ensure_future(reader.read(1))
+            stopping = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait({reading, stopping},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if reading in done:
+                stats.closed_by_server += 1
+                if await _wait(stop, 0.2):
+                    return
+            else:
+                reading.cancel()
+        except OSError:
+            stats.closed_by_server += 1
+        finally:
+            stats.closing()
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def idle_connections(target: Target, stop: asyncio.Event, stats: AttackStats,
+                           connections: int = IDLE_CONNECTIONS) -> None:
+    """Connections that never send a byte, from IDLE_SOURCES loopback addresses other than
+    the agents' (127.0.1.x), reopened as the server closes them."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, connections + 1024)), hard))
+    sources = [f"127.0.1.{n + 1}" for n in range(IDLE_SOURCES)]
+    await asyncio.gather(*(_silent(target, stop, stats, sources[i % len(sources)])
+                           for i in range(connections)))
+
+
+async def _heavy_agent(target: Target, stop: asyncio.Event, stats: AttackStats, token: str,
+                       n: int) -> None:
+    """One agent of the other team: a run, checks with new args each time (no loop stop)
+    until the run stops, then another run; on one kept-alive connection."""
+    try:
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+    except OSError as exc:
+        stats.errors[f"connect: {type(exc).__name__}"] += 1
+        return
+    stats.opening()
+    try:
+        step = 0
+        while not stop.is_set():
+            status, body = await _exchange(reader, writer, _request(
+                target, "POST", "/api/v1/runs", token,
+                json.dumps({"agent": f"heavy-{n}"}).encode()), 10)
+            stats.answers[status] += 1
+            if " 201 " not in status:
+                if await _wait(stop, 1.0):
+                    return
+                continue
+            run = json.loads(body)["run_id"]
+            while not stop.is_set():
+                step += 1
+                check = json.dumps({"action": {"name": f"tool{step % 50}.call",
+                                               "args": {"n": step}}}).encode()
+                status, body = await _exchange(reader, writer, _request(
+                    target, "POST", f"/api/v1/runs/{run}/check", token, check), 10)
+                stats.answers[status] += 1
+                if " 200 " not in status or json.loads(body)["decision"] == "stop":
+                    break
+    except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+        stats.errors[f"heavy: {type(exc).__name__}"] += 1
+    finally:
+        stats.closing()
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def heavy_rate_limits(target: Target, stop: asyncio.Event, stats: AttackStats,
+                            agents: int = HEAVY_RATE_AGENTS) -> None:
+    """Another team's agents checking as fast as they can under a policy of 50 rate-limit
+    rules that match every action (SPEC 10: a check's rate-limit cost does not grow with the
+    hits in the window, nor may it slow another team's checks)."""
+    if not target.other_tokens:
+        raise ValueError("heavy_rate_limits needs another team's key")
+    await asyncio.gather(*(_heavy_agent(target, stop, stats, target.other_tokens[0], n)
+                           for n in range(agents)))
+
+
 async def together(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
     """Every attack above at once."""
     await asyncio.gather(slow_bodies(target, stop, stats),
@@ -264,6 +445,9 @@ ATTACKS: dict[str, Attack] = {
     "open_streams": open_streams,
     "bad_keys": bad_keys,
     "together": together,
+    "long_polls": long_polls,
+    "idle_connections": idle_connections,
+    "heavy_rate_limits": heavy_rate_limits,
     "redis_refused": _no_clients,
     "redis_hung": _no_clients,
 }

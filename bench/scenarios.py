@@ -66,7 +66,7 @@ def seed_team(slug: str, policy: dict[str, Any] | None = None) -> Team:
     team, _ = team_ensure(slug=slug, name=f"Benchmark {slug}")
     document = default_policy()
     for key, value in (policy or ag.BENCH_POLICY).items():
-        document[key] = {**document[key], **value}
+        document[key] = {**document[key], **value} if isinstance(value, dict) else value
     policy_save(team=team, document=parse_policy(document), actor=None, source="bench")
     token = agent_key_create(team=TeamModel.objects.get(pk=team.pk),
                              name=f"bench-{uuid.uuid4().hex[:6]}").token
@@ -666,6 +666,49 @@ def _watched_run(server: Server, team: Team) -> str:
     return str(response.json()["run_id"])
 
 
+# The other team's policy for `heavy_rate_limits`: 50 rules (the most a policy may have)
+# matching every action, never full, so every check pays for every rule.
+HEAVY_RATE_POLICY: dict[str, Any] = {
+    "step_limits": {"max_steps": 10000, "max_repeat_action": 3, "no_progress_window": 1000},
+    "budgets": {"max_seconds": 3600, "max_usd": None, "max_tool_calls": None},
+    "rate_limits": [{"match": "*" if i % 2 else f"tool{i}.*", "per": ("agent", "team")[i % 2],
+                     "max": 100_000, "window_s": 3600} for i in range(50)],
+}
+POLLED_APPROVALS = 50
+
+
+def _neighbour(server: Server, name: str) -> dict[str, Any]:
+    """Another team's state for the attacks a tenant makes on its neighbours: its keys and,
+    for the long polls, pending approvals to wait on (made after the runs were reset)."""
+    import httpx
+
+    from policies.models import Team as TeamModel
+    from policies.services import agent_key_create
+
+    if name == "heavy_rate_limits":
+        return {"other_tokens": [seed_team("bench-heavy-rl", policy=HEAVY_RATE_POLICY).token]}
+    if name != "long_polls":
+        return {}
+    neighbour = seed_team("bench-polls", policy={
+        "approvals": {"tools": ["payments.*"], "timeout_s": 3600},
+        "budgets": {"max_seconds": 3600}})
+    model = TeamModel.objects.get(pk=neighbour.team_id)
+    tokens = [neighbour.token] + [
+        agent_key_create(team=model, name=f"bench-poll-{uuid.uuid4().hex[:6]}").token
+        for _ in range(4)]
+    approvals = []
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        for i in range(POLLED_APPROVALS):
+            auth = {"Authorization": f"Bearer {tokens[i % len(tokens)]}"}
+            run = http.post("/api/v1/runs", json={"agent": f"poller-{i}"}, headers=auth)
+            run.raise_for_status()
+            answer = http.post(f"/api/v1/runs/{run.json()['run_id']}/check", headers=auth, json={
+                "check_id": f"pay-{i}", "action": {"name": "payments.refund", "args": {"n": i}}})
+            answer.raise_for_status()
+            approvals.append(answer.json()["approval"]["id"])
+    return {"other_tokens": tokens, "approval_ids": approvals}
+
+
 @contextlib.contextmanager
 def _attacked(server: Server, name: str) -> Iterator[Server]:
     """The server the attack `name` is measured on: `server` itself, or for a Redis fault a
@@ -709,7 +752,8 @@ def attacks(server: Server, team: Team, *, names: list[str], agents: int, second
                                                    seconds=seconds, warmup=warmup))
                 reset_runs()
                 target = at.Target(port=attacked.port, team_slug=team.slug,
-                                   session_cookie=cookie, run_id=_watched_run(attacked, team))
+                                   session_cookie=cookie, run_id=_watched_run(attacked, team),
+                                   **_neighbour(attacked, name))
                 with at.running(attack, target, settle=1.5) as stats:
                     slices["with"].append(run_slice(attacked, team, scenario=REAL,
                                                     agents=agents, seconds=seconds,
