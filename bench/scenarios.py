@@ -89,16 +89,23 @@ def reset_runs() -> None:
             cursor.execute("TRUNCATE bench_repeat_count")
 
 
-def decision_rows(*, after_id: int = 0, with_action: bool | None = None) -> int:
+def decision_rows(*, after_id: int = 0, with_action: bool | None = None,
+                  team_id: int | None = None) -> int:
+    """Audit rows written since `after_id` (of one team's runs: an attack of another team
+    writes its own meanwhile)."""
     from django.db import connection
 
     sql = "SELECT count(*) FROM runs_decision WHERE id > %s"
+    params: list[Any] = [after_id]
+    if team_id is not None:
+        sql += " AND run_id IN (SELECT id FROM runs_run WHERE team_id = %s)"
+        params.append(team_id)
     if with_action is True:
         sql += " AND action_name <> ''"
     elif with_action is False:
         sql += " AND action_name = ''"
     with connection.cursor() as cursor:
-        cursor.execute(sql, [after_id])
+        cursor.execute(sql, params)
         row = cursor.fetchone()
     return int(row[0]) if row else 0
 
@@ -149,7 +156,8 @@ def run_slice(server: Server, team: Team, *, scenario: str, agents: int, seconds
     stats = asyncio.run(ag.run_load(opts, agents, seconds, warmup))
     cpu_server, cpu_client = cpu() - cpu_server0, time.process_time() - cpu_client0
     cpu_postgres = postgres_cpu_seconds() - cpu_postgres0
-    return Slice(stats=stats, rows=decision_rows(after_id=before), cpu_server=cpu_server,
+    return Slice(stats=stats, rows=decision_rows(after_id=before, team_id=team.team_id),
+                 cpu_server=cpu_server,
                  cpu_client=cpu_client, cpu_postgres=cpu_postgres)
 
 
