@@ -7,9 +7,7 @@ import re
 from datetime import timedelta
 from typing import Any
 
-import yaml
-
-from policies.document import DocumentError, parse_document, parse_policy
+from policies.document import DocumentError, load_yaml, parse_document, parse_policy
 
 SINCE_RE = re.compile(r"^(\d{1,6})([smhdw])$")
 SINCE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -45,11 +43,12 @@ def _problems(exc: DocumentError) -> str:
     return "; ".join(f"{path}: {message}" for path, message in exc.errors.items())
 
 
-def load_yaml(text: str) -> Any:
+def load_draft(source: str | bytes) -> Any:
+    """The draft's data, read within the bounds of every policy document (`load_yaml`)."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise InputError(f"the draft is not valid YAML: {exc}") from None
+        return load_yaml(source)
+    except DocumentError as exc:
+        raise InputError(f"the draft {exc.errors['document']}") from None
 
 
 def team_drafts(data: Any, team: str) -> list[dict[str, Any]]:

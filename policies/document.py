@@ -1,7 +1,9 @@
-"""The policy document of SPEC section 3: validation and normalization, no I/O.
+"""The policy document of SPEC section 3: reading, validation and normalization, no I/O.
 
-The YAML command, the browser editor and its import all go through `parse_document` /
-`parse_policy`, so the three produce identical versions and identical error messages.
+The YAML command, the browser editor and its import all go through `load_yaml` (text) and
+`parse_document` / `parse_policy`, so the three produce identical versions and identical error
+messages. Both are bounded before anything walks the document (SPEC 10, "Bounded work per
+request"): what a request costs follows from its size, whatever shape it has.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from decimal import Decimal
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
+import yaml
 from governance_client.rules import DEFAULT_REDACT
 from pydantic import (
     AfterValidator,
@@ -29,6 +32,15 @@ from .egress import RefusedTarget, check_webhook_url
 
 SLUG = r"^[a-z0-9-]{1,50}$"
 POLICY_NAME = r"^[a-z0-9_-]{1,50}$"
+
+# The bounds of a document (docs/policies.md). A real one nests 7 levels (teams, a team, its
+# policies, a policy, rate_limits, a rule, a value) and a hundred teams of five policies each,
+# every field written out, are about 170 KiB and 20,000 values.
+MAX_DOCUMENT_BYTES = 256 * 1024
+MAX_DEPTH = 16
+MAX_VALUES = 50_000
+MAX_NUMBER_CHARS = 32  # no limit of SPEC 3 needs more than 14 (1000000.000001)
+_NUMBER_LIMIT = 10**MAX_NUMBER_CHARS
 
 
 class DocumentError(Exception):
@@ -202,6 +214,122 @@ def _errors(exc: ValidationError, prefix: str = "") -> dict[str, str]:
     return errors
 
 
+# libyaml when installed: the scan and the load below then read the text at C speed.
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_NUMBER_TAGS = frozenset({"tag:yaml.org,2002:int", "tag:yaml.org,2002:float"})
+
+
+def _refused(problem: str, event: Any = None) -> DocumentError:
+    mark = getattr(event, "start_mark", None)
+    where = f": line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return DocumentError({"document": problem + where})
+
+
+def _scan(text: str) -> None:
+    """Refuse, from YAML's event stream and before anything is built, what would make the
+    document cost more than its size. An alias repeats its anchor's value without repeating
+    its text (nine aliases of nine aliases of ... are a few hundred bytes and billions of
+    values to every walk after the load), so each alias counts as the values and levels of
+    what it repeats, and one inside its own anchor's value (an endless value) is refused.
+    Deep nesting would exhaust the recursion of the builder and of every later walk; a long
+    number costs quadratic time to convert (Python refuses past 4,300 digits, with an error
+    of its own)."""
+    resolver = yaml.resolver.Resolver()
+    done: dict[str, tuple[int, int]] = {}  # anchor -> (values, levels) of its value
+    # One frame per open collection: its anchor, the count of values before it, and the
+    # deepest level reached inside it.
+    frames: list[tuple[str | None, int, int]] = []
+    depth = values = 0
+
+    def reach(levels: int, event: Any) -> None:
+        if levels > MAX_DEPTH:
+            raise _refused(f"may nest at most {MAX_DEPTH} levels", event)
+        if frames and levels > frames[-1][2]:
+            frames[-1] = (frames[-1][0], frames[-1][1], levels)
+
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor not in done:
+                raise _refused(f"may use the alias *{event.anchor} only after the whole "
+                               f"value of its anchor &{event.anchor}", event)
+            repeated, levels = done[event.anchor]
+            values += repeated
+            if values > MAX_VALUES:
+                raise _refused(f"may hold at most {MAX_VALUES} values (counting each "
+                               "alias as the values it repeats)", event)
+            reach(depth + levels, event)
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, before, deepest = frames.pop()
+            if anchor is not None:
+                done[anchor] = (values - before, deepest - depth + 1)
+            depth -= 1
+            if frames:
+                reach(deepest, event)
+        elif isinstance(event, yaml.NodeEvent):
+            values += 1
+            if values > MAX_VALUES:
+                raise _refused(f"may hold at most {MAX_VALUES} values", event)
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                reach(depth, event)
+                frames.append((event.anchor, values - 1, depth))
+                continue
+            if event.anchor is not None:
+                done[event.anchor] = (1, 0)
+            if isinstance(event, yaml.ScalarEvent) and len(event.value) > MAX_NUMBER_CHARS:
+                tag = event.tag
+                if tag is None or tag == "!":
+                    tag = resolver.resolve(yaml.ScalarNode, event.value, event.implicit)
+                if tag in _NUMBER_TAGS:
+                    raise _refused(f"may not hold a number of more than {MAX_NUMBER_CHARS} "
+                                   "characters", event)
+
+
+def load_yaml(source: str | bytes) -> Any:
+    """The data of a YAML (or JSON) policy document, read within the bounds above. Raises
+    DocumentError at ``document`` with a message that completes "The document ...": "is
+    not valid YAML: ...", "may nest at most 16 levels: line 3, column 9".
+    A caller reading a file or an upload reads at most MAX_DOCUMENT_BYTES + 1 bytes of it."""
+    size = len(source) if isinstance(source, bytes) else len(source.encode("utf-8", "replace"))
+    if size > MAX_DOCUMENT_BYTES:
+        raise _refused(f"may be at most {MAX_DOCUMENT_BYTES // 1024} KiB")
+    if isinstance(source, bytes):
+        try:
+            source = source.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _refused("is not UTF-8 text") from None
+    try:
+        _scan(source)
+        return yaml.load(source, Loader=_LOADER)  # CSafeLoader or SafeLoader: no tags run code
+    except yaml.YAMLError as exc:
+        raise _refused(f"is not valid YAML: {exc}") from None
+    except (ValueError, OverflowError) as exc:
+        # A scalar YAML reads but Python cannot build, e.g. the date 2024-02-30.
+        raise _refused(f"holds a value that cannot be read: {exc}") from None
+
+
+def _bounded(data: Any, where: str) -> None:
+    """The same bounds for data that did not come through `load_yaml` (a form, JSON, a
+    structure built in Python), checked without recursion and stopping at the first value
+    past them: neither depth nor shared parts make this walk, or any after it, unbounded."""
+    pending: list[tuple[Any, int]] = [(data, 1)]
+    values = 1  # every value counted once, as YAML counts nodes: a pair is two
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, dict | list | tuple):
+            if depth > MAX_DEPTH:
+                raise DocumentError({where: f"may nest at most {MAX_DEPTH} levels"})
+            values += 2 * len(value) if isinstance(value, dict) else len(value)
+            if values > MAX_VALUES:
+                raise DocumentError({where: f"may hold at most {MAX_VALUES} values"})
+            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            pending.extend((item, depth + 1) for item in items
+                           if isinstance(item, dict | list | tuple | int))
+        elif isinstance(value, int) and not -_NUMBER_LIMIT < value < _NUMBER_LIMIT:
+            raise DocumentError({where: f"may not hold a number of more than "
+                                        f"{MAX_NUMBER_CHARS} digits"})
+
+
 def _storable(data: Any) -> None:
     """A text PostgreSQL cannot hold (a YAML "\\0" escape gives a NUL) is the document's
     error, named by its path, not a failure of the save."""
@@ -215,6 +343,7 @@ def parse_document(data: Any) -> list[dict[str, Any]]:
     """Validate a whole document; return its teams, each policy normalized (defaults filled)."""
     if not isinstance(data, dict):
         raise DocumentError({"document": "must be a mapping with a 'teams' list"})
+    _bounded(data, "document")
     _storable(data)
     try:
         doc = Document.model_validate(data)
@@ -227,6 +356,7 @@ def parse_policy(data: Any) -> dict[str, Any]:
     """Validate one policy (the browser editor); return it normalized."""
     if not isinstance(data, dict):
         raise DocumentError({"policy": "must be a mapping"})
+    _bounded(data, "policy")
     _storable(data)
     try:
         return PolicyDoc.model_validate(data).model_dump()

@@ -7,12 +7,17 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import yaml
 from django import forms
 
 from governance_client import rules
 
-from .document import DocumentError, parse_policy
+from .document import (
+    MAX_DOCUMENT_BYTES,
+    MAX_NUMBER_CHARS,
+    DocumentError,
+    load_yaml,
+    parse_policy,
+)
 from .egress import RefusedTarget, ascii_url, check_webhook_url
 from .models import OperatorRelease, Role
 
@@ -70,6 +75,12 @@ def _rate_rules(raw: str) -> tuple[list[dict[str, Any]], list[str]]:
             bad.append(f"line {number}: write a rule as {RATE_LINE}")
             continue
         match, per, most, window = line.strip().rsplit(None, 3)
+        if max(len(most), len(window)) > MAX_NUMBER_CHARS:
+            # Read as a number, the text's digits would cost quadratic time (and Python
+            # refuses past 4,300 of them): refused here, like the other number boxes' length.
+            bad.append(f"line {number}: a number may have at most {MAX_NUMBER_CHARS} "
+                       "characters")
+            continue
         rules.append({"match": match, "per": per, "max": _number(most),
                       "window_s": _number(window)})
     return rules, bad
@@ -86,24 +97,24 @@ class PolicyForm(forms.Form):
     name = forms.CharField(required=False, max_length=100)
     mode = forms.ChoiceField(choices=[("enforce", "enforce"), ("shadow", "shadow")],
                              required=False)
-    max_steps = forms.CharField(required=False, max_length=40)
-    max_repeat_action = forms.CharField(required=False, max_length=40)
-    no_progress_window = forms.CharField(required=False, max_length=40)
-    max_seconds = forms.CharField(required=False, max_length=40)
-    max_usd = forms.CharField(required=False, max_length=40)
-    max_tool_calls = forms.CharField(required=False, max_length=40)
+    max_steps = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
+    max_repeat_action = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
+    no_progress_window = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
+    max_seconds = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
+    max_usd = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
+    max_tool_calls = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
     restrict_tools = forms.BooleanField(required=False)
     tools_allow = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
     tools_deny = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
     ignore_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
-    error_threshold = forms.CharField(required=False, max_length=40)
+    error_threshold = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
     error_action = forms.ChoiceField(choices=[("nudge", "nudge"), ("stop", "stop")],
                                      required=False)
     redact_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
-    max_idle_seconds = forms.CharField(required=False, max_length=40)
+    max_idle_seconds = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
     rate_limits = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
     approval_tools = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
-    approval_timeout_s = forms.CharField(required=False, max_length=40)
+    approval_timeout_s = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
     # Not part of the policy: why it changed, kept on the version (required by the save view).
     note = forms.CharField(required=False, max_length=500, strip=True, widget=forms.TextInput(
         attrs={"placeholder": "what changed and why (shown in the history)", "maxlength": 500}))
@@ -221,16 +232,18 @@ class ImportForm(forms.Form):
     file = forms.FileField(required=False)
 
     def data_of(self) -> Any:
-        """The parsed YAML; raises forms.ValidationError for text that is not YAML."""
+        """The parsed YAML; raises forms.ValidationError for text that is not YAML or is past
+        the bounds of `load_yaml`."""
         upload = self.cleaned_data.get("file")
-        text = upload.read().decode("utf-8", "replace") if upload else self.cleaned_data.get(
-            "document") or ""
-        if not text.strip():
+        # One byte past the bound is enough to refuse an upload: the rest is never read.
+        source: str | bytes = upload.read(MAX_DOCUMENT_BYTES + 1) if upload else \
+            self.cleaned_data.get("document") or ""
+        if not source.strip():
             raise forms.ValidationError("Paste a YAML document or choose a file.")
         try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise forms.ValidationError(f"This is not valid YAML: {exc}") from None
+            return load_yaml(source)
+        except DocumentError as exc:
+            raise forms.ValidationError(f"The document {exc.errors['document']}.") from None
 
 
 

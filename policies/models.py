@@ -55,6 +55,32 @@ class Membership(models.Model):
         ]
 
 
+class Invitation(models.Model):
+    """An offer of a team membership, waiting for its person (policies.services.member_invite).
+    Made for a username nobody has, it came with the account, which joins by choosing its
+    password through the link; for an account that exists, the account's owner joins by
+    signing in and opening the link. Both are made, listed and answered alike, so that an
+    admin learns nothing of the accounts of other teams."""
+
+    key = models.CharField(max_length=32, unique=True)  # names it in the link, opaquely
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="invitations")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                             related_name="invitations")
+    role = models.CharField(max_length=20, choices=Role.choices)
+    new_account = models.BooleanField()  # the account was made for it (and its membership)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    accepted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["team", "user"],
+                                    condition=models.Q(accepted_at__isnull=True),
+                                    name="one_waiting_invitation_per_team")
+        ]
+
+
 class AgentKey(models.Model):
     """A bearer token for agents. Only a hash is stored; the prefix finds the row."""
 

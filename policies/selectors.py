@@ -7,11 +7,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from django.contrib.auth import get_user_model
 from django.core.paginator import Page, Paginator
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 from django.http import Http404
 
-from .models import AgentKey, Membership, OperatorEvent, Policy, PolicyVersion, Team
+from .models import (
+    AgentKey,
+    Invitation,
+    Membership,
+    OperatorEvent,
+    Policy,
+    PolicyVersion,
+    Role,
+    Team,
+)
 
 AUDIT_PER_PAGE = 50
 
@@ -102,9 +112,52 @@ def key_of(team: Team, key_id: int) -> AgentKey:
     return key
 
 
+def _invited(team: Team) -> Exists:
+    """Memberships made with an account for a waiting invitation: listed with the other
+    waiting invitations, not as members, until their person chooses a password (an
+    invitation for an existing account has no membership until it is answered)."""
+    return Exists(Invitation.objects.filter(team=team, user=OuterRef("user"),
+                                            accepted_at__isnull=True, new_account=True))
+
+
 def members_of(team: Team) -> list[Membership]:
-    return list(Membership.objects.filter(team=team).select_related("user")
-                .order_by("user__username"))
+    return list(Membership.objects.filter(team=team).exclude(_invited(team))
+                .select_related("user").order_by("user__username"))
+
+
+def invitations_of(team: Team) -> list[Invitation]:
+    """The team's waiting invitations, oldest first: both kinds, shown alike."""
+    return list(Invitation.objects.filter(team=team, accepted_at__isnull=True)
+                .select_related("user", "created_by").order_by("created_at", "pk"))
+
+
+def invitation_of(team: Team, invitation_id: int) -> Invitation:
+    invitation = (Invitation.objects.filter(team=team, pk=invitation_id, accepted_at__isnull=True)
+                  .select_related("user", "team").first())
+    if invitation is None:
+        raise Http404("No such invitation.")
+    return invitation
+
+
+def invitation_by_key(key: str) -> Invitation | None:
+    """The waiting invitation an invitation link names."""
+    return (Invitation.objects.filter(key=key, accepted_at__isnull=True)
+            .select_related("user", "team").first())
+
+
+def addable_user(actor: Any, username: str) -> Any:
+    """The active account of `username` that `actor` may add to a team directly, or None. An
+    account in no team is in the pool a superuser made for admins to place; one in a team is
+    added by a superuser or by an admin of one of its teams (whose Members page lists it).
+    Anyone else is None, exactly like a username nobody has, so the Members page tells an
+    admin nothing of other teams' people: they invite instead (`member_invite`)."""
+    users = get_user_model().objects.filter(username=username, is_active=True)
+    if not actor.is_superuser:
+        administered = Membership.objects.filter(user=actor, role=Role.ADMIN).values("team")
+        anywhere = Membership.objects.filter(user=OuterRef("pk"))
+        users = users.filter(is_superuser=False).filter(
+            ~Exists(anywhere) | Exists(anywhere.filter(team__in=administered)))
+    return users.first()
 
 
 def membership_of(team: Team, membership_id: int) -> Membership:
@@ -116,7 +169,9 @@ def membership_of(team: Team, membership_id: int) -> Membership:
 
 
 def admins_besides(team: Team, membership: Membership) -> int:
-    return Membership.objects.filter(team=team, role="admin").exclude(pk=membership.pk).count()
+    # An invited admin who has not chosen a password yet manages nothing.
+    return (Membership.objects.filter(team=team, role="admin").exclude(pk=membership.pk)
+            .exclude(_invited(team)).count())
 
 
 def _audit_events(team: Team) -> Any:

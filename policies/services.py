@@ -10,14 +10,26 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import connection, transaction
+from django.contrib.auth.tokens import PasswordResetTokenGenerator, default_token_generator
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
+from django.urls import reverse
 from django.utils import timezone
 
 from .document import default_policy, parse_document
 from .egress import ascii_url
-from .models import AgentKey, Membership, OperatorEvent, Policy, PolicyVersion, Role, Team
+from .models import (
+    AgentKey,
+    Invitation,
+    Membership,
+    OperatorEvent,
+    Policy,
+    PolicyVersion,
+    Role,
+    Team,
+)
 
 KEY_PREFIX = "gov"
 
@@ -332,33 +344,115 @@ def team_show_webhook_secret(*, team: Team, actor: AbstractBaseUser | None) -> s
     return secret
 
 
+# --- Invitations ---------------------------------------------------------------------------
+
+class InvitationTokens(PasswordResetTokenGenerator):
+    """The token of an invitation for an account that exists. Its shape is the password-reset
+    token's, which an invitation for a new account carries (so the two links look alike), but
+    it is no password-reset token: it is salted apart, and hashed over the invitation, so it
+    is void once the invitation is answered or cancelled, or after PASSWORD_RESET_TIMEOUT."""
+
+    key_salt = "policies.services.InvitationTokens"
+
+    def __init__(self, invitation: Invitation) -> None:
+        super().__init__()
+        self.invitation = invitation
+
+    def _make_hash_value(self, user: AbstractBaseUser, timestamp: int) -> str:
+        invitation = self.invitation
+        return (f"{invitation.pk}:{invitation.key}:{invitation.team_id}:{user.pk}:"
+                f"{invitation.accepted_at}:{timestamp}")
+
+
+def invitation_tokens(invitation: Invitation) -> PasswordResetTokenGenerator:
+    """What makes and checks the token of the invitation's link: a new account's is Django's
+    password-reset token (void once a password is set); an existing account's is its own."""
+    return default_token_generator if invitation.new_account else InvitationTokens(invitation)
+
+
 @dataclass(frozen=True)
-class Invitation:
+class InvitationLink:
     user: Any
-    path: str  # the one-time "choose your password" link, relative to the dashboard's address
+    path: str  # the one-time link, relative to the dashboard's address
+
+
+def member_invite(*, team: Team, username: str, role: str,
+                  actor: AbstractBaseUser | None) -> InvitationLink:
+    """Invite the person of `username` to the team with `role`. A username nobody has gets its
+    account, without a usable password, and its membership; the link lets them choose the
+    password. An account that exists joins when its owner, signed in, opens the link and
+    confirms. The answer, the audit event and the Members page are the same in both cases,
+    and so is the link's first page: an admin cannot tell from them which usernames other
+    teams have. The link works once and for PASSWORD_RESET_TIMEOUT (3 days by default).
+    Raises ValueError for a member of this team or a waiting invitation, which the Members
+    page shows anyway."""
+    model = get_user_model()
+    user = model.objects.filter(username=username).first()
+    if user is not None and Invitation.objects.filter(team=team, user=user,
+                                                      accepted_at__isnull=True).exists():
+        raise ValueError("An invitation for this username is waiting: cancel it to invite "
+                         "again.")
+    if user is not None and Membership.objects.filter(team=team, user=user).exists():
+        raise ValueError("This username is taken: they are a member of this team already.")
+    try:
+        with transaction.atomic():
+            new_account = user is None
+            if new_account:
+                user = model.objects.create_user(username)  # no usable password yet
+                # No membership_set: its "member.add" would tell the audit log's readers
+                # that this account is new. The invitation's event says it for both kinds.
+                Membership.objects.create(team=team, user=user, role=Role(role))
+            invitation = Invitation.objects.create(
+                key=secrets.token_urlsafe(16), team=team, user=user, role=Role(role),
+                new_account=new_account, created_by=actor)
+            audit(actor=actor, action="member.invite", team=team, target=username,
+                  detail={"role": str(role)})
+    except IntegrityError:
+        # Another admin invited this username at the same moment.
+        raise ValueError("An invitation for this username is waiting: cancel it to invite "
+                         "again.") from None
+    path = reverse("password_reset_confirm", kwargs={
+        "uidb64": invitation.key, "token": invitation_tokens(invitation).make_token(user)})
+    return InvitationLink(user=user, path=path)
+
+
+def _waiting(invitation_id: int) -> Invitation | None:
+    return (Invitation.objects.select_for_update().select_related("team", "user")
+            .filter(pk=invitation_id, accepted_at__isnull=True).first())
 
 
 @transaction.atomic
-def member_invite(*, team: Team, username: str, role: str,
-                  actor: AbstractBaseUser | None) -> Invitation:
-    """Add someone who has no account yet: the account is made without a usable password and
-    the returned link (Django's password-reset token, valid PASSWORD_RESET_TIMEOUT, 3 days by
-    default, and only until the password is set) lets them choose one. Raises ValueError if
-    the username is taken."""
-    from django.contrib.auth import get_user_model
-    from django.contrib.auth.tokens import default_token_generator
-    from django.urls import reverse
-    from django.utils.encoding import force_bytes
-    from django.utils.http import urlsafe_base64_encode
+def invitation_accept(*, invitation: Invitation) -> bool:
+    """The invited person joined: for an existing account, signed in as it and confirming;
+    for a new one, by choosing its password. False if it was cancelled or answered before."""
+    invitation = _waiting(invitation.pk)  # type: ignore[assignment]
+    if invitation is None:
+        return False
+    invitation.accepted_at = timezone.now()
+    invitation.save(update_fields=["accepted_at"])
+    if not invitation.new_account:
+        # A membership given meanwhile (by an admin who sees the account) keeps its role.
+        Membership.objects.get_or_create(team=invitation.team, user=invitation.user,
+                                         defaults={"role": invitation.role})
+    audit(actor=invitation.user, action="member.join", team=invitation.team,
+          target=invitation.user.get_username(), detail={"role": invitation.role})
+    return True
 
-    model = get_user_model()
-    if model.objects.filter(username=username).exists():
-        raise ValueError("This username is taken: add the existing user instead.")
-    user = model.objects.create_user(username)  # unusable password until they choose one
-    membership_set(team=team, user=user, role=role, actor=actor)
-    audit(actor=actor, action="member.invite", team=team, target=username,
-          detail={"role": str(role)})
-    path = reverse("password_reset_confirm", kwargs={
-        "uidb64": urlsafe_base64_encode(force_bytes(user.pk)),
-        "token": default_token_generator.make_token(user)})
-    return Invitation(user=user, path=path)
+
+@transaction.atomic
+def invitation_cancel(*, invitation: Invitation, actor: AbstractBaseUser | None) -> None:
+    """Withdraw a waiting invitation. An account made for it goes too, with its membership,
+    unless it has been used or belongs elsewhere since."""
+    invitation = _waiting(invitation.pk)  # type: ignore[assignment]
+    if invitation is None:
+        return
+    user = invitation.user
+    audit(actor=actor, action="member.invite.cancel", team=invitation.team,
+          target=user.get_username(), detail={"role": invitation.role})
+    invitation.delete()
+    if invitation.new_account:
+        Membership.objects.filter(team=invitation.team, user=user).delete()
+        unused = not user.has_usable_password() and user.last_login is None
+        if unused and not Membership.objects.filter(user=user).exists() \
+                and not Invitation.objects.filter(user=user).exists():
+            user.delete()

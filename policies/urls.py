@@ -10,8 +10,8 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True),
          name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
-    # An invitation link (policies.services.member_invite) is a password-reset link.
-    path("accounts/reset/<uidb64>/<token>/", auth_views.PasswordResetConfirmView.as_view(),
+    # An invitation link (policies.services.member_invite) has a password-reset link's shape.
+    path("accounts/reset/<uidb64>/<token>/", views.InvitationView.as_view(),
          name="password_reset_confirm"),
     path("accounts/reset/done/", auth_views.PasswordResetCompleteView.as_view(),
          name="password_reset_complete"),
@@ -34,6 +34,8 @@ urlpatterns = [
     path(TEAM + "keys/<int:key_id>/revoke", views.key_revoke, name="key_revoke"),
     path(TEAM + "members/", views.members, name="members"),
     path(TEAM + "members/invite", views.member_invite_view, name="member_invite"),
+    path(TEAM + "members/invitations/<int:invitation_id>/cancel", views.invitation_cancel_view,
+         name="invitation_cancel"),
     path(TEAM + "members/<int:membership_id>/role", views.member_role, name="member_role"),
     path(TEAM + "members/<int:membership_id>/remove", views.member_remove, name="member_remove"),
     path(TEAM + "settings/", views.team_settings, name="team_settings"),

@@ -10,8 +10,9 @@ from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
-from django.contrib.auth import get_user_model
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.tokens import default_token_generator
+from django.contrib.auth.views import INTERNAL_RESET_SESSION_TOKEN, PasswordResetConfirmView
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -35,10 +36,13 @@ from .forms import (
     PolicyForm,
     WebhookForm,
 )
-from .models import Policy, Role
+from .models import Invitation, Policy, Role
 from .services import (
     agent_key_create,
     agent_key_revoke,
+    invitation_accept,
+    invitation_cancel,
+    invitation_tokens,
     member_invite,
     membership_remove,
     membership_set,
@@ -288,6 +292,7 @@ def _members_page(request: HttpRequest, form: MemberAddForm, *, status: int = 20
                   invite: MemberInviteForm | None = None) -> HttpResponse:
     return page(request, "policies/members.html", {
         "form": form, "members": selectors.members_of(request.team), "roles": Role.choices,
+        "invitations": selectors.invitations_of(request.team),
         "invite_form": invite or MemberInviteForm(),
         "invitation": request.session.pop(INVITATION_SESSION_KEY, None),
     }, status=status)
@@ -296,8 +301,8 @@ def _members_page(request: HttpRequest, form: MemberAddForm, *, status: int = 20
 @team_view(Role.ADMIN)
 @require_POST
 def member_invite_view(request: HttpRequest, slug: str) -> HttpResponse:
-    """Add a person who has no account: their account and a one-time link to set a password,
-    shown once to the admin, who passes it on."""
+    """Invite a person: a one-time link, shown once to the admin, who passes it on. The same
+    answer whether the username has an account or not (policies.services.member_invite)."""
     invite = MemberInviteForm(request.POST)
     if invite.is_valid():
         try:
@@ -317,10 +322,12 @@ def member_invite_view(request: HttpRequest, slug: str) -> HttpResponse:
 def members(request: HttpRequest, slug: str) -> HttpResponse:
     form = MemberAddForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        user = get_user_model().objects.filter(
-            username=form.cleaned_data["username"], is_active=True).first()
+        user = selectors.addable_user(request.user, form.cleaned_data["username"])
         if user is None:
-            form.add_error("username", "No active user has this username.")
+            # Also for an account of another team: saying it exists would tell this admin
+            # who another team's people are.
+            form.add_error("username", "No active user you may add has this username: "
+                                       "invite them instead.")
         elif request.team.memberships.filter(user=user).exists():
             form.add_error("username", "Already a member: change the role in the list.")
         else:
@@ -329,6 +336,90 @@ def members(request: HttpRequest, slug: str) -> HttpResponse:
             messages.success(request, f"Added {user.get_username()}.")
             return redirect("members", slug=slug)
     return _members_page(request, form, status=422 if request.method == "POST" else 200)
+
+
+@team_view(Role.ADMIN)
+@require_http_methods(["GET", "POST"])
+def invitation_cancel_view(request: HttpRequest, slug: str, invitation_id: int) -> HttpResponse:
+    """GET asks to confirm; POST withdraws the invitation (its link stops working)."""
+    invitation = selectors.invitation_of(request.team, invitation_id)
+    name = invitation.user.get_username()
+    if request.method == "GET":
+        return page(request, "policies/confirm.html", {
+            "title": f"Cancel the invitation of {name}?",
+            "effect": "Its link stops working; nobody joins the team through it.",
+            "detail": f"role: {invitation.role}",
+            "action": request.path, "button": "Cancel the invitation",
+            "cancel": reverse("members", args=[slug]),
+        })
+    invitation_cancel(invitation=invitation, actor=request.user)
+    messages.success(request, f"Cancelled the invitation of {name}.")
+    return redirect("members", slug=slug)
+
+
+class InvitationView(PasswordResetConfirmView):
+    """An invitation's link (policies.services.member_invite), at the password-reset URL:
+    ``uidb64`` is the invitation's key. Its first page is the same for both kinds of
+    invitation, "choose a password". A new account joins by choosing one; an account that
+    exists is never given a password here: its owner signs in and opens the link again,
+    and confirms."""
+
+    invitation: Invitation | None = None
+
+    @property
+    def token_generator(self) -> Any:  # type: ignore[override]
+        if self.invitation is None:
+            return default_token_generator
+        return invitation_tokens(self.invitation)
+
+    def get_user(self, uidb64: str) -> Any:
+        self.invitation = selectors.invitation_by_key(uidb64)
+        if self.invitation is None:
+            # A link made before invitations had keys names its new account's id; it works
+            # as it did, until its PASSWORD_RESET_TIMEOUT is over.
+            return super().get_user(uidb64)
+        return self.invitation.user
+
+    def _joining(self) -> Invitation | None:
+        """The invitation, when its existing account's owner, signed in, opened the link."""
+        invitation = self.invitation
+        if invitation is not None and not invitation.new_account \
+                and self.request.user.pk == invitation.user_id:
+            return invitation
+        return None
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context["sign_in"] = f"{reverse('login')}?{urlencode({'next': self.request.path})}"
+        return context
+
+    def get(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        invitation = self._joining()
+        if invitation is not None:
+            return page(request, "policies/invitation.html", {"invitation": invitation})
+        return super().get(request, *args, **kwargs)
+
+    def post(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        invitation = self._joining()
+        if invitation is not None:
+            if invitation_accept(invitation=invitation):
+                request.session.pop(INTERNAL_RESET_SESSION_TOKEN, None)
+                messages.success(request, f"You joined {invitation.team.name} as "
+                                          f"{invitation.role}.")
+            return redirect("runs:overview", slug=invitation.team.slug)
+        return super().post(request, *args, **kwargs)
+
+    def form_valid(self, form: Any) -> HttpResponse:
+        invitation = self.invitation
+        if invitation is not None and not invitation.new_account:
+            name = invitation.user.get_username()
+            form.add_error(None, f"{name} has a password already: sign in as {name}, then "
+                                 "open your link again to join.")
+            return self.form_invalid(form)
+        response = super().form_valid(form)
+        if invitation is not None:
+            invitation_accept(invitation=invitation)
+        return response
 
 
 def _would_orphan(request: HttpRequest, membership: Any, new_role: str | None) -> bool:

@@ -4,6 +4,7 @@ OpenAPI links (runs/check/api.py). No 5xx, and every answer conforms to the publ
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,13 +33,13 @@ def schema(server: Server, team: Team) -> Any:
     # Long runs: generated checks must meet running runs, not only max_steps stops.
     set_policy(team, step_limits={"max_steps": 10000, "max_repeat_action": 1000,
                                   "no_progress_window": 1000}, budgets={"max_seconds": None})
-    # NUL characters are valid JSON that no PostgreSQL text column stores: the API refuses
-    # them with a 422 (tests/test_api_limits.py), a limit the schema cannot express. Unknown
-    # query parameters are ignored, like unknown body fields (SPEC 5.2), not refused.
-    # 413 is a right answer to any body over its size cap (64 KiB for a check, SPEC 5.3),
-    # which a JSON schema cannot state either.
+    # NUL characters are drawn too: the API refuses them (no PostgreSQL text column stores
+    # one) and the schema says so, `"not": {"pattern": "\\u0000"}` on every text and on
+    # every key and string of `args` and `metadata`. Unknown query parameters are ignored,
+    # like unknown body fields (SPEC 5.2), not refused. 413 is a right answer to any body
+    # over its size cap (64 KiB for a check, SPEC 5.3), which a JSON schema cannot state.
     config = schemathesis.Config.from_dict({
-        "generation": {"allow-x00": False, "allow-extra-parameters": False},
+        "generation": {"allow-x00": True, "allow-extra-parameters": False},
         "checks": {
             "positive_data_acceptance": {
                 "expected-statuses": ["2xx", "401", "404", "409", "413"]},
@@ -154,3 +155,122 @@ def _post_runs_is_a_root() -> Iterator[None]:
 
     with mock.patch.object(stateful, "is_likely_root_transition", likely_root):
         yield
+
+
+# --- Where the document and the behaviour once disagreed (issue 24) --------------------------
+
+def conforms(schema: Any, component: str, body: Any) -> bool:
+    """Whether `body` is valid against a component of the published document, formats
+    included (jsonschema_rs is the validator Schemathesis itself uses)."""
+    import jsonschema_rs
+
+    document = {"$ref": f"#/components/schemas/{component}",
+                "components": schema.raw_schema["components"]}
+    return bool(jsonschema_rs.validator_for(document, validate_formats=True).is_valid(body))
+
+
+def call(schema: Any, auth: dict[str, str], method: str, path: str, body: Any,
+         **path_parameters: str) -> Any:
+    """One request, checked by Schemathesis against the document: its status documented for
+    the operation, its body conforming to that status's schema."""
+    case = schema[path][method].Case(body=body, path_parameters=path_parameters or None)
+    return case.call_and_validate(headers=auth)
+
+
+def start(schema: Any, auth: dict[str, str]) -> str:
+    return str(call(schema, auth, "POST", "/api/v1/runs", {"agent": "bot"}).json()["run_id"])
+
+
+def local_allow(**fields: Any) -> dict[str, Any]:
+    return {"decisions": [{"check_id": "l1", "action": {"name": "search"}, "decision": "allow",
+                           "reason": "step_ok", **fields}]}
+
+
+@pytest.mark.parametrize("at", [0, 1767268800, 1767268800.5, True, "0", "1767268800",
+                                "2026-05-01", "2026-05-01T12:00:00", "12:00:00Z",
+                                "2026-05-01 12:00:00Z"])
+def test_an_uploaded_decisions_time_must_be_a_date_time_string(schema: Any, auth: dict[str, str],
+                                                               at: Any) -> None:
+    body = local_allow(at=at)
+    assert not conforms(schema, "LocalDecisionsIn", body)
+    response = call(schema, auth, "POST", "/api/v1/runs/{run_id}/local-decisions", body,
+                    run_id=start(schema, auth))
+    assert response.status_code == 422
+    assert "date-time" in response.json()["error"]["fields"]["decisions.0.at"]
+
+
+@pytest.mark.parametrize("at", ["2026-05-01T12:00:00Z", "2026-05-01t12:00:00.250+02:00"])
+def test_an_uploaded_decisions_date_time_is_kept(schema: Any, auth: dict[str, str],
+                                                 at: str) -> None:
+    body = local_allow(at=at)
+    assert conforms(schema, "LocalDecisionsIn", body)
+    response = call(schema, auth, "POST", "/api/v1/runs/{run_id}/local-decisions", body,
+                    run_id=start(schema, auth))
+    assert response.status_code == 200 and response.json()["recorded"] == 1
+
+
+NUL_BODIES = [
+    ("/api/v1/runs", "RunStartIn", {"agent": "bot", "task": "a\x00b"}, "task"),
+    ("/api/v1/runs", "RunStartIn", {"agent": "bot", "external_id": "\x00"}, "external_id"),
+    ("/api/v1/runs", "RunStartIn", {"agent": "bot", "metadata": {"k": ["ok", {"deep": "\x00"}]}},
+     "metadata"),
+    ("/api/v1/runs", "RunStartIn", {"agent": "bot", "metadata": {"k\x00": 1}}, "metadata"),
+    ("/api/v1/runs/{run_id}/check", "CheckIn", {"action": {"name": "x", "args": {"a": "\x00"}}},
+     "action.args"),
+    ("/api/v1/runs/{run_id}/check", "CheckIn", {"action": {"name": "x"}, "progress": "\x00"},
+     "progress"),
+    ("/api/v1/runs/{run_id}/finish", "FinishIn", {"status": "completed", "output": "\x00"},
+     "output"),
+]
+
+
+@pytest.mark.parametrize(("path", "component", "body", "field"), NUL_BODIES)
+def test_nul_is_refused_where_the_document_says_so(schema: Any, auth: dict[str, str], path: str,
+                                                   component: str, body: dict[str, Any],
+                                                   field: str) -> None:
+    assert not conforms(schema, component, body)
+    run_id = {"run_id": start(schema, auth)} if "{run_id}" in path else {}
+    response = call(schema, auth, "POST", path, body, **run_id)
+    assert response.status_code == 422
+    assert "NUL" in response.json()["error"]["fields"][field]
+    clean = json.loads(json.dumps(body).replace("\\u0000", "-"))
+    assert conforms(schema, component, clean)
+
+
+def test_every_text_of_a_request_states_that_it_holds_no_nul(schema: Any) -> None:
+    """A text field added later cannot forget it: every string a request may carry is a
+    choice of values, a format or a pattern, or says it holds no NUL (`args` and `metadata`
+    at every level, their keys too)."""
+    def strings(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        if isinstance(node, dict):
+            if node.get("type") == "string":
+                yield where, node
+            for key, value in node.items():
+                yield from strings(value, f"{where}.{key}")
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                yield from strings(value, f"{where}[{index}]")
+
+    components = schema.raw_schema["components"]["schemas"]
+    inputs = {name: body for name, body in components.items()
+              if name.endswith("In") or name == "StorableJsonValue"}
+    assert {"RunStartIn", "CheckIn", "LocalAllowIn", "FinishIn"} <= set(inputs)
+    for name, body in inputs.items():
+        for where, node in strings(body, name):
+            assert {"enum", "const", "format", "pattern"} & set(node) \
+                or node.get("not") == {"pattern": "\\u0000"}, where
+
+
+def test_an_unknown_policys_422_is_documented(schema: Any, auth: dict[str, str]) -> None:
+    operation = schema.raw_schema["paths"]["/api/v1/runs"]["post"]
+    assert "no policy of the key's team" in operation["responses"]["422"]["description"]
+    policy = operation["requestBody"]["content"]["application/json"]["schema"]
+    assert "$ref" in policy  # the field's own description says it too
+    assert "422" in schema.raw_schema["components"]["schemas"]["RunStartIn"]["properties"][
+        "policy"]["description"]
+    body = {"agent": "bot", "policy": "no-such-policy"}
+    assert conforms(schema, "RunStartIn", body)  # valid by the schema, refused by contract
+    response = call(schema, auth, "POST", "/api/v1/runs", body)
+    assert response.status_code == 422
+    assert response.json()["error"]["fields"] == {
+        "policy": "no policy named 'no-such-policy' in this team"}

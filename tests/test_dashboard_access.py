@@ -10,8 +10,8 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
-from policies.models import AgentKey, Membership, OperatorEvent
-from policies.services import agent_key_create
+from policies.models import AgentKey, Invitation, Membership, OperatorEvent
+from policies.services import agent_key_create, member_invite
 from runs.models import Run
 
 pytestmark = pytest.mark.django_db
@@ -33,7 +33,9 @@ def world(users: dict[str, Any], team: Any) -> dict[str, Any]:
     run = make_run(team)
     key = agent_key_create(team=team, name="k1").key
     viewer_membership = Membership.objects.get(team=team, user=users["viewer"])
-    return {"run": run, "key": key, "membership": viewer_membership}
+    member_invite(team=team, username="someone-invited", role="viewer", actor=None)
+    invitation = Invitation.objects.get(team=team, user__username="someone-invited")
+    return {"run": run, "key": key, "membership": viewer_membership, "invitation": invitation}
 
 
 def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
@@ -66,6 +68,7 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
         ("GET", u("key_revoke", key_id=world["key"].pk), ADMIN, {}),
         ("GET", u("webhook_secret_rotate"), ADMIN, {}),
         ("GET", u("member_remove", membership_id=world["membership"].pk), ADMIN, {}),
+        ("GET", u("invitation_cancel", invitation_id=world["invitation"].pk), ADMIN, {}),
         ("POST", u("policy_save", name="default"), ADMIN, policy_post),
         ("POST", u("policy_validate", name="default"), ADMIN, policy_post),
         ("POST", u("policy_new"), ADMIN, {**policy_post, "name": "fresh"}),
@@ -79,6 +82,7 @@ def urls(team: Any, world: dict[str, Any]) -> list[tuple[str, str, str, dict[str
          {"role": "operator"}),
         ("POST", u("member_remove", membership_id=world["membership"].pk), ADMIN, {}),
         ("POST", u("member_invite"), ADMIN, {"username": "invited-by-test", "role": "viewer"}),
+        ("POST", u("invitation_cancel", invitation_id=world["invitation"].pk), ADMIN, {}),
         ("POST", u("team_settings"), ADMIN, {"webhook_url": "https://example.com/hook"}),
     ]
 

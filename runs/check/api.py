@@ -178,10 +178,20 @@ _RUN_LINKS = {
 }
 
 
+# A schema-valid start can still be refused: `policy` names one of the key's team's policies,
+# which no schema can list. The document says so, so that a client (or a fuzzer) reading it
+# expects the 422 rather than taking it for a break of the contract.
+_START_422 = ("`invalid_request`, `fields` naming each field at fault: the body breaks the "
+              "schema, or `policy` names no policy of the key's team (`fields.policy`: "
+              "\"no policy named 'x' in this team\"), or `agent` is not the agent an "
+              "agent-bound key is limited to (`fields.agent`).")
+
+
 @api.post("/runs", response={200: s.RunStartOut, 201: s.RunStartOut, **ERRORS},
           summary="Start a run", operation_id="start_run",
           openapi_extra={"responses": {200: {"links": _RUN_LINKS},
-                                       201: {"links": _RUN_LINKS}}})
+                                       201: {"links": _RUN_LINKS},
+                                       422: {"description": _START_422}}})
 def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
     run, created = run_start(
         key=request.auth, agent=payload.agent, policy=payload.policy, task=payload.task,

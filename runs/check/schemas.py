@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 from uuid import UUID
 
 import annotated_types
@@ -24,14 +25,26 @@ from pydantic import (
     StrictInt,
     StrictStr,
     Tag,
+    TypeAdapter,
 )
-from pydantic_core import PydanticCustomError
+from pydantic.json_schema import GetJsonSchemaHandler, JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
+from typing_extensions import TypeAliasType
 
 from governance.text import text_problem
 from governance_client import rules
 
 MAX_DEPTH = 32
 MICRO_USD = Decimal("0.000001")  # costs are counted in millionths of a dollar
+# What the API refuses, stated in the OpenAPI document too, so that a client (or a schema
+# fuzzer) reading it knows before sending: "not": {"pattern": "\u0000"}, no NUL anywhere in
+# the text. (The equivalent "^[^\u0000]*$" made generating a 100,000-character output from
+# the document twenty times slower.)
+NUL_PATTERN = "\\u0000"
+
+
+def no_nul() -> dict[str, Any]:
+    return {"not": {"pattern": NUL_PATTERN}}
 
 
 def _json_problem(value: Any, containers: int = 1) -> str | None:
@@ -112,8 +125,9 @@ def _progress(value: Any) -> Any:
 
 
 # The declared union is what the OpenAPI document shows; the validator decides alone.
-Progress = Annotated[Annotated[StrictStr, Field(max_length=PROGRESS_MAX_CHARS)] | StrictInt
-                     | StrictFloat, BeforeValidator(_progress)]
+Progress = Annotated[Annotated[StrictStr, Field(max_length=PROGRESS_MAX_CHARS,
+                                               json_schema_extra=no_nul())]
+                     | StrictInt | StrictFloat, BeforeValidator(_progress)]
 
 
 DEADLINE_MS_MAX = 600_000
@@ -144,14 +158,78 @@ def _money(value: Any) -> Any:
     return value
 
 
+# RFC 3339's date-time, which the OpenAPI document's "date-time" means: with a time and an
+# offset. (Python's own parsing, afterwards, refuses a month 13 or a day 32.)
+RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def _date_time_text(value: Any) -> Any:
+    # Pydantic alone would also take a number (seconds since 1970), "0", a date without a
+    # time or a time without an offset: none of them is the date-time string the schema says.
+    if not isinstance(value, str) or RFC3339.fullmatch(value) is None:
+        raise PydanticCustomError(
+            "date_time", "Input should be an RFC 3339 date-time string with an offset, "
+            "e.g. 2026-05-01T12:00:00Z")
+    return value
+
+
+DateTimeText = Annotated[datetime, BeforeValidator(_date_time_text)]
+
+
 # The bounds before the check of the type, so that they reach the OpenAPI document as the
 # minimum and maximum of a number (wrapped by the validator, pydantic emits raw "ge"/"le").
 Money = Annotated[float, annotated_types.Interval(ge=0, le=1_000_000), BeforeValidator(_money)]
-JsonObject = Annotated[dict[str, Any] | None, AfterValidator(_storable_json)]
-# Every free-text field: what is accepted must be storable on every database. Its length goes
-# before it (`Annotated[StrictStr, Field(max_length=N), Storable]`): after a validator, pydantic
-# checks a length generically ("at most N items") instead of as a string's characters.
-Storable = AfterValidator(_storable_text)
+
+
+class _NoNulText:
+    """Every free-text field: what is accepted must be storable on every database (a NUL is
+    refused, governance.text), and the published schema says so (`no_nul`). Its
+    length goes before it (`Annotated[StrictStr, Field(max_length=N), Storable]`): after a
+    validator, pydantic checks a length generically ("at most N items") instead of as a
+    string's characters."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(_storable_text, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {**handler(schema), **no_nul()}
+
+
+class _NoNulKeys:
+    """The schema of a JSON object whose keys are free text: a key holds no NUL either."""
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {**handler(schema), "propertyNames": no_nul()}
+
+
+class _SchemaOf:
+    """Publishes another type's schema for a field validated otherwise: `args` and `metadata`
+    stay validated as any object walked once (`_storable_json`), as the check's path was
+    measured (docs/performance.md), not value by value against a recursive type."""
+
+    def __init__(self, published: Any) -> None:
+        self.schema = TypeAdapter(published).core_schema
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return handler(self.schema)
+
+
+Storable = _NoNulText()
+# Any JSON value without NUL in a string or a key, as the document publishes it.
+StorableJsonValue = TypeAliasType(
+    "StorableJsonValue",
+    # Union[...]: `|` cannot join the names of a type not defined yet.
+    Union[Annotated[str, Storable], int, float, bool,  # noqa: UP007
+          list["StorableJsonValue"],
+          Annotated[dict[str, "StorableJsonValue"], _NoNulKeys()], None],
+)
+JsonObject = Annotated[
+    dict[str, Any] | None, AfterValidator(_storable_json),
+    _SchemaOf(Annotated[dict[str, StorableJsonValue], _NoNulKeys()] | None),
+]
 AGENT_PATTERN = f"^{rules.AGENT_NAME_PATTERN}$"
 # runs.models.RunStatus, spelled out for the OpenAPI schema (tests/test_vocabulary.py).
 RunStatusName = Literal["running", "stopped", "killed", "completed", "failed"]
@@ -169,7 +247,9 @@ class ErrorOut(Schema):
 
 class RunStartIn(Schema):
     agent: Annotated[StrictStr, Field(pattern=AGENT_PATTERN)]
-    policy: Annotated[StrictStr, Field(min_length=1, max_length=50), Storable] | None = None
+    policy: Annotated[StrictStr, Field(min_length=1, max_length=50), Storable] | None = Field(
+        default=None, description="The name of one of the key's team's policies (default: "
+        "`default`). A name the team has no policy of is refused with 422 `invalid_request`.")
     task: Annotated[StrictStr, Field(max_length=10_000), Storable] | None = None
     metadata: Annotated[JsonObject, AfterValidator(_small_metadata),
                         Field(description="Any JSON object, at most 16 KiB as JSON.")] = None
@@ -295,7 +375,7 @@ class _LocalDecision(BaseModel):
     last_result: LastResultIn | None = None
     cost_usd: Money | None = None
     message: Annotated[StrictStr, Field(max_length=2000), Storable] | None = None
-    at: datetime | None = None
+    at: DateTimeText | None = None
 
 
 class LocalAllowIn(_LocalDecision):

@@ -10,6 +10,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from backtests import inputs, selectors
+from policies.document import MAX_DOCUMENT_BYTES
 from policies.models import Team
 
 
@@ -44,11 +45,13 @@ class Command(BaseCommand):
         if options["file"]:
             path = Path(options["file"])
             try:
-                text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
+                with path.open("rb") as stream:
+                    # One byte past the bound is enough to refuse it: the rest is never read.
+                    raw = stream.read(MAX_DOCUMENT_BYTES + 1)
+            except OSError as exc:
                 raise CommandError(f"cannot read the draft {path}: {exc}") from None
             try:
-                document = inputs.draft_policy(inputs.load_yaml(text), team=team.slug,
+                document = inputs.draft_policy(inputs.load_draft(raw), team=team.slug,
                                                policy=policy.name)
             except inputs.InputError as exc:
                 raise CommandError(f"{path}: {exc}") from None

@@ -3,10 +3,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from django.core.management.base import BaseCommand, CommandError
 
-from policies.document import DocumentError
+from policies.document import MAX_DOCUMENT_BYTES, DocumentError, load_yaml
 from policies.services import policy_apply
 
 
@@ -18,11 +17,15 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, file: Path, **options: Any) -> None:
         try:
-            data = yaml.safe_load(file.read_text(encoding="utf-8"))
+            with file.open("rb") as stream:
+                # One byte past the bound is enough to refuse it: a larger file is never read.
+                raw = stream.read(MAX_DOCUMENT_BYTES + 1)
         except OSError as exc:
             raise CommandError(f"cannot read {file}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise CommandError(f"{file} is not valid YAML: {exc}") from None
+        try:
+            data = load_yaml(raw)
+        except DocumentError as exc:
+            raise CommandError(f"{file} {exc.errors['document']}") from None
         try:
             changes = policy_apply(data=data, source="yaml")
         except DocumentError as exc:

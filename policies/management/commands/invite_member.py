@@ -1,6 +1,7 @@
 """`manage.py invite_member --team SLUG --username NAME [--role viewer|operator|admin]
-[--base-url URL]`: add a person who has no account yet; prints their one-time link to choose
-a password (alone on the last line), as the Members page's invitation does."""
+[--base-url URL]`: invite a person to a team; prints their one-time link to join (alone on
+the last line), as the Members page's invitation does, and says the same whether the
+username has an account or not (policies.services.member_invite)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from policies.services import member_invite
 
 
 class Command(BaseCommand):
-    help = "Invite someone without an account to a team: prints a one-time sign-in link."
+    help = "Invite someone to a team: prints a one-time link to join."
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--team", required=True)
@@ -35,5 +36,6 @@ class Command(BaseCommand):
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"Invited {username} to {found.slug} as {role}. Send them this "
-                          "link (valid once, for 3 days) to choose a password:")
+                          "link (valid once, for 3 days) to join, choosing a password or "
+                          "signing in to the account they have:")
         self.stdout.write(base_url.rstrip("/") + invitation.path)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.management import call_command
@@ -27,7 +26,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
 from governance_client import GovernanceClient
-from policies.document import parse_document
+from policies.document import load_yaml, parse_document
 from policies.models import AgentKey, Membership, Policy, Role, Team
 from policies.services import (
     agent_key_claim,
@@ -83,8 +82,8 @@ def _save_token(token: str) -> None:
 @transaction.atomic
 def demo_setup() -> DemoSetup:
     """Create what the demo needs and is missing; change nothing that exists."""
-    document = yaml.safe_load(
-        (Path(settings.BASE_DIR) / "examples" / "policies.yaml").read_text())
+    document = load_yaml(
+        (Path(settings.BASE_DIR) / "examples" / "policies.yaml").read_bytes())
     created: list[str] = []
     for doc in parse_document(document):
         team, new_team = team_ensure(slug=doc["slug"], name=doc["name"] or doc["slug"],

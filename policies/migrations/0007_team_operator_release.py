@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('policies', '0005_team_webhook_secret_shown_at'),
+        ('policies', '0006_invitation'),
     ]
 
     operations = [

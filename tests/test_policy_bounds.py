@@ -1,0 +1,268 @@
+"""Issue 24, SPEC 10 "Bounded work per request": a policy document's parse and validation are
+bounded before anything walks it. An alias bomb, deep nesting and a 5,000-digit number are
+answered at once with a message (422 on the pages, exit 1 from the commands), never a 500, a
+traceback or seconds of CPU, on every surface that reads a document: the import page, its
+backtest (which viewers may use), the policy editor, `apply_policies` and `backtest --file`.
+
+Each test that sends a hostile document runs under a deadline far above what the refusal takes
+(milliseconds), so that a regression fails the test instead of hanging CI."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.core.management import CommandError, call_command
+from django.test import Client
+from django.urls import reverse
+
+from backtests.models import Backtest
+from policies.document import (
+    MAX_DEPTH,
+    MAX_DOCUMENT_BYTES,
+    MAX_VALUES,
+    DocumentError,
+    load_yaml,
+    parse_document,
+    parse_policy,
+)
+from policies.models import Team
+
+ROOT = Path(__file__).resolve().parent.parent
+DEADLINE_S = 30
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """A few hundred bytes: nine aliases of nine aliases ..., 9**levels values once expanded
+    (the issue's document: each level multiplied the server's CPU time by nine)."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for level in range(1, levels):
+        lines.append(f"l{level}: &l{level} [" + ", ".join([f"*l{level - 1}"] * 9) + "]")
+    return "\n".join(lines) + f"\nteams: [{{slug: support, name: *l{levels - 1}}}]\n"
+
+
+DEEP_FLOW = "teams: " + "[" * 5000 + "]" * 5000 + "\n"
+DEEP_BLOCK = "teams:\n" + "".join("  " * i + "- k:\n" for i in range(1, 60))
+HUGE_INT = ("teams:\n  - slug: support\n    policies:\n      - name: default\n"
+            "        step_limits: {max_steps: " + "9" * 5000 + ", max_repeat_action: 3, "
+            "no_progress_window: 4}\n")
+
+# Each hostile document, and words of the message that refuses it.
+HOSTILE = {
+    "alias bomb": (alias_bomb(), f"at most {MAX_VALUES} values"),
+    "deep flow nesting": (DEEP_FLOW, "nest"),
+    "deep block nesting": (DEEP_BLOCK, f"at most {MAX_DEPTH} levels"),
+    "5,000-digit integer": (HUGE_INT, "a number of more than 32 characters"),
+}
+
+
+@contextmanager
+def deadline(seconds: float = DEADLINE_S) -> Iterator[None]:
+    """Interrupt the test (in this, the main, thread) if what it runs takes longer."""
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"not answered within {seconds} s: unbounded work")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def refusal(text: str | bytes) -> str:
+    with deadline(), pytest.raises(DocumentError) as caught:
+        load_yaml(text)
+    return caught.value.errors["document"]
+
+
+# --- Reading the text ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_document_is_refused_before_it_is_built(name: str) -> None:
+    text, words = HOSTILE[name]
+    assert words in refusal(text)
+
+
+def test_the_refusal_says_where() -> None:
+    assert re.search(r": line 5, column \d+$", refusal(alias_bomb()))
+    assert refusal("teams: []\nx: 1_000_000_000_000_000_000_000_000_000_000_000\n").endswith(
+        "line 2, column 4")
+
+
+@pytest.mark.parametrize("text", [
+    "x: !!int '" + "1" * 5000 + "'",  # an explicit tag, quoted
+    "x: 0x" + "f" * 5000,  # hexadecimal: no digit limit in Python, still unbounded work
+    "x: 1." + "5" * 5000,
+])
+def test_every_spelling_of_a_long_number_is_refused(text: str) -> None:
+    assert "a number of more than 32 characters" in refusal(text)
+
+
+def test_an_alias_inside_its_own_anchor_is_refused() -> None:
+    # PyYAML would build a list that contains itself: every walk of it would never end.
+    assert "only after the whole value of its anchor &x" in refusal("a: &x [1, *x]\n")
+
+
+def test_anchors_and_aliases_within_the_bounds_are_read() -> None:
+    # PyYAML's own dump writes them for a value that appears twice.
+    shared = {"max_steps": 5, "max_repeat_action": 2, "no_progress_window": 3}
+    text = yaml.safe_dump({"teams": [{"slug": "support", "policies": [
+        {"name": "a", "step_limits": shared}, {"name": "b", "step_limits": shared}]}]})
+    assert "&id001" in text
+    teams = parse_document(load_yaml(text))
+    assert [p["step_limits"]["max_steps"] for p in teams[0]["policies"]] == [5, 5]
+
+
+def test_a_deep_alias_counts_as_the_levels_it_repeats() -> None:
+    eight = "[" * 8 + "1" + "]" * 8
+    assert f"at most {MAX_DEPTH} levels" in refusal(f"a: &a {eight}\nb: {eight.replace('1', '*a')}")
+
+
+def test_the_size_is_bounded_before_reading() -> None:
+    assert f"at most {MAX_DOCUMENT_BYTES // 1024} KiB" in refusal("#" * (MAX_DOCUMENT_BYTES + 1))
+    assert "not UTF-8" in refusal(b"teams: [\xff]")
+
+
+def test_a_value_yaml_reads_but_python_cannot_build_is_refused() -> None:
+    assert "cannot be read: day is out of range" in refusal("teams: [{slug: 2024-02-30}]")
+
+
+# --- Data that did not come from YAML text (JSON, forms) -------------------------------------
+
+def test_data_from_elsewhere_has_the_same_bounds() -> None:
+    deep: Any = "x"
+    for _ in range(2000):  # deeper than Python's recursion limit
+        deep = [deep]
+    shared: Any = ["lol"] * 9
+    for _ in range(9):
+        shared = [shared] * 9
+    limits = {"max_steps": 10**5000, "max_repeat_action": 3, "no_progress_window": 4}
+    with deadline():
+        for data, words in [({"teams": deep}, "nest"), ({"teams": shared}, "values"),
+                            ({"teams": [{"slug": "x", "policies": [
+                                {"name": "p", "step_limits": limits}]}]}, "digits")]:
+            with pytest.raises(DocumentError) as caught:
+                parse_document(data)
+            assert words in caught.value.errors["document"]
+        with pytest.raises(DocumentError) as caught:
+            parse_policy({"name": "p", "step_limits": limits})
+        assert "more than 32 digits" in caught.value.errors["policy"]
+
+
+# --- The import page and its backtest --------------------------------------------------------
+
+def client_of(user: Any) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_the_import_page_answers_422_with_the_reason(team: Team, users: dict[str, Any],
+                                                     name: str) -> None:
+    text, words = HOSTILE[name]
+    with deadline():
+        response = client_of(users["admin"]).post(
+            reverse("policies_import", kwargs={"slug": team.slug}), {"document": text})
+    assert response.status_code == 422
+    assert words in response.content.decode()
+    assert team.policies.get(name="default").current.version == 1  # nothing applied
+
+
+@pytest.mark.django_db
+def test_an_upload_past_the_size_bound_is_refused_unread(team: Team, users: dict[str, Any]
+                                                         ) -> None:
+    upload = SimpleUploadedFile("big.yaml", b"#" * (MAX_DOCUMENT_BYTES * 4))
+    response = client_of(users["admin"]).post(
+        reverse("policies_import", kwargs={"slug": team.slug}), {"file": upload})
+    assert response.status_code == 422
+    assert f"at most {MAX_DOCUMENT_BYTES // 1024} KiB" in response.content.decode()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_the_import_pages_backtest_answers_422_to_a_viewer(team: Team, users: dict[str, Any],
+                                                           name: str) -> None:
+    text, words = HOSTILE[name]
+    with deadline():
+        response = client_of(users["viewer"]).post(
+            reverse("backtest_import", kwargs={"slug": team.slug}), {"document": text})
+    assert response.status_code == 422
+    assert words in response.content.decode()
+    assert not Backtest.objects.exists()
+
+
+# --- The policy editor: a rate-limit line is free text ---------------------------------------
+
+EDITOR = {"mode": "enforce", "max_steps": "18", "max_repeat_action": "3",
+          "no_progress_window": "4", "max_seconds": "45", "max_usd": "1", "error_threshold": "3",
+          "error_action": "nudge", "redact_args": "token", "note": "n"}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", ["policy_save", "policy_validate", "backtest_policy"])
+def test_a_huge_number_in_a_rate_limit_line_is_a_form_error(team: Team, users: dict[str, Any],
+                                                            url: str) -> None:
+    who = "viewer" if url == "backtest_policy" else "admin"
+    with deadline():
+        response = client_of(users[who]).post(
+            reverse(url, kwargs={"slug": team.slug, "name": "default"}),
+            {**EDITOR, "rate_limits": "http.* agent " + "9" * 5000 + " 60"},
+            HTTP_HX_REQUEST="true")
+    assert response.status_code in (200, 422)  # the inline validation answers 200
+    html = response.content.decode()
+    if url == "backtest_policy":
+        assert "The form has errors" in html
+    else:
+        assert "line 1: a number may have at most 32 characters" in html
+    assert team.policies.get(name="default").current.version == 1
+
+
+# --- The commands ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_apply_policies_exits_1_with_the_reason(tmp_path: Path, name: str) -> None:
+    text, words = HOSTILE[name]
+    path = tmp_path / "policies.yaml"
+    path.write_text(text, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "manage.py", "apply_policies", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE_S * 2, check=False,
+    )
+    assert done.returncode == 1
+    assert words in done.stderr and str(path) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_apply_policies_refuses_a_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("teams: [{slug: caf\u00e9}]".encode("latin-1"))
+    with pytest.raises(CommandError, match="is not UTF-8 text"):
+        call_command("apply_policies", str(path))
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_the_backtest_command_refuses_a_hostile_draft(team: Team, tmp_path: Path,
+                                                      name: str) -> None:
+    text, words = HOSTILE[name]
+    path = tmp_path / "draft.yaml"
+    path.write_text(text, encoding="utf-8")
+    with deadline(), pytest.raises(CommandError) as caught:
+        call_command("backtest", "--team", team.slug, "--policy", "default", "--file",
+                     str(path), stdout=StringIO())
+    assert words in str(caught.value)
