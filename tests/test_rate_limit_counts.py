@@ -9,14 +9,31 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 from django.test import Client
-from governance_client.rules import RateLimit, window_of
+from django.utils import timezone
+from governance_client.rules import (
+    ALLOW,
+    RATE_LIMITED,
+    WAIT,
+    Check,
+    Policy,
+    RateLimit,
+    RateWindow,
+    RunState,
+    evaluate,
+    rate_wait,
+    retry_after_s,
+    window_of,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,9 +43,12 @@ from runs.check import services
 from runs.check.rate_limits import (
     BUSY_RETRY_S,
     COUNT_SQL,
+    count_ctes,
     count_in_python,
     lock_key,
     windows_in_python,
+    windows_params,
+    windows_prepared,
     windows_sql,
 )
 from runs.models import Decision, RateCount, RateRule, RateSlot, Run
@@ -255,3 +275,107 @@ def test_the_sql_count_keeps_the_last_max_stamps_in_order(team: Any, count: int)
     # Oldest to newest, the ring's order from the next slot to overwrite.
     order = [slots[i % 3] for i in range(count - min(count, 3), count)]
     assert order == sorted(order) and len(set(order)) == len(order)
+
+
+# --- The pure rule decides a busy window -------------------------------------------------------
+
+def test_a_busy_window_waits_briefly_and_says_why() -> None:
+    now = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
+    rule = RateLimit(match="http.*", per="agent", max=3, window_s=60)
+    busy = RateWindow(rule, None, now, busy_retry_s=BUSY_RETRY_S)
+    assert retry_after_s(busy) == BUSY_RETRY_S
+    policy = Policy(max_steps=100, max_repeat_action=100, no_progress_window=100,
+                    max_seconds=None, max_usd=None, max_tool_calls=None, rate_limits=(rule,))
+    decision, state = evaluate(policy, RunState(started_at=now), Check(name="http.get"),
+                               now=now, rate=[busy])
+    assert (decision.outcome, decision.reason, decision.retry_after_s) == (
+        WAIT, RATE_LIMITED, BUSY_RETRY_S)
+    assert "other checks are being counted against it" in (decision.message or "")
+    assert state.steps == 0
+    # A full rule that frees later wins over the busy one.
+    full = window_of(rule, [now - timedelta(seconds=s) for s in (1, 2, 3)], now)
+    assert rate_wait([busy, full]) == (full, 57.0)
+    # Shadow mode holds nothing back: an unknown window is no would-stop.
+    shadow = replace(policy, mode="shadow")
+    decision, _ = evaluate(shadow, RunState(started_at=now), Check(name="http.get"), now=now,
+                           rate=[busy])
+    assert (decision.outcome, decision.shadow) == (ALLOW, None)
+
+
+# --- The upgrade keeps the windows -------------------------------------------------------------
+
+BEFORE = [("runs", "0009_check_id_expression")]
+AFTER = [("runs", "0011_rate_counters")]
+
+
+@pytest.fixture
+def at_the_end() -> Iterator[None]:
+    """Whatever happens, the database ends at the latest migration for the next test."""
+    yield
+    executor = MigrationExecutor(connection)
+    executor.migrate(executor.loader.graph.leaf_nodes())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_counts_the_last_days_hits_for_the_rules_in_use(
+        api: Any, team: Any, at_the_end: None) -> None:
+    set_policy(team, **LOOSE, rate_limits=[{"match": "http.*", "per": "agent", "max": 3,
+                                            "window_s": 60}])
+    run_id = start(api)
+    executor = MigrationExecutor(connection)
+    executor.migrate(BEFORE)
+    RateHit = executor.loader.project_state(BEFORE).apps.get_model("runs", "RateHit")
+    now = timezone.now()
+    for seconds, name in ((90_000, "http.get"), (50, "http.get"), (45, "mail.send"),
+                          (40, "http.get"), (30, "http.post"), (20, "http.get")):
+        RateHit.objects.create(team_id=team.pk, agent="bot", run_id=run_id, action_name=name,
+                               at=now - timedelta(seconds=seconds))
+    MigrationExecutor(connection).migrate(AFTER)
+
+    assert RateCount.objects.get(scope="bot").n == 4  # the day's http.* actions
+    answer = check(api, run_id, "http.get")
+    # max 3: the third most recent, 40 s ago, leaves the 60 s window in 20 s.
+    assert (answer["decision"], answer["reason"]) == ("wait", "rate_limited")
+    assert 19 < answer["retry_after_s"] <= 20
+
+
+# --- The statements read by keys ---------------------------------------------------------------
+
+def _relations(plan: dict[str, Any]) -> list[tuple[str, str | None]]:
+    nodes = [(plan["Node Type"], plan.get("Relation Name"))]
+    for child in plan.get("Plans", []):
+        nodes += _relations(child)
+    return nodes
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_the_window_read_and_the_count_use_the_keys_indexes(team: Any) -> None:
+    """The generic plans the prepared statements keep, under the check's own settings
+    (check_store.EXECUTE_LOCK turns sequential scans off)."""
+    rules = [RateLimit(match="http.*", per=per, max=5, window_s=60)
+             for per in ("run", "agent", "team")]
+    name, prepare = windows_prepared(rules)
+    # Names of its own: a prepared statement outlives the test's transaction.
+    unique = f"plan_{uuid.uuid4().hex[:8]}"
+    name, prepare, counting = unique, prepare.replace(name, unique, 1), f"{unique}_count"
+    hit = json.dumps([{"team_id": team.pk, "agent": "bot", "run_id": str(uuid.uuid4()),
+                       "action_name": "http.get"}])
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute(prepare)
+        cursor.execute(f"PREPARE {counting}(jsonb) AS WITH "
+                       + count_ctes("$1") + " SELECT count(*) FROM counted")
+        params = windows_params(rules, team_id=team.pk, agent="bot", run_id=uuid.uuid4())
+        plans = []
+        for statement, values in ((f"EXECUTE {name}({', '.join(['%s'] * len(params))})",
+                                   params), (f"EXECUTE {counting}(%s)", [hit])):
+            cursor.execute(f"EXPLAIN (FORMAT JSON) {statement}", values)
+            plan = cursor.fetchone()[0]
+            plans += _relations((json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"])
+        cursor.execute(f"DEALLOCATE {name}")
+        cursor.execute(f"DEALLOCATE {counting}")
+    rate_tables = {"runs_raterule", "runs_ratecount", "runs_rateslot"}
+    assert not [n for n in plans if n[0] == "Seq Scan" and n[1] in rate_tables], plans
+    assert {relation for _, relation in plans} >= rate_tables

@@ -69,8 +69,9 @@ READ_REFRESH = timedelta(hours=1)
 
 
 def lock_wait_ms() -> int:
-    """The longest a check waits for its rules' advisory locks (SPEC 10)."""
-    return int(getattr(settings, "RATE_LIMIT_LOCK_WAIT_MS", 500))
+    """The longest a check waits for its rules' advisory locks (SPEC 10); 1 ms at least, so
+    that an uncontended lock is always taken."""
+    return max(1, int(settings.RATE_LIMIT_LOCK_WAIT_MS))
 
 
 def glob_regex(pattern: str) -> str:
