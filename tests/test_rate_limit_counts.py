@@ -246,7 +246,7 @@ def test_the_sql_and_the_orm_read_what_window_of_computes(
     sql, params = windows_sql([rule], team_id=1, agent="bot", run_id=run_id)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        now, nth = cursor.fetchone()
+        [(now, nth)] = cursor.fetchall()
     expected = window_of(rule, stamps, now)
     assert nth == expected.nth_recent
     python = windows_in_python([rule], team_id=1, agent="bot", run_id=run_id, now=now)

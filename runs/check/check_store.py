@@ -76,7 +76,7 @@ from runs.check.rate_limits import (
     count_in_python,
     lock_keys,
     lock_statement,
-    windows_from_row,
+    windows_from_rows,
     windows_in_python,
     windows_params,
     windows_prepared,
@@ -206,16 +206,16 @@ def _row_values(row: DecisionRow) -> dict[str, Any]:
     return {name: getattr(row, name) for name in ROW_FIELDS}
 
 
-def _rate_rows(cursor: Any, *, locking: bool) -> tuple[bool, Any]:
+def _rate_rows(cursor: Any, *, locking: bool) -> tuple[bool, list[Any]]:
     """The rate-limit part of a multi-statement message, the cursor being on the result before
     it: whether the rules' locks were granted in time (`locking`: the message took some),
-    then the windows' row."""
+    then the windows' rows."""
     locked = True
     if locking:
         cursor.nextset()
         locked = bool(cursor.fetchone()[0])
     cursor.nextset()
-    return locked, cursor.fetchone()
+    return locked, cursor.fetchall()
 
 
 def _update_values(state: RunState) -> dict[str, Any]:
@@ -452,7 +452,8 @@ class PostgresCheck:
             keys = lock_keys(rate.rules, team_id=rate.team_id, agent=rate.agent, run_id=run_id)
             if keys:
                 sql += "; " + lock_statement(keys)
-        windows_row, rate_locked = None, True
+        windows_rows: list[Any] = []
+        rate_locked = True
         try:
             with self.errors:
                 self._prepare()
@@ -467,7 +468,7 @@ class PostgresCheck:
                 cursor.nextset()
                 row = cursor.fetchone()
                 if rate is not None:
-                    rate_locked, windows_row = _rate_rows(cursor, locking=bool(keys))
+                    rate_locked, windows_rows = _rate_rows(cursor, locking=bool(keys))
         except (OperationalError, InterfaceError, ProgrammingError) as exc:
             missing = isinstance(exc.__cause__, psycopg.errors.InvalidSqlStatementName)
             if missing or self.raw.broken or self.raw.closed:
@@ -494,8 +495,8 @@ class PostgresCheck:
         earlier = (int(row[21]), _loaded(row[22])) if row[21] is not None else None
         return Locked(key_id=row[0], key_hash=row[1], key_last_used_at=row[2], team_id=row[3],
                       team_slug=row[4], run=run, switch=switch, earlier_answer=earlier,
-                      windows=windows_from_row(rate.rules, windows_row, locked=rate_locked)
-                      if rate is not None and windows_row is not None else None,
+                      windows=windows_from_rows(rate.rules, windows_rows, locked=rate_locked)
+                      if rate is not None else None,
                       keyed=(_loaded(row[23]) or {}) if keyed else None)
 
     def read_keyed(self, *, run_id: uuid.UUID, keyed: Sequence[str]) -> dict[str, int]:
@@ -529,11 +530,10 @@ class PostgresCheck:
                 else:
                     self.cursor.execute(sql, params)
                     locked = True
-                row = self.cursor.fetchone()
+                rows = self.cursor.fetchall()
         finally:
             self.db_seconds += time.perf_counter() - started
-        assert row is not None
-        return windows_from_row(rules, row, locked=locked)
+        return windows_from_rows(rules, rows, locked=locked)
 
     def write(self, *, run_id: uuid.UUID, state: RunState | None, rows: list[DecisionRow],
               hit: HitRow | None = None, keyed: Sequence[dict[str, Any]] = ()) -> int:
@@ -649,8 +649,8 @@ class OrmCheck:
                 sql, params = windows_sql(rules, team_id=run.team_id, agent=run.agent,
                                           run_id=run.id)
                 cursor.execute(sql, params)
-                row = cursor.fetchone()
-            return windows_from_row(rules, row, locked=locked)
+                rows = cursor.fetchall()
+            return windows_from_rows(rules, rows, locked=locked)
         finally:
             self.db_seconds += time.perf_counter() - started
 
