@@ -181,9 +181,6 @@ class RateSlot(models.Model):
     slot = models.IntegerField()
     at = models.DateTimeField()
 
-    class Meta:
-        indexes = [models.Index(fields=["at"], name="rateslot_at")]
-
 
 class Scope(models.TextChoices):
     GLOBAL = "global"

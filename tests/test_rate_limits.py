@@ -337,16 +337,18 @@ def test_the_sweep_forgets_counts_no_window_can_reach(team: Any) -> None:
     now = timezone.now()
     day, second = timedelta(seconds=86_400), timedelta(seconds=1)
     key = uuid.uuid4()
+    # "a" counted an action a day minus a second ago, "b" its last a day and a second ago.
+    RateCount.objects.create(rule_key=key, scope="a", n=2, last_at=now - day + second)
     RateSlot.objects.create(rule_key=key, scope="a", slot=0, at=now - day - second)
     RateSlot.objects.create(rule_key=key, scope="a", slot=1, at=now - day + second)
-    RateCount.objects.create(rule_key=key, scope="a", n=2, last_at=now - day + second)
     RateCount.objects.create(rule_key=key, scope="b", n=1, last_at=now - day - second)
+    RateSlot.objects.create(rule_key=key, scope="b", slot=0, at=now - day - second)
     for age, match in ((day + READ_REFRESH + second, "old"), (day, "recent")):
         RateRule.objects.create(key=uuid.uuid4(), team_id=team.pk, per="agent", match=match,
                                 regex=match, max=1, read_at=now - age)
 
     assert idle_sweep_task()["hits_pruned"] == 1
-    assert list(RateSlot.objects.values_list("slot", flat=True)) == [1]
+    assert sorted(RateSlot.objects.values_list("scope", "slot")) == [("a", 0), ("a", 1)]
     assert list(RateCount.objects.values_list("scope", flat=True)) == ["a"]
     assert list(RateRule.objects.values_list("match", flat=True)) == ["recent"]
     assert prune_hits(now=now) == 0

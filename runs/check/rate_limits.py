@@ -407,39 +407,49 @@ def prune_hits_now_and_then(*, now: datetime) -> int:
     return prune_hits(now=now)
 
 
-# On PostgreSQL the sweep skips the rows a check holds (SKIP LOCKED) rather than wait for
-# them: it never waits, so it can never be in a cycle with a check's locks.
-_PRUNE_SQL = {
-    "runs_rateslot": ("rule_key, scope, slot", "at"),
-    "runs_ratecount": ("rule_key, scope", "last_at"),
-    "runs_raterule": ("key", "read_at"),
-}
+# A count and its ring go together, once no window can reach its last stamp: a ring's stamps
+# are only overwritten, never aged out one by one (no index on their stamps to maintain on
+# every count). On PostgreSQL the sweep skips the counts a check holds (SKIP LOCKED) rather
+# than wait for them; holding a count, it holds the only way to its ring's stamps, so it
+# never waits for a check and can never be in a cycle with a check's locks.
+_PRUNE_COUNTS_SQL = """
+WITH gone AS (
+    DELETE FROM runs_ratecount WHERE (rule_key, scope) IN (
+        SELECT rule_key, scope FROM runs_ratecount WHERE last_at <= %(cutoff)s
+        FOR UPDATE SKIP LOCKED)
+    RETURNING rule_key, scope
+)
+DELETE FROM runs_rateslot s USING gone g
+WHERE s.rule_key = g.rule_key AND s.scope = g.scope AND s.at <= %(cutoff)s
+"""
+_PRUNE_RULES_SQL = """
+DELETE FROM runs_raterule WHERE key IN (
+    SELECT key FROM runs_raterule WHERE read_at <= %(cutoff)s FOR UPDATE SKIP LOCKED)
+"""
 
 
 def prune_hits(*, now: datetime) -> int:
-    """Forget the stamps and counts no window can reach any more, and the rules no check has
-    read for longer than that (the beat sweep calls this). Returns the stamps forgotten.
-
-    Each table on its own is safe: a missing stamp reads as one outside every window, a
-    missing count starts again from zero once its stamps are all older than any window, and
-    a forgotten rule is registered again by the next check that reads it."""
+    """Forget the counts whose last action no window can reach any more, with their rings,
+    and the rules no check has read for longer than that (the beat sweep calls this).
+    Returns the stamps forgotten. A forgotten count starts again from zero; a forgotten rule
+    is registered again by the next check that reads it."""
     from django.db import connection
 
     from runs.models import RateCount, RateRule, RateSlot
 
     cutoff = now - timedelta(seconds=MAX_WINDOW_S)
     rule_cutoff = cutoff - READ_REFRESH
-    if connection.vendor != "postgresql":
-        forgotten, _ = RateSlot.objects.filter(at__lte=cutoff).delete()
-        RateCount.objects.filter(last_at__lte=cutoff).delete()
-        RateRule.objects.filter(read_at__lte=rule_cutoff).delete()
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(_PRUNE_COUNTS_SQL, {"cutoff": cutoff})
+            forgotten = cursor.rowcount
+            cursor.execute(_PRUNE_RULES_SQL, {"cutoff": rule_cutoff})
         return forgotten
-    deleted = {}
-    with connection.cursor() as cursor:
-        for table, (key, column) in _PRUNE_SQL.items():
-            cursor.execute(
-                f"DELETE FROM {table} WHERE ({key}) IN (SELECT {key} FROM {table} "
-                f"WHERE {column} <= %s FOR UPDATE SKIP LOCKED)",
-                [rule_cutoff if table == "runs_raterule" else cutoff])
-            deleted[table] = cursor.rowcount
-    return deleted["runs_rateslot"]
+    forgotten = 0
+    old = RateCount.objects.filter(last_at__lte=cutoff)
+    for key, scope in old.values_list("rule_key", "scope"):
+        forgotten += RateSlot.objects.filter(rule_key=key, scope=scope,
+                                             at__lte=cutoff).delete()[0]
+    old.delete()
+    RateRule.objects.filter(read_at__lte=rule_cutoff).delete()
+    return forgotten

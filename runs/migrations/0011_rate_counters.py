@@ -158,9 +158,6 @@ class Migration(migrations.Migration):
                 ('slot', models.IntegerField()),
                 ('at', models.DateTimeField()),
             ],
-            options={
-                'indexes': [models.Index(fields=['at'], name='rateslot_at')],
-            },
         ),
         migrations.RunPython(backfill, migrations.RunPython.noop),
         migrations.DeleteModel(
