@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
+from django.db.models import F
 from django.test import Client
 from django.utils import timezone
 from governance_client.rules import (
@@ -212,6 +213,22 @@ def test_an_agents_actions_count_whatever_the_policy_of_their_run(api: Any, team
     answer = check(api, limited, "http.get", i=3)
     assert (answer["decision"], answer["reason"]) == ("wait", "rate_limited")
     assert RateCount.objects.get(scope="bot").n == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rules_that_differ_only_in_their_window_share_one_count(api: Any, team: Any) -> None:
+    set_policy(team, **LOOSE, rate_limits=[
+        {"match": "http.*", "per": "agent", "max": 2, "window_s": 60},
+        {"match": "http.*", "per": "agent", "max": 2, "window_s": 10}])
+    run_id = start(api)
+    assert [check(api, run_id, "http.get", i=i)["decision"] for i in range(3)] == \
+        ["allow", "allow", "wait"]
+    assert RateRule.objects.count() == 1 and RateCount.objects.get(scope="bot").n == 2
+    RateSlot.objects.update(at=F("at") - timedelta(seconds=15))
+    # The 10 s rule has room again, the 60 s one in about 45 s.
+    answer = check(api, run_id, "http.get", i=3)
+    assert answer["decision"] == "wait" and 44 < answer["retry_after_s"] <= 45
+    assert "window_s=60" in answer["message"]
 
 
 # --- SQL and ORM agree with window_of ----------------------------------------------------------
