@@ -231,6 +231,22 @@ def test_rules_that_differ_only_in_their_window_share_one_count(api: Any, team: 
     assert "window_s=60" in answer["message"]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_rule_records_its_reads_at_most_once_an_hour(api: Any, team: Any) -> None:
+    """What keeps a rule in use from being forgotten by the sweep (a day without a read)."""
+    set_policy(team, **LOOSE, rate_limits=[{"match": "http.*", "per": "agent", "max": 50,
+                                            "window_s": 60}])
+    run_id = start(api)
+    check(api, run_id, "http.get", i=0)
+    RateRule.objects.update(read_at=F("read_at") - timedelta(minutes=30))
+    half_an_hour_ago = RateRule.objects.get().read_at
+    check(api, run_id, "http.get", i=1)
+    assert RateRule.objects.get().read_at == half_an_hour_ago
+    RateRule.objects.update(read_at=F("read_at") - timedelta(minutes=31))
+    check(api, run_id, "http.get", i=2)
+    assert RateRule.objects.get().read_at > timezone.now() - timedelta(minutes=1)
+
+
 # --- SQL and ORM agree with window_of ----------------------------------------------------------
 
 def _ring(rule: RateLimit, *, team_id: int, run_id: uuid.UUID, stamps: list[datetime]) -> None:

@@ -233,7 +233,10 @@ def _windows_body(count: int, ph: Callable[[int, str], str]) -> str:
     records a read at most once an hour, and reads each ring's `max`-th most recent stamp:
     one row per rule, in order. One subquery for all the rules, so that planning the
     statement (its first executions on a connection) costs little more for 50 rules than
-    for one."""
+    for one. Neither write can be in a cycle with another check's: the new rules are
+    inserted in key order (two checks registering the same rules wait in one order), and the
+    read is recorded only on the rows no other check holds (SKIP LOCKED: that one records
+    it)."""
     values = ", ".join(
         f"({i}, " + ", ".join(ph(i, name) for name, _ in _PARAMS) + ")" for i in range(count))
     names = ", ".join(name for name, _ in _PARAMS)
@@ -242,10 +245,11 @@ def _windows_body(count: int, ph: Callable[[int, str], str]) -> str:
         f"v AS MATERIALIZED (SELECT * FROM (VALUES {values}) AS v(i, {names})), "
         "fresh AS (INSERT INTO runs_raterule (key, team_id, per, match, regex, max, read_at) "
         "SELECT v.key, v.team_id, v.per, v.match, v.regex, v.max, c.now FROM v, c "
-        "ON CONFLICT (key) DO NOTHING), "
-        "seen AS (UPDATE runs_raterule r SET read_at = c.now FROM v, c "
-        "WHERE r.key = v.key AND r.read_at < c.now - interval "
-        f"'{int(READ_REFRESH.total_seconds())} seconds') "
+        "ORDER BY v.key ON CONFLICT (key) DO NOTHING), "
+        "seen AS (UPDATE runs_raterule r SET read_at = c.now FROM c WHERE r.key IN ("
+        "SELECT o.key FROM runs_raterule o JOIN v ON o.key = v.key, c AS t "
+        f"WHERE o.read_at < t.now - interval '{int(READ_REFRESH.total_seconds())} seconds' "
+        "FOR UPDATE OF o SKIP LOCKED)) "
         "SELECT c.now, (SELECT s.at FROM runs_ratecount k JOIN runs_rateslot s"
         " ON s.rule_key = k.rule_key AND s.scope = k.scope AND s.slot = mod(k.n, v.max)"
         " WHERE k.rule_key = v.key AND k.scope = v.scope AND k.n >= v.max"
