@@ -264,13 +264,17 @@ CELERY_BEAT_SCHEDULE = {
                           "schedule": crontab(hour=3, minute=30)},
     # Restarts kill-switch fan-outs and webhook deliveries that an outage left behind.
     "killswitch-sweep": {"task": "runs.tasks.killswitch_sweep", "schedule": 60.0},
-    # Ends abandoned runs (SPEC 14) and prunes old rate-limit hits (SPEC 12).
+    # Ends abandoned runs (SPEC 14) and prunes rate-limit counts older than any window
+    # (SPEC 12).
     "idle-sweep": {"task": "runs.tasks.idle_sweep",
                    "schedule": float(env_int("IDLE_SWEEP_SECONDS", 60))},
     # Settles approvals past their expiry that nobody looked at (SPEC 11).
     "approvals-expire": {"task": "runs.tasks.approvals_expire", "schedule": 10.0},
 }
 AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or DATA_DIR / "exports")
+# The longest a check waits for its rate-limit rules' locks (SPEC 10, 12); past it the check
+# answers `wait` with a short retry_after_s instead of holding its thread (PostgreSQL).
+RATE_LIMIT_LOCK_WAIT_MS = env_int("RATE_LIMIT_LOCK_WAIT_MS", 500)
 
 # Redis is never on a check's critical path, and no call to it may hold a request for long
 # (SPEC 10): 100 ms to connect or to answer, whatever uses it. The kill switch's Celery

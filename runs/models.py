@@ -136,26 +136,50 @@ class Decision(models.Model):
         ]
 
 
-class RateHit(models.Model):
-    """One action counted by the rate limits of SPEC 12: a check answered allow, a shadow
-    would-stop (the action runs) or an action taken by a pending approval. Stamped by the
-    database's clock on PostgreSQL. Not the audit log (that is Decision): a working set that
-    the sweep empties of everything older than the longest window (86400 s)."""
+class RateRule(models.Model):
+    """A rate-limit rule (SPEC 12) some check has met in its policy: every counted action of
+    the team whose name matches it is counted for it from then on, whatever the action's
+    policy (runs/check/rate_limits.py). Forgotten by the sweep once no check has read it for
+    longer than the longest window."""
 
-    id = models.BigAutoField(primary_key=True)
+    key = models.UUIDField(primary_key=True)  # rate_limits.rule_key(team, per, max, match)
     team_id = models.BigIntegerField()
-    agent = models.CharField(max_length=100)
-    run_id = models.UUIDField()
-    action_name = models.CharField(max_length=200)
-    at = models.DateTimeField()
+    per = models.CharField(max_length=10)  # run | agent | team
+    match = models.CharField(max_length=200)
+    regex = models.TextField()  # rate_limits.glob_regex(match), for the check's write
+    max = models.IntegerField()  # the size of each scope's ring of stamps
+    read_at = models.DateTimeField()  # when a check last read it (to the hour)
 
     class Meta:
         indexes = [
-            models.Index(fields=["run_id", "at"], name="ratehit_run"),
-            models.Index(fields=["team_id", "agent", "at"], name="ratehit_agent"),
-            models.Index(fields=["team_id", "at"], name="ratehit_team"),
-            models.Index(fields=["at"], name="ratehit_at"),
+            models.Index(fields=["team_id"], name="raterule_team"),
+            models.Index(fields=["read_at"], name="raterule_read"),
         ]
+
+
+class RateCount(models.Model):
+    """How many actions a rule has counted in one scope (a run, an agent name or the team),
+    and when the last one was. The n-th counted action's stamp is RateSlot (n - 1) % max."""
+
+    pk = models.CompositePrimaryKey("rule_key", "scope")
+    rule_key = models.UUIDField()
+    scope = models.TextField()  # the run's id, the agent's name, or "" for the team
+    n = models.BigIntegerField()
+    last_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["last_at"], name="ratecount_last")]
+
+
+class RateSlot(models.Model):
+    """One stamp of a rule's ring in one scope: the last `max` counted actions' stamps, each
+    overwriting the one `max` actions older. Stamped by the database's clock on PostgreSQL."""
+
+    pk = models.CompositePrimaryKey("rule_key", "scope", "slot")
+    rule_key = models.UUIDField()
+    scope = models.TextField()
+    slot = models.IntegerField()
+    at = models.DateTimeField()
 
 
 class Scope(models.TextChoices):

@@ -117,7 +117,7 @@ def test_a_finish_racing_the_checks_never_overwrites_their_stop(server, agent):
 def test_100_simultaneous_checks_of_one_agent_allow_exactly_the_rate_limit(server, agent, team):
     """SPEC 12: one agent's runs, 100 checks at once against two server processes (each with
     its worker processes), max 10 in 60 s: exactly 10 allows, 90 waits."""
-    from runs.models import RateHit
+    from runs.models import RateCount, RateSlot
     from tests.conftest import set_policy, start_server
 
     set_policy(team, step_limits={"max_steps": 1000, "max_repeat_action": 1000,
@@ -146,10 +146,11 @@ def test_100_simultaneous_checks_of_one_agent_allow_exactly_the_rate_limit(serve
             waits = [r.json()["retry_after_s"] for r in responses
                      if r.json()["decision"] == "wait"]
             assert all(0 < w <= 60 for w in waits)
-            assert RateHit.objects.filter(run_id__in=runs).count() == 10
+            assert RateCount.objects.get(scope="crawler").n == 10
             assert sum(Run.objects.get(pk=rid).steps for rid in runs) == 10
             assert Decision.objects.filter(run_id__in=runs, outcome="wait").count() == 90
             # The next round starts with an empty window.
-            RateHit.objects.all().delete()
+            RateCount.objects.all().delete()
+            RateSlot.objects.all().delete()
     finally:
         second.stop()

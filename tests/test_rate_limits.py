@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from policies.services import agent_key_create
 from runs.check import run_memory
 from runs.check.rate_limits import glob_regex
-from runs.models import Decision, RateHit, Run
+from runs.models import Decision, RateCount, RateSlot, Run
 from tests.conftest import Agent, set_policy
 
 LOOSE = {"step_limits": {"max_steps": 1000, "max_repeat_action": 1000,
@@ -35,12 +35,9 @@ def rule(match: str = "http.*", per: str = "agent", max: int = 2, window_s: int 
     return {"match": match, "per": per, "max": max, "window_s": window_s}
 
 
-def backdate(run_id: str | None = None, seconds: float = 0, **filters: Any) -> None:
-    """Move recorded hits into the past, relative to their own database-clock stamps."""
-    hits = RateHit.objects.filter(**filters)
-    if run_id is not None:
-        hits = hits.filter(run_id=run_id)
-    hits.update(at=F("at") - timedelta(seconds=seconds))
+def backdate(seconds: float = 0, **filters: Any) -> None:
+    """Move counted actions into the past, relative to their own database-clock stamps."""
+    RateSlot.objects.filter(**filters).update(at=F("at") - timedelta(seconds=seconds))
 
 
 transactional = pytest.mark.django_db(transaction=True)
@@ -111,7 +108,7 @@ def test_the_window_slides(agent: Agent, team: Any) -> None:
     rid = agent.start()["run_id"]
     agent.check(rid, "http.get", {"i": 1})
     agent.check(rid, "http.get", {"i": 2})
-    oldest = RateHit.objects.filter(run_id=rid).order_by("at").first()
+    oldest = RateSlot.objects.filter(scope=rid).order_by("at").first()
     assert oldest is not None
 
     # The oldest action 55 s ago: room in about 5 s.
@@ -141,7 +138,7 @@ def test_a_wait_is_never_replayed_and_counts_no_step(agent: Agent, team: Any) ->
     assert (first["step"], again["step"]) == (2, 2)
     assert Run.objects.get(pk=rid).steps == 1
 
-    backdate(rid, seconds=61)
+    backdate(seconds=61, scope=rid)
     allowed = agent.check(rid, "http.get", {"i": 1}, **body)
     assert (allowed["decision"], allowed["step"]) == ("allow", 2)
     # The allow, once given, is what this check_id replays.
@@ -168,7 +165,7 @@ def test_every_overlapping_rule_applies_and_the_longest_wait_is_answered(
     assert answer["decision"] == "wait" and 9 < answer["retry_after_s"] <= 10
     assert "match='http.*'" in answer["message"]
     # Both rules full: the answer is the time until both have room.
-    backdate(rid, seconds=5)
+    backdate(seconds=5)  # the run's actions, in both rules' counts
     answer = agent.check(rid, "http.get", {"again": 2})
     assert 54 < answer["retry_after_s"] <= 55
 
@@ -184,7 +181,7 @@ def test_shadow_mode_allows_and_reports_the_rate_limit(agent: Agent, team: Any) 
     assert answer["retry_after_s"] is None
     assert Decision.objects.get(pk=answer["decision_id"]).outcome == "would_stop"
     # Counted like an allow: the action runs, so it holds its place in the window.
-    assert RateHit.objects.filter(run_id=rid).count() == 2
+    assert RateCount.objects.get(scope=rid).n == 2
     assert Run.objects.get(pk=rid).steps == 2
 
 
@@ -328,20 +325,30 @@ def test_allow_stop_and_wait_answers_all_carry_the_common_fields(api: Any, team:
 
 
 @pytest.mark.django_db
-def test_the_sweep_forgets_hits_no_window_can_reach(team: Any) -> None:
+def test_the_sweep_forgets_counts_no_window_can_reach(team: Any) -> None:
     import uuid
 
     from django.utils import timezone
 
-    from runs.check.rate_limits import prune_hits
+    from runs.check.rate_limits import READ_REFRESH, prune_hits
     from runs.check.tasks import idle_sweep_task
+    from runs.models import RateRule
 
     now = timezone.now()
-    old = RateHit.objects.create(team_id=team.pk, agent="a", run_id=uuid.uuid4(),
-                                 action_name="x", at=now - timedelta(seconds=86_401))
-    recent = RateHit.objects.create(team_id=team.pk, agent="a", run_id=uuid.uuid4(),
-                                    action_name="x", at=now - timedelta(seconds=86_399))
+    day, second = timedelta(seconds=86_400), timedelta(seconds=1)
+    key = uuid.uuid4()
+    # "a" counted an action a day minus a second ago, "b" its last a day and a second ago.
+    RateCount.objects.create(rule_key=key, scope="a", n=2, last_at=now - day + second)
+    RateSlot.objects.create(rule_key=key, scope="a", slot=0, at=now - day - second)
+    RateSlot.objects.create(rule_key=key, scope="a", slot=1, at=now - day + second)
+    RateCount.objects.create(rule_key=key, scope="b", n=1, last_at=now - day - second)
+    RateSlot.objects.create(rule_key=key, scope="b", slot=0, at=now - day - second)
+    for age, match in ((day + READ_REFRESH + second, "old"), (day, "recent")):
+        RateRule.objects.create(key=uuid.uuid4(), team_id=team.pk, per="agent", match=match,
+                                regex=match, max=1, read_at=now - age)
+
     assert idle_sweep_task()["hits_pruned"] == 1
-    assert list(RateHit.objects.values_list("pk", flat=True)) == [recent.pk]
-    assert not RateHit.objects.filter(pk=old.pk).exists()
+    assert sorted(RateSlot.objects.values_list("scope", "slot")) == [("a", 0), ("a", 1)]
+    assert list(RateCount.objects.values_list("scope", flat=True)) == ["a"]
+    assert list(RateRule.objects.values_list("match", flat=True)) == ["recent"]
     assert prune_hits(now=now) == 0

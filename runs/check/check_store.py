@@ -13,16 +13,18 @@ On PostgreSQL that is two network round trips, each one message with a prepared 
    the run's keyed memory (runs/check/run_memory.py) in lateral subqueries;
 2. `EXECUTE write; COMMIT`: one statement that updates the run, upserts the keyed memory's
    changed entries, inserts the decision (data-modifying CTEs) and, for an action counted by
-   the rate limits, its hit, returning the decision's id.
+   the rate limits, counts it for every rule of its team it matches, returning the decision's
+   id.
 
 The keyed entries a check reads depend on its repeat key, hence on the run's policy: the
 caller names them when this process already knows the run's policy version (as for the rate
 limits below), else `read_keyed` reads them in one more round trip once the run is locked.
 
 A check whose action matches a rate limit of its policy (SPEC 12) also takes the rules'
-advisory locks and reads their windows (runs/check/rate_limits.py): as more statements of the first
-message when this process already knows the run's team, agent and policy version (they never
-change, `RateRead`), else in one more round trip between the two.
+advisory locks, waiting for them a bounded time, and reads their windows
+(runs/check/rate_limits.py): as more statements of the first message when this process
+already knows the run's team, agent and policy version (they never change, `RateRead`), else
+in one more round trip between the two.
 
 Why not the ORM here: on the benchmark machine one ORM query cost more Python (about half a
 millisecond, mostly building the SQL) than this path's two statements together. And planning
@@ -69,15 +71,19 @@ from governance.fastjson import dumps
 from policies.models import AgentKey
 from runs.check import run_memory
 from runs.check.rate_limits import (
+    COUNT_SQL,
+    count_ctes,
+    count_in_python,
     lock_keys,
-    windows_from_row,
+    lock_statement,
+    windows_from_rows,
     windows_in_python,
     windows_params,
     windows_prepared,
     windows_sql,
 )
 from runs.killswitch import cover
-from runs.models import Decision, RateHit, Run, RunStatus
+from runs.models import Decision, Run, RunStatus
 
 # A run's columns that make its state as the rules see it (rules.RunState), in the order the
 # lock statement returns them; the rest of what the check reads of a run never changes (its
@@ -200,12 +206,16 @@ def _row_values(row: DecisionRow) -> dict[str, Any]:
     return {name: getattr(row, name) for name in ROW_FIELDS}
 
 
-def _last_row(cursor: Any) -> Any:
-    """The first row of a multi-statement message's last result: the rate-limit windows,
-    read after the advisory locks' statements."""
-    while cursor.nextset():
-        pass
-    return cursor.fetchone()
+def _rate_rows(cursor: Any, *, locking: bool) -> tuple[bool, list[Any]]:
+    """The rate-limit part of a multi-statement message, the cursor being on the result before
+    it: whether the rules' locks were granted in time (`locking`: the message took some),
+    then the windows' rows."""
+    locked = True
+    if locking:
+        cursor.nextset()
+        locked = bool(cursor.fetchone()[0])
+    cursor.nextset()
+    return locked, cursor.fetchall()
 
 
 def _update_values(state: RunState) -> dict[str, Any]:
@@ -324,8 +334,9 @@ READ_KEYED_SQL = "SELECT digest, count FROM runs_runmemory WHERE run_id = %s AND
 # document each, unpacked by jsonb_populate_recordset: one literal to quote instead of
 # twenty-two, one JSON encoding. An empty array writes nothing. The data-modifying CTEs run even
 # though the INSERT does not read them: one statement for the state change and its audit
-# record. The hit is stamped with the database's clock, the clock every rate-limit window is
-# read with. An entry's count is its new value, not an increment: the run's lock is held.
+# record. The hit is counted for the rules of its team it matches (rate_limits.count_ctes),
+# stamped with the database's clock, the clock every rate-limit window is read with. An
+# entry's count is its new value, not an increment: the run's lock is held.
 # The run's update reads its one row with jsonb_populate_record: from a recordset the plan
 # (generic, the statement is prepared) expects 100 rows and joined them by a hash over a
 # sequential scan of the whole runs table, every version of every run's row included, on
@@ -343,11 +354,7 @@ WITH run AS (
     UPDATE runs_run r SET """ + ", ".join(f"{name} = n.{name}" for name in UPDATE_FIELDS) + """
     FROM jsonb_populate_record(NULL::runs_run, $2 -> 0) n
     WHERE r.id = n.id
-), hit AS (
-    INSERT INTO runs_ratehit (team_id, agent, run_id, action_name, at)
-    SELECT team_id, agent, run_id, action_name, clock_timestamp()
-    FROM jsonb_populate_recordset(NULL::runs_ratehit, $3)
-), keyed AS (
+), """ + count_ctes("$3") + """, keyed AS (
     INSERT INTO runs_runmemory (run_id, digest, kind, text, count)
     SELECT run_id, digest, kind, text, count
     FROM jsonb_populate_recordset(NULL::runs_runmemory, $4)
@@ -436,13 +443,17 @@ class PostgresCheck:
         started = time.perf_counter()
         sql = EXECUTE_LOCK
         params: list[Any] = [run_id, check_id, prefix, _text_array(keyed) if keyed else None]
+        keys: list[int] = []
         if rate is not None:
-            # After the run's lock, in the same message: the rules' locks, then the windows,
-            # each a statement of its own so the read's snapshot follows the locks. Should the
-            # key or the run be refused, the rollback releases these locks at once.
+            # After the run's lock, in the same message: the rules' locks (a bounded wait),
+            # then the windows, each a statement of its own so the read's snapshot follows the
+            # locks. Should the key or the run be refused, the rollback releases these locks
+            # at once.
             keys = lock_keys(rate.rules, team_id=rate.team_id, agent=rate.agent, run_id=run_id)
-            sql += "".join(f"; SELECT pg_advisory_xact_lock({int(k)})" for k in keys)
-        windows_row = None
+            if keys:
+                sql += "; " + lock_statement(keys)
+        windows_rows: list[Any] = []
+        rate_locked = True
         try:
             with self.errors:
                 self._prepare()
@@ -457,7 +468,7 @@ class PostgresCheck:
                 cursor.nextset()
                 row = cursor.fetchone()
                 if rate is not None:
-                    windows_row = _last_row(cursor)
+                    rate_locked, windows_rows = _rate_rows(cursor, locking=bool(keys))
         except (OperationalError, InterfaceError, ProgrammingError) as exc:
             missing = isinstance(exc.__cause__, psycopg.errors.InvalidSqlStatementName)
             if missing or self.raw.broken or self.raw.closed:
@@ -484,8 +495,8 @@ class PostgresCheck:
         earlier = (int(row[21]), _loaded(row[22])) if row[21] is not None else None
         return Locked(key_id=row[0], key_hash=row[1], key_last_used_at=row[2], team_id=row[3],
                       team_slug=row[4], run=run, switch=switch, earlier_answer=earlier,
-                      windows=windows_from_row(rate.rules, windows_row)
-                      if rate is not None and windows_row is not None else None,
+                      windows=windows_from_rows(rate.rules, windows_rows, locked=rate_locked)
+                      if rate is not None else None,
                       keyed=(_loaded(row[23]) or {}) if keyed else None)
 
     def read_keyed(self, *, run_id: uuid.UUID, keyed: Sequence[str]) -> dict[str, int]:
@@ -503,22 +514,26 @@ class PostgresCheck:
 
     def rate_windows(self, *, run: RunRow, rules: Sequence[RateLimit], now: datetime
                      ) -> list[RateWindow]:
-        """Take the rules' advisory locks, then read their windows with the database's
-        clock: one round trip (the locks and the read are separate statements of one
-        message, so the read's snapshot is taken once the locks are held)."""
+        """Take the rules' advisory locks (a bounded wait), then read their windows with the
+        database's clock: one round trip (the locks and the read are separate statements of
+        one message, so the read's snapshot is taken once the locks are held)."""
         keys = lock_keys(rules, team_id=run.team_id, agent=run.agent, run_id=run.id)
-        locks = "".join(f"SELECT pg_advisory_xact_lock({int(key)});" for key in keys)
         started = time.perf_counter()
         try:
             with self.errors:
                 sql, params = self._windows_statement(rules, team_id=run.team_id,
                                                       agent=run.agent, run_id=run.id)
-                self.cursor.execute(locks + sql, params)
-                row = _last_row(self.cursor)
+                if keys:
+                    self.cursor.execute(lock_statement(keys) + "; " + sql, params)
+                    locked = bool(self.cursor.fetchone()[0])
+                    self.cursor.nextset()
+                else:
+                    self.cursor.execute(sql, params)
+                    locked = True
+                rows = self.cursor.fetchall()
         finally:
             self.db_seconds += time.perf_counter() - started
-        assert row is not None
-        return windows_from_row(rules, row)
+        return windows_from_rows(rules, rows, locked=locked)
 
     def write(self, *, run_id: uuid.UUID, state: RunState | None, rows: list[DecisionRow],
               hit: HitRow | None = None, keyed: Sequence[dict[str, Any]] = ()) -> int:
@@ -625,15 +640,17 @@ class OrmCheck:
             if connection.vendor != "postgresql":
                 return windows_in_python(rules, team_id=run.team_id, agent=run.agent,
                                          run_id=run.id, now=now)
+            locked = True
             with connection.cursor() as cursor:
-                for key in lock_keys(rules, team_id=run.team_id, agent=run.agent,
-                                     run_id=run.id):
-                    cursor.execute("SELECT pg_advisory_xact_lock(%s)", [key])
+                keys = lock_keys(rules, team_id=run.team_id, agent=run.agent, run_id=run.id)
+                if keys:
+                    cursor.execute(lock_statement(keys))
+                    locked = bool(cursor.fetchone()[0])
                 sql, params = windows_sql(rules, team_id=run.team_id, agent=run.agent,
                                           run_id=run.id)
                 cursor.execute(sql, params)
-                row = cursor.fetchone()
-            return windows_from_row(rules, row)
+                rows = cursor.fetchall()
+            return windows_from_rows(rules, rows, locked=locked)
         finally:
             self.db_seconds += time.perf_counter() - started
 
@@ -644,15 +661,16 @@ class OrmCheck:
             if state is not None:
                 Run.objects.filter(pk=run_id).update(**_update_values(state))
             run_memory.upsert(run_id, list(keyed))
-            if hit is not None:
-                at = None
-                if connection.vendor == "postgresql":
-                    with connection.cursor() as cursor:
-                        cursor.execute("SELECT clock_timestamp()")
-                        at = cursor.fetchone()[0]
-                RateHit.objects.create(team_id=hit.team_id, agent=hit.agent, run_id=run_id,
-                                       action_name=hit.action_name,
-                                       at=at or rows[-1].at)
+            if hit is not None and connection.vendor == "postgresql":
+                # The same statement as PostgresCheck's write: stamps taken under the counts'
+                # row locks, by the database's clock.
+                with connection.cursor() as cursor:
+                    cursor.execute(COUNT_SQL, [dumps([{
+                        "team_id": hit.team_id, "agent": hit.agent, "run_id": run_id,
+                        "action_name": hit.action_name}])])
+            elif hit is not None:
+                count_in_python(team_id=hit.team_id, agent=hit.agent, run_id=run_id,
+                                action_name=hit.action_name, at=rows[-1].at)
             pk = 0
             for row in rows:
                 pk = Decision.objects.create(run_id=run_id, **_row_values(row)).pk

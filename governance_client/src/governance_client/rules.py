@@ -570,6 +570,10 @@ class RateWindow:
     # The stamp of the rule.max-th most recent counted action in the window; None: room.
     nth_recent: datetime | None
     now: datetime  # the clock the window was read with
+    # Set when the store could not count the rule in its bounded lock wait (other checks held
+    # the rule's lock, SPEC 10): the window is unknown, so the check waits this long and is
+    # decided again. None: the window was read.
+    busy_retry_s: float | None = None
 
 
 def rate_limits_matching(policy: Policy, name: str) -> tuple[RateLimit, ...]:
@@ -585,7 +589,10 @@ def window_of(rule: RateLimit, stamps: Iterable[datetime], now: datetime) -> Rat
 
 
 def retry_after_s(window: RateWindow) -> float | None:
-    """Seconds until the rule has room again, rounded up to the millisecond (None: it has)."""
+    """Seconds until the rule has room again, rounded up to the millisecond (None: it has).
+    For a window the store could not read in time, the short retry it asked for."""
+    if window.busy_retry_s is not None:
+        return max(1, -(-round(window.busy_retry_s * 1_000_000) // 1000)) / 1000
     if window.nth_recent is None:
         return None
     left = window.nth_recent + timedelta(seconds=window.rule.window_s) - window.now
@@ -607,6 +614,9 @@ def rate_wait(windows: Sequence[RateWindow]) -> tuple[RateWindow, float] | None:
 
 def _rate_message(name: str, window: RateWindow, wait: float) -> str:
     rule = window.rule
+    if window.busy_retry_s is not None:
+        return (f"{name} is rate limited by the {rule.describe()}: other checks are being "
+                f"counted against it right now; retry in {wait:.3f} s.")
     return (f"{name} is rate limited by the {rule.describe()}: {rule.max} actions in the "
             f"last {rule.window_s} s already; retry in {wait:.3f} s.")
 
@@ -667,6 +677,10 @@ def evaluate(
     _register(new, check)
     stop = _first_stop(policy, new, check, key, now, kill)
     if stop is None:
+        if policy.mode == "shadow":
+            # Nothing waits in shadow mode: a window the store could not read in time is no
+            # evidence that the rule would have held the action back.
+            rate = [window for window in rate if window.busy_retry_s is None]
         limited = rate_wait(rate)
         if limited is not None:
             window, wait = limited
