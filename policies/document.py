@@ -94,15 +94,25 @@ class Budgets(_Strict):
 
 
 Pattern = Annotated[StrictStr, Field(min_length=1, max_length=200)]
+# Every check matches the action against each pattern of its policy's lists, on the thread
+# pool every team's checks share: a list's length is a bound on a check's work (SPEC 10,
+# bounded work per request). 40,000 deny patterns (a 720 KB document before the size bound)
+# took 5 to 7 s a check, and past 32,768 thrashed fnmatch's process-wide cache of compiled
+# patterns, every team's. Far above any real policy (a few dozen).
+MAX_PATTERNS = 256
+Patterns = Annotated[list[Pattern], Field(max_length=MAX_PATTERNS)]
+# A team's policies: every policy's rate-limit rules count each action of the team (SPEC 12),
+# so their number bounds a check's rate-limit write.
+MAX_POLICIES_PER_TEAM = 100
 
 
 class Tools(_Strict):
-    allow: list[Pattern] | None = None
-    deny: list[Pattern] = []
+    allow: Patterns | None = None
+    deny: Patterns = []
 
 
 class RepeatKey(_Strict):
-    ignore_args: list[Annotated[StrictStr, Field(min_length=1, max_length=200)]] = []
+    ignore_args: Patterns = []
 
 
 class OnRepeatedError(_Strict):
@@ -123,7 +133,7 @@ class Approvals(_Strict):
     """SPEC 11: actions whose name matches one of ``tools`` wait for an operator's decision,
     for at most ``timeout_s`` seconds."""
 
-    tools: list[Pattern] = []
+    tools: Patterns = []
     timeout_s: Annotated[StrictInt, Field(ge=1, le=86400)] = 900
 
 
@@ -135,9 +145,7 @@ class PolicyDoc(_Strict):
     tools: Tools = Tools()
     repeat_key: RepeatKey = RepeatKey()
     on_repeated_error: OnRepeatedError = OnRepeatedError()
-    redact_args: list[Annotated[StrictStr, Field(min_length=1, max_length=200)]] = list(
-        DEFAULT_REDACT
-    )
+    redact_args: Patterns = list(DEFAULT_REDACT)
     rate_limits: Annotated[list[RateLimitDoc], Field(max_length=50)] = []
     approvals: Approvals = Approvals()
 
@@ -146,7 +154,7 @@ class TeamDoc(_Strict):
     slug: Annotated[StrictStr, Field(pattern=SLUG)]
     name: Annotated[StrictStr, Field(min_length=1, max_length=200)] | None = None
     webhook_url: Annotated[StrictStr, Field(max_length=500)] | None = None
-    policies: list[PolicyDoc] = []
+    policies: Annotated[list[PolicyDoc], Field(max_length=MAX_POLICIES_PER_TEAM)] = []
 
     @field_validator("webhook_url")
     @classmethod

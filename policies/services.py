@@ -18,7 +18,7 @@ from django.db.models import Q
 from django.urls import reverse
 from django.utils import timezone
 
-from .document import default_policy, parse_document
+from .document import MAX_POLICIES_PER_TEAM, DocumentError, default_policy, parse_document
 from .egress import ascii_url
 from .models import (
     AgentKey,
@@ -66,7 +66,14 @@ def policy_save(
 ) -> PolicyVersion | None:
     """Store one normalized policy; a new version only when something changed. ``note`` is
     the saver's reason, kept on the version and in the audit event."""
-    policy, _ = Policy.objects.select_for_update().get_or_create(team=team, name=document["name"])
+    policy = Policy.objects.select_for_update().filter(team=team, name=document["name"]).first()
+    if policy is None:
+        # The team's row lock: two new policies cannot both pass the count.
+        Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list("pk").first()
+        if Policy.objects.filter(team=team).count() >= MAX_POLICIES_PER_TEAM:
+            raise DocumentError({"name": f"a team has at most {MAX_POLICIES_PER_TEAM} "
+                                         "policies: change or reuse one"})
+        policy = Policy.objects.create(team=team, name=document["name"])
     if policy.current_id:
         previous = policy.current.document
         if previous == document:

@@ -131,8 +131,12 @@ def policy_new(request: HttpRequest, slug: str) -> HttpResponse:
             form.add_error("name", "a policy with this name already exists")
         if not form.is_valid():
             return _editor(request, None, form, status=422)
-        policy_save(team=request.team, document=form.normalized, actor=request.user,
-                    source="dashboard", note=form.cleaned_data["note"] or "created")
+        try:
+            policy_save(team=request.team, document=form.normalized, actor=request.user,
+                        source="dashboard", note=form.cleaned_data["note"] or "created")
+        except DocumentError as exc:  # the team's cap on policies
+            form.add_error("name", exc.errors.get("name", str(exc)))
+            return _editor(request, None, form, status=422)
         messages.success(request, f"Created policy {form.normalized['name']}.")
         return redirect("policy", slug=slug, name=form.normalized["name"])
     initial = PolicyForm.initial_from(default_policy("new-policy"))

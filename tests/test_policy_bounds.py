@@ -266,3 +266,46 @@ def test_the_backtest_command_refuses_a_hostile_draft(team: Team, tmp_path: Path
         call_command("backtest", "--team", team.slug, "--policy", "default", "--file",
                      str(path), stdout=StringIO())
     assert words in str(caught.value)
+
+
+# --- Lists a check walks, and a team's policies (SPEC 10: a check's work is bounded) --------
+
+def test_a_pattern_list_is_capped(team):
+    from policies.document import MAX_PATTERNS, parse_policy
+    from policies.document import default_policy as default
+
+    document = default("big")
+    for path in (("tools", "deny"), ("tools", "allow"), ("approvals", "tools"),
+                 ("repeat_key", "ignore_args")):
+        many = [f"tool{i}.*" for i in range(MAX_PATTERNS + 1)]
+        too_many = {**document, path[0]: {**document[path[0]], path[1]: many}}
+        with pytest.raises(DocumentError) as refused:
+            parse_policy(too_many)
+        assert ".".join(path) in str(refused.value)
+    with pytest.raises(DocumentError):
+        parse_policy({**document, "redact_args": [f"k{i}" for i in range(MAX_PATTERNS + 1)]})
+    parse_policy({**document, "tools": {"allow": None,
+                                        "deny": [f"t{i}" for i in range(MAX_PATTERNS)]}})
+
+
+def test_a_team_has_a_bounded_number_of_policies(team, users, settings, monkeypatch):
+    from policies import services
+    from policies.document import default_policy as default
+
+    monkeypatch.setattr(services, "MAX_POLICIES_PER_TEAM", 3)
+    services.policy_save(team=team, document=default("second"), actor=None, source="test")
+    services.policy_save(team=team, document=default("third"), actor=None, source="test")
+    with pytest.raises(DocumentError):
+        services.policy_save(team=team, document=default("fourth"), actor=None, source="test")
+    # A new version of an existing policy is not a new policy.
+    services.policy_save(team=team, document={**default("third"), "mode": "shadow"},
+                         actor=None, source="test")
+    from policies.forms import PolicyForm
+
+    admin = Client()
+    admin.force_login(users["admin"])
+    data = {**PolicyForm.initial_from(default("fifth")), "name": "fifth", "note": "n"}
+    data = {k: v for k, v in data.items() if v is not None}
+    response = admin.post(f"/teams/{team.slug}/policies-new", data)
+    assert response.status_code == 422
+    assert b"at most 3 policies" in response.content
