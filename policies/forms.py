@@ -104,6 +104,8 @@ class PolicyForm(forms.Form):
     max_usd = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
     max_tool_calls = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
     restrict_tools = forms.BooleanField(required=False)
+    # An empty allow list denies every tool of every run: said out loud, never by omission.
+    deny_every_tool = forms.BooleanField(required=False)
     tools_allow = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
     tools_deny = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
     ignore_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
@@ -149,6 +151,7 @@ class PolicyForm(forms.Form):
             "max_usd": text(budgets["max_usd"]),
             "max_tool_calls": text(budgets["max_tool_calls"]),
             "restrict_tools": tools["allow"] is not None,
+            "deny_every_tool": tools["allow"] == [],
             "tools_allow": "\n".join(tools["allow"] or []),
             "tools_deny": "\n".join(tools["deny"]),
             "ignore_args": "\n".join(document["repeat_key"]["ignore_args"]),
@@ -216,7 +219,16 @@ class PolicyForm(forms.Form):
                 self.add_error(field, f"{path}: {message}" if field is None else message)
         for message in self.rate_line_errors:
             self.add_error("rate_limits", message)
+        tools = (self.normalized or {}).get("tools") or {}
+        if tools.get("allow") == [] and not cleaned.get("deny_every_tool"):
+            # "Only allow the tools listed below" ticked over an empty list saved a policy
+            # that stopped 246 of 259 recorded runs at their first step, without a word.
+            self.add_error("tools_allow", DENY_ALL)
         return cleaned
+
+
+DENY_ALL = ("The list is empty: every tool of every run would be denied. List the tools to "
+            "allow, untick \"Only allow\", or tick \"Deny every tool\" to mean it.")
 
 
 def field_for_path(path: str) -> str | None:

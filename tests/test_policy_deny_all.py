@@ -1,0 +1,48 @@
+"""A deny-all policy is never saved by omission (issue 26): "Only allow the tools listed below"
+over an empty list denies every tool of every run, so the editor refuses it unless "Deny every
+tool" is ticked too."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from policies.forms import DENY_ALL
+from policies.models import Policy
+from tests.test_dashboard_policies import form_data
+
+pytestmark = pytest.mark.django_db
+
+
+def save(client: Client, team: Any, **changes: str) -> Any:
+    return client.post(reverse("policy_save", args=[team.slug, "default"]), form_data(**changes))
+
+
+def allow_list(team: Any) -> Any:
+    return Policy.objects.get(team=team, name="default").current.document["tools"]["allow"]
+
+
+def test_an_empty_allow_list_is_refused_unless_deny_every_tool_is_ticked(team, users):
+    admin = Client()
+    admin.force_login(users["admin"])
+    refused = save(admin, team, restrict_tools="on", tools_allow="")
+    assert refused.status_code == 422
+    assert DENY_ALL.split(":")[0] in refused.content.decode().replace("&quot;", '"')
+    assert allow_list(team) is None  # nothing saved
+    assert save(admin, team, restrict_tools="on", tools_allow="",
+                deny_every_tool="on").status_code == 302
+    assert allow_list(team) == []
+    # The editor shows the saved deny-all as such, and saves it again unchanged.
+    page = admin.get(reverse("policy", args=[team.slug, "default"])).content.decode()
+    assert re.search(r'<input[^>]*name="deny_every_tool"[^>]*checked', page)
+
+
+def test_a_listed_tool_needs_no_confirmation(team, users):
+    admin = Client()
+    admin.force_login(users["admin"])
+    assert save(admin, team, restrict_tools="on", tools_allow="search.*").status_code == 302
+    assert allow_list(team) == ["search.*"]
