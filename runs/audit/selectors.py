@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -14,6 +16,9 @@ from policies.models import PolicyVersion, Team
 from runs.approvals.services import settle_due_for_team, settle_if_due_for_run
 from runs.check.abandon import abandon_idle_runs, abandon_if_idle
 from runs.models import Decision, Run
+from runs.sweep import one_by_one
+
+log = logging.getLogger(__name__)
 
 
 def policy_json(version: PolicyVersion) -> dict[str, Any]:
@@ -36,10 +41,17 @@ def elapsed_s(run: Run, now: datetime | None = None) -> float:
     active time (SPEC 15), without the time spent waiting for approvals."""
     memory = run.memory or {}
     pending = memory.get("pending")
+    try:
+        paused = float(memory.get("paused_s", 0.0))
+        since = datetime.fromisoformat(pending["since"]) if pending else None
+    except (KeyError, TypeError, ValueError):
+        # A memory no version of the check writes: every list shows the run all the same,
+        # its time counted without pauses (SPEC 10: one bad row breaks no page).
+        log.warning("run %s has a memory the rules cannot read: %r", run.pk, memory)
+        paused, since = 0.0, None
     return round(rules.elapsed_seconds(
         started_at=run.started_at, ended_at=run.ended_at, status=run.status,
-        now=now or timezone.now(), paused_s=float(memory.get("paused_s", 0.0)),
-        pending_since=datetime.fromisoformat(pending["since"]) if pending else None), 3)
+        now=now or timezone.now(), paused_s=paused, pending_since=since), 3)
 
 
 def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
@@ -58,6 +70,13 @@ def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
         "task": run.task,
         "output": run.output,
     }
+
+
+def runs_json(runs: Iterable[Run], now: datetime | None = None) -> list[dict[str, Any]]:
+    """A list's runs as JSON; a run that cannot be shown is logged and left out, so one bad
+    row never makes the list answer 500 (SPEC 10)."""
+    now = now or timezone.now()
+    return one_by_one(runs, lambda run: run_json(run, now), what="run")
 
 
 def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = None,
@@ -106,3 +125,4 @@ def decision_json(d: Decision) -> dict[str, Any]:
         "at": d.at,
         "local": bool((d.answer or {}).get("local")),
     }
+

@@ -20,6 +20,7 @@ from runs.audit.selectors import elapsed_s
 from runs.dashboard import selectors as dashboard
 from runs.killswitch.selectors import engaged_for_team
 from runs.models import Decision, Run, RunStatus, Scope
+from runs.sweep import one_by_one
 
 ARGS_PREVIEW_CHARS = 80
 ARGS_FULL_CHARS = 4000
@@ -297,7 +298,9 @@ def approvals_context(team: Team, now: datetime | None = None) -> dict[str, Any]
 
     now = now or timezone.now()
     settle_due_for_team(team, now=now)
-    cards = [approval_card(a, now) for a in approvals_for_team(team, limit=50)]
+    # A request that cannot be shown is logged and left out; the page still answers.
+    cards = one_by_one(approvals_for_team(team, limit=50), lambda a: approval_card(a, now),
+                       what="approval")
     pending = [c for c in cards if c.status == "pending"]
     return {"team": team, "pending": pending, "decided": [c for c in cards if c not in pending],
             "approvals_pending": len(pending), "now": now}
