@@ -15,6 +15,7 @@ from governance_client import rules
 from policies.models import PolicyVersion, Team
 from runs.approvals.services import settle_due_for_team, settle_if_due_for_run
 from runs.check.abandon import abandon_idle_runs, abandon_if_idle
+from runs.check.policy_cache import rules_for_version
 from runs.models import Decision, Run
 from runs.sweep import one_by_one
 
@@ -124,5 +125,21 @@ def decision_json(d: Decision) -> dict[str, Any]:
         "progress": d.progress,
         "at": d.at,
         "local": bool((d.answer or {}).get("local")),
+        "policy_violation": violation_of(d) is not None,
     }
 
+
+def violation_of(d: Decision) -> str | None:
+    """Why an uploaded local allow broke its run's policy (a denied tool, an action needing
+    approval: SPEC 10, "Uploaded local decisions"), in words; None for any other decision.
+    Stored with the upload; a decision uploaded before that (the audit log is append-only)
+    is judged when read, by the same rule against its run's policy version. ``d.run`` comes
+    with the run's own decisions (no query)."""
+    answer = d.answer if isinstance(d.answer, dict) else {}
+    if answer.get("local") is not True or d.outcome != rules.ALLOW:
+        return None
+    if "policy_violation" in answer:
+        if not answer["policy_violation"]:
+            return None
+        return str(answer.get("violation") or "the run's policy forbids this action")
+    return rules.policy_violation(rules_for_version(d.run.policy_version_id), d.action_name)

@@ -529,8 +529,11 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             at = entry.get("at") or now
             # The client's clock, kept within what the service can vouch for.
             at = min(max(at, run.started_at), now)
+            # Kept (the action ran), but an allow the policy forbids is flagged (SPEC 10).
+            violation = rules.policy_violation(policy, check.name) if allowed else None
             answer = {**_answer_of(verdict, state, policy, now), "local": True,
-                      "decided_at": at.isoformat()}
+                      "decided_at": at.isoformat(), "policy_violation": violation is not None,
+                      "violation": violation}
             rows.append(Decision(
                 run=run, step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
                 action_name=action["name"], action_type=action["type"],

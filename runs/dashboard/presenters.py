@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from governance_client import rules
 from policies.models import Team
-from runs.audit.selectors import elapsed_s
+from runs.audit.selectors import elapsed_s, violation_of
 from runs.dashboard import selectors as dashboard
 from runs.killswitch.selectors import engaged_for_team
 from runs.models import Decision, Run, RunStatus, Scope
@@ -55,6 +55,7 @@ class StepRow:
     approval_status: str = ""  # SPEC 11: the request this record opened or settled
     approval_by: str = ""
     local: bool = False  # decided by a fail-open client during an outage, uploaded later
+    violation: str = ""  # a local allow that broke the run's policy: why (SPEC 10)
     retry_after_s: float | None = None
 
 
@@ -93,6 +94,7 @@ def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
         approval_status=approval.get("status", ""),
         approval_by=approval.get("decided_by") or "",
         local=answer.get("local") is True,
+        violation=violation_of(d) or "",
         retry_after_s=answer.get("retry_after_s"),
     )
 

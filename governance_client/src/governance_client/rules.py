@@ -450,6 +450,22 @@ def approval_pattern(policy: Policy, name: str) -> str | None:
     return None
 
 
+def policy_violation(policy: Policy, name: str) -> str | None:
+    """Why running the action ``name`` without the service's answer broke the policy (SPEC
+    10, "Uploaded local decisions"): a denied tool, or an action that needs an operator's
+    approval; None when neither. A fail-open client's uploaded allow is kept (the action
+    ran) and flagged with this. A shadow policy enforces neither, so breaks nothing."""
+    if policy.mode == "shadow":
+        return None
+    denied = _denied(policy, name)
+    if denied is not None:
+        return f"tool_denied: {denied}"
+    pattern = approval_pattern(policy, name)
+    if pattern is not None:
+        return f"{APPROVAL_REQUIRED}: {_approval_message(name, pattern, policy)}"
+    return None
+
+
 def check_id_missing(policy: Policy, state: RunState, check: Check, *, kill: str | None
                      ) -> str | None:
     """Why this check is refused (422 naming ``check_id``) before anything is counted: in
