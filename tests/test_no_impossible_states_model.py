@@ -24,7 +24,6 @@ from django.utils import timezone
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    Bundle,
     RuleBasedStateMachine,
     invariant,
     precondition,
@@ -44,17 +43,13 @@ from tests.conftest import set_policy
 # Transactional: on PostgreSQL the check then takes its production path.
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ACTIONS = ["search.docs", "payments.refund", "shell.exec"]
+# Weighted towards the action that waits for an operator: the states worth exploring.
+ACTIONS = ["search.docs", "payments.refund", "payments.refund", "shell.exec"]
 CHECK_IDS = ["c1", "c2", "c3", "pay-1", "pay-2"]
 LOCAL_STOPS = ["loop_detected", "max_steps", "tool_denied"]
 PAGES = ["", "runs/", "approvals/"]
 
-RUNS = Bundle("runs")
-
-
 class Governed(RuleBasedStateMachine):
-    runs = RUNS
-
     def __init__(self, team: Team, agent: Client, operator: Client) -> None:
         super().__init__()
         self.team, self.agent, self.operator = team, agent, operator
@@ -65,20 +60,25 @@ class Governed(RuleBasedStateMachine):
 
     # --- Agents -------------------------------------------------------------------------
 
-    @rule(target=RUNS)
-    def start(self) -> str:
+    def current(self) -> str | None:
+        """The agent's run: the last one started while it runs, else a new one (None while
+        a kill switch refuses new runs). Agents act on a run that goes on, so that the
+        states worth exploring (a run waiting for an operator) come often."""
+        if self.started and Run.objects.filter(pk=self.started[-1],
+                                               status=rules.RUNNING).exists():
+            return self.started[-1]
         response = self.post("/api/v1/runs", {"agent": "model-bot"})
         assert response.status_code in (201, 409), response.content
-        if response.status_code == 409:  # a kill switch covers new runs
+        if response.status_code == 409:
             assert response.json()["error"]["code"] == "kill_switch_engaged"
-            return ""
-        run_id = response.json()["run_id"]
-        self.started.append(run_id)
-        return run_id
+            return None
+        self.started.append(response.json()["run_id"])
+        return self.started[-1]
 
-    @rule(run=RUNS, name=st.sampled_from(ACTIONS), check_id=st.sampled_from(CHECK_IDS))
-    def check(self, run: str, name: str, check_id: str) -> None:
-        if not run:
+    @rule(name=st.sampled_from(ACTIONS), check_id=st.sampled_from(CHECK_IDS))
+    def check(self, name: str, check_id: str) -> None:
+        run = self.current()
+        if run is None:
             return
         response = self.post(f"/api/v1/runs/{run}/check",
                              {"action": {"name": name}, "check_id": check_id})
@@ -86,20 +86,21 @@ class Governed(RuleBasedStateMachine):
         if response.status_code == 409:
             assert response.json()["error"]["code"] == "approval_pending"
 
-    @rule(run=RUNS, name=st.sampled_from(ACTIONS), check_id=st.sampled_from(CHECK_IDS),
-          stop=st.sampled_from([None, None, *LOCAL_STOPS]))
-    def upload(self, run: str, name: str, check_id: str, stop: str | None) -> None:
-        if not run:
+    @rule(name=st.sampled_from(ACTIONS), check_id=st.sampled_from(CHECK_IDS),
+          stop=st.sampled_from([None, *LOCAL_STOPS]))
+    def upload(self, name: str, check_id: str, stop: str | None) -> None:
+        run = self.current()
+        if run is None:
             return
         entry = {"check_id": f"local-{check_id}", "action": {"name": name},
                  "decision": "stop" if stop else "allow", "reason": stop or "step_ok"}
         response = self.post(f"/api/v1/runs/{run}/local-decisions", {"decisions": [entry]})
         assert response.status_code == 200, response.content
 
-    @rule(run=RUNS, status=st.sampled_from(["completed", "failed", "stopped"]))
-    def finish(self, run: str, status: str) -> None:
-        if not run:
-            return
+    @precondition(lambda self: self.started)
+    @rule(which=st.integers(0, 10), status=st.sampled_from(["completed", "failed", "stopped"]))
+    def finish(self, which: int, status: str) -> None:
+        run = self.started[-1 - which % len(self.started)]  # the current run mostly
         response = self.post(f"/api/v1/runs/{run}/finish", {"status": status})
         assert response.status_code in (200, 409), response.content
 
@@ -117,73 +118,61 @@ class Governed(RuleBasedStateMachine):
             {"decision": decision, "note": "no"})
         assert response.status_code in (302, 409), (response.status_code, approval.status)
 
-    @rule(run=RUNS, scope=st.sampled_from(["run", "team"]))
-    def engage(self, run: str, scope: str) -> None:
-        target = Run.objects.filter(pk=run).first() if run else None
-        if scope == "run" and target is None:
-            return
+    @precondition(lambda self: self.started)
+    @rule(scope=st.sampled_from(["run", "run", "team"]))
+    def engage(self, scope: str) -> None:
+        target = Run.objects.get(pk=self.started[-1]) if scope == "run" else None
         killswitch_engage(scope=scope, team=self.team if scope == "team" else None,
-                          run=target if scope == "run" else None, reason="model")
+                          run=target, reason="model")
 
-    @rule()
-    def release(self) -> None:
-        killswitch_release(scope="team", team=self.team, reason="model")
-
-    @rule()
-    def fan_out(self) -> None:
+    @rule(release=st.booleans())
+    def fan_out_or_release(self, release: bool) -> None:
+        if release:
+            killswitch_release(scope="team", team=self.team, reason="model")
+            return
         for switch in KillSwitch.objects.filter(fanout_done_at__isnull=True):
             killswitch_fanout(switch_id=switch.pk)
 
     # --- Sweeps, now or much later --------------------------------------------------------
 
-    @rule(later=st.booleans())
-    def expiry_sweep(self, later: bool) -> None:
-        expire_due(now=timezone.now() + timedelta(seconds=601 if later else 0))
-
-    @rule(later=st.booleans())
-    def idle_sweep(self, later: bool) -> None:
-        abandon_idle_runs(now=timezone.now() + timedelta(seconds=3601 if later else 0))
+    @rule(sweep=st.sampled_from(["expiry", "idle"]), later=st.booleans())
+    def sweep(self, sweep: str, later: bool) -> None:
+        if sweep == "expiry":
+            expire_due(now=timezone.now() + timedelta(seconds=601 if later else 0))
+        else:
+            abandon_idle_runs(now=timezone.now() + timedelta(seconds=3601 if later else 0))
 
     # --- Reads ----------------------------------------------------------------------------
 
-    @rule(page=st.sampled_from(PAGES))
-    def look_at_a_page(self, page: str) -> None:
-        response = self.operator.get(f"/teams/{self.team.slug}/{page}")
-        assert response.status_code == 200, page
-
-    @rule(run=RUNS)
-    def look_at_a_run(self, run: str) -> None:
-        if not run:
-            return
+    @precondition(lambda self: self.started)
+    @rule()
+    def look(self) -> None:
+        """Every screen and every read of the API, as anyone might at any moment."""
+        for page in PAGES:
+            response = self.operator.get(f"/teams/{self.team.slug}/{page}")
+            assert response.status_code == 200, page
+        assert self.agent.get("/api/v1/runs?limit=500").status_code == 200
+        run = self.started[-1]
         assert self.operator.get(f"/teams/{self.team.slug}/runs/{run}/").status_code == 200
         assert self.agent.get(f"/api/v1/runs/{run}").status_code == 200
         assert self.agent.get(f"/api/v1/runs/{run}/decisions").status_code == 200
-
-    @rule()
-    def list_runs(self) -> None:
-        assert self.agent.get("/api/v1/runs?limit=500").status_code == 200
-
-    @precondition(lambda self: self.started)
-    @rule(which=st.integers(0, 10))
-    def poll(self, which: int) -> None:
-        approvals = list(Approval.objects.filter(run_id__in=self.started).order_by("requested_at"))
-        if not approvals:
-            return
-        approval = approvals[which % len(approvals)]
-        response = self.agent.get(f"/api/v1/approvals/{approval.pk}")
-        assert response.status_code == 200, response.content
-        body = response.json()
-        run = Run.objects.get(pk=approval.run_id)
-        if run.status != rules.RUNNING:
-            # Never an allow for a run that is over: its stop, as a replay answers.
-            assert body["status"] != "pending"
-            assert body["decision"]["decision"] == "stop", body
+        for approval in Approval.objects.filter(run_id__in=self.started):
+            response = self.agent.get(f"/api/v1/approvals/{approval.pk}")
+            assert response.status_code == 200, response.content
+            body = response.json()
+            if Run.objects.get(pk=approval.run_id).status != rules.RUNNING:
+                # Never an allow for a run that is over: its stop, as a replay answers.
+                assert body["status"] != "pending"
+                assert body["decision"]["decision"] == "stop", body
 
     # --- What must always hold --------------------------------------------------------------
 
     @invariant()
     def no_run_is_over_while_an_approval_is_pending(self) -> None:
-        stale = Approval.objects.filter(status=ApprovalStatus.PENDING).exclude(
+        # This example's runs: the database outlives examples (what one left must not
+        # fail the next, or shrinking could not replay it).
+        stale = Approval.objects.filter(run_id__in=self.started,
+                                        status=ApprovalStatus.PENDING).exclude(
             run__status=rules.RUNNING)
         assert not stale.exists(), list(stale.values("run__status", "run__stop_reason"))
         for run in Run.objects.filter(pk__in=self.started).exclude(status=rules.RUNNING):
@@ -215,7 +204,7 @@ def test_no_run_is_ever_over_with_an_approval_pending(team: Team,
     agent, operator = clients
     run_state_machine_as_test(
         lambda: Governed(team, agent, operator),
-        settings=settings(max_examples=25, stateful_step_count=30, deadline=None,
+        settings=settings(max_examples=40, stateful_step_count=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow,
                                                  HealthCheck.filter_too_much]),
     )
