@@ -554,8 +554,9 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
                 memory=state.fixed_memory(),
             )
             run_memory.save(run.pk, loaded, state)
+        if rows or waited is not loaded:  # recorded, or an expiry settled first
             run.refresh_from_db()
-    if rows:
+    if rows or waited is not loaded:
         publish_run_event(run)
     return run, recorded, len(entries) - recorded
 
