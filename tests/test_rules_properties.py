@@ -30,7 +30,12 @@ from governance_client.rules import (
     LastResult,
     Policy,
     RunState,
+    abandon,
     evaluate,
+    finish,
+    kill,
+    record_outcome,
+    settle,
 )
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -466,3 +471,47 @@ def test_allowed_calls_are_what_the_counters_count(
     for _, decision, after in trace:
         if decision.answer == ALLOW:
             assert decision.repeat_count == after.repeat_counts[decision.repeat_key]
+
+
+# --- A run that ends ends its wait (SPEC 10, "No impossible states") ------------------------
+
+ENDINGS = ["local stop", "abandoned", "killed", "finished", "expired", "denied",
+           "cancelled by a kill"]
+
+
+@SEQUENCES
+@given(policy=policies, sequence=st.lists(checks, max_size=10),
+       ending=st.sampled_from(ENDINGS), waited=st.integers(0, 900))
+def test_no_rule_leaves_an_ended_run_waiting_for_an_approval(
+    policy: Policy, sequence: list[Check], ending: str, waited: int
+) -> None:
+    """Whatever ends a waiting run ends its wait: the state names no pending request, and
+    the wait's seconds are paused time (until the expiry, for an expiry)."""
+    policy = replace(policy, mode="enforce", allow=None, approval_tools=("payments.*",),
+                     approval_timeout_s=600)
+    _, state = run(policy, sequence)
+    assume(state.status == RUNNING)
+    asked = T0 + timedelta(seconds=1)
+    _, waiting = evaluate(policy, state, Check(name="payments.refund", check_id="pay-1"),
+                          now=asked, approval_id="a-1")
+    assume(waiting.pending is not None)
+    now = asked + timedelta(seconds=waited)
+    if ending == "local stop":
+        _, ended = record_outcome(policy, waiting, Check(name="search.docs"), allowed=False,
+                                  reason="loop_detected", now=now)
+    elif ending == "abandoned":
+        # A waiting run has no idle deadline; one recorded by an older version could.
+        ended = abandon(replace(waiting, idle_deadline=now), now=now)
+    elif ending == "killed":
+        ended = kill(waiting, now=now)
+    elif ending == "finished":
+        ended = finish(waiting, "completed", already_finished=False, now=now)
+    else:
+        status = {"expired": "expired", "denied": "denied"}.get(ending, "cancelled")
+        _, ended = settle(waiting, status, now=now, note="no",
+                          kill="the team kill switch" if status == "cancelled" else None)
+
+    assert ended is not None and ended.status in TERMINAL
+    assert ended.pending is None
+    end = asked + timedelta(seconds=600) if ending == "expired" else now
+    assert ended.paused_s == state.paused_s + (end - asked).total_seconds()

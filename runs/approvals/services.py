@@ -12,7 +12,13 @@ across processes:
 - a kill switch that covers the run cancels it (the kill-switch fan-out, or whoever comes
   first: a check, the agent's poll, the run page, an operator's decision, which is then
   refused with 409 ``kill_switch_engaged``: no allow under a switch);
-- the run is finished (runs/check/services.py `run_finish`).
+- the run ends any other way while it waits (a finish, a local stop uploaded, an
+  abandonment): `settle_on_end` cancels it, its final answer the ended run's stop.
+
+No run is ever terminal while one of its approvals is pending (SPEC 10, "No impossible
+states"): every path that ends a run settles the request under the run's lock, in its own
+transaction. A request that an older version left pending on an ended run is repaired by
+whoever meets it (`settle_stale_locked`), and by migration runs/0010.
 
 Settling applies `rules.settle` (the run's counters, status and active time), writes the final
 answer as a second audit record at the same step, and, after the commit, wakes the screens and
@@ -29,7 +35,7 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from governance_client import rules
@@ -48,6 +54,7 @@ from runs.models import (
     Scope,
     WebhookDelivery,
 )
+from runs.sweep import one_by_one
 from runs.webhooks.delivery import APPROVAL_DECIDED, APPROVAL_REQUESTED, approval_payload
 
 log = logging.getLogger(__name__)
@@ -139,23 +146,84 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
     return Settled(status=status, answer=answer, state=new)
 
 
-def cancel_for_finish(*, run: Any, state: rules.RunState, new: rules.RunState,
-                      now: datetime) -> None:
-    """Finishing the run cancels its pending approval (SPEC 11); the final answer is the
-    finished run's stop. The caller holds the run's lock and writes the run itself."""
-    pending = state.pending
-    assert pending is not None
+def settle_on_end(*, run: Any, before: rules.RunState, after: rules.RunState,
+                  now: datetime) -> None:
+    """The run waited for an approval and has just ended some other way (a finish, a local
+    stop uploaded, an abandonment): the request is cancelled, its final answer the ended
+    run's stop (what any check of the run now answers), audited at the request's step
+    (SPEC 11). Every path that ends a run calls this, holding the run's lock, in the
+    transaction that ends it; nothing happens when the run did not wait or did not end.
+    The rules already ended the wait in ``after`` (`rules.end_wait`): the caller writes the
+    run itself."""
+    pending = before.pending
+    if pending is None or before.status in rules.TERMINAL or after.status not in rules.TERMINAL:
+        return
     won = Approval.objects.filter(pk=pending.approval_id, status=ApprovalStatus.PENDING).update(
         status=rules.CANCELLED, decided_at=now)
     if not won:
         return
-    decision = rules.terminal_decision(new, pending.repeat_key)
+    # The final answer names the key's count, as a check of the ended run does.
+    ended = run_memory.load(after.copy(), run.id, [(rules.REPEAT, pending.repeat_key)])
+    decision = rules.terminal_decision(ended, pending.repeat_key)
     decision = replace(decision, step=pending.step, approval=pending.summary(rules.CANCELLED))
-    answer = _final(run, pending, decision, new, now, "")
+    answer = _final(run, pending, decision, ended, now, "")
     _record_final(run, pending, answer, now, decision)
     transaction.on_commit(partial(_after_change, pending.approval_id, APPROVAL_DECIDED,
                                   team_id=run.team_id, status=rules.CANCELLED,
                                   latency=(now - pending.since).total_seconds()), robust=True)
+
+
+def settle_due_locked(*, run: Any, state: rules.RunState, now: datetime,
+                      kill: str | None = None) -> rules.RunState:
+    """What is due on a waiting run, settled by whoever holds its lock first (SPEC 11): the
+    expiry once ``expires_at`` has passed, else, when a kill switch covers the run (``kill``
+    describes it), the cancellation. Returns the run's state after that. An ended run that
+    still names a request (left by an older version) is repaired instead."""
+    if state.status in rules.TERMINAL:
+        settle_stale_locked(run=run, state=state, now=now)
+        return _without_wait(state)
+    pending = state.pending
+    if pending is None:
+        return state
+    if now >= pending.expires_at:
+        status = rules.EXPIRED
+    elif kill is not None:
+        status = rules.CANCELLED
+    else:
+        return state
+    settled = settle_locked(run=run, state=state, status=status, now=now, kill=kill)
+    return settled.state if settled is not None else state
+
+
+def _without_wait(state: rules.RunState) -> rules.RunState:
+    """An ended run's state as it should have been stored: its wait ended with it."""
+    pending = state.pending
+    if pending is None:
+        return state
+    new = state.copy()
+    rules.end_wait(new, state.ended_at or pending.since)
+    return new
+
+
+def settle_stale_locked(*, run: Any, state: rules.RunState, now: datetime) -> int:
+    """Repair an ended run that older versions left waiting (SPEC 10, "No impossible
+    states"): its pending requests are cancelled as of its end, as a finish cancels one, and
+    its memory stops naming them. No audit record is written: the run's story ended with its
+    stop, and the request's `decision` reads as that stop (`final_answer`). The caller holds
+    the run's lock. Returns how many requests it cancelled; logged, as a repair."""
+    if state.status not in rules.TERMINAL:
+        return 0
+    stale = Approval.objects.filter(run_id=run.id, status=ApprovalStatus.PENDING)
+    ids = [str(pk) for pk in stale.values_list("pk", flat=True)]
+    cancelled = stale.update(status=rules.CANCELLED, decided_at=state.ended_at or now)
+    if state.pending is not None:
+        ids.append(f"{state.pending.approval_id} (in its memory)")
+        Run.objects.filter(pk=run.id).update(memory=_without_wait(state).fixed_memory())
+    if ids:
+        log.warning("run %s is %s but still waited for approval: %s; cancelled as of its end",
+                    run.id, state.status, ", ".join(ids))
+        transaction.on_commit(partial(publish_team_event, run.team_id), robust=True)
+    return cancelled
 
 
 def _final(run: Any, pending: rules.Pending, decision: rules.Decision, new: rules.RunState,
@@ -231,16 +299,23 @@ def settle_if_due(approval: Approval, *, now: datetime | None = None) -> bool:
     """Whoever looks first settles what is due (SPEC 11): a GET, a page, the sweep. That is
     the expiry once ``expires_at`` has passed, and the cancellation of a request whose run a
     kill switch covers: the fan-out cancels it too, but from the switch's commit on the run's
-    answer is stop / killed (SPEC 4.5), and a look must not wait for a broker to say so.
+    answer is stop / killed (SPEC 4.5), and a look must not wait for a broker to say so. A
+    request still pending on a run that is over (left so by an older version) is cancelled.
     True when this call settled it."""
     now = now or timezone.now()
     if approval.status != ApprovalStatus.PENDING:
         return False
+    ended = approval.run.status != rules.RUNNING
     expired = now >= approval.expires_at
-    if not expired and covering_kill(approval.run) is None:
+    if not ended and not expired and covering_kill(approval.run) is None:
         return False
     with transaction.atomic():
         run, state = _locked(approval.run_id)
+        if state.status in rules.TERMINAL:
+            before = set(Approval.objects.filter(run_id=run.id, status=ApprovalStatus.PENDING)
+                         .values_list("pk", flat=True))
+            settle_stale_locked(run=run, state=state, now=now)
+            return approval.pk in before
         if state.pending is None or state.pending.approval_id != str(approval.pk):
             return False
         if expired:
@@ -259,21 +334,38 @@ def settle_if_due_for_run(run: Run, *, now: datetime | None = None) -> bool:
     before the run is shown (else it would read as running and waiting). The run's memory
     says whether it waits and until when, so a run with nothing due costs no query."""
     pending = (run.memory or {}).get("pending")
-    if run.status != rules.RUNNING or not pending:
+    if not pending:
         return False
     now = now or timezone.now()
+    if run.status != rules.RUNNING:
+        # An ended run still naming a request: left so by an older version, repaired.
+        with transaction.atomic():
+            locked, state = _locked(run.pk)
+            settle_stale_locked(run=locked, state=state, now=now)
+        return True
     if now < datetime.fromisoformat(pending["expires_at"]):
         return False
     approval = Approval.objects.filter(pk=pending["approval_id"]).first()
     return approval is not None and settle_if_due(approval, now=now)
 
 
+def _due(pending: QuerySet[Approval], now: datetime) -> QuerySet[Approval]:
+    """Pending requests past their expiry, and those of runs that are over (which older
+    versions could leave behind)."""
+    return pending.filter(Q(expires_at__lte=now) | ~Q(run__status=rules.RUNNING))
+
+
+def _settle_each(due: list[Approval], now: datetime) -> int:
+    # One request that cannot be settled is logged and left: the others still are.
+    return sum(one_by_one(due, partial(settle_if_due, now=now), what="approval"))
+
+
 def expire_due(*, now: datetime | None = None, limit: int = 500) -> int:
-    """The beat sweep: settle every request past its expiry. Returns how many it expired."""
+    """The beat sweep: settle every request past its expiry (and any left pending on a run
+    that is over). Returns how many it settled."""
     now = now or timezone.now()
-    due = list(Approval.objects.filter(status=ApprovalStatus.PENDING, expires_at__lte=now)
-               .order_by("expires_at")[:limit])
-    return sum(settle_if_due(approval, now=now) for approval in due)
+    pending = Approval.objects.filter(status=ApprovalStatus.PENDING).select_related("run")
+    return _settle_each(list(_due(pending, now).order_by("expires_at")[:limit]), now)
 
 
 def _clean_note(note: str | None, *, required: bool) -> str:
@@ -311,13 +403,18 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
         raise ApprovalError(404, "not_found", "No such approval.")
     expired = False
     kill = None
+    ended: rules.RunState | None = None
     with transaction.atomic():
         run, state = _locked(approval.run_id)
         now = timezone.now()
         current = Approval.objects.get(pk=approval.pk)
         waiting = (current.status == ApprovalStatus.PENDING and state.pending is not None
                    and state.pending.approval_id == str(approval.pk))
-        if waiting and now >= current.expires_at:
+        if current.status == ApprovalStatus.PENDING and state.status in rules.TERMINAL:
+            # Left pending on a run that is over by an older version: nothing can run now.
+            settle_stale_locked(run=run, state=state, now=now)
+            ended = state
+        elif waiting and now >= current.expires_at:
             expired = settle_locked(run=run, state=state, status=rules.EXPIRED,
                                     now=now) is not None
         elif waiting and (kill := covering_kill(run)) is not None:
@@ -337,6 +434,11 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
                               "note": text, "at": now.isoformat()})
                 return Approval.objects.select_related("team", "run").get(pk=approval.pk)
         current.refresh_from_db()
+    if ended is not None:
+        why = f", {ended.stop_reason}" if ended.stop_reason else ""
+        raise ApprovalError(409, "run_finished",
+                            f"The run is over ({ended.status}{why}): the request was "
+                            "cancelled, and an approval could not run anything now.")
     if kill is not None:
         raise ApprovalError(409, "kill_switch_engaged",
                             f"A kill switch covers the run ({kill}): the request was "
@@ -366,8 +468,35 @@ def approval_json(approval: Approval) -> dict[str, Any]:
         "decided_at": iso(approval.decided_at),
         "decided_by": approval.decided_by_label or None,
         "note": approval.note or None,
-        "decision": approval.decision if approval.status != ApprovalStatus.PENDING else None,
+        "decision": final_answer(approval),
     }
+
+
+def final_answer(approval: Approval) -> dict[str, Any] | None:
+    """The request's final answer as its agent must act on it: null while pending, else
+    what a replay of its check answers (SPEC 4.5, 10): the stored answer while the run goes
+    on, or when it was a stop; once the run is over, the run's stop. An approved action whose
+    run was then killed or finished is not to be run: its answer is no longer the allow."""
+    if approval.status == ApprovalStatus.PENDING:
+        return None
+    stored = approval.decision if isinstance(approval.decision, dict) else None
+    run = approval.run
+    # rules.replay_allowed, on the stored answer.
+    if run.status == rules.RUNNING or (stored or {}).get("decision") == rules.STOP:
+        return stored
+    from runs.check.services import stop_answer
+
+    return stop_answer(run, _repeat_key(approval, stored))
+
+
+def _repeat_key(approval: Approval, stored: dict[str, Any] | None) -> str:
+    """The repeat key of the request's check: in its final answer, else in the pending
+    answer's audit record."""
+    key = (stored or {}).get("repeat_key")
+    if isinstance(key, str):
+        return key
+    return (Decision.objects.filter(pk=approval.requested_decision_id)
+            .values_list("repeat_key", flat=True).first() or "")
 
 
 def approval_for_key(key: AgentKey, approval_id: Any) -> Approval | None:
@@ -377,9 +506,22 @@ def approval_for_key(key: AgentKey, approval_id: Any) -> Approval | None:
     if key.agent:
         approvals = approvals.filter(run__agent=key.agent)
     approval = approvals.filter(pk=approval_id).first()
-    if approval is not None and settle_if_due(approval):
-        approval.refresh_from_db()
+    if approval is None:
+        return None
+    if settle_if_due(approval) or _kill_if_covered(approval):
+        approval = approvals.get(pk=approval_id)
     return approval
+
+
+def _kill_if_covered(approval: Approval) -> bool:
+    """An approved request whose run a kill switch now covers: the run is killed now, as the
+    fan-out will, so that its answer is stop / killed from the engage's commit on (SPEC 4.5),
+    exactly as a replay of its check answers, and never the allow that preceded the switch."""
+    if approval.status != ApprovalStatus.APPROVED or approval.run.status != rules.RUNNING:
+        return False
+    from runs.killswitch.services import killswitch_kill_run
+
+    return killswitch_kill_run(run_id=approval.run_id)
 
 
 def approvals_for_team(team: Team, *, limit: int = 100) -> list[Approval]:
@@ -396,17 +538,18 @@ def pending_count(team: Team) -> int:
 
 
 def settle_due_for_team(team: Team, *, now: datetime | None = None) -> int:
-    """A page looks: it settles the team's requests past their expiry first, and, while a
-    kill switch is engaged over any of the team's runs, the requests of the runs it covers
-    (its fan-out may not have got there yet). Without an engaged switch that is one
-    indexed read more."""
+    """A page looks: it settles the team's requests past their expiry first (and any left
+    pending on a run that is over), and, while a kill switch is engaged over any of the
+    team's runs, the requests of the runs it covers (its fan-out may not have got there
+    yet). Without an engaged switch that is one indexed read more."""
     now = now or timezone.now()
-    pending = Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
-    due = list(pending.filter(expires_at__lte=now))
+    pending = (Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
+               .select_related("run"))
+    due = list(_due(pending, now))
     engaged = KillSwitch.objects.filter(Q(scope=Scope.GLOBAL) | Q(team=team), active=True)
     if engaged.exists():
-        due += list(pending.filter(expires_at__gt=now).select_related("run"))
-    return sum(settle_if_due(approval, now=now) for approval in due)
+        due += list(pending.filter(expires_at__gt=now, run__status=rules.RUNNING))
+    return _settle_each(due, now)
 
 
 def pending_for_run(run: Run) -> Approval | None:

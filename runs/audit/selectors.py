@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -13,7 +15,11 @@ from governance_client import rules
 from policies.models import PolicyVersion, Team
 from runs.approvals.services import settle_due_for_team, settle_if_due_for_run
 from runs.check.abandon import abandon_idle_runs, abandon_if_idle
+from runs.check.policy_cache import rules_for_version
 from runs.models import Decision, Run
+from runs.sweep import one_by_one
+
+log = logging.getLogger(__name__)
 
 
 def policy_json(version: PolicyVersion) -> dict[str, Any]:
@@ -36,10 +42,17 @@ def elapsed_s(run: Run, now: datetime | None = None) -> float:
     active time (SPEC 15), without the time spent waiting for approvals."""
     memory = run.memory or {}
     pending = memory.get("pending")
+    try:
+        paused = float(memory.get("paused_s", 0.0))
+        since = datetime.fromisoformat(pending["since"]) if pending else None
+    except (KeyError, TypeError, ValueError):
+        # A memory no version of the check writes: every list shows the run all the same,
+        # its time counted without pauses (SPEC 10: one bad row breaks no page).
+        log.warning("run %s has a memory the rules cannot read: %r", run.pk, memory)
+        paused, since = 0.0, None
     return round(rules.elapsed_seconds(
         started_at=run.started_at, ended_at=run.ended_at, status=run.status,
-        now=now or timezone.now(), paused_s=float(memory.get("paused_s", 0.0)),
-        pending_since=datetime.fromisoformat(pending["since"]) if pending else None), 3)
+        now=now or timezone.now(), paused_s=paused, pending_since=since), 3)
 
 
 def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
@@ -58,6 +71,13 @@ def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
         "task": run.task,
         "output": run.output,
     }
+
+
+def runs_json(runs: Iterable[Run], now: datetime | None = None) -> list[dict[str, Any]]:
+    """A list's runs as JSON; a run that cannot be shown is logged and left out, so one bad
+    row never makes the list answer 500 (SPEC 10)."""
+    now = now or timezone.now()
+    return one_by_one(runs, lambda run: run_json(run, now), what="run")
 
 
 def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = None,
@@ -105,4 +125,21 @@ def decision_json(d: Decision) -> dict[str, Any]:
         "progress": d.progress,
         "at": d.at,
         "local": bool((d.answer or {}).get("local")),
+        "policy_violation": violation_of(d) is not None,
     }
+
+
+def violation_of(d: Decision) -> str | None:
+    """Why an uploaded local allow broke its run's policy (a denied tool, an action needing
+    approval: SPEC 10, "Uploaded local decisions"), in words; None for any other decision.
+    Stored with the upload; a decision uploaded before that (the audit log is append-only)
+    is judged when read, by the same rule against its run's policy version. ``d.run`` comes
+    with the run's own decisions (no query)."""
+    answer = d.answer if isinstance(d.answer, dict) else {}
+    if answer.get("local") is not True or d.outcome != rules.ALLOW:
+        return None
+    if "policy_violation" in answer:
+        if not answer["policy_violation"]:
+            return None
+        return str(answer.get("violation") or "the run's policy forbids this action")
+    return rules.policy_violation(rules_for_version(d.run.policy_version_id), d.action_name)

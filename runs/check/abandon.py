@@ -29,10 +29,12 @@ from django.db import transaction
 from django.utils import timezone
 
 from governance_client import rules
+from runs.approvals.services import settle_on_end
 from runs.check.check_store import RUN_COLUMNS, state_of
 from runs.check.policy_cache import rules_for_version
 from runs.live.events import publish_run_event
 from runs.models import Decision, Run
+from runs.sweep import one_by_one
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +53,23 @@ def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
                .filter(pk=run_id).first())
         if run is None:
             return None
-        new = rules.abandon(state_of(run), now=now)
+        state = state_of(run)
+        new = rules.abandon(state, now=now)
         if new is None:
             return None
         policy = rules_for_version(run.policy_version_id)
         Run.objects.filter(pk=run.pk).update(status=new.status, stop_reason=new.stop_reason,
-                                             ended_at=new.ended_at)
+                                             ended_at=new.ended_at, memory=new.fixed_memory())
         run.status, run.stop_reason, run.ended_at = new.status, new.stop_reason, new.ended_at
+        run.memory = new.fixed_memory()
         Decision.objects.create(
             run_id=run.pk, step=new.steps, outcome=rules.STOP, reason=rules.ABANDONED,
             action_name="", action_type="", args=None,
             answer=abandon_answer(new, policy, now), at=now, elapsed_s=new.elapsed_s(now),
         )
+        # A waiting run has no idle deadline, but one recorded by an older version may:
+        # its request ends with it (SPEC 10, "No impossible states").
+        settle_on_end(run=run, before=state, after=new, now=now)
         transaction.on_commit(lambda: publish_run_event(run))
     return run
 
@@ -73,11 +80,11 @@ def abandon_idle_runs(*, team_id: int | None = None, now: datetime | None = None
     overdue = Run.objects.filter(status=rules.RUNNING, idle_deadline__lte=now)
     if team_id is not None:
         overdue = overdue.filter(team_id=team_id)
-    ended = []
-    for run_id in overdue.order_by("idle_deadline").values_list("pk", flat=True)[:SWEEP_BATCH]:
-        if _abandon_one(run_id, now=now) is not None:
-            ended.append(str(run_id))
-    return ended
+    due = overdue.order_by("idle_deadline").values_list("pk", flat=True)[:SWEEP_BATCH]
+    # One run that cannot be ended is logged and left: the others still are (SPEC 10).
+    ended = one_by_one(due, lambda run_id: (run_id, _abandon_one(run_id, now=now)),
+                       what="idle run")
+    return [str(run_id) for run_id, run in ended if run is not None]
 
 
 def abandon_if_idle(run: Run, *, now: datetime | None = None) -> Run:

@@ -209,7 +209,7 @@ def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, A
         request.auth.team, status=filters.status, agent=filters.agent, limit=filters.limit,
         key_agent=request.auth.agent,
     )
-    return {"runs": [selectors.run_json(r) for r in runs]}
+    return {"runs": selectors.runs_json(runs)}
 
 
 @api.get("/runs/{run_id}", response={200: s.RunOut, **ERRORS}, summary="Get a run",

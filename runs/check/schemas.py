@@ -475,6 +475,11 @@ class CheckOut(Schema):
                                "check itself during an outage (an uploaded local decision).")
     decided_at: datetime | None = Field(default=None, description="A local decision only: "
                                         "when the client decided it.")
+    policy_violation: bool | None = Field(
+        default=None, description="A local decision only: true when the client allowed an "
+        "action the run's policy forbids (a denied tool, an action needing approval).")
+    violation: str | None = Field(default=None, description="A local decision only: why it "
+                                  "broke the policy, when it did.")
 
 
 class FinishIn(Schema):
@@ -501,6 +506,10 @@ class DecisionOut(Schema):
     progress: str | float | int | None = None
     at: datetime
     local: bool = False
+    policy_violation: bool = Field(
+        default=False, description="An uploaded local decision that broke the run's policy "
+        "(SPEC 10): the client allowed a denied tool, or an action needing approval. Kept, "
+        "since the action ran, and flagged.")
 
 
 class DecisionsOut(Schema):

@@ -334,6 +334,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
         abandoned = rules.abandon(state, now=now)
         if abandoned is not None:
             rows.append(abandon_row(abandoned, policy, now))
+            approvals.settle_on_end(run=run, before=state, after=abandoned, now=now)
             state = abandoned
         kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
         first = locked.earlier_answer
@@ -344,7 +345,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             state.stop_detail = kill_detail(run.id)
         if first is not None:
             first_id, first_answer = first
-            if not rows and rules.replay_allowed(state, first_answer.get("decision", "")):
+            if not rows and rules.replay_allowed(state, first_answer.get("decision", ""),
+                                                 covered=kill is not None):
                 return {**ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}
             # The first answer was an allow and the run is over: answer the run's stop, as
             # a new audited decision (the retry must not leak an allow, SPEC 4.5).
@@ -435,16 +437,7 @@ def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, check: rule
     request expires, under a kill switch it is cancelled (whoever looks first settles).
     Returns the run's state after that, and what a replay of the pending check answers: its
     final answer once there is one, else the pending answer."""
-    pending = state.pending
-    status = None
-    if pending is not None:
-        status = (rules.EXPIRED if now >= pending.expires_at
-                  else rules.CANCELLED if kill is not None else None)
-    if status is not None:
-        settled = approvals.settle_locked(run=run, state=state, status=status, now=now,
-                                          kill=kill)
-        if settled is not None:
-            state = settled.state
+    state = approvals.settle_due_locked(run=run, state=state, now=now, kill=kill)
     if first is not None and first[1].get("decision") == rules.PENDING:
         final = (Approval.objects.filter(run_id=run.id, check_id=check.check_id)
                  .values_list("decision", flat=True).first())
@@ -463,6 +456,22 @@ def _expired(state: rules.RunState, decision: rules.Decision) -> rules.Decision:
                           repeat_key=decision.repeat_key,
                           repeat_count=state.repeat_counts.get(decision.repeat_key, 0),
                           message=EXPIRED_MESSAGE, next_action=EXPIRED_NEXT)
+
+
+def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
+    """What a check of this ended run answers, without checking it (SPEC 4.4): its stop,
+    nothing counted, ``key`` the check's repeat key; ``decision_id`` names the audit record
+    of the run's last stop (a finished run's last record). An approval's final answer once
+    its run is over (runs/approvals/services.py `final_answer`), equal to a replay's."""
+    now = now or timezone.now()
+    state = run_memory.load(state_of(run), run.pk, [(rules.REPEAT, key)])
+    if state.status == rules.KILLED:
+        state.stop_detail = kill_detail(run.pk)
+    answer = _answer_of(rules.terminal_decision(state, key), state,
+                        rules_for_version(run.policy_version_id), now)
+    records = Decision.objects.filter(run_id=run.pk).order_by("-id").values_list("id", flat=True)
+    last = records.filter(outcome=rules.STOP).first() or records.first() or 0
+    return {**answer, "decision_id": last}
 
 
 def kill_detail(run_id: Any) -> str | None:
@@ -503,21 +512,28 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             run=run, check_id__in=[e["check_id"] for e in entries]
         ).values_list("check_id", flat=True))
         now = timezone.now()
+        # What is due first (an expiry comes before the upload that finds it), so that a
+        # local stop of a waiting run then cancels its request (SPEC 10).
+        state = waited = approvals.settle_due_locked(run=run, state=state, now=now)
         rows = []
         for entry, check in zip(entries, checks, strict=True):
             if entry["check_id"] in seen:
                 continue
             seen.add(entry["check_id"])
             action, last, cost = entry["action"], entry.get("last_result"), check.cost_usd
+            allowed = entry["decision"] == rules.ALLOW
             verdict, state = rules.record_outcome(
-                policy, state, check, allowed=entry["decision"] == rules.ALLOW,
+                policy, state, check, allowed=allowed,
                 reason=entry["reason"], message=entry.get("message"), now=now,
             )
             at = entry.get("at") or now
             # The client's clock, kept within what the service can vouch for.
             at = min(max(at, run.started_at), now)
+            # Kept (the action ran), but an allow the policy forbids is flagged (SPEC 10).
+            violation = rules.policy_violation(policy, check.name) if allowed else None
             answer = {**_answer_of(verdict, state, policy, now), "local": True,
-                      "decided_at": at.isoformat()}
+                      "decided_at": at.isoformat(), "policy_violation": violation is not None,
+                      "violation": violation}
             rows.append(Decision(
                 run=run, step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
                 action_name=action["name"], action_type=action["type"],
@@ -529,14 +545,18 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             recorded += 1
         if rows:
             Decision.objects.bulk_create(rows)
+            # A local stop of a waiting run ends its wait: its request is cancelled, the
+            # final answer audited after the stop that ended it (SPEC 10).
+            approvals.settle_on_end(run=run, before=waited, after=state, now=now)
             Run.objects.filter(pk=run.pk).update(
                 status=state.status, stop_reason=state.stop_reason, ended_at=state.ended_at,
                 steps=state.steps, tool_calls=state.tool_calls, cost_usd=state.cost_usd,
                 memory=state.fixed_memory(),
             )
             run_memory.save(run.pk, loaded, state)
+        if rows or waited is not loaded:  # recorded, or an expiry settled first
             run.refresh_from_db()
-    if rows:
+    if rows or waited is not loaded:
         publish_run_event(run)
     return run, recorded, len(entries) - recorded
 
@@ -613,19 +633,9 @@ def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None,
         if run.finished_at is not None:
             raise ServiceError(409, "run_finished", "This run was already finished.")
         now = timezone.now()
-        state = state_of(run)
-        if state.pending is not None:
-            # The cancelled approval's final answer names its key's count.
-            state = run_memory.load(state, run.pk, [(rules.REPEAT, state.pending.repeat_key)])
-        if state.pending is not None and state.status == rules.RUNNING and (
-                now >= state.pending.expires_at):
-            settled = approvals.settle_locked(run=run, state=state, status=rules.EXPIRED,
-                                              now=now)
-            if settled is not None:
-                state = settled.state
+        state = approvals.settle_due_locked(run=run, state=state_of(run), now=now)
         new_state = rules.finish(state, status, already_finished=False, now=now)
-        if state.pending is not None and state.status == rules.RUNNING:
-            approvals.cancel_for_finish(run=run, state=state, new=new_state, now=now)
+        approvals.settle_on_end(run=run, before=state, after=new_state, now=now)
         run.status, run.stop_reason = new_state.status, new_state.stop_reason
         run.ended_at, run.finished_at = new_state.ended_at, now
         run.memory = new_state.fixed_memory()

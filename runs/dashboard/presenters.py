@@ -18,10 +18,11 @@ from django.utils import timezone
 from governance.templatetags.dashboard_tags import money
 from governance_client import rules
 from policies.models import Team
-from runs.audit.selectors import elapsed_s
+from runs.audit.selectors import elapsed_s, violation_of
 from runs.dashboard import selectors as dashboard
 from runs.killswitch.selectors import engaged_for_team
 from runs.models import Decision, Run, RunStatus, Scope
+from runs.sweep import one_by_one
 
 ARGS_PREVIEW_CHARS = 80
 ARGS_FULL_CHARS = 4000
@@ -56,6 +57,7 @@ class StepRow:
     approval_status: str = ""  # SPEC 11: the request this record opened or settled
     approval_by: str = ""
     local: bool = False  # decided by a fail-open client during an outage, uploaded later
+    violation: str = ""  # a local allow that broke the run's policy: why (SPEC 10)
     retry_after_s: float | None = None
 
 
@@ -94,6 +96,7 @@ def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
         approval_status=approval.get("status", ""),
         approval_by=approval.get("decided_by") or "",
         local=answer.get("local") is True,
+        violation=violation_of(d) or "",
         retry_after_s=answer.get("retry_after_s"),
     )
 
@@ -301,7 +304,9 @@ def approvals_context(team: Team, now: datetime | None = None) -> dict[str, Any]
 
     now = now or timezone.now()
     settle_due_for_team(team, now=now)
-    cards = [approval_card(a, now) for a in approvals_for_team(team, limit=50)]
+    # A request that cannot be shown is logged and left out; the page still answers.
+    cards = one_by_one(approvals_for_team(team, limit=50), lambda a: approval_card(a, now),
+                       what="approval")
     pending = [c for c in cards if c.status == "pending"]
     return {"team": team, "pending": pending, "decided": [c for c in cards if c not in pending],
             "approvals_pending": len(pending), "now": now}

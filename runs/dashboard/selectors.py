@@ -421,8 +421,10 @@ TIMELINE_PAGE = 50
 
 
 def flagged_q() -> Q:
-    """Stops, shadow would-stops and nudges: what "stops and warnings only" keeps."""
-    return ~Q(outcome="allow") | Q(answer__directive__type__isnull=False)
+    """Stops, shadow would-stops, nudges and uploaded allows that broke the policy: what
+    "stops and warnings only" keeps."""
+    return (~Q(outcome="allow") | Q(answer__directive__type__isnull=False)
+            | Q(answer__policy_violation=True))
 
 
 def _timeline_rows(run: Run, *, flagged: bool) -> QuerySet[Decision]:

@@ -442,18 +442,23 @@ def _kill_batch(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, i
 def _settle_pending(switch: KillSwitch, run_ids: list[Any]) -> set[Any]:
     """The batch's runs that wait for an approval (SPEC 11), already locked by the batch:
     the kill cancels the approval, and the approval's final answer (stop / killed, at the
-    same step) is the kill's audit record. Rare, so one by one. Returns the ids settled."""
+    same step) is the kill's audit record; a request already past its expiry expires
+    instead, as it would for any look. Either way the run ends here with its request
+    settled, never killed below with it pending (SPEC 10). Rare, so one by one. Returns the
+    ids ended."""
     if not run_ids:
         return set()
-    from runs.approvals.services import settle_locked
+    from runs.approvals.services import settle_due_locked
 
     settled = set()
     now = timezone.now()
     for run in Run.objects.filter(pk__in=run_ids).only(*RUN_COLUMNS):
         state = state_of(run)
-        if state.pending is not None and state.status == rules.RUNNING and settle_locked(
-                run=run, state=state, status=rules.CANCELLED, now=now,
-                kill=cover.switch_in_words(switch)) is not None:
+        if state.pending is None or state.status != rules.RUNNING:
+            continue
+        after = settle_due_locked(run=run, state=state, now=now,
+                                  kill=cover.switch_in_words(switch))
+        if after.status != rules.RUNNING:
             settled.add(run.pk)
     return settled
 
@@ -517,6 +522,22 @@ def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
             status=rules.KILLED, stop_reason="killed", ended_at=now)
         Decision.objects.bulk_create(decisions, batch_size=FANOUT_BATCH)
     return [(str(pk), teams[pk]) for pk in [*settled, *(run.pk for run in killed)]]
+
+
+def killswitch_kill_run(*, run_id: Any) -> bool:
+    """Kill one running run that an engaged switch covers, now, exactly as the fan-out will
+    (whoever looks first: an approved request's poll, runs/approvals/services.py). False
+    when no switch covers it or it is over; idempotent like the fan-out."""
+    run = Run.objects.filter(pk=run_id, status=rules.RUNNING).only("team_id", "agent").first()
+    if run is None:
+        return False
+    switch = cover.covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.pk)
+    if switch is None:
+        return False
+    killed = _kill_batch(switch, Run.objects.filter(pk=run.pk, status=rules.RUNNING))
+    if killed:
+        publish_team_event(run.team_id)
+    return bool(killed)
 
 
 def killed_by(switch: KillSwitch, team: Team) -> list[str]:

@@ -116,7 +116,7 @@ def drop_lock_function(apps: Any, schema_editor: Any) -> None:
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0009_check_id_expression'),
+        ('runs', '0010_settle_stale_approvals'),
     ]
 
     operations = [

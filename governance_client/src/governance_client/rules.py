@@ -450,6 +450,22 @@ def approval_pattern(policy: Policy, name: str) -> str | None:
     return None
 
 
+def policy_violation(policy: Policy, name: str) -> str | None:
+    """Why running the action ``name`` without the service's answer broke the policy (SPEC
+    10, "Uploaded local decisions"): a denied tool, or an action that needs an operator's
+    approval; None when neither. A fail-open client's uploaded allow is kept (the action
+    ran) and flagged with this. A shadow policy enforces neither, so breaks nothing."""
+    if policy.mode == "shadow":
+        return None
+    denied = _denied(policy, name)
+    if denied is not None:
+        return f"tool_denied: {denied}"
+    pattern = approval_pattern(policy, name)
+    if pattern is not None:
+        return f"{APPROVAL_REQUIRED}: {_approval_message(name, pattern, policy)}"
+    return None
+
+
 def check_id_missing(policy: Policy, state: RunState, check: Check, *, kill: str | None
                      ) -> str | None:
     """Why this check is refused (422 naming ``check_id``) before anything is counted: in
@@ -636,7 +652,7 @@ def abandon(state: RunState, *, now: datetime) -> RunState | None:
     if state.status != RUNNING or state.idle_deadline is None or now < state.idle_deadline:
         return None
     new = state.copy()
-    new.status, new.stop_reason, new.ended_at = STOPPED, ABANDONED, state.idle_deadline
+    _end(new, ABANDONED, state.idle_deadline)
     return new
 
 
@@ -828,6 +844,17 @@ def _end(state: RunState, reason: str, at: datetime) -> None:
     state.status = KILLED if reason == "killed" else STOPPED
     state.stop_reason = reason
     state.ended_at = at
+    end_wait(state, at)
+
+
+def end_wait(state: RunState, at: datetime) -> None:
+    """A run that ends ends its wait for an approval (SPEC 10, "No impossible states"): the
+    wait's seconds move to ``paused_s`` and the run names no pending request any more. The
+    store settles the request itself in the same transaction (its final answer is the ended
+    run's stop). Mutates ``state``, the caller's fresh copy."""
+    if state.pending is not None:
+        state.paused_s += max(0.0, (at - state.pending.since).total_seconds())
+        state.pending = None
 
 
 def terminal_decision(state: RunState, key: str) -> Decision:
@@ -907,14 +934,17 @@ def record_outcome(
     return decision, new
 
 
-def replay_allowed(state: RunState, first: Decision | str | None) -> bool:
+def replay_allowed(state: RunState, first: Decision | str | None, *,
+                   covered: bool = False) -> bool:
     """A ``check_id`` replay returns the first answer only while the run is still running,
     or when that first answer was already a stop (SPEC 4.5): no allow leaks after a stop.
-    ``first`` is the first decision, or the ``decision`` field of its stored answer."""
+    ``first`` is the first decision, or the ``decision`` field of its stored answer.
+    ``covered``: an engaged kill switch covers the run, which then stops from the switch's
+    commit on, retries included, before its fan-out has marked the run killed."""
     if first is None:
         return False
     answer = first if isinstance(first, str) else first.answer
-    return state.status == RUNNING or answer == STOP
+    return answer == STOP or (state.status == RUNNING and not covered)
 
 
 class FinishError(Exception):
@@ -930,10 +960,8 @@ def finish(state: RunState, status: str, *, already_finished: bool, now: datetim
         new.status = status
         new.stop_reason = AGENT_STOPPED if status == STOPPED else None
         new.ended_at = now
-        if new.pending is not None:
-            # Finishing cancels the approval it waited for (SPEC 11): the wait ends now.
-            new.paused_s += max(0.0, (now - new.pending.since).total_seconds())
-            new.pending = None
+        # Finishing cancels the approval it waited for (SPEC 11): the wait ends now.
+        end_wait(new, now)
     return new
 
 
@@ -942,7 +970,7 @@ def kill(state: RunState, *, now: datetime) -> RunState | None:
     if state.status in TERMINAL:
         return None
     new = state.copy()
-    new.status, new.stop_reason, new.ended_at = KILLED, "killed", now
+    _end(new, "killed", now)
     return new
 
 

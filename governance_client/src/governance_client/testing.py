@@ -532,11 +532,22 @@ class FakeGovernance:
                 reason=entry.get("reason") or rules.STEP_OK, now=datetime.now(UTC),
                 message=entry.get("message"),
             )
-            answer = self._answer(run, verdict, datetime.now(UTC)) | {"local": True}
+            # As on the service: kept, and flagged when it broke the policy (SPEC 10).
+            judged = replace(self.policy, approval_tools=self.approval_patterns)
+            violation = (rules.policy_violation(judged, check.name)
+                         if entry["decision"] == "allow" else None)
+            answer = self._answer(run, verdict, datetime.now(UTC)) | {
+                "local": True, "policy_violation": violation is not None,
+                "violation": violation}
             run.decisions[-1] = answer
             run.answers[check_id] = answer
             run.uploaded.append(entry)
             recorded += 1
+        if run.status != rules.RUNNING:
+            # A local stop ends the run's wait too: nothing stays pending (SPEC 10).
+            for approval in self.approvals.values():
+                if approval.run_id == run.id and approval.status == "pending":
+                    approval.status = "cancelled"
         return httpx.Response(200, json={"recorded": recorded,
                                          "skipped": len(entries) - recorded,
                                          "run": run.as_json()})

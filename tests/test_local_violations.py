@@ -1,0 +1,121 @@
+"""SPEC 10, "Uploaded local decisions": a fail-open client's uploaded allow of an action the
+run's policy forbids (a denied tool, an action needing approval) is kept, since the action
+ran, but flagged `policy_violation: true` in the decisions API (and its OpenAPI document)
+and shown so on the run's timeline. Both stacks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from policies.models import Team
+from runs.models import Decision, Run
+from tests.conftest import set_policy
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def strict(team: Team) -> Team:
+    set_policy(team, tools={"deny": ["shell.*"]},
+               approvals={"tools": ["payments.*"], "timeout_s": 600})
+    return team
+
+
+def start(api: Client) -> str:
+    response = api.post("/api/v1/runs", {"agent": "support-bot"},
+                        content_type="application/json")
+    assert response.status_code == 201, response.content
+    return response.json()["run_id"]
+
+
+def entry(check_id: str, name: str, decision: str = "allow",
+          reason: str = "step_ok") -> dict[str, Any]:
+    return {"check_id": check_id, "action": {"name": name}, "decision": decision,
+            "reason": reason}
+
+
+def upload(api: Client, run_id: str, *entries: dict[str, Any]) -> None:
+    response = api.post(f"/api/v1/runs/{run_id}/local-decisions",
+                        json.dumps({"decisions": list(entries)}),
+                        content_type="application/json")
+    assert response.status_code == 200, response.content
+
+
+def flags(api: Client, run_id: str) -> list[tuple[str, str, bool]]:
+    decisions = api.get(f"/api/v1/runs/{run_id}/decisions").json()["decisions"]
+    return [(d["action"]["name"], d["outcome"], d["policy_violation"]) for d in decisions]
+
+
+def test_allows_of_a_denied_tool_and_of_an_action_needing_approval_are_flagged(api, strict):
+    run_id = start(api)
+    upload(api, run_id, entry("l-1", "search.docs"), entry("l-2", "shell.exec"),
+           entry("l-3", "payments.refund"), entry("l-4", "shell.rm", "stop", "tool_denied"))
+
+    assert flags(api, run_id) == [("search.docs", "allow", False),
+                                  ("shell.exec", "allow", True),
+                                  ("payments.refund", "allow", True),
+                                  ("shell.rm", "stop", False)]
+    # Kept all the same: the actions ran, and the counters say so.
+    run = Run.objects.get(pk=run_id)
+    assert (run.steps, run.tool_calls, run.status) == (4, 3, "stopped")
+    answer = Decision.objects.get(run_id=run_id, check_id="l-2").answer
+    assert answer["policy_violation"] is True and "shell.*" in answer["violation"]
+
+
+def test_decisions_the_service_made_are_never_flagged(api, strict):
+    run_id = start(api)
+    api.post(f"/api/v1/runs/{run_id}/check", {"action": {"name": "search.docs"}},
+             content_type="application/json")
+    api.post(f"/api/v1/runs/{run_id}/check", {"action": {"name": "shell.exec"}},
+             content_type="application/json")
+    assert flags(api, run_id) == [("search.docs", "allow", False),
+                                  ("shell.exec", "stop", False)]
+
+
+def test_a_shadow_policy_is_broken_by_nothing(api, team):
+    set_policy(team, mode="shadow", tools={"deny": ["shell.*"]})
+    run_id = start(api)
+    upload(api, run_id, entry("l-1", "shell.exec"))
+    assert flags(api, run_id) == [("shell.exec", "allow", False)]
+
+
+def test_a_decision_uploaded_before_the_flag_existed_is_judged_when_read(api, strict):
+    """The audit log is append-only: an older upload is never rewritten, but read with the
+    same rule against its run's policy version."""
+    run_id = start(api)
+    for name in ("shell.exec", "search.docs"):
+        Decision.objects.create(run_id=run_id, step=1, outcome="allow", reason="step_ok",
+                                action_name=name, action_type="tool", args={},
+                                answer={"decision": "allow", "local": True},
+                                at=timezone.now())
+    assert flags(api, run_id) == [("shell.exec", "allow", True),
+                                  ("search.docs", "allow", False)]
+
+
+def test_the_timeline_marks_them(api, strict, users):
+    run_id = start(api)
+    upload(api, run_id, entry("l-1", "search.docs"), entry("l-2", "shell.exec"),
+           entry("l-3", "payments.refund"))
+    viewer = Client()
+    viewer.force_login(users["viewer"])
+    page = viewer.get(f"/teams/{strict.slug}/runs/{run_id}/").content.decode()
+    assert page.count("data-policy-violation") == 2
+    assert "policy violation" in page and "matches the deny pattern" in page
+    # "Stops and warnings only" keeps them.
+    flagged = viewer.get(f"/teams/{strict.slug}/runs/{run_id}/?only=flagged").content.decode()
+    assert flagged.count("data-policy-violation") == 2
+    assert "search.docs" not in flagged.split("<tbody", 1)[-1]
+
+
+def test_the_openapi_document_says_so(client):
+    document = client.get("/api/v1/openapi.json").json()
+    decision = document["components"]["schemas"]["DecisionOut"]["properties"]
+    assert decision["policy_violation"]["type"] == "boolean"
+    assert "policy" in decision["policy_violation"]["description"]
+    check = document["components"]["schemas"]["CheckOut"]["properties"]
+    assert "policy_violation" in check
