@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -17,7 +20,7 @@ from governance_client import GovernanceClient
 from policies.models import Team
 from runs.killswitch.services import killswitch_engage
 from runs.models import Decision, Run
-from tests.conftest import Agent, Server, set_policy
+from tests.conftest import Agent, Server, set_policy, start_server
 
 
 def decisions(agent: Agent, run_id: str) -> list[dict[str, Any]]:
@@ -88,6 +91,69 @@ def test_a_check_answered_after_its_deadline_is_audited_expired_and_counts_nothi
     # The run goes on: the next check is decided and counted as usual.
     answer = agent.check(run_id, "refund.issue", {"order": 1}, deadline_ms=5000)
     assert (answer["decision"], answer["step"]) == ("allow", 1)
+
+
+@pytest.mark.slow
+def test_a_check_left_queued_in_a_frozen_server_is_audited_expired_never_allowed(
+    agent: Agent, settings: Any
+) -> None:
+    """The server is frozen (SIGSTOP) when the check arrives: the request waits in the
+    socket's queue, where deadline_ms does not run yet. The client gives up at its deadline;
+    when the server resumes, it reads the queued attempts past the check's deadline_at and
+    decides none of them: no allow of an action that never ran, nothing counted."""
+    frozen = start_server(workers=1)
+    try:
+        with GovernanceClient(frozen.url, agent.token, deadline=2.0) as client:
+            run = client.start_run("support-bot")
+            os.killpg(frozen.process.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                decision = run.check("refund.issue", {"order": 1})
+                elapsed = time.monotonic() - started
+                # Frozen past the deadline and the clock-skew allowance.
+                time.sleep(2.5 + settings.CHECK_CLOCK_SKEW_MS / 1000)
+            finally:
+                os.killpg(frozen.process.pid, signal.SIGCONT)
+            assert decision.reason == "governance_unavailable" and not decision.allowed
+            assert elapsed < 3.0
+            wait_for(lambda: any(d["outcome"] == "expired" for d in decisions(agent, run.id)))
+            time.sleep(1.0)  # the other queued attempts, if any, are read too
+            audited = decisions(agent, run.id)
+            assert audited and {d["outcome"] for d in audited} == {"expired"}, audited
+            stored = agent.http.get(f"/api/v1/runs/{run.id}").json()
+            assert (stored["steps"], stored["tool_calls"]) == (0, 0)
+    finally:
+        frozen.stop()
+
+
+def test_a_check_read_after_its_deadline_at_expires_and_so_does_its_retry(agent: Agent) -> None:
+    """deadline_at bounds the check even when deadline_ms, counted from when the server read
+    it, has time left; the same body sent again gets the same answer, counting nothing."""
+    run_id = agent.start()["run_id"]
+    past = (datetime.now(UTC) - timedelta(seconds=5)).isoformat()
+    body = {"check_id": "late-1", "deadline_ms": 10_000, "deadline_at": past}
+
+    first = agent.check(run_id, "refund.issue", {"order": 1}, **body)
+    again = agent.check(run_id, "refund.issue", {"order": 1}, **body)
+
+    for answer in (first, again):
+        assert (answer["decision"], answer["reason"], answer["step"]) == (
+            "stop", "deadline_expired", 0)
+    assert [d["outcome"] for d in decisions(agent, run_id)] == ["expired", "expired"]
+    assert agent.http.get(f"/api/v1/runs/{run_id}").json()["steps"] == 0
+    # A moment still ahead (with or without an offset: UTC) is decided as usual.
+    soon = (datetime.now(UTC) + timedelta(seconds=30)).replace(tzinfo=None).isoformat()
+    answer = agent.check(run_id, "refund.issue", {"order": 1}, deadline_at=soon)
+    assert (answer["decision"], answer["step"]) == ("allow", 1)
+
+
+@pytest.mark.parametrize("value", ["soon", True, {}, [1], "2026-13-01T00:00:00Z"])
+def test_a_bad_deadline_at_is_refused_naming_the_field(agent: Agent, value: Any) -> None:
+    run_id = agent.start()["run_id"]
+    response = agent.http.post(f"/api/v1/runs/{run_id}/check",
+                               json={"action": {"name": "x"}, "deadline_at": value})
+    assert response.status_code == 422, response.text
+    assert list(response.json()["error"]["fields"]) == ["deadline_at"]
 
 
 def test_a_check_within_its_deadline_is_decided_as_usual(agent: Agent) -> None:

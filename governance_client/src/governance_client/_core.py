@@ -17,7 +17,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import httpx
@@ -251,7 +251,12 @@ class PreparedCheck:
     at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
 
     def with_deadline(self, remaining: float) -> dict[str, Any]:
-        return {**self.body, "deadline_ms": server_budget_ms(remaining)}
+        budget_ms = server_budget_ms(remaining)
+        # Both forms: deadline_ms runs from when the service reads the check, deadline_at
+        # from now, so a check left queued in a frozen service expires all the same.
+        at = datetime.now(UTC) + timedelta(milliseconds=budget_ms)
+        return {**self.body, "deadline_ms": budget_ms,
+                "deadline_at": at.isoformat(timespec="milliseconds")}
 
 
 def _size(body: Any) -> int:
