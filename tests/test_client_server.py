@@ -4,10 +4,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
+import socket
 import threading
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,7 +20,7 @@ import pytest
 from django.db import connection, transaction
 from django.db.models import F
 
-from governance_client import GovernanceClient
+from governance_client import AsyncGovernanceClient, GovernanceClient
 from policies.models import Team
 from runs.killswitch.services import killswitch_engage
 from runs.models import Decision, Run
@@ -400,3 +404,76 @@ def test_the_clients_upload_limits_fit_the_services(settings: Any) -> None:
     bounds = LocalDecisionsIn.model_fields["decisions"].metadata
     assert annotated_types.MaxLen(_core.UPLOAD_MAX_ENTRIES) in bounds
     assert _core.UPLOAD_MAX_BYTES < settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+
+
+class SlowFirstConnection:
+    """A loopback proxy in front of the server that holds the first connection's bytes for
+    ``hold`` seconds before passing them on (a swamped server that reads a request late);
+    every later connection passes at once."""
+
+    def __init__(self, target: str, hold: float) -> None:
+        host, port = target.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.hold = hold
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            delay = self.hold if self.accepted == 1 else 0.0
+            threading.Thread(target=self._serve, args=(conn, delay), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, delay: float) -> None:
+        time.sleep(delay)
+        upstream = socket.create_connection(self.target)
+
+        def pipe(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
+
+        threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
+        pipe(conn, upstream)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_start_read_late_is_sent_again_and_makes_one_run(
+    agent: Agent, server: Server, team: Team, kind: str
+) -> None:
+    """A start whose first attempt the server reads late (past the attempt's share of the
+    deadline) is sent again at once, without the author's external_id: the client's own id
+    makes it safe, the start gets its whole deadline, and the late attempt finds the run."""
+    proxy = SlowFirstConnection(server.url, hold=1.5)
+    try:
+        if kind == "sync":
+            with GovernanceClient(proxy.url, agent.token, deadline=4.0) as client:
+                run_id = client.start_run("late-bot").id
+        else:
+            async def start() -> str:
+                async with AsyncGovernanceClient(proxy.url, agent.token,
+                                                 deadline=4.0) as client:
+                    return (await client.start_run("late-bot")).id
+            run_id = asyncio.run(start())
+        time.sleep(2.0)  # the held attempt reaches the server too
+    finally:
+        proxy.close()
+
+    assert proxy.accepted >= 2
+    assert list(Run.objects.filter(team=team, agent="late-bot").values_list("pk", flat=True)) \
+        == [uuid.UUID(run_id)]

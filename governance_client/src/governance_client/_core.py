@@ -51,6 +51,9 @@ UPLOAD_MAX_BYTES = 768 * 1024
 OVERSIZE_KEY = "oversize_args"
 MAX_POLL_S = 60  # SPEC 11: ?wait is at most 60 s
 
+#: The prefix of the external_id the client makes for a start that has none of its own.
+AUTO_EXTERNAL_ID = "client-"
+
 UNAVAILABLE_NEXT_ACTION = (
     "Do not run this action: return the partial response and try again later, once the "
     "governance service is reachable."
@@ -144,10 +147,33 @@ def retry_after_s(response: httpx.Response) -> float | None:
     return max(0.0, (when - datetime.now(UTC)).total_seconds())
 
 
+class SendTrace:
+    """httpx's ``trace`` extension for one attempt: whether it was still connecting when it
+    was cut short. asyncio's timeout (the async client's bound on a whole attempt) says only
+    "timed out"; an attempt that never got past its connection was never sent, so it is
+    retried like a refused connection. No event at all (another transport) counts as sent."""
+
+    def __init__(self) -> None:
+        self.connecting = False
+        self.sent = False
+
+    async def __call__(self, name: str, info: Mapping[str, Any]) -> None:
+        if name.endswith(".send_request_headers.started"):
+            self.sent = True
+        elif name.endswith(".connect_tcp.started"):
+            self.connecting = True
+
+    def timeout(self, detail: str) -> httpx.TimeoutException:
+        if self.connecting and not self.sent:
+            return httpx.ConnectTimeout(detail)
+        return httpx.ReadTimeout(detail)
+
+
 def classify_error(exc: httpx.TransportError, *, replay_safe: bool) -> Exception:
     """The exception an attempt ends with for a transport error."""
     failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+    # Never sent: no connection, or none free in time (the pool).
+    not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
     if replay_safe or not_sent:
         return Retryable(failure)
     return GovernanceUnavailable(failure)
@@ -215,8 +241,13 @@ def start_body(
     external_id: str | None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"agent": agent}
-    optional = {"task": task, "policy": policy, "metadata": metadata, "external_id": external_id}
+    optional = {"task": task, "policy": policy, "metadata": metadata}
     body.update({k: v for k, v in optional.items() if v is not None})
+    # Without the author's own id, one of the client's: the start can then be sent again
+    # after any failure within its deadline (the service answers a known external_id with
+    # the run it started), never making two runs.
+    body["external_id"] = external_id if external_id is not None \
+        else f"{AUTO_EXTERNAL_ID}{uuid.uuid4().hex}"
     return body
 
 

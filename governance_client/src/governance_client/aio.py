@@ -32,6 +32,7 @@ from ._core import (
     PreparedCheck,
     Retryable,
     RunCore,
+    SendTrace,
     Settings,
     approval_final,
     approval_limit,
@@ -119,8 +120,8 @@ class AsyncGovernanceClient:
         body = start_body(agent, task=task, policy=policy, metadata=metadata,
                           external_id=external_id)
         try:
-            response = await self._send("POST", "/api/v1/runs", lambda _: body,
-                                        replay_safe=external_id is not None)
+            # Safe to send again: the body has an external_id (the author's or the client's).
+            response = await self._send("POST", "/api/v1/runs", lambda _: body)
         except GovernanceUnavailable as exc:
             if self.fail_mode == "closed":
                 raise
@@ -174,6 +175,7 @@ class AsyncGovernanceClient:
             if remaining <= 0:
                 raise GovernanceUnavailable("deadline spent")
             timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1, hold)
+            trace = SendTrace()
             try:
                 # httpx's timeouts bound each read; this bounds the attempt as a whole, so a
                 # server that trickles its answer cannot stretch it past the deadline.
@@ -181,10 +183,10 @@ class AsyncGovernanceClient:
                     response = await self._http.request(
                         method, url, json=body(remaining) if body is not None else None,
                         params=params, headers=self.settings.headers,
-                        timeout=httpx.Timeout(timeout),
+                        timeout=httpx.Timeout(timeout), extensions={"trace": trace},
                     )
             except TimeoutError as exc:
-                raise classify_error(httpx.ReadTimeout("deadline reached"),
+                raise classify_error(trace.timeout("deadline reached"),
                                      replay_safe=replay_safe) from exc
             except httpx.TransportError as exc:
                 raise classify_error(exc, replay_safe=replay_safe) from exc

@@ -155,10 +155,8 @@ class GovernanceClient:
         body = start_body(agent, task=task, policy=policy, metadata=metadata,
                           external_id=external_id)
         try:
-            # Without an external_id a replayed POST could start a second run, so only the
-            # failures that prove the request was not processed are retried.
-            response = self._send("POST", "/api/v1/runs", lambda _: body,
-                                  replay_safe=external_id is not None)
+            # Safe to send again: the body has an external_id (the author's or the client's).
+            response = self._send("POST", "/api/v1/runs", lambda _: body)
         except GovernanceUnavailable as exc:
             if self.fail_mode == "closed":
                 raise
