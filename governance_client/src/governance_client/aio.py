@@ -298,6 +298,8 @@ class AsyncRun:
                     waited += delay
                     await client._sleep(delay)
                     continue
+            if decision.decision == "wait":
+                decision = core.wait_given_up(prepared, decision, waited)
             if decision.decision == "pending":
                 decision = await self._await_approval(prepared, decision)
             return core.answered(prepared, decision)
@@ -338,8 +340,8 @@ class AsyncRun:
             if wait == 0:
                 polled += min(left, 1.0)
                 await client._sleep(min(left, 1.0))
-        self._core.gave_up_waiting(prepared)
-        return pending
+        return self._core.approval_given_up(prepared, pending,
+                                            max(time.monotonic() - started, polled))
 
     async def _upload(self) -> None:
         core = self._core

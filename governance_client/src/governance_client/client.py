@@ -349,6 +349,8 @@ class Run:
                     waited += delay
                     client._sleep(delay)
                     continue  # SPEC 12: the same body again; a wait is decided again
+            if decision.decision == "wait":
+                decision = core.wait_given_up(prepared, decision, waited)
             if decision.decision == "pending":
                 decision = self._await_approval(prepared, decision)
             return core.answered(prepared, decision)
@@ -392,8 +394,8 @@ class Run:
             if wait == 0:
                 polled += min(left, 1.0)
                 client._sleep(min(left, 1.0))
-        self._core.gave_up_waiting(prepared)
-        return pending
+        return self._core.approval_given_up(prepared, pending,
+                                            max(time.monotonic() - started, polled))
 
     def _upload(self) -> None:
         """Send the decisions made locally during an outage (best effort: kept on failure)."""

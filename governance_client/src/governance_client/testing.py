@@ -373,6 +373,7 @@ class FakeGovernance:
                 return self._answer(run, None, now) | {
                     "decision": "wait", "reason": "rate_limited", "step": run.steps + 1,
                     "retry_after_s": wait[0], "message": wait[1],
+                    "next_action": rules.NEXT_ACTION[rules.RATE_LIMITED],
                 }
         needs_approval = (verdict.answer == rules.ALLOW and run.state.status == rules.RUNNING
                           and any(fnmatchcase(name, p) for p in self.approval_patterns))
