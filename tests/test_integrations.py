@@ -327,3 +327,80 @@ def test_the_integration_governs_a_real_agent(
     assert stored["output"] == outcome.answer
     if scenario.reason == "killed":
         assert KILL_REASON in outcome.answer
+
+
+# -- Parallel calls, finished states, new turns ------------------------------------------------
+
+def parallel_chat_model(turns: list[list[tuple[str, dict[str, Any]]]]) -> Any:
+    """A scripted model asking for several tools at once in each turn."""
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage
+
+    class ScriptedChatModel(GenericFakeChatModel):
+        def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedChatModel:
+            return self
+
+    messages = [AIMessage(content=f"I'll now call {len(calls)} tools (turn {i}).",
+                          tool_calls=[{"name": name, "args": args, "id": f"call_{i}_{j}"}
+                                      for j, (name, args) in enumerate(calls)])
+                for i, calls in enumerate(turns)]
+    return ScriptedChatModel(messages=iter([*messages, AIMessage(content="All done.")]))
+
+
+def governed_app(framework: str, run: Any, chat: Any, tools: Tools) -> Any:
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    if framework == "langchain":
+        from governance_client.integrations.langchain import GovernanceMiddleware
+        from langchain.agents import create_agent
+
+        return create_agent(chat, langchain_tools(tools), middleware=[GovernanceMiddleware(run)],
+                            checkpointer=InMemorySaver())
+    from governance_client.integrations.langgraph import govern_graph
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", lambda s: {"messages": [chat.invoke(s["messages"])]})
+    builder.add_node("tools", ToolNode(langchain_tools(tools), handle_tool_errors=True))
+    builder.add_edge(START, "agent")
+    builder.add_conditional_edges("agent", tools_condition)
+    builder.add_edge("tools", "agent")
+    return govern_graph(builder, run).compile(checkpointer=InMemorySaver())
+
+
+@pytest.mark.parametrize("framework", ["langchain", "langgraph"])
+def test_parallel_calls_show_the_stop_that_explains_and_a_new_turn_keeps_it(
+    framework: str, agent: Agent, server: Server, team: Team
+) -> None:
+    """A denied tool among parallel calls: the calls checked after it are answered "the run
+    is already stopped", but the notice is the denial's. The stopped state says so (stop_in),
+    and a new turn on the same thread does not call the model again nor change the output."""
+    from governance_client.integrations.langgraph import stop_in
+    from langchain_core.messages import HumanMessage
+
+    set_policy(team, tools={"allow": None, "deny": ["run_shell"]})
+    tools = Tools()
+    chat = parallel_chat_model([[("search", {"query": "a"})],
+                                [("run_shell", {"cmd": "ls"}), ("search", {"query": "b"}),
+                                 ("search", {"query": "c"})],
+                                [("search", {"query": "d"})]])
+    thread = {"configurable": {"thread_id": "t"}, "recursion_limit": 50}
+    with GovernanceClient(server.url, agent.token, deadline=10) as client, \
+            client.run("support-bot", task=TASK) as run:
+        app = governed_app(framework, run, chat, tools)
+        first = app.invoke({"messages": [HumanMessage(TASK)]}, thread)
+        run.output = str(first["messages"][-1].content)
+        again = app.invoke({"messages": [HumanMessage("Anything else?")]}, thread)
+        run.output = str(again["messages"][-1].content)
+
+    notice = str(first["messages"][-1].content)
+    assert "Stopped by governance (tool_denied)" in notice
+    assert "run_shell" in notice and "already stopped" not in notice
+    recorded = stop_in(first)
+    assert recorded is not None and recorded.reason == "tool_denied"
+    assert str(again["messages"][-1].content) == notice
+    assert next(chat.messages).content == "I'll now call 1 tools (turn 2)."  # not called
+    stored = agent.http.get(f"/api/v1/runs/{run.id}").json()
+    assert (stored["status"], stored["stop_reason"], stored["output"]) == (
+        "stopped", "tool_denied", notice)
