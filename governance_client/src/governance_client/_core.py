@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -140,6 +140,11 @@ def retry_policy(settings: Settings, deadline: float) -> dict[str, Any]:
         "retry": tenacity.retry_if_exception_type(Retryable),
         "reraise": True,
     }
+
+
+def constant(body: Any) -> Callable[[float], Any]:
+    """A request body that does not depend on the time left."""
+    return lambda _remaining: body
 
 
 def retry_after_s(response: httpx.Response) -> float | None:

@@ -40,6 +40,7 @@ from ._core import (
     attempt_timeout,
     classify_error,
     classify_response,
+    constant,
     expect,
     gave_up,
     local_start,
@@ -404,8 +405,7 @@ class Run:
             sent = len(body["decisions"])
             try:
                 response = self._client._send(
-                    "POST", f"/api/v1/runs/{self.id}/local-decisions",
-                    lambda _, body=body: body)
+                    "POST", f"/api/v1/runs/{self.id}/local-decisions", constant(body))
                 data = expect(response, 200)
             except GovernanceUnavailable:
                 return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 GOVERNANCE_UNAVAILABLE = "governance_unavailable"
 #: The service got the check too late (past its deadline_ms) and decided nothing.
@@ -79,7 +79,7 @@ class Decision:
         decision = body.get("decision")
         retry_after = body.get("retry_after_s")
         return cls(
-            decision=decision if decision in _KINDS else "stop",  # type: ignore[arg-type]
+            decision=cast(DecisionKind, decision if decision in _KINDS else "stop"),
             reason=str(body.get("reason") or "invalid_response"),
             message=body.get("message"),
             next_action=body.get("next_action"),
