@@ -477,3 +477,63 @@ def test_a_start_read_late_is_sent_again_and_makes_one_run(
     assert proxy.accepted >= 2
     assert list(Run.objects.filter(team=team, agent="late-bot").values_list("pk", flat=True)) \
         == [uuid.UUID(run_id)]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_fail_open_decisions_of_a_run_that_ended_in_the_outage_reach_the_service_later(
+    agent: Agent, server: Server, tmp_path: Any, kind: str
+) -> None:
+    """The run's block ends while the service is unreachable: its local decisions and its
+    finish are kept in the journal and sent by the next start, instead of the run staying
+    `running` at step 1."""
+    network = Outage()
+    options: dict[str, Any] = {"fail_mode": "open", "deadline": 1, "journal": tmp_path}
+    if kind == "sync":
+        with GovernanceClient(server.url, agent.token, transport=network, **options) as client:
+            with client.run("support-bot") as run:
+                assert run.check("search.docs", {"q": "refunds"}).allowed
+                network.down = True
+                assert all(run.check("search.docs", {"q": q}).local for q in ("a", "b"))
+                run.output = "Read two more pages offline."
+            run_id = run.id
+            assert agent.http.get(f"/api/v1/runs/{run_id}").json()["steps"] == 1
+            network.down = False
+            client.start_run("support-bot")
+    else:
+        async def scenario() -> str:
+            async with AsyncGovernanceClient(server.url, agent.token,
+                                             transport=AsyncOutage(network),
+                                             **options) as client:
+                async with client.run("support-bot") as run:
+                    assert (await run.check("search.docs", {"q": "refunds"})).allowed
+                    network.down = True
+                    for q in ("a", "b"):
+                        assert (await run.check("search.docs", {"q": q})).local
+                    run.output = "Read two more pages offline."
+                network.down = False
+                await client.start_run("support-bot")
+                return run.id
+        run_id = asyncio.run(scenario())
+
+    stored = agent.http.get(f"/api/v1/runs/{run_id}").json()
+    assert (stored["status"], stored["steps"], stored["output"]) == (
+        "completed", 3, "Read two more pages offline.")
+    assert [(d["outcome"], d["local"]) for d in decisions(agent, run_id)] == [
+        ("allow", False), ("allow", True), ("allow", True)]
+    assert list(tmp_path.glob("*.json")) == []
+
+
+class AsyncOutage(httpx.AsyncBaseTransport):
+    """Outage for the async client: the same switch."""
+
+    def __init__(self, outage: Outage) -> None:
+        self.outage = outage
+        self.inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.outage.down:
+            raise httpx.ConnectError("network unreachable (test outage)", request=request)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import tenacity
@@ -47,7 +48,8 @@ from ._core import (
     start_body,
 )
 from .decision import DEADLINE_EXPIRED, Decision
-from .errors import GovernanceError, GovernanceUnavailable, RunFinished
+from .errors import ApiError, GovernanceError, GovernanceUnavailable, RunFinished
+from .journal import Journal, default_folder
 from .local import LocalLimits
 
 __all__ = ["AsyncGovernanceClient", "AsyncRun"]
@@ -72,6 +74,7 @@ class AsyncGovernanceClient:
         wait_for_rate_limits: bool = True,
         wait_budget: float = 30.0,
         approval_timeout: float | None = None,
+        journal: str | os.PathLike[str] | Literal[False] | None = None,
         http_client: httpx.AsyncClient | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -83,6 +86,8 @@ class AsyncGovernanceClient:
             wait_budget=wait_budget, approval_timeout=approval_timeout,
         )
         self._sleep = sleep
+        self._journal = None if journal is False else Journal(
+            default_folder() if journal is None else journal, self.settings.base_url, api_key)
         self._owns_http = http_client is None
         self._http = http_client or httpx.AsyncClient(transport=transport)
 
@@ -128,7 +133,11 @@ class AsyncGovernanceClient:
                 raise
             logger.warning("governance unreachable, run of %s started locally: %s", agent, exc)
             return AsyncRun(self, local_start(agent), local=True)
-        return AsyncRun(self, expect(response, 200, 201))
+        run = AsyncRun(self, expect(response, 200, 201))
+        # The service answers: what earlier runs left in the journal goes now (after the
+        # start, so that an outage costs a start one deadline, not two).
+        await self._replay_journal()
+        return run
 
     @asynccontextmanager
     async def run(
@@ -152,6 +161,28 @@ class AsyncGovernanceClient:
                 logger.exception("could not finish run %s", run.id)
             raise
         await run._finish_on_exit(failed=False)
+
+    def _keep(self, core: RunCore, finish: dict[str, Any]) -> None:
+        if self._journal is not None:
+            self._journal.save(core.id, decisions=list(core.unsynced), finish=finish)
+
+    async def _replay_journal(self) -> None:
+        """Send what runs of this service and key left in the journal (their local
+        decisions, then their finish), oldest first; stop at the first outage."""
+        if self._journal is None:
+            return
+        for entry in self._journal.pending():
+            run = AsyncRun(self, {"run_id": entry["run_id"], "status": "running"})
+            run._core.unsynced = entry["decisions"]
+            finish = entry["finish"]
+            try:
+                await run.finish(finish.get("status") or "completed", finish.get("output"))
+            except GovernanceUnavailable:
+                return  # still unreachable: kept for the next start
+            except ApiError as exc:
+                logger.warning("journal entry of run %s refused, dropped: %s",
+                               entry["run_id"], exc)
+            self._journal.done(entry["run_id"])
 
     async def _send(
         self,
@@ -382,6 +413,12 @@ class AsyncRun:
             return None
         async with self._lock:
             await self._upload()
+        if core.unsynced:
+            # Finished without them, the run would not count actions that ran: both wait,
+            # on disk, for the next start (governance_client.journal).
+            self._client._keep(core, body)
+            raise GovernanceUnavailable(
+                f"run {self.id}: {len(core.unsynced)} local decision(s) not uploaded")
         try:
             response = await self._client._send("POST", f"/api/v1/runs/{self.id}/finish",
                                                 lambda _: body)
@@ -389,6 +426,9 @@ class AsyncRun:
         except RunFinished:
             core.finished_with(status, None)
             return None
+        except GovernanceUnavailable:
+            self._client._keep(core, body)
+            raise
         core.finished_with(status, data)
         return data
 

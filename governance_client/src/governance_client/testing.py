@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -171,6 +172,9 @@ class FakeGovernance:
         #: While True, every request fails with a connection error (an outage).
         self.down = False
         self.requests: list[httpx.Request] = []
+        #: The journal folder of this fake's clients (governance_client.journal): their own,
+        #: so a test never sends what another left; made when first written.
+        self.journal = Path(tempfile.gettempdir()) / f"fake-governance-{uuid.uuid4().hex}"
         #: The fake's clock (seconds), advanced by the clients' sleeps and long polls.
         self.clock = 0.0
         self._allowed_at: list[tuple[float, str, str, str]] = []  # (t, run, agent, name)
@@ -237,10 +241,12 @@ class FakeGovernance:
 
     def client(self, **kwargs: Any) -> GovernanceClient:
         kwargs.setdefault("sleep", self.advance)
+        kwargs.setdefault("journal", self.journal)
         return GovernanceClient(BASE_URL, self.api_key, transport=self.transport(), **kwargs)
 
     def async_client(self, **kwargs: Any) -> AsyncGovernanceClient:
         kwargs.setdefault("sleep", self.advance_async)
+        kwargs.setdefault("journal", self.journal)
         return AsyncGovernanceClient(BASE_URL, self.api_key, transport=self.transport(),
                                      **kwargs)
 
