@@ -355,6 +355,12 @@ DASHBOARD_THREADS = env_int("WEB_DASHBOARD_THREADS", 4)
 # A request body must have arrived whole within this many seconds (it is read on the event
 # loop, holding no thread): later, the request is answered 408 and its connection closed.
 REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
+# A check's `deadline_at` is the agent's clock: it may be this far behind the server's before
+# its checks expire early (README "Deadlines"). Larger trusts poorly synced clocks more, and
+# lets a check read that much past the agent's deadline still be decided.
+CHECK_CLOCK_SKEW_MS = env_int("CHECK_CLOCK_SKEW_MS", 500)
+if not 0 <= CHECK_CLOCK_SKEW_MS <= 60_000:
+    raise ImproperlyConfigured("CHECK_CLOCK_SKEW_MS must be from 0 to 60000")
 # The most of one process's time the database looks of the live streams and of the approvals'
 # waiting long polls may take together (runs/live/looks.py): however many are open, they share
 # it, so screens refresh less often instead of taking CPU from the checks.

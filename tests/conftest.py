@@ -220,6 +220,16 @@ def _owner_of_port(port: int | None) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _client_journal_of_the_session(tmp_path_factory: Any) -> Iterator[Path]:
+    """Clients made by the tests keep their journal (governance_client.journal) in a folder of
+    the session, never in the user's cache."""
+    folder = tmp_path_factory.mktemp("journal")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GOVERNANCE_JOURNAL_DIR", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _fast_password_hashing() -> Iterator[None]:
     """The stock users are made for nearly every test; the production hasher is slow on
     purpose. One PBKDF2 iteration keeps the hash format, so servers started by tests (with the

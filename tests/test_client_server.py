@@ -4,8 +4,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import signal
+import socket
 import threading
 import time
+import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -13,11 +20,11 @@ import pytest
 from django.db import connection, transaction
 from django.db.models import F
 
-from governance_client import GovernanceClient
+from governance_client import AsyncGovernanceClient, GovernanceClient
 from policies.models import Team
 from runs.killswitch.services import killswitch_engage
 from runs.models import Decision, Run
-from tests.conftest import Agent, Server, set_policy
+from tests.conftest import Agent, Server, set_policy, start_server
 
 
 def decisions(agent: Agent, run_id: str) -> list[dict[str, Any]]:
@@ -88,6 +95,69 @@ def test_a_check_answered_after_its_deadline_is_audited_expired_and_counts_nothi
     # The run goes on: the next check is decided and counted as usual.
     answer = agent.check(run_id, "refund.issue", {"order": 1}, deadline_ms=5000)
     assert (answer["decision"], answer["step"]) == ("allow", 1)
+
+
+@pytest.mark.slow
+def test_a_check_left_queued_in_a_frozen_server_is_audited_expired_never_allowed(
+    agent: Agent, settings: Any
+) -> None:
+    """The server is frozen (SIGSTOP) when the check arrives: the request waits in the
+    socket's queue, where deadline_ms does not run yet. The client gives up at its deadline;
+    when the server resumes, it reads the queued attempts past the check's deadline_at and
+    decides none of them: no allow of an action that never ran, nothing counted."""
+    frozen = start_server(workers=1)
+    try:
+        with GovernanceClient(frozen.url, agent.token, deadline=2.0) as client:
+            run = client.start_run("support-bot")
+            os.killpg(frozen.process.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                decision = run.check("refund.issue", {"order": 1})
+                elapsed = time.monotonic() - started
+                # Frozen past the deadline and the clock-skew allowance.
+                time.sleep(2.5 + settings.CHECK_CLOCK_SKEW_MS / 1000)
+            finally:
+                os.killpg(frozen.process.pid, signal.SIGCONT)
+            assert decision.reason == "governance_unavailable" and not decision.allowed
+            assert elapsed < 3.0
+            wait_for(lambda: any(d["outcome"] == "expired" for d in decisions(agent, run.id)))
+            time.sleep(1.0)  # the other queued attempts, if any, are read too
+            audited = decisions(agent, run.id)
+            assert audited and {d["outcome"] for d in audited} == {"expired"}, audited
+            stored = agent.http.get(f"/api/v1/runs/{run.id}").json()
+            assert (stored["steps"], stored["tool_calls"]) == (0, 0)
+    finally:
+        frozen.stop()
+
+
+def test_a_check_read_after_its_deadline_at_expires_and_so_does_its_retry(agent: Agent) -> None:
+    """deadline_at bounds the check even when deadline_ms, counted from when the server read
+    it, has time left; the same body sent again gets the same answer, counting nothing."""
+    run_id = agent.start()["run_id"]
+    past = (datetime.now(UTC) - timedelta(seconds=5)).isoformat()
+    body = {"check_id": "late-1", "deadline_ms": 10_000, "deadline_at": past}
+
+    first = agent.check(run_id, "refund.issue", {"order": 1}, **body)
+    again = agent.check(run_id, "refund.issue", {"order": 1}, **body)
+
+    for answer in (first, again):
+        assert (answer["decision"], answer["reason"], answer["step"]) == (
+            "stop", "deadline_expired", 0)
+    assert [d["outcome"] for d in decisions(agent, run_id)] == ["expired", "expired"]
+    assert agent.http.get(f"/api/v1/runs/{run_id}").json()["steps"] == 0
+    # A moment still ahead (with or without an offset: UTC) is decided as usual.
+    soon = (datetime.now(UTC) + timedelta(seconds=30)).replace(tzinfo=None).isoformat()
+    answer = agent.check(run_id, "refund.issue", {"order": 1}, deadline_at=soon)
+    assert (answer["decision"], answer["step"]) == ("allow", 1)
+
+
+@pytest.mark.parametrize("value", ["soon", True, {}, [1], "2026-13-01T00:00:00Z"])
+def test_a_bad_deadline_at_is_refused_naming_the_field(agent: Agent, value: Any) -> None:
+    run_id = agent.start()["run_id"]
+    response = agent.http.post(f"/api/v1/runs/{run_id}/check",
+                               json={"action": {"name": "x"}, "deadline_at": value})
+    assert response.status_code == 422, response.text
+    assert list(response.json()["error"]["fields"]) == ["deadline_at"]
 
 
 def test_a_check_within_its_deadline_is_decided_as_usual(agent: Agent) -> None:
@@ -334,3 +404,136 @@ def test_the_clients_upload_limits_fit_the_services(settings: Any) -> None:
     bounds = LocalDecisionsIn.model_fields["decisions"].metadata
     assert annotated_types.MaxLen(_core.UPLOAD_MAX_ENTRIES) in bounds
     assert _core.UPLOAD_MAX_BYTES < settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+
+
+class SlowFirstConnection:
+    """A loopback proxy in front of the server that holds the first connection's bytes for
+    ``hold`` seconds before passing them on (a swamped server that reads a request late);
+    every later connection passes at once."""
+
+    def __init__(self, target: str, hold: float) -> None:
+        host, port = target.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.hold = hold
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            delay = self.hold if self.accepted == 1 else 0.0
+            threading.Thread(target=self._serve, args=(conn, delay), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, delay: float) -> None:
+        time.sleep(delay)
+        upstream = socket.create_connection(self.target)
+
+        def pipe(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
+
+        threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
+        pipe(conn, upstream)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_start_read_late_is_sent_again_and_makes_one_run(
+    agent: Agent, server: Server, team: Team, kind: str
+) -> None:
+    """A start whose first attempt the server reads late (past the attempt's share of the
+    deadline) is sent again at once, without the author's external_id: the client's own id
+    makes it safe, the start gets its whole deadline, and the late attempt finds the run."""
+    proxy = SlowFirstConnection(server.url, hold=1.5)
+    try:
+        if kind == "sync":
+            with GovernanceClient(proxy.url, agent.token, deadline=4.0) as client:
+                run_id = client.start_run("late-bot").id
+        else:
+            async def start() -> str:
+                async with AsyncGovernanceClient(proxy.url, agent.token,
+                                                 deadline=4.0) as client:
+                    return (await client.start_run("late-bot")).id
+            run_id = asyncio.run(start())
+        time.sleep(2.0)  # the held attempt reaches the server too
+    finally:
+        proxy.close()
+
+    assert proxy.accepted >= 2
+    assert list(Run.objects.filter(team=team, agent="late-bot").values_list("pk", flat=True)) \
+        == [uuid.UUID(run_id)]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_fail_open_decisions_of_a_run_that_ended_in_the_outage_reach_the_service_later(
+    agent: Agent, server: Server, tmp_path: Any, kind: str
+) -> None:
+    """The run's block ends while the service is unreachable: its local decisions and its
+    finish are kept in the journal and sent by the next start, instead of the run staying
+    `running` at step 1."""
+    network = Outage()
+    options: dict[str, Any] = {"fail_mode": "open", "deadline": 1, "journal": tmp_path}
+    if kind == "sync":
+        with GovernanceClient(server.url, agent.token, transport=network, **options) as client:
+            with client.run("support-bot") as run:
+                assert run.check("search.docs", {"q": "refunds"}).allowed
+                network.down = True
+                assert all(run.check("search.docs", {"q": q}).local for q in ("a", "b"))
+                run.output = "Read two more pages offline."
+            run_id = run.id
+            assert agent.http.get(f"/api/v1/runs/{run_id}").json()["steps"] == 1
+            network.down = False
+            client.start_run("support-bot")
+    else:
+        async def scenario() -> str:
+            async with AsyncGovernanceClient(server.url, agent.token,
+                                             transport=AsyncOutage(network),
+                                             **options) as client:
+                async with client.run("support-bot") as run:
+                    assert (await run.check("search.docs", {"q": "refunds"})).allowed
+                    network.down = True
+                    for q in ("a", "b"):
+                        assert (await run.check("search.docs", {"q": q})).local
+                    run.output = "Read two more pages offline."
+                network.down = False
+                await client.start_run("support-bot")
+                return run.id
+        run_id = asyncio.run(scenario())
+
+    stored = agent.http.get(f"/api/v1/runs/{run_id}").json()
+    assert (stored["status"], stored["steps"], stored["output"]) == (
+        "completed", 3, "Read two more pages offline.")
+    assert [(d["outcome"], d["local"]) for d in decisions(agent, run_id)] == [
+        ("allow", False), ("allow", True), ("allow", True)]
+    assert list(tmp_path.glob("*.json")) == []
+
+
+class AsyncOutage(httpx.AsyncBaseTransport):
+    """Outage for the async client: the same switch."""
+
+    def __init__(self, outage: Outage) -> None:
+        self.outage = outage
+        self.inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.outage.down:
+            raise httpx.ConnectError("network unreachable (test outage)", request=request)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

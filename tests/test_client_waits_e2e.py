@@ -200,6 +200,33 @@ def test_a_kill_switch_reaches_the_waiting_check_without_the_fan_out(
     assert not AuditRecord.objects.filter(run_id=request.run_id, outcome="allow").exists()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_run_that_stopped_waiting_for_an_operator_ends_stopped_with_the_users_words(
+        kind, server, approving, agent_token):
+    """The author's approval timeout ends the run's block: the run is stopped, not
+    completed, and its output tells the user what was not run, with no API step in it."""
+    if kind == "sync":
+        with GovernanceClient(server.url, agent_token, approval_timeout=2) as client, \
+                client.run("support-bot") as run:
+            decision = run.check(*PAY)
+    else:
+        async def main() -> tuple[Any, Decision]:
+            async with AsyncGovernanceClient(server.url, agent_token,
+                                             approval_timeout=2) as client, \
+                    client.run("support-bot") as run:
+                return run, await run.check(*PAY)
+        run, decision = asyncio.run(main())
+
+    assert decision.decision == "pending"
+    stored = Run.objects.get(pk=run.id)
+    assert (stored.status, stored.stop_reason) == ("stopped", "agent_stopped")
+    assert stored.output == decision.user_notice()
+    assert "payments.refund needs an operator's approval" in stored.output
+    assert "/api/v1/" not in stored.output and "check_id" not in stored.output
+    assert f"/api/v1/approvals/{decision.approval['id']}" not in stored.output
+    assert Approval.objects.get(run_id=run.id).status == "cancelled"
+
+
 # --- wait ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)

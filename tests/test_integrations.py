@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -327,3 +330,172 @@ def test_the_integration_governs_a_real_agent(
     assert stored["output"] == outcome.answer
     if scenario.reason == "killed":
         assert KILL_REASON in outcome.answer
+
+
+# -- Parallel calls, finished states, new turns ------------------------------------------------
+
+def parallel_chat_model(turns: list[list[tuple[str, dict[str, Any]]]]) -> Any:
+    """A scripted model asking for several tools at once in each turn."""
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage
+
+    class ScriptedChatModel(GenericFakeChatModel):
+        def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedChatModel:
+            return self
+
+    messages = [AIMessage(content=f"I'll now call {len(calls)} tools (turn {i}).",
+                          tool_calls=[{"name": name, "args": args, "id": f"call_{i}_{j}"}
+                                      for j, (name, args) in enumerate(calls)])
+                for i, calls in enumerate(turns)]
+    return ScriptedChatModel(messages=iter([*messages, AIMessage(content="All done.")]))
+
+
+def governed_app(framework: str, run: Any, chat: Any, tools: Tools) -> Any:
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    if framework == "langchain":
+        from governance_client.integrations.langchain import GovernanceMiddleware
+        from langchain.agents import create_agent
+
+        return create_agent(chat, langchain_tools(tools), middleware=[GovernanceMiddleware(run)],
+                            checkpointer=InMemorySaver())
+    from governance_client.integrations.langgraph import govern_graph
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", lambda s: {"messages": [chat.invoke(s["messages"])]})
+    builder.add_node("tools", ToolNode(langchain_tools(tools), handle_tool_errors=True))
+    builder.add_edge(START, "agent")
+    builder.add_conditional_edges("agent", tools_condition)
+    builder.add_edge("tools", "agent")
+    return govern_graph(builder, run).compile(checkpointer=InMemorySaver())
+
+
+@pytest.mark.parametrize("framework", ["langchain", "langgraph"])
+def test_parallel_calls_show_the_stop_that_explains_and_a_new_turn_keeps_it(
+    framework: str, agent: Agent, server: Server, team: Team
+) -> None:
+    """A denied tool among parallel calls: the calls checked after it are answered "the run
+    is already stopped", but the notice is the denial's. The stopped state says so (stop_in),
+    and a new turn on the same thread does not call the model again nor change the output."""
+    from governance_client.integrations.langgraph import stop_in
+    from langchain_core.messages import HumanMessage
+
+    set_policy(team, tools={"allow": None, "deny": ["run_shell"]})
+    tools = Tools()
+    chat = parallel_chat_model([[("search", {"query": "a"})],
+                                [("run_shell", {"cmd": "ls"}), ("search", {"query": "b"}),
+                                 ("search", {"query": "c"})],
+                                [("search", {"query": "d"})]])
+    thread = {"configurable": {"thread_id": "t"}, "recursion_limit": 50}
+    with GovernanceClient(server.url, agent.token, deadline=10) as client, \
+            client.run("support-bot", task=TASK) as run:
+        app = governed_app(framework, run, chat, tools)
+        first = app.invoke({"messages": [HumanMessage(TASK)]}, thread)
+        run.output = str(first["messages"][-1].content)
+        again = app.invoke({"messages": [HumanMessage("Anything else?")]}, thread)
+        run.output = str(again["messages"][-1].content)
+
+    notice = str(first["messages"][-1].content)
+    assert "Stopped by governance (tool_denied)" in notice
+    assert "run_shell" in notice and "already stopped" not in notice
+    recorded = stop_in(first)
+    assert recorded is not None and recorded.reason == "tool_denied"
+    assert str(again["messages"][-1].content) == notice
+    assert next(chat.messages).content == "I'll now call 1 tools (turn 2)."  # not called
+    stored = agent.http.get(f"/api/v1/runs/{run.id}").json()
+    assert (stored["status"], stored["stop_reason"], stored["output"]) == (
+        "stopped", "tool_denied", notice)
+
+
+# -- Claude Agent SDK: the notice in the result; the README's programs under a kill switch ----
+
+def test_the_claude_sdk_result_after_a_stop_is_the_notice_not_an_empty_answer(
+    agent: Agent, server: Server, team: Team
+) -> None:
+    """The CLI ends an agent its hook stopped with an empty ``result``: governed_messages puts
+    the partial response and the notice there, and in the run's output."""
+    from claude_agent_sdk import AssistantMessage, ClaudeAgentOptions, ResultMessage, TextBlock
+    from claude_agent_sdk.types import PostToolUseHookInput, PreToolUseHookInput
+    from governance_client.integrations.claude_agent_sdk import (
+        governance_hooks,
+        governed_messages,
+    )
+
+    set_policy(team, step_limits={"max_repeat_action": 1})
+    base = {"session_id": "s", "transcript_path": "/dev/null", "cwd": "."}
+
+    async def main() -> tuple[str, str | None]:
+        with GovernanceClient(server.url, agent.token, deadline=10) as client, \
+                client.run("support-bot", task=TASK) as run:
+            options = ClaudeAgentOptions(hooks=governance_hooks(run))
+            hooks = options.hooks or {}
+            (pre,), (post,) = (hooks[e][0].hooks for e in ("PreToolUse", "PostToolUse"))
+
+            async def cli() -> Any:  # what the CLI streams while it calls the hooks
+                yield AssistantMessage(content=[TextBlock("Let me look that up.")], model="m")
+                for i in range(2):
+                    pre_input = PreToolUseHookInput(
+                        hook_event_name="PreToolUse", tool_name="mcp__docs__search",
+                        tool_input={"query": "refunds"}, tool_use_id=f"toolu_{i}", **base)
+                    out = await pre(pre_input, f"toolu_{i}", {"signal": None})
+                    if out.get("continue_") is False:
+                        break
+                    await post(PostToolUseHookInput(
+                        hook_event_name="PostToolUse", tool_name="mcp__docs__search",
+                        tool_input={"query": "refunds"}, tool_response="nothing",
+                        tool_use_id=f"toolu_{i}", **base), f"toolu_{i}", {"signal": None})
+                yield ResultMessage(subtype="success", duration_ms=1, duration_api_ms=1,
+                                    is_error=False, num_turns=2, session_id="s", result="")
+
+            answer = ""
+            async for message in governed_messages(run, cli()):
+                if isinstance(message, ResultMessage):
+                    run.output = message.result
+                    answer = message.result or ""
+            return run.id, answer
+
+    run_id, answer = asyncio.run(main())
+    assert answer.startswith("Let me look that up.")
+    assert "Stopped by governance (loop_detected)" in answer
+    assert "mcp__docs__search was called 1 times" in answer
+    stored = agent.http.get(f"/api/v1/runs/{run_id}").json()
+    assert (stored["stop_reason"], stored["output"]) == ("loop_detected", answer)
+
+
+README = Path(__file__).resolve().parents[1] / "governance_client" / "README.md"
+
+
+def readme_program(heading: str) -> str:
+    text = README.read_text()
+    block = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S)
+    assert block is not None
+    return block.group(1)
+
+
+@pytest.mark.parametrize("heading", ["### LangChain", "### LangGraph", "### OpenAI Agents SDK",
+                                     "### Claude Agent SDK"])
+def test_the_readme_programs_tell_the_user_about_a_kill_switch_at_start(
+    heading: str, agent: Agent, server: Server, team: Team, capsys: Any
+) -> None:
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+
+    class Model(GenericFakeChatModel):
+        def bind_tools(self, tools: Any, **kwargs: Any) -> Model:
+            return self
+
+    killswitch_engage(scope="team", team=team, reason=KILL_REASON)
+    try:
+        # The model is never called (the run cannot start); none is reachable from here.
+        with mock.patch("langchain.chat_models.init_chat_model",
+                        lambda *_a, **_k: Model(messages=iter([]))):
+            exec(readme_program(heading), {  # the README's own program
+                "__name__": "readme_program", "URL": server.url, "KEY": agent.token,
+                "question": "How do refunds work?"})
+    finally:
+        killswitch_release(scope="team", team=team, reason="test over")
+
+    printed = capsys.readouterr().out
+    assert "Stopped by governance (killed)" in printed and KILL_REASON in printed
+    assert "Traceback" not in printed

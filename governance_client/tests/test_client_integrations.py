@@ -172,3 +172,89 @@ def test_the_claude_hooks_can_deny_without_stopping_the_agent() -> None:
     assert out["hookSpecificOutput"]["permissionDecision"] == "deny"
     assert "tool_denied" in out["hookSpecificOutput"]["permissionDecisionReason"]
     assert "continue_" not in out
+
+
+def test_a_call_stopped_after_another_shows_the_first_stop_not_the_echo() -> None:
+    """Parallel calls: the first stop explains (here: a denied tool); the calls checked after
+    it are answered "the run is already stopped". Every stopped call, and so the notice,
+    shows the first."""
+    from langchain_core.messages import ToolMessage
+
+    from governance_client.integrations._lc import ToolCallGovernor, stop_in
+
+    fake = FakeGovernance(deny=["shell"])
+    with fake.client() as client, client.run("bot") as run:
+        governor = ToolCallGovernor(run, nudge_in_result=True)
+        calls = [{"name": "shell", "args": {"cmd": "rm"}, "id": "a"},
+                 {"name": "search", "args": {"q": 1}, "id": "b"}]
+        answers = [governor.wrap(type("Request", (), {"tool_call": call})(),
+                                 lambda _r: ToolMessage("ran", tool_call_id="x"))
+                   for call in calls]
+        echo = run.last_decision
+    assert echo is not None and "already stopped" in (echo.message or "")
+    state = {"messages": [AIMessage(content="", tool_calls=calls), *answers]}
+    shown = stop_in(state)
+    assert shown is not None and shown.reason == "tool_denied"
+    assert "already" not in (shown.message or "")
+    assert all("already" not in str(m.content) for m in answers)
+
+
+def test_a_finished_state_and_a_new_turn_of_a_stopped_run_keep_the_stop() -> None:
+    """stop_in reads the stop in the final state (and so in a checkpoint); a follow-up turn
+    on the thread of the stopped run ends at once: the model is not called again and the
+    run's output stays the notice."""
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    from governance_client.integrations.langgraph import govern_graph, stop_in
+
+    fake = FakeGovernance(max_repeat_action=1)
+    same = [("refund", {"order": 1})]
+    chat = model(same, same, same)
+    with fake.client() as client, client.run("bot") as run:
+        builder = StateGraph(MessagesState)
+        builder.add_node("agent", lambda s: {"messages": [chat.invoke(s["messages"])]})
+        builder.add_node("tools", ToolNode([refund]))
+        builder.add_edge(START, "agent")
+        builder.add_conditional_edges("agent", tools_condition)
+        builder.add_edge("tools", "agent")
+        app = govern_graph(builder, run).compile(checkpointer=InMemorySaver())
+        thread = {"configurable": {"thread_id": "t"}}
+        first = app.invoke({"messages": [HumanMessage("go")]}, thread)
+        notice = str(first["messages"][-1].content)
+        run.output = notice
+        stopped = stop_in(first)
+        saved = stop_in(app.get_state(thread).values)
+        again = app.invoke({"messages": [HumanMessage("and now?")]}, thread)
+        run.output = str(again["messages"][-1].content)
+
+    assert stopped is not None and stopped.reason == "loop_detected"
+    assert saved is not None and saved.reason == "loop_detected"
+    assert str(again["messages"][-1].content) == notice
+    assert next(chat.messages).content == "turn 2"  # the model was called twice, not thrice
+    assert fake.runs[run.id].output == notice
+
+
+def test_a_new_turn_of_a_stopped_run_does_not_call_the_model_in_the_middleware() -> None:
+    from langchain.agents import create_agent
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from governance_client.integrations.langchain import GovernanceMiddleware, stop_in
+
+    fake = FakeGovernance(max_repeat_action=1)
+    same = [("refund", {"order": 1})]
+    chat = model(same, same, same)
+    with fake.client() as client, client.run("bot") as run:
+        agent = create_agent(chat, [refund], middleware=[GovernanceMiddleware(run)],
+                             checkpointer=InMemorySaver())
+        thread = {"configurable": {"thread_id": "t"}}
+        first = agent.invoke({"messages": [HumanMessage("go")]}, thread)
+        again = agent.invoke({"messages": [HumanMessage("and now?")]}, thread)
+
+    notice = str(first["messages"][-1].content)
+    assert "Stopped by governance (loop_detected)" in notice
+    assert stop_in(first) is not None
+    assert str(again["messages"][-1].content) == notice
+    assert next(chat.messages).content == "turn 2"
+    assert fake.runs[run.id].output == notice

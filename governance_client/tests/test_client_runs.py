@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 
 import httpx
 import pytest
 
 from governance_client import (
     ApiError,
+    AsyncGovernanceClient,
     GovernanceClient,
     GovernanceUnavailable,
     InvalidRequest,
@@ -103,15 +106,50 @@ def test_start_run_fails_closed_with_an_exception() -> None:
         fake.client().start_run("bot")
 
 
-def test_start_run_never_replays_an_ambiguous_failure_without_an_external_id() -> None:
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_start_run_without_an_external_id_is_retried_under_the_clients_own_id(
+    kind: str
+) -> None:
+    """An ambiguous failure (the start was processed, its answer lost) is sent again with the
+    same external_id, which the client made: one run, and the start gets its whole deadline."""
     fake = FakeGovernance()
     fake.fail_next(httpx.ReadTimeout, processed=True)
 
-    with pytest.raises(GovernanceUnavailable):
-        fake.client().start_run("bot")
+    if kind == "sync":
+        run_id = fake.client().start_run("bot").id
+    else:
+        async def start() -> str:
+            async with fake.async_client() as client:
+                return (await client.start_run("bot")).id
+        run_id = asyncio.run(start())
 
-    assert len(fake.runs) == 1
-    assert len(fake.requests) == 1
+    assert list(fake.runs) == [run_id]
+    first, again = (json.loads(r.content)["external_id"] for r in fake.requests)
+    assert first == again and first.startswith("client-")
+
+
+def test_an_async_attempt_cut_short_while_connecting_counts_as_not_sent() -> None:
+    """asyncio's timeout ends an attempt whose connection never completed (a server whose
+    accept queue is full): nothing was sent, so it is retried even where a replay would not
+    be safe."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname())  # the queue is now full
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def send() -> str:
+        async with AsyncGovernanceClient(url, "k", deadline=1.5, backoff=0) as client:
+            with pytest.raises(GovernanceUnavailable) as raised:
+                await client._send("POST", "/api/v1/runs", lambda _: {}, replay_safe=False)
+            return str(raised.value)
+
+    try:
+        message = asyncio.run(send())
+    finally:
+        filler.close()
+        listener.close()
+    assert "after 3 attempt(s)" in message and "ConnectTimeout" in message
 
 
 def test_start_run_retries_a_connection_error_without_an_external_id() -> None:

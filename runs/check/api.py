@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
+from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
@@ -312,17 +313,30 @@ def check(request: HttpRequest, run_id: str, payload: s.CheckIn) -> HttpResponse
 
 def _check(request: HttpRequest, run_id: uuid.UUID, payload: s.CheckIn) -> HttpResponse:
     answer = run_check(claim=request.auth, run_id=run_id, check=payload.to_check(),
-                       deadline=_deadline(request, payload.deadline_ms))
+                       deadline=_deadline(request, payload.deadline_ms, payload.deadline_at))
     return HttpResponse(fastjson.dumps(answer), content_type="application/json")
 
 
-def _deadline(request: HttpRequest, deadline_ms: float | None) -> float | None:
-    """The monotonic time past which the agent stops waiting: counted from when the check
-    was received (the server's clock alone, so clock skew between hosts does not matter)."""
-    if deadline_ms is None:
-        return None
-    received = getattr(request, "governance_received", None) or time.monotonic()
-    return float(received) + deadline_ms / 1000
+def _deadline(request: HttpRequest, deadline_ms: float | None,
+              deadline_at: datetime | None = None) -> float | None:
+    """The monotonic time past which the agent stops waiting, the earlier of two.
+
+    ``deadline_ms`` counts from when the check was received, on the server's clock alone,
+    so skew between hosts does not matter; but "received" is when the server read it: a
+    check that sat in the socket's queue of a frozen or swamped server would get its whole
+    budget again, and be decided (an allow audited) after the agent gave up. So
+    ``deadline_at``, the agent's own moment, bounds it too, with CHECK_CLOCK_SKEW_MS of
+    allowance for the agent's clock being behind the server's."""
+    ends = []
+    if deadline_ms is not None:
+        received = getattr(request, "governance_received", None) or time.monotonic()
+        ends.append(float(received) + deadline_ms / 1000)
+    if deadline_at is not None:
+        if deadline_at.tzinfo is None:
+            deadline_at = deadline_at.replace(tzinfo=UTC)
+        left = (deadline_at - datetime.now(UTC)).total_seconds()
+        ends.append(time.monotonic() + left + settings.CHECK_CLOCK_SKEW_MS / 1000)
+    return min(ends) if ends else None
 
 
 @api.post("/runs/{run_id}/local-decisions", response={200: s.LocalDecisionsOut, **ERRORS},

@@ -345,6 +345,10 @@ class CheckIn(BaseModel):
     # How long the agent waits for this answer, counted from the moment the server receives
     # the check (README "Deadlines"): past it the check is audited `expired` and not counted.
     deadline_ms: DeadlineMs | None = None
+    # The moment the agent stops waiting, by its own clock (ISO-8601; without an offset, UTC).
+    # A check read late (a frozen or swamped server: it waited in the socket's queue, where
+    # deadline_ms does not run yet) expires by it, give or take CHECK_CLOCK_SKEW_MS.
+    deadline_at: datetime | None = None
 
     def to_check(self) -> rules.Check:
         """The check as the rules take it, which is the shape the services decide and audit

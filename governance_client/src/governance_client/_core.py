@@ -15,9 +15,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import httpx
@@ -51,10 +51,25 @@ UPLOAD_MAX_BYTES = 768 * 1024
 OVERSIZE_KEY = "oversize_args"
 MAX_POLL_S = 60  # SPEC 11: ?wait is at most 60 s
 
+#: The prefix of the external_id the client makes for a start that has none of its own.
+AUTO_EXTERNAL_ID = "client-"
+
 UNAVAILABLE_NEXT_ACTION = (
     "Do not run this action: return the partial response and try again later, once the "
     "governance service is reachable."
 )
+# Words for the end user (Decision.user_notice); the error itself goes to Decision.detail
+# and the log, never to the user.
+UNAVAILABLE_MESSAGE = "The governance service is unreachable, so this action was not run."
+UNAVAILABLE_APPROVAL = ("{name} needs an operator's approval, which cannot be asked for while "
+                        "the governance service is unreachable, so it was not run.")
+APPROVAL_GIVEN_UP = ("{name} needs an operator's approval, and none was given within "
+                     "{seconds} s, so it was not run.")
+APPROVAL_GIVEN_UP_NEXT = "Try again once an operator has approved it."
+RATE_GIVEN_UP = ("{name} was run too often (a rate limit of the policy), and the limit did not "
+                 "clear within {seconds} s, so it was not run.")
+RATE_LIMITED_NOW = "{name} was run too often (a rate limit of the policy), so it was not run."
+RATE_GIVEN_UP_NEXT = "Try again in {retry} s."
 
 
 @dataclass(frozen=True)
@@ -127,6 +142,11 @@ def retry_policy(settings: Settings, deadline: float) -> dict[str, Any]:
     }
 
 
+def constant(body: Any) -> Callable[[float], Any]:
+    """A request body that does not depend on the time left."""
+    return lambda _remaining: body
+
+
 def retry_after_s(response: httpx.Response) -> float | None:
     value = response.headers.get("Retry-After")
     if not value:
@@ -144,10 +164,33 @@ def retry_after_s(response: httpx.Response) -> float | None:
     return max(0.0, (when - datetime.now(UTC)).total_seconds())
 
 
+class SendTrace:
+    """httpx's ``trace`` extension for one attempt: whether it was still connecting when it
+    was cut short. asyncio's timeout (the async client's bound on a whole attempt) says only
+    "timed out"; an attempt that never got past its connection was never sent, so it is
+    retried like a refused connection. No event at all (another transport) counts as sent."""
+
+    def __init__(self) -> None:
+        self.connecting = False
+        self.sent = False
+
+    async def __call__(self, name: str, info: Mapping[str, Any]) -> None:
+        if name.endswith(".send_request_headers.started"):
+            self.sent = True
+        elif name.endswith(".connect_tcp.started"):
+            self.connecting = True
+
+    def timeout(self, detail: str) -> httpx.TimeoutException:
+        if self.connecting and not self.sent:
+            return httpx.ConnectTimeout(detail)
+        return httpx.ReadTimeout(detail)
+
+
 def classify_error(exc: httpx.TransportError, *, replay_safe: bool) -> Exception:
     """The exception an attempt ends with for a transport error."""
     failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+    # Never sent: no connection, or none free in time (the pool).
+    not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
     if replay_safe or not_sent:
         return Retryable(failure)
     return GovernanceUnavailable(failure)
@@ -215,8 +258,13 @@ def start_body(
     external_id: str | None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"agent": agent}
-    optional = {"task": task, "policy": policy, "metadata": metadata, "external_id": external_id}
+    optional = {"task": task, "policy": policy, "metadata": metadata}
     body.update({k: v for k, v in optional.items() if v is not None})
+    # Without the author's own id, one of the client's: the start can then be sent again
+    # after any failure within its deadline (the service answers a known external_id with
+    # the run it started), never making two runs.
+    body["external_id"] = external_id if external_id is not None \
+        else f"{AUTO_EXTERNAL_ID}{uuid.uuid4().hex}"
     return body
 
 
@@ -251,7 +299,12 @@ class PreparedCheck:
     at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
 
     def with_deadline(self, remaining: float) -> dict[str, Any]:
-        return {**self.body, "deadline_ms": server_budget_ms(remaining)}
+        budget_ms = server_budget_ms(remaining)
+        # Both forms: deadline_ms runs from when the service reads the check, deadline_at
+        # from now, so a check left queued in a frozen service expires all the same.
+        at = datetime.now(UTC) + timedelta(milliseconds=budget_ms)
+        return {**self.body, "deadline_ms": budget_ms,
+                "deadline_at": at.isoformat(timespec="milliseconds")}
 
 
 def _size(body: Any) -> int:
@@ -384,10 +437,32 @@ class RunCore:
         """The approval of this check is still pending, but the client stops waiting."""
         self.awaiting = (self._action_of(prepared.check), prepared.check_id)
 
+    def approval_given_up(self, prepared: PreparedCheck, pending: Decision,
+                          seconds: float) -> Decision:
+        """The pending decision returned when the client stops waiting for the operator: the
+        user is told what was not run and why; the service's words (how to go on waiting
+        through the API) are the developer's, in ``detail``."""
+        self.gave_up_waiting(prepared)
+        return replace(
+            pending, message=APPROVAL_GIVEN_UP.format(name=prepared.name,
+                                                      seconds=_seconds(seconds)),
+            next_action=APPROVAL_GIVEN_UP_NEXT, detail=_joined(pending))
+
+    def wait_given_up(self, prepared: PreparedCheck, wait: Decision, waited: float) -> Decision:
+        """The wait decision returned when a rate limit outlasts the client's wait budget
+        (``waited``: the seconds slept for it, 0 without waiting)."""
+        retry = math.ceil(wait.retry_after_s or 1)
+        message = RATE_GIVEN_UP.format(name=prepared.name, seconds=_seconds(waited)) \
+            if waited > 0 else RATE_LIMITED_NOW.format(name=prepared.name)
+        return replace(wait, message=message, next_action=RATE_GIVEN_UP_NEXT.format(retry=retry),
+                       detail=_joined(wait))
+
     def local_decision(self, prepared: PreparedCheck, detail: str,
                        *, allow_local: bool = True) -> Decision:
-        """The decision when the service could not be reached."""
+        """The decision when the service could not be reached. ``detail`` (the failure) is
+        the developer's: logged and kept in ``Decision.detail``, never in the user's text."""
         why = "fail_mode='closed' stops every action until it answers again."
+        message = UNAVAILABLE_MESSAGE
         if self.settings.fail_mode == "open" and allow_local:
             logger.warning("governance unreachable, deciding %s locally: %s", prepared.name,
                            detail)
@@ -402,14 +477,19 @@ class RunCore:
             why = (f"{prepared.name} needs an operator's approval (the policy's "
                    "approvals.tools), which is never given locally; the next check asks the "
                    "service again.")
+            message = UNAVAILABLE_APPROVAL.format(name=prepared.name)
+        elif not allow_local:
+            message = UNAVAILABLE_APPROVAL.format(name=prepared.name)
+        logger.warning("governance unreachable, %s not run: %s", prepared.name, detail)
         return self.remember(Decision(
             decision="stop",
             reason=GOVERNANCE_UNAVAILABLE,
-            message=f"The governance service is unreachable ({detail}); {why}",
+            message=message,
             next_action=UNAVAILABLE_NEXT_ACTION,
             local=True,
             check_id=prepared.check_id,
             call_id=prepared.call_id,
+            detail=f"The governance service is unreachable ({detail}); {why}",
         ))
 
     def decide_offline(self, prepared: PreparedCheck) -> Decision | None:
@@ -532,8 +612,10 @@ class RunCore:
         return decision
 
     def exit_status(self, *, failed: bool) -> FinishStatus:
+        # The last check not allowed (a stop, or a wait for an operator or a rate limit the
+        # client gave up on): the agent stopped there, its work is not complete.
         if self.stop_decision is not None or (
-            self.last_decision is not None and self.last_decision.decision == "stop"
+            self.last_decision is not None and not self.last_decision.allowed
         ):
             return "stopped"
         return "failed" if failed else "completed"
@@ -541,6 +623,11 @@ class RunCore:
     def finish_body(self, status: FinishStatus, output: str | None) -> dict[str, Any]:
         if output is not None:
             self.output = output
+        if self.output is None and status == "stopped":
+            # The author set no output: the run still says why it stopped, in the user's words.
+            last = self.stop_decision or self.last_decision
+            if last is not None and not last.allowed:
+                self.output = last.user_notice()
         body: dict[str, Any] = {"status": status}
         if self.output is not None:
             body["output"] = self.output
@@ -557,9 +644,17 @@ class RunCore:
 
 
 def _with_ids(decision: Decision, prepared: PreparedCheck) -> Decision:
-    from dataclasses import replace
-
     return replace(decision, check_id=prepared.check_id, call_id=prepared.call_id)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:g}"
+
+
+def _joined(decision: Decision) -> str | None:
+    """The service's own words of a decision, for its developer."""
+    text = " ".join(t for t in (decision.message, decision.next_action) if t)
+    return text or None
 
 
 def approval_limit(settings: Settings, decision: Decision, started: float) -> float:

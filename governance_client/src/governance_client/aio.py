@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import tenacity
@@ -32,12 +33,14 @@ from ._core import (
     PreparedCheck,
     Retryable,
     RunCore,
+    SendTrace,
     Settings,
     approval_final,
     approval_limit,
     attempt_timeout,
     classify_error,
     classify_response,
+    constant,
     expect,
     gave_up,
     local_start,
@@ -45,7 +48,8 @@ from ._core import (
     start_body,
 )
 from .decision import DEADLINE_EXPIRED, Decision
-from .errors import GovernanceError, GovernanceUnavailable, RunFinished
+from .errors import ApiError, GovernanceError, GovernanceUnavailable, RunFinished
+from .journal import Journal, default_folder
 from .local import LocalLimits
 
 __all__ = ["AsyncGovernanceClient", "AsyncRun"]
@@ -70,6 +74,7 @@ class AsyncGovernanceClient:
         wait_for_rate_limits: bool = True,
         wait_budget: float = 30.0,
         approval_timeout: float | None = None,
+        journal: str | os.PathLike[str] | Literal[False] | None = None,
         http_client: httpx.AsyncClient | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -81,6 +86,8 @@ class AsyncGovernanceClient:
             wait_budget=wait_budget, approval_timeout=approval_timeout,
         )
         self._sleep = sleep
+        self._journal = None if journal is False else Journal(
+            default_folder() if journal is None else journal, self.settings.base_url, api_key)
         self._owns_http = http_client is None
         self._http = http_client or httpx.AsyncClient(transport=transport)
 
@@ -119,14 +126,18 @@ class AsyncGovernanceClient:
         body = start_body(agent, task=task, policy=policy, metadata=metadata,
                           external_id=external_id)
         try:
-            response = await self._send("POST", "/api/v1/runs", lambda _: body,
-                                        replay_safe=external_id is not None)
+            # Safe to send again: the body has an external_id (the author's or the client's).
+            response = await self._send("POST", "/api/v1/runs", lambda _: body)
         except GovernanceUnavailable as exc:
             if self.fail_mode == "closed":
                 raise
             logger.warning("governance unreachable, run of %s started locally: %s", agent, exc)
             return AsyncRun(self, local_start(agent), local=True)
-        return AsyncRun(self, expect(response, 200, 201))
+        run = AsyncRun(self, expect(response, 200, 201))
+        # The service answers: what earlier runs left in the journal goes now (after the
+        # start, so that an outage costs a start one deadline, not two).
+        await self._replay_journal()
+        return run
 
     @asynccontextmanager
     async def run(
@@ -151,6 +162,28 @@ class AsyncGovernanceClient:
             raise
         await run._finish_on_exit(failed=False)
 
+    def _keep(self, core: RunCore, finish: dict[str, Any]) -> None:
+        if self._journal is not None:
+            self._journal.save(core.id, decisions=list(core.unsynced), finish=finish)
+
+    async def _replay_journal(self) -> None:
+        """Send what runs of this service and key left in the journal (their local
+        decisions, then their finish), oldest first; stop at the first outage."""
+        if self._journal is None:
+            return
+        for entry in self._journal.pending():
+            run = AsyncRun(self, {"run_id": entry["run_id"], "status": "running"})
+            run._core.unsynced = entry["decisions"]
+            finish = entry["finish"]
+            try:
+                await run.finish(finish.get("status") or "completed", finish.get("output"))
+            except GovernanceUnavailable:
+                return  # still unreachable: kept for the next start
+            except ApiError as exc:
+                logger.warning("journal entry of run %s refused, dropped: %s",
+                               entry["run_id"], exc)
+            self._journal.done(entry["run_id"])
+
     async def _send(
         self,
         method: str,
@@ -174,6 +207,7 @@ class AsyncGovernanceClient:
             if remaining <= 0:
                 raise GovernanceUnavailable("deadline spent")
             timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1, hold)
+            trace = SendTrace()
             try:
                 # httpx's timeouts bound each read; this bounds the attempt as a whole, so a
                 # server that trickles its answer cannot stretch it past the deadline.
@@ -181,10 +215,10 @@ class AsyncGovernanceClient:
                     response = await self._http.request(
                         method, url, json=body(remaining) if body is not None else None,
                         params=params, headers=self.settings.headers,
-                        timeout=httpx.Timeout(timeout),
+                        timeout=httpx.Timeout(timeout), extensions={"trace": trace},
                     )
             except TimeoutError as exc:
-                raise classify_error(httpx.ReadTimeout("deadline reached"),
+                raise classify_error(trace.timeout("deadline reached"),
                                      replay_safe=replay_safe) from exc
             except httpx.TransportError as exc:
                 raise classify_error(exc, replay_safe=replay_safe) from exc
@@ -296,6 +330,8 @@ class AsyncRun:
                     waited += delay
                     await client._sleep(delay)
                     continue
+            if decision.decision == "wait":
+                decision = core.wait_given_up(prepared, decision, waited)
             if decision.decision == "pending":
                 decision = await self._await_approval(prepared, decision)
             return core.answered(prepared, decision)
@@ -336,8 +372,8 @@ class AsyncRun:
             if wait == 0:
                 polled += min(left, 1.0)
                 await client._sleep(min(left, 1.0))
-        self._core.gave_up_waiting(prepared)
-        return pending
+        return self._core.approval_given_up(prepared, pending,
+                                            max(time.monotonic() - started, polled))
 
     async def _upload(self) -> None:
         core = self._core
@@ -345,8 +381,7 @@ class AsyncRun:
             sent = len(body["decisions"])
             try:
                 response = await self._client._send(
-                    "POST", f"/api/v1/runs/{self.id}/local-decisions",
-                    lambda _, body=body: body)
+                    "POST", f"/api/v1/runs/{self.id}/local-decisions", constant(body))
                 data = expect(response, 200)
             except GovernanceUnavailable:
                 return
@@ -378,6 +413,12 @@ class AsyncRun:
             return None
         async with self._lock:
             await self._upload()
+        if core.unsynced:
+            # Finished without them, the run would not count actions that ran: both wait,
+            # on disk, for the next start (governance_client.journal).
+            self._client._keep(core, body)
+            raise GovernanceUnavailable(
+                f"run {self.id}: {len(core.unsynced)} local decision(s) not uploaded")
         try:
             response = await self._client._send("POST", f"/api/v1/runs/{self.id}/finish",
                                                 lambda _: body)
@@ -385,6 +426,9 @@ class AsyncRun:
         except RunFinished:
             core.finished_with(status, None)
             return None
+        except GovernanceUnavailable:
+            self._client._keep(core, body)
+            raise
         core.finished_with(status, data)
         return data
 

@@ -17,11 +17,12 @@ Typical use::
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import tenacity
@@ -40,6 +41,7 @@ from ._core import (
     attempt_timeout,
     classify_error,
     classify_response,
+    constant,
     expect,
     gave_up,
     local_start,
@@ -48,7 +50,8 @@ from ._core import (
     start_body,
 )
 from .decision import DEADLINE_EXPIRED, Decision
-from .errors import GovernanceError, GovernanceUnavailable, RunFinished
+from .errors import ApiError, GovernanceError, GovernanceUnavailable, RunFinished
+from .journal import Journal, default_folder
 from .local import LocalLimits
 
 __all__ = ["FailMode", "GovernanceClient", "Run", "result_digest"]
@@ -93,6 +96,7 @@ class GovernanceClient:
         wait_for_rate_limits: bool = True,
         wait_budget: float = 30.0,
         approval_timeout: float | None = None,
+        journal: str | os.PathLike[str] | Literal[False] | None = None,
         retries: int | None = None,
         timeout: float | None = None,
         http_client: httpx.Client | None = None,
@@ -112,6 +116,8 @@ class GovernanceClient:
             wait_budget=wait_budget, approval_timeout=approval_timeout,
         )
         self._sleep = sleep
+        self._journal = None if journal is False else Journal(
+            default_folder() if journal is None else journal, self.settings.base_url, api_key)
         self._owns_http = http_client is None
         self._http = http_client or httpx.Client(transport=transport)
 
@@ -155,16 +161,18 @@ class GovernanceClient:
         body = start_body(agent, task=task, policy=policy, metadata=metadata,
                           external_id=external_id)
         try:
-            # Without an external_id a replayed POST could start a second run, so only the
-            # failures that prove the request was not processed are retried.
-            response = self._send("POST", "/api/v1/runs", lambda _: body,
-                                  replay_safe=external_id is not None)
+            # Safe to send again: the body has an external_id (the author's or the client's).
+            response = self._send("POST", "/api/v1/runs", lambda _: body)
         except GovernanceUnavailable as exc:
             if self.fail_mode == "closed":
                 raise
             logger.warning("governance unreachable, run of %s started locally: %s", agent, exc)
             return Run(self, local_start(agent), local=True)
-        return Run(self, expect(response, 200, 201))
+        run = Run(self, expect(response, 200, 201))
+        # The service answers: what earlier runs left in the journal goes now (after the
+        # start, so that an outage costs a start one deadline, not two).
+        self._replay_journal()
+        return run
 
     @contextmanager
     def run(
@@ -198,6 +206,28 @@ class GovernanceClient:
         run._finish_on_exit(failed=False)
 
     # -- HTTP ---------------------------------------------------------------------------------
+
+    def _keep(self, core: RunCore, finish: dict[str, Any]) -> None:
+        if self._journal is not None:
+            self._journal.save(core.id, decisions=list(core.unsynced), finish=finish)
+
+    def _replay_journal(self) -> None:
+        """Send what runs of this service and key left in the journal (their local
+        decisions, then their finish), oldest first; stop at the first outage."""
+        if self._journal is None:
+            return
+        for entry in self._journal.pending():
+            run = Run(self, {"run_id": entry["run_id"], "status": "running"})
+            run._core.unsynced = entry["decisions"]
+            finish = entry["finish"]
+            try:
+                run.finish(finish.get("status") or "completed", finish.get("output"))
+            except GovernanceUnavailable:
+                return  # still unreachable: kept for the next start
+            except ApiError as exc:
+                logger.warning("journal entry of run %s refused, dropped: %s",
+                               entry["run_id"], exc)
+            self._journal.done(entry["run_id"])
 
     def _send(
         self,
@@ -351,6 +381,8 @@ class Run:
                     waited += delay
                     client._sleep(delay)
                     continue  # SPEC 12: the same body again; a wait is decided again
+            if decision.decision == "wait":
+                decision = core.wait_given_up(prepared, decision, waited)
             if decision.decision == "pending":
                 decision = self._await_approval(prepared, decision)
             return core.answered(prepared, decision)
@@ -394,8 +426,8 @@ class Run:
             if wait == 0:
                 polled += min(left, 1.0)
                 client._sleep(min(left, 1.0))
-        self._core.gave_up_waiting(prepared)
-        return pending
+        return self._core.approval_given_up(prepared, pending,
+                                            max(time.monotonic() - started, polled))
 
     def _upload(self) -> None:
         """Send the decisions made locally during an outage (best effort: kept on failure)."""
@@ -404,8 +436,7 @@ class Run:
             sent = len(body["decisions"])
             try:
                 response = self._client._send(
-                    "POST", f"/api/v1/runs/{self.id}/local-decisions",
-                    lambda _, body=body: body)
+                    "POST", f"/api/v1/runs/{self.id}/local-decisions", constant(body))
                 data = expect(response, 200)
             except GovernanceUnavailable:
                 return
@@ -449,6 +480,12 @@ class Run:
             return None
         with core.lock:
             self._upload()
+        if core.unsynced:
+            # Finished without them, the run would not count actions that ran: both wait,
+            # on disk, for the next start (governance_client.journal).
+            self._client._keep(core, body)
+            raise GovernanceUnavailable(
+                f"run {self.id}: {len(core.unsynced)} local decision(s) not uploaded")
         try:
             response = self._client._send("POST", f"/api/v1/runs/{self.id}/finish",
                                           lambda _: body)
@@ -456,6 +493,9 @@ class Run:
         except RunFinished:
             core.finished_with(status, None)
             return None
+        except GovernanceUnavailable:
+            self._client._keep(core, body)
+            raise
         core.finished_with(status, data)
         return data
 

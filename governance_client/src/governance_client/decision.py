@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 GOVERNANCE_UNAVAILABLE = "governance_unavailable"
 #: The service got the check too late (past its deadline_ms) and decided nothing.
@@ -35,6 +35,9 @@ class Decision:
 
     A Decision is stored in agent state as ``to_state()`` (a plain dict, which every checkpoint
     serializer keeps as is) and read back with ``Decision.from_state``.
+
+    ``message`` and ``next_action`` are fit to show the end user (``user_notice``); what only
+    the agent's developer needs (an error, an API endpoint) is in ``detail``.
     """
 
     decision: DecisionKind
@@ -56,6 +59,10 @@ class Decision:
     check_id: str | None = None
     #: The framework's tool call id this decision is about, when the caller gave one.
     call_id: str | None = None
+    #: For the agent's developer, never shown by ``user_notice``: what the client met (the
+    #: connection error of an outage, the service's own words and API steps for a wait it
+    #: stopped waiting for). ``message`` and ``next_action`` are then words for the user.
+    detail: str | None = None
 
     @property
     def allowed(self) -> bool:
@@ -72,7 +79,7 @@ class Decision:
         decision = body.get("decision")
         retry_after = body.get("retry_after_s")
         return cls(
-            decision=decision if decision in _KINDS else "stop",  # type: ignore[arg-type]
+            decision=cast(DecisionKind, decision if decision in _KINDS else "stop"),
             reason=str(body.get("reason") or "invalid_response"),
             message=body.get("message"),
             next_action=body.get("next_action"),

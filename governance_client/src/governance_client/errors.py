@@ -13,11 +13,26 @@ from typing import Any
 
 
 class GovernanceError(Exception):
-    """Base class of every error raised by governance_client."""
+    """Base class of every error raised by governance_client.
+
+    Its text is for the agent's developer; ``user_notice()`` is what to tell the end user
+    instead (the agent did not run, why, what to do), in the words of
+    ``Decision.user_notice``."""
+
+    reason = "governance_error"
+    user_message = "The governance service refused the agent's request, so the agent did not run."
+    user_next = "Try again later; if it keeps happening, tell the agent's developer."
+
+    def user_notice(self) -> str:
+        return f"Stopped by governance ({self.reason}): {self.user_message}\nNext: {self.user_next}"
 
 
 class GovernanceUnavailable(GovernanceError):
     """The service could not be reached (network error, timeout or 5xx) after the retries."""
+
+    reason = "governance_unavailable"
+    user_message = "The governance service is unreachable, so the agent did not run."
+    user_next = "Try again in a few minutes."
 
 
 class ApiError(GovernanceError):
@@ -45,6 +60,15 @@ class InvalidRequest(ApiError):
 
 class KillSwitchEngaged(ApiError):
     """409 ``kill_switch_engaged``: a kill switch covers the run that was being started."""
+
+    reason = "killed"
+    user_message = "An operator's kill switch covers this agent."
+    user_next = "An operator stopped this agent: try again once the kill switch is released."
+
+    def user_notice(self) -> str:
+        # The service names the switch, who engaged it and why: words meant for people.
+        return (f"Stopped by governance ({self.reason}): {self.message or self.user_message}"
+                f"\nNext: {self.user_next}")
 
 
 class RunFinished(ApiError):

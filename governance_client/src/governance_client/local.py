@@ -17,6 +17,7 @@ from typing import Any
 
 from . import rules
 from .decision import Decision
+from .keys import repeat_key
 
 _LOCALLY = "decided locally: the governance service is unreachable"
 
@@ -150,7 +151,7 @@ class LocalLedger:
         return self.state.steps
 
     def key(self, name: str, args: Mapping[str, Any] | None) -> str:
-        return rules.repeat_key(name, args, self.policy.ignore_args)
+        return repeat_key(name, args, self.policy.ignore_args)
 
     def record(self, check: rules.Check, decision: Decision) -> None:
         """Account for a final decision the service made."""

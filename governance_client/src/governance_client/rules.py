@@ -144,25 +144,33 @@ class Policy:
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Policy:
-        """Build from one normalized policy of the policy document (SPEC section 3)."""
-        steps, budgets, tools = doc["step_limits"], doc["budgets"], doc["tools"]
-        max_usd = budgets["max_usd"]
+        """Build from one policy of the policy document (SPEC section 3): normalized, as the
+        server stores it, or as written in a file, where every omitted field takes a new
+        policy's default (SPEC 3). Except ``max_idle_seconds``: absent, it reads as None,
+        since a version stored before it existed has none (a file's loader fills it)."""
+        new = cls()
+        steps = doc.get("step_limits") or {}
+        budgets = doc.get("budgets") or {}
+        tools = doc.get("tools") or {}
+        on_error = doc.get("on_repeated_error") or {}
+        max_usd = budgets.get("max_usd", new.max_usd)
+        allow = tools.get("allow", new.allow)
         # Versions saved before SPEC 11 have no approvals block: they require none.
         approvals = doc.get("approvals") or {}
         return cls(
-            mode=doc["mode"],
-            max_steps=steps["max_steps"],
-            max_repeat_action=steps["max_repeat_action"],
-            no_progress_window=steps["no_progress_window"],
-            max_seconds=budgets["max_seconds"],
+            mode=doc.get("mode", new.mode),
+            max_steps=steps.get("max_steps", new.max_steps),
+            max_repeat_action=steps.get("max_repeat_action", new.max_repeat_action),
+            no_progress_window=steps.get("no_progress_window", new.no_progress_window),
+            max_seconds=budgets.get("max_seconds", new.max_seconds),
             max_usd=None if max_usd is None else Decimal(str(max_usd)),
-            max_tool_calls=budgets["max_tool_calls"],
-            allow=None if tools["allow"] is None else tuple(tools["allow"]),
-            deny=tuple(tools["deny"]),
-            ignore_args=tuple(doc["repeat_key"]["ignore_args"]),
-            error_threshold=doc["on_repeated_error"]["threshold"],
-            error_action=doc["on_repeated_error"]["action"],
-            redact_args=tuple(doc["redact_args"]),
+            max_tool_calls=budgets.get("max_tool_calls", new.max_tool_calls),
+            allow=None if allow is None else tuple(allow),
+            deny=tuple(tools.get("deny") or ()),
+            ignore_args=tuple((doc.get("repeat_key") or {}).get("ignore_args") or ()),
+            error_threshold=on_error.get("threshold", new.error_threshold),
+            error_action=on_error.get("action", new.error_action),
+            redact_args=tuple(doc.get("redact_args", new.redact_args)),
             max_idle_seconds=budgets.get("max_idle_seconds"),
             rate_limits=tuple(
                 RateLimit(match=r["match"], per=r["per"], max=r["max"], window_s=r["window_s"])

@@ -17,13 +17,16 @@ its own, which the client's sleeps advance::
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -169,11 +172,47 @@ class FakeGovernance:
         #: While True, every request fails with a connection error (an outage).
         self.down = False
         self.requests: list[httpx.Request] = []
+        #: The journal folder of this fake's clients (governance_client.journal): their own,
+        #: so a test never sends what another left; made when first written.
+        self.journal = Path(tempfile.gettempdir()) / f"fake-governance-{uuid.uuid4().hex}"
         #: The fake's clock (seconds), advanced by the clients' sleeps and long polls.
         self.clock = 0.0
         self._allowed_at: list[tuple[float, str, str, str]] = []  # (t, run, agent, name)
         self._failures: list[_Failure] = []
         self._decisions = 0
+
+    @classmethod
+    def from_policy_file(cls, path: str | os.PathLike[str], *, team: str | None = None,
+                         policy: str = "default", **kwargs: Any) -> FakeGovernance:
+        """A fake deciding with the team's real policy: ``path`` is the policy document
+        (SPEC 3, the YAML file ``apply_policies`` takes, or the same as JSON), ``team`` the
+        team's slug (needed when the file has several), ``policy`` the policy's name. Its
+        approvals and rate limits become the fake's (``approvals``, ``approval_timeout_s``,
+        ``rate_limits``); ``kwargs`` are the other arguments of ``FakeGovernance``. YAML
+        needs PyYAML."""
+        text = Path(path).read_text(encoding="utf-8")
+        if str(path).endswith(".json"):
+            document = json.loads(text)
+        else:
+            try:
+                import yaml
+            except ImportError:  # pragma: no cover - depends on the environment
+                raise ImportError("reading a YAML policy file needs PyYAML "
+                                  "(pip install pyyaml)") from None
+            document = yaml.safe_load(text)
+        found = _policy_in(document, team=team, policy=policy, path=str(path))
+        budgets = found.get("budgets") or {}
+        if "max_idle_seconds" not in budgets:  # omitted in a file: the default (SPEC 3, 14)
+            found = {**found, "budgets": {**budgets,
+                                          "max_idle_seconds": rules.Policy().max_idle_seconds}}
+        approvals = found.get("approvals") or {}
+        kwargs.setdefault("approvals", tuple(approvals.get("tools") or ()))
+        kwargs.setdefault("approval_timeout_s", approvals.get("timeout_s", 900))
+        kwargs.setdefault("rate_limits", tuple(
+            RateLimit(match=r["match"], max=r["max"], window_s=r["window_s"],
+                      per=r.get("per", "team"))
+            for r in found.get("rate_limits") or ()))
+        return cls(policies={policy}, policy=rules.Policy.from_document(found), **kwargs)
 
     # Kept for tests written against the first version of the fake.
     @property
@@ -202,10 +241,12 @@ class FakeGovernance:
 
     def client(self, **kwargs: Any) -> GovernanceClient:
         kwargs.setdefault("sleep", self.advance)
+        kwargs.setdefault("journal", self.journal)
         return GovernanceClient(BASE_URL, self.api_key, transport=self.transport(), **kwargs)
 
     def async_client(self, **kwargs: Any) -> AsyncGovernanceClient:
         kwargs.setdefault("sleep", self.advance_async)
+        kwargs.setdefault("journal", self.journal)
         return AsyncGovernanceClient(BASE_URL, self.api_key, transport=self.transport(),
                                      **kwargs)
 
@@ -370,10 +411,11 @@ class FakeGovernance:
             # as on the service: a check those rules stop is stopped, not made to wait.
             wait = self._rate_limited(run, name)
             if wait is not None:
-                return self._answer(run, None, now) | {
+                return self._answer(run, None, now, {
                     "decision": "wait", "reason": "rate_limited", "step": run.steps + 1,
                     "retry_after_s": wait[0], "message": wait[1],
-                }
+                    "next_action": rules.NEXT_ACTION[rules.RATE_LIMITED],
+                })
         needs_approval = (verdict.answer == rules.ALLOW and run.state.status == rules.RUNNING
                           and any(fnmatchcase(name, p) for p in self.approval_patterns))
         if needs_approval and self.policy.mode != "shadow":
@@ -391,12 +433,12 @@ class FakeGovernance:
             self.approvals[approval.id] = approval
             # A pending answer takes its rate-limit slot now, whatever comes of it (SPEC 12).
             self._allowed_at.append((self.clock, run.id, run.agent, name))
-            return self._answer(run, None, now) | {
+            return self._answer(run, None, now, {
                 "decision": "pending", "reason": "approval_required", "step": new.steps,
                 "approval": self._approval_json(approval)["approval"],
                 "message": f"{name} needs an operator's approval.",
                 "next_action": rules.NEXT_ACTION[rules.APPROVAL_REQUIRED],
-            }
+            })
         run.state = new
         if verdict.answer == rules.ALLOW:
             self._allowed_at.append((self.clock, run.id, run.agent, name))
@@ -437,8 +479,10 @@ class FakeGovernance:
                                  message=message, next_action=rules.NEXT_ACTION[reason])
         return self._answer(run, verdict, now)
 
-    def _answer(self, run: FakeRun, verdict: rules.Decision | None, now: datetime
-                ) -> dict[str, Any]:
+    def _answer(self, run: FakeRun, verdict: rules.Decision | None, now: datetime,
+                answered: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The answer, recorded in ``run.decisions`` as answered (``answered`` replaces
+        fields: a wait or a pending answer is recorded as such, never as an allow)."""
         self._decisions += 1
         answer: dict[str, Any] = {
             "decision": verdict.answer if verdict else "allow",
@@ -455,6 +499,7 @@ class FakeGovernance:
             "shadow": verdict.shadow if verdict else None,
             "approval": None,
             "retry_after_s": None,
+            **(answered or {}),
         }
         run.decisions.append(answer)
         return answer
@@ -566,6 +611,25 @@ class FakeGovernance:
         run.finished = True
         run.output = body.get("output")
         return httpx.Response(200, json=run.as_json())
+
+
+def _policy_in(document: Any, *, team: str | None, policy: str, path: str) -> dict[str, Any]:
+    """One policy of a policy document (SPEC 3), by team slug and policy name."""
+    teams = document.get("teams") if isinstance(document, Mapping) else None
+    if not isinstance(teams, list) or not teams:
+        raise ValueError(f"{path}: not a policy document (no teams list)")
+    if team is None and len(teams) > 1:
+        raise ValueError(f"{path} has {len(teams)} teams: name one (team=...)")
+    chosen = teams[0] if team is None else next(
+        (t for t in teams if isinstance(t, Mapping) and t.get("slug") == team), None)
+    if not isinstance(chosen, Mapping):
+        raise ValueError(f"{path} has no team {team!r}")
+    for found in chosen.get("policies") or ():
+        if isinstance(found, Mapping) and found.get("name", "default") == policy:
+            return dict(found)
+    if policy == "default":  # every team has one: a file naming none means the defaults
+        return {"name": "default"}
+    raise ValueError(f"{path}: team {chosen.get('slug')!r} has no policy {policy!r}")
 
 
 def _error(

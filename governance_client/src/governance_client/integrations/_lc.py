@@ -40,21 +40,67 @@ def last_ai_text(state: Any) -> str | None:
     return None
 
 
-def stop_in(state: Any) -> Decision | None:
-    """The governance stop recorded in the last tool results of the state, if any."""
-    for message in reversed(messages_of(state)):
-        if isinstance(message, ToolMessage):
-            artifact = message.artifact
-            if isinstance(artifact, dict) and artifact.get(STOP_ARTIFACT):
-                return Decision.from_state(artifact[STOP_ARTIFACT])
-            continue
-        break
+def _recorded(message: BaseMessage) -> Decision | None:
+    """The stop a message records: a stopped call's ToolMessage (``artifact``), or the final
+    message a stop ended the agent with (``response_metadata``, which no provider is sent)."""
+    if isinstance(message, ToolMessage):
+        holder = message.artifact
+    elif isinstance(message, AIMessage) and message.name == STOP_NAME:
+        holder = message.response_metadata
+    else:
+        return None
+    if isinstance(holder, dict) and holder.get(STOP_ARTIFACT):
+        return Decision.from_state(holder[STOP_ARTIFACT])
     return None
+
+
+def stop_in(state: Any, run: GovernedRun | None = None) -> Decision | None:
+    """The governance stop that ended the state's last turn, if any: in its last tool results,
+    or in the final message of an agent it ended (so a finished state or a checkpoint says it
+    too). With ``run``, also the run's own stop once the run is over: a new turn on the same
+    thread must end at once rather than call the model again."""
+    for message in reversed(messages_of(state)):
+        if isinstance(message, ToolMessage | AIMessage):
+            recorded = _recorded(message)
+            if recorded is not None:
+                return recorded
+            if isinstance(message, ToolMessage):
+                continue
+        break
+    if run is not None:
+        return run_stop(run, state)
+    return None
+
+
+def run_stop(run: GovernedRun, state: Any = None) -> Decision | None:
+    """The stop of a run that is over (None while it runs): the first stop this client saw,
+    else (a run resumed by its external_id) the last one the thread records, else the
+    service's word for the run."""
+    if run.stop_decision is not None:
+        return run.stop_decision
+    if run.status not in ("stopped", "killed"):
+        return None
+    for message in reversed(messages_of(state)):
+        recorded = _recorded(message)
+        if recorded is not None:
+            return recorded
+    reason = str(run.data.get("stop_reason") or run.status)
+    return Decision(decision="stop", reason=reason,
+                    message=f"This run is already {run.status}.",
+                    next_action="Start a new run for new work.")
+
+
+def shown_stop(run: GovernedRun, decision: Decision) -> Decision:
+    """What a stopped call shows: the run's first stop. With parallel calls, the calls
+    checked after it are answered "the run is already stopped", which explains nothing
+    (the loop, the denied tool, the operator's note are in the first)."""
+    return run.stop_decision or decision
 
 
 def final_message(decision: Decision, state: Any, partial: PartialResponse | None) -> AIMessage:
     text = (partial or last_ai_text)(state)
-    return AIMessage(content=decision.user_notice(text), name=STOP_NAME)
+    return AIMessage(content=decision.user_notice(text), name=STOP_NAME,
+                     response_metadata={STOP_ARTIFACT: decision.to_state()})
 
 
 def _text(content: Any) -> str:
@@ -91,6 +137,7 @@ class ToolCallGovernor:
                                        call_id=call.get("id"))
 
     def stopped(self, call: dict[str, Any], decision: Decision) -> ToolMessage:
+        decision = shown_stop(self.run, decision)
         return ToolMessage(
             content=decision.user_notice(), tool_call_id=str(call.get("id")),
             name=call.get("name"), status="error",

@@ -1,8 +1,10 @@
-"""Claude Agent SDK: ``governance_hooks`` (extra ``claude-agent-sdk``).
+"""Claude Agent SDK: ``governance_hooks`` and ``governed_messages`` (extra ``claude-agent-sdk``).
 
-One line of wiring::
+Two lines of wiring::
 
     options = ClaudeAgentOptions(hooks=governance_hooks(run), ...)
+    async for message in governed_messages(run, query(prompt=task, options=options)):
+        ...
 
 * ``PreToolUse`` asks the check (``run.check`` with the tool's name, input and
   ``tool_use_id``). Allowed: no opinion (``{}``), so the SDK's own permission rules still
@@ -10,8 +12,18 @@ One line of wiring::
   call is denied with the stop notice as ``permissionDecisionReason``, and by default
   (``stop_agent=True``) the agent stops (``continue: false``, the notice as ``stopReason``);
   with ``stop_agent=False`` Claude reads the reason and may answer with its partial response.
+  The notice is the run's first stop (with parallel calls, the calls checked after it are
+  only told the run is over), and becomes ``run.output``.
 * ``PostToolUse`` reports the tool's response, ``PostToolUseFailure`` its error, per
   ``tool_use_id``.
+* ``governed_messages`` passes the messages of ``query`` (or of
+  ``ClaudeSDKClient.receive_response()``) through; after a stop, the ``ResultMessage``'s
+  ``result`` is the partial response followed by the stop notice. Without it the user would
+  get what the CLI gives: an empty ``result``, the agent having been stopped before it said
+  anything.
+
+Tool names are the SDK's: built-in tools by name (``Read``, ``Bash``), MCP tools as
+``mcp__<server>__<tool>``; the policy's tool patterns are written against those names.
 
 A check answered ``pending`` or ``wait`` waits inside the hook; the ``PreToolUse`` matcher's
 timeout (``check_timeout``, default one hour) must be longer than such waits, or the SDK
@@ -21,15 +33,27 @@ gives up on the hook first.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import dataclasses
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from typing import Any, cast
 
-from claude_agent_sdk import HookMatcher
+from claude_agent_sdk import (
+    AssistantMessage,
+    HookContext,
+    HookInput,
+    HookJSONOutput,
+    HookMatcher,
+    Message,
+    ResultMessage,
+    TextBlock,
+)
+from claude_agent_sdk.types import HookEvent, SyncHookJSONOutput
 
 from ..aio import AsyncRun
 from ..client import Run
 from ..decision import Decision
 
-__all__ = ["governance_hooks"]
+__all__ = ["governance_hooks", "governed_messages"]
 
 
 def governance_hooks(
@@ -38,7 +62,7 @@ def governance_hooks(
     matcher: str | None = None,
     stop_agent: bool = True,
     check_timeout: float = 3600,
-) -> dict[str, list[HookMatcher]]:
+) -> dict[HookEvent, list[HookMatcher]]:
     """The ``hooks`` of ``ClaudeAgentOptions`` that govern every tool call (``matcher``: the
     SDK's tool-name pattern, default every tool)."""
 
@@ -47,11 +71,12 @@ def governance_hooks(
             return await run.check(name, args, call_id=call_id)
         return await asyncio.to_thread(run.check, name, args, call_id=call_id)
 
-    async def pre_tool_use(input_data: Any, tool_use_id: str | None, context: Any
-                           ) -> dict[str, Any]:
-        call_id = input_data.get("tool_use_id") or tool_use_id
-        tool_input = input_data.get("tool_input")
-        decision = await check(input_data["tool_name"],
+    async def pre_tool_use(input_data: HookInput, tool_use_id: str | None,
+                           context: HookContext) -> HookJSONOutput:
+        data = cast(Mapping[str, Any], input_data)
+        call_id = data.get("tool_use_id") or tool_use_id
+        tool_input = data.get("tool_input")
+        decision = await check(str(data.get("tool_name")),
                                tool_input if isinstance(tool_input, dict) else {}, call_id)
         if decision.allowed:
             if decision.directive is None:
@@ -60,26 +85,29 @@ def governance_hooks(
                 "hookEventName": "PreToolUse",
                 "additionalContext": str(decision.directive.get("content")),
             }}
-        notice = decision.user_notice()
-        answer: dict[str, Any] = {"hookSpecificOutput": {
+        notice = (run.stop_decision or decision).user_notice()
+        run.output = notice  # stored even if the program reads nothing after the stop
+        answer: SyncHookJSONOutput = {"hookSpecificOutput": {
             "hookEventName": "PreToolUse",
             "permissionDecision": "deny",
             "permissionDecisionReason": notice,
         }}
         if stop_agent:
-            answer |= {"continue_": False, "stopReason": notice}
+            answer["continue_"] = False
+            answer["stopReason"] = notice
         return answer
 
-    async def post_tool_use(input_data: Any, tool_use_id: str | None, context: Any
-                            ) -> dict[str, Any]:
-        run.report(input_data.get("tool_response"),
-                   call_id=input_data.get("tool_use_id") or tool_use_id)
+    async def post_tool_use(input_data: HookInput, tool_use_id: str | None,
+                            context: HookContext) -> HookJSONOutput:
+        data = cast(Mapping[str, Any], input_data)
+        run.report(data.get("tool_response"), call_id=data.get("tool_use_id") or tool_use_id)
         return {}
 
-    async def post_tool_use_failure(input_data: Any, tool_use_id: str | None, context: Any
-                                    ) -> dict[str, Any]:
-        run.report(error=str(input_data.get("error") or "tool error"),
-                   call_id=input_data.get("tool_use_id") or tool_use_id)
+    async def post_tool_use_failure(input_data: HookInput, tool_use_id: str | None,
+                                    context: HookContext) -> HookJSONOutput:
+        data = cast(Mapping[str, Any], input_data)
+        run.report(error=str(data.get("error") or "tool error"),
+                   call_id=data.get("tool_use_id") or tool_use_id)
         return {}
 
     return {
@@ -88,3 +116,33 @@ def governance_hooks(
         "PostToolUse": [HookMatcher(matcher=matcher, hooks=[post_tool_use])],
         "PostToolUseFailure": [HookMatcher(matcher=matcher, hooks=[post_tool_use_failure])],
     }
+
+
+async def governed_messages(run: Run | AsyncRun, messages: AsyncIterable[Message]
+                            ) -> AsyncIterator[Message]:
+    """``messages`` as they come; once governance stopped the agent, the ``ResultMessage``
+    carries the partial response (Claude's result, else its last words) and the stop notice
+    as its ``result``, which is also set as ``run.output``."""
+    last_text: str | None = None
+    async for message in messages:
+        if isinstance(message, AssistantMessage):
+            text = "\n".join(b.text for b in message.content if isinstance(b, TextBlock))
+            if text.strip():
+                last_text = text.strip()
+        elif isinstance(message, ResultMessage):
+            stop = _stop_of(run)
+            if stop is not None:
+                partial = message.result if (message.result or "").strip() else last_text
+                message = dataclasses.replace(message, result=stop.user_notice(partial))
+                run.output = message.result
+        yield message
+
+
+def _stop_of(run: Run | AsyncRun) -> Decision | None:
+    """The stop to tell: the run's first (the one that explains; with parallel calls the
+    later ones only say the run is over), else the last check's when it was not allowed (an
+    outage, a wait given up on)."""
+    if run.stop_decision is not None:
+        return run.stop_decision
+    last = run.last_decision
+    return last if last is not None and not last.allowed else None

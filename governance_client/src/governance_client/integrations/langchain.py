@@ -36,7 +36,7 @@ from ._lc import (
     stop_in,
 )
 
-__all__ = ["STOP_ARTIFACT", "STOP_NAME", "GovernanceMiddleware"]
+__all__ = ["STOP_ARTIFACT", "STOP_NAME", "GovernanceMiddleware", "stop_in"]
 
 
 class GovernanceMiddleware(AgentMiddleware):
@@ -69,7 +69,8 @@ class GovernanceMiddleware(AgentMiddleware):
 
     @hook_config(can_jump_to=["end"])
     def before_model(self, state: AgentState, runtime: Any) -> dict[str, Any] | None:
-        decision = stop_in(state)
+        # A stop in this turn, or a new turn of a run that is over: the model is not called.
+        decision = stop_in(state, self.run)
         if decision is not None:
             final = final_message(decision, state, self.partial_response)
             self.run.output = str(final.content)
@@ -85,7 +86,10 @@ class GovernanceMiddleware(AgentMiddleware):
         return self.before_model(state, runtime)
 
     def after_agent(self, state: AgentState, runtime: Any) -> dict[str, Any] | None:
-        # The answer the user gets is what the run stores (a stop already set it).
+        # The answer the user gets is what the run stores (a stop already set it, and a
+        # stopped run keeps its notice).
+        if stop_in(state, self.run) is not None:
+            return None
         for message in reversed(messages_of(state)):
             if isinstance(message, AIMessage):
                 if message.name != STOP_NAME and isinstance(message.content, str):

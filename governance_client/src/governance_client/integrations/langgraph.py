@@ -13,15 +13,17 @@ the partial response with the stop's reason and next step. The repeated-error di
 appended to the result of the call whose check carried it.
 
 ``GovernedToolNode(tools, run)`` is the drop-in ``ToolNode`` alone, for graphs that route out
-of the tools node themselves: end the graph when ``stop_in(state)`` is not None.
+of the tools node themselves: end the graph when ``stop_in(state, run)`` is not None (with
+the run, it also says so on a new turn of a run that is over).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from langgraph.graph import END, StateGraph
+from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode
 
 from ._lc import (
@@ -31,6 +33,7 @@ from ._lc import (
     PartialResponse,
     ToolCallGovernor,
     final_message,
+    run_stop,
     stop_in,
 )
 
@@ -38,6 +41,16 @@ __all__ = ["STOP_ARTIFACT", "STOP_NAME", "STOP_NODE", "GovernedToolNode", "gover
            "stop_in"]
 
 STOP_NODE = "governance_stop"
+
+
+class _Current:
+    """The run a governed graph answers to now (``govern_graph`` again re-points it)."""
+
+    def __init__(self, run: GovernedRun) -> None:
+        self.run = run
+
+
+_GOVERNED: weakref.WeakKeyDictionary[StateGraph[Any], _Current] = weakref.WeakKeyDictionary()
 
 
 class GovernedToolNode(ToolNode):
@@ -74,16 +87,32 @@ def govern_graph(
     if not governed:
         raise ValueError("the graph has no ToolNode to govern")
 
+    current = _GOVERNED.get(builder)
+    if current is not None:
+        # Governed before (another run): the routes stand, only the run changes.
+        current.run = run
+        return builder
+    current = _GOVERNED[builder] = _Current(run)
+
     def stop(state: Any) -> dict[str, Any]:
-        decision = stop_in(state)
+        decision = stop_in(state, current.run)
         assert decision is not None  # routed here only then
         return {"messages": [final_message(decision, state, partial_response)]}
 
-    if STOP_NODE in builder.nodes:
-        # Governed before (another run): the routes stand, only the runs of the nodes change.
-        return builder
     builder.add_node(STOP_NODE, stop)
     builder.add_edge(STOP_NODE, END)
+    # A new turn on the thread of a run that is over ends at once, the model not called
+    # again (the run's output stays its stop notice).
+    starts = sorted(dst for src, dst in builder.edges if src == START)
+    for target in starts:
+        builder.edges.discard((START, target))
+    if starts:
+        def enter(state: Any, _targets: list[str] = starts) -> str | list[str]:
+            if run_stop(current.run, state) is not None:
+                return STOP_NODE
+            return _targets if len(_targets) > 1 else _targets[0]
+
+        builder.add_conditional_edges(START, enter, [*starts, STOP_NODE])
     for name in governed:
         targets = sorted(dst for src, dst in builder.edges if src == name)
         if not targets:

@@ -27,7 +27,7 @@ import dataclasses
 import inspect
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from agents import (
     Agent,
@@ -128,7 +128,9 @@ def govern_agent(
             state.stop = decision
         if raise_on_stop:
             return ToolGuardrailFunctionOutput.raise_exception(output_info=decision)
-        return ToolGuardrailFunctionOutput.reject_content(decision.user_notice(),
+        # The run's first stop explains; parallel calls checked after it only hear "over".
+        shown = run.stop_decision or decision
+        return ToolGuardrailFunctionOutput.reject_content(shown.user_notice(),
                                                           output_info=decision)
 
     @tool_output_guardrail(name="governance_report")
@@ -151,7 +153,7 @@ def govern_agent(
                            ) -> ToolsToFinalOutputResult:
         if state.stop is not None:
             partial = (partial_response or (lambda s: s.last_text))(state)
-            output = state.stop.user_notice(partial)
+            output = (run.stop_decision or state.stop).user_notice(partial)
             run.output = output
             return ToolsToFinalOutputResult(is_final_output=True, final_output=output)
         return await _delegate(behaviour, context, results)
@@ -185,7 +187,8 @@ async def _delegate(behaviour: Any, context: RunContextWrapper[Any],
     """The agent's own tool_use_behavior, for the turns governance did not stop."""
     if callable(behaviour):
         result = behaviour(context, results)
-        return await result if inspect.isawaitable(result) else result
+        return cast(ToolsToFinalOutputResult,
+                    await result if inspect.isawaitable(result) else result)
     if behaviour == "stop_on_first_tool" and results:
         return ToolsToFinalOutputResult(is_final_output=True, final_output=results[0].output)
     if isinstance(behaviour, dict):

@@ -1,0 +1,90 @@
+"""What the end user reads (``Decision.user_notice``, the run's output) is apart from what the
+agent's developer needs (``Decision.detail``, the log): no API step and no connection error
+reaches the user, and a run that stopped waiting for an operator or a rate limit ends
+``stopped``, with the notice as its output."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from governance_client.testing import FakeGovernance, RateLimit
+
+API_WORDS = ("/api/v1", "GET ", "check_id", "retry_after_s", "fail_mode", "Error", "refused")
+
+
+def assert_for_a_user(text: str) -> None:
+    assert not any(word in text for word in API_WORDS), text
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_run_that_stopped_waiting_for_an_operator_ends_stopped_with_the_users_notice(
+    kind: str
+) -> None:
+    fake = FakeGovernance(approvals=["refund.*"])
+
+    def scenario_sync() -> tuple[str, object]:
+        with fake.client(approval_timeout=30) as client, client.run("bot") as run:
+            decision = run.check("refund.issue", {"order": 7})
+        return run.id, decision
+
+    async def scenario_async() -> tuple[str, object]:
+        async with fake.async_client(approval_timeout=30) as client, \
+                client.run("bot") as run:
+            decision = await run.check("refund.issue", {"order": 7})
+        return run.id, decision
+
+    run_id, decision = scenario_sync() if kind == "sync" else asyncio.run(scenario_async())
+
+    assert decision.decision == "pending" and not decision.allowed  # type: ignore[attr-defined]
+    notice = decision.user_notice()  # type: ignore[attr-defined]
+    assert "refund.issue needs an operator's approval" in notice and "30 s" in notice
+    assert_for_a_user(notice)
+    assert "/api/v1/approvals/" in (decision.detail or "")  # type: ignore[attr-defined]
+    stored = fake.runs[run_id]
+    assert (stored.status, stored.stop_reason) == ("stopped", "agent_stopped")
+    assert stored.output == notice
+
+
+def test_a_run_that_stopped_waiting_for_a_rate_limit_ends_stopped_with_the_users_notice(
+) -> None:
+    fake = FakeGovernance(rate_limits=[RateLimit(match="http.*", max=1, window_s=60)])
+    with fake.client(wait_budget=5) as client, client.run("bot") as run:
+        assert run.check("http.get", {"n": 1}).allowed
+        decision = run.check("http.get", {"n": 2})
+
+    assert decision.decision == "wait"
+    notice = decision.user_notice()
+    assert "http.get was run too often" in notice and "Try again in 60 s." in notice
+    assert_for_a_user(notice)
+    assert "retry_after_s" in (decision.detail or "")
+    stored = fake.runs[run.id]
+    assert (stored.status, stored.stop_reason, stored.output) == (
+        "stopped", "agent_stopped", notice)
+
+
+@pytest.mark.parametrize("fail_mode", ["closed", "open"])
+def test_an_outage_notice_names_no_connection_error(fail_mode: str) -> None:
+    fake = FakeGovernance(approvals=["refund.*"])
+    run = fake.client(fail_mode=fail_mode).start_run("bot")  # type: ignore[arg-type]
+    fake.down = True
+
+    decision = run.check("refund.issue", {"order": 7})
+
+    assert (decision.allowed, decision.reason) == (False, "governance_unavailable")
+    assert "unreachable" in (decision.message or "")
+    assert_for_a_user(decision.user_notice())
+    assert "ConnectError" in (decision.detail or "")
+
+
+def test_a_check_that_failed_with_a_timeout_tells_the_developer_alone() -> None:
+    fake = FakeGovernance()
+    run = fake.client(attempts=1).start_run("bot")
+    fake.fail_next(httpx.ReadTimeout)
+
+    decision = run.check("search", {"q": 1})
+
+    assert_for_a_user(decision.user_notice())
+    assert "ReadTimeout" in (decision.detail or "")
