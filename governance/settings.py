@@ -334,15 +334,21 @@ DASHBOARD_THREADS = env_int("WEB_DASHBOARD_THREADS", 4)
 # A request body must have arrived whole within this many seconds (it is read on the event
 # loop, holding no thread): later, the request is answered 408 and its connection closed.
 REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
+# Connections one source address may hold idle in one server process (sent nothing yet,
+# headers unfinished, keep-alive between requests); beyond it the longest silent are closed
+# (governance/connections.py). TRUSTED_PROXIES are exempt: a proxy carries many clients.
+MAX_IDLE_CONNECTIONS_PER_ADDRESS = env_int("MAX_IDLE_CONNECTIONS_PER_ADDRESS", 100)
 # The most of one process's time the live streams' database looks may take together
 # (runs/dashboard/stream.py): however many streams are open, they share it, so their screens refresh
 # less often instead of taking CPU from the checks.
 DASHBOARD_STREAM_SHARE = env_float("DASHBOARD_STREAM_SHARE", 0.2)
 if not 0 < DASHBOARD_STREAM_SHARE <= 1:
     raise ImproperlyConfigured("DASHBOARD_STREAM_SHARE must be in (0, 1]")
-if REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1:
+if (REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1
+        or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1):
     raise ImproperlyConfigured(
-        "REQUEST_BODY_SECONDS, WEB_THREADS and WEB_DASHBOARD_THREADS must be at least 1")
+        "REQUEST_BODY_SECONDS, WEB_THREADS, WEB_DASHBOARD_THREADS and "
+        "MAX_IDLE_CONNECTIONS_PER_ADDRESS must be at least 1")
 # --- Kill-switch webhooks (runs/webhooks/delivery.py, policies/egress.py) ------------------
 # Webhooks go to public addresses only; a receiver on an internal network must be listed here
 # (host names as written in the URL, or addresses and CIDRs its name resolves to).
