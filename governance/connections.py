@@ -271,7 +271,8 @@ class IdleCap:
     def __init__(self, cap: int, trusted: Sequence[Network]) -> None:
         self.cap = cap
         self.trusted = list(trusted)
-        self.listeners: set[tuple[int, int]] | None = None  # found once there are connections
+        self.listeners: set[tuple[int, int]] = set()  # found once there are connections
+        self._listeners_looked_at = -60.0
         self.closed = 0  # connections cut since the start, for the log
         self._reported_at = -60.0
 
@@ -280,34 +281,37 @@ class IdleCap:
         fds = _descriptors()
         if len(fds) <= self.cap:
             return 0
-        if self.listeners is None:
+        if not self.listeners and time.monotonic() - self._listeners_looked_at >= 10:
+            self._listeners_looked_at = time.monotonic()
             self.listeners = listeners(fds)
+        if not self.listeners:
+            return 0  # serving no TCP port (a Unix socket): nothing to count
         over = crowded(established(self.listeners), self.cap, self.trusted)
         if not over:
             return 0
         own = {inode: fd for fd, inode in _sockets(fds)}
         in_app = [(normal(host), port) for host, port in in_flight.copy()]
-        cut = 0
+        cut: dict[Address, int] = {}
         for address, held in over.items():
             mine = [(own[inode], inode, port) for _, port, inode in held if inode in own]
             if len(mine) <= self.cap:
                 continue
             looked = [c for c in (looked_at(*m) for m in mine) if c is not None]
             busy = {port for peer, port in in_app if peer == address}
-            cut += sum(shut(c) for c in to_cut(looked, self.cap, busy))
-        self.closed += cut
-        self._report(over)
-        return cut
+            cut[address] = sum(shut(c) for c in to_cut(looked, self.cap, busy))
+        self.closed += sum(cut.values())
+        self._report(cut)
+        return sum(cut.values())
 
-    def _report(self, over: dict[Address, list[Peer]]) -> None:
+    def _report(self, cut: dict[Address, int]) -> None:
         # Once a minute at most: an attack must not fill the log.
         now = time.monotonic()
-        if now - self._reported_at >= 60:
+        if any(cut.values()) and now - self._reported_at >= 60:
             self._reported_at = now
-            held = ", ".join(f"{peer} ({len(c)})" for peer, c in list(over.items())[:5])
-            log.warning("connections over MAX_IDLE_CONNECTIONS_PER_ADDRESS=%d per process "
-                        "from %s: the idle ones beyond it are closed (%d by this process "
-                        "so far)", self.cap, held, self.closed)
+            which = ", ".join(f"{peer} ({n})" for peer, n in list(cut.items())[:5] if n)
+            log.warning("idle connections over MAX_IDLE_CONNECTIONS_PER_ADDRESS=%d closed: "
+                        "%s; %d by this process since it started", self.cap, which,
+                        self.closed)
 
     def run(self) -> None:
         failed_at = -60.0
