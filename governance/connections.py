@@ -15,14 +15,16 @@ until someone is over the cap:
 2. Otherwise it asks the kernel (``sock_diag``, filtered in the kernel on the listening port)
    for the established connections to the server, and counts them by peer address.
 3. Only when an address holds more than the cap does it find which of them are this
-   process's own, and which of those are **idle**: no request of it is in the application
-   (`in_flight`, kept by governance/asgi.py), nothing went either way for `IDLE_AFTER_MS`,
-   and nothing is left unsent or unacknowledged (``TCP_INFO``). That is a connection that
-   sent nothing yet, one whose headers never finished, a keep-alive one between requests.
-   Beyond ``MAX_IDLE_CONNECTIONS_PER_ADDRESS`` of them, the ones silent longest are shut down
-   (``shutdown(2)`` on a duplicate of the descriptor: granian reads the end of the stream and
-   closes the connection itself, freeing its slot and descriptor; nothing is closed behind
-   its back).
+   process's own, and which of those are **idle** (`Connection.idle`, from ``TCP_INFO``):
+   no request of it is in the application (`in_flight`, kept by governance/asgi.py), nothing
+   is left unsent or unacknowledged, and nothing went either way for `IDLE_AFTER_MS`, or for
+   `AWAITING_AFTER_MS` when the client spoke last (headers never finished, or a request not
+   yet handed to the application: given longer). That is a connection that sent nothing yet
+   or one byte and no more, a keep-alive one between requests. Beyond
+   ``MAX_IDLE_CONNECTIONS_PER_ADDRESS`` of them, the ones silent longest are shut down
+   (``shutdown(2)`` on a duplicate of the descriptor, once its ``TCP_INFO`` has been read
+   again and still says idle: granian reads the end of the stream and closes the connection
+   itself, freeing its slot and descriptor; nothing is closed behind its back).
 
 A request in progress (a long poll, a live stream, a body being read) is never cut. Addresses
 in ``TRUSTED_PROXIES`` are not counted: a reverse proxy carries many clients, and its own
@@ -50,17 +52,22 @@ log = logging.getLogger(__name__)
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-# Silent this long before a connection may count as idle: a request whose bytes have just
-# arrived, but not yet reached the application, is never taken for an idle connection.
+# Silent this long before a connection may count as idle: one that sent nothing, or whose
+# last request was answered.
 IDLE_AFTER_MS = 500
-# How often the sweep looks. A source over the cap is cut back within this plus
-# IDLE_AFTER_MS, well inside the 2 s in which a new valid connection must be answered.
+# The same when the client spoke after the server's last answer, which is a request not yet
+# whole (headers sent a byte at a time, or one byte and no more) or one whole but not yet
+# handed to the application by a busy process: given longer, so a request is never cut for
+# waiting on the event loop.
+AWAITING_AFTER_MS = 1000
+# How often the sweep looks. A source over the cap is cut back within this plus the above,
+# inside the 2 s in which a new valid connection must be answered.
 EVERY_S = 0.25
 
-# The peers (the ASGI scope's "client": host and port) of the connections whose request is
-# in the application. Written on the event loop, copied by the sweep's thread (a set's copy
-# holds the GIL throughout).
-in_flight: set[tuple[str, int]] = set()
+# The peers (the ASGI scope's "client": host and port, which granian gives as text) of the
+# connections whose request is in the application. Written on the event loop, copied by the
+# sweep's thread (a set's copy holds the GIL throughout).
+in_flight: set[tuple[str, int | str]] = set()
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,14 @@ class Connection:
     inode: int
     port: int  # the peer's
     silent_ms: int  # since data last went either way
+    awaiting: bool  # the client spoke after the server last did
     pending: bool  # bytes unsent or unacknowledged
+
+    @property
+    def idle(self) -> bool:
+        """Idle by what the kernel says (a request in the application is not seen here)."""
+        wait = AWAITING_AFTER_MS if self.awaiting else IDLE_AFTER_MS
+        return not self.pending and self.silent_ms >= wait
 
 
 def normal(host: str | bytes) -> Address | None:
@@ -94,10 +108,19 @@ def is_trusted(address: Address, trusted: Sequence[Network]) -> bool:
 def to_cut(connections: Iterable[Connection], cap: int, busy: set[int]) -> list[Connection]:
     """Of one address's connections, the idle ones beyond ``cap``, silent longest first.
     ``busy``: the peer ports of that address whose request is in the application."""
-    idle = sorted((c for c in connections
-                   if c.port not in busy and not c.pending and c.silent_ms >= IDLE_AFTER_MS),
+    idle = sorted((c for c in connections if c.port not in busy and c.idle),
                   key=lambda c: c.silent_ms, reverse=True)
     return idle[:max(0, len(idle) - cap)]
+
+
+def busy_ports(address: Address) -> set[int]:
+    """The ports of ``address`` whose request is in the application now."""
+    ports: set[int] = set()
+    for host, port in in_flight.copy():
+        if normal(host) == address:
+            with contextlib.suppress(TypeError, ValueError):
+                ports.add(int(port))
+    return ports
 
 
 # --- sock_diag (linux/inet_diag.h, linux/netlink.h) -------------------------------------------
@@ -187,8 +210,8 @@ def crowded(peers: Iterable[Peer], cap: int, trusted: Sequence[Network]
 
 
 # --- the process's own sockets ----------------------------------------------------------------
-# struct tcp_info (linux/tcp.h): offsets of the fields read, all __u32.
-_UNACKED, _LAST_DATA_SENT, _LAST_DATA_RECV, _NOTSENT_BYTES = 24, 44, 52, 144
+# struct tcp_info (linux/tcp.h): offsets of the fields read, __u32 but the __u64 byte count.
+_UNACKED, _LAST_DATA_SENT, _LAST_DATA_RECV, _BYTES_RECEIVED, _NOTSENT_BYTES = 24, 44, 52, 128, 144
 
 
 def _descriptors() -> list[int]:
@@ -234,30 +257,45 @@ def listeners(fds: Iterable[int]) -> set[tuple[int, int]]:
     return found
 
 
+def _read(sock: socket.socket, fd: int, inode: int, port: int) -> Connection:
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    (unacked,) = struct.unpack_from("=I", info, _UNACKED)
+    # Milliseconds since data was last sent, and received; both count from the connection's
+    # start while there was none.
+    (sent,) = struct.unpack_from("=I", info, _LAST_DATA_SENT)
+    (received,) = struct.unpack_from("=I", info, _LAST_DATA_RECV)
+    spoke = (struct.unpack_from("=Q", info, _BYTES_RECEIVED)[0]
+             if len(info) >= _BYTES_RECEIVED + 8 else 1)  # before Linux 4.1: assume it spoke
+    notsent = (struct.unpack_from("=I", info, _NOTSENT_BYTES)[0]
+               if len(info) >= _NOTSENT_BYTES + 4 else 0)
+    # A request sent with the connection's first packets counts from the same start as
+    # "nothing sent": equal times with bytes received are the client speaking last.
+    return Connection(fd=fd, inode=inode, port=port, silent_ms=min(sent, received),
+                      awaiting=spoke > 0 and received <= sent,
+                      pending=bool(unacked or notsent))
+
+
 def looked_at(fd: int, inode: int, port: int) -> Connection | None:
     """The connection behind ``fd``, with its TCP_INFO; None if it is gone."""
     with _same_socket(fd, inode) as sock:
         if sock is None:
             return None
         try:
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            return _read(sock, fd, inode, port)
         except OSError:
             return None
-    (unacked,) = struct.unpack_from("=I", info, _UNACKED)
-    (sent,) = struct.unpack_from("=I", info, _LAST_DATA_SENT)
-    (received,) = struct.unpack_from("=I", info, _LAST_DATA_RECV)
-    notsent = (struct.unpack_from("=I", info, _NOTSENT_BYTES)[0]
-               if len(info) >= _NOTSENT_BYTES + 4 else 0)
-    return Connection(fd=fd, inode=inode, port=port, silent_ms=min(sent, received),
-                      pending=bool(unacked or notsent))
 
 
 def shut(connection: Connection) -> bool:
-    """End ``connection`` (if its descriptor is still it) without closing the descriptor."""
+    """End ``connection`` if its descriptor is still it and it is still idle (its TCP_INFO
+    read again: the look that chose it may have taken a while), without closing the
+    descriptor."""
     with _same_socket(connection.fd, connection.inode) as sock:
         if sock is None:
             return False
         try:
+            if not _read(sock, connection.fd, connection.inode, connection.port).idle:
+                return False
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:  # it ended meanwhile
             return False
@@ -290,15 +328,16 @@ class IdleCap:
         if not over:
             return 0
         own = {inode: fd for fd, inode in _sockets(fds)}
-        in_app = [(normal(host), port) for host, port in in_flight.copy()]
         cut: dict[Address, int] = {}
         for address, held in over.items():
             mine = [(own[inode], inode, port) for _, port, inode in held if inode in own]
             if len(mine) <= self.cap:
                 continue
             looked = [c for c in (looked_at(*m) for m in mine) if c is not None]
-            busy = {port for peer, port in in_app if peer == address}
-            cut[address] = sum(shut(c) for c in to_cut(looked, self.cap, busy))
+            # Which requests are in the application, asked after the looks: a request that
+            # came in while they were made shows there, or as fresh data when it is cut.
+            chosen = to_cut(looked, self.cap, busy_ports(address))
+            cut[address] = sum(shut(c) for c in chosen)
         self.closed += sum(cut.values())
         self._report(cut)
         return sum(cut.values())

@@ -70,9 +70,10 @@ def test_an_address_over_the_cap_keeps_its_cap_of_idle_connections_the_longest_s
     few, few_ends = connect(listener, "127.0.0.7", 3)
     with closing(old, old_ends, young, young_ends, trusted, trusted_ends, few, few_ends):
         time.sleep(connections.IDLE_AFTER_MS / 1000 + 0.1)
-        # One has its request in the application (a long poll, say); one just sent a request.
+        # One has its request in the application (a long poll, say: granian gives the port
+        # as text); one just sent a request.
         waiting = young[0]
-        connections.in_flight.add(("127.0.0.5", waiting.getsockname()[1]))
+        connections.in_flight.add(("127.0.0.5", str(waiting.getsockname()[1])))
         active = young[1]
         active.sendall(b"GET / HTTP/1.1\r\n")
         young_ends[1].recv(100)
@@ -129,13 +130,32 @@ def test_an_ipv4_client_of_an_ipv6_listener_counts_as_its_ipv4_address():
 
 
 def test_to_cut_spares_requests_in_progress_and_data_on_its_way():
-    def made(port: int, silent_ms: int, pending: bool = False) -> Connection:
-        return Connection(fd=port, inode=port, port=port, silent_ms=silent_ms, pending=pending)
+    def made(port: int, silent_ms: int, *, awaiting: bool = False, pending: bool = False
+             ) -> Connection:
+        return Connection(fd=port, inode=port, port=port, silent_ms=silent_ms,
+                          awaiting=awaiting, pending=pending)
 
     held = [made(1, 9000), made(2, 8000, pending=True), made(3, 7000), made(4, 100),
-            made(5, 6000)]
-    assert [c.port for c in connections.to_cut(held, 1, busy={3})] == [1]
-    assert connections.to_cut(held, 2, busy={3}) == []
+            made(5, 6000), made(6, 800, awaiting=True), made(7, 1200, awaiting=True)]
+    # 2 is sending, 3 is in the application, 4 spoke just now, 6 sent a request 0.8 s ago.
+    assert [c.port for c in connections.to_cut(held, 1, busy={3})] == [1, 5]
+    assert connections.to_cut(held, 3, busy={3}) == []
+
+
+def test_one_byte_and_no_more_is_idle_after_a_longer_silence(listener):
+    """Headers that stop after a byte are capped too, given a second: the same silence as a
+    whole request that a busy process has not yet handed to the application."""
+    clients, ends = connect(listener, "127.0.0.5", 12)
+    with closing(clients, ends):
+        for client in clients[:6]:
+            client.sendall(b"G")
+        time.sleep(connections.IDLE_AFTER_MS / 1000 + 0.1)
+        cap = IdleCap(2, [])
+        assert cap.sweep() == 6 - 2  # the silent ones only
+        assert all(is_open(c) for c in clients[:6])
+        time.sleep((connections.AWAITING_AFTER_MS - connections.IDLE_AFTER_MS) / 1000)
+        assert cap.sweep() == 6
+        assert sum(is_open(c) for c in clients) == 2
 
 
 @pytest.mark.parametrize("value", ["many", "0", "-3"])
