@@ -330,12 +330,16 @@ class IdleCap:
         own = {inode: fd for fd, inode in _sockets(fds)}
         cut: dict[Address, int] = {}
         for address, held in over.items():
-            mine = [(own[inode], inode, port) for _, port, inode in held if inode in own]
+            # Those with a request in the application are never idle: no need to ask the
+            # kernel about them (an address's streams and long polls, say).
+            busy = busy_ports(address)
+            mine = [(own[inode], inode, port) for _, port, inode in held
+                    if inode in own and port not in busy]
             if len(mine) <= self.cap:
                 continue
             looked = [c for c in (looked_at(*m) for m in mine) if c is not None]
-            # Which requests are in the application, asked after the looks: a request that
-            # came in while they were made shows there, or as fresh data when it is cut.
+            # Asked again after the looks: a request that came in while they were made shows
+            # there, or as fresh data when it is cut.
             chosen = to_cut(looked, self.cap, busy_ports(address))
             cut[address] = sum(shut(c) for c in chosen)
         self.closed += sum(cut.values())
