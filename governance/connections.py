@@ -232,8 +232,14 @@ def _same_socket(fd: int, inode: int) -> Iterator[socket.socket | None]:
     """A duplicate of ``fd`` if it is still the socket ``inode`` (granian may have closed the
     descriptor and reused its number meanwhile), else None."""
     try:
-        dup = socket.socket(fileno=os.dup(fd))
+        copy = os.dup(fd)
     except OSError:
+        yield None
+        return
+    try:
+        dup = socket.socket(fileno=copy)
+    except OSError:  # no longer a socket: the number was reused
+        os.close(copy)
         yield None
         return
     with dup:
