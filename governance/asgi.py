@@ -44,7 +44,7 @@ from django.http import HttpResponse, HttpResponseBase  # noqa: E402
 from django.urls import ResolverMatch, URLPattern, URLResolver, get_resolver  # noqa: E402
 from django.urls.exceptions import Resolver404  # noqa: E402
 
-from . import pools  # noqa: E402
+from . import connections, pools  # noqa: E402
 from .handlers import ResolvedOnce  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,19 @@ class Application(ResolvedOnce, ASGIHandler):
             return
         if scope["type"] != "http":  # websockets are off (--no-ws)
             return
+        # While its request is here, a connection is never taken for an idle one
+        # (governance/connections.py).
+        client = scope.get("client")
+        peer = (client[0], client[1]) if client else None
+        if peer is not None:
+            connections.in_flight.add(peer)
+        try:
+            await self.handle(scope, receive, send)
+        finally:
+            if peer is not None:
+                connections.in_flight.discard(peer)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         limit = body_limit(path)
         if _declared_length(scope) > limit:
@@ -298,6 +311,8 @@ class Application(ResolvedOnce, ASGIHandler):
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                connections.start(settings.MAX_IDLE_CONNECTIONS_PER_ADDRESS,
+                                  settings.TRUSTED_PROXIES)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})

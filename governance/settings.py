@@ -355,6 +355,10 @@ DASHBOARD_THREADS = env_int("WEB_DASHBOARD_THREADS", 4)
 # A request body must have arrived whole within this many seconds (it is read on the event
 # loop, holding no thread): later, the request is answered 408 and its connection closed.
 REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
+# Connections one source address may hold idle in one server process (sent nothing yet,
+# headers unfinished, keep-alive between requests); beyond it the longest silent are closed
+# (governance/connections.py). TRUSTED_PROXIES are exempt: a proxy carries many clients.
+MAX_IDLE_CONNECTIONS_PER_ADDRESS = env_int("MAX_IDLE_CONNECTIONS_PER_ADDRESS", 100)
 # A check's `deadline_at` is the agent's clock: it may be this far behind the server's before
 # its checks expire early (README "Deadlines"). Larger trusts poorly synced clocks more, and
 # lets a check read that much past the agent's deadline still be decided.
@@ -367,9 +371,11 @@ if not 0 <= CHECK_CLOCK_SKEW_MS <= 60_000:
 DASHBOARD_STREAM_SHARE = env_float("DASHBOARD_STREAM_SHARE", 0.2)
 if not 0 < DASHBOARD_STREAM_SHARE <= 1:
     raise ImproperlyConfigured("DASHBOARD_STREAM_SHARE must be in (0, 1]")
-if REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1:
+if (REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1
+        or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1):
     raise ImproperlyConfigured(
-        "REQUEST_BODY_SECONDS, WEB_THREADS and WEB_DASHBOARD_THREADS must be at least 1")
+        "REQUEST_BODY_SECONDS, WEB_THREADS, WEB_DASHBOARD_THREADS and "
+        "MAX_IDLE_CONNECTIONS_PER_ADDRESS must be at least 1")
 # --- Kill-switch webhooks (runs/webhooks/delivery.py, policies/egress.py) ------------------
 # Webhooks go to public addresses only; a receiver on an internal network must be listed here
 # (host names as written in the URL, or addresses and CIDRs its name resolves to).

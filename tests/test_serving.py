@@ -187,3 +187,19 @@ def test_an_api_request_closes_a_connection_past_its_age(path, agent_token):
     response = application.respond_sync(request)
     assert response.status_code == 200
     assert connection.connection is not old and old.closed
+
+
+def test_serve_lifts_the_open_files_limit_to_the_hard_one():
+    """Every connection is a descriptor: under a soft limit of 1024 a thousand idle
+    connections stopped a process from accepting any more, below its --max-connections."""
+    code = ("import resource\n"
+            "from runs.management.commands.serve import raise_open_files_limit\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+            "raise_open_files_limit()\n"
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, check=True)
+    soft, hard = (int(n) for n in result.stdout.split())
+    assert soft > 256
+    assert soft == hard or hard == -1  # -1: unlimited, lifted to the kernel's usual ceiling

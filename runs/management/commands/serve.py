@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import resource
 import shutil
 import socket
 import sys
@@ -60,6 +62,7 @@ class Command(BaseCommand):
                             static=(settings.STATIC_URL, str(settings.STATIC_ROOT)))
         if os.environ.get("METRICS_TOKEN"):
             _prepare_metrics_dir()
+        raise_open_files_limit()
         self.stdout.write(" ".join(argv[1:]))
         sys.stdout.flush()
         os.execv(granian, argv)
@@ -93,16 +96,33 @@ def listen_address(host: str, port: int) -> str:
     return str(address[0])
 
 
+def raise_open_files_limit() -> None:
+    """Lift the soft limit on open files to the hard one (granian's workers inherit it). Every
+    connection is a descriptor: under a soft limit of 1024 (a common default) a thousand idle
+    connections stopped a process from accepting any more, well below its --max-connections.
+    The per-address cap (MAX_IDLE_CONNECTIONS_PER_ADDRESS) keeps one source from taking them
+    all; the body deadline ends everyone's."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        # A kernel ceiling below the hard limit (fs.nr_open) leaves the soft one as it was.
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def granian_argv(granian: str, app: str, *, host: str, port: int, workers: int,
                  max_connections: int, static: tuple[str, str] | None = None) -> list[str]:
     """The granian command line of `serve`; the benchmark's minimal baseline is served by the
     same one (bench/stack.py), so that their ratios compare applications, not servers."""
     # Headers that never finish are dropped by granian itself (Python never sees them)
-    # after the same deadline a body has (governance/asgi.py).
+    # after the same deadline a body has (governance/asgi.py); so is a connection that sends
+    # nothing, and a keep-alive one idle between requests. HTTP/1 only: under `--http auto`
+    # granian first waits for a connection's first bytes to choose the protocol, with no
+    # deadline at all, so a connection that sent nothing stayed open for good.
     header_ms = min(60_000, max(1, settings.REQUEST_BODY_SECONDS * 1000))
     argv = [granian, "--interface", "asgi", "--host", host, "--port", str(port),
             "--workers", str(workers), "--no-ws", "--respawn-failed-workers",
-            "--http1-header-read-timeout", str(header_ms),
+            "--http", "1", "--http1-header-read-timeout", str(header_ms),
             "--backlog", str(max(128, max_connections)),
             "--backpressure", str(max_connections),
             # A stop (deploy, restart) is not held up by open live streams: they resume.
