@@ -113,7 +113,7 @@ def test_an_unexpected_error_is_recorded_as_the_attempts_outcome(team, settings,
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise TypeError("something no one planned for")
 
-    monkeypatch.setattr(webhooks.httpcore.ConnectionPool, "request", broken)
+    monkeypatch.setattr(webhooks.httpcore.ConnectionPool, "stream", broken)
     delivery = delivery_to(team, "http://127.0.0.1:9/hook")
     step = webhooks.attempt_delivery(delivery_id=delivery.pk, number=1)
     [attempt] = delivery.tries.all()

@@ -6,6 +6,8 @@ transaction, the POST is made outside any transaction, and its outcome recorded 
 Each task message carries the attempt number it is for, so a message the broker delivers
 twice (a worker lost before its ack, a visibility timeout shorter than a backoff delay)
 finds its attempt already claimed and stands down instead of starting a second retry chain.
+Each attempt ends by a wall-clock deadline (TIMEOUT_S) and reads only the receiver's status
+line and headers, so a receiver holds a worker process for at most that long per attempt.
 
 Receivers verify ``X-Governance-Signature: sha256=<hex>``, the HMAC-SHA256 of
 ``"<X-Governance-Timestamp>.<raw body>"`` keyed with the team's webhook secret, and reject
@@ -41,11 +43,13 @@ PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
 MAX_ATTEMPTS = 8
 BASE_DELAY_S = 1.0
 MAX_DELAY_S = 60.0
+# An attempt's whole time, from resolving the name to the receiver's status line and headers
+# (its body is never read): a wall-clock deadline (policies/egress.py VettedBackend), so
+# however the receiver dribbles, a worker process is held for at most this long.
 TIMEOUT_S = 5.0
 # How long a claimed attempt may stay in flight before another worker calls it lost: the
-# POST's timeout plus slack for recording the outcome.
+# attempt's deadline plus slack for recording the outcome.
 LEASE_S = TIMEOUT_S + 2.0
-_TIMEOUTS = {"connect": TIMEOUT_S, "read": TIMEOUT_S, "write": TIMEOUT_S, "pool": TIMEOUT_S}
 # What operators see of a failed attempt: what happened, in fixed phrases that point at the
 # fix, and the status code; nothing the receiver (or whatever listens at that address) wrote.
 REFUSED = "refused: the host resolves to an address that is not public (see WEBHOOK_ALLOWED_HOSTS)"
@@ -231,10 +235,13 @@ def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
         # Straight to a vetted address of the URL's host (policies/egress.py): no proxy from
         # the environment, no redirect, and a name that now resolves to a private address
         # is refused, not connected to.
-        with httpcore.ConnectionPool(network_backend=VettedBackend(),
-                                     ssl_context=ssl_context()) as pool:
-            response = pool.request("POST", url, headers=headers, content=body,
-                                    extensions={"timeout": _TIMEOUTS})
+        # The status line and headers decide; the body is never read (leaving the block
+        # closes the connection), so a huge or endless one costs nothing.
+        deadline = time.monotonic() + TIMEOUT_S
+        with (httpcore.ConnectionPool(network_backend=VettedBackend(deadline=deadline),
+                                      ssl_context=ssl_context()) as pool,
+              pool.stream("POST", url, headers=headers, content=body) as response):
+            status = response.status
     except UnresolvedHost:
         log.info("webhook delivery %s: %s does not resolve", delivery.pk, delivery.url)
         return None, UNRESOLVED
@@ -255,11 +262,11 @@ def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
         # retried), never left "in flight" with the worker's traceback as the only trace.
         log.exception("webhook delivery %s failed unexpectedly", delivery.pk)
         return None, UNEXPECTED
-    if 200 <= response.status < 300:
-        return response.status, ""
-    # Only the status: the receiver's body is not shown to anyone (it could be an internal
-    # service's page).
-    return response.status, f"HTTP {response.status}"
+    if 200 <= status < 300:
+        return status, ""
+    # Only the status: the receiver's body is not read, let alone shown to anyone (it could
+    # be an internal service's page).
+    return status, f"HTTP {status}"
 
 
 def attempt_delivery(*, delivery_id: int, number: int) -> Next | None:
