@@ -237,19 +237,21 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 60)}
-# Queues (docs/reliability.md, "Worker pools"): the kill switch's fan-out, its sweep, every
-# webhook delivery (kill switches', approvals') and the approvals' expiry (short, bounded, and
-# it stops runs) go to `killswitch`, which a worker of its own consumes, so no backtest or
-# prune ever holds the process a kill waits for. Backtests and the audit prune go to `bulk`,
-# the idle sweep (its rate-limit prune grows with traffic) to `default`, both served by the
-# other worker (the Makefile's `worker`, the README). Names, not patterns: a task added later
-# lands on `default`, never on the kill switch's pool by accident.
+# Queues (docs/reliability.md, "Worker pools"): the kill switch's fan-out, its sweep and the
+# approvals' expiry (short, bounded, and it stops runs) go to `killswitch`, which a worker of
+# its own consumes, so no backtest, prune or webhook receiver ever holds the process a kill
+# waits for. Every webhook delivery (kill switches', approvals', tests) goes to `webhooks`,
+# a worker of its own too: a receiver that is slow or down holds only that worker's
+# processes, each for at most one attempt's deadline. Backtests and the audit prune go to
+# `bulk`, the idle sweep (its rate-limit prune grows with traffic) to `default`, both served
+# by the third worker (the Makefile's `worker`, the README). Names, not patterns: a task added
+# later lands on `default`, never on the kill switch's pool by accident.
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_TASK_ROUTES = {
     "runs.tasks.killswitch_fanout": {"queue": "killswitch"},
     "runs.tasks.killswitch_sweep": {"queue": "killswitch"},
-    "runs.tasks.webhook_deliver": {"queue": "killswitch"},
     "runs.tasks.approvals_expire": {"queue": "killswitch"},
+    "runs.tasks.webhook_deliver": {"queue": "webhooks"},
     "backtests.tasks.backtest_run": {"queue": "bulk"},
     "policies.tasks.prune_audit": {"queue": "bulk"},
 }

@@ -1,7 +1,7 @@
 """Celery tasks of the kill switch, on the dedicated ``killswitch`` queue (the settings'
-CELERY_TASK_ROUTES), which a worker of its own consumes, so backtests and other bulk work
-never delay a kill. The webhook deliveries the fan-out creates run as runs/webhooks/tasks.py's
-task, on the same queue.
+CELERY_TASK_ROUTES), which a worker of its own consumes, so backtests, other bulk work and
+webhook receivers never delay a kill. The webhook deliveries the fan-out creates run as
+runs/webhooks/tasks.py's task, on the ``webhooks`` queue and its own worker.
 
 Each task takes ids, calls a service and is idempotent: ``acks_late`` with
 ``reject_on_worker_lost`` means a task whose worker dies is delivered again, and running it
