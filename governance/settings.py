@@ -236,7 +236,19 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 # long task while another worker of its queue is idle.
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 60)}
+# Every broker call is bounded (kombu's Redis default is to wait for ever): a hung Redis
+# costs a worker's publish or ack seconds, never the process. Requests never publish on their
+# own thread (runs/publisher.py). The consumer's BRPOP is read only once its socket is
+# readable, so these do not cut its long wait short.
+BROKER_TIMEOUT_S = 2.0
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 60),
+                                   "socket_timeout": BROKER_TIMEOUT_S,
+                                   "socket_connect_timeout": BROKER_TIMEOUT_S}
+CELERY_BROKER_CONNECTION_TIMEOUT = BROKER_TIMEOUT_S
+# A publish that meets a dead connection reconnects and tries again twice, then fails (the
+# caller's task is retried, or the sweep restarts the work): at most about 3 x 2 x 2 s.
+CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0,
+                                    "interval_step": 0.2, "interval_max": 0.5}
 # Queues (docs/reliability.md, "Worker pools"): the kill switch's fan-out, its sweep and the
 # approvals' expiry (short, bounded, and it stops runs) go to `killswitch`, which a worker of
 # its own consumes, so no backtest, prune or webhook receiver ever holds the process a kill
@@ -275,8 +287,8 @@ CELERY_BEAT_SCHEDULE = {
 AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or DATA_DIR / "exports")
 
 # Redis is never on a check's critical path, and no call to it may hold a request for long
-# (SPEC 10): 100 ms to connect or to answer, whatever uses it. The kill switch's Celery
-# publish is off the request path altogether (runs/killswitch/services.py, FanoutPublisher).
+# (SPEC 10): 100 ms to connect or to answer, whatever uses it. Celery publishes are off the
+# request path altogether (runs/publisher.py).
 REDIS_TIMEOUT_S = 0.1
 if REDIS_URL:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",

@@ -25,6 +25,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpcore
@@ -36,6 +37,7 @@ from policies.egress import RefusedTarget, UnresolvedHost, VettedBackend, ascii_
 from policies.models import Team
 from policies.services import webhook_secret_id
 from runs.models import KillSwitch, WebhookAttempt, WebhookDelivery
+from runs.publisher import publisher
 
 log = logging.getLogger(__name__)
 
@@ -127,16 +129,8 @@ def send_test(*, team: Team, sent_by: str) -> WebhookDelivery | None:
             team=team, event=TEST_EVENT, url=team.webhook_url,
             payload={"event": TEST_EVENT, "team": team.slug, "sent_by": sent_by,
                      "sent_at": now.isoformat().replace("+00:00", "Z")})
-        transaction.on_commit(lambda: _schedule_or_log(delivery.pk))
+        transaction.on_commit(partial(start_delivery, delivery.pk))
     return delivery
-
-
-def _schedule_or_log(delivery_id: int) -> None:
-    try:
-        schedule_delivery(delivery_id, 1, 0)
-    except Exception:
-        # The broker is down: the beat sweep restarts pending deliveries.
-        log.exception("could not schedule webhook delivery %s", delivery_id)
 
 
 def body_of(payload: dict[str, Any]) -> bytes:
@@ -307,9 +301,11 @@ def _deliver_in_thread(delivery_id: int, number: int) -> None:
 
 
 def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
-    """Start attempt ``number`` after ``delay`` seconds: a Celery task on the kill-switch
-    queue, or, in the embedded default (no Redis, eager tasks), a background thread, since
-    an eager task would run the whole backoff inside the engaging request."""
+    """Start attempt ``number`` after ``delay`` seconds: a Celery task on the ``webhooks``
+    queue, published here (a worker's follow-up; the broker's socket timeouts bound it), or,
+    in the embedded default (no Redis, eager tasks), a background thread, since an eager task
+    would run the whole backoff inside the engaging request. From a request, use
+    ``start_delivery``."""
     from runs.webhooks.tasks import webhook_deliver_task
 
     # The task's own app (the project's Celery app once it is loaded), not an import of it.
@@ -320,3 +316,15 @@ def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
         return
     webhook_deliver_task.apply_async((delivery_id, number), countdown=delay)
 
+
+def start_delivery(delivery_id: int) -> None:
+    """Start a delivery from a request, after the commit that created it: its first attempt
+    is published by the process's publisher thread (runs/publisher.py), so the request never
+    waits for the broker (SPEC 10). A publish that is lost (the broker down for long, the
+    process gone) is restarted by the beat sweep: the delivery is still pending."""
+    from runs.webhooks.tasks import webhook_deliver_task
+
+    if webhook_deliver_task.app.conf.task_always_eager:
+        schedule_delivery(delivery_id, 1, 0)
+        return
+    publisher.submit(webhook_deliver_task.name, delivery_id, 1)
