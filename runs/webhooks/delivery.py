@@ -117,14 +117,30 @@ def approval_payload(approval: Any, event: str) -> dict[str, Any]:
     }
 
 
-def send_test(*, team: Team, sent_by: str) -> WebhookDelivery | None:
+class SendTestRefused(ValueError):
+    """A "Send test" the service refuses; the message is meant for the admin."""
+
+
+NO_WEBHOOK = "This team has no webhook URL: set one in the team settings."
+TEST_PENDING = ("A test notification is still pending: its attempts show below. Send another "
+                "once it is delivered or has failed.")
+
+
+def send_test(*, team: Team, sent_by: str) -> WebhookDelivery:
     """A `webhook.test` notification to the team's webhook, delivered (signed, retried,
     recorded) like any other, so an admin sees what a real one would meet: a DNS failure, a
-    refused address, a timeout, the receiver's status. None when the team has no webhook."""
+    refused address, a timeout, the receiver's status. One at a time per team: while the
+    team's last test is pending, another is refused (SendTestRefused), so a button pressed in a
+    loop cannot fill the webhook worker with one team's attempts."""
     if not team.webhook_url:
-        return None
+        raise SendTestRefused(NO_WEBHOOK)
     now = timezone.now()
     with transaction.atomic():
+        # The team's row lock makes "none pending, so create one" one step for concurrent
+        # presses. NO KEY: rows that merely reference the team (runs, audit) are not held up.
+        Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list("pk").get()
+        if WebhookDelivery.objects.filter(team=team, event=TEST_EVENT, status=PENDING).exists():
+            raise SendTestRefused(TEST_PENDING)
         delivery = WebhookDelivery.objects.create(
             team=team, event=TEST_EVENT, url=team.webhook_url,
             payload={"event": TEST_EVENT, "team": team.slug, "sent_by": sent_by,
