@@ -47,9 +47,10 @@ def killswitch_fanout_task(switch_id: int, sweep: bool = False) -> None:
 
 @shared_task(name="runs.tasks.killswitch_sweep", acks_late=True, **_retry)
 def killswitch_sweep_task() -> dict[str, int]:
-    """Beat, every minute: restart what an outage left behind. A switch engaged while the
-    broker was down never got its fan-out task, and a delivery whose chain died with its
-    worker has nothing scheduled; both are idempotent, so restarting them twice is harmless."""
+    """Beat, every minute: restart what an outage left behind, a bounded number a pass
+    (``stale_work``). A switch engaged while the broker was down never got its fan-out task,
+    and a delivery whose chain died with its worker (or whose publish a server gave up on)
+    has nothing scheduled; both are idempotent, so restarting them twice is harmless."""
     fanouts, deliveries = killswitch.stale_work()
     for switch_id in fanouts:
         killswitch_fanout_task.delay(switch_id)
