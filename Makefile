@@ -39,13 +39,14 @@ demo: install-run
 serve:
 	$(PY) manage.py serve
 
-# Two workers (docs/reliability.md, "Worker pools"): the kill switch's fan-out and webhooks
-# on a pool of their own, which backtests and other bulk work never occupy; the rest on the
-# other. Deployments run the two commands as two services. Ctrl-C (or a TERM to the shell)
-# stops both; each finishes the task at hand.
+# Three workers (docs/reliability.md, "Worker pools"): the kill switch's fan-out on a pool of
+# its own, which backtests, bulk work and webhook receivers never occupy; the webhook
+# deliveries on another; the rest on the third. Deployments run the three commands as three
+# services. Ctrl-C (or a TERM to the shell) stops them all; each finishes the task at hand.
 worker:
 	trap 'trap - INT TERM; kill 0' INT TERM; \
 	.venv/bin/celery -A governance worker -Q killswitch -n killswitch@%h --concurrency 2 -l info & \
+	.venv/bin/celery -A governance worker -Q webhooks -n webhooks@%h --concurrency 2 -l info & \
 	.venv/bin/celery -A governance worker -Q default,bulk -n bulk@%h --concurrency 2 -l info & \
 	wait
 

@@ -269,28 +269,32 @@ def create_minimal_tables() -> None:
 
 @dataclass
 class CeleryWorker:
-    """The kill switch's own Celery worker, as in production (`make worker` starts it beside
-    the bulk one, which the benchmark has no work for)."""
+    """The kill switch's own Celery worker and the webhooks' one, as in production (`make
+    worker` starts them beside the bulk one, which the benchmark has no work for)."""
 
-    process: subprocess.Popen[bytes] | None = None
+    POOLS = ("killswitch", "webhooks")  # each consumes the queue of its name
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(self) -> CeleryWorker:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
-        log = (LOG_DIR / "celery.log").open("wb")
         celery = str(Path(sys.executable).with_name("celery"))
-        self.process = subprocess.Popen(
-            [celery, "-A", "governance", "worker", "-Q", "killswitch", "-n", "killswitch@%h",
-             "--concurrency", "1", "-l", "warning", "--without-gossip", "--without-mingle"],
-            cwd=ROOT, env=base_env(), start_new_session=True, stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        for pool in self.POOLS:
+            log = (LOG_DIR / f"celery-{pool}.log").open("wb")
+            self.processes.append(subprocess.Popen(
+                [celery, "-A", "governance", "worker", "-Q", pool, "-n", f"{pool}@%h",
+                 "--concurrency", "1", "-l", "warning", "--without-gossip", "--without-mingle"],
+                cwd=ROOT, env=base_env(), start_new_session=True, stdout=log,
+                stderr=subprocess.STDOUT,
+            ))
         time.sleep(3)  # no readiness probe without a result backend; startup takes ~2 s
-        if self.process.poll() is not None:
-            raise RuntimeError("the Celery worker exited at once; see " + str(LOG_DIR))
+        if any(process.poll() is not None for process in self.processes):
+            self.stop()
+            raise RuntimeError("a Celery worker exited at once; see " + str(LOG_DIR))
         return self
 
     def stop(self) -> None:
-        stop_group(self.process)
+        for process in self.processes:
+            stop_group(process)
 
 
 def machine_description() -> dict[str, Any]:

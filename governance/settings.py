@@ -236,20 +236,34 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 # long task while another worker of its queue is idle.
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 60)}
-# Queues (docs/reliability.md, "Worker pools"): the kill switch's fan-out, its sweep, every
-# webhook delivery (kill switches', approvals') and the approvals' expiry (short, bounded, and
-# it stops runs) go to `killswitch`, which a worker of its own consumes, so no backtest or
-# prune ever holds the process a kill waits for. Backtests and the audit prune go to `bulk`,
-# the idle sweep (its rate-limit prune grows with traffic) to `default`, both served by the
-# other worker (the Makefile's `worker`, the README). Names, not patterns: a task added later
-# lands on `default`, never on the kill switch's pool by accident.
+# Every broker call is bounded (kombu's Redis default is to wait for ever): a hung Redis
+# costs a worker's publish or ack seconds, never the process. Requests never publish on their
+# own thread (runs/publisher.py). The consumer's BRPOP is read only once its socket is
+# readable, so these do not cut its long wait short.
+BROKER_TIMEOUT_S = 2.0
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 60),
+                                   "socket_timeout": BROKER_TIMEOUT_S,
+                                   "socket_connect_timeout": BROKER_TIMEOUT_S}
+CELERY_BROKER_CONNECTION_TIMEOUT = BROKER_TIMEOUT_S
+# A publish that meets a dead connection reconnects and tries again twice, then fails (the
+# caller's task is retried, or the sweep restarts the work): at most about 3 x 2 x 2 s.
+CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0,
+                                    "interval_step": 0.2, "interval_max": 0.5}
+# Queues (docs/reliability.md, "Worker pools"): the kill switch's fan-out, its sweep and the
+# approvals' expiry (short, bounded, and it stops runs) go to `killswitch`, which a worker of
+# its own consumes, so no backtest, prune or webhook receiver ever holds the process a kill
+# waits for. Every webhook delivery (kill switches', approvals', tests) goes to `webhooks`,
+# a worker of its own too: a receiver that is slow or down holds only that worker's
+# processes, each for at most one attempt's deadline. Backtests and the audit prune go to
+# `bulk`, the idle sweep (its rate-limit prune grows with traffic) to `default`, both served
+# by the third worker (the Makefile's `worker`, the README). Names, not patterns: a task added
+# later lands on `default`, never on the kill switch's pool by accident.
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_TASK_ROUTES = {
     "runs.tasks.killswitch_fanout": {"queue": "killswitch"},
     "runs.tasks.killswitch_sweep": {"queue": "killswitch"},
-    "runs.tasks.webhook_deliver": {"queue": "killswitch"},
     "runs.tasks.approvals_expire": {"queue": "killswitch"},
+    "runs.tasks.webhook_deliver": {"queue": "webhooks"},
     "backtests.tasks.backtest_run": {"queue": "bulk"},
     "policies.tasks.prune_audit": {"queue": "bulk"},
 }
@@ -277,8 +291,8 @@ AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or DATA_DIR / "export
 RATE_LIMIT_LOCK_WAIT_MS = env_int("RATE_LIMIT_LOCK_WAIT_MS", 500)
 
 # Redis is never on a check's critical path, and no call to it may hold a request for long
-# (SPEC 10): 100 ms to connect or to answer, whatever uses it. The kill switch's Celery
-# publish is off the request path altogether (runs/killswitch/services.py, FanoutPublisher).
+# (SPEC 10): 100 ms to connect or to answer, whatever uses it. Celery publishes are off the
+# request path altogether (runs/publisher.py).
 REDIS_TIMEOUT_S = 0.1
 if REDIS_URL:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",

@@ -11,6 +11,10 @@ Public means `ipaddress`'s ``is_global`` and not multicast; IPv6 forms that carr
 address (mapped, 6to4, NAT64) are judged by that address. Receivers on an internal network
 are allowed by name or by network in ``WEBHOOK_ALLOWED_HOSTS``.
 
+The same backend ends everything it opens by a deadline (``DeadlineStream``): httpcore's
+timeouts are per operation, and a receiver answering a byte at a time would renew them for
+ever.
+
 No library: the candidates (advocate, for requests; a few young httpx wrappers) are either
 unmaintained or new; this is the standard library's classification and one httpcore hook.
 """
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import ssl
 import threading
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -136,8 +142,10 @@ def vetted_addresses(host: str, port: int) -> list[str]:
     return addresses
 
 
-def _resolves_within(host: str, port: int, timeout: float) -> list[str] | None:
-    """vetted_addresses with a deadline (getaddrinfo has none): None when DNS is slow."""
+def vetted_addresses_within(host: str, port: int, timeout: float) -> list[str]:
+    """vetted_addresses with a deadline (getaddrinfo has none: the resolver's own retries can
+    take half a minute). Raises TimeoutError when DNS is slower; the lookup then finishes in
+    a daemon thread whose result nobody reads."""
     outcome: dict[str, Any] = {}
 
     def resolve() -> None:
@@ -148,13 +156,21 @@ def _resolves_within(host: str, port: int, timeout: float) -> list[str] | None:
 
     thread = threading.Thread(target=resolve, daemon=True)
     thread.start()
-    thread.join(timeout)
+    thread.join(max(0.0, timeout))
     if "refused" in outcome:
-        refused = outcome["refused"]
-        if isinstance(refused, UnresolvedHost):
-            return None  # unknown today (not set up yet?): the delivery-time check guards
-        raise refused
-    return outcome.get("addresses")
+        raise outcome["refused"]
+    if "addresses" not in outcome:
+        raise TimeoutError(f"no DNS answer for {host} within {timeout:.1f} s")
+    return list(outcome["addresses"])
+
+
+def _resolves_within(host: str, port: int, timeout: float) -> list[str] | None:
+    """The save's check: None when DNS is slow or the name unknown today (not set up yet?);
+    the delivery-time check guards."""
+    try:
+        return vetted_addresses_within(host, port, timeout)
+    except (UnresolvedHost, TimeoutError):
+        return None
 
 
 def check_webhook_url(url: str) -> None:
@@ -225,19 +241,83 @@ def masked_url(url: str | None) -> str:
 
 
 class VettedBackend(httpcore.SyncBackend):
-    """httpcore's network backend, connecting only to vetted addresses of the host. TLS still
-    verifies the certificate of the name in the URL (httpcore passes it as server_hostname)."""
+    """httpcore's network backend, connecting only to vetted addresses of the host, and
+    ending everything it opens by ``deadline`` (a ``time.monotonic()`` instant): the name's
+    resolution, the connection, TLS, and every read and write (``DeadlineStream``). httpcore's
+    own timeouts are per operation, so a receiver sending a byte every few seconds would
+    otherwise hold the caller for ever. TLS still verifies the certificate of the name in the
+    URL (httpcore passes it as server_hostname)."""
+
+    def __init__(self, *, deadline: float) -> None:
+        self.deadline = deadline
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None,
                     local_address: str | None = None,
                     socket_options: Any = None) -> httpcore.NetworkStream:
+        try:
+            addresses = vetted_addresses_within(
+                host, port, _left(self.deadline, timeout, httpcore.ConnectTimeout))
+        except TimeoutError as exc:
+            raise httpcore.ConnectTimeout(str(exc)) from exc
         last: Exception | None = None
-        for address in vetted_addresses(host, port):
+        for address in addresses:
             try:
-                return super().connect_tcp(address, port, timeout=timeout,
-                                           local_address=local_address,
-                                           socket_options=socket_options)
+                stream = super().connect_tcp(
+                    address, port, timeout=_left(self.deadline, timeout, httpcore.ConnectTimeout),
+                    local_address=local_address, socket_options=socket_options)
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
                 last = exc
+                continue
+            return DeadlineStream(stream, self.deadline)
         assert last is not None  # vetted_addresses returns at least one or raises
         raise last
+
+
+def _left(deadline: float, timeout: float | None, timed_out: type[Exception]) -> float:
+    """The time an operation may take: its own timeout, but never past the deadline."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise timed_out("the deadline has passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class DeadlineStream(httpcore.NetworkStream):
+    """A network stream whose every operation ends by the deadline: reads and the TLS
+    handshake get min(their timeout, the time left), and a write re-arms its socket's timeout
+    before each send, since httpcore's write loop would give every partial send the whole
+    timeout again (a receiver accepting a few bytes at a time)."""
+
+    def __init__(self, stream: httpcore.NetworkStream, deadline: float) -> None:
+        self._stream = stream
+        self._deadline = deadline
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _left(self._deadline, timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        sock = self._stream.get_extra_info("socket")
+        if sock is None:  # not a socket stream: one write, bounded as a whole
+            self._stream.write(buffer, _left(self._deadline, timeout, httpcore.WriteTimeout))
+            return
+        view = memoryview(buffer)
+        while view:
+            try:
+                sock.settimeout(_left(self._deadline, timeout, httpcore.WriteTimeout))
+                view = view[sock.send(view):]
+            except TimeoutError as exc:
+                raise httpcore.WriteTimeout(str(exc)) from exc
+            except OSError as exc:
+                raise httpcore.WriteError(str(exc)) from exc
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        stream = self._stream.start_tls(
+            ssl_context, server_hostname=server_hostname,
+            timeout=_left(self._deadline, timeout, httpcore.ConnectTimeout))
+        return DeadlineStream(stream, self._deadline)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)

@@ -1,6 +1,6 @@
 """The engage never waits for the broker (SPEC 10): its fan-out is published from a
-background thread (runs/killswitch/services.py, FanoutPublisher), which marks the runs itself
-while the broker does not answer and publishes as soon as it does."""
+background thread (runs/publisher.py), which marks the runs itself while the broker does not
+answer and publishes as soon as it does."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from governance.celery import app as celery_app
-from runs.killswitch.services import fanout_publisher, killswitch_engage
+from runs.killswitch.services import killswitch_engage
 from runs.models import Run
+from runs.publisher import publisher as fanout_publisher
 from tests.faults import HAS_REDIS_SERVER, hung_listener, throwaway_redis
 from tests.workers import wait_for
 

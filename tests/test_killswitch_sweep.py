@@ -38,6 +38,28 @@ def test_it_names_old_pending_deliveries_with_their_next_attempt(team):
     assert stale_work()[1] == []
 
 
+def test_a_pass_names_a_bounded_number_oldest_first(team, monkeypatch):
+    """An outage can leave thousands behind; one pass of the sweep publishes a bounded
+    number (the next pass takes the next ones), not all of them at once."""
+    from runs.killswitch import services
+
+    monkeypatch.setattr(services, "STALE_BATCH", 3, raising=False)
+    switches = [KillSwitch.objects.create(
+        scope="agent", team=team, agent=f"bot-{n}", target=f"agent:{team.pk}:bot-{n}",
+        reason="r", engaged_by_label="ops", engaged_at=timezone.now() - timedelta(minutes=10 - n))
+        for n in range(5)]
+    deliveries = []
+    for n in range(5):
+        delivery = WebhookDelivery.objects.create(switch=switches[n], team=team,
+                                                  url="http://x.invalid/", payload={})
+        WebhookDelivery.objects.filter(pk=delivery.pk).update(
+            created_at=timezone.now() - timedelta(minutes=10 - n))
+        deliveries.append(delivery.pk)
+    fanouts, pending = stale_work()
+    assert fanouts == [switch.pk for switch in switches[:3]]
+    assert pending == [(pk, 1) for pk in deliveries[:3]]
+
+
 @pytest.fixture
 def eager_tasks():
     """The tasks the sweep enqueues run here and now, as a worker would run them."""

@@ -113,7 +113,7 @@ def test_an_unexpected_error_is_recorded_as_the_attempts_outcome(team, settings,
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise TypeError("something no one planned for")
 
-    monkeypatch.setattr(webhooks.httpcore.ConnectionPool, "request", broken)
+    monkeypatch.setattr(webhooks.httpcore.ConnectionPool, "stream", broken)
     delivery = delivery_to(team, "http://127.0.0.1:9/hook")
     step = webhooks.attempt_delivery(delivery_id=delivery.pk, number=1)
     [attempt] = delivery.tries.all()
@@ -154,6 +154,26 @@ def test_only_admins_may_send_a_test(team, users, other_team):
     assert not WebhookDelivery.objects.exists()
     page = signed_in(users["operator"]).get(reverse("runs:killswitch", args=[team.slug]))
     assert b"data-webhook-test" not in page.content
+
+
+def test_a_second_test_is_refused_while_the_teams_last_one_is_pending(team, users):
+    """One test at a time per team: a button pressed in a loop cannot queue hundreds of
+    attempts (each up to 5 s of the webhook worker's time, retried 8 times)."""
+    team_update_webhook(team=team, webhook_url="https://hooks.example.com/t", actor=None)
+    admin = signed_in(users["admin"])
+    url = reverse("runs:webhook-test", args=[team.slug])
+    assert b"Test notification sent" in admin.post(url, follow=True).content
+    # No worker has taken it (this test's commit hooks never run): it is still pending.
+    refused = admin.post(url, follow=True).content.decode()
+    assert "still pending" in refused
+    assert WebhookDelivery.objects.filter(team=team, event=webhooks.TEST_EVENT).count() == 1
+    team.refresh_from_db()
+    with pytest.raises(webhooks.SendTestRefused, match="still pending"):
+        webhooks.send_test(team=team, sent_by="admin")
+    # Once it has an outcome, the next test goes out.
+    WebhookDelivery.objects.filter(team=team).update(status=webhooks.FAILED)
+    assert b"Test notification sent" in admin.post(url, follow=True).content
+    assert WebhookDelivery.objects.filter(team=team, event=webhooks.TEST_EVENT).count() == 2
 
 
 def test_a_test_without_a_webhook_says_so(team, users):

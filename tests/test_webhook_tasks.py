@@ -24,11 +24,11 @@ def receiver(team: Any, settings: Any) -> Iterator[Receiver]:
     rec.stop()
 
 
-def test_a_worker_finds_the_task_by_its_old_name_on_the_killswitch_queue() -> None:
+def test_a_worker_finds_the_task_by_its_old_name_on_the_webhooks_queue() -> None:
     app.loader.import_default_modules()  # what a worker does at start: autodiscovery
     task = app.tasks[OLD_NAME]
     assert task.__module__ == "runs.webhooks.tasks"
-    assert app.amqp.router.route({}, OLD_NAME)["queue"].name == "killswitch"
+    assert app.amqp.router.route({}, OLD_NAME)["queue"].name == "webhooks"
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,6 +1,7 @@
 """The kill switch's worker pool (SPEC 10, "No tenant slows another"): its fan-out never queues
-behind backtests or other bulk work, because its queue has a worker of its own, in the
-Makefile's and the README's worker commands alike (docs/reliability.md, "Worker pools")."""
+behind backtests, other bulk work or another team's webhook receiver, because its queue has a
+worker of its own, and the webhooks another, in the Makefile's and the README's worker
+commands alike (docs/reliability.md, "Worker pools")."""
 
 from __future__ import annotations
 
@@ -20,14 +21,17 @@ from policies.models import Policy, Team
 from policies.services import agent_key_create, team_ensure
 from runs.check.services import run_start
 from runs.killswitch.services import killswitch_engage
-from runs.models import KillSwitch, Run
+from runs.models import KillSwitch, Run, WebhookDelivery
+from runs.webhooks import delivery as webhooks
 from tests.conftest import ROOT
+from tests.faults import hung_listener
 from tests.workers import POOLS, Receiver, Worker, new_worker, wait_for, workers_fixture  # noqa: F401
 
-# What must be as prompt as a kill: the fan-out, its sweep, the webhooks (the kill switch's
-# and the approvals'), and the approvals' expiry.
+# What must be as prompt as a kill: the fan-out, its sweep, and the approvals' expiry.
 PROMPT = {"runs.tasks.killswitch_fanout", "runs.tasks.killswitch_sweep",
-          "runs.tasks.webhook_deliver", "runs.tasks.approvals_expire"}
+          "runs.tasks.approvals_expire"}
+# What waits on other people's servers: the webhooks (kill switches', approvals', tests).
+WEBHOOKS = {"runs.tasks.webhook_deliver"}
 BULK = {"backtests.tasks.backtest_run", "policies.tasks.prune_audit"}
 
 # SPEC 10's fairness test: a team B kill switch fans out within 1 s (of the engage's return).
@@ -46,14 +50,16 @@ def test_every_task_goes_to_a_queue_a_pool_serves_and_only_the_kill_switchs_to_i
         ) -> None:
     app.loader.import_default_modules()  # what a worker does at start: autodiscovery
     ours = {name for name in app.tasks if not name.startswith("celery.")}
-    assert ours >= PROMPT | BULK
+    assert ours >= PROMPT | WEBHOOKS | BULK
     pools = pool_queues()
     assert pools["killswitch"] == {"killswitch"}
+    assert pools["webhooks"] == {"webhooks"}
     served = set().union(*pools.values())
     for name in sorted(ours):
         queue = app.amqp.router.route({}, name)["queue"].name
         assert queue in served, f"{name} goes to {queue}, which no worker consumes"
         assert (queue == "killswitch") == (name in PROMPT), (name, queue)
+        assert (queue == "webhooks") == (name in WEBHOOKS), (name, queue)
     for name in BULK:
         assert app.amqp.router.route({}, name)["queue"].name == "bulk"
 
@@ -121,3 +127,55 @@ def test_another_teams_backtests_never_delay_a_kill_switchs_fan_out(
     assert not receiver.invalid
     print(f"fan-out behind {len(jobs)} backtests: {took:.2f} s")
 
+
+
+# Deliveries to team alpha's hung receiver: more than the pools' processes can take at once,
+# each holding its process for an attempt's whole deadline.
+HUNG_DELIVERIES = 12
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_another_teams_hung_webhook_receiver_never_delays_a_kill_switchs_fan_out(
+        workers: list[Worker]) -> None:
+    """Team alpha's webhook receiver accepts connections and never answers, and alpha has
+    many deliveries to it; team bravo's kill switch still marks its runs killed and records
+    its fan-out done within 1 s of the engage. With the webhooks on the kill switch's queue,
+    alpha's attempts held every process of its worker, 5 s each, and bravo's fan-out waited
+    behind them."""
+    alpha = team_ensure(slug="alpha")[0]
+    bravo = team_ensure(slug="bravo")[0]
+    key = agent_key_create(team=bravo, name="bravo-key").key
+    runs = [run_start(key=key, agent="bravo-bot", policy=None, task=None, metadata=None,
+                      external_id=None)[0].pk for _ in range(5)]
+    with hung_listener() as hung:
+        url = f"http://127.0.0.1:{hung.port}/alpha"
+        Team.objects.filter(pk=alpha.pk).update(webhook_url=url)
+        new_worker(workers, concurrency=2)  # the Makefile's concurrency
+        for n in range(HUNG_DELIVERIES):
+            delivery = WebhookDelivery.objects.create(
+                team=alpha, event=webhooks.TEST_EVENT, url=url, payload={"n": n})
+            webhooks.schedule_delivery(delivery.pk, 1, 0)
+        wait_for(lambda: len(hung.held) >= 2, timeout=30, interval=0.05,
+                 what="alpha's attempts holding two worker processes")
+
+        switch = killswitch_engage(scope="team", team=bravo, reason="fairness",
+                                   actor_label="test")
+        returned = time.monotonic()
+
+        def fanned_out() -> bool:
+            return (Run.objects.filter(pk__in=runs, status="killed").count() == len(runs)
+                    and KillSwitch.objects.get(pk=switch.pk).fanout_done_at is not None)
+
+        try:
+            wait_for(fanned_out, timeout=90, interval=0.02, what="bravo's fan-out")
+            took = time.monotonic() - returned
+            undelivered = WebhookDelivery.objects.filter(team=alpha, status="pending").count()
+        finally:
+            for worker in workers:
+                worker.kill()  # alpha's attempts need not end
+    assert took < FAN_OUT_S, f"bravo's fan-out took {took:.2f} s behind alpha's webhooks"
+    assert undelivered == HUNG_DELIVERIES, "alpha's receiver answered: the test proved nothing"
+    print(f"fan-out beside {HUNG_DELIVERIES} hung webhooks: {took:.2f} s")

@@ -33,9 +33,11 @@ from tests.conftest import ROOT, server_env
 CELERY = Path(sys.executable).parent / "celery"
 
 # The Makefile's worker pools, name: queues. The kill switch's queue has a worker of its own,
-# so backtests and other bulk work can never hold the process its fan-out waits for.
-POOLS: dict[str, str] = {"killswitch": "killswitch", "bulk": "default,bulk"}
-QUEUES = ("killswitch", "default", "bulk")
+# so backtests, other bulk work and webhook receivers can never hold the process its fan-out
+# waits for; the webhooks have one of their own too.
+POOLS: dict[str, str] = {"killswitch": "killswitch", "webhooks": "webhooks",
+                         "bulk": "default,bulk"}
+QUEUES = ("killswitch", "webhooks", "default", "bulk")
 
 
 @dataclass

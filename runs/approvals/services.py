@@ -264,7 +264,10 @@ def _after_change(approval_id: Any, event: str, *, team_id: int | None = None,
 
 
 def _notify(approval: Approval, event: str) -> None:
-    from runs.webhooks.delivery import schedule_delivery
+    """The team's webhook is told, after the commit, on the request's thread: the delivery's
+    row here, its publish by the publisher's thread (start_delivery), so a check that opens
+    an approval never waits for the broker (SPEC 10)."""
+    from runs.webhooks.delivery import start_delivery
 
     team = approval.team
     if not team.webhook_url:
@@ -275,11 +278,7 @@ def _notify(approval: Approval, event: str) -> None:
                   "payload": approval_payload(approval, event)},
     )
     if created:
-        try:
-            schedule_delivery(delivery.pk, 1, 0)
-        except Exception:
-            # The broker is down: the beat sweep restarts pending deliveries (runs/tasks.py).
-            log.exception("could not schedule webhook delivery %s", delivery.pk)
+        start_delivery(delivery.pk)
 
 
 def _locked(run_id: Any) -> tuple[Run, rules.RunState]:

@@ -10,12 +10,8 @@ is idempotent and may run any number of times.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
-import os
-import threading
-import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -23,7 +19,7 @@ from functools import partial
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import IntegrityError, connection, connections, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Q, QuerySet
 from django.db.models.fields.json import KT
 from django.utils import timezone
@@ -37,6 +33,7 @@ from runs.killswitch import cover
 from runs.killswitch.selectors import engaged_switch
 from runs.live.events import publish_team_event
 from runs.models import Decision, KillSwitch, Run, RunStatus, Scope, WebhookDelivery
+from runs.publisher import publisher
 from runs.webhooks.delivery import PENDING, payload_for
 
 log = logging.getLogger(__name__)
@@ -150,8 +147,11 @@ def _run_fanout_here(switch_id: int) -> None:
 
 def _enqueue_fanout(switch_id: int) -> None:
     """After the engage's commit. The embedded default runs the task eagerly, here (no
-    broker to wait for); with a broker, the publish is handed to a background thread, so an
-    engage returns once its commit is done whatever Redis is doing (SPEC 10)."""
+    broker to wait for); with a broker, the publish is handed to a background thread
+    (runs/publisher.py), so an engage returns once its commit is done whatever Redis is doing
+    (SPEC 10). If that thread never publishes it, the beat sweep (`stale_work`, every minute)
+    finds the switch without `fanout_done_at` and publishes it again; running the fan-out
+    twice is harmless."""
     from runs.killswitch.tasks import killswitch_fanout_task
 
     if killswitch_fanout_task.app.conf.task_always_eager:
@@ -162,110 +162,11 @@ def _enqueue_fanout(switch_id: int) -> None:
                           switch_id)
             _run_fanout_here(switch_id)
         return
-    fanout_publisher.submit(switch_id)
-
-
-class FanoutPublisher:
-    """Publishes kill-switch fan-out tasks from one thread of the process, off the request
-    path, with short broker timeouts, retrying with capped backoff while the broker is down.
-
-    The switch is committed before anything is submitted, and every check of a covered run
-    already stops (SPEC 4.5): the fan-out only marks runs, wakes screens and notifies
-    webhooks. If this process dies or gives up before the publish succeeds, the beat sweep
-    (`stale_work`, every minute) finds the switch without `fanout_done_at` and publishes it
-    again; running the fan-out twice is harmless.
-    """
-
-    CONNECT_TIMEOUT_S = 1.0
-    SOCKET_TIMEOUT_S = 1.0
-    GIVE_UP_AFTER_S = 600.0  # then the beat sweep takes over
-    MAX_DELAY_S = 5.0
-
-    def __init__(self) -> None:
-        self._reset()
-        # A forked child (granian and Celery workers) has none of the parent's threads.
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._cond = threading.Condition()
-        self._pending: dict[int, float] = {}  # switch id -> when it was submitted
-        self._marked: set[int] = set()  # switches this thread already fanned out itself
-        self._busy = False
-        self._thread: threading.Thread | None = None
-
-    def submit(self, switch_id: int) -> None:
-        with self._cond:
-            self._pending.setdefault(switch_id, time.monotonic())
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="killswitch-publish",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def flush(self, timeout: float = 2.0) -> bool:
-        """Wait until everything submitted was published (or given up on); False on
-        timeout. Called at exit, so that `manage.py killswitch engage` publishes its own."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._busy,
-                                       timeout=timeout)
-
-    def _loop(self) -> None:
-        delay = 0.25
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._pending))
-                batch, self._busy = dict(self._pending), True
-            failed = False
-            for switch_id, submitted in batch.items():
-                if self._publish(switch_id):
-                    done = True
-                else:
-                    failed = True
-                    if switch_id not in self._marked:
-                        # The broker is down: mark the runs from here meanwhile, so screens
-                        # and the API show them killed without waiting for it.
-                        self._marked.add(switch_id)
-                        _run_fanout_here(switch_id)
-                        connections.close_all()  # this thread's own connections
-                    done = time.monotonic() - submitted > self.GIVE_UP_AFTER_S
-                    if done:
-                        log.error("gave up publishing the fan-out of kill switch %s; the beat "
-                                  "sweep will start it", switch_id)
-                if done:
-                    with self._cond:
-                        self._pending.pop(switch_id, None)
-                    self._marked.discard(switch_id)
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
-                if failed:
-                    # Sleeps only this thread; a new submission does not cut the wait short,
-                    # the broker being down for it too.
-                    self._cond.wait(timeout=delay)
-                    delay = min(self.MAX_DELAY_S, delay * 2)
-                else:
-                    delay = 0.25
-
-    def _publish(self, switch_id: int) -> bool:
-        from runs.killswitch.tasks import killswitch_fanout_task
-
-        try:
-            with killswitch_fanout_task.app.connection_for_write(
-                connect_timeout=self.CONNECT_TIMEOUT_S,
-                transport_options={"socket_timeout": self.SOCKET_TIMEOUT_S,
-                                   "socket_connect_timeout": self.CONNECT_TIMEOUT_S,
-                                   "max_retries": 0},
-            ) as conn:
-                killswitch_fanout_task.apply_async((switch_id,), connection=conn, retry=False)
-            return True
-        except Exception:
-            log.warning("could not publish the fan-out of kill switch %s (broker unreachable);"
-                        " retrying", switch_id, exc_info=True)
-            return False
-
-
-fanout_publisher = FanoutPublisher()
-atexit.register(fanout_publisher.flush)
+    # While the broker is down or hung the publisher's thread marks the covered runs killed
+    # itself, so screens and the API show them killed without waiting for it; the webhooks
+    # wait for the worker (or the sweep).
+    publisher.submit(killswitch_fanout_task.name, switch_id,
+                     while_down=partial(_run_fanout_here, switch_id))
 
 
 def killswitch_engage(
@@ -623,17 +524,23 @@ def killswitch_fanout_done(*, switch_id: int) -> None:
 
 
 STALE_AFTER = timedelta(minutes=1)
+# What one pass of the sweep restarts at most, of each kind: a pass publishes a bounded number
+# of messages however much an outage left behind; the next pass (a minute later) takes the
+# next ones, as the restarted deliveries end (delivered, or failed after their attempts).
+STALE_BATCH = 200
 
 
 def stale_work(*, now: datetime | None = None) -> tuple[list[int], list[tuple[int, int]]]:
-    """Fan-outs not finished and pending deliveries not attempted for a while: the switch
-    ids to fan out again, and (delivery id, attempt number) pairs to try again."""
+    """Fan-outs not finished and pending deliveries not attempted for a while, oldest first,
+    at most STALE_BATCH of each: the switch ids to fan out again, and (delivery id, attempt
+    number) pairs to try again."""
     cutoff = (now or timezone.now()) - STALE_AFTER
     fanouts = list(KillSwitch.objects.filter(fanout_done_at__isnull=True, engaged_at__lt=cutoff)
-                   .values_list("pk", flat=True))
-    # Every old pending delivery is named; the delivery's own claim (runs/webhooks/delivery.py) lets
-    # a message through only when its attempt is really due, so a live chain is not doubled.
+                   .order_by("engaged_at", "pk").values_list("pk", flat=True)[:STALE_BATCH])
+    # An old pending delivery is named even if its chain is alive; the delivery's own claim
+    # (runs/webhooks/delivery.py) lets a message through only when its attempt is really due,
+    # so a live chain is not doubled.
     deliveries = [(pk, max(attempts, 1)) for pk, attempts in WebhookDelivery.objects.filter(
-        status=PENDING, created_at__lt=cutoff).values_list("pk", "attempts")]
+        status=PENDING, created_at__lt=cutoff).order_by("created_at", "pk")
+        .values_list("pk", "attempts")[:STALE_BATCH]]
     return fanouts, deliveries
-

@@ -1,7 +1,7 @@
 """Celery tasks of the kill switch, on the dedicated ``killswitch`` queue (the settings'
-CELERY_TASK_ROUTES), which a worker of its own consumes, so backtests and other bulk work
-never delay a kill. The webhook deliveries the fan-out creates run as runs/webhooks/tasks.py's
-task, on the same queue.
+CELERY_TASK_ROUTES), which a worker of its own consumes, so backtests, other bulk work and
+webhook receivers never delay a kill. The webhook deliveries the fan-out creates run as
+runs/webhooks/tasks.py's task, on the ``webhooks`` queue and its own worker.
 
 Each task takes ids, calls a service and is idempotent: ``acks_late`` with
 ``reject_on_worker_lost`` means a task whose worker dies is delivered again, and running it
@@ -47,9 +47,10 @@ def killswitch_fanout_task(switch_id: int, sweep: bool = False) -> None:
 
 @shared_task(name="runs.tasks.killswitch_sweep", acks_late=True, **_retry)
 def killswitch_sweep_task() -> dict[str, int]:
-    """Beat, every minute: restart what an outage left behind. A switch engaged while the
-    broker was down never got its fan-out task, and a delivery whose chain died with its
-    worker has nothing scheduled; both are idempotent, so restarting them twice is harmless."""
+    """Beat, every minute: restart what an outage left behind, a bounded number a pass
+    (``stale_work``). A switch engaged while the broker was down never got its fan-out task,
+    and a delivery whose chain died with its worker (or whose publish a server gave up on)
+    has nothing scheduled; both are idempotent, so restarting them twice is harmless."""
     fanouts, deliveries = killswitch.stale_work()
     for switch_id in fanouts:
         killswitch_fanout_task.delay(switch_id)

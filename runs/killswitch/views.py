@@ -182,8 +182,10 @@ def killswitch_page(request: HttpRequest, slug: str) -> HttpResponse:
 def webhook_test_view(request: HttpRequest, slug: str) -> HttpResponse:
     """Send test: a signed `webhook.test` delivery, shown in the deliveries log below."""
     team = request.team  # type: ignore[attr-defined]
-    if webhooks.send_test(team=team, sent_by=request.user.get_username()) is None:
-        messages.error(request, "This team has no webhook URL: set one in the team settings.")
+    try:
+        webhooks.send_test(team=team, sent_by=request.user.get_username())
+    except webhooks.SendTestRefused as refused:
+        messages.error(request, str(refused))
     else:
         messages.success(request, "Test notification sent: its attempts show below.")
     return redirect(reverse("runs:killswitch", args=[slug]) + "#killswitch-deliveries")

@@ -6,6 +6,8 @@ transaction, the POST is made outside any transaction, and its outcome recorded 
 Each task message carries the attempt number it is for, so a message the broker delivers
 twice (a worker lost before its ack, a visibility timeout shorter than a backoff delay)
 finds its attempt already claimed and stands down instead of starting a second retry chain.
+Each attempt ends by a wall-clock deadline (TIMEOUT_S) and reads only the receiver's status
+line and headers, so a receiver holds a worker process for at most that long per attempt.
 
 Receivers verify ``X-Governance-Signature: sha256=<hex>``, the HMAC-SHA256 of
 ``"<X-Governance-Timestamp>.<raw body>"`` keyed with the team's webhook secret, and reject
@@ -23,6 +25,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpcore
@@ -34,6 +37,7 @@ from policies.egress import RefusedTarget, UnresolvedHost, VettedBackend, ascii_
 from policies.models import Team
 from policies.services import webhook_secret_id
 from runs.models import KillSwitch, WebhookAttempt, WebhookDelivery
+from runs.publisher import publisher
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +45,13 @@ PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
 MAX_ATTEMPTS = 8
 BASE_DELAY_S = 1.0
 MAX_DELAY_S = 60.0
+# An attempt's whole time, from resolving the name to the receiver's status line and headers
+# (its body is never read): a wall-clock deadline (policies/egress.py VettedBackend), so
+# however the receiver dribbles, a worker process is held for at most this long.
 TIMEOUT_S = 5.0
 # How long a claimed attempt may stay in flight before another worker calls it lost: the
-# POST's timeout plus slack for recording the outcome.
+# attempt's deadline plus slack for recording the outcome.
 LEASE_S = TIMEOUT_S + 2.0
-_TIMEOUTS = {"connect": TIMEOUT_S, "read": TIMEOUT_S, "write": TIMEOUT_S, "pool": TIMEOUT_S}
 # What operators see of a failed attempt: what happened, in fixed phrases that point at the
 # fix, and the status code; nothing the receiver (or whatever listens at that address) wrote.
 REFUSED = "refused: the host resolves to an address that is not public (see WEBHOOK_ALLOWED_HOSTS)"
@@ -111,28 +117,36 @@ def approval_payload(approval: Any, event: str) -> dict[str, Any]:
     }
 
 
-def send_test(*, team: Team, sent_by: str) -> WebhookDelivery | None:
+class SendTestRefused(ValueError):
+    """A "Send test" the service refuses; the message is meant for the admin."""
+
+
+NO_WEBHOOK = "This team has no webhook URL: set one in the team settings."
+TEST_PENDING = ("A test notification is still pending: its attempts show below. Send another "
+                "once it is delivered or has failed.")
+
+
+def send_test(*, team: Team, sent_by: str) -> WebhookDelivery:
     """A `webhook.test` notification to the team's webhook, delivered (signed, retried,
     recorded) like any other, so an admin sees what a real one would meet: a DNS failure, a
-    refused address, a timeout, the receiver's status. None when the team has no webhook."""
+    refused address, a timeout, the receiver's status. One at a time per team: while the
+    team's last test is pending, another is refused (SendTestRefused), so a button pressed in a
+    loop cannot fill the webhook worker with one team's attempts."""
     if not team.webhook_url:
-        return None
+        raise SendTestRefused(NO_WEBHOOK)
     now = timezone.now()
     with transaction.atomic():
+        # The team's row lock makes "none pending, so create one" one step for concurrent
+        # presses. NO KEY: rows that merely reference the team (runs, audit) are not held up.
+        Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list("pk").get()
+        if WebhookDelivery.objects.filter(team=team, event=TEST_EVENT, status=PENDING).exists():
+            raise SendTestRefused(TEST_PENDING)
         delivery = WebhookDelivery.objects.create(
             team=team, event=TEST_EVENT, url=team.webhook_url,
             payload={"event": TEST_EVENT, "team": team.slug, "sent_by": sent_by,
                      "sent_at": now.isoformat().replace("+00:00", "Z")})
-        transaction.on_commit(lambda: _schedule_or_log(delivery.pk))
+        transaction.on_commit(partial(start_delivery, delivery.pk))
     return delivery
-
-
-def _schedule_or_log(delivery_id: int) -> None:
-    try:
-        schedule_delivery(delivery_id, 1, 0)
-    except Exception:
-        # The broker is down: the beat sweep restarts pending deliveries.
-        log.exception("could not schedule webhook delivery %s", delivery_id)
 
 
 def body_of(payload: dict[str, Any]) -> bytes:
@@ -231,10 +245,13 @@ def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
         # Straight to a vetted address of the URL's host (policies/egress.py): no proxy from
         # the environment, no redirect, and a name that now resolves to a private address
         # is refused, not connected to.
-        with httpcore.ConnectionPool(network_backend=VettedBackend(),
-                                     ssl_context=ssl_context()) as pool:
-            response = pool.request("POST", url, headers=headers, content=body,
-                                    extensions={"timeout": _TIMEOUTS})
+        # The status line and headers decide; the body is never read (leaving the block
+        # closes the connection), so a huge or endless one costs nothing.
+        deadline = time.monotonic() + TIMEOUT_S
+        with (httpcore.ConnectionPool(network_backend=VettedBackend(deadline=deadline),
+                                      ssl_context=ssl_context()) as pool,
+              pool.stream("POST", url, headers=headers, content=body) as response):
+            status = response.status
     except UnresolvedHost:
         log.info("webhook delivery %s: %s does not resolve", delivery.pk, delivery.url)
         return None, UNRESOLVED
@@ -255,11 +272,11 @@ def _post(delivery: WebhookDelivery) -> tuple[int | None, str]:
         # retried), never left "in flight" with the worker's traceback as the only trace.
         log.exception("webhook delivery %s failed unexpectedly", delivery.pk)
         return None, UNEXPECTED
-    if 200 <= response.status < 300:
-        return response.status, ""
-    # Only the status: the receiver's body is not shown to anyone (it could be an internal
-    # service's page).
-    return response.status, f"HTTP {response.status}"
+    if 200 <= status < 300:
+        return status, ""
+    # Only the status: the receiver's body is not read, let alone shown to anyone (it could
+    # be an internal service's page).
+    return status, f"HTTP {status}"
 
 
 def attempt_delivery(*, delivery_id: int, number: int) -> Next | None:
@@ -300,9 +317,11 @@ def _deliver_in_thread(delivery_id: int, number: int) -> None:
 
 
 def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
-    """Start attempt ``number`` after ``delay`` seconds: a Celery task on the kill-switch
-    queue, or, in the embedded default (no Redis, eager tasks), a background thread, since
-    an eager task would run the whole backoff inside the engaging request."""
+    """Start attempt ``number`` after ``delay`` seconds: a Celery task on the ``webhooks``
+    queue, published here (a worker's follow-up; the broker's socket timeouts bound it), or,
+    in the embedded default (no Redis, eager tasks), a background thread, since an eager task
+    would run the whole backoff inside the engaging request. From a request, use
+    ``start_delivery``."""
     from runs.webhooks.tasks import webhook_deliver_task
 
     # The task's own app (the project's Celery app once it is loaded), not an import of it.
@@ -313,3 +332,15 @@ def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
         return
     webhook_deliver_task.apply_async((delivery_id, number), countdown=delay)
 
+
+def start_delivery(delivery_id: int) -> None:
+    """Start a delivery from a request, after the commit that created it: its first attempt
+    is published by the process's publisher thread (runs/publisher.py), so the request never
+    waits for the broker (SPEC 10). A publish that is lost (the broker down for long, the
+    process gone) is restarted by the beat sweep: the delivery is still pending."""
+    from runs.webhooks.tasks import webhook_deliver_task
+
+    if webhook_deliver_task.app.conf.task_always_eager:
+        schedule_delivery(delivery_id, 1, 0)
+        return
+    publisher.submit(webhook_deliver_task.name, delivery_id, 1)

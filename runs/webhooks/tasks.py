@@ -3,8 +3,9 @@ the attempt before it (runs/webhooks/delivery.py).
 
 Its name stays ``runs.tasks.webhook_deliver``, the name it had when it lived with the kill
 switch's tasks: a message queued by an older version is still understood after an upgrade.
-The settings route it to the ``killswitch`` queue, beside the fan-out that creates most
-deliveries (an approval notification uses it too), on the kill switch's own worker.
+The settings route it to the ``webhooks`` queue, which a worker of its own consumes: an attempt
+waits on someone else's server (up to its 5 s deadline), which must never hold a process the
+kill switch's fan-out waits for.
 """
 
 from __future__ import annotations
