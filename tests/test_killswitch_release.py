@@ -11,7 +11,7 @@ from django.test import Client
 from django.urls import reverse
 
 from policies.models import OperatorEvent
-from runs.killswitch.services import RUN_ENDED, killswitch_engage
+from runs.killswitch.services import RUN_ENDED, killswitch_engage, killswitch_fanout
 from runs.models import KillSwitch
 from tests.test_dashboard_runs import check, start
 
@@ -97,6 +97,8 @@ def test_a_run_switch_is_released_once_its_run_has_ended(team, users, commit):
     with commit():
         switch = killswitch_engage(scope="run", run=run, reason="runaway",
                                    actor=users["operator"])
+    # The fan-out itself (on the production stack the commit only published it to a worker).
+    killswitch_fanout(switch_id=switch.pk)
     run.refresh_from_db()
     switch.refresh_from_db()
     assert run.status == "killed"

@@ -124,7 +124,12 @@ def test_an_unexpected_error_is_recorded_as_the_attempts_outcome(team, settings,
 # --- Send test ---------------------------------------------------------------------------------
 
 @pytest.mark.django_db(transaction=True)
-def test_an_admin_sends_a_test_and_sees_its_outcome(team, users, receiver, settings):
+def test_an_admin_sends_a_test_and_sees_its_outcome(team, users, receiver, settings,
+                                                      monkeypatch):
+    from runs.webhooks.tasks import webhook_deliver_task
+
+    # Delivered in this process (a background thread), with or without a worker running.
+    monkeypatch.setitem(webhook_deliver_task.app.conf, "task_always_eager", True)
     settings.WEBHOOK_ALLOWED_HOSTS = ["127.0.0.1"]
     team_update_webhook(team=team, webhook_url=f"{receiver.url}/{team.slug}", actor=None)
     admin = signed_in(users["admin"])
