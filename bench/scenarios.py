@@ -685,7 +685,7 @@ HEAVY_RATE_POLICY: dict[str, Any] = {
 POLLED_APPROVALS = 50
 
 
-def _neighbour(server: Server, name: str) -> dict[str, Any]:
+def neighbour_state(server: Server, name: str) -> dict[str, Any]:
     """Another team's state for the attacks a tenant makes on its neighbours: its keys and,
     for the long polls, pending approvals to wait on (made after the runs were reset)."""
     import httpx
@@ -761,7 +761,7 @@ def attacks(server: Server, team: Team, *, names: list[str], agents: int, second
                 reset_runs()
                 target = at.Target(port=attacked.port, team_slug=team.slug,
                                    session_cookie=cookie, run_id=_watched_run(attacked, team),
-                                   **_neighbour(attacked, name))
+                                   **neighbour_state(attacked, name))
                 with at.running(attack, target, settle=1.5) as stats:
                     slices["with"].append(run_slice(attacked, team, scenario=REAL,
                                                     agents=agents, seconds=seconds,
