@@ -26,6 +26,7 @@ from .access import can, team_view, teams_of
 from .document import DocumentError, default_policy
 from .egress import masked_url
 from .forms import (
+    DENY_ALL,
     FIELD_PATHS,
     ImportForm,
     KeyForm,
@@ -184,24 +185,44 @@ def policy_history(request: HttpRequest, slug: str, name: str) -> HttpResponse:
 
 
 @team_view(Role.ADMIN)
-@require_POST
+@require_http_methods(["GET", "POST"])
 def policy_restore(request: HttpRequest, slug: str, name: str, version: int) -> HttpResponse:
-    """A new version equal to an old one: history is never rewritten, only added to."""
+    """Restore an old version: a new version equal to it (history is only added to). Like a
+    save it asks first: the change it makes (the diff from the current version), a note, a
+    backtest of the old version on recent runs, and a deny-every-tool version said out loud;
+    a restore was one click with none of these."""
     policy = selectors.policy_of(request.team, name)
     old = selectors.version_of(policy, version)
     if old is None:
         raise Http404("No such version.")
-    note = (request.POST.get("note") or "").strip()[:400]
-    restored = policy_save(team=request.team, document=old.document, actor=request.user,
-                           source="restore",
-                           note=f"restored version {old.version}" + (f": {note}" if note else ""))
-    if restored is None:
+    if old.document == policy.current.document:
         messages.info(request, f"Version {old.version} is what {policy.name} already says: "
                                "no new version.")
-    else:
-        messages.success(request, f"Restored version {old.version} as version "
-                                  f"{restored.version}. New runs use it.")
-    return redirect("policy_history", slug=slug, name=policy.name)
+        return redirect("policy_history", slug=slug, name=policy.name)
+    errors: dict[str, str] = {}
+    note = (request.POST.get("note") or "").strip()[:400]
+    if request.method == "POST":
+        if not note:
+            errors["note"] = "Say why you restore it: the note is shown in the history."
+        if old.document["tools"].get("allow") == [] and not request.POST.get("deny_every_tool"):
+            errors["deny_every_tool"] = DENY_ALL
+        if not errors:
+            restored = policy_save(team=request.team, document=old.document,
+                                   actor=request.user, source="restore",
+                                   note=f"restored version {old.version}: {note}")
+            messages.success(request, f"Restored version {old.version} as version "
+                                      f"{restored.version if restored else old.version}. "
+                                      "New runs use it.")
+            return redirect("policy_history", slug=slug, name=policy.name)
+    return page(request, "policies/restore.html", {
+        "policy": policy, "old": old, "note": note, "errors": errors,
+        "denies_all": old.document["tools"].get("allow") == [],
+        "diff": selectors.yaml_diff(policy.current.document, old.document,
+                                    before_label=f"version {policy.current.version} (current)",
+                                    after_label=f"version {old.version}"),
+        # The backtest panel posts the old version as the editor's fields (backtests app).
+        "fields": PolicyForm.initial_from(old.document),
+    }, status=422 if errors else 200)
 
 
 @team_view(Role.VIEWER)

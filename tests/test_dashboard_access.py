@@ -198,9 +198,10 @@ def test_a_head_to_a_stream_answers_its_headers_without_a_stream(name, team, wor
 def test_get_only_pages_refuse_post_and_post_only_endpoints_refuse_get(team, world):
     client = signed_in("admin")
     assert client.post(reverse("runs:overview", kwargs={"slug": team.slug})).status_code == 405
-    # key_revoke and member_remove answer GET with their confirmation; restore is POST only.
-    assert client.get(reverse("policy_restore", kwargs={"slug": team.slug, "name": "default",
-                                                        "version": 1})).status_code == 405
+    # key_revoke, member_remove and (issue 26) policy_restore answer GET with their
+    # confirmation; the policy editor's save is POST only.
+    assert client.get(reverse("policy_save", kwargs={"slug": team.slug,
+                                                     "name": "default"})).status_code == 405
 
 
 def test_posts_without_a_csrf_token_are_refused(team, world):

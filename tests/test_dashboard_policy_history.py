@@ -72,3 +72,32 @@ def test_viewers_see_history_without_restore_buttons(team, users):
     html = as_user(users, "viewer").get(
         reverse("policy_history", kwargs={"slug": team.slug, "name": "default"})).content.decode()
     assert "Restore v" not in html
+
+
+def test_a_restore_asks_first_with_the_diff_a_note_and_a_backtest(team, admin):  # noqa: F811
+    """Issue 26: a restore was one click with no note, confirmation or backtest."""
+    save = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    admin.post(save, form_data(max_steps="30", note="v2"))
+    restore = reverse("policy_restore", kwargs={"slug": team.slug, "name": "default",
+                                                "version": 1})
+    page = admin.get(restore).content.decode()
+    assert "-  max_steps: 30" in page and "+  max_steps: 18" in page
+    assert 'name="note"' in page and "backtest-button" in page
+    assert reverse("backtest_policy", kwargs={"slug": team.slug, "name": "default"}) in page
+    refused = admin.post(restore, {"note": ""})
+    assert refused.status_code == 422 and b"Say why you restore it" in refused.content
+    assert policy(team).current.version == 2
+
+
+def test_restoring_a_deny_every_tool_version_must_say_so(team, admin):  # noqa: F811
+    save = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    admin.post(save, form_data(restrict_tools="on", tools_allow="", deny_every_tool="on",
+                               note="lockdown"))
+    admin.post(save, form_data(note="open again"))
+    restore = reverse("policy_restore", kwargs={"slug": team.slug, "name": "default",
+                                                "version": 2})
+    assert b"every tool of every run is denied" in admin.get(restore).content
+    assert admin.post(restore, {"note": "lock it"}).status_code == 422
+    assert policy(team).current.version == 3
+    assert admin.post(restore, {"note": "lock it", "deny_every_tool": "on"}).status_code == 302
+    assert policy(team).current.document["tools"]["allow"] == []

@@ -30,9 +30,16 @@ def test_an_admin_restores_an_old_policy_version(page: Page, server: Server, tea
     sign_in(page, server, "admin", "pw-admin-123")
     page.goto(f"{server.url}/teams/{team.slug}/policies/default/history")
     expect(page.locator("tr[data-version='2'] .version-note")).to_have_text("more room")
-    page.click("button:has-text('Restore v1')")
+    # A restore asks first (issue 26): what it changes, a note, a backtest of the old version.
+    page.click("a:has-text('Restore v1')")
+    expect(page.locator("pre.diff")).to_contain_text("-  max_steps: 30")
+    page.click("#backtest-button")
+    expect(page.locator("#backtest-result")).not_to_be_empty(timeout=15_000)
+    page.fill("input[name=note]", "30 let loops run")
+    page.click("button:has-text('Restore as version 3')")
     expect(page.locator(".message-success")).to_contain_text("Restored version 1 as version 3")
-    expect(page.locator("tr[data-version='3'] .version-note")).to_have_text("restored version 1")
+    expect(page.locator("tr[data-version='3'] .version-note")).to_have_text(
+        "restored version 1: 30 let loops run")
     assert Policy.objects.get(team=team, name="default").current.document == original
     # Any two versions: 2 against 3 shows the limit going back down.
     page.check("input[name=a][value='2']")
