@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from policies.models import Team
-from runs.killswitch.services import killswitch_engage
-from runs.models import Run
+from runs.killswitch.services import killswitch_engage, killswitch_fanout
+from runs.models import KillSwitch, Run
 from tests.browser.test_dashboard_browser import (  # noqa: F401 (fixtures)
     SCREENSHOTS,
     Browser,
@@ -117,6 +117,10 @@ def test_a_kill_and_an_approval_from_the_run_page_log_no_console_error(
     page.click("#kill-run")
     page.fill("textarea[name=reason]", "enough")
     page.click("button[name=confirm]")
+    expect(page.locator(".killswitch-done")).to_be_visible(timeout=10_000)
+    # The fan-out, here rather than by a worker (none runs in this test on the production
+    # stack; the embedded default has run it already, and a second pass changes nothing).
+    killswitch_fanout(switch_id=KillSwitch.objects.get(run_id=running["run_id"]).pk)
     expect(page.locator(".banner-killed")).to_be_visible(timeout=10_000)
     page.wait_for_timeout(1500)  # the live stream's frames after the kill
     assert errors == []
