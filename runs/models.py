@@ -214,6 +214,12 @@ class KillSwitch(models.Model):
 
     class Meta:
         ordering = ["-engaged_at"]
+        indexes = [
+            # The engaged switches of one team (cover.engaged_over_team): its screens and
+            # its approvals' looks read them without the history of released switches.
+            models.Index(fields=["team"], name="killswitch_team_engaged",
+                         condition=models.Q(active=True)),
+        ]
         constraints = [
             models.UniqueConstraint(
                 fields=["target"], condition=models.Q(active=True), name="one_engaged_per_target"

@@ -29,7 +29,6 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from governance_client import rules
@@ -38,14 +37,13 @@ from policies.services import audit
 from runs.check import metrics, run_memory
 from runs.check.check_store import state_of
 from runs.check.policy_cache import rules_for_version
+from runs.killswitch import cover
 from runs.live.events import publish_team_event
 from runs.models import (
     Approval,
     ApprovalStatus,
     Decision,
-    KillSwitch,
     Run,
-    Scope,
     WebhookDelivery,
 )
 from runs.webhooks.delivery import APPROVAL_DECIDED, APPROVAL_REQUESTED, approval_payload
@@ -403,8 +401,7 @@ def settle_due_for_team(team: Team, *, now: datetime | None = None) -> int:
     now = now or timezone.now()
     pending = Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
     due = list(pending.filter(expires_at__lte=now))
-    engaged = KillSwitch.objects.filter(Q(scope=Scope.GLOBAL) | Q(team=team), active=True)
-    if engaged.exists():
+    if cover.engaged_over_team_ids(team.pk):
         due += list(pending.filter(expires_at__gt=now).select_related("run"))
     return sum(settle_if_due(approval, now=now) for approval in due)
 

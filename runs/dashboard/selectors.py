@@ -413,8 +413,8 @@ def rate_limited(team: Team, *, since: datetime, limit: int = 5) -> RateLimited:
 
 def switches_covering(team: Team) -> list[KillSwitch]:
     """Engaged kill switches that stop this team's runs (global, team or one of its agents)."""
-    return list(KillSwitch.objects.filter(cover.team_switches(team.pk), active=True)
-                .order_by("engaged_at"))
+    return list(KillSwitch.objects.filter(cover.engaged_over_team(team.pk))
+                .filter(cover.team_switches(team.pk)).order_by("engaged_at"))
 
 
 TIMELINE_PAGE = 50
