@@ -469,9 +469,12 @@ def _expired(state: rules.RunState, decision: rules.Decision) -> rules.Decision:
 
 def kill_detail(run_id: Any) -> str | None:
     """The words of the kill that ended a run (the switch and the operator's reason), from its
-    audit record, for the stop answered to every later check (SPEC 6)."""
-    answer = (Decision.objects.filter(run_id=run_id, reason="killed", outcome=rules.STOP)
-              .order_by("id").values_list("answer", flat=True).first())
+    audit record, for the stop answered to every later check (SPEC 6): the run's first stop,
+    since a stop ends a run (`decision_run_stop`: one probe, however many checks of the
+    killed run were answered since)."""
+    first = (Decision.objects.of_run(run_id).filter(outcome=rules.STOP)
+             .values_list("reason", "answer").first())
+    answer = first[1] if first is not None and first[0] == "killed" else None
     message = (answer or {}).get("message") if isinstance(answer, dict) else None
     return message or None
 
