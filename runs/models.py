@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from django.conf import settings
 from django.db import models
+from django.db.models import F, Func
 from django.db.models.functions import Cast, Concat
 
 from governance_client import rules
@@ -58,6 +60,9 @@ class Run(models.Model):
             models.Index(fields=["team", "-started_at"], name="run_team_recent"),
             models.Index(fields=["team", "status"], name="run_team_status"),
             models.Index(fields=["team", "agent", "status"], name="run_team_agent_status"),
+            # An agent's runs, newest first (the runs API for an agent or an agent-bound key,
+            # the dashboard's agent filter): a range of the index in the answer's order.
+            models.Index(fields=["team", "agent", "-started_at"], name="run_team_agent_recent"),
             # Retention's batch read: a team's runs that ended before the cutoff, oldest
             # first (runs/audit/retention.py). Without it every batch read the team's whole
             # runs table and sorted it. Running runs (no ended_at) stay out of it, so the
@@ -92,11 +97,45 @@ class RunMemory(models.Model):
     count = models.PositiveIntegerField()
 
 
+# A run's decisions in order, as the indexes `decision_run*` hold them: by `id + 0`, an
+# expression the primary key does not index. Ordered by `id`, a run's page could be read by
+# walking the primary key and filtering for the run, which PostgreSQL prices lower than the
+# run's own index for a long run (its rows look frequent) and which reads every other run's
+# decisions before (or after) the run's: the history, not the page (docs/performance.md,
+# "Reads of one run"). The 0 is written in the SQL, not passed as a parameter: SQLite matches
+# an index's expression only to the same SQL text.
+def _plus_zero(value: Any) -> Func:
+    return Func(value, template="(%(expressions)s + 0)", output_field=models.BigIntegerField())
+
+
+IN_RUN_ORDER = _plus_zero(F("id"))
+
+
+class DecisionQuerySet(models.QuerySet):
+    def of_run(self, run_id: Any, *, after: Any = None, before: Any = None,
+               newest_first: bool = False) -> DecisionQuerySet:
+        """The run's decisions in id order (``newest_first``: reversed), those with an id
+        after ``after`` and before ``before`` when given: a range of `decision_run` (or of a
+        partial one, for a filter on stops or would-stops), whatever the run's length.
+        ``run_id`` and the bounds may be OuterRefs."""
+        rows = self.filter(run_id=run_id).alias(in_run=IN_RUN_ORDER)
+        # A bound from another row `+ 0` as well: SQLite takes the index's range for the
+        # expression compared with an expression, not with a column (whose affinity applies).
+        if after is not None:
+            rows = rows.filter(in_run__gt=after if isinstance(after, int) else _plus_zero(after))
+        if before is not None:
+            rows = rows.filter(
+                in_run__lt=before if isinstance(before, int) else _plus_zero(before))
+        return rows.order_by(IN_RUN_ORDER.desc() if newest_first else IN_RUN_ORDER.asc())
+
+
 class Decision(models.Model):
     """The audit log of the check: one row for every decision, allow and stop. Append-only."""
 
     id = models.BigAutoField(primary_key=True)
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="decisions")
+    # Indexed by `decision_run` (run, id + 0) below, which also serves the foreign key.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="decisions",
+                            db_index=False)
     step = models.PositiveIntegerField()
     outcome = models.CharField(max_length=20)  # allow | stop | would_stop
     reason = models.CharField(max_length=50)
@@ -118,8 +157,26 @@ class Decision(models.Model):
     answer = models.JSONField(default=dict)
     at = models.DateTimeField()
 
+    objects = DecisionQuerySet.as_manager()
+
     class Meta:
         ordering = ["id"]
+        indexes = [
+            # A run's decisions in order (IN_RUN_ORDER, `objects.of_run`): every read of one
+            # run's decisions (its timeline, the decisions API, its latest id) is a range of
+            # this index, bounded by the page, whatever the run's length; and the foreign
+            # key's index (deletes by run).
+            models.Index(F("run"), IN_RUN_ORDER, name="decision_run"),
+            # A run's stops and shadow would-stops, for the reads of its first one (the
+            # run's end, since a stop ends a run: its banner, and a killed run's words at
+            # every later check; where a shadow policy would have stopped it): one probe
+            # each, however many checks of the ended run followed. Partial: an allowed check
+            # writes neither.
+            models.Index(F("run"), IN_RUN_ORDER, name="decision_run_stop",
+                         condition=models.Q(outcome="stop")),
+            models.Index(F("run"), IN_RUN_ORDER, name="decision_run_would_stop",
+                         condition=models.Q(outcome="would_stop")),
+        ]
         constraints = [
             # One answer per check_id in a run (SPEC 4.5), on one expression rather than the
             # two columns: the check's lock statement finds an earlier answer by this
@@ -214,6 +271,12 @@ class KillSwitch(models.Model):
 
     class Meta:
         ordering = ["-engaged_at"]
+        indexes = [
+            # The engaged switches of one team (cover.engaged_over_team): its screens and
+            # its approvals' looks read them without the history of released switches.
+            models.Index(fields=["team"], name="killswitch_team_engaged",
+                         condition=models.Q(active=True)),
+        ]
         constraints = [
             models.UniqueConstraint(
                 fields=["target"], condition=models.Q(active=True), name="one_engaged_per_target"

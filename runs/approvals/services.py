@@ -44,14 +44,13 @@ from policies.services import audit
 from runs.check import metrics, run_memory
 from runs.check.check_store import state_of
 from runs.check.policy_cache import rules_for_version
+from runs.killswitch import cover
 from runs.live.events import publish_team_event
 from runs.models import (
     Approval,
     ApprovalStatus,
     Decision,
-    KillSwitch,
     Run,
-    Scope,
     WebhookDelivery,
 )
 from runs.sweep import one_by_one
@@ -545,8 +544,7 @@ def settle_due_for_team(team: Team, *, now: datetime | None = None) -> int:
     pending = (Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
                .select_related("run"))
     due = list(_due(pending, now))
-    engaged = KillSwitch.objects.filter(Q(scope=Scope.GLOBAL) | Q(team=team), active=True)
-    if engaged.exists():
+    if cover.engaged_over_team_ids(team.pk):
         due += list(pending.filter(expires_at__gt=now, run__status=rules.RUNNING))
     return _settle_each(due, now)
 

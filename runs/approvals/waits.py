@@ -32,13 +32,13 @@ from typing import Any, TypeVar
 
 from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
-from django.db.models import Q
 from django.utils import timezone
 
 from runs.approvals.services import approval_json, settle_if_due
+from runs.killswitch import cover
 from runs.live.events import local_broker, redis_listener
 from runs.live.looks import look_lane
-from runs.models import Approval, ApprovalStatus, KillSwitch, Scope
+from runs.models import Approval, ApprovalStatus
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ def look(team_id: int, approval_ids: list[str]) -> dict[str, dict[str, Any] | No
     pending = [a for a in rows.values() if a.status == ApprovalStatus.PENDING]
     # One query for the team's switches, not one per approval: without an engaged switch
     # only the expired ones can be due.
-    engaged = bool(pending) and KillSwitch.objects.filter(
-        Q(scope=Scope.GLOBAL) | Q(team_id=team_id), active=True).exists()
+    engaged = bool(pending) and bool(cover.engaged_over_team_ids(team_id))
     for approval in pending:
         if (engaged or now >= approval.expires_at) and settle_if_due(approval, now=now):
             approval.refresh_from_db()

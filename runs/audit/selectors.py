@@ -109,7 +109,7 @@ def run_for_team(team: Team, run_id: Any, *, key_agent: str = "") -> Run:
 
 
 def decisions_of(run: Run, *, after: int = 0, limit: int = 100) -> QuerySet[Decision]:
-    return run.decisions.filter(id__gt=after).order_by("id")[:limit]
+    return Decision.objects.of_run(run.pk, after=after)[:limit]
 
 
 def decision_json(d: Decision) -> dict[str, Any]:

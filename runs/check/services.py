@@ -110,10 +110,12 @@ def _same_agent(existing: Run, agent: str) -> Run:
     return existing
 
 
-# The cover rule for a run that does not exist yet; parameters: True, team, team, agent.
+# The cover rule for a run that does not exist yet; parameters: team, team, agent. `ks.active`
+# as the partial unique index of the switches' keys says it, so that both databases read
+# the (at most three) keys from it.
 _NOT_SWITCHED = f"""
 WHERE NOT EXISTS (
-    SELECT 1 FROM runs_killswitch ks WHERE ks.active = %s AND (
+    SELECT 1 FROM runs_killswitch ks WHERE ks.active AND (
         {cover.covers_sql(switch="ks", team="%s", agent="%s", run=None)}))
 """
 
@@ -143,7 +145,7 @@ def _insert_unless_switched(run: Run) -> bool:
     # after a refused insert (a duplicate external_id); on its own the statement is atomic.
     guard = transaction.atomic() if connection.in_atomic_block else nullcontext()
     with guard, connection.cursor() as cursor:
-        cursor.execute(sql, [*values, True, run.team_id, run.team_id, run.agent])
+        cursor.execute(sql, [*values, run.team_id, run.team_id, run.agent])
         inserted = cursor.rowcount == 1
     if inserted:
         run._state.adding, run._state.db = False, connection.alias
@@ -476,9 +478,12 @@ def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
 
 def kill_detail(run_id: Any) -> str | None:
     """The words of the kill that ended a run (the switch and the operator's reason), from its
-    audit record, for the stop answered to every later check (SPEC 6)."""
-    answer = (Decision.objects.filter(run_id=run_id, reason="killed", outcome=rules.STOP)
-              .order_by("id").values_list("answer", flat=True).first())
+    audit record, for the stop answered to every later check (SPEC 6): the run's first stop,
+    since a stop ends a run (`decision_run_stop`: one probe, however many checks of the
+    killed run were answered since)."""
+    first = (Decision.objects.of_run(run_id).filter(outcome=rules.STOP)
+             .values_list("reason", "answer").first())
+    answer = first[1] if first is not None and first[0] == "killed" else None
     message = (answer or {}).get("message") if isinstance(answer, dict) else None
     return message or None
 

@@ -155,13 +155,21 @@ def banner(run: Run) -> Banner | None:
         return None
     message = next_action = ""
     if run.stop_reason:
-        stop = (run.decisions.filter(outcome="stop", reason=run.stop_reason)
-                .order_by("id").only("answer").first())
-        if stop is not None:
+        # The run's first stop ended it (`decision_run_stop`: one probe, however many checks
+        # of the ended run were answered since).
+        stop = (Decision.objects.of_run(run.pk).filter(outcome=rules.STOP)
+                .only("reason", "answer").first())
+        if stop is not None and stop.reason == run.stop_reason:
             message = stop.answer.get("message") or ""
             next_action = stop.answer.get("next_action") or ""
     return Banner(status=run.status, reason=run.stop_reason or "", message=message,
                   next_action=next_action, output=run.output, ended_at=run.ended_at)
+
+
+# The would-stops counted for a run's shadow summary: past it the page says "N+" (every
+# check of a shadow run past its limit is one, so the count would grow with the run, and the
+# summary is rendered again at every update of the page's stream).
+SHADOW_COUNT_CAP = 1000
 
 
 @dataclass(frozen=True)
@@ -169,18 +177,24 @@ class ShadowSummary:
     step: int
     reason: str
     message: str
-    count: int  # checks a shadow policy would have stopped
+    count: int  # checks a shadow policy would have stopped, at most SHADOW_COUNT_CAP
+    capped: bool = False  # more than SHADOW_COUNT_CAP
 
 
 def shadow_summary(run: Run) -> ShadowSummary | None:
-    """In shadow mode, where the run would have been stopped, had the policy enforced."""
-    would = run.decisions.filter(outcome="would_stop")
-    first = would.order_by("id").only("step", "answer").first()
+    """In shadow mode, where the run would have been stopped, had the policy enforced: reads
+    of the run's would-stops in id order (the index `decision_run_would_stop`), bounded."""
+    would = Decision.objects.of_run(run.pk).filter(outcome=rules.WOULD_STOP)
+    first = would.only("step", "answer").first()
     if first is None:
         return None
     shadow = first.answer.get("shadow") or {}
+    # Unordered: the count's rows are fetched until the cap, in whatever order the plan reads
+    # them (ordered, a plan that sorts would fetch them all).
+    count = would.order_by()[:SHADOW_COUNT_CAP + 1].count()
     return ShadowSummary(step=first.step, reason=shadow.get("reason", ""),
-                         message=shadow.get("message", ""), count=would.count())
+                         message=shadow.get("message", ""),
+                         count=min(count, SHADOW_COUNT_CAP), capped=count > SHADOW_COUNT_CAP)
 
 
 def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:

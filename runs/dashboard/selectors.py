@@ -220,7 +220,7 @@ def runs_page(team: Team, filters: RunFilters, *, now: datetime | None = None) -
 
 
 def _first_would_stop() -> QuerySet[Decision]:
-    return Decision.objects.filter(run=OuterRef("pk"), outcome=WOULD_STOP).order_by("id")
+    return Decision.objects.of_run(OuterRef("pk")).filter(outcome=WOULD_STOP)
 
 
 def run_filter_choices(team: Team) -> dict[str, Any]:
@@ -413,8 +413,8 @@ def rate_limited(team: Team, *, since: datetime, limit: int = 5) -> RateLimited:
 
 def switches_covering(team: Team) -> list[KillSwitch]:
     """Engaged kill switches that stop this team's runs (global, team or one of its agents)."""
-    return list(KillSwitch.objects.filter(cover.team_switches(team.pk), active=True)
-                .order_by("engaged_at"))
+    return list(KillSwitch.objects.filter(cover.engaged_over_team(team.pk))
+                .filter(cover.team_switches(team.pk)).order_by("engaged_at"))
 
 
 TIMELINE_PAGE = 50
@@ -427,32 +427,39 @@ def flagged_q() -> Q:
             | Q(answer__policy_violation=True))
 
 
-def _timeline_rows(run: Run, *, flagged: bool) -> QuerySet[Decision]:
-    # The API's read (runs.audit.selectors.decisions_of: the run's decisions by id) with what
-    # only the page needs: the filter and each step's previous decision time.
-    rows = run.decisions.all()
+def _timeline_rows(run: Run, *, flagged: bool, after: int | None = None,
+                   before: int | None = None, newest_first: bool = False
+                   ) -> QuerySet[Decision]:
+    # The API's read (runs.audit.selectors.decisions_of: the run's decisions in order) with
+    # what only the page needs: the filter and each step's previous decision time.
+    rows = Decision.objects.of_run(run.pk, after=after, before=before,
+                                   newest_first=newest_first)
     if flagged:
         rows = rows.filter(flagged_q())
     # The previous decision of the run (shown or not): a step's duration is the time from it.
-    previous = Decision.objects.filter(run=OuterRef("run"), id__lt=OuterRef("id"))
-    return rows.annotate(prev_at=Subquery(previous.order_by("-id").values("at")[:1]))
+    previous = Decision.objects.of_run(OuterRef("run"), before=OuterRef("id"), newest_first=True)
+    return rows.annotate(prev_at=Subquery(previous.values("at")[:1]))
 
 
 def timeline(run: Run, *, after: int = 0, limit: int = 2000, flagged: bool = False
              ) -> list[Decision]:
     """Decisions after ``after``, oldest first (the stream's new rows)."""
-    return list(_timeline_rows(run, flagged=flagged).filter(id__gt=after).order_by("id")[:limit])
+    return list(_timeline_rows(run, flagged=flagged, after=after)[:limit])
 
 
 def timeline_page(run: Run, *, before: int | None = None, flagged: bool = False,
                   size: int = TIMELINE_PAGE) -> tuple[list[Decision], bool]:
     """The ``size`` decisions before ``before`` (default: the last ones), oldest first, and
     whether there are earlier ones: a long run's page shows its end, earlier steps on demand."""
-    rows = _timeline_rows(run, flagged=flagged)
-    if before is not None:
-        rows = rows.filter(id__lt=before)
-    found = list(rows.order_by("-id")[:size + 1])
+    found = list(_timeline_rows(run, flagged=flagged, before=before, newest_first=True)
+                 [:size + 1])
     return found[:size][::-1], len(found) > size
+
+
+def latest_decision_id(run: Run) -> int:
+    """The run's newest decision id (0: none yet), where its page's stream resumes."""
+    return Decision.objects.of_run(run.pk, newest_first=True).values_list(
+        "id", flat=True).first() or 0
 
 
 def running_on_old_versions(team: Team, policy: Policy) -> int:

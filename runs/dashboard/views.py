@@ -75,7 +75,7 @@ def run_detail(request: HttpRequest, slug: str, run_id: str) -> HttpResponse:
                                                  flagged=flagged)
     rows = [presenters.step_row(d, run.started_at) for d in decisions]
     # The stream resumes after the newest decision of the run, shown or filtered out.
-    last = run.decisions.order_by("-id").values_list("id", flat=True).first() or 0
+    last = dashboard.latest_decision_id(run)
     return page(request, "runs/run.html", {
         **presenters.run_context(run, now),
         **presenters.run_approval_context(run, now),

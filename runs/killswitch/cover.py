@@ -12,12 +12,19 @@ Whether a covered run is stopped (it must still be running) is the caller's busi
 is ``active``: the check's SQL reads it with the statement's snapshot, the screens filter on
 it. tests/test_killswitch_cover.py proves that every form here agrees with the table above
 for every scope and state, on SQLite and on PostgreSQL.
+
+Every read of the switches covering a run goes by the switches' target keys (`target_key`):
+at most four exact keys in the partial unique index of the engaged switches, so what a check
+or a start reads does not grow with the switches of other teams, nor with the history.
 """
 
 from __future__ import annotations
 
+import uuid
+from string import Formatter
 from typing import Any, Protocol
 
+from django.db import connection
 from django.db.models import Q
 
 from policies.models import Team
@@ -33,19 +40,66 @@ class SwitchFields(Protocol):
     engaged_by_label: str
 
 
+# --- The target key -------------------------------------------------------------------------
+
+# A switch's target as one string (KillSwitch.target), one format per scope, written once:
+# `target_key` fills it in Python (the engage, the ORM's reads) and `covers_sql` renders it as
+# an SQL expression (the check's and the start's statements). The partial unique index
+# `one_engaged_per_target` keeps one engaged switch per key, so the switches that cover a run
+# are the engaged ones under its (at most) four keys. An agent name has no ':' (rules.AGENT_NAME),
+# so no two targets share a key. tests/test_killswitch_cover.py proves both forms agree.
+TARGET_FORMATS: dict[str, str] = {
+    Scope.GLOBAL: "global",
+    Scope.TEAM: "team:{team}",
+    Scope.AGENT: "agent:{team}:{agent}",
+    Scope.RUN: "run:{run}",
+}
+# The scopes that cover a run, and a run about to start (no run switch covers it yet).
+_COVERING = (Scope.GLOBAL, Scope.TEAM, Scope.AGENT, Scope.RUN)
+
+
+def target_key(scope: str, *, team_id: int | None = None, agent: str = "",
+               run_id: Any = None) -> str:
+    """The target key of a switch of this scope: a run id as its canonical text (hyphens,
+    lower case), whatever form it was given in."""
+    run = str(uuid.UUID(str(run_id))) if run_id is not None else None
+    return TARGET_FORMATS[scope].format(team=team_id, agent=agent, run=run)
+
+
+def covering_targets(*, team_id: int, agent: str, run_id: Any | None) -> list[str]:
+    """The keys of every switch that covers a run, or a run about to start (``run_id``
+    None): the global key, the team's, its agent's and the run's own."""
+    return [target_key(scope, team_id=team_id, agent=agent, run_id=run_id)
+            for scope in _COVERING if scope != Scope.RUN or run_id is not None]
+
+
+def _uuid_text(expr: str, vendor: str) -> str:
+    """A run id column or parameter as the text `target_key` writes for it: PostgreSQL's
+    uuid text is that already; SQLite holds the 32 hex digits (Django's UUIDField there)."""
+    if vendor == "postgresql":
+        return f"CAST({expr} AS TEXT)"
+    groups = ((1, 8), (9, 4), (13, 4), (17, 4), (21, 12))
+    return " || '-' || ".join(f"substr(lower({expr}), {at}, {n})" for at, n in groups)
+
+
+def _key_sql(scope: str, fields: dict[str, str]) -> str:
+    """The target key of ``scope`` as an SQL expression: its format's literal parts quoted,
+    its fields replaced by the SQL expressions of ``fields``, joined with ``||``."""
+    parts = []
+    for literal, field, _, _ in Formatter().parse(TARGET_FORMATS[scope]):
+        if literal:
+            parts.append("'" + literal.replace("'", "''") + "'")
+        if field is not None:
+            parts.append(fields[field])
+    return " || ".join(parts)
+
+
 # --- The rule -------------------------------------------------------------------------------
 
 def switches_covering(*, team_id: int, agent: str, run_id: Any | None) -> Q:
     """A filter on KillSwitch: the switches that cover a run, or a run about to start
-    (``run_id`` None)."""
-    cover = (
-        Q(scope=Scope.GLOBAL)
-        | Q(scope=Scope.TEAM, team_id=team_id)
-        | Q(scope=Scope.AGENT, team_id=team_id, agent=agent)
-    )
-    if run_id is not None:
-        cover |= Q(scope=Scope.RUN, run_id=run_id)
-    return cover
+    (``run_id`` None), by their target keys."""
+    return Q(target__in=covering_targets(team_id=team_id, agent=agent, run_id=run_id))
 
 
 def covering_switch(*, team_id: int, agent: str, run_id: Any | None) -> KillSwitch | None:
@@ -75,26 +129,52 @@ def runs_covered_by(switch: KillSwitch) -> Q:
                         run_id=switch.run_id)
 
 
-def covers_sql(*, switch: str, team: str, agent: str, run: str | None) -> str:
-    """The rule as an SQL condition on the switch row aliased ``switch``, for the run whose
-    team id, agent name and id are the SQL expressions ``team``, ``agent`` and ``run`` (a
-    column or a placeholder; ``run`` None for a run about to start). Placeholders come out in
-    the order team, team, agent, run."""
-    s = switch
-    cond = (f"{s}.scope = '{Scope.GLOBAL.value}'"
-            f" OR ({s}.scope = '{Scope.TEAM.value}' AND {s}.team_id = {team})"
-            f" OR ({s}.scope = '{Scope.AGENT.value}' AND {s}.team_id = {team}"
-            f" AND {s}.agent = {agent})")
+def covering_targets_sql(*, team: str, agent: str, run: str | None,
+                         vendor: str | None = None) -> list[str]:
+    """`covering_targets` as SQL expressions, for the run whose team id, agent name and id
+    are the SQL expressions ``team``, ``agent`` and ``run`` (a column or a placeholder;
+    ``run`` None for a run about to start). Placeholders come out in the order team, team,
+    agent, run. ``vendor``: the database's, by default the connection's (it holds a run id
+    differently)."""
+    fields = {"team": f"CAST({team} AS TEXT)", "agent": agent}
     if run is not None:
-        cond += f" OR ({s}.scope = '{Scope.RUN.value}' AND {s}.run_id = {run})"
-    return cond
+        fields["run"] = _uuid_text(run, vendor or connection.vendor)
+    return [_key_sql(scope, fields) for scope in _COVERING
+            if scope != Scope.RUN or run is not None]
+
+
+def covers_sql(*, switch: str, team: str, agent: str, run: str | None) -> str:
+    """The rule as an SQL condition on the switch row aliased ``switch``: its target is one
+    of the run's keys (`covering_targets_sql`, same arguments). With ``active`` beside it,
+    both databases read it as at most four probes of `one_engaged_per_target`."""
+    keys = covering_targets_sql(team=team, agent=agent, run=run)
+    return f"{switch}.target IN ({', '.join(keys)})"
 
 
 def team_switches(team_id: int) -> Q:
     """A filter on KillSwitch: the switches that cover every run the team may start (global,
     the team's own, one of its agents'), for the team's screens. Run switches are not in it:
-    each covers one run, and the screens list it next to that run."""
-    return Q(scope=Scope.GLOBAL) | Q(scope__in=[Scope.TEAM, Scope.AGENT], team_id=team_id)
+    each covers one run, and the screens list it next to that run. The global one by its
+    key; with `engaged_over_team` beside it, the reads stay within the engaged switches."""
+    return (Q(target=target_key(Scope.GLOBAL))
+            | Q(scope__in=[Scope.TEAM, Scope.AGENT], team_id=team_id))
+
+
+def engaged_over_team(team_id: int) -> Q:
+    """A filter on KillSwitch: the engaged switches that cover any run of the team (global,
+    the team's, its agents', its runs'): the global one by its key, the team's by the
+    partial index of engaged switches by team (`killswitch_team_engaged`), so the read
+    grows with neither another team's switches nor the history of released ones."""
+    return Q(active=True) & (Q(target=target_key(Scope.GLOBAL)) | Q(team_id=team_id))
+
+
+def engaged_over_team_ids(team_id: int) -> list[int]:
+    """The engaged switches over any run of the team (`engaged_over_team`), read whole: they
+    are few. Not `exists()`: under its `LIMIT 1` PostgreSQL priced a sequential scan as
+    stopping at the first match (its estimate of the team's engaged switches counts the
+    team's released ones), and read the whole table when none was engaged."""
+    return list(KillSwitch.objects.filter(engaged_over_team(team_id)).order_by()
+                .values_list("pk", flat=True))
 
 
 # --- The wording ----------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def engaged_for_team(team: Team) -> list[KillSwitch]:
     is listed only while its run is running: once the run is killed (and a killed run stays
     killed) it has nothing left to guard."""
     return list(
-        KillSwitch.objects.filter(active=True)
+        KillSwitch.objects.filter(cover.engaged_over_team(team.pk))
         .filter(cover.team_switches(team.pk)
                 | Q(scope=Scope.RUN, team=team, run__status=RunStatus.RUNNING))
         .select_related("team", "run")

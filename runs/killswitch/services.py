@@ -48,7 +48,8 @@ class KillSwitchError(ValueError):
 @dataclass(frozen=True)
 class Target:
     """What a switch covers, validated. ``key`` is the KillSwitch.target string that the
-    partial unique index keeps to one engaged switch."""
+    partial unique index keeps to one engaged switch (cover.target_key, which the reads of
+    the covering switches look up)."""
 
     scope: Scope
     team: Team | None
@@ -57,15 +58,8 @@ class Target:
 
     @property
     def key(self) -> str:
-        if self.scope == Scope.GLOBAL:
-            return "global"
-        assert self.team is not None
-        if self.scope == Scope.TEAM:
-            return f"team:{self.team.pk}"
-        if self.scope == Scope.AGENT:
-            return f"agent:{self.team.pk}:{self.agent}"
-        assert self.run is not None
-        return f"run:{self.run.pk}"
+        return cover.target_key(self.scope, team_id=self.team.pk if self.team else None,
+                                agent=self.agent, run_id=self.run.pk if self.run else None)
 
     def describe(self) -> str:
         return cover.scope_in_words(self.scope, team=self.team, agent=self.agent, run_id=(
@@ -503,6 +497,13 @@ def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
 RUN_ENDED = "its run ended"
 
 
+def retired(now: datetime) -> dict[str, Any]:
+    """The release of a run switch whose run ended: the columns it sets (here, and for the
+    switches of runs that ended before this existed, migration runs 0012)."""
+    return {"active": False, "released_at": now, "released_by_label": "the system",
+            "release_reason": RUN_ENDED}
+
+
 def retire_run_switch(*, switch_id: int) -> bool:
     """A run switch whose run has ended has nothing left to guard (a killed run stays killed,
     and a check of an ended run is answered by its end, before any switch is read): it is
@@ -511,8 +512,7 @@ def retire_run_switch(*, switch_id: int) -> bool:
     return bool(KillSwitch.objects.filter(
         pk=switch_id, scope=Scope.RUN, active=True,
         run__status__in=[s for s in RunStatus.values if s != RunStatus.RUNNING],
-    ).update(active=False, released_at=timezone.now(), released_by_label="the system",
-             release_reason=RUN_ENDED))
+    ).update(**retired(timezone.now())))
 
 
 def killswitch_fanout_done(*, switch_id: int) -> None:
