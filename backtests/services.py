@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from governance_client import rules
@@ -22,31 +23,64 @@ from .models import Backtest, Status
 log = logging.getLogger(__name__)
 
 ACTIVE = (Status.QUEUED, Status.RUNNING)
+# Policies one backtest replays at most: an imported document may name every policy of the
+# team, and each replays up to `limit` runs.
+MAX_DRAFTS = 10
 
 
 class Busy(Exception):
     """The team already runs as many backtests as it may."""
 
 
-def active_backtests(team: Team) -> int:
-    stale = timezone.now() - timedelta(seconds=settings.BACKTEST_STALE_SECONDS)
-    return Backtest.objects.filter(team=team, status__in=ACTIVE, heartbeat_at__gt=stale).count()
+class TooManyDrafts(Exception):
+    """More policies than one backtest replays."""
+
+
+def _stale(now: datetime) -> datetime:
+    return now - timedelta(seconds=settings.BACKTEST_STALE_SECONDS)
+
+
+def waited_too_long() -> str:
+    return (f"it waited more than {settings.BACKTEST_STALE_SECONDS} s for a free worker "
+            "(the workers are busy): start it again later.")
+
+
+def active_backtests(team: Team, *, now: datetime | None = None) -> int:
+    """The team's backtests that will still run: every queued one (a queued one that waited
+    too long is failed first, by the team's next start or when a worker takes it), and the
+    running ones whose task still reports progress (one that stopped is lost: its worker
+    died and nothing took it again)."""
+    now = now or timezone.now()
+    return Backtest.objects.filter(
+        Q(status=Status.QUEUED) | Q(status=Status.RUNNING, heartbeat_at__gt=_stale(now)),
+        team=team).count()
+
+
+def _fail_waited_too_long(jobs: QuerySet[Backtest], now: datetime) -> int:
+    """Queued jobs no worker took within BACKTEST_STALE_SECONDS are failed, never run: the
+    team's bound counts every queued job, so a backlog cannot let a team queue more."""
+    return jobs.filter(status=Status.QUEUED, heartbeat_at__lte=_stale(now)).update(
+        status=Status.FAILED, error=waited_too_long(), finished_at=now)
 
 
 def backtest_start(*, team: Team, user: Any, drafts: list[dict[str, Any]], source: str,
                    since: timedelta, limit: int) -> Backtest:
     """Queue a backtest of ``drafts`` ([{"policy", "document"}]); raises Busy when the team
     already has BACKTEST_MAX_PER_TEAM running. A backtest costs CPU only, but any viewer may
-    start one, so a team gets a bounded share of the workers."""
+    start one, so a team gets a bounded share of the workers. Raises TooManyDrafts past
+    MAX_DRAFTS policies."""
+    if len(drafts) > MAX_DRAFTS:
+        raise TooManyDrafts()
     with transaction.atomic():
         # The team's row lock serializes the backtest starts of one team: the count and the
         # insert cannot interleave with another start's. NO KEY UPDATE, so the FOR KEY SHARE
         # that inserting a run (its foreign key) takes on the team is never made to wait.
         Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list(
             "pk").first()
-        if active_backtests(team) >= settings.BACKTEST_MAX_PER_TEAM:
-            raise Busy()
         now = timezone.now()
+        _fail_waited_too_long(Backtest.objects.filter(team=team), now)
+        if active_backtests(team, now=now) >= settings.BACKTEST_MAX_PER_TEAM:
+            raise Busy()
         job = Backtest.objects.create(
             team=team, created_by=user if getattr(user, "is_authenticated", False) else None,
             created_at=now, source=source, drafts=drafts,
@@ -61,10 +95,19 @@ def backtest_start(*, team: Team, user: Any, drafts: list[dict[str, Any]], sourc
 
 def backtest_run(*, job_id: uuid.UUID | str) -> None:
     """Run a queued backtest. Idempotent: a finished one is left alone, and a redelivered
-    one (its worker died) starts over, since it only ever writes its own row."""
+    one whose worker died (no progress for BACKTEST_STALE_SECONDS) starts over, since it
+    only ever writes its own row. One still reporting progress is left to its worker: the
+    broker gives a message acknowledged late to a second worker once its visibility timeout
+    is over, however long the first one still takes. One that waited too long in the queue
+    is failed instead of run (see `active_backtests`)."""
     now = timezone.now()
-    if not Backtest.objects.filter(pk=job_id, status__in=ACTIVE).update(
-            status=Status.RUNNING, heartbeat_at=now):
+    job_row = Backtest.objects.filter(pk=job_id)
+    claimed = job_row.filter(
+        Q(status=Status.QUEUED, heartbeat_at__gt=_stale(now))
+        | Q(status=Status.RUNNING, heartbeat_at__lte=_stale(now))
+    ).update(status=Status.RUNNING, heartbeat_at=now)
+    if not claimed:
+        _fail_waited_too_long(job_row, now)
         return
     job = Backtest.objects.select_related("team").get(pk=job_id)
     since = timedelta(seconds=job.since_s)
@@ -75,6 +118,7 @@ def backtest_run(*, job_id: uuid.UUID | str) -> None:
             runs = ([] if policy is None else
                     selectors.runs_to_replay(job.team, policy, since=since, limit=job.limit))
             plans.append((draft, runs))
+            Backtest.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now())
         total = sum(len(runs) for _, runs in plans)
         Backtest.objects.filter(pk=job.pk).update(total=total, heartbeat_at=timezone.now())
         results: list[dict[str, Any]] = []

@@ -20,7 +20,7 @@ from policies.models import Role
 
 from . import inputs, selectors
 from .models import Backtest
-from .services import ACTIVE, Busy, backtest_start
+from .services import ACTIVE, MAX_DRAFTS, Busy, TooManyDrafts, backtest_start
 
 SINCE_CHOICES = ("7d", "30d", "90d")
 PARTIAL = "backtests/_backtest.html"
@@ -58,6 +58,10 @@ def _start(request: HttpRequest, drafts: list[dict[str, Any]], source: str) -> H
     except Busy:
         return _show(request, problem="This team already runs as many backtests as it may: "
                                       "try again when one has finished.", status=429)
+    except TooManyDrafts:
+        return _show(request, problem=f"This document names {len(drafts)} policies of the "
+                                      f"team: a backtest replays at most {MAX_DRAFTS}. Test "
+                                      "them in smaller documents.", status=422)
     # Eagerly run (embedded default) it is already done; elsewhere the page polls it.
     job.refresh_from_db()
     return _show(request, job=job)

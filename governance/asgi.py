@@ -46,6 +46,7 @@ from django.urls.exceptions import Resolver404  # noqa: E402
 
 from . import connections, pools  # noqa: E402
 from .handlers import ResolvedOnce  # noqa: E402
+from .pools import pool_name  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,12 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-API_PREFIXES = ("/api/", "/healthz", "/readyz")
-
-
 class BodyTooLarge(Exception):
     pass
 
 
 class ClientGone(Exception):
     pass
-
-
-def pool_name(path: str) -> str:
-    return "api" if path.startswith(API_PREFIXES) else "dashboard"
 
 
 def body_limit(path: str) -> int:

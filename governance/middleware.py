@@ -4,6 +4,7 @@ throttling, security headers."""
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import render, resolve_url
 from django.utils.cache import add_never_cache_headers, patch_cache_control
@@ -19,10 +21,13 @@ from whitenoise.middleware import WhiteNoiseMiddleware
 from policies.services import agent_key_claim
 from runs.check.api import error
 
+from .deadlines import read_deadline, timed_out
 from .handlers import ApiChain
-from .pools import api_thread, pool
+from .pools import api_thread, pool, pool_name
 from .text import text_problem
 from .throttle import SIGN_IN_OUTCOME, Throttle, Verdict, source_of
+
+log = logging.getLogger(__name__)
 
 api_key_throttle = Throttle(
     "api-key", limit=settings.THROTTLE_API_KEY_FAILURES, window=settings.THROTTLE_WINDOW_SECONDS
@@ -351,6 +356,33 @@ class SignInThrottleMiddleware(_SyncAndAsync):
             sign_in_throttle.succeeded(source, username)
         elif outcome != "failed" and window_start is not None:
             sign_in_throttle.give_back(source, username, window_start)
+
+
+class ReadDeadlineMiddleware(_SyncAndAsync):
+    """A page's reads (GET and HEAD, on the dashboard's pool) within
+    ``DASHBOARD_STATEMENT_TIMEOUT_MS`` on PostgreSQL (governance/deadlines.py); a page whose
+    read PostgreSQL cancelled answers a 503 page that says so, never a 500. Forms (POST) are
+    writes: an engage or a policy save is never cut short. Pages have no async views (the
+    async chain serves the API's long polls): that chain passes through."""
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if (self.async_mode or request.method not in ("GET", "HEAD")
+                or pool_name(request.path) != "dashboard"):  # /readyz: the API's pool
+            return self.get_response(request)
+        with read_deadline():
+            return self.get_response(request)
+
+    @staticmethod
+    def process_exception(request: HttpRequest, exception: Exception) -> HttpResponse | None:
+        if not isinstance(exception, DatabaseError) or not timed_out(exception):
+            return None
+        log.warning("%s %s: a read took longer than %s ms and was cancelled", request.method,
+                    request.path, settings.DASHBOARD_STATEMENT_TIMEOUT_MS)
+        response = render(request, "503_slow.html",
+                          {"seconds": settings.DASHBOARD_STATEMENT_TIMEOUT_MS / 1000},
+                          status=503)
+        response["Retry-After"] = "10"
+        return response
 
 
 class SecurityHeadersMiddleware(_SyncAndAsync):

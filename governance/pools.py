@@ -24,6 +24,9 @@ from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, reset_queries
 
+# Paths served by the API's pool; everything else is the dashboard's.
+API_PREFIXES = ("/api/", "/healthz", "/readyz")
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -52,6 +55,10 @@ def pool(name: str) -> ThreadPoolExecutor:
         if name not in _pools:
             _pools[name] = ThreadPoolExecutor(max_workers=size, thread_name_prefix=name)
         return _pools[name]
+
+
+def pool_name(path: str) -> str:
+    return "api" if path.startswith(API_PREFIXES) else "dashboard"
 
 
 def run_request(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:

@@ -123,6 +123,8 @@ MIDDLEWARE = [
     "governance.middleware.ApiRouteMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "governance.middleware.StaticFilesMiddleware",  # WhiteNoise, sync and async
+    # Before the session and the user are read: the whole page is within the deadline.
+    "governance.middleware.ReadDeadlineMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -402,6 +404,11 @@ DASHBOARD_STREAM_SECONDS = env_int("DASHBOARD_STREAM_SECONDS", 60)
 # How often a stream looks at the database even without a wake-up (lost Redis messages,
 # another process's change without Redis, elapsed-time counters).
 DASHBOARD_STREAM_LOOK_S = env_int("DASHBOARD_STREAM_LOOK_S", 2)
+# On PostgreSQL, how long one statement of a page's read (a GET) or of a stream's look may
+# run before PostgreSQL cancels it (governance/deadlines.py); 0: no deadline.
+DASHBOARD_STATEMENT_TIMEOUT_MS = env_int("DASHBOARD_STATEMENT_TIMEOUT_MS", 2000)
+if DASHBOARD_STATEMENT_TIMEOUT_MS < 0:
+    raise ImproperlyConfigured("DASHBOARD_STATEMENT_TIMEOUT_MS must be 0 (none) or more")
 
 # --- Approval long polls (docs/approvals.md) ------------------------------------------------
 # How many `GET /api/v1/approvals/{id}?wait=N` may wait at once in one server process, per

@@ -60,6 +60,9 @@ UPDATE {_TABLE} SET failures = failures - 1
 WHERE kind = %s AND source = %s AND credential = %s AND window_start = %s AND failures > 0
 """
 PRUNE_EVERY_S = 60.0
+# Rows one prune deletes at most: it runs on a request's thread, and how many windows ended
+# is the attackers' choice (one row per address and credential they tried).
+PRUNE_BATCH = 500
 # The request attribute the auth signals set to "failed" or "succeeded" (policies/apps.py).
 SIGN_IN_OUTCOME = "_governance_sign_in"
 MEMORY_MAX = 10_000
@@ -122,6 +125,7 @@ class Throttle:
         self._lock = threading.Lock()
         self._over: dict[tuple[str, str], float] = {}  # bucket -> window end (time.time())
         self._pruned_at = 0.0
+        self._prune_behind = False  # the last prune left ended windows behind
 
     @staticmethod
     def _bucket(source: str, credential: str) -> tuple[str, str]:
@@ -165,11 +169,17 @@ class Throttle:
 
     def _prune(self, now: float) -> None:
         """Drop windows that are over, at most once a minute per process: buckets of
-        credentials tried once (random keys, say) must not pile up."""
-        if now - self._pruned_at < PRUNE_EVERY_S:
+        credentials tried once (random keys, say) must not pile up. At most PRUNE_BATCH rows
+        a time, the oldest first; while a prune finds more than that, the next failure
+        prunes again, so deleting keeps pace with any number of new buckets (each failure
+        adds at most one) and no request deletes more than the batch."""
+        if now - self._pruned_at < PRUNE_EVERY_S and not self._prune_behind:
             return
         self._pruned_at = now
-        AuthFailure.objects.filter(kind=self.kind, window_start__lte=now - self.window).delete()
+        ended = (AuthFailure.objects.filter(kind=self.kind, window_start__lte=now - self.window)
+                 .order_by("window_start").values("pk")[:PRUNE_BATCH])
+        deleted, _ = AuthFailure.objects.filter(pk__in=ended).delete()
+        self._prune_behind = deleted >= PRUNE_BATCH
 
     def failed(self, source: str, credential: str) -> Verdict:
         """A credential was checked and found wrong: count it. The verdict says whether this

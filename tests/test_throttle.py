@@ -130,6 +130,34 @@ def test_windows_that_ended_are_pruned(limit_3, monkeypatch):
 
 
 @pytest.mark.django_db
+def test_a_prune_deletes_a_bounded_batch_and_the_next_failures_keep_pace(limit_3, monkeypatch):
+    """How many windows ended is the attackers' choice (one per address and credential
+    tried): one request's prune deletes at most PRUNE_BATCH of them, the oldest first, and
+    while some are left each next failure prunes again."""
+    monkeypatch.setattr(api_key_throttle, "_pruned_at", 0.0)
+    monkeypatch.setattr(api_key_throttle, "_prune_behind", False)
+    now = time.time()
+    ended = now - api_key_throttle.window - 1
+    batch = throttle.PRUNE_BATCH
+    AuthFailure.objects.bulk_create([
+        AuthFailure(kind=api_key_throttle.kind, source=f"10.0.{i // 250}.{i % 250}",
+                    credential="(not a key)", window_start=ended - i, failures=1)
+        for i in range(2 * batch + 200)])
+
+    def left() -> int:
+        return AuthFailure.objects.filter(window_start__lte=ended).count()
+
+    bearer(BAD).get("/api/v1/runs")
+    assert left() == batch + 200
+    assert not AuthFailure.objects.filter(window_start__lte=ended - batch - 200).exists()
+    bearer(BAD).get("/api/v1/runs")
+    assert left() == 200
+    bearer(BAD).get("/api/v1/runs")
+    assert left() == 0
+    assert AuthFailure.objects.get().failures == 3
+
+
+@pytest.mark.django_db
 def test_the_count_needs_no_cache_at_all(limit_3, settings):
     """The database is the authority: a cache pointing at a refused Redis changes nothing."""
     settings.CACHES = {"default": {

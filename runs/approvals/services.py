@@ -535,17 +535,18 @@ def pending_count(team: Team) -> int:
     return Approval.objects.filter(team=team, status=ApprovalStatus.PENDING).count()
 
 
-def settle_due_for_team(team: Team, *, now: datetime | None = None) -> int:
-    """A page looks: it settles the team's requests past their expiry first (and any left
-    pending on a run that is over), and, while a kill switch is engaged over any of the
-    team's runs, the requests of the runs it covers (its fan-out may not have got there
-    yet). Without an engaged switch that is one indexed read more."""
+def settle_due_for_team(team: Team, *, now: datetime | None = None, limit: int = 500) -> int:
+    """A look (runs/first_look.py): it settles the team's requests past their expiry first
+    (and any left pending on a run that is over), and, while a kill switch is engaged over
+    any of the team's runs, the requests of the runs it covers (its fan-out may not have got
+    there yet). At most ``limit`` of each, soonest expiry first: the beat's `expire_due` and
+    the fan-out do the rest. Without an engaged switch that is one indexed read more."""
     now = now or timezone.now()
     pending = (Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
-               .select_related("run"))
-    due = list(_due(pending, now))
+               .select_related("run").order_by("expires_at"))
+    due = list(_due(pending, now)[:limit])
     if cover.engaged_over_team_ids(team.pk):
-        due += list(pending.filter(expires_at__gt=now, run__status=rules.RUNNING))
+        due += list(pending.filter(expires_at__gt=now, run__status=rules.RUNNING)[:limit])
     return _settle_each(due, now)
 
 

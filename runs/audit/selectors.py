@@ -13,8 +13,9 @@ from django.utils import timezone
 
 from governance_client import rules
 from policies.models import PolicyVersion, Team
-from runs.approvals.services import settle_due_for_team, settle_if_due_for_run
-from runs.check.abandon import abandon_idle_runs, abandon_if_idle
+from runs import first_look
+from runs.approvals.services import settle_if_due_for_run
+from runs.check.abandon import abandon_if_idle
 from runs.check.policy_cache import rules_for_version
 from runs.models import Decision, Run
 from runs.sweep import one_by_one
@@ -81,19 +82,24 @@ def runs_json(runs: Iterable[Run], now: datetime | None = None) -> list[dict[str
 
 
 def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = None,
-                  limit: int = 50, key_agent: str = "") -> QuerySet[Run]:
-    """``key_agent``: the agent an agent-bound key is limited to (SPEC 10); it sees only
-    that agent's runs, as if the others were another team's."""
-    abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
-    settle_due_for_team(team)  # SPEC 11: nor one whose approval expired (a read is a look)
+                  limit: int = 50, key_agent: str = "", now: datetime | None = None
+                  ) -> list[Run]:
+    """The team's newest runs, as they will be once what is due on them is settled
+    (runs/first_look.py: the caller looks first). ``key_agent``: the agent an agent-bound
+    key is limited to (SPEC 10); it sees only that agent's runs, as if the others were
+    another team's."""
+    now = now or timezone.now()
     runs = Run.objects.filter(team=team).select_related("policy_version")
     if key_agent:
         runs = runs.filter(agent=key_agent)
     if status:
         runs = runs.filter(status=status)
+        if status == rules.RUNNING:
+            runs = runs.filter(first_look.not_overdue(now))  # SPEC 14: over, however unsaid
     if agent:
         runs = runs.filter(agent=agent)
-    return runs.order_by("-started_at")[:limit]
+    shown = first_look.as_it_will_be(runs.order_by("-started_at")[:limit], now=now)
+    return [run for run in shown if not status or run.status == status]
 
 
 def run_for_team(team: Team, run_id: Any, *, key_agent: str = "") -> Run:

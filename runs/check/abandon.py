@@ -6,9 +6,9 @@ Each run keeps its deadline in `Run.idle_deadline` (its last activity + max_idle
 null for never), written by the start and by every check in the same statement as the rest
 of its state, so finding the overdue runs is one indexed range read. Who ends a run:
 - the check and the finish that find it overdue (runs/services.py), under the run's lock;
-- `abandon_idle_runs`: the Celery beat sweep on the production stack (every minute), and on
-  every read of a team's runs (lists, overview, the API's list) on both stacks, so that an
-  embedded deployment without beat ends them too and no screen counts them as running;
+- `abandon_idle_runs`: the Celery beat sweep on the production stack (every minute), and,
+  a few runs at a time, every look at a team's runs (runs/first_look.py: lists, overview,
+  the API's list) on both stacks, so that an embedded deployment without beat ends them too;
 - `abandon_if_idle` for a single run that is read after its deadline (the run page, the API).
 Every one locks the run and tests again, so a check that got the lock first wins: its new
 deadline makes the test fail and the run goes on.
@@ -74,13 +74,15 @@ def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
     return run
 
 
-def abandon_idle_runs(*, team_id: int | None = None, now: datetime | None = None) -> list[str]:
-    """End every overdue running run (of one team, or all): the ids of the runs ended."""
+def abandon_idle_runs(*, team_id: int | None = None, now: datetime | None = None,
+                      limit: int = SWEEP_BATCH) -> list[str]:
+    """End the overdue running runs (of one team, or all), at most ``limit`` of them, the
+    longest overdue first: the ids of the runs ended."""
     now = now or timezone.now()
     overdue = Run.objects.filter(status=rules.RUNNING, idle_deadline__lte=now)
     if team_id is not None:
         overdue = overdue.filter(team_id=team_id)
-    due = overdue.order_by("idle_deadline").values_list("pk", flat=True)[:SWEEP_BATCH]
+    due = overdue.order_by("idle_deadline").values_list("pk", flat=True)[:limit]
     # One run that cannot be ended is logged and left: the others still are (SPEC 10).
     ended = one_by_one(due, lambda run_id: (run_id, _abandon_one(run_id, now=now)),
                        what="idle run")

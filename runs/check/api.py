@@ -31,6 +31,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from governance import fastjson
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
+from runs import first_look
 from runs.approvals import services as approvals
 from runs.approvals.waits import (
     RETRY_AFTER_S,
@@ -206,6 +207,7 @@ def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
 @api.get("/runs", response={200: s.RunsOut, **ERRORS}, summary="List runs",
          operation_id="list_runs")
 def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, Any]:
+    first_look.look(request.auth.team)  # whoever looks first settles (SPEC 11, 14), a share
     runs = selectors.runs_for_team(
         request.auth.team, status=filters.status, agent=filters.agent, limit=filters.limit,
         key_agent=request.auth.agent,

@@ -18,6 +18,7 @@ from django.utils import timezone
 from governance.templatetags.dashboard_tags import money
 from governance_client import rules
 from policies.models import Team
+from runs import first_look
 from runs.audit.selectors import elapsed_s, violation_of
 from runs.dashboard import selectors as dashboard
 from runs.killswitch.selectors import engaged_for_team
@@ -216,9 +217,10 @@ def overview_context(team: Team, now: datetime | None = None, *, range_key: str 
     from runs.dashboard.charts import activity_chart
 
     now = now or timezone.now()
+    first_look.look(team, now=now)  # whoever looks first settles (SPEC 11, 14), a share
     span = dashboard.chart_range(range_key)
     since = now - dashboard.RANGES[span.key]
-    running, running_count = dashboard.running_runs(team)
+    running, running_count = dashboard.running_runs(team, now=now)
     agents = dashboard.agent_breakdown(team, since=since)
     return {
         "team": team,
@@ -237,7 +239,9 @@ def overview_context(team: Team, now: datetime | None = None, *, range_key: str 
 
 
 def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, Any]:
-    page = dashboard.runs_page(team, filters)
+    now = timezone.now()
+    first_look.look(team, now=now)  # whoever looks first settles (SPEC 11, 14), a share
+    page = dashboard.runs_page(team, filters, now=now)
     return {
         "team": team,
         "filters": filters,
@@ -314,10 +318,10 @@ def approval_card(approval: Any, now: datetime | None = None) -> ApprovalCard:
 def approvals_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
     """The approvals page's live partials: pending first (soonest expiry first), then the
     latest decided. Looking settles what is past its expiry (SPEC 11)."""
-    from runs.approvals.services import approvals_for_team, settle_due_for_team
+    from runs.approvals.services import approvals_for_team
 
     now = now or timezone.now()
-    settle_due_for_team(team, now=now)
+    first_look.look(team, now=now)
     # A request that cannot be shown is logged and left out; the page still answers.
     cards = one_by_one(approvals_for_team(team, limit=50), lambda a: approval_card(a, now),
                        what="approval")

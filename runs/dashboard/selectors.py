@@ -21,8 +21,7 @@ from django.utils import timezone
 from governance_client.rules import WOULD_STOP
 
 from policies.models import Policy, Team
-from runs.approvals.services import settle_due_for_team
-from runs.check.abandon import abandon_idle_runs
+from runs import first_look
 from runs.check.rate_limits import prune_hits_now_and_then
 from runs.killswitch import cover
 from runs.models import Decision, KillSwitch, Run, RunStatus
@@ -120,6 +119,8 @@ def _matching(team: Team, filters: RunFilters, now: datetime) -> QuerySet[Run]:
     runs = Run.objects.filter(team=team)
     if filters.status:
         runs = runs.filter(status=filters.status)
+        if filters.status == RunStatus.RUNNING:
+            runs = runs.filter(first_look.not_overdue(now))  # SPEC 14: over, however unsaid
     if filters.agent:
         runs = runs.filter(agent=filters.agent)
     if filters.stop_reason:
@@ -193,10 +194,9 @@ def runs_page(team: Team, filters: RunFilters, *, now: datetime | None = None) -
     """One page of runs, by keyset: the query reads the next RUNS_PER_PAGE + 1 rows of an
     index range, whatever the page, so the 4,000th page costs what the first does; the
     count stops at COUNT_CAP. Paging back (``before``) reads the range the other way; when
-    it reaches the start it is the first page, shown whole."""
+    it reaches the start it is the first page, shown whole. The rows are shown as they will
+    be once what is due on them is settled (runs/first_look.py: the caller looks first)."""
     now = now or timezone.now()
-    abandon_idle_runs(team_id=team.pk)  # SPEC 14: no overdue run is listed as running
-    settle_due_for_team(team, now=now)  # SPEC 11: nor one whose approval expired
     column, descending = SORTS[filters.sort]
     runs: list[Run] = []
     if filters.before and _after(column, descending, filters.before) is not None:
@@ -212,6 +212,7 @@ def runs_page(team: Team, filters: RunFilters, *, now: datetime | None = None) -
         runs, more_after = found[:RUNS_PER_PAGE], len(found) > RUNS_PER_PAGE
         first = not filters.after or _after(column, descending, filters.after) is None
     count = _matching(team, filters, now).order_by()[:COUNT_CAP + 1].count()
+    runs = first_look.as_it_will_be(runs, now=now)
     return RunsPage(runs=runs, first=first,
                     next_after=_cursor(runs[-1], column) if runs and more_after else None,
                     # A later page was reached from an earlier one: rows come before it.
@@ -251,16 +252,22 @@ def agent_seen(team: Team, agent: str) -> bool:
     return Run.objects.filter(team=team, agent=agent).exists()
 
 
-def running_runs(team: Team, *, limit: int = 10) -> tuple[list[Run], int]:
-    abandon_idle_runs(team_id=team.pk)  # SPEC 14: "running now" never counts an idle run
-    settle_due_for_team(team)  # SPEC 11: nor a run whose approval expired
+def running_runs(team: Team, *, limit: int = 10, now: datetime | None = None
+                 ) -> tuple[list[Run], int]:
+    """The newest running runs and how many run. SPEC 14: "running now" never counts a run
+    past its idle deadline, ended or not yet (runs/first_look.py: the caller looks first)."""
+    now = now or timezone.now()
     if not settings.REDIS_URL:
         # The embedded default runs no beat: the overview's reads keep the hits small.
-        prune_hits_now_and_then(now=timezone.now())
-    running = Run.objects.filter(team=team, status=RunStatus.RUNNING).select_related(
+        prune_hits_now_and_then(now=now)
+    running = Run.objects.filter(first_look.not_overdue(now), team=team,
+                                 status=RunStatus.RUNNING).select_related(
         "policy_version__policy"
     )
-    return list(running.order_by("-started_at")[:limit]), running.count()
+    # A run whose request expired is over too (SPEC 11): shown so, and not counted.
+    shown = first_look.as_it_will_be(running.order_by("-started_at")[:limit], now=now)
+    over = sum(run.status != RunStatus.RUNNING for run in shown)
+    return [run for run in shown if run.status == RunStatus.RUNNING], running.count() - over
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from django.middleware.csrf import get_token
 from django.template.loader import render_to_string
 from django.urls import reverse
 
+from governance.deadlines import read_deadline
 from policies.access import controls
 from policies.models import Team
 from runs.approvals.services import pending_count
@@ -184,9 +185,13 @@ def pump(source: Source, *, lifetime: float | None = None, stop: threading.Event
 
 def _look(source: Source) -> str:
     try:
-        return "".join(encode(f) for f in source.frames())
+        # Within the dashboard's read deadline (governance/deadlines.py): on the look lane
+        # it is the lane's; under WSGI, this thread's.
+        with read_deadline():
+            return "".join(encode(f) for f in source.frames())
     except DatabaseError:
-        # The database blinked: keep the stream, say nothing, look again next time.
+        # The database blinked, or a read took longer than its deadline: keep the stream,
+        # say nothing, look again next time.
         log.warning("live stream could not read the database", exc_info=True)
         close_old_connections()
         return ""

@@ -19,6 +19,8 @@ from typing import Any, Generic, TypeVar
 from django.conf import settings
 from django.db import close_old_connections
 
+from governance.deadlines import read_deadline
+
 T = TypeVar("T")
 
 
@@ -28,7 +30,9 @@ class LookLane:
     however many wait: more waiters are served less often, and the checks keep their CPU.
     Viewers (a person, a team's long polls) take turns (round robin), so one viewer's hundred
     tabs slow their own screens, not everyone's. The thread keeps one database connection for
-    all of them."""
+    all of them. Each look's statements get the dashboard's read deadline
+    (governance/deadlines.py), so one look cannot hold the lane, and every stream behind it,
+    for longer than that."""
 
     BURST_S = 0.1
 
@@ -87,7 +91,8 @@ class LookLane:
             failure: BaseException | None = None
             try:
                 close_old_connections()  # a broken or old connection is replaced
-                result = item.look()
+                with read_deadline():
+                    result = item.look()
             except Exception as exc:
                 failure = exc
             self._budget -= time.monotonic() - started

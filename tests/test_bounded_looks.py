@@ -1,0 +1,116 @@
+"""SPEC 10 ("Bounded work per request"), 11 and 14: whoever looks first settles, a bounded
+share per request (runs/first_look.py). With a backlog of 1,000 overdue runs (or expired
+approvals), one read of the team's runs ends at most `LOOK_BATCH` of them, and still shows
+every row it returns as it will be: ended `abandoned` at its deadline."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from policies.models import Team
+from runs.first_look import LOOK_BATCH
+from runs.models import Approval, ApprovalStatus, Decision, Run
+
+BACKLOG = 1_000
+
+
+def overdue_runs(team: Team, count: int = BACKLOG, **fields: Any) -> list[Run]:
+    """``count`` running runs of the team, each past its idle deadline (an hour ago and
+    earlier), newest started first."""
+    version = team.policies.get(name="default").current
+    now = timezone.now()
+    runs = [Run(**{"team": team, "agent": "bot", "policy_version": version,
+                   "status": "running", "started_at": now - timedelta(hours=2, seconds=i),
+                   "idle_deadline": now - timedelta(hours=1, seconds=i), **fields})
+            for i in range(count)]
+    Run.objects.bulk_create(runs, batch_size=500)
+    return runs
+
+
+def at(text: str) -> datetime:
+    return datetime.fromisoformat(text)
+
+
+def ms(moment: datetime | None) -> datetime:
+    """A moment as the API writes it: to the millisecond."""
+    assert moment is not None
+    return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
+
+
+def abandoned() -> int:
+    return Run.objects.filter(stop_reason="abandoned").count()
+
+
+@pytest.mark.django_db
+def test_listing_runs_over_a_backlog_ends_a_bounded_share_and_shows_every_row_ended(
+        api: Any, team: Team) -> None:
+    runs = overdue_runs(team)
+    body = api.get("/api/v1/runs?limit=100").json()
+    assert abandoned() <= LOOK_BATCH
+    assert Decision.objects.filter(reason="abandoned").count() == abandoned()
+    listed = body["runs"]
+    assert [r["run_id"] for r in listed] == [str(r.pk) for r in runs[:100]]
+    deadlines = {str(r.pk): r.idle_deadline for r in runs}
+    for row in listed:
+        assert (row["status"], row["stop_reason"]) == ("stopped", "abandoned")
+        assert at(row["ended_at"]) == ms(deadlines[row["run_id"]])
+
+
+@pytest.mark.django_db
+def test_a_running_filter_over_a_backlog_lists_no_overdue_run(api: Any, team: Team) -> None:
+    overdue_runs(team)
+    assert api.get("/api/v1/runs?status=running&limit=500").json()["runs"] == []
+    assert abandoned() <= LOOK_BATCH
+    # The look's share goes to the longest overdue: each look ends the next ones.
+    api.get("/api/v1/runs?status=running")
+    assert LOOK_BATCH < abandoned() <= 2 * LOOK_BATCH
+
+
+@pytest.mark.django_db
+def test_the_runs_page_and_the_overview_end_a_bounded_share_of_a_backlog(
+        client: Any, team: Team, users: dict[str, Any]) -> None:
+    runs = overdue_runs(team)
+    client.force_login(users["viewer"])
+    page = client.get(f"/teams/{team.slug}/runs/")
+    assert page.status_code == 200
+    assert abandoned() <= LOOK_BATCH
+    shown = page.context["runs"]
+    assert [r.pk for r in shown] == [r.pk for r in runs[:len(shown)]]
+    assert {(r.status, r.stop_reason) for r in shown} == {("stopped", "abandoned")}
+    running = client.get(f"/teams/{team.slug}/runs/?status=running")
+    assert running.context["runs"] == []
+    overview = client.get(f"/teams/{team.slug}/")
+    assert overview.status_code == 200
+    assert (overview.context["running"], overview.context["running_count"]) == ([], 0)
+    assert abandoned() <= 3 * LOOK_BATCH
+
+
+@pytest.mark.django_db
+def test_a_look_settles_a_bounded_share_of_expired_approvals(api: Any, team: Team) -> None:
+    """1,000 runs waiting for approvals that expired an hour ago: one look settles at most
+    its share; every listed run reads stopped / approval_expired as of the expiry."""
+    now = timezone.now()
+    expires = now - timedelta(hours=1)
+    pending = {"approval_id": "", "since": (expires - timedelta(minutes=15)).isoformat(),
+               "expires_at": expires.isoformat(), "step": 1, "check_id": "c",
+               "action_name": "deploy", "action_type": "tool", "repeat_key": "k"}
+    runs = overdue_runs(team, idle_deadline=None, steps=1)
+    approvals = [Approval(team=team, run=run, step=1, check_id="c", action_name="deploy",
+                          action_type="tool", pattern="deploy", expires_at=expires,
+                          requested_at=expires - timedelta(minutes=15))
+                 for run in runs]
+    Approval.objects.bulk_create(approvals, batch_size=500)
+    for run, approval in zip(runs, approvals, strict=True):
+        run.memory = {"pending": {**pending, "approval_id": str(approval.pk)}}
+    Run.objects.bulk_update(runs, ["memory"], batch_size=500)
+    listed = api.get("/api/v1/runs?limit=50").json()["runs"]
+    settled = Approval.objects.exclude(status=ApprovalStatus.PENDING).count()
+    assert 0 < settled <= LOOK_BATCH
+    assert len(listed) == 50
+    for row in listed:
+        assert (row["status"], row["stop_reason"]) == ("stopped", "approval_expired")
+        assert at(row["ended_at"]) == ms(expires)
