@@ -204,22 +204,3 @@ def test_a_check_before_the_deadline_goes_on() -> None:
     decision, after = evaluate(LOOSE, state(idle_deadline=at(100)), Check(name="x"),
                                now=at(99))
     assert (decision.outcome, after.status) == (ALLOW, RUNNING)
-
-
-# --- a wait longer than the run's time left (issue 26) ----------------------------------------
-
-def test_a_wait_longer_than_the_time_left_is_a_max_seconds_stop_now() -> None:
-    """Told to wait 51 s with 35 s of budget left, the agent could only be stopped after the
-    wait: it is stopped now, the message naming the wait and the time left."""
-    policy = replace(LOOSE, max_seconds=45)
-    decision, after = evaluate(policy, state(), Check(name="http.get"), now=at(10), rate=full())
-    assert (decision.outcome, decision.reason) == (STOP, "max_seconds")
-    assert "wait 51.0 s" in decision.message and "35.0 s left" in decision.message
-    assert (after.status, after.stop_reason) == (STOPPED, "max_seconds")
-
-
-def test_a_wait_that_fits_the_time_left_is_still_a_wait() -> None:
-    policy = replace(LOOSE, max_seconds=120)
-    decision, _ = evaluate(policy, state(), Check(name="http.get"), now=at(10), rate=full())
-    assert (decision.outcome, decision.reason, decision.retry_after_s) == (
-        WAIT, RATE_LIMITED, 51.0)

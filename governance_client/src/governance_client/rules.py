@@ -709,16 +709,7 @@ def evaluate(
         if limited is not None:
             window, wait = limited
             message = _rate_message(check.name, window, wait)
-            left = (None if policy.max_seconds is None
-                    else policy.max_seconds - state.elapsed_s(now))
-            if left is not None and wait > left:
-                # Waiting would outlast the run's time budget: the agent cannot run this
-                # action in time, so it is told now instead of after the wait.
-                stop = "max_seconds", (
-                    f"{check.name} would have to wait {wait:.1f} s for the "
-                    f"{window.rule.describe()}, but the run has {max(0.0, left):.1f} s left "
-                    f"of max_seconds={_plain(policy.max_seconds)}.")
-            elif policy.mode != "shadow":
+            if policy.mode != "shadow":
                 # A wait registers nothing: the agent sends the same body again. It is
                 # activity all the same (SPEC 14).
                 waited = state.copy()
@@ -728,8 +719,7 @@ def evaluate(
                     repeat_count=state.repeat_counts.get(key, 0), message=message,
                     next_action=NEXT_ACTION[RATE_LIMITED], retry_after_s=wait,
                 ), waited
-            else:
-                stop = (RATE_LIMITED, message)
+            stop = (RATE_LIMITED, message)
     if stop is None:
         pattern = approval_pattern(policy, check.name)
         if pattern is not None:
