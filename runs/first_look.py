@@ -13,9 +13,9 @@ it in time-boxed passes).
 The rows a read returns that are still due once the look's share is spent are shown as they
 will be (`as_it_will_be`): the end the same rules will write, at the moment they will write
 (the deadline, the expiry), which no check can change any more (a check after the deadline
-finds the run abandoned). A list filtered on `running` leaves out the runs that are not
-running any more (`not_overdue`). A read of one run (the run page, `GET /api/v1/runs/{id}`)
-settles that run itself: one run is one write.
+finds the run abandoned). A list filtered on `running`, and the count of running runs,
+leave out the runs that are not running any more (`still_running`). A read of one run (the
+run page, `GET /api/v1/runs/{id}`) settles that run itself: one run is one write.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 from collections.abc import Iterable
 from datetime import datetime
 
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from governance_client import rules
@@ -32,7 +32,7 @@ from policies.models import Team
 from runs.approvals.services import settle_due_for_team
 from runs.check.abandon import abandon_idle_runs
 from runs.check.check_store import state_of
-from runs.models import Run
+from runs.models import Approval, ApprovalStatus, Run
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,13 @@ def look(team: Team, *, now: datetime | None = None) -> None:
     settle_due_for_team(team, now=now, limit=LOOK_BATCH)  # SPEC 11
 
 
-def not_overdue(now: datetime) -> Q:
-    """The running runs a look has not ended yet but that are over all the same (past their
-    idle deadline), left out: what a `running` filter reads, in SQL."""
-    return Q(idle_deadline__isnull=True) | Q(idle_deadline__gt=now)
+def still_running(now: datetime) -> Q:
+    """What a `running` filter reads, in SQL: the runs a look has not ended yet but that are
+    over all the same (past their idle deadline, or waiting for a request past its expiry)
+    left out."""
+    expired = Approval.objects.filter(run=OuterRef("pk"), status=ApprovalStatus.PENDING,
+                                      expires_at__lte=now)
+    return (Q(idle_deadline__isnull=True) | Q(idle_deadline__gt=now)) & Q(~Exists(expired))
 
 
 def as_it_will_be(runs: Iterable[Run], *, now: datetime) -> list[Run]:

@@ -15,10 +15,12 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
-from runs.check.abandon import abandon_idle_runs
+from runs.check import abandon
+from runs.check.abandon import abandon_idle_runs, sweep_idle_runs
 from runs.check.tasks import idle_sweep_task
 from runs.models import Decision, Run
 from tests.conftest import Agent, set_policy
+from tests.test_bounded_looks import overdue_runs
 
 
 def start(api: Any, **body: Any) -> str:
@@ -81,6 +83,20 @@ def test_the_sweep_ends_overdue_runs_only(api: Any, team: Any) -> None:
     assert_abandoned(idle, deadline, steps=1)
     assert Run.objects.get(pk=busy).status == "running"
     assert abandon_idle_runs() == []  # idempotent
+
+
+@pytest.mark.django_db
+def test_a_sweep_pass_ends_batch_after_batch_while_its_time_lasts(team: Any,
+                                                                   monkeypatch: Any) -> None:
+    """A backlog bigger than a batch drains in one pass (every minute), not one batch a
+    minute; a pass whose time is spent stops after its batch, the rest for the next."""
+    monkeypatch.setattr(abandon, "SWEEP_BATCH", 50)
+    overdue_runs(team, 130)
+    assert idle_sweep_task()["abandoned"] == 130
+    assert not Run.objects.filter(status="running").exists()
+    overdue_runs(team, 130)
+    assert len(sweep_idle_runs(seconds=0)) == 50
+    assert len(sweep_idle_runs()) == 80
 
 
 @pytest.mark.django_db

@@ -89,12 +89,9 @@ def test_the_runs_page_and_the_overview_end_a_bounded_share_of_a_backlog(
     assert abandoned() <= 3 * LOOK_BATCH
 
 
-@pytest.mark.django_db
-def test_a_look_settles_a_bounded_share_of_expired_approvals(api: Any, team: Team) -> None:
-    """1,000 runs waiting for approvals that expired an hour ago: one look settles at most
-    its share; every listed run reads stopped / approval_expired as of the expiry."""
-    now = timezone.now()
-    expires = now - timedelta(hours=1)
+def expired_requests(team: Team) -> datetime:
+    """BACKLOG runs waiting for approvals that expired an hour ago: their expiry."""
+    expires = timezone.now() - timedelta(hours=1)
     pending = {"approval_id": "", "since": (expires - timedelta(minutes=15)).isoformat(),
                "expires_at": expires.isoformat(), "step": 1, "check_id": "c",
                "action_name": "deploy", "action_type": "tool", "repeat_key": "k"}
@@ -107,10 +104,36 @@ def test_a_look_settles_a_bounded_share_of_expired_approvals(api: Any, team: Tea
     for run, approval in zip(runs, approvals, strict=True):
         run.memory = {"pending": {**pending, "approval_id": str(approval.pk)}}
     Run.objects.bulk_update(runs, ["memory"], batch_size=500)
+    return expires
+
+
+def settled() -> int:
+    return Approval.objects.exclude(status=ApprovalStatus.PENDING).count()
+
+
+@pytest.mark.django_db
+def test_a_look_settles_a_bounded_share_of_expired_approvals(api: Any, team: Team) -> None:
+    """One look settles at most its share; every listed run reads stopped /
+    approval_expired as of the expiry, and none is listed as running."""
+    expires = expired_requests(team)
     listed = api.get("/api/v1/runs?limit=50").json()["runs"]
-    settled = Approval.objects.exclude(status=ApprovalStatus.PENDING).count()
-    assert 0 < settled <= LOOK_BATCH
+    assert 0 < settled() <= LOOK_BATCH
     assert len(listed) == 50
     for row in listed:
         assert (row["status"], row["stop_reason"]) == ("stopped", "approval_expired")
         assert at(row["ended_at"]) == ms(expires)
+    assert api.get("/api/v1/runs?status=running&limit=50").json()["runs"] == []
+    assert settled() <= 2 * LOOK_BATCH
+
+
+@pytest.mark.django_db
+def test_the_pages_show_no_run_waiting_for_an_expired_request(
+        client: Any, team: Team, users: dict[str, Any]) -> None:
+    expired_requests(team)
+    client.force_login(users["viewer"])
+    shown = client.get(f"/teams/{team.slug}/runs/").context["runs"]
+    assert {(r.status, r.stop_reason) for r in shown} == {("stopped", "approval_expired")}
+    assert client.get(f"/teams/{team.slug}/runs/?status=running").context["runs"] == []
+    overview = client.get(f"/teams/{team.slug}/")
+    assert overview.context["running"] == []
+    assert settled() <= 3 * LOOK_BATCH

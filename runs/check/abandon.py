@@ -6,9 +6,10 @@ Each run keeps its deadline in `Run.idle_deadline` (its last activity + max_idle
 null for never), written by the start and by every check in the same statement as the rest
 of its state, so finding the overdue runs is one indexed range read. Who ends a run:
 - the check and the finish that find it overdue (runs/services.py), under the run's lock;
-- `abandon_idle_runs`: the Celery beat sweep on the production stack (every minute), and,
-  a few runs at a time, every look at a team's runs (runs/first_look.py: lists, overview,
-  the API's list) on both stacks, so that an embedded deployment without beat ends them too;
+- `sweep_idle_runs`: the Celery beat sweep on the production stack (every minute, batch
+  after batch for up to SWEEP_SECONDS), and `abandon_idle_runs`, a few runs at a time, on
+  every look at a team's runs (runs/first_look.py: lists, overview, the API's list) on both
+  stacks, so that an embedded deployment without beat ends them too;
 - `abandon_if_idle` for a single run that is read after its deadline (the run page, the API).
 Every one locks the run and tests again, so a check that got the lock first wins: its new
 deadline makes the test fail and the run goes on.
@@ -22,10 +23,12 @@ null (never idle), and the decision sets it to its own time + max_idle_seconds, 
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from governance_client import rules
@@ -38,8 +41,11 @@ from runs.sweep import one_by_one
 
 log = logging.getLogger(__name__)
 
-# One sweep never holds a worker (or a page) for long; what is left goes next time.
+# The overdue runs one read finds; the beat's pass reads batch after batch for at most
+# SWEEP_SECONDS (one locking transaction a run), so a backlog of 100,000 overdue runs drains
+# in minutes, and what is left goes next minute.
 SWEEP_BATCH = 500
+SWEEP_SECONDS = 10.0
 
 
 def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
@@ -79,14 +85,45 @@ def abandon_idle_runs(*, team_id: int | None = None, now: datetime | None = None
     """End the overdue running runs (of one team, or all), at most ``limit`` of them, the
     longest overdue first: the ids of the runs ended."""
     now = now or timezone.now()
+    return _abandon_batch(team_id=team_id, now=now, limit=limit, after=None)[0]
+
+
+def sweep_idle_runs(*, now: datetime | None = None, seconds: float = SWEEP_SECONDS) -> list[str]:
+    """The beat's pass: batches of SWEEP_BATCH, the longest overdue first, each one starting
+    after the last run the one before read (a run that could not be ended is not read
+    again), until none is left or ``seconds`` have gone by: the ids of the runs ended.
+    The first batch is always done."""
+    now = now or timezone.now()
+    stop_at = time.monotonic() + seconds
+    ended: list[str] = []
+    after: tuple[datetime, Any] | None = None
+    while True:
+        batch, after = _abandon_batch(team_id=None, now=now, limit=SWEEP_BATCH, after=after)
+        ended += batch
+        if after is None or time.monotonic() >= stop_at:
+            return ended
+
+
+def _abandon_batch(*, team_id: int | None, now: datetime, limit: int,
+                   after: tuple[datetime, Any] | None
+                   ) -> tuple[list[str], tuple[datetime, Any] | None]:
+    """One batch: the ids of the runs ended, and where the next batch starts (the last run
+    read), or None when this one found fewer than ``limit`` (nothing is left)."""
     overdue = Run.objects.filter(status=rules.RUNNING, idle_deadline__lte=now)
     if team_id is not None:
         overdue = overdue.filter(team_id=team_id)
-    due = overdue.order_by("idle_deadline").values_list("pk", flat=True)[:limit]
+    if after is not None:
+        deadline, pk = after
+        overdue = overdue.filter(Q(idle_deadline__gt=deadline)
+                                 | Q(idle_deadline=deadline, pk__gt=pk))
+    due = list(overdue.order_by("idle_deadline", "pk")
+               .values_list("pk", "idle_deadline")[:limit])
     # One run that cannot be ended is logged and left: the others still are (SPEC 10).
-    ended = one_by_one(due, lambda run_id: (run_id, _abandon_one(run_id, now=now)),
+    ended = one_by_one([pk for pk, _ in due],
+                       lambda run_id: (run_id, _abandon_one(run_id, now=now)),
                        what="idle run")
-    return [str(run_id) for run_id, run in ended if run is not None]
+    last = (due[-1][1], due[-1][0]) if len(due) == limit else None
+    return [str(run_id) for run_id, run in ended if run is not None], last
 
 
 def abandon_if_idle(run: Run, *, now: datetime | None = None) -> Run:

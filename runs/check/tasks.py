@@ -8,7 +8,7 @@ from celery import shared_task
 from django.db import DatabaseError, InterfaceError
 from django.utils import timezone
 
-from runs.check.abandon import abandon_idle_runs
+from runs.check.abandon import sweep_idle_runs
 from runs.check.rate_limits import prune_hits
 
 
@@ -16,8 +16,9 @@ from runs.check.rate_limits import prune_hits
              autoretry_for=(DatabaseError, InterfaceError), retry_backoff=True,
              retry_backoff_max=60, max_retries=10)
 def idle_sweep_task() -> dict[str, int]:
-    """Beat, every minute: end the runs past their idle deadline and forget the rate-limit
-    hits older than the longest window. Both are idempotent: a second run changes nothing."""
+    """Beat, every minute: end the runs past their idle deadline (batches for up to
+    SWEEP_SECONDS) and forget the rate-limit hits older than the longest window. Both are
+    idempotent: a second run changes nothing."""
     now = timezone.now()
-    ended = abandon_idle_runs(now=now)
+    ended = sweep_idle_runs(now=now)
     return {"abandoned": len(ended), "hits_pruned": prune_hits(now=now)}

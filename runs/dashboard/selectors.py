@@ -120,7 +120,7 @@ def _matching(team: Team, filters: RunFilters, now: datetime) -> QuerySet[Run]:
     if filters.status:
         runs = runs.filter(status=filters.status)
         if filters.status == RunStatus.RUNNING:
-            runs = runs.filter(first_look.not_overdue(now))  # SPEC 14: over, however unsaid
+            runs = runs.filter(first_look.still_running(now))  # over, however unsaid
     if filters.agent:
         runs = runs.filter(agent=filters.agent)
     if filters.stop_reason:
@@ -212,8 +212,7 @@ def runs_page(team: Team, filters: RunFilters, *, now: datetime | None = None) -
         runs, more_after = found[:RUNS_PER_PAGE], len(found) > RUNS_PER_PAGE
         first = not filters.after or _after(column, descending, filters.after) is None
     count = _matching(team, filters, now).order_by()[:COUNT_CAP + 1].count()
-    runs = first_look.as_it_will_be(runs, now=now)
-    return RunsPage(runs=runs, first=first,
+    return RunsPage(runs=first_look.as_it_will_be(runs, now=now), first=first,
                     next_after=_cursor(runs[-1], column) if runs and more_after else None,
                     # A later page was reached from an earlier one: rows come before it.
                     previous_before=_cursor(runs[0], column) if runs and not first else None,
@@ -254,20 +253,18 @@ def agent_seen(team: Team, agent: str) -> bool:
 
 def running_runs(team: Team, *, limit: int = 10, now: datetime | None = None
                  ) -> tuple[list[Run], int]:
-    """The newest running runs and how many run. SPEC 14: "running now" never counts a run
-    past its idle deadline, ended or not yet (runs/first_look.py: the caller looks first)."""
+    """The newest running runs and how many run. "Running now" never counts a run past its
+    idle deadline (SPEC 14) or waiting for a request past its expiry (SPEC 11), ended or not
+    yet (runs/first_look.py: the caller looks first)."""
     now = now or timezone.now()
     if not settings.REDIS_URL:
         # The embedded default runs no beat: the overview's reads keep the hits small.
         prune_hits_now_and_then(now=now)
-    running = Run.objects.filter(first_look.not_overdue(now), team=team,
+    running = Run.objects.filter(first_look.still_running(now), team=team,
                                  status=RunStatus.RUNNING).select_related(
         "policy_version__policy"
     )
-    # A run whose request expired is over too (SPEC 11): shown so, and not counted.
-    shown = first_look.as_it_will_be(running.order_by("-started_at")[:limit], now=now)
-    over = sum(run.status != RunStatus.RUNNING for run in shown)
-    return [run for run in shown if run.status == RunStatus.RUNNING], running.count() - over
+    return list(running.order_by("-started_at")[:limit]), running.count()
 
 
 @dataclass(frozen=True)
