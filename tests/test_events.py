@@ -153,6 +153,7 @@ def test_a_run_page_looks_only_for_its_own_run_or_a_team_wide_change() -> None:
     assert overview(source, frozenset({"another-run"})) and not overview(source, frozenset())
 
 
+@pytest.mark.django_db(transaction=True)  # on PostgreSQL a look sets its read deadline
 def test_the_look_lane_serves_viewers_in_turn() -> None:
     """One viewer's many streams wait behind each other, not in front of another viewer."""
     import asyncio
