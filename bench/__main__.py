@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     phases = set(args.only.split(",")) if args.only else set(PHASES)
     started = time.monotonic()
 
-    stack.ensure_database()
+    stack.fresh_database()
     stack.manage("migrate", "--noinput", "-v0")
     stack.setup_django()
     threads = args.threads or serve_default_threads()

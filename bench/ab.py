@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     if not (other_root / ".venv" / "bin" / "python").exists():
         parser.error(f"{other_root} has no .venv (run `make install` there)")
 
-    stack.ensure_database()
+    stack.fresh_database()
     stack.manage("migrate", "--noinput", "-v0")
     stack.setup_django()
     stack.create_minimal_tables()

@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
     # The pools' work runs on the event loop's thread here (InlineExecutor), on purpose:
     # Django's guard against database calls from async code would refuse it.
     os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    stack.ensure_database()
+    stack.fresh_database()
     stack.manage("migrate", "--noinput", "-v0")
     stack.setup_django()
     if args.one_chain:

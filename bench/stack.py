@@ -55,14 +55,19 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def ensure_database() -> None:
-    """Create the benchmark's database if it is missing (PostgreSQL, trust auth)."""
+def fresh_database() -> None:
+    """Drop and create the benchmark's database (PostgreSQL, trust auth).
+
+    Every run starts from an empty schema: a database left by an older checkout may hold
+    columns whose migrations were since renamed, which `migrate` cannot reconcile (seen: a
+    DuplicateColumn on a machine that had run an earlier branch), and a run's numbers should
+    never depend on rows an earlier run left.
+    """
     import psycopg
 
     with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [DB_NAME]).fetchone()
-        if not exists:
-            conn.execute(f'CREATE DATABASE "{DB_NAME}"')
+        conn.execute(f'DROP DATABASE IF EXISTS "{DB_NAME}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{DB_NAME}"')
 
 
 def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> str:
