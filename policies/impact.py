@@ -45,11 +45,6 @@ class Impact:
                 f"within {self.since_days} days) at their first step"
                 + (f": {reasons}." if reasons else "."))
 
-    def as_json(self) -> dict[str, Any]:
-        return {"policy": self.policy, "runs": self.runs,
-                "stopped_at_once": self.stopped_at_once, "by_reason": self.by_reason,
-                "since_days": self.since_days}
-
 
 def needs_confirmation(*, runs: int, stopped_at_once: int) -> bool:
     """More than half of the recent runs replayed stopped at their first step. No recent run,
