@@ -21,9 +21,9 @@ from django.views.decorators.http import require_http_methods, require_POST, req
 
 from governance.web import page
 
-from . import selectors
+from . import impact, selectors
 from .access import can, team_view, teams_of
-from .document import DocumentError, default_policy
+from .document import DocumentError, default_policy, parse_document
 from .egress import masked_url
 from .forms import (
     DENY_ALL,
@@ -87,11 +87,14 @@ def policies(request: HttpRequest, slug: str) -> HttpResponse:
 
 
 def _editor(request: HttpRequest, policy: Policy | None, form: PolicyForm, *,
-            status: int = 200) -> HttpResponse:
+            status: int = 200, impacts: list[impact.Impact] | None = None,
+            confirm_token: str = "") -> HttpResponse:
     return page(request, "policies/edit.html", {
         "policy": policy,
         "form": form,
         "field_paths": FIELD_PATHS,
+        "impacts": impacts or [], "confirm_token": confirm_token,
+        "confirm_field": impact.CONFIRM_FIELD,
     }, status=status)
 
 
@@ -113,6 +116,12 @@ def policy_save_view(request: HttpRequest, slug: str, name: str) -> HttpResponse
         form.add_error("note", "Say what changed and why: the note is shown in the history.")
     if not form.is_valid():
         return _editor(request, policy, form, status=422)
+    # A draft that would stop most recent runs at once is saved only once confirmed, with
+    # the backtest's numbers in front of whoever confirms (docs/policies.md).
+    impacts, token = impact.stop_confirmation(request.team, [form.normalized],
+                                              request.POST.get(impact.CONFIRM_FIELD))
+    if impacts:
+        return _editor(request, policy, form, status=422, impacts=impacts, confirm_token=token)
     version = policy_save(team=request.team, document=form.normalized, actor=request.user,
                           source="dashboard", note=form.cleaned_data["note"])
     if version is None:
@@ -200,12 +209,19 @@ def policy_restore(request: HttpRequest, slug: str, name: str, version: int) -> 
                                "no new version.")
         return redirect("policy_history", slug=slug, name=policy.name)
     errors: dict[str, str] = {}
+    impacts: list[impact.Impact] = []
+    token = ""
     note = (request.POST.get("note") or "").strip()[:400]
     if request.method == "POST":
         if not note:
             errors["note"] = "Say why you restore it: the note is shown in the history."
         if old.document["tools"].get("allow") == [] and not request.POST.get("deny_every_tool"):
             errors["deny_every_tool"] = DENY_ALL
+        if not errors:
+            impacts, token = impact.stop_confirmation(request.team, [old.document],
+                                                      request.POST.get(impact.CONFIRM_FIELD))
+            if impacts:
+                errors[impact.CONFIRM_FIELD] = "Confirm that it may stop these runs."
         if not errors:
             restored = policy_save(team=request.team, document=old.document,
                                    actor=request.user, source="restore",
@@ -216,6 +232,7 @@ def policy_restore(request: HttpRequest, slug: str, name: str, version: int) -> 
             return redirect("policy_history", slug=slug, name=policy.name)
     return page(request, "policies/restore.html", {
         "policy": policy, "old": old, "note": note, "errors": errors,
+        "impacts": impacts, "confirm_token": token, "confirm_field": impact.CONFIRM_FIELD,
         "denies_all": old.document["tools"].get("allow") == [],
         "diff": selectors.yaml_diff(policy.current.document, old.document,
                                     before_label=f"version {policy.current.version} (current)",
@@ -252,6 +269,8 @@ def policies_import(request: HttpRequest, slug: str) -> HttpResponse:
     form = ImportForm(request.POST or None, request.FILES or None)
     errors: dict[str, str] = {}
     changes: list[str] | None = None
+    impacts: list[impact.Impact] = []
+    token = ""
     if request.method == "POST" and form.is_valid():
         try:
             data = form.data_of()
@@ -261,7 +280,14 @@ def policies_import(request: HttpRequest, slug: str) -> HttpResponse:
             errors = _foreign_slugs(data, slug)
             if not errors:
                 try:
-                    changes = policy_apply(data=data, actor=request.user, source="import")
+                    # The policies it would change, checked like a save's before anything is
+                    # applied (the document names this team only, or nothing).
+                    drafts = [policy for entry in parse_document(data)
+                              for policy in entry["policies"]]
+                    impacts, token = impact.stop_confirmation(
+                        request.team, drafts, request.POST.get(impact.CONFIRM_FIELD))
+                    if not impacts:
+                        changes = policy_apply(data=data, actor=request.user, source="import")
                 except DocumentError as exc:
                     errors = exc.errors
     if changes is not None:
@@ -271,6 +297,9 @@ def policies_import(request: HttpRequest, slug: str) -> HttpResponse:
     return page(request, "policies/import.html", {
         "form": form, "errors": sorted(errors.items()),
         "example": selectors.team_yaml(request.team),
+        "impacts": impacts, "confirm_token": token, "confirm_field": impact.CONFIRM_FIELD,
+        # A file is not sent again by the browser: the confirmation needs it chosen again.
+        "uploaded": bool(request.FILES.get("file")),
     }, status=status)
 
 

@@ -1,0 +1,52 @@
+"""The numbers behind a policy change's confirmation (issue 26, `policies.impact`): how many
+of a policy's most recent ended runs a draft would stop at their first step. The backtest's
+own read and replay (selectors.py), on fewer runs: it runs inside the save's request.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from policies.impact import Impact
+from policies.models import Policy, Team
+
+from . import inputs, selectors
+
+# The runs one draft replays: its policy's newest ended runs started within the backtest's
+# default window, at most IMPACT_RUNS of them; an import of many policies shares
+# inputs.DEFAULT_LIMIT (the dashboard backtest's own bound) between the policies it changes.
+IMPACT_RUNS = 200
+IMPACT_SINCE = inputs.DEFAULT_SINCE
+
+
+def stopped_at_once(report: selectors.Report) -> tuple[int, dict[str, int]]:
+    """Of the runs the backtest says would change, those the draft stops by its own rules at
+    step 1 (a kill is replayed as recorded, never the draft's), by the draft's reason."""
+    counts = Counter(c.draft["stop_reason"] for c in report.changes
+                     if c.draft["status"] == "stopped" and c.draft["step"] == 1)
+    ordered = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return sum(counts.values()), ordered
+
+
+def runs_per_draft(drafts: int) -> int:
+    return max(1, min(IMPACT_RUNS, inputs.DEFAULT_LIMIT // max(1, drafts)))
+
+
+def recent_impacts(team: Team, documents: list[dict[str, Any]]) -> list[Impact]:
+    """One Impact per draft that changes an existing policy of ``team`` (a new policy has no
+    recorded runs; an unchanged one makes no new version)."""
+    names = [d["name"] for d in documents]
+    policies = {p.name: p for p in Policy.objects.filter(team=team, name__in=names)
+                .select_related("current")}
+    changed = [(policies[d["name"]], d) for d in documents
+               if d["name"] in policies and policies[d["name"]].current.document != d]
+    since = inputs.parse_since(IMPACT_SINCE)
+    limit = runs_per_draft(len(changed))
+    impacts = []
+    for policy, document in changed:
+        report = selectors.backtest(team, policy, document, since=since, limit=limit)
+        count, by_reason = stopped_at_once(report)
+        impacts.append(Impact(policy=policy.name, runs=report.runs, stopped_at_once=count,
+                              by_reason=by_reason, since_days=since.days))
+    return impacts
