@@ -44,6 +44,8 @@ from django.http import HttpResponse, HttpResponseBase  # noqa: E402
 from django.urls import ResolverMatch, URLPattern, URLResolver, get_resolver  # noqa: E402
 from django.urls.exceptions import Resolver404  # noqa: E402
 
+from runs.check import edge  # noqa: E402
+
 from . import connections, pools  # noqa: E402
 from .handlers import ResolvedOnce  # noqa: E402
 from .pools import pool_name  # noqa: E402
@@ -63,12 +65,10 @@ class ClientGone(Exception):
 
 
 def body_limit(path: str) -> int:
-    """The most a body may be, by route: SPEC 5.3's 64 KiB for a check, Django's upload limit
-    for other API calls, and for the dashboard that plus room for a policy file upload."""
+    """The most a body may be, by route: the API's own limit (runs/check/edge.py), and for
+    the dashboard Django's upload limit plus room for a policy file upload."""
     if path.startswith("/api/"):
-        if path.endswith("/check"):
-            return settings.CHECK_MAX_BODY_BYTES
-        return settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return edge.body_limit(path)
     return settings.DATA_UPLOAD_MAX_MEMORY_SIZE + settings.FILE_UPLOAD_MAX_MEMORY_SIZE
 
 
@@ -284,16 +284,12 @@ class Application(ResolvedOnce, ASGIHandler):
     async def refuse(self, send: Send, path: str, status: int) -> None:
         """413 or 408 from here, before Django: JSON under /api/, as every API answer."""
         if path.startswith("/api/"):
-            from runs.check.api import error
-
             if status == 413:
-                limit = body_limit(path)
-                response: HttpResponseBase = error(
-                    413, "payload_too_large", f"The body is over {limit // 1024} KiB.")
+                response: HttpResponseBase = edge.too_large(edge.body_limit(path))
             else:
-                response = error(408, "request_timeout",
-                                 f"The request body did not arrive within "
-                                 f"{settings.REQUEST_BODY_SECONDS} s.")
+                response = edge.error(408, "request_timeout",
+                                      f"The request body did not arrive within "
+                                      f"{settings.REQUEST_BODY_SECONDS} s.")
         else:
             response = HttpResponse(
                 "Request body too large" if status == 413 else "Request body too slow",

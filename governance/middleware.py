@@ -19,7 +19,7 @@ from django.utils.cache import add_never_cache_headers, patch_cache_control
 from whitenoise.middleware import WhiteNoiseMiddleware
 
 from policies.services import agent_key_claim
-from runs.check.api import error
+from runs.check.edge import bearer_token, body_limit, error, too_large
 
 from .deadlines import read_deadline, timed_out
 from .handlers import ApiChain
@@ -49,8 +49,8 @@ def presented_key(request: HttpRequest) -> str:
     header = request.headers.get("Authorization") or ""
     if not header:
         return "(no key)"
-    scheme, _, token = header.partition(" ")
-    claim = agent_key_claim(token.strip()) if scheme.lower() == "bearer" else None
+    token = bearer_token(header)
+    claim = agent_key_claim(token.strip()) if token is not None else None
     return claim.prefix if claim is not None else "(not a key)"
 
 
@@ -255,13 +255,10 @@ class JsonApiErrorsMiddleware(_SyncAndAsync):
     @staticmethod
     def before_view(request: HttpRequest) -> HttpResponse | None:
         if request.method in {"POST", "PUT", "PATCH"}:
-            # SPEC 5.3 caps a check body at 64 KiB; other bodies (a finish carries up to
-            # 100,000 characters of output) only at Django's own upload limit.
-            limit = (settings.CHECK_MAX_BODY_BYTES if request.path.endswith("/check")
-                     else settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+            limit = body_limit(request.path)
             try:
                 # META, not request.headers: that mapping is built from every header on
-                # first use, and a check never needs it (runs/check/api.py _bearer_token).
+                # first use, and a check never needs it (runs/check/api.py _serve_check).
                 declared = int(request.META.get("CONTENT_LENGTH") or 0)
             except ValueError:
                 declared = 0
@@ -270,7 +267,7 @@ class JsonApiErrorsMiddleware(_SyncAndAsync):
             except RequestDataTooBig:
                 too_big = True
             if too_big:
-                return error(413, "payload_too_large", f"The body is over {limit // 1024} KiB.")
+                return too_large(limit)
             # NUL characters are refused by the schemas, field by field (runs/check/schemas.py):
             # an unknown field is ignored, whatever it holds.
         return None

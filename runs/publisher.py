@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from celery import current_app
 from django.db import connections
+
+from runs.background import BackgroundThread
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,11 @@ class _Entry:
     ran_while_down: bool = False
 
 
-class Publisher:
+class Publisher(BackgroundThread):
     """Publishes tasks from one thread of the process, in submission order, each at most
     once at a time (a task submitted again while pending is not queued twice)."""
+
+    name = "celery-publish"
 
     CONNECT_TIMEOUT_S = 1.0
     SOCKET_TIMEOUT_S = 1.0
@@ -51,16 +53,10 @@ class Publisher:
     # for the sweep to restart, so an outage cannot grow the server's memory without end.
     MAX_PENDING = 10_000
 
-    def __init__(self) -> None:
-        self._reset()
-        # A forked child (granian and Celery workers) has none of the parent's threads.
-        os.register_at_fork(after_in_child=self._reset)
-
     def _reset(self) -> None:
-        self._cond = threading.Condition()
+        super()._reset()
         self._pending: dict[Key, _Entry] = {}
         self._busy = False
-        self._thread: threading.Thread | None = None
 
     def submit(self, task: str, *args: int,
                while_down: Callable[[], None] | None = None) -> None:
@@ -73,10 +69,7 @@ class Publisher:
                           "sweep", len(self._pending), task, args)
                 return
             self._pending.setdefault((task, args), _Entry(time.monotonic(), while_down))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="celery-publish",
-                                                daemon=True)
-                self._thread.start()
+            self._start()
             self._cond.notify_all()
 
     def flush(self, timeout: float = 2.0) -> bool:
@@ -86,11 +79,12 @@ class Publisher:
             return self._cond.wait_for(lambda: not self._pending and not self._busy,
                                        timeout=timeout)
 
-    def _loop(self) -> None:
+    def _serve(self) -> None:
         delay = 0.25
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._pending))
+                if not self._wait_for(lambda: bool(self._pending)):
+                    return
                 batch, self._busy = list(self._pending.items()), True
             published = self._publish([key for key, _ in batch])
             done = set(published)

@@ -181,6 +181,7 @@ def test_the_look_lane_serves_viewers_in_turn() -> None:
         return await asyncio.gather(*tasks, other)
 
     answers = asyncio.run(crowd())
+    lane.lane.stop(timeout=5)  # and its thread's connection with it
     assert all("data: " in a for a in answers)
     assert order.index("other") <= 2  # not behind the greedy viewer's six
 

@@ -69,6 +69,8 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
      "the kill switch and webhook reads change nothing"),
     ("runs/webhooks/selectors.py", "from runs.live.events import publish_team_event",
      "the kill switch and webhook reads change nothing"),
+    ("governance/middleware.py", "from runs.check.api import error",
+     "the project takes of the agent API only its edge"),
 ])
 def test_a_forbidden_import_breaks_its_contract(copy: Path, module: str, line: str,
                                                  contract: str) -> None:

@@ -42,6 +42,7 @@ from runs.approvals.waits import (
 from runs.audit import selectors
 from runs.check import metrics
 from runs.check import schemas as s
+from runs.check.edge import bearer_token, error
 from runs.check.services import (
     ServiceError,
     run_check,
@@ -82,12 +83,6 @@ api = NinjaAPI(
     parser=StrictJsonParser(),
     auth=AgentKeyAuth(),
 )
-
-
-def error(status: int, code: str, message: str, fields: dict[str, str] | None = None
-          ) -> HttpResponse:
-    body = {"error": {"code": code, "message": message, "fields": fields or {}}}
-    return HttpResponse(json.dumps(body), status=status, content_type="application/json")
 
 
 def _field_path(loc: list[Any] | tuple[Any, ...]) -> str:
@@ -232,16 +227,6 @@ def list_decisions(request: HttpRequest, run_id: str, filters: Query[s.Decisions
     return {"decisions": [selectors.decision_json(d) for d in rows]}
 
 
-def _bearer_token(request: HttpRequest) -> str | None:
-    """The token of an `Authorization: Bearer` header, parsed as ninja's HttpBearer does."""
-    # META: request.headers would build a mapping of every header for this one.
-    header = request.META.get("HTTP_AUTHORIZATION")
-    if not header:
-        return None
-    scheme, _, token = header.partition(" ")
-    return token if scheme.lower() == "bearer" else None
-
-
 def _check_payload(request: HttpRequest) -> s.CheckIn:
     """The body validated by the CheckIn schema, with ninja's errors for bad input (400 for
     a body that is not JSON, 422 naming the fields), but without ninja's per-request models."""
@@ -263,7 +248,8 @@ def _check_payload(request: HttpRequest) -> s.CheckIn:
 
 def _serve_check(request: HttpRequest, run_id: str, received: float | None = None
                  ) -> HttpResponseBase:
-    token = _bearer_token(request)
+    # META: request.headers would build a mapping of every header for this one.
+    token = bearer_token(request.META.get("HTTP_AUTHORIZATION"))
     claim = agent_key_claim(token) if token else None
     if claim is None:
         raise AuthenticationError()

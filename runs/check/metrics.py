@@ -42,6 +42,8 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_safe
 
+from runs.check.edge import bearer_token
+
 log = logging.getLogger(__name__)
 
 # Check latencies sit around a millisecond or two on an idle server and tens under load.
@@ -203,10 +205,8 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     token = settings.METRICS_TOKEN
     if not token:
         raise Http404("metrics are off")
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                             token.encode()):
+    given = bearer_token(request.headers.get("Authorization"))
+    if given is None or not hmac.compare_digest(given.strip().encode(), token.encode()):
         response = HttpResponse("A valid metrics token is required.\n", status=401,
                                 content_type="text/plain")
         response["WWW-Authenticate"] = 'Bearer realm="metrics"'

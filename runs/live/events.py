@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -21,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from django.conf import settings
+
+from runs.background import BackgroundThread
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def redis_client() -> Any:
         return _redis_client
 
 
-class RedisPublisher:
+class RedisPublisher(BackgroundThread):
     """Sends the wake-ups to Redis from one thread of this process, off the request path.
 
     A check only marks its team as changed (a set insert under a lock); the thread publishes
@@ -167,17 +168,12 @@ class RedisPublisher:
     """
 
     COALESCE_S = 0.05
-
-    def __init__(self) -> None:
-        self._reset()
-        # A forked child (granian and Celery workers) has none of the parent's threads.
-        os.register_at_fork(after_in_child=self._reset)
+    name = "live-events"
 
     def _reset(self) -> None:
-        self._cond = threading.Condition()
+        super()._reset()
         self._pending: dict[int, set[str] | None] = {}
         self._busy = False
-        self._thread: threading.Thread | None = None
 
     def mark(self, team_id: int, run_id: str | None = None) -> None:
         """The team changed: run `run_id` only, or anything (None)."""
@@ -188,10 +184,7 @@ class RedisPublisher:
                 runs = self._pending.setdefault(team_id, set())
                 if runs is not None:
                     runs.add(run_id)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="live-events",
-                                                daemon=True)
-                self._thread.start()
+            self._start()
             self._cond.notify_all()
 
     def flush(self, timeout: float = 1.0) -> bool:
@@ -201,16 +194,18 @@ class RedisPublisher:
             return self._cond.wait_for(lambda: not self._pending and not self._busy,
                                        timeout=timeout)
 
-    def _loop(self) -> None:
+    def _serve(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._pending))
+                if not self._wait_for(lambda: bool(self._pending)):
+                    return
                 self._busy = True
             # The marks of the next few milliseconds join this message: under load one
             # publish per check was 5% of a check's Python (redis-py's pipeline), 2.5% with a
             # 10 ms window; one per COALESCE_S is at most twenty a second, and a screen hears
             # of a change at most that much later (its stream looks again within a second).
-            time.sleep(self.COALESCE_S)
+            # (A stop cuts the wait short; what was marked is still sent.)
+            self._rest(self.COALESCE_S)
             with self._cond:
                 teams, self._pending = self._pending, {}
             try:
@@ -300,48 +295,39 @@ def wakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0) -> Iter
                 log.debug("pubsub close failed", exc_info=True)
 
 
-class RedisListener:
+class RedisListener(BackgroundThread):
     """One Redis subscription per process, for every async stream in it: each team message
     from another process becomes a local wake-up (`local_broker`). A stream then costs no
     Redis connection of its own. While Redis is unreachable it retries every few seconds;
     the streams meanwhile look at the database on their own schedule."""
 
     RETRY_S = 2.0
-
-    def __init__(self) -> None:
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+    name = "live-events-listen"
 
     def ensure_running(self) -> None:
         if not settings.REDIS_URL:
             return
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="live-events-listen",
-                                                daemon=True)
-                self._thread.start()
+        with self._cond:
+            self._start()
 
-    def _loop(self) -> None:
+    def _serve(self) -> None:
         while True:
             try:
                 self._listen()
             except Exception:
                 log.warning("live events: Redis subscription lost, retrying", exc_info=True)
-            time.sleep(self.RETRY_S)
+            if not self._rest(self.RETRY_S):
+                return
 
-    @staticmethod
-    def _listen() -> None:
+    def _listen(self) -> None:
         client = redis_client()
         if client is None:
             return
         pubsub = client.pubsub(ignore_subscribe_messages=True)
         try:
             pubsub.psubscribe(f"{CHANNEL_PREFIX}*")
-            while True:
+            # Each wait for a message is a second at most: a stop ends it by then.
+            while not self._stopping:
                 message = pubsub.get_message(timeout=1.0)
                 if message is None:
                     continue

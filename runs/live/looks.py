@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
@@ -17,14 +15,15 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, connections
 
 from governance.deadlines import read_deadline
+from runs.background import BackgroundThread
 
 T = TypeVar("T")
 
 
-class LookLane:
+class LookLane(BackgroundThread):
     """Every async look at the database, on one thread per process, resting after each look
     so that together they take at most ``DASHBOARD_STREAM_SHARE`` of the process's time,
     however many wait: more waiters are served less often, and the checks keep their CPU.
@@ -35,15 +34,11 @@ class LookLane:
     for longer than that."""
 
     BURST_S = 0.1
-
-    def __init__(self) -> None:
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)
+    name = "stream-look"
 
     def _reset(self) -> None:
-        self._cond = threading.Condition()
+        super()._reset()
         self._queues: OrderedDict[Hashable, deque[_Look[Any]]] = OrderedDict()
-        self._thread: threading.Thread | None = None
         self._budget = 0.0
         self._filled_at = time.monotonic()
 
@@ -53,16 +48,15 @@ class LookLane:
         future: asyncio.Future[T] = loop.create_future()
         with self._cond:
             self._queues.setdefault(viewer, deque()).append(_Look(look, loop, future))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._serve, name="stream-look",
-                                                daemon=True)
-                self._thread.start()
+            self._start()
             self._cond.notify()
         return await future
 
-    def _next(self) -> _Look[Any]:
+    def _next(self) -> _Look[Any] | None:
+        """The next look, in its viewer's turn; None when the lane is to stop."""
         with self._cond:
-            self._cond.wait_for(lambda: bool(self._queues))
+            if not self._wait_for(lambda: bool(self._queues)):
+                return None
             viewer, queue = next(iter(self._queues.items()))
             item = queue.popleft()
             if queue:
@@ -72,8 +66,7 @@ class LookLane:
             return item
 
     def _serve(self) -> None:
-        while True:
-            item = self._next()
+        while (item := self._next()) is not None:
             if item.future.cancelled():  # its waiter went away meanwhile
                 continue
             # A token bucket of look time: it fills at `share` seconds per second, up to a
@@ -84,7 +77,8 @@ class LookLane:
             self._budget = min(self.BURST_S, self._budget + (now - self._filled_at) * share)
             self._filled_at = now
             if self._budget < 0:
-                time.sleep(min(5.0, -self._budget / share))
+                # A stop cuts the rest short; the look in hand is served all the same.
+                self._rest(min(5.0, -self._budget / share))
                 self._budget, self._filled_at = 0.0, time.monotonic()
             started = time.monotonic()
             result: Any = None
@@ -98,6 +92,7 @@ class LookLane:
             self._budget -= time.monotonic() - started
             with contextlib.suppress(RuntimeError):  # RuntimeError: that loop is closed
                 item.loop.call_soon_threadsafe(_settle, item.future, result, failure)
+        connections.close_all()  # stopped: the thread's own connection goes with it
 
 
 @dataclass

@@ -1,0 +1,46 @@
+"""The agent API's edge: what every layer in front of its views says the same way.
+
+The ASGI application (governance/asgi.py) refuses a body before Django sees it, the API's
+middleware (governance/middleware.py) refuses one that reached it another way (WSGI, the test
+client), the views answer in the SPEC 5.3 envelope, and the throttle and the check both read
+the bearer key. Each of those says it here, once: the body limit and its 413, the bearer
+token, the JSON error. This module is small on purpose: the project imports it without the
+API's views, schemas and services.
+"""
+
+from __future__ import annotations
+
+import json
+
+from django.conf import settings
+from django.http import HttpResponse
+
+
+def error(status: int, code: str, message: str, fields: dict[str, str] | None = None
+          ) -> HttpResponse:
+    """An API error in the SPEC 5.3 envelope."""
+    body = {"error": {"code": code, "message": message, "fields": fields or {}}}
+    return HttpResponse(json.dumps(body), status=status, content_type="application/json")
+
+
+def body_limit(path: str) -> int:
+    """The most an API request's body may be: SPEC 5.3's 64 KiB for a check; other bodies (a
+    finish carries up to 100,000 characters of output) only Django's own upload limit."""
+    if path.endswith("/check"):
+        return settings.CHECK_MAX_BODY_BYTES
+    return settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+
+
+def too_large(limit: int) -> HttpResponse:
+    """The 413 of a body over ``limit`` bytes."""
+    return error(413, "payload_too_large", f"The body is over {limit // 1024} KiB.")
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer`` header's value, parsed as ninja's HttpBearer
+    does (the scheme in any case, the rest as it came); None for no header or another
+    scheme."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token if scheme.lower() == "bearer" else None
