@@ -51,7 +51,7 @@ worker:
 	wait
 
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint:
 	.venv/bin/ruff check .
