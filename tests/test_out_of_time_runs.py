@@ -110,6 +110,21 @@ def test_running_filters_and_the_overview_leave_out_runs_out_of_time_in_sql(
 
 
 @pytest.mark.django_db
+def test_the_run_page_shows_the_stop_naming_the_budget(client: Any, api: Any, team: Team,
+                                                       users: dict[str, Any]) -> None:
+    rid = start(api)
+    out_of_time(rid)
+    client.force_login(users["viewer"])
+    page = client.get(f"/teams/{team.slug}/runs/{rid}/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "No check came before the run&#x27;s time budget ran out" in text
+    assert "max_seconds=45" in text
+    assert "(no action: the time budget ran out)" in text
+    assert "(no action: kill switch)" not in text
+
+
+@pytest.mark.django_db
 def test_a_look_ends_runs_out_of_time(api: Any, team: Team) -> None:
     rid = start(api)
     deadline = out_of_time(rid)

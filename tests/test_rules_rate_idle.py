@@ -36,6 +36,7 @@ from governance_client.rules import (
     rate_limits_matching,
     rate_wait,
     retry_after_s,
+    settle,
     wait_past_budget,
     window_of,
 )
@@ -342,3 +343,15 @@ def test_no_wait_is_ever_longer_than_the_time_left(elapsed: float, window_s: int
             STOP, "max_seconds", now)
         assert decision.message is not None and "left of the run's time budget" in \
             decision.message
+
+
+def test_an_approved_wait_moves_the_budget_deadline_by_the_time_it_waited() -> None:
+    pending = Pending(approval_id="a", check_id="c", step=1, action_name="x",
+                      action_type="tool", repeat_key="k", since=at(10), expires_at=at(910))
+    waiting = state(steps=1, pending=pending, idle_deadline=None)
+    _, approved = settle(waiting, "approved", now=at(100), policy=TIMED)
+    assert approved.paused_s == 90
+    assert approved.idle_deadline == at(45 + 90)
+    assert overdue(approved, TIMED, now=at(134)) is None
+    over = overdue(approved, TIMED, now=at(136))
+    assert over is not None and (over.stop_reason, over.ended_at) == ("max_seconds", at(135))
