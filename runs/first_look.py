@@ -2,7 +2,9 @@
 per request").
 
 What is due on a team's runs is settled by the beat sweeps, and by whoever looks first: a
-run past its idle deadline ends `stopped` / `abandoned` as of that deadline, an approval past
+run past its idle deadline ends `stopped` / `abandoned` as of that deadline, a run whose time
+budget ran out with no check to stop it ends `stopped` / `max_seconds` as of that moment
+(its stored deadline is the first of the two, `rules.next_deadline`), an approval past
 its expiry ends its run `stopped` / `approval_expired` as of the expiry, and a request whose
 run a kill switch covers is cancelled. A read of a team's runs (the API's list, the runs
 page, the overview, the approvals page, and their live streams) calls `look` first. A look
@@ -12,10 +14,12 @@ it in time-boxed passes).
 
 The rows a read returns that are still due once the look's share is spent are shown as they
 will be (`as_it_will_be`): the end the same rules will write, at the moment they will write
-(the deadline, the expiry), which no check can change any more (a check after the deadline
-finds the run abandoned). A list filtered on `running`, and the count of running runs,
-leave out the runs that are not running any more (`still_running`). A read of one run (the
-run page, `GET /api/v1/runs/{id}`) settles that run itself: one run is one write.
+(the deadline, the expiry), which no check can change any more (a check after an idle
+deadline finds the run abandoned; one after the budget deadline is stopped `max_seconds` by
+rule 4 all the same, at its own time and step). A list filtered on `running`, and the
+count of running runs, leave out the runs that are not running any more (`still_running`).
+A read of one run (the run page, `GET /api/v1/runs/{id}`) settles that run itself: one run
+is one write.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from policies.models import Team
 from runs.approvals.services import settle_due_for_team
 from runs.check.abandon import abandon_idle_runs
 from runs.check.check_store import state_of
+from runs.check.policy_cache import rules_for_version
 from runs.models import Approval, ApprovalStatus, Run
 
 log = logging.getLogger(__name__)
@@ -50,8 +55,8 @@ def look(team: Team, *, now: datetime | None = None) -> None:
 
 def still_running(now: datetime) -> Q:
     """What a `running` filter reads, in SQL: the runs a look has not ended yet but that are
-    over all the same (past their idle deadline, or waiting for a request past its expiry)
-    left out."""
+    over all the same (past their stored deadline: idle, or out of time; or waiting for a
+    request past its expiry) left out."""
     expired = Approval.objects.filter(run=OuterRef("pk"), status=ApprovalStatus.PENDING,
                                       expires_at__lte=now)
     return (Q(idle_deadline__isnull=True) | Q(idle_deadline__gt=now)) & Q(~Exists(expired))
@@ -70,7 +75,7 @@ def _as_it_will_be(run: Run, now: datetime) -> Run:
         return run
     try:
         state = state_of(run)
-        new = rules.abandon(state, now=now)
+        new = rules.overdue(state, rules_for_version(run.policy_version_id), now=now)
         if new is None and state.pending is not None and now >= state.pending.expires_at:
             new = rules.settle(state, rules.EXPIRED, now=now)[1]
     except Exception:

@@ -56,7 +56,7 @@ def assert_abandoned(rid: str, deadline: Any, steps: int) -> None:
 
 @pytest.mark.django_db
 def test_start_and_checks_set_the_deadline_from_max_idle_seconds(api: Any, team: Any) -> None:
-    set_policy(team, budgets={"max_idle_seconds": 120})
+    set_policy(team, budgets={"max_idle_seconds": 120, "max_seconds": 600})
     before = timezone.now()
     rid = start(api)
     run = Run.objects.get(pk=rid)
@@ -68,7 +68,8 @@ def test_start_and_checks_set_the_deadline_from_max_idle_seconds(api: Any, team:
 
 @pytest.mark.django_db
 def test_null_max_idle_seconds_never_abandons(api: Any, team: Any) -> None:
-    set_policy(team, budgets={"max_idle_seconds": None})
+    # Without a time budget either: else the run's deadline is its budget's (issue 26).
+    set_policy(team, budgets={"max_idle_seconds": None, "max_seconds": None})
     rid = start(api)
     assert Run.objects.get(pk=rid).idle_deadline is None
     assert abandon_idle_runs(now=timezone.now() + timedelta(days=365)) == []
@@ -150,7 +151,10 @@ def test_a_finish_after_the_deadline_finds_the_run_abandoned(api: Any, team: Any
 
 @pytest.mark.django_db
 def test_a_rate_limit_wait_is_activity(api: Any, team: Any) -> None:
-    set_policy(team, rate_limits=[{"match": "*", "per": "run", "max": 1, "window_s": 60}])
+    # A time budget the 60 s wait fits in, and that ends after the idle deadline: a wait
+    # longer than the time left is a stop (issue 26).
+    set_policy(team, rate_limits=[{"match": "*", "per": "run", "max": 1, "window_s": 60}],
+               budgets={"max_seconds": 7200})
     rid = start(api)
     check(api, rid)
     overdue(rid, seconds=-5)  # due in 5 s

@@ -196,8 +196,11 @@ def counted(**filters: Any) -> int:
 
 @pytest.fixture
 def limited(team: Team) -> Team:
+    # A time budget the 60 s waits fit in: a wait longer than the time left is a stop
+    # (issue 26), and these tests are about the slots.
     set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600},
-               rate_limits=[{"match": "payments.*", "per": "agent", "max": 2, "window_s": 60}])
+               rate_limits=[{"match": "payments.*", "per": "agent", "max": 2, "window_s": 60}],
+               budgets={"max_seconds": 600})
     return team
 
 
@@ -266,8 +269,10 @@ def test_simultaneous_requests_across_processes_take_exactly_max_slots(server, a
                                                                        team, users):
     """20 checks at once, one per run of one agent, against the two worker processes of the
     production server; max 5: exactly 5 go pending, 15 wait; approving the 5 takes no slot."""
+    # A time budget the 60 s waits fit in (a longer wait is a stop, issue 26).
     set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600},
-               rate_limits=[{"match": "payments.*", "per": "agent", "max": 5, "window_s": 60}])
+               rate_limits=[{"match": "payments.*", "per": "agent", "max": 5, "window_s": 60}],
+               budgets={"max_seconds": 600})
     runs = [agent.start("payer")["run_id"] for _ in range(20)]
     barrier = Barrier(len(runs))
 

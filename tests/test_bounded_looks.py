@@ -14,13 +14,16 @@ from django.utils import timezone
 from policies.models import Team
 from runs.first_look import LOOK_BATCH
 from runs.models import Approval, ApprovalStatus, Decision, Run
+from tests.conftest import set_policy
 
 BACKLOG = 1_000
 
 
 def overdue_runs(team: Team, count: int = BACKLOG, **fields: Any) -> list[Run]:
     """``count`` running runs of the team, each past its idle deadline (an hour ago and
-    earlier), newest started first."""
+    earlier), newest started first. Their policy has no time budget: with one, a run
+    started two hours ago ran out of time first and ends `max_seconds` (issue 26)."""
+    set_policy(team, budgets={"max_seconds": None})
     version = team.policies.get(name="default").current
     now = timezone.now()
     runs = [Run(**{"team": team, "agent": "bot", "policy_version": version,

@@ -248,7 +248,10 @@ def test_a_rate_limited_check_sleeps_until_the_window_clears_then_allows(kind, s
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_wait_longer_than_the_budget_is_returned_as_wait(kind, server, team, agent_token):
-    set_policy(team, rate_limits=[{"match": "http.*", "per": "run", "max": 1, "window_s": 60}])
+    # The client's wait budget (5 s), not the run's time: that one covers the 60 s wait (a
+    # wait longer than the run's time left is a stop, issue 26).
+    set_policy(team, rate_limits=[{"match": "http.*", "per": "run", "max": 1, "window_s": 60}],
+               budgets={"max_seconds": 600})
     out = agent_checks(kind, server, agent_token, [("http.get", {"n": 1}),
                                                    ("http.get", {"n": 2})], wait_budget=5)
     decision = out.decisions[1]

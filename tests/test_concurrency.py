@@ -122,7 +122,9 @@ def test_100_simultaneous_checks_of_one_agent_allow_exactly_the_rate_limit(serve
 
     set_policy(team, step_limits={"max_steps": 1000, "max_repeat_action": 1000,
                                   "no_progress_window": 1000},
-               rate_limits=[{"match": "http.*", "per": "agent", "max": 10, "window_s": 60}])
+               rate_limits=[{"match": "http.*", "per": "agent", "max": 10, "window_s": 60}],
+               # A time budget the 60 s waits fit in (a longer wait is a stop, issue 26).
+               budgets={"max_seconds": 600})
     second = start_server()
     try:
         for round_ in range(2):

@@ -21,16 +21,23 @@ from governance_client.rules import (
     WAIT,
     WOULD_STOP,
     Check,
+    Pending,
     Policy,
     RateLimit,
     RateWindow,
     RunState,
     abandon,
+    budget_deadline,
     evaluate,
     idle_deadline,
+    next_deadline,
+    out_of_time_message,
+    overdue,
     rate_limits_matching,
     rate_wait,
     retry_after_s,
+    settle,
+    wait_past_budget,
     window_of,
 )
 from hypothesis import given
@@ -204,3 +211,147 @@ def test_a_check_before_the_deadline_goes_on() -> None:
     decision, after = evaluate(LOOSE, state(idle_deadline=at(100)), Check(name="x"),
                                now=at(99))
     assert (decision.outcome, after.status) == (ALLOW, RUNNING)
+
+
+# --- runs out of time, and waits longer than the time left (issue 26) ------------------------
+
+TIMED = replace(LOOSE, max_seconds=45)
+
+
+def test_the_stored_deadline_is_the_first_of_idleness_and_the_time_budget() -> None:
+    assert budget_deadline(TIMED, state()) == at(45)
+    assert budget_deadline(TIMED, state(paused_s=30)) == at(75)  # time pending is not active
+    assert next_deadline(TIMED, state(), at(10)) == at(45)
+    assert next_deadline(replace(TIMED, max_idle_seconds=20), state(), at(10)) == at(30)
+    assert next_deadline(replace(TIMED, max_idle_seconds=None), state(), at(10)) == at(45)
+    assert next_deadline(LOOSE, state(), at(10)) == at(3610)
+    assert next_deadline(replace(LOOSE, max_idle_seconds=None), state(), at(10)) is None
+    # A shadow run never stops for its time; a run waiting for an approval has no clock.
+    assert budget_deadline(replace(TIMED, mode="shadow"), state()) is None
+    pending = Pending(approval_id="a", check_id="c", step=1, action_name="x",
+                      action_type="tool", repeat_key="k", since=at(5), expires_at=at(905))
+    assert budget_deadline(TIMED, state(pending=pending)) is None
+
+
+def test_a_check_and_a_wait_store_the_budget_deadline_when_it_comes_first() -> None:
+    _, after = evaluate(TIMED, state(), Check(name="x"), now=at(10))
+    assert after.idle_deadline == at(45)
+    _, waited = evaluate(replace(TIMED, max_seconds=100), state(), Check(name="http.get"),
+                         now=at(10), rate=full())
+    assert waited.idle_deadline == at(100)
+
+
+def test_a_run_out_of_time_with_no_check_is_stopped_max_seconds_at_its_budget() -> None:
+    before = state(steps=3, idle_deadline=at(45))
+    assert overdue(before, TIMED, now=at(44.999)) is None
+    over = overdue(before, TIMED, now=at(60))
+    assert over is not None
+    assert (over.status, over.stop_reason, over.ended_at, over.steps) == (
+        STOPPED, "max_seconds", at(45), 3)
+    assert over.elapsed_s(at(600)) == 45
+    # ...which is no abandonment: a check after it is stopped by rule 4 (counted, at its time).
+    assert abandon(before, now=at(60), policy=TIMED) is None
+    decision, after = evaluate(TIMED, before, Check(name="x"), now=at(60))
+    assert (decision.outcome, decision.reason, decision.step) == (STOP, "max_seconds", 4)
+    assert after.ended_at == at(60)
+    assert "max_seconds=45" in out_of_time_message(TIMED)
+
+
+def test_the_first_deadline_decides_the_reason() -> None:
+    idle_first = state(idle_deadline=at(30))
+    over = overdue(idle_first, TIMED, now=at(60))
+    assert over is not None and (over.stop_reason, over.ended_at) == (ABANDONED, at(30))
+    # A deadline stored before the budget was part of it: the budget still came first.
+    stored_late = state(idle_deadline=at(3600))
+    over = overdue(stored_late, TIMED, now=at(3600))
+    assert over is not None and (over.stop_reason, over.ended_at) == ("max_seconds", at(45))
+    assert overdue(state(idle_deadline=at(45), status="completed"), TIMED, now=at(60)) is None
+
+
+@given(max_seconds=st.none() | st.floats(min_value=0.5, max_value=5000),
+       idle=st.none() | st.floats(min_value=1, max_value=5000),
+       paused=st.floats(min_value=0, max_value=1000),
+       activity=st.floats(min_value=0, max_value=5000),
+       later=st.floats(min_value=0, max_value=10000),
+       shadow=st.booleans())
+def test_a_stored_deadline_ends_the_run_exactly_when_it_is_reached_for_its_own_reason(
+        max_seconds: float | None, idle: float | None, paused: float, activity: float,
+        later: float, shadow: bool) -> None:
+    policy = replace(LOOSE, max_seconds=max_seconds, max_idle_seconds=idle,
+                     mode="shadow" if shadow else "enforce")
+    before = state(paused_s=paused)
+    before.idle_deadline = next_deadline(policy, before, at(activity))
+    now = at(activity + later)
+    over = overdue(before, policy, now=now)
+    if before.idle_deadline is None or now < before.idle_deadline:
+        assert over is None
+        return
+    assert over is not None and over.ended_at == before.idle_deadline
+    budget = budget_deadline(policy, before)
+    assert over.stop_reason == ("max_seconds" if budget == before.idle_deadline else ABANDONED)
+    if over.stop_reason == "max_seconds":
+        assert not shadow
+        assert over.elapsed_s(now) == pytest.approx(max_seconds, abs=1e-5)
+
+
+def test_a_wait_longer_than_the_time_left_is_a_stop_naming_both() -> None:
+    check = Check(name="http.get", args={"u": 1})
+    # 51 s to wait at second 10: 35 s of a 45 s budget left.
+    decision, after = evaluate(TIMED, state(steps=4), check, now=at(10), rate=full())
+    assert (decision.outcome, decision.reason, decision.step) == (STOP, "max_seconds", 5)
+    assert decision.retry_after_s is None
+    assert "wait 51.000 s" in (decision.message or "")
+    assert "35.0 s left of the run's time budget (max_seconds=45)" in (decision.message or "")
+    assert (after.status, after.stop_reason, after.ended_at) == (STOPPED, "max_seconds", at(10))
+    # Shadow mode waits for nothing: it reports the stop enforce mode would have made.
+    shadowed, going = evaluate(replace(TIMED, mode="shadow"), state(), check, now=at(10),
+                               rate=full())
+    assert (shadowed.outcome, (shadowed.shadow or {}).get("reason")) == (
+        WOULD_STOP, "max_seconds")
+    assert going.status == RUNNING
+
+
+def test_a_wait_the_time_left_covers_is_a_wait() -> None:
+    decision, _ = evaluate(replace(TIMED, max_seconds=61), state(), Check(name="http.get"),
+                           now=at(10), rate=full())
+    assert (decision.outcome, decision.retry_after_s) == (WAIT, 51.0)
+    assert wait_past_budget(replace(TIMED, max_seconds=None), state(), "x", 10**6, at(0)) is None
+
+
+def test_a_window_the_store_could_not_read_is_no_long_wait() -> None:
+    busy = RateWindow(HTTP, None, at(44.99), busy_retry_s=0.05)
+    decision, _ = evaluate(TIMED, state(), Check(name="http.get"), now=at(44.99), rate=[busy])
+    assert decision.outcome == WAIT
+
+
+@given(elapsed=st.floats(min_value=0, max_value=100), window_s=st.integers(1, 120),
+       max_seconds=st.none() | st.floats(min_value=1, max_value=100))
+def test_no_wait_is_ever_longer_than_the_time_left(elapsed: float, window_s: int,
+                                                   max_seconds: float | None) -> None:
+    rule = RateLimit(match="http.*", per="run", max=1, window_s=window_s)
+    policy = replace(LOOSE, max_seconds=max_seconds, rate_limits=(rule,))
+    now = at(elapsed)
+    window = window_of(rule, [now - timedelta(microseconds=1)], now)
+    decision, after = evaluate(policy, state(), Check(name="http.get"), now=now, rate=[window])
+    elapsed = state().elapsed_s(now)  # as the clock reads it, to the microsecond
+    if max_seconds is not None and elapsed > max_seconds:
+        assert (decision.outcome, decision.reason) == (STOP, "max_seconds")  # rule 4
+    elif decision.outcome == WAIT:
+        assert max_seconds is None or decision.retry_after_s <= max_seconds - elapsed + 1e-9
+    else:
+        assert (decision.outcome, decision.reason, after.ended_at) == (
+            STOP, "max_seconds", now)
+        assert decision.message is not None and "left of the run's time budget" in \
+            decision.message
+
+
+def test_an_approved_wait_moves_the_budget_deadline_by_the_time_it_waited() -> None:
+    pending = Pending(approval_id="a", check_id="c", step=1, action_name="x",
+                      action_type="tool", repeat_key="k", since=at(10), expires_at=at(910))
+    waiting = state(steps=1, pending=pending, idle_deadline=None)
+    _, approved = settle(waiting, "approved", now=at(100), policy=TIMED)
+    assert approved.paused_s == 90
+    assert approved.idle_deadline == at(45 + 90)
+    assert overdue(approved, TIMED, now=at(134)) is None
+    over = overdue(approved, TIMED, now=at(136))
+    assert over is not None and (over.stop_reason, over.ended_at) == ("max_seconds", at(135))

@@ -80,3 +80,18 @@ def test_a_policy_file_that_does_not_say_which_is_refused_by_name(tmp_path: Path
         FakeGovernance.from_policy_file(path)
     with pytest.raises(ValueError, match="no policy 'nope'"):
         FakeGovernance.from_policy_file(path, team="support", policy="nope")
+
+
+def test_a_rate_limit_wait_longer_than_the_runs_time_left_is_a_stop_as_on_the_service() -> None:
+    fake = FakeGovernance(max_seconds=45, rate_limits=[RateLimit(match="http.*", max=1,
+                                                                 window_s=60)])
+    run = fake.client(wait_budget=0).start_run("bot")
+    run.check("http.get", {"n": 1})
+    run.check("http.get", {"n": 2})
+
+    answered = fake.runs[run.id].decisions
+    assert [(d["decision"], d["reason"], d["step"]) for d in answered] == [
+        ("allow", "step_ok", 1), ("stop", "max_seconds", 2)]
+    assert "wait 60.000 s" in answered[1]["message"]
+    assert "left of the run's time budget (max_seconds=45)" in answered[1]["message"]
+    assert fake.runs[run.id].state.stop_reason == "max_seconds"

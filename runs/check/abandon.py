@@ -1,10 +1,15 @@
 """Abandoned runs (SPEC 14): a running run with no start, check, wait or finish for its
 policy's `budgets.max_idle_seconds` is ended `stopped` / `abandoned`, with `ended_at` at its
 deadline, and audited like a kill by the fan-out (outcome stop, no action, step unchanged).
+Runs out of time the same way (issue 26): a running run whose active time reached
+`budgets.max_seconds` with no check to stop it can only be stopped, so it is ended `stopped`
+/ `max_seconds` as of the moment its time ran out, audited the same way, its message naming
+the budget (`rules.overdue`).
 
-Each run keeps its deadline in `Run.idle_deadline` (its last activity + max_idle_seconds,
-null for never), written by the start and by every check in the same statement as the rest
-of its state, so finding the overdue runs is one indexed range read. Who ends a run:
+Each run keeps its deadline in `Run.idle_deadline`: the first of its last activity +
+max_idle_seconds and its budget deadline (`rules.next_deadline`; null for never), written by
+the start and by every check in the same statement as the rest of its state, so finding the
+overdue runs is one indexed range read. Who ends a run:
 - the check and the finish that find it overdue (runs/services.py), under the run's lock;
 - `sweep_idle_runs`: the Celery beat sweep on the production stack (every minute, batch
   after batch for up to SWEEP_SECONDS), and `abandon_idle_runs`, a few runs at a time, on
@@ -14,10 +19,10 @@ of its state, so finding the overdue runs is one indexed range read. Who ends a 
 Every one locks the run and tests again, so a check that got the lock first wins: its new
 deadline makes the test fail and the run goes on.
 
-Time pending approval (SPEC 11) must not count as idle. The hook is the deadline itself:
-while a check waits for an operator's decision the approvals code sets `idle_deadline` to
-null (never idle), and the decision sets it to its own time + max_idle_seconds, using
-`rules.idle_deadline` like the check does.
+Time pending approval (SPEC 11) must not count as idle, nor as active time. The hook is the
+deadline itself: while a check waits for an operator's decision the approvals code sets
+`idle_deadline` to null (never idle, and the budget's clock stands still), and the decision
+sets it again with `rules.next_deadline`, like the check does.
 """
 
 from __future__ import annotations
@@ -51,8 +56,6 @@ SWEEP_SECONDS = 10.0
 def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
     """End one overdue run under its lock; None when, once locked, it is not overdue any more
     (a check or a finish came first) or is already over."""
-    from runs.check.services import abandon_answer
-
     with transaction.atomic():
         run = (Run.objects.select_for_update()
                .only(*RUN_COLUMNS)
@@ -60,24 +63,36 @@ def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
         if run is None:
             return None
         state = state_of(run)
-        new = rules.abandon(state, now=now)
+        policy = rules_for_version(run.policy_version_id)
+        new = rules.overdue(state, policy, now=now)
         if new is None:
             return None
-        policy = rules_for_version(run.policy_version_id)
         Run.objects.filter(pk=run.pk).update(status=new.status, stop_reason=new.stop_reason,
                                              ended_at=new.ended_at, memory=new.fixed_memory())
         run.status, run.stop_reason, run.ended_at = new.status, new.stop_reason, new.ended_at
         run.memory = new.fixed_memory()
         Decision.objects.create(
-            run_id=run.pk, step=new.steps, outcome=rules.STOP, reason=rules.ABANDONED,
+            run_id=run.pk, step=new.steps, outcome=rules.STOP, reason=new.stop_reason,
             action_name="", action_type="", args=None,
-            answer=abandon_answer(new, policy, now), at=now, elapsed_s=new.elapsed_s(now),
+            answer=_end_answer(new, policy, now), at=now, elapsed_s=new.elapsed_s(now),
         )
         # A waiting run has no idle deadline, but one recorded by an older version may:
         # its request ends with it (SPEC 10, "No impossible states").
         settle_on_end(run=run, before=state, after=new, now=now)
         transaction.on_commit(lambda: publish_run_event(run))
     return run
+
+
+def _end_answer(new: rules.RunState, policy: rules.Policy, now: datetime) -> dict[str, Any]:
+    """The audit record of the end: an abandonment's, or the same shape for a run whose time
+    budget ran out with no check to stop it, its message naming the budget."""
+    from runs.check.services import abandon_answer
+
+    answer = abandon_answer(new, policy, now)
+    if new.stop_reason == "max_seconds":
+        answer.update(reason="max_seconds", message=rules.out_of_time_message(policy),
+                      next_action=rules.NEXT_ACTION["max_seconds"])
+    return answer
 
 
 def abandon_idle_runs(*, team_id: int | None = None, now: datetime | None = None,

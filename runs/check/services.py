@@ -74,7 +74,8 @@ def run_start(
     now = timezone.now()
     run = Run(team=team, agent=agent, policy_version=policy_row.current,
               started_at=now, task=task or "", metadata=metadata,
-              external_id=external_id, idle_deadline=rules.idle_deadline(limits, now))
+              external_id=external_id,
+              idle_deadline=rules.next_deadline(limits, rules.RunState(started_at=now), now))
     try:
         for _ in range(2):
             if _insert_unless_switched(run):
@@ -333,7 +334,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             raise _Portable()
         now = timezone.now()
         rows: list[DecisionRow] = []
-        abandoned = rules.abandon(state, now=now)
+        # Past a deadline that is its time budget's, the run is not abandoned: rule 4 stops it.
+        abandoned = rules.abandon(state, now=now, policy=policy)
         if abandoned is not None:
             rows.append(abandon_row(abandoned, policy, now))
             approvals.settle_on_end(run=run, before=state, after=abandoned, now=now)

@@ -654,20 +654,98 @@ def idle_deadline(policy: Policy, at: datetime) -> datetime | None:
     return at + timedelta(seconds=policy.max_idle_seconds)
 
 
-def abandon(state: RunState, *, now: datetime) -> RunState | None:
+def budget_deadline(policy: Policy, state: RunState) -> datetime | None:
+    """When the run's active time (SPEC 15) reaches ``max_seconds``: its start plus
+    max_seconds plus the time it spent waiting for approvals. None without a time budget,
+    in shadow mode (the budget never stops a shadow run), and while the run waits for an
+    approval (its clock stands still until the decision)."""
+    if policy.max_seconds is None or policy.mode == "shadow" or state.pending is not None:
+        return None
+    return state.started_at + timedelta(seconds=float(policy.max_seconds) + state.paused_s)
+
+
+def next_deadline(policy: Policy, state: RunState, at: datetime) -> datetime | None:
+    """What a store keeps as the run's deadline (``RunState.idle_deadline``) after activity
+    at ``at``: the first of its idle deadline and its budget deadline. A run that reaches it
+    with no check in between can only be stopped, so the sweep ends it then (`overdue`), and
+    a read of running runs leaves it out with the same one indexed comparison."""
+    found = [d for d in (idle_deadline(policy, at), budget_deadline(policy, state))
+             if d is not None]
+    return min(found, default=None)
+
+
+def _out_of_time_first(policy: Policy | None, state: RunState) -> datetime | None:
+    """The budget deadline when it comes no later than the stored deadline: the run's time
+    budget, not its idleness, is what ends it (None when the idle deadline comes first)."""
+    budget = budget_deadline(policy, state) if policy is not None else None
+    if budget is not None and (state.idle_deadline is None or budget <= state.idle_deadline):
+        return budget
+    return None
+
+
+def abandon(state: RunState, *, now: datetime, policy: Policy | None = None
+            ) -> RunState | None:
     """The run ended as abandoned, when it is running and past its idle deadline; else None.
-    ``ended_at`` is the deadline itself, not the moment somebody noticed."""
+    ``ended_at`` is the deadline itself, not the moment somebody noticed. Given the run's
+    ``policy``, a stored deadline that is the run's budget deadline (`next_deadline`) is not
+    an abandonment: the time budget ran out first (`out_of_time`; a check is stopped by
+    rule 4)."""
     if state.status != RUNNING or state.idle_deadline is None or now < state.idle_deadline:
+        return None
+    if _out_of_time_first(policy, state) is not None:
         return None
     new = state.copy()
     _end(new, ABANDONED, state.idle_deadline)
     return new
 
 
+def out_of_time(state: RunState, policy: Policy, *, now: datetime) -> RunState | None:
+    """The run ended ``stopped`` / ``max_seconds`` when it is running, not waiting for an
+    approval, and its active time has reached max_seconds before its idle deadline; else
+    None. ``ended_at`` is the budget deadline, the moment its time ran out, as an
+    abandonment's is its idle deadline. A check of such a run is stopped by rule 4 as
+    before; this is for the run that sends none (the sweep, whoever looks first, a finish)."""
+    if state.status != RUNNING:
+        return None
+    budget = _out_of_time_first(policy, state)
+    if budget is None or now < budget:
+        return None
+    new = state.copy()
+    _end(new, "max_seconds", budget)
+    return new
+
+
+def overdue(state: RunState, policy: Policy, *, now: datetime) -> RunState | None:
+    """What the sweep writes for a running run past its deadline: stopped / max_seconds when
+    its time budget ran out first, else stopped / abandoned; None when nothing is due."""
+    return out_of_time(state, policy, now=now) or abandon(state, now=now, policy=policy)
+
+
 def abandoned_message(policy: Policy) -> str:
     idle = "?" if policy.max_idle_seconds is None else _plain(policy.max_idle_seconds)
     return (f"No check, wait, start or finish for {idle} s: the run was abandoned "
             f"(max_idle_seconds={idle}).")
+
+
+def out_of_time_message(policy: Policy) -> str:
+    budget = "?" if policy.max_seconds is None else _plain(policy.max_seconds)
+    return (f"No check came before the run's time budget ran out: stopped after {budget} s "
+            f"of active time (max_seconds={budget}).")
+
+
+def wait_past_budget(policy: Policy, state: RunState, name: str, wait: float,
+                     now: datetime) -> str | None:
+    """Why a rate-limit wait of ``wait`` seconds is a stop instead (SPEC 12, 15): it is longer
+    than the time left of the run's budget, so the agent would come back to a run whose time
+    has run out. The message names the wait and the time left; None when it fits."""
+    if policy.max_seconds is None:
+        return None
+    left = max(0.0, float(policy.max_seconds) - state.elapsed_s(now))
+    if wait <= left:
+        return None
+    return (f"{name} would have to wait {wait:.3f} s for a rate limit, longer than the "
+            f"{left:.1f} s left of the run's time budget (max_seconds="
+            f"{_plain(policy.max_seconds)}): stopped now instead of after the wait.")
 
 
 def evaluate(
@@ -690,7 +768,7 @@ def evaluate(
     """
     if key is None:
         key = repeat_key(check.name, check.args, policy.ignore_args)
-    abandoned = abandon(state, now=now)
+    abandoned = abandon(state, now=now, policy=policy)
     if abandoned is not None:
         return terminal_decision(abandoned, key), abandoned
     if state.status in TERMINAL:
@@ -709,17 +787,24 @@ def evaluate(
         if limited is not None:
             window, wait = limited
             message = _rate_message(check.name, window, wait)
-            if policy.mode != "shadow":
+            # A wait the run's time cannot cover is a stop now, not a wait that ends in one.
+            # A window the store could not read in time is no evidence of a long wait.
+            past = None if window.busy_retry_s is not None else wait_past_budget(
+                policy, state, check.name, wait, now)
+            if past is not None:
+                stop = ("max_seconds", past)
+            elif policy.mode != "shadow":
                 # A wait registers nothing: the agent sends the same body again. It is
                 # activity all the same (SPEC 14).
                 waited = state.copy()
-                waited.idle_deadline = idle_deadline(policy, now)
+                waited.idle_deadline = next_deadline(policy, waited, now)
                 return Decision(
                     outcome=WAIT, reason=RATE_LIMITED, step=state.steps + 1, repeat_key=key,
                     repeat_count=state.repeat_counts.get(key, 0), message=message,
                     next_action=NEXT_ACTION[RATE_LIMITED], retry_after_s=wait,
                 ), waited
-            stop = (RATE_LIMITED, message)
+            else:
+                stop = (RATE_LIMITED, message)
     if stop is None:
         pattern = approval_pattern(policy, check.name)
         if pattern is not None:
@@ -729,7 +814,7 @@ def evaluate(
                 return _pending(policy, new, check, key, pattern, now, approval_id), new
             # Shadow mode makes no request: the would-be wait is reported and the action runs.
             stop = APPROVAL_REQUIRED, _approval_message(check.name, pattern, policy)
-    new.idle_deadline = idle_deadline(policy, now)
+    new.idle_deadline = next_deadline(policy, new, now)
 
     if stop is not None and (policy.mode != "shadow" or stop[0] == "killed"):
         reason, message = stop
@@ -818,7 +903,7 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
     key = pending.repeat_key
     if status == APPROVED:
         if policy is not None:
-            new.idle_deadline = idle_deadline(policy, now)
+            new.idle_deadline = next_deadline(policy, new, now)
         new.repeat_counts[key] = new.repeat_counts.get(key, 0) + 1
         if pending.action_type == "tool":
             new.tool_calls += 1

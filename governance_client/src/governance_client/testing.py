@@ -410,6 +410,10 @@ class FakeGovernance:
             # The rate limits come after rules 1 to 9 and before approvals (SPEC 12, 15),
             # as on the service: a check those rules stop is stopped, not made to wait.
             wait = self._rate_limited(run, name)
+            past = None if wait is None else rules.wait_past_budget(
+                self.policy, run.state, name, wait[0], now)
+            if past is not None:
+                return self._out_of_time(run, check, past, now)
             if wait is not None:
                 return self._answer(run, None, now, {
                     "decision": "wait", "reason": "rate_limited", "step": run.steps + 1,
@@ -442,6 +446,21 @@ class FakeGovernance:
         run.state = new
         if verdict.answer == rules.ALLOW:
             self._allowed_at.append((self.clock, run.id, run.agent, name))
+        return self._answer(run, verdict, now)
+
+    def _out_of_time(self, run: FakeRun, check: rules.Check, message: str, now: datetime
+                     ) -> dict[str, Any]:
+        """As the service (issue 26): a rate-limit wait longer than the run's time left is a
+        stop now, the step counted and the check registered as for any stop of rule 1 to 9."""
+        key = rules.repeat_key(check.name, check.args, self.policy.ignore_args)
+        new = run.state.copy()
+        new.steps += 1
+        rules._register(new, check)  # same registration as evaluate's
+        new.status, new.stop_reason, new.ended_at = rules.STOPPED, "max_seconds", now
+        run.state = new
+        verdict = rules.Decision(outcome=rules.STOP, reason="max_seconds", step=new.steps,
+                                 repeat_key=key, repeat_count=new.repeat_counts.get(key, 0),
+                                 message=message, next_action=rules.NEXT_ACTION["max_seconds"])
         return self._answer(run, verdict, now)
 
     def _rate_limited(self, run: FakeRun, name: str) -> tuple[float, str] | None:
