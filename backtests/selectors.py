@@ -157,9 +157,9 @@ def replay_runs(runs: list[RecordedRun], draft: rules.Policy, *, policy: str,
     done = 0
     for run, steps in recorded_decisions(runs):
         recorded = rules_for_version(run.policy_version_id)
-        # Traced: the estimate reads what the draft decided at each check.
+        # Traced when the estimate reads what the draft decided at each check.
         outcome = replay.replay(draft, steps, started_at=run.started_at, recorded=recorded,
-                                trace=True)
+                                trace=estimator.needs_trace)
         estimator.add_run(run=run.id, agent=run.agent, started_at=run.started_at, steps=steps,
                           outcome=outcome, recorded_steps=run.steps,
                           recorded_cost=Decimal(run.cost_usd))

@@ -280,11 +280,18 @@ class Estimator:
         self.estimate = Estimate(shadow=draft.mode == "shadow")
         self._counted: list[tuple[Hashable, str, Sequence[Counted]]] = []
 
+    @property
+    def needs_trace(self) -> bool:
+        """Whether `add_run` reads the draft's decisions: only a draft with rate limits or
+        approvals causes waits or requests, and tracing costs the replay a little."""
+        return bool(self.draft.rate_limits or self.draft.approval_tools)
+
     def add_run(self, *, run: Hashable, agent: str, started_at: datetime,
                 steps: Sequence[Recorded], outcome: Outcome, recorded_steps: int,
                 recorded_cost: Decimal) -> RunEffect:
         """One run: its recorded decisions and the draft's outcome, replayed with
-        ``trace=True`` (its decisions are what the draft counts and asks approval for)."""
+        ``trace=True`` when `needs_trace` (its decisions are what the draft counts and asks
+        approval for)."""
         est = self.estimate
         est.runs += 1
         effect = effect_of(steps, outcome, recorded_steps=recorded_steps,
@@ -296,7 +303,7 @@ class Estimator:
         est.recorded_waits += sum(rec.outcome == WAIT for rec in steps)
         est.recorded_approval_requests += sum(rec.outcome == PENDING for rec in steps)
         counted: list[Counted] = []
-        for rec, decision in outcome.decisions:
+        for rec, decision in (outcome.decisions if self.needs_trace else ()):
             moment = moment_of(rec, started_at)
             if _asks_approval(decision):
                 for tally in est._tallies(agent, moment):
