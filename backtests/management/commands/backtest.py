@@ -80,7 +80,8 @@ def table(report: selectors.Report, *, team: str, source: str, since: str, limit
             f"{reason} {count}" for reason, count in report.by_reason.items()))
     lines.append("Not simulated: " + ", ".join(report.as_json()["not_simulated"])
                  + " (recorded approval outcomes, waits, kills and abandonments are replayed "
-                   "as recorded).")
+                   "as recorded; the draft's rate-limit waits and approval requests are "
+                   "estimated from the recorded times).")
     lines.extend(estimate_lines(report))
     if report.key_fallbacks:
         lines.append(f"{report.key_fallbacks} check(s) kept their recorded repeat key: a "
