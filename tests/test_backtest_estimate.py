@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from django.core.management import call_command
+from django.db import connection
 from django.test import Client
 from django.utils import timezone
 from governance_client.estimate import (
@@ -25,6 +26,7 @@ from governance_client.estimate import (
     Tally,
     effect_of,
     hour_of,
+    intended_times,
     rate_limit_waits,
 )
 from hypothesis import given, settings
@@ -34,7 +36,7 @@ from backtests.models import Backtest
 from governance.celery import app as celery_app
 from governance_client import replay, rules
 from policies.models import Team
-from runs.models import Decision
+from runs.models import Decision, Run
 from tests.conftest import set_policy
 
 T0 = datetime(2026, 12, 3, 17, 0, tzinfo=UTC)
@@ -253,6 +255,40 @@ def test_recorded_waits_and_requests_are_counted_for_comparison():
         "rate_limit_waits": 1, "approval_requests": 1}
 
 
+def test_intended_times_take_out_the_recorded_waits_and_approval_holds():
+    def rec(outcome: str, step: int, seconds: float) -> replay.Recorded:
+        return replay.Recorded(outcome=outcome, reason="", step=step, name="s", at=at(seconds))
+
+    steps = [rec("allow", 1, 0), rec("wait", 2, 1), rec("wait", 2, 30), rec("allow", 2, 61),
+             rec("allow", 3, 62), rec("wait", 4, 63), rec("pending", 4, 70),
+             rec("allow", 4, 400), rec("allow", 5, 401)]
+    # Step 2 was held 60 s by waits; step 4 was held 7 s by a wait, then 330 s by an operator.
+    assert [(t - T0).total_seconds() for t in intended_times(steps, T0)] == [
+        0, 1, 30, 1, 2, 3, 3, 3, 4]
+
+
+def test_a_recording_made_under_a_rate_limit_estimates_its_own_waits_again():
+    """Played from the recorded times as they were, the waited actions would find room: the
+    estimate starts from where each check was first held."""
+    steps = [replay.Recorded(outcome=o, reason="", step=n, name="search.docs", at=at(t),
+                             args={"n": n})
+             for o, n, t in [("allow", 1, 1), ("allow", 2, 2), ("wait", 3, 3),
+                             ("allow", 3, 61), ("allow", 4, 62)]]
+    policy = draft(("search.*", "run", 2, 60))
+    estimator = Estimator(policy)
+    estimator.add_run(run="r", agent="bot", started_at=T0, steps=steps,
+                      outcome=replayed(policy, steps), recorded_steps=4,
+                      recorded_cost=Decimal(0))
+    result = estimator.result()
+    assert (result.total.rate_limit_waits, result.total.wait_s, result.recorded_waits) == (
+        1, 58.0, 1)
+    without = Estimator(draft())
+    without.add_run(run="r", agent="bot", started_at=T0, steps=steps,
+                    outcome=replayed(draft(), steps), recorded_steps=4,
+                    recorded_cost=Decimal(0))
+    assert without.result().total.rate_limit_waits == 0
+
+
 def test_the_summary_says_the_effect_in_one_line():
     estimate = Estimate(runs=259, effect_stopped_earlier=12, steps_removed=340,
                         cost_removed=Decimal("4.2"), total=Tally(85, 1020.4, 14))
@@ -392,3 +428,85 @@ def test_the_editors_panel_shows_the_summary_and_the_estimate(team, users, recor
         assert (f'<tr data-agent="{agent}"><td>{agent}</td><td>1</td><td>58.0 s</td>'
                 "<td>1</td></tr>") in html
     assert f'data-hour="{hour_of(recorded_hour)}"' in html
+
+
+@pytest.mark.django_db
+def test_the_recorded_version_estimates_the_waits_and_requests_its_runs_recorded(team,
+                                                                               tmp_path):
+    """Rows as a run under a rate limit and an approval rule records them: each agent's third
+    search waited 58 s, and a payment waited for an operator. Backtesting that version
+    estimates what they recorded; a draft without either, nothing."""
+    set_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 1000},
+               budgets={"max_seconds": None, "max_usd": None, "max_tool_calls": None},
+               rate_limits=[{"match": "search.*", "per": "agent", "max": 2, "window_s": 60}],
+               approvals={"tools": ["pay.*"], "timeout_s": 900})
+    started = (timezone.now() - timedelta(days=1)).replace(minute=0, second=0, microsecond=0)
+    for agent in ("billing-bot", "support-bot"):
+        run = Run.objects.create(team=team, agent=agent, started_at=started,
+                                 status="completed", steps=4,
+                                 ended_at=started + timedelta(seconds=500),
+                                 policy_version=team.policies.get(name="default").current)
+        for step, outcome, reason, name, seconds in [
+                (1, "allow", "step_ok", "search.docs", 1),
+                (2, "allow", "step_ok", "search.docs", 2),
+                (3, "wait", "rate_limited", "search.docs", 3),
+                (3, "allow", "step_ok", "search.docs", 61),
+                (4, "pending", "approval_required", "pay.refund", 62),
+                (4, "allow", "step_ok", "pay.refund", 400)]:
+            Decision.objects.create(run=run, step=step, outcome=outcome, reason=reason,
+                                    action_name=name, action_type="tool", args={"n": step},
+                                    repeat_key=f"{name}:{step}", repeat_count=1,
+                                    at=started + timedelta(seconds=seconds),
+                                    elapsed_s=float(seconds))
+    same = command_json(team, tmp_path)
+    assert same["changed"] == 0
+    assert {key: same["estimate"][key] for key in
+            ("rate_limit_waits", "wait_s", "approval_requests", "recorded")} == {
+        "rate_limit_waits": 2, "wait_s": 116.0, "approval_requests": 2,
+        "recorded": {"rate_limit_waits": 2, "approval_requests": 2}}
+    none = command_json(team, tmp_path, rate_limits=[], approvals={"tools": [],
+                                                                    "timeout_s": 900})
+    assert (none["estimate"]["rate_limit_waits"], none["estimate"]["approval_requests"]) == (
+        0, 0)
+    assert none["summary"].endswith("cause no rate-limit wait and no approval request.")
+
+
+@pytest.mark.django_db
+def test_runs_recorded_through_the_api_under_a_rate_limit_estimate_their_waits(
+        api, team, tmp_path, monkeypatch):
+    """Through the real check path, by an agent that sends a waited check again after its
+    retry_after_s: backtesting that same version estimates the waits the runs had; a draft
+    without the limit, none. (SQLite: PostgreSQL stamps rate limits with its own clock,
+    which the test cannot move; the test above covers that stack with rows.)"""
+    if connection.vendor == "postgresql":
+        pytest.skip("PostgreSQL stamps rate limits with its own clock")
+    set_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 1000},
+               budgets={"max_seconds": None, "max_usd": None, "max_tool_calls": None},
+               rate_limits=[{"match": "search.*", "per": "agent", "max": 2, "window_s": 30}])
+    clock = [(timezone.now() - timedelta(days=1)).replace(microsecond=0)]
+    monkeypatch.setattr("django.utils.timezone.now", lambda: clock[0])
+    for _ in range(2):
+        run_id = api.post("/api/v1/runs", {"agent": "support-bot"},
+                          content_type="application/json").json()["run_id"]
+        for n in range(4):
+            clock[0] += timedelta(seconds=2)
+            while True:
+                answer = api.post(f"/api/v1/runs/{run_id}/check",
+                                  {"action": {"name": "search.docs", "args": {"q": n}},
+                                   "check_id": f"{run_id}-{n}"},
+                                  content_type="application/json").json()
+                if answer["decision"] != "wait":
+                    break
+                clock[0] += timedelta(seconds=answer["retry_after_s"])
+            assert answer["decision"] == "allow"
+        api.post(f"/api/v1/runs/{run_id}/finish", {"status": "completed"},
+                 content_type="application/json")
+    monkeypatch.undo()
+    waits = Decision.objects.filter(outcome="wait")
+    assert waits.count() >= 2
+    same = command_json(team, tmp_path)["estimate"]
+    assert same["recorded"]["rate_limit_waits"] == waits.count()
+    assert same["rate_limit_waits"] == waits.count()
+    assert same["wait_s"] == pytest.approx(
+        sum(w.answer["retry_after_s"] for w in waits), abs=0.01)
+    assert command_json(team, tmp_path, rate_limits=[])["estimate"]["rate_limit_waits"] == 0

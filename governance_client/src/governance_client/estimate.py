@@ -8,9 +8,10 @@ from the replayed runs' recorded times, once every run was replayed:
 - **Approval requests**: the checks the draft's rules answer ``pending`` (or, in shadow
   mode, would: ``would_stop`` / ``approval_required``), per agent and per hour.
 - **Rate-limit waits**: the actions the draft counts like an allow (`rules.RATE_COUNTED`)
-  are played again in time order across all the runs, each rule's window read by
-  `rules.window_of` and the wait by `rules.rate_wait`, the check's own functions. An
-  action that would wait is sent again after its ``retry_after_s`` (as a client does), and
+  are played again in time order across all the runs, at the times the agents meant them
+  (`intended_times`: without the waits and approval holds recorded), each rule's window
+  read by `rules.window_of` and the wait by `rules.rate_wait`, the check's own functions.
+  An action that would wait is sent again after its ``retry_after_s`` (as a client does), and
   the rest of its run moves by as much, keeping its recorded spacing; so one action can wait
   more than once when other runs take the room first, as it would with the server.
 
@@ -102,6 +103,27 @@ def moment_of(rec: Recorded, started_at: datetime) -> datetime:
     """When a recorded check was decided; before decisions were read with their time, the
     run's start plus its elapsed seconds (what the check counted)."""
     return rec.at if rec.at is not None else started_at + timedelta(seconds=rec.elapsed_s)
+
+
+def intended_times(steps: Sequence[Recorded], started_at: datetime) -> list[datetime]:
+    """When each recorded decision would have been made without the holds its run had: the
+    recorded rate-limit waits and the operators' time on approval requests. A check held at
+    a step (a ``wait``, then maybe a ``pending``) is placed where it was first held, and every
+    later decision of the run moves back by as much. The estimate plays the draft from these
+    times, adding the holds the draft itself makes: otherwise a recording made under a rate
+    limit would show its own waits as room, and a draft without it would seem to save
+    nothing."""
+    removed = timedelta(0)
+    held: dict[int, datetime] = {}  # step -> when its check was first held
+    out = []
+    for rec in steps:
+        moment = moment_of(rec, started_at)
+        if rec.outcome != WAIT and rec.step in held:
+            removed += max(timedelta(0), moment - held.pop(rec.step))
+        if rec.outcome in (WAIT, PENDING):
+            held.setdefault(rec.step, moment)
+        out.append(moment - removed)
+    return out
 
 
 def effect_of(steps: Sequence[Recorded], outcome: Outcome, *, recorded_steps: int,
@@ -303,8 +325,11 @@ class Estimator:
         est.recorded_waits += sum(rec.outcome == WAIT for rec in steps)
         est.recorded_approval_requests += sum(rec.outcome == PENDING for rec in steps)
         counted: list[Counted] = []
+        intended = {id(rec): moment for rec, moment in
+                    zip(steps, intended_times(steps, started_at), strict=True)} \
+            if self.needs_trace else {}
         for rec, decision in (outcome.decisions if self.needs_trace else ()):
-            moment = moment_of(rec, started_at)
+            moment = intended.get(id(rec)) or moment_of(rec, started_at)
             if _asks_approval(decision):
                 for tally in est._tallies(agent, moment):
                     tally.approval_requests += 1

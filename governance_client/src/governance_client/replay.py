@@ -72,8 +72,8 @@ class Recorded:
     last_result: LastResult | None = None
     cost_usd: Decimal = Decimal(0)
     elapsed_s: float = 0.0  # seconds since the run's start, as the check counted them
-    # When it was decided (the database's clock, which stamps rate limits): the estimate of
-    # the draft's rate limits and approvals reads it (estimate.py). None: unknown.
+    # When it was decided (the check's clock): the estimate of the draft's rate limits and
+    # approvals reads it (estimate.py). None: unknown.
     at: datetime | None = None
 
 
