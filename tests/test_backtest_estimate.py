@@ -510,3 +510,47 @@ def test_runs_recorded_through_the_api_under_a_rate_limit_estimate_their_waits(
     assert same["wait_s"] == pytest.approx(
         sum(w.answer["retry_after_s"] for w in waits), abs=0.01)
     assert command_json(team, tmp_path, rate_limits=[])["estimate"]["rate_limit_waits"] == 0
+
+
+@pytest.mark.django_db
+def test_the_page_lists_a_week_of_hours_and_says_where_the_rest_are(team, users):
+    """A result of 90 days can hold 2,160 hours: the page lists the first 168."""
+    tally = {"rate_limit_waits": 1, "wait_s": 2.0, "approval_requests": 0}
+    hours = {hour_of(T0 + timedelta(hours=n)): tally for n in range(200)}
+    report = {"policy": "default", "runs": 1, "changed": 0, "by_reason": {}, "changes": [],
+              "not_simulated": [], "summary": "This draft would ...",
+              "estimate": {"rate_limit_waits": 200, "wait_s": 400.0, "approval_requests": 0,
+                           "shadow": False, "complete": True,
+                           "recorded": {"rate_limit_waits": 0, "approval_requests": 0},
+                           "by_agent": {"bot": tally}, "by_hour": hours}}
+    now = timezone.now()
+    job = Backtest.objects.create(team=team, created_at=now, source="editor", drafts=[],
+                                  since_s=86400, limit=10, heartbeat_at=now, status="done",
+                                  results=[{"report": report, "decisions": 1,
+                                            "key_fallbacks": 0}])
+    viewer = Client()
+    viewer.force_login(users["viewer"])
+    html = viewer.get(f"/teams/{team.slug}/backtests/{job.pk}/").content.decode()
+    assert html.count("<tr data-hour=") == 168
+    assert f'data-hour="{hour_of(T0 + timedelta(hours=167))}"' in html
+    assert f'data-hour="{hour_of(T0 + timedelta(hours=168))}"' not in html
+    assert "Per hour (UTC): 168 of 200 hours with any" in html
+    assert "--policy default --json</code> has them all" in html
+
+
+@pytest.mark.django_db
+def test_a_result_stored_before_the_estimate_still_shows(team, users):
+    now = timezone.now()
+    report = {"policy": "default", "runs": 3, "changed": 0, "by_reason": {}, "changes": [],
+              "not_simulated": ["rate_limits", "approvals", "max_idle_seconds"]}
+    job = Backtest.objects.create(team=team, created_at=now, source="editor", drafts=[],
+                                  since_s=86400, limit=10, heartbeat_at=now, status="done",
+                                  results=[{"report": report, "decisions": 1,
+                                            "key_fallbacks": 0}])
+    viewer = Client()
+    viewer.force_login(users["viewer"])
+    response = viewer.get(f"/teams/{team.slug}/backtests/{job.pk}/")
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert 'data-runs="3"' in html and "backtest-effect" not in html
+    assert "backtest-estimate" not in html
