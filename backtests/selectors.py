@@ -18,6 +18,7 @@ from typing import Any
 from django.http import Http404
 from django.utils import timezone
 
+from governance_client import estimate as estimates
 from governance_client import replay, rules
 from policies.models import Policy, PolicyVersion, Team
 from runs.check.policy_cache import rules_for_version
@@ -40,6 +41,8 @@ class RecordedRun:
     steps: int
     started_at: datetime
     policy_version_id: int
+    agent: str = ""
+    cost_usd: Decimal = Decimal(0)
 
 
 @dataclass
@@ -58,6 +61,9 @@ class Report:
     changes: list[Change] = field(default_factory=list)
     decisions: int = 0  # recorded decisions read (for the benchmark's rate)
     key_fallbacks: int = 0  # checks whose recorded key stood in for a recomputed one
+    # The draft's effect and its estimated rate-limit waits and approval requests
+    # (governance_client.estimate); None until the replay is over.
+    estimate: estimates.Estimate | None = None
 
     @property
     def changed(self) -> int:
@@ -68,7 +74,14 @@ class Report:
         counts = Counter(c.draft["stop_reason"] or "none" for c in self.changes)
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
+    @property
+    def summary(self) -> str:
+        """The one-line effect (docs/backtest.md): runs stopped earlier, steps and cost
+        removed, rate-limit waits and approval requests caused."""
+        return (self.estimate or estimates.Estimate(runs=self.runs)).summary()
+
     def as_json(self) -> dict[str, Any]:
+        # SPEC 13's keys first, as they were; then the effect, the estimate and the summary.
         return {
             "policy": self.policy,
             "runs": self.runs,
@@ -77,6 +90,7 @@ class Report:
             "changes": [{"run_id": c.run_id, "recorded": c.recorded, "draft": c.draft}
                         for c in self.changes],
             "not_simulated": list(replay.NOT_SIMULATED),
+            **(self.estimate or estimates.Estimate(runs=self.runs)).as_json(),
         }
 
 
@@ -94,7 +108,7 @@ def runs_to_replay(team: Team, policy: Policy, *, since: timedelta, limit: int,
                                status__in=sorted(rules.TERMINAL), started_at__gte=cutoff)
             .order_by("-started_at", "-id")
             .values_list("id", "status", "stop_reason", "steps", "started_at",
-                         "policy_version_id")[:limit])
+                         "policy_version_id", "agent", "cost_usd")[:limit])
     return [RecordedRun(*row) for row in rows]
 
 
@@ -130,17 +144,25 @@ def _recorded(row: tuple[Any, ...], started_at: datetime) -> replay.Recorded:
         args=args, repeat_key=key, progress=progress,
         last_result=replay.last_result_of(last_result),
         cost_usd=cost if isinstance(cost, Decimal) else Decimal(str(cost)), elapsed_s=elapsed,
+        at=at,
     )
 
 
 def replay_runs(runs: list[RecordedRun], draft: rules.Policy, *, policy: str,
                 progress: Progress | None = None) -> Report:
-    """Replay ``runs`` under ``draft`` (pure, in process) and report what would change."""
+    """Replay ``runs`` under ``draft`` (pure, in process) and report what would change, with
+    the draft's effect and its estimated waits and approval requests (`Report.estimate`)."""
     report = Report(policy=policy, runs=len(runs))
+    estimator = estimates.Estimator(draft)
     done = 0
     for run, steps in recorded_decisions(runs):
         recorded = rules_for_version(run.policy_version_id)
-        outcome = replay.replay(draft, steps, started_at=run.started_at, recorded=recorded)
+        # Traced when the estimate reads what the draft decided at each check.
+        outcome = replay.replay(draft, steps, started_at=run.started_at, recorded=recorded,
+                                trace=estimator.needs_trace)
+        estimator.add_run(run=run.id, agent=run.agent, started_at=run.started_at, steps=steps,
+                          outcome=outcome, recorded_steps=run.steps,
+                          recorded_cost=Decimal(run.cost_usd))
         report.decisions += len(steps)
         report.key_fallbacks += outcome.key_fallbacks
         before = replay.recorded_stop(steps)
@@ -155,6 +177,7 @@ def replay_runs(runs: list[RecordedRun], draft: rules.Policy, *, policy: str,
         done += 1
         if progress is not None and done % CHUNK_RUNS == 0:
             progress(done, len(runs))
+    report.estimate = estimator.result()
     if progress is not None:
         progress(done, len(runs))
     return report

@@ -43,10 +43,26 @@ def _show(request: HttpRequest, *, job: Backtest | None = None, problem: str | N
     return page(request, "backtests/detail.html", context, status=status)
 
 
+# Hours of the estimate a result page lists (a week's worth); the command lists them all.
+SHOWN_HOURS = 168
+
+
+def _shown(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The stored results, with the estimate's first hours as a list a template can slice
+    (a result stored before the estimate existed has none)."""
+    shown = []
+    for result in results:
+        hours = list(((result.get("report") or {}).get("estimate") or {})
+                     .get("by_hour", {}).items())
+        shown.append({**result, "hours": hours[:SHOWN_HOURS],
+                      "hours_left": max(0, len(hours) - SHOWN_HOURS)})
+    return shown
+
+
 def _context(request: HttpRequest, job: Backtest | None) -> dict[str, Any]:
     return {"team": request.team, "job": job,  # type: ignore[attr-defined]
             "active": job is not None and job.status in ACTIVE,
-            "results": (job.results or []) if job is not None else [],
+            "results": _shown(job.results or []) if job is not None else [],
             "percent": (100 * job.done // job.total) if job is not None and job.total else 0}
 
 

@@ -335,8 +335,9 @@ def test_the_json_is_the_last_line_with_exactly_the_specs_shape(api, team, tmp_p
     lines = out.getvalue().rstrip("\n").split("\n")
     assert len(lines) == 1
     result = json.loads(lines[-1])
+    # SPEC 13's keys first, then the effect and the estimate of waits and approvals.
     assert list(result) == ["policy", "runs", "changed", "by_reason", "changes",
-                            "not_simulated"]
+                            "not_simulated", "effect", "estimate", "summary"]
     assert result["policy"] == "default"
     assert (result["runs"], result["changed"]) == (2, 2)
     assert result["by_reason"] == {"loop_detected": 1, "max_steps": 1}

@@ -392,7 +392,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             check_id = None
         waited = decision.outcome == rules.WAIT
         # A pending answer takes its hit now, not again once approved (SPEC 12, 15).
-        counted = decision.outcome in (rules.ALLOW, rules.WOULD_STOP, rules.PENDING)
+        counted = decision.outcome in rules.RATE_COUNTED
         args = rules.redact(check.args, policy.redact_args)
         rows.append(DecisionRow(
             step=decision.step, outcome=decision.outcome, reason=decision.reason,

@@ -70,6 +70,7 @@ class Command(BaseCommand):
 def table(report: selectors.Report, *, team: str, source: str, since: str, limit: int) -> str:
     lines = [
         f"Backtest of policy {report.policy} (team {team}) with {source}",
+        report.summary,
         f"{report.runs} ended run{'s' if report.runs != 1 else ''} replayed (started within "
         f"{since}, newest first, at most {limit}; {report.decisions} recorded decisions): "
         f"{report.changed} would change.",
@@ -79,7 +80,9 @@ def table(report: selectors.Report, *, team: str, source: str, since: str, limit
             f"{reason} {count}" for reason, count in report.by_reason.items()))
     lines.append("Not simulated: " + ", ".join(report.as_json()["not_simulated"])
                  + " (recorded approval outcomes, waits, kills and abandonments are replayed "
-                   "as recorded).")
+                   "as recorded; the draft's rate-limit waits and approval requests are "
+                   "estimated from the recorded times).")
+    lines.extend(estimate_lines(report))
     if report.key_fallbacks:
         lines.append(f"{report.key_fallbacks} check(s) kept their recorded repeat key: a "
                      "redacted arg was part of it (docs/backtest.md).")
@@ -94,3 +97,20 @@ def table(report: selectors.Report, *, team: str, source: str, since: str, limit
                      f"{draft['status']} ({draft['stop_reason']}) at step {draft['step']}")
             lines.append(f"{change.run_id:36}  {recorded:34}  {would}")
     return "\n".join(lines)
+
+
+def estimate_lines(report: selectors.Report) -> list[str]:
+    """The estimated waits and approval requests per agent and per hour (docs/backtest.md):
+    the agents by name, the hours in time order; only those with any."""
+    estimate = report.as_json()["estimate"]
+    if not (estimate["rate_limit_waits"] or estimate["approval_requests"]):
+        return []
+    recorded = estimate["recorded"]
+    lines = [f"Estimated from the recorded times (recorded: {recorded['rate_limit_waits']} "
+             f"wait(s), {recorded['approval_requests']} approval request(s)):"]
+    for title, rows in (("agent", estimate["by_agent"]), ("hour (UTC)", estimate["by_hour"])):
+        lines.append(f"  {title:26}  {'waits':>7}  {'wait s':>10}  {'approvals':>9}")
+        for key, tally in rows.items():
+            lines.append(f"  {key:26}  {tally['rate_limit_waits']:>7}  "
+                         f"{tally['wait_s']:>10,.1f}  {tally['approval_requests']:>9}")
+    return lines

@@ -16,7 +16,8 @@ What is not the draft's to decide is replayed as recorded:
 - everything after the recorded run's first stop is skipped: the agent stopped there.
 
 The draft's own rate limits and approvals are not simulated (`NOT_SIMULATED`): they depend
-on other runs and on people, which a recording of one run cannot tell.
+on other runs and on people, which a recording of one run cannot tell. `estimate.py` counts
+them instead, over all the replayed runs' recorded times.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class Recorded:
     last_result: LastResult | None = None
     cost_usd: Decimal = Decimal(0)
     elapsed_s: float = 0.0  # seconds since the run's start, as the check counted them
+    # When it was decided (the check's clock): the estimate of the draft's rate limits and
+    # approvals reads it (estimate.py). None: unknown.
+    at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

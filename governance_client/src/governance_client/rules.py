@@ -600,6 +600,12 @@ class RateWindow:
     busy_retry_s: float | None = None
 
 
+# The outcomes a rate limit counts (SPEC 12): an action that runs, or that a pending approval
+# took (its hit is taken then, not again once approved). The check's write and the
+# backtest's estimate (estimate.py) both count these.
+RATE_COUNTED = frozenset({ALLOW, WOULD_STOP, PENDING})
+
+
 def rate_limits_matching(policy: Policy, name: str) -> tuple[RateLimit, ...]:
     """The rules of the policy that apply to this action name (every one applies)."""
     return tuple(rule for rule in policy.rate_limits if rule.matches(name))
