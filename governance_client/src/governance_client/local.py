@@ -18,6 +18,7 @@ from typing import Any
 from . import rules
 from .decision import Decision
 from .keys import repeat_key
+from .rules import make_check as make_check  # where _core and testing import it from
 
 _LOCALLY = "decided locally: the governance service is unreachable"
 
@@ -112,30 +113,6 @@ def policy_from_json(policy: Mapping[str, Any] | None) -> rules.Policy:
     if approvals.get("tools"):
         changes["approval_tools"] = tuple(approvals["tools"])
     return rules.Policy(**{**_fields(default), **changes})
-
-
-def make_check(
-    name: str,
-    args: Mapping[str, Any] | None,
-    *,
-    type: str = "tool",
-    progress: str | int | float | None = None,
-    last_result: Mapping[str, Any] | None = None,
-    cost_usd: float | None = None,
-) -> rules.Check:
-    """The rules' view of one check body."""
-    result = None
-    if last_result is not None:
-        result = rules.LastResult(
-            status=str(last_result.get("status") or "ok"),
-            digest=last_result.get("digest"),
-            error=last_result.get("error"),
-            summary=last_result.get("summary"),
-        )
-    return rules.Check(
-        name=name, type=type, args=dict(args or {}), progress=progress, last_result=result,
-        cost_usd=Decimal(str(cost_usd or 0)),
-    )
 
 
 class LocalLedger:

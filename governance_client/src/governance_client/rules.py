@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -221,6 +221,40 @@ class Check:
     last_result: LastResult | None = None
     cost_usd: Decimal = Decimal(0)
     check_id: str | None = None
+
+
+MICRO_USD = Decimal("0.000001")  # costs are counted in millionths of a dollar
+
+
+def usd(value: Any) -> Decimal:
+    """A cost as the rules count it: exact millionths of a dollar, rounded half up
+    (0.0000025 counts 0.000003), as a check has always recorded it."""
+    return Decimal(str(value or 0)).quantize(MICRO_USD, rounding=ROUND_HALF_UP)
+
+
+def make_check(
+    name: str,
+    args: Mapping[str, Any] | None,
+    *,
+    type: str = "tool",
+    progress: str | int | float | None = None,
+    last_result: Mapping[str, Any] | None = None,
+    cost_usd: Any = None,
+    check_id: str | None = None,
+) -> Check:
+    """The rules' view of one check body (SPEC 5.2), the one way it is built: for a check the
+    server decides, a local decision it is sent afterwards, and one the client decides itself
+    during an outage, so that one cost counts the same everywhere."""
+    result = None
+    if last_result is not None:
+        result = LastResult(
+            status=str(last_result.get("status") or "ok"),
+            digest=last_result.get("digest"),
+            error=last_result.get("error"),
+            summary=last_result.get("summary"),
+        )
+    return Check(name=name, type=type, args=dict(args or {}), progress=progress,
+                 last_result=result, cost_usd=usd(cost_usd), check_id=check_id)
 
 
 def _iso(moment: datetime) -> str:
