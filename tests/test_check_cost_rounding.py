@@ -10,8 +10,7 @@ from decimal import Decimal
 import pytest
 from django.test import Client
 
-from governance_client import rules
-from governance_client.local import make_check
+from governance_client import local, rules
 
 pytestmark = pytest.mark.django_db
 
@@ -42,5 +41,5 @@ def test_a_checked_and_an_uploaded_cost_round_alike(api: Client) -> None:
 
 
 def test_the_client_counts_a_cost_as_the_service_does() -> None:
-    assert make_check("x", None, cost_usd=0.0000025).cost_usd == Decimal("0.000003")
+    assert local.make_check("x", None, cost_usd=0.0000025).cost_usd == Decimal("0.000003")
     assert rules.usd(None) == Decimal(0)
