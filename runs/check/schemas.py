@@ -10,7 +10,6 @@ import json
 import math
 import re
 from datetime import datetime
-from decimal import Decimal
 from typing import Annotated, Any, Literal, Union
 from uuid import UUID
 
@@ -35,7 +34,6 @@ from governance.text import text_problem
 from governance_client import rules
 
 MAX_DEPTH = 32
-MICRO_USD = Decimal("0.000001")  # costs are counted in millionths of a dollar
 # What the API refuses, stated in the OpenAPI document too, so that a client (or a schema
 # fuzzer) reading it knows before sending: "not": {"pattern": "\u0000"}, no NUL anywhere in
 # the text. (The equivalent "^[^\u0000]*$" made generating a 100,000-character output from
