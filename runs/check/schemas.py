@@ -10,7 +10,6 @@ import json
 import math
 import re
 from datetime import datetime
-from decimal import ROUND_HALF_UP, Decimal
 from typing import Annotated, Any, Literal, Union
 from uuid import UUID
 
@@ -35,7 +34,6 @@ from governance.text import text_problem
 from governance_client import rules
 
 MAX_DEPTH = 32
-MICRO_USD = Decimal("0.000001")  # costs are counted in millionths of a dollar
 # What the API refuses, stated in the OpenAPI document too, so that a client (or a schema
 # fuzzer) reading it knows before sending: "not": {"pattern": "\u0000"}, no NUL anywhere in
 # the text. (The equivalent "^[^\u0000]*$" made generating a 100,000-character output from
@@ -353,16 +351,12 @@ class CheckIn(BaseModel):
     def to_check(self) -> rules.Check:
         """The check as the rules take it, which is the shape the services decide and audit
         it in: no other request object on the way (the deadline is the transport's, passed
-        beside it). The cost becomes exact millionths of a dollar, rounded half up."""
+        beside it). The cost becomes exact millionths of a dollar, rounded half up
+        (`rules.make_check`, as for uploaded local decisions)."""
         last = self.last_result
-        return rules.Check(
-            name=self.action.name, type=self.action.type, args=self.action.args or {},
-            progress=self.progress,
-            last_result=None if last is None else rules.LastResult(
-                status=last.status, digest=last.digest, error=last.error,
-                summary=last.summary),
-            cost_usd=Decimal(str(self.cost_usd or 0)).quantize(MICRO_USD,
-                                                               rounding=ROUND_HALF_UP),
+        return rules.make_check(
+            self.action.name, self.action.args, type=self.action.type, progress=self.progress,
+            last_result=None if last is None else dict(last), cost_usd=self.cost_usd,
             check_id=self.check_id,
         )
 

@@ -570,13 +570,11 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
 
 def _local_check(entry: dict[str, Any]) -> rules.Check:
     """An uploaded local decision's check, as the rules count it."""
-    action, last = entry["action"], entry.get("last_result")
-    return rules.Check(
-        name=action["name"], type=action["type"], args=action.get("args") or {},
-        progress=entry.get("progress"),
-        last_result=rules.LastResult(**last) if last else None,
-        cost_usd=Decimal(str(entry.get("cost_usd") or 0)).quantize(Decimal("0.000001")),
-    )
+    action = entry["action"]
+    return rules.make_check(action["name"], action.get("args"), type=action["type"],
+                            progress=entry.get("progress"),
+                            last_result=entry.get("last_result") or None,
+                            cost_usd=entry.get("cost_usd"))
 
 
 def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,

@@ -14,7 +14,8 @@ thread, and its looks at the database go through the process's one look lane
 (runs/live/looks.py, `look_lane` here), whose share of the process's time is bounded however
 many streams are open (docs/serving.md). Under WSGI (Django's test client, `runserver`) it is
 the blocking `pump`: Django buffers a sync iterator entirely under ASGI and an async one under
-WSGI, so each interface gets its own.
+WSGI, so each interface gets its own. Both drive one loop (`_loop`): what to send and when
+to look is written once; the two only wait, each its own way.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -150,37 +151,78 @@ class Source(ABC):
         return changes is None or bool(changes)
 
 
-def pump(source: Source, *, lifetime: float | None = None, stop: threading.Event | None = None
-         ) -> Iterator[str]:
-    """The stream as text chunks. Blocking; ends after ``lifetime`` seconds."""
-    lifetime = settings.DASHBOARD_STREAM_SECONDS if lifetime is None else lifetime
+class _Look:
+    """The loop asks for a look at the database: the driver sends back its text, or None when
+    no look came in time (the stream ends)."""
+
+
+class _Wake:
+    """The loop asks for the next wake-up: the driver sends back whether the screen may have
+    changed, or None when the stream's lifetime is over."""
+
+
+LOOK, WAKE = _Look(), _Wake()
+
+
+def _loop(source: Source) -> Generator[str | _Look | _Wake, str | bool | None, None]:
+    """The stream loop, written once for `pump` and `apump`, which only do its waiting (a
+    thread's, or the event loop's): it yields the chunks to send, and LOOK or WAKE where it
+    needs a look or the next wake-up. A look is spent when the screen may have changed, or
+    every ``DASHBOARD_STREAM_LOOK_S`` anyway; a comment goes out after ``KEEPALIVE_S`` of
+    silence."""
     look_every = settings.DASHBOARD_STREAM_LOOK_S
     yield f"retry: {RETRY_MS}\n\n"
+    chunk = yield LOOK
+    if chunk is None:
+        return
     last_look = last_write = time.monotonic()
-    chunk = _look(source)
     if chunk:
-        yield chunk
+        yield str(chunk)
     if source.finished():
         yield encode(Frame("end", ""))
         return
-    for changed in wakeups(source.team_id, poll=min(1.0, look_every), lifetime=lifetime):
-        if stop is not None and stop.is_set():
-            return
+    while (concerned := (yield WAKE)) is not None:
         now = time.monotonic()
-        if changed or now - last_look >= look_every:
-            last_look = now
-            chunk = _look(source)
+        if concerned or now - last_look >= look_every:
+            chunk = yield LOOK
+            if chunk is None:
+                return
+            last_look = now = time.monotonic()
             if chunk:
                 last_write = now
-                yield chunk
+                yield str(chunk)
             if source.finished():
                 yield encode(Frame("end", ""))
                 return
         if now - last_write >= KEEPALIVE_S:
             # A comment line: EventSource ignores it, and writing it is how a WSGI server
-            # notices a browser that went away, which frees this thread early.
+            # notices a browser that went away, which frees its thread early.
             last_write = now
             yield ": keep-alive\n\n"
+
+
+def pump(source: Source, *, lifetime: float | None = None, stop: threading.Event | None = None
+         ) -> Iterator[str]:
+    """The stream as text chunks (`_loop`). Blocking; ends after ``lifetime`` seconds."""
+    lifetime = settings.DASHBOARD_STREAM_SECONDS if lifetime is None else lifetime
+    poll = min(1.0, settings.DASHBOARD_STREAM_LOOK_S)
+    wakes = wakeups(source.team_id, poll=poll, lifetime=lifetime)
+    loop = _loop(source)
+    reply: str | bool | None = None
+    while True:
+        try:
+            step = loop.send(reply)
+        except StopIteration:
+            return
+        reply = None
+        if step is LOOK:
+            reply = _look(source)
+        elif step is WAKE:
+            reply = next(wakes, None)  # True when the team may have changed
+            if stop is not None and stop.is_set():
+                return
+        else:
+            yield str(step)
 
 
 def _look(source: Source) -> str:
@@ -217,8 +259,7 @@ async def apump(source: Source, *, viewer: Any = None, lifetime: float | None = 
     the process's `look_lane`, in `viewer`'s turn."""
     lifetime = settings.DASHBOARD_STREAM_SECONDS if lifetime is None else lifetime
     end_at = time.monotonic() + lifetime
-    look_every = settings.DASHBOARD_STREAM_LOOK_S
-    yield f"retry: {RETRY_MS}\n\n"
+    poll = min(1.0, settings.DASHBOARD_STREAM_LOOK_S)
 
     async def look() -> str | None:
         # A look still waiting for its turn when the lifetime is over ends the stream; the
@@ -229,32 +270,26 @@ async def apump(source: Source, *, viewer: Any = None, lifetime: float | None = 
         except TimeoutError:
             return None
 
-    chunk = await look()
-    if chunk is None:
-        return
-    last_look = last_write = time.monotonic()
-    if chunk:
-        yield chunk
-    if source.finished():
-        yield encode(Frame("end", ""))
-        return
-    async for changes in awakeups(source.team_id, poll=min(1.0, look_every),
-                                  lifetime=end_at - time.monotonic()):
-        now = time.monotonic()
-        if source.concerned(changes) or now - last_look >= look_every:
-            chunk = await look()
-            if chunk is None:
-                return
-            last_look = now = time.monotonic()
-            if chunk:
-                last_write = now
-                yield chunk
-            if source.finished():
-                yield encode(Frame("end", ""))
-                return
-        if now - last_write >= KEEPALIVE_S:
-            last_write = now
-            yield ": keep-alive\n\n"
+    wakes: AsyncIterator[Changes] | None = None
+    loop = _loop(source)
+    reply: str | bool | None = None
+    while True:
+        try:
+            step = loop.send(reply)
+        except StopIteration:
+            return
+        reply = None
+        if step is LOOK:
+            reply = await look()
+        elif step is WAKE:
+            if wakes is None:  # listens from the first wait on, for what is left of the lifetime
+                wakes = awakeups(source.team_id, poll=poll, lifetime=end_at - time.monotonic())
+            # One wake-up (None is one too: "anything changed"); none left leaves reply None.
+            async for changes in wakes:
+                reply = source.concerned(changes)
+                break
+        else:
+            yield str(step)
 
 
 def sse_response(request: HttpRequest, source: Source) -> HttpResponseBase:

@@ -6,6 +6,7 @@ what this builds and feed back what they receive, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import hashlib
 import json
@@ -162,28 +163,6 @@ def retry_after_s(response: httpx.Response) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return max(0.0, (when - datetime.now(UTC)).total_seconds())
-
-
-class SendTrace:
-    """httpx's ``trace`` extension for one attempt: whether it was still connecting when it
-    was cut short. asyncio's timeout (the async client's bound on a whole attempt) says only
-    "timed out"; an attempt that never got past its connection was never sent, so it is
-    retried like a refused connection. No event at all (another transport) counts as sent."""
-
-    def __init__(self) -> None:
-        self.connecting = False
-        self.sent = False
-
-    async def __call__(self, name: str, info: Mapping[str, Any]) -> None:
-        if name.endswith(".send_request_headers.started"):
-            self.sent = True
-        elif name.endswith(".connect_tcp.started"):
-            self.connecting = True
-
-    def timeout(self, detail: str) -> httpx.TimeoutException:
-        if self.connecting and not self.sent:
-            return httpx.ConnectTimeout(detail)
-        return httpx.ReadTimeout(detail)
 
 
 def classify_error(exc: httpx.TransportError, *, replay_safe: bool) -> Exception:
@@ -369,7 +348,10 @@ class RunCore:
         # that request (SPEC 11: the same check_id answers the same thing) instead of being
         # refused 409 approval_pending as another check.
         self.awaiting: tuple[str, str] | None = None
+        # Checks of one run are serialized, as on the server (the ledger is one sequence): by
+        # this lock in threads (report takes it too), by ``alock`` in a coroutine.
         self.lock = threading.RLock()
+        self.alock = asyncio.Lock()
 
     @property
     def policy(self) -> rules.Policy:

@@ -1,4 +1,5 @@
-"""The asyncio twin of ``governance_client.client``: the same surface over httpx.AsyncClient.
+"""The agent's side of the check API (SPEC 5) for asyncio code: ``AsyncGovernanceClient``
+has ``GovernanceClient``'s surface over httpx.AsyncClient::
 
     async with AsyncGovernanceClient(url, key) as client:
         async with client.run("support-bot", task=question) as run:
@@ -8,16 +9,18 @@
 
 The bodies, the answers, the local rules and the run's memory are the sync client's
 (``governance_client._core``); only the sending differs. Here the deadline is enforced as a
-whole with ``asyncio.timeout``, on top of httpx's per-operation timeouts.
-"""
+whole with ``asyncio.timeout``, on top of httpx's per-operation timeouts (``_transport``).
 
+This file is the source of both clients: ``client.py`` is generated from it by
+``scripts/unasync_client.py`` (``async``/``await`` stripped, async names mapped to their sync
+twins). Edit here, then run that script; a test fails while ``client.py`` is not current.
+"""
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, Literal
@@ -33,7 +36,6 @@ from ._core import (
     PreparedCheck,
     Retryable,
     RunCore,
-    SendTrace,
     Settings,
     approval_final,
     approval_limit,
@@ -44,21 +46,43 @@ from ._core import (
     expect,
     gave_up,
     local_start,
+    result_digest,
     retry_policy,
     start_body,
 )
+from ._transport import AsyncSleep, asend_once, async_sleep
 from .decision import DEADLINE_EXPIRED, Decision
 from .errors import ApiError, GovernanceError, GovernanceUnavailable, RunFinished
 from .journal import Journal, default_folder
 from .local import LocalLimits
 
-__all__ = ["AsyncGovernanceClient", "AsyncRun"]
+__all__ = ["AsyncGovernanceClient", "AsyncRun", "FailMode", "result_digest"]
 
 logger = logging.getLogger("governance_client")
 
 
 class AsyncGovernanceClient:
-    """``GovernanceClient`` for asyncio code: same arguments, same behaviour (see there)."""
+    """A connection to the governance service, shared by the runs of one agent process.
+
+    Every request has one overall ``deadline`` (seconds, default 2): the attempts (at most
+    ``attempts``, default 3) and the waits between them (full jitter from ``backoff``, capped
+    at ``max_backoff``; a 429's or 503's ``Retry-After`` when given) all fit in it. A check
+    sends what is left of it to the service (``deadline_ms``), which refuses to decide past it.
+
+    ``fail_mode`` says what a check answers when the service cannot be reached in time:
+
+    * ``"closed"`` (default): a stop with reason ``governance_unavailable``; ``start_run`` raises
+      ``GovernanceUnavailable``. Nothing runs ungoverned.
+    * ``"open"``: the client decides with the server's own rules (``governance_client.rules``)
+      and the run's policy, or ``local_limits`` (``Decision.local``); the decisions are
+      uploaded, marked local, once the service answers again. If ``start_run`` itself cannot
+      reach the service, the run is started locally, with a ``local-…`` id.
+
+    A check answered ``wait`` (a rate limit, SPEC 12) is retried after ``retry_after_s`` for up
+    to ``wait_budget`` seconds (``wait_for_rate_limits=False`` returns it at once); a check
+    answered ``pending`` (an approval, SPEC 11) waits for the operator's decision until the
+    approval expires, or ``approval_timeout`` seconds if set.
+    """
 
     def __init__(
         self,
@@ -66,7 +90,7 @@ class AsyncGovernanceClient:
         api_key: str,
         *,
         deadline: float = 2.0,
-        attempts: int = 3,
+        attempts: int | None = None,
         backoff: float = 0.1,
         max_backoff: float = 1.0,
         fail_mode: FailMode = "closed",
@@ -75,10 +99,18 @@ class AsyncGovernanceClient:
         wait_budget: float = 30.0,
         approval_timeout: float | None = None,
         journal: str | os.PathLike[str] | Literal[False] | None = None,
+        retries: int | None = None,
+        timeout: float | None = None,
         http_client: httpx.AsyncClient | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        sleep: AsyncSleep = async_sleep,
     ) -> None:
+        # ``retries`` and ``timeout`` are the first version's names: n retries are n + 1
+        # attempts, and a timeout (per attempt then) becomes the overall deadline.
+        if attempts is None:
+            attempts = 3 if retries is None else retries + 1
+        if timeout is not None and deadline == 2.0:
+            deadline = timeout
         self.settings = Settings(
             base_url=base_url.rstrip("/"), api_key=api_key, deadline=deadline,
             attempts=attempts, backoff=backoff, max_backoff=max_backoff, fail_mode=fail_mode,
@@ -123,6 +155,11 @@ class AsyncGovernanceClient:
         metadata: Mapping[str, Any] | None = None,
         external_id: str | None = None,
     ) -> AsyncRun:
+        """Start a run (``POST /api/v1/runs``); with a known ``external_id``, resume that run.
+
+        Raises ``KillSwitchEngaged`` (409), ``InvalidRequest`` (422, e.g. an unknown policy) and
+        other ``ApiError``; ``GovernanceUnavailable`` only with ``fail_mode="closed"``.
+        """
         body = start_body(agent, task=task, policy=policy, metadata=metadata,
                           external_id=external_id)
         try:
@@ -149,6 +186,13 @@ class AsyncGovernanceClient:
         metadata: Mapping[str, Any] | None = None,
         external_id: str | None = None,
     ) -> AsyncIterator[AsyncRun]:
+        """``start_run`` as a context manager that always finishes the run.
+
+        On exit the run is finished ``stopped`` if a decision stopped it, ``failed`` if the block
+        raised (the exception propagates), else ``completed``; with ``run.output`` in every case,
+        so a partial response is never lost. A run finished inside the block is left alone.
+        After the block, the run refuses checks (``RunClosed``).
+        """
         run = await self.start_run(
             agent, task=task, policy=policy, metadata=metadata, external_id=external_id
         )
@@ -158,9 +202,12 @@ class AsyncGovernanceClient:
             try:
                 await run._finish_on_exit(failed=True)
             except GovernanceError:
+                # The agent's own exception is the one worth seeing.
                 logger.exception("could not finish run %s", run.id)
             raise
         await run._finish_on_exit(failed=False)
+
+    # -- HTTP ---------------------------------------------------------------------------------
 
     def _keep(self, core: RunCore, finish: dict[str, Any]) -> None:
         if self._journal is not None:
@@ -195,6 +242,10 @@ class AsyncGovernanceClient:
         params: Mapping[str, Any] | None = None,
         hold: float = 0.0,
     ) -> httpx.Response:
+        """Send within one deadline, retrying what may be retried (tenacity); raise
+        ``GovernanceUnavailable`` once the attempts or the time are spent. ``body`` builds
+        the body from the seconds left (a check sends them to the service); ``hold`` is how
+        long the service keeps the request open on purpose (a long poll)."""
         budget = self.settings.deadline if deadline is None else deadline
         ends = time.monotonic() + budget
         url = self.settings.base_url + path
@@ -207,19 +258,12 @@ class AsyncGovernanceClient:
             if remaining <= 0:
                 raise GovernanceUnavailable("deadline spent")
             timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1, hold)
-            trace = SendTrace()
             try:
-                # httpx's timeouts bound each read; this bounds the attempt as a whole, so a
-                # server that trickles its answer cannot stretch it past the deadline.
-                async with asyncio.timeout(timeout):
-                    response = await self._http.request(
-                        method, url, json=body(remaining) if body is not None else None,
-                        params=params, headers=self.settings.headers,
-                        timeout=httpx.Timeout(timeout), extensions={"trace": trace},
-                    )
-            except TimeoutError as exc:
-                raise classify_error(trace.timeout("deadline reached"),
-                                     replay_safe=replay_safe) from exc
+                response = await asend_once(
+                    self._http, method, url, timeout,
+                    json=body(remaining) if body is not None else None,
+                    params=params, headers=self.settings.headers,
+                )
             except httpx.TransportError as exc:
                 raise classify_error(exc, replay_safe=replay_safe) from exc
             failure = classify_response(response, replay_safe=replay_safe)
@@ -236,14 +280,14 @@ class AsyncGovernanceClient:
 
 
 class AsyncRun:
-    """``Run`` for asyncio code: ``check`` and ``finish`` are coroutines."""
+    """One run of an agent. Check every action with ``check``, report its outcome with
+    ``report``, end with ``finish`` (or let ``AsyncGovernanceClient.run`` do it)."""
 
     def __init__(
         self, client: AsyncGovernanceClient, data: Mapping[str, Any], *, local: bool = False
     ) -> None:
         self._client = client
         self._core = RunCore(client.settings, data, local=local)
-        self._lock = asyncio.Lock()
         self.id = self._core.id
         self.agent = self._core.agent
         self.data = self._core.data
@@ -252,12 +296,14 @@ class AsyncRun:
     def __repr__(self) -> str:
         return f"<AsyncRun {self.id} {self.status}{' local' if self.local else ''}>"
 
+    # The run's memory lives in the core, shared by the two clients.
     @property
     def status(self) -> str:
         return self._core.status
 
     @property
     def output(self) -> str | None:
+        """The final or partial response, sent by ``finish``."""
         return self._core.output
 
     @output.setter
@@ -266,6 +312,7 @@ class AsyncRun:
 
     @property
     def stop_decision(self) -> Decision | None:
+        """The first decision that stopped the run, if any."""
         return self._core.stop_decision
 
     @property
@@ -278,14 +325,17 @@ class AsyncRun:
 
     @property
     def pending_result(self) -> dict[str, Any] | None:
+        """The oldest outcome reported and not yet sent, which the next check will carry."""
         return next(iter(self._core.pending.values()), None)
 
     @property
     def pending_results(self) -> dict[str, dict[str, Any]]:
+        """Every outcome not yet sent, by tool call id, oldest first."""
         return dict(self._core.pending)
 
     @property
     def unsynced(self) -> list[dict[str, Any]]:
+        """Decisions made locally during an outage and not yet uploaded."""
         return list(self._core.unsynced)
 
     async def check(
@@ -299,9 +349,14 @@ class AsyncRun:
         cost_usd: float | None = None,
         call_id: str | None = None,
     ) -> Decision:
+        """Ask whether the action may run. Call it after choosing the action, before running it.
+
+        ``last_result`` defaults to the oldest result ``report`` recorded. Retries reuse one
+        ``check_id``, so the service counts the check once however many times it is sent.
+        ``call_id`` (the framework's tool call id) is echoed in ``Decision.call_id``.
+        """
         core = self._core
-        # Checks of one run are serialized, as on the server (the ledger is one sequence).
-        async with self._lock:
+        async with core.alock:
             prepared = core.prepare(name, args, type=type, progress=progress,
                                     last_result=last_result, cost_usd=cost_usd, call_id=call_id)
             offline = core.decide_offline(prepared)
@@ -329,7 +384,7 @@ class AsyncRun:
                 if waited + delay <= client.settings.wait_budget:
                     waited += delay
                     await client._sleep(delay)
-                    continue
+                    continue  # SPEC 12: the same body again; a wait is decided again
             if decision.decision == "wait":
                 decision = core.wait_given_up(prepared, decision, waited)
             if decision.decision == "pending":
@@ -337,6 +392,7 @@ class AsyncRun:
             return core.answered(prepared, decision)
 
     async def _await_approval(self, prepared: PreparedCheck, pending: Decision) -> Decision:
+        """Long-poll the approval until it is decided, expires, or the author's timeout."""
         client = self._client
         approval_id = (pending.approval or {}).get("id")
         if not approval_id:
@@ -355,12 +411,14 @@ class AsyncRun:
                 )
                 body = expect(response, 200)
             except GovernanceUnavailable as exc:
+                # An action waiting for a person is never allowed locally.
                 self._core.gave_up_waiting(prepared)
                 return self._core.local_decision(prepared, str(exc), allow_local=False)
             final = approval_final(body, prepared)
             if final is not None:
                 return final
             if body.get("status") != "pending":
+                # Decided, but the answer did not carry it: the same check_id asks again.
                 response = await client._send("POST", f"/api/v1/runs/{self.id}/check",
                                               prepared.with_deadline)
                 again = Decision.from_response(expect(response, 200),
@@ -376,6 +434,7 @@ class AsyncRun:
                                             max(time.monotonic() - started, polled))
 
     async def _upload(self) -> None:
+        """Send the decisions made locally during an outage (best effort: kept on failure)."""
         core = self._core
         while (body := core.upload_body()) is not None:
             sent = len(body["decisions"])
@@ -400,18 +459,32 @@ class AsyncRun:
         digest: str | None = None,
         call_id: str | None = None,
     ) -> dict[str, Any]:
+        """Record the outcome of an allowed action; the next ``check`` sends it.
+
+        With ``error`` the outcome is ``status: error`` (the error text is what the service counts
+        for repeated errors); otherwise ``ok`` with ``digest`` defaulting to
+        ``result_digest(result)`` (none when ``result`` is None). A result whose digest was seen
+        before counts as no progress (SPEC 4.3). With parallel tool calls, pass each call's
+        ``call_id``: every result is kept and sent, oldest first, one per later check; a
+        second report of the same ``call_id`` replaces the first.
+        """
         return self._core.report(result, error=error, summary=summary, digest=digest,
                                  call_id=call_id)
 
     async def finish(
         self, status: FinishStatus, output: str | None = None
     ) -> dict[str, Any] | None:
+        """End the run (``POST .../finish``) with the final or partial response.
+
+        A run that was already finished (409 ``run_finished``) is not an error: finishing is
+        idempotent here. Returns the run as the service has it, or None if it had nothing to say.
+        """
         core = self._core
         body = core.finish_body(status, output)
         if self.local:
             core.finished_with(status, None)
             return None
-        async with self._lock:
+        async with core.alock:
             await self._upload()
         if core.unsynced:
             # Finished without them, the run would not count actions that ran: both wait,
@@ -440,6 +513,7 @@ class AsyncRun:
         try:
             await self.finish(status)
         except GovernanceUnavailable as exc:
+            # The agent's work is done either way; the service will see the run as still running.
             logger.warning("could not finish run %s (%s): %s", self.id, status, exc)
         finally:
             core.closed = True

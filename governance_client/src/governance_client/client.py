@@ -1,3 +1,5 @@
+# Generated from aio.py by governance_client/scripts/unasync_client.py: do not edit.
+# Edit aio.py and run the script again (a test fails while this file is not current).
 """The agent's side of the check API (SPEC 5): start a run, check every action, finish.
 
 Typical use::
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Callable, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Literal
@@ -49,12 +51,13 @@ from ._core import (
     retry_policy,
     start_body,
 )
+from ._transport import Sleep, send_once, sync_sleep
 from .decision import DEADLINE_EXPIRED, Decision
 from .errors import ApiError, GovernanceError, GovernanceUnavailable, RunFinished
 from .journal import Journal, default_folder
 from .local import LocalLimits
 
-__all__ = ["FailMode", "GovernanceClient", "Run", "result_digest"]
+__all__ = ["GovernanceClient", "Run", "FailMode", "result_digest"]
 
 logger = logging.getLogger("governance_client")
 
@@ -101,7 +104,7 @@ class GovernanceClient:
         timeout: float | None = None,
         http_client: httpx.Client | None = None,
         transport: httpx.BaseTransport | None = None,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Sleep = sync_sleep,
     ) -> None:
         # ``retries`` and ``timeout`` are the first version's names: n retries are n + 1
         # attempts, and a timeout (per attempt then) becomes the overall deadline.
@@ -257,10 +260,10 @@ class GovernanceClient:
                 raise GovernanceUnavailable("deadline spent")
             timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1, hold)
             try:
-                response = self._http.request(
-                    method, url, json=body(remaining) if body is not None else None,
+                response = send_once(
+                    self._http, method, url, timeout,
+                    json=body(remaining) if body is not None else None,
                     params=params, headers=self.settings.headers,
-                    timeout=httpx.Timeout(timeout),
                 )
             except httpx.TransportError as exc:
                 raise classify_error(exc, replay_safe=replay_safe) from exc
@@ -270,9 +273,9 @@ class GovernanceClient:
             return response
 
         try:
-            return tenacity.Retrying(sleep=self._sleep, **retry_policy(self.settings, budget))(
-                attempt
-            )
+            return tenacity.Retrying(
+                sleep=self._sleep, **retry_policy(self.settings, budget)
+            )(attempt)
         except (Retryable, GovernanceUnavailable) as exc:
             raise gave_up(method, path, exc, attempts) from exc
 
@@ -281,7 +284,9 @@ class Run:
     """One run of an agent. Check every action with ``check``, report its outcome with
     ``report``, end with ``finish`` (or let ``GovernanceClient.run`` do it)."""
 
-    def __init__(self, client: GovernanceClient, data: Mapping[str, Any], *, local: bool = False):
+    def __init__(
+        self, client: GovernanceClient, data: Mapping[str, Any], *, local: bool = False
+    ) -> None:
         self._client = client
         self._core = RunCore(client.settings, data, local=local)
         self.id = self._core.id
@@ -292,7 +297,7 @@ class Run:
     def __repr__(self) -> str:
         return f"<Run {self.id} {self.status}{' local' if self.local else ''}>"
 
-    # The run's memory lives in the core, shared with AsyncRun.
+    # The run's memory lives in the core, shared by the two clients.
     @property
     def status(self) -> str:
         return self._core.status
@@ -416,7 +421,7 @@ class Run:
             if body.get("status") != "pending":
                 # Decided, but the answer did not carry it: the same check_id asks again.
                 response = client._send("POST", f"/api/v1/runs/{self.id}/check",
-                                        prepared.with_deadline)
+                                              prepared.with_deadline)
                 again = Decision.from_response(expect(response, 200),
                                                check_id=prepared.check_id,
                                                call_id=prepared.call_id)
@@ -467,7 +472,9 @@ class Run:
         return self._core.report(result, error=error, summary=summary, digest=digest,
                                  call_id=call_id)
 
-    def finish(self, status: FinishStatus, output: str | None = None) -> dict[str, Any] | None:
+    def finish(
+        self, status: FinishStatus, output: str | None = None
+    ) -> dict[str, Any] | None:
         """End the run (``POST .../finish``) with the final or partial response.
 
         A run that was already finished (409 ``run_finished``) is not an error: finishing is
@@ -488,7 +495,7 @@ class Run:
                 f"run {self.id}: {len(core.unsynced)} local decision(s) not uploaded")
         try:
             response = self._client._send("POST", f"/api/v1/runs/{self.id}/finish",
-                                          lambda _: body)
+                                                lambda _: body)
             data = expect(response, 200)
         except RunFinished:
             core.finished_with(status, None)

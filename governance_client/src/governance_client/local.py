@@ -18,6 +18,7 @@ from typing import Any
 from . import rules
 from .decision import Decision
 from .keys import repeat_key
+from .rules import make_check as make_check  # where _core and testing import it from
 
 _LOCALLY = "decided locally: the governance service is unreachable"
 
@@ -76,66 +77,10 @@ def _fields(policy: rules.Policy) -> dict[str, Any]:
 
 
 def policy_from_json(policy: Mapping[str, Any] | None) -> rules.Policy:
-    """A ``rules.Policy`` from the ``policy`` of a run as the API shows it (SPEC 5.1).
-
-    Sections the answer leaves out keep the defaults of a new policy.
-    """
-    policy = policy or {}
-    default = rules.Policy()
-    steps = policy.get("step_limits") or {}
-    budgets = policy.get("budgets") or {}
-    tools = policy.get("tools") or {}
-    on_error = policy.get("on_repeated_error") or {}
-    changes: dict[str, Any] = {"mode": policy.get("mode") or default.mode}
-    for name in ("max_steps", "max_repeat_action", "no_progress_window"):
-        if isinstance(steps.get(name), int):
-            changes[name] = steps[name]
-    if "max_seconds" in budgets:
-        changes["max_seconds"] = budgets["max_seconds"]
-    if "max_usd" in budgets:
-        usd = budgets["max_usd"]
-        changes["max_usd"] = None if usd is None else Decimal(str(usd))
-    if "max_tool_calls" in budgets:
-        changes["max_tool_calls"] = budgets["max_tool_calls"]
-    if "allow" in tools:
-        changes["allow"] = None if tools["allow"] is None else tuple(tools["allow"])
-    if "deny" in tools:
-        changes["deny"] = tuple(tools["deny"] or ())
-    ignore = (policy.get("repeat_key") or {}).get("ignore_args")
-    if ignore is not None:
-        changes["ignore_args"] = tuple(ignore)
-    if "threshold" in on_error:
-        changes["error_threshold"] = on_error["threshold"]
-    if "action" in on_error:
-        changes["error_action"] = on_error["action"]
-    approvals = policy.get("approvals") or {}
-    if approvals.get("tools"):
-        changes["approval_tools"] = tuple(approvals["tools"])
-    return rules.Policy(**{**_fields(default), **changes})
-
-
-def make_check(
-    name: str,
-    args: Mapping[str, Any] | None,
-    *,
-    type: str = "tool",
-    progress: str | int | float | None = None,
-    last_result: Mapping[str, Any] | None = None,
-    cost_usd: float | None = None,
-) -> rules.Check:
-    """The rules' view of one check body."""
-    result = None
-    if last_result is not None:
-        result = rules.LastResult(
-            status=str(last_result.get("status") or "ok"),
-            digest=last_result.get("digest"),
-            error=last_result.get("error"),
-            summary=last_result.get("summary"),
-        )
-    return rules.Check(
-        name=name, type=type, args=dict(args or {}), progress=progress, last_result=result,
-        cost_usd=Decimal(str(cost_usd or 0)),
-    )
+    """A ``rules.Policy`` from the ``policy`` of a run as the API shows it (SPEC 5.1): the
+    server's own parse of a policy (``rules.Policy.from_document``), so the two read one
+    policy alike. Sections the answer leaves out keep the defaults of a new policy."""
+    return rules.Policy.from_document(policy or {})
 
 
 class LocalLedger:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -147,7 +147,13 @@ class Policy:
         """Build from one policy of the policy document (SPEC section 3): normalized, as the
         server stores it, or as written in a file, where every omitted field takes a new
         policy's default (SPEC 3). Except ``max_idle_seconds``: absent, it reads as None,
-        since a version stored before it existed has none (a file's loader fills it)."""
+        since a version stored before it existed has none (a file's loader fills it).
+
+        The one parse of a policy: the client reads a run's ``policy`` as the API shows it
+        (SPEC 5.1, the document's sections without ``redact_args`` and ``rate_limits``) here
+        too. A stored document is validated; what a client is sent may not be, so a missing
+        or empty mode, a step limit that is not a whole number and a null list keep the
+        defaults, as they did in the client's own reading."""
         new = cls()
         steps = doc.get("step_limits") or {}
         budgets = doc.get("budgets") or {}
@@ -155,13 +161,19 @@ class Policy:
         on_error = doc.get("on_repeated_error") or {}
         max_usd = budgets.get("max_usd", new.max_usd)
         allow = tools.get("allow", new.allow)
+        redact = doc.get("redact_args")
         # Versions saved before SPEC 11 have no approvals block: they require none.
         approvals = doc.get("approvals") or {}
+
+        def step(name: str) -> Any:
+            value = steps.get(name)
+            return value if isinstance(value, int) else getattr(new, name)
+
         return cls(
-            mode=doc.get("mode", new.mode),
-            max_steps=steps.get("max_steps", new.max_steps),
-            max_repeat_action=steps.get("max_repeat_action", new.max_repeat_action),
-            no_progress_window=steps.get("no_progress_window", new.no_progress_window),
+            mode=doc.get("mode") or new.mode,
+            max_steps=step("max_steps"),
+            max_repeat_action=step("max_repeat_action"),
+            no_progress_window=step("no_progress_window"),
             max_seconds=budgets.get("max_seconds", new.max_seconds),
             max_usd=None if max_usd is None else Decimal(str(max_usd)),
             max_tool_calls=budgets.get("max_tool_calls", new.max_tool_calls),
@@ -170,14 +182,14 @@ class Policy:
             ignore_args=tuple((doc.get("repeat_key") or {}).get("ignore_args") or ()),
             error_threshold=on_error.get("threshold", new.error_threshold),
             error_action=on_error.get("action", new.error_action),
-            redact_args=tuple(doc.get("redact_args", new.redact_args)),
+            redact_args=new.redact_args if redact is None else tuple(redact),
             max_idle_seconds=budgets.get("max_idle_seconds"),
             rate_limits=tuple(
                 RateLimit(match=r["match"], per=r["per"], max=r["max"], window_s=r["window_s"])
                 for r in doc.get("rate_limits") or ()
             ),
-            approval_tools=tuple(approvals.get("tools", ())),
-            approval_timeout_s=int(approvals.get("timeout_s", 900)),
+            approval_tools=tuple(approvals.get("tools") or ()),
+            approval_timeout_s=int(approvals.get("timeout_s") or new.approval_timeout_s),
         )
 
     def limits(self) -> dict[str, Any]:
@@ -221,6 +233,40 @@ class Check:
     last_result: LastResult | None = None
     cost_usd: Decimal = Decimal(0)
     check_id: str | None = None
+
+
+MICRO_USD = Decimal("0.000001")  # costs are counted in millionths of a dollar
+
+
+def usd(value: Any) -> Decimal:
+    """A cost as the rules count it: exact millionths of a dollar, rounded half up
+    (0.0000025 counts 0.000003), as a check has always recorded it."""
+    return Decimal(str(value or 0)).quantize(MICRO_USD, rounding=ROUND_HALF_UP)
+
+
+def make_check(
+    name: str,
+    args: Mapping[str, Any] | None,
+    *,
+    type: str = "tool",
+    progress: str | int | float | None = None,
+    last_result: Mapping[str, Any] | None = None,
+    cost_usd: Any = None,
+    check_id: str | None = None,
+) -> Check:
+    """The rules' view of one check body (SPEC 5.2), the one way it is built: for a check the
+    server decides, a local decision it is sent afterwards, and one the client decides itself
+    during an outage, so that one cost counts the same everywhere."""
+    result = None
+    if last_result is not None:
+        result = LastResult(
+            status=str(last_result.get("status") or "ok"),
+            digest=last_result.get("digest"),
+            error=last_result.get("error"),
+            summary=last_result.get("summary"),
+        )
+    return Check(name=name, type=type, args=dict(args or {}), progress=progress,
+                 last_result=result, cost_usd=usd(cost_usd), check_id=check_id)
 
 
 def _iso(moment: datetime) -> str:

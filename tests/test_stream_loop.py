@@ -1,0 +1,115 @@
+"""The dashboard stream's loop, written once (runs/dashboard/stream.py `_loop`, issue 25):
+what it sends and when it looks, on a clock of the test's; and `pump` (WSGI) and `apump`
+(ASGI) sending the same chunks for the same looks and wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from runs.dashboard import stream
+from runs.dashboard.stream import LOOK, WAKE, _loop
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class Screen:
+    """What the loop asks of a source: whether the screen can still change."""
+
+    team_id = 1
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+    def concerned(self, changes: Any) -> bool:
+        return changes is None or bool(changes)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch, settings: Any) -> Clock:
+    settings.DASHBOARD_STREAM_LOOK_S = 10
+    clock = Clock()
+    monkeypatch.setattr(stream, "time", clock)
+    return clock
+
+
+def test_the_loop_looks_on_a_change_or_every_look_period_and_keeps_the_line_alive(
+        clock: Clock) -> None:
+    screen = Screen()
+    loop = _loop(screen)  # type: ignore[arg-type]
+    assert next(loop) == "retry: 1000\n\n"
+    assert next(loop) is LOOK
+    assert loop.send("first") == "first"
+    assert next(loop) is WAKE
+
+    clock.now = 1.0
+    assert loop.send(False) is WAKE  # quiet, and not yet time to look or to keep alive
+    clock.now = 7.0
+    assert loop.send(False) == ": keep-alive\n\n"  # 5 s without a write
+    assert next(loop) is WAKE
+    clock.now = 11.0
+    assert loop.send(False) is LOOK  # the periodic look
+    assert loop.send("") is WAKE  # nothing changed: nothing sent
+    clock.now = 12.0
+    assert loop.send(True) is LOOK  # a change: a look at once
+    screen.done = True
+    assert loop.send("second") == "second"
+    assert next(loop) == 'event: end\ndata: \n\n'
+    with pytest.raises(StopIteration):
+        next(loop)
+
+
+def test_a_look_that_came_too_late_ends_the_stream(clock: Clock) -> None:
+    loop = _loop(Screen())  # type: ignore[arg-type]
+    next(loop)
+    assert next(loop) is LOOK
+    with pytest.raises(StopIteration):
+        loop.send(None)
+
+
+def test_pump_and_apump_send_the_same(monkeypatch: pytest.MonkeyPatch, clock: Clock) -> None:
+    looks = ["a", "", "b"]
+    wakes = [(True, frozenset({"run"})), (False, frozenset()), (True, None)]
+
+    def script_looks() -> Iterator[str]:
+        yield from looks
+
+    seen = script_looks()
+
+    def wakeups(team_id: int, **_: Any) -> Iterator[bool]:
+        for changed, _changes in wakes:
+            clock.now += 3
+            yield changed
+
+    async def awakeups(team_id: int, **_: Any) -> AsyncIterator[Any]:
+        for _changed, changes in wakes:
+            clock.now += 3
+            yield changes
+
+    async def look(source: Any, viewer: Any) -> str:
+        return next(seen)
+
+    monkeypatch.setattr(stream, "wakeups", wakeups)
+    monkeypatch.setattr(stream, "awakeups", awakeups)
+    monkeypatch.setattr(stream, "_look", lambda source: next(seen))
+    monkeypatch.setattr(stream.look_lane, "look", look)
+
+    sent = list(stream.pump(Screen(), lifetime=60))  # type: ignore[arg-type]
+    clock.now, seen = 0.0, script_looks()
+
+    async def drain() -> list[str]:
+        return [chunk async for chunk in stream.apump(Screen(), lifetime=60)]  # type: ignore[arg-type]
+
+    assert sent == asyncio.run(drain()) == ["retry: 1000\n\n", "a", ": keep-alive\n\n", "b"]
