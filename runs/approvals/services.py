@@ -38,7 +38,7 @@ from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from governance_client import rules
+from governance_client import answers, rules
 from policies.models import AgentKey, Team
 from policies.services import audit
 from runs.check import metrics, run_memory
@@ -73,14 +73,6 @@ class ApprovalError(Exception):
 
 def iso(moment: datetime | None) -> str | None:
     return moment.isoformat().replace("+00:00", "Z") if moment is not None else None
-
-
-def answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
-              now: datetime) -> dict[str, Any]:
-    """A check answer (SPEC 5.2, 15), as the check builds it."""
-    from runs.check.services import _answer_of
-
-    return _answer_of(decision, state, policy, now)
 
 
 # --- Opening a request (inside the check's transaction) -------------------------------------
@@ -227,7 +219,7 @@ def settle_stale_locked(*, run: Any, state: rules.RunState, now: datetime) -> in
 
 def _final(run: Any, pending: rules.Pending, decision: rules.Decision, new: rules.RunState,
            now: datetime, label: str) -> dict[str, Any]:
-    answer = answer_of(decision, new, rules_for_version(run.policy_version_id), now)
+    answer = answers.answer_of(decision, new, rules_for_version(run.policy_version_id), now)
     # The approver is named in the answer (and so in its audit record): null for a command
     # run without --user, an expiry or a cancellation.
     answer["approval"] = {**(decision.approval or pending.summary()),

@@ -31,7 +31,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from governance_client import rules
+from governance_client import answers, rules
 from runs.approvals.services import settle_on_end
 from runs.check.check_store import RUN_COLUMNS, state_of
 from runs.check.policy_cache import rules_for_version
@@ -51,8 +51,6 @@ SWEEP_SECONDS = 10.0
 def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
     """End one overdue run under its lock; None when, once locked, it is not overdue any more
     (a check or a finish came first) or is already over."""
-    from runs.check.services import abandon_answer
-
     with transaction.atomic():
         run = (Run.objects.select_for_update()
                .only(*RUN_COLUMNS)
@@ -71,7 +69,7 @@ def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
         Decision.objects.create(
             run_id=run.pk, step=new.steps, outcome=rules.STOP, reason=rules.ABANDONED,
             action_name="", action_type="", args=None,
-            answer=abandon_answer(new, policy, now), at=now, elapsed_s=new.elapsed_s(now),
+            answer=answers.abandon_answer(new, policy, now), at=now, elapsed_s=new.elapsed_s(now),
         )
         # A waiting run has no idle deadline, but one recorded by an older version may:
         # its request ends with it (SPEC 10, "No impossible states").

@@ -17,7 +17,7 @@ from django.db.models import Q
 from django.utils import timezone
 from governance_client.keys import repeat_key
 
-from governance_client import rules
+from governance_client import answers, rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs.approvals import services as approvals
@@ -153,55 +153,13 @@ def _insert_unless_switched(run: Run) -> bool:
     return inserted
 
 
-EXPIRED = "expired"
-DEADLINE_EXPIRED = "deadline_expired"
-
-
-# SPEC 15: every check answer carries these, null where they do not apply. Answers stored
-# before a field existed get it on replay.
-ANSWER_DEFAULTS: dict[str, Any] = {
-    "directive": None, "shadow": None, "approval": None, "retry_after_s": None,
-}
-
-
-def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
-               now: Any) -> dict[str, Any]:
-    return {
-        "decision": decision.answer,
-        "reason": decision.reason,
-        "step": decision.step,
-        "repeat_key": decision.repeat_key,
-        "repeat_count": decision.repeat_count,
-        "message": decision.message,
-        "next_action": decision.next_action,
-        "usage": state.usage(now),
-        "limits": policy.limits(),
-        "directive": decision.directive,
-        "shadow": decision.shadow,
-        "approval": decision.approval,
-        "retry_after_s": decision.retry_after_s,
-    }
-
-
-def abandon_answer(state: rules.RunState, policy: rules.Policy, now: Any) -> dict[str, Any]:
-    """The audit record of an abandonment (SPEC 14), shaped like a check answer (as a kill's
-    is) so screens show it the same way."""
-    return {
-        **ANSWER_DEFAULTS,
-        "decision": rules.STOP, "reason": rules.ABANDONED, "step": state.steps,
-        "repeat_key": "", "repeat_count": 0, "message": rules.abandoned_message(policy),
-        "next_action": rules.NEXT_ACTION[rules.ABANDONED], "usage": state.usage(now),
-        "limits": policy.limits(),
-    }
-
-
 def abandon_row(state: rules.RunState, policy: rules.Policy, now: Any) -> DecisionRow:
     """Audited like a kill by the fan-out: outcome stop, no action, step unchanged."""
     return DecisionRow(
         step=state.steps, outcome=rules.STOP, reason=rules.ABANDONED, action_name="",
         action_type="", args=None, repeat_key="", repeat_count=0, check_id=None,
         progress=None, last_result=None, cost_usd=Decimal(0),
-        answer=abandon_answer(state, policy, now), at=now, elapsed_s=state.elapsed_s(now),
+        answer=answers.abandon_answer(state, policy, now), at=now, elapsed_s=state.elapsed_s(now),
     )
 
 
@@ -349,7 +307,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             first_id, first_answer = first
             if not rows and rules.replay_allowed(state, first_answer.get("decision", ""),
                                                  covered=kill is not None):
-                return {**ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}
+                return {**answers.ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}
             # The first answer was an allow and the run is over: answer the run's stop, as
             # a new audited decision (the retry must not leak an allow, SPEC 4.5).
             check = replace(check, check_id=None)
@@ -376,16 +334,13 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
         decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
                                              rate=windows, key=keyed.key,
                                              approval_id=str(uuid.uuid4()))
-        answer = _answer_of(decision, new_state, policy, now)
+        answer = answers.answer_of(decision, new_state, policy, now)
         if new_state is not state and deadline is not None and time.monotonic() > deadline:
             # The agent gave up on this check (its deadline_ms passed while the check waited,
             # for the run's lock usually): it will not run the action, so nothing is counted,
             # and the audit says so instead of recording an allow that never ran.
-            decision, new_state = _expired(state, decision), state
-            answer = {**answer, "decision": rules.STOP, "reason": DEADLINE_EXPIRED,
-                      "step": state.steps, "message": EXPIRED_MESSAGE,
-                      "next_action": EXPIRED_NEXT, "usage": state.usage(now),
-                      "directive": None, "shadow": None, "check_id": check_id}
+            answer = answers.expired_answer(answer, state, now, check_id)
+            decision, new_state = answers.expired_decision(state, decision), state
             # The check_id stays free: the client may upload its own decision for it.
             check_id = None
         waited = decision.outcome == rules.WAIT
@@ -448,18 +403,6 @@ def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, check: rule
     return state, first
 
 
-EXPIRED_MESSAGE = ("The check arrived or waited past its deadline_ms: the agent no longer "
-                   "waited for the answer, so it was not decided and nothing was counted.")
-EXPIRED_NEXT = "Check the action again if it is still wanted."
-
-
-def _expired(state: rules.RunState, decision: rules.Decision) -> rules.Decision:
-    return rules.Decision(outcome=EXPIRED, reason=DEADLINE_EXPIRED, step=state.steps,
-                          repeat_key=decision.repeat_key,
-                          repeat_count=state.repeat_counts.get(decision.repeat_key, 0),
-                          message=EXPIRED_MESSAGE, next_action=EXPIRED_NEXT)
-
-
 def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
     """What a check of this ended run answers, without checking it (SPEC 4.4): its stop,
     nothing counted, ``key`` the check's repeat key; ``decision_id`` names the audit record
@@ -469,8 +412,8 @@ def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
     state = run_memory.load(state_of(run), run.pk, [(rules.REPEAT, key)])
     if state.status == rules.KILLED:
         state.stop_detail = kill_detail(run.pk)
-    answer = _answer_of(rules.terminal_decision(state, key), state,
-                        rules_for_version(run.policy_version_id), now)
+    answer = answers.answer_of(rules.terminal_decision(state, key), state,
+                               rules_for_version(run.policy_version_id), now)
     records = Decision.objects.filter(run_id=run.pk).order_by("-id").values_list("id", flat=True)
     last = records.filter(outcome=rules.STOP).first() or records.first() or 0
     return {**answer, "decision_id": last}
@@ -536,9 +479,8 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             at = min(max(at, run.started_at), now)
             # Kept (the action ran), but an allow the policy forbids is flagged (SPEC 10).
             violation = rules.policy_violation(policy, check.name) if allowed else None
-            answer = {**_answer_of(verdict, state, policy, now), "local": True,
-                      "decided_at": at.isoformat(), "policy_violation": violation is not None,
-                      "violation": violation}
+            answer = answers.local_answer(verdict, state, policy, now,
+                                          decided_at=at.isoformat(), violation=violation)
             rows.append(Decision(
                 run=run, step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
                 action_name=action["name"], action_type=action["type"],

@@ -24,7 +24,7 @@ from django.db.models import Q, QuerySet
 from django.db.models.fields.json import KT
 from django.utils import timezone
 
-from governance_client import rules
+from governance_client import answers, rules
 from policies.models import Team
 from policies.services import audit
 from runs.check.check_store import RUN_COLUMNS, state_of
@@ -248,34 +248,6 @@ class FanoutResult:
     deliveries: list[int]  # deliveries this pass must start
 
 
-def _kill_answer(switch: KillSwitch, state: rules.RunState, limits: dict[str, Any],
-                 now: datetime) -> dict[str, Any]:
-    """The audit record's answer, shaped like a check answer so screens show it the same."""
-    return {
-        **_answer_base(switch),
-        "step": state.steps,
-        "usage": state.usage(now),
-        "limits": limits,
-    }
-
-
-def _answer_base(switch: KillSwitch) -> dict[str, Any]:
-    """The part of a kill's answer that is the same for every run the switch kills."""
-    return {
-        "decision": rules.STOP,
-        "reason": "killed",
-        "repeat_key": "",
-        "repeat_count": 0,
-        "message": f"Stopped by a kill switch: {cover.switch_in_words(switch)}.",
-        "next_action": rules.NEXT_ACTION["killed"],
-        "directive": None,
-        "shadow": None,
-        "approval": None,
-        "retry_after_s": None,
-        "kill_switch": switch.pk,
-    }
-
-
 # Runs killed per transaction: big enough that 10,000 runs take a few round trips, small
 # enough that one batch holds its row locks (which checks of those runs wait for) briefly.
 FANOUT_BATCH = 1000
@@ -286,7 +258,7 @@ _KILL_FIELDS = ("id", "team_id", "policy_version_id", "status", "stop_reason", "
 
 # PostgreSQL: the runs locked by the batch's first statement killed by one UPDATE, and their
 # audit records written by one INSERT ... SELECT from its RETURNING, in one statement. The
-# answer is built in SQL from the same parts as _kill_answer: the switch's fixed part, the
+# answer is built in SQL from the same parts as answers.kill_answer: the switch's fixed part, the
 # run's usage (rules.RunState.usage: the run ended now, so elapsed is now - started_at,
 # rounded to the millisecond) and the limits of the run's policy version.
 _KILL_SQL = """
@@ -379,7 +351,7 @@ def _kill_batch_sql(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
         cursor.execute(_KILL_SQL, {
             "ids": list(teams), "now": timezone.now(), "killed": rules.KILLED,
             "running": rules.RUNNING, "stop": rules.STOP,
-            "base": json.dumps(_answer_base(switch)),
+            "base": json.dumps(answers.kill_answer_fixed(switch.pk, cover.switch_in_words(switch))),
             "limits": json.dumps({str(k): v for k, v in limits.items()}),
         })
         killed = [row[0] for row in cursor.fetchall()]
@@ -399,6 +371,7 @@ def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
     limits = _limits_of({run.policy_version_id for run in rows})
     killed: list[Run] = []
     decisions: list[Decision] = []
+    words = cover.switch_in_words(switch)
     for run in rows:
         new = rules.kill(rules.RunState(
             started_at=run.started_at, status=run.status, stop_reason=run.stop_reason,
@@ -410,7 +383,8 @@ def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
         decisions.append(Decision(
             run_id=run.pk, step=new.steps, outcome=rules.STOP, reason="killed",
             action_name="", action_type="", args=None,
-            answer=_kill_answer(switch, new, limits[run.policy_version_id], now), at=now,
+            answer=answers.kill_answer(switch.pk, words, new, limits[run.policy_version_id], now),
+            at=now,
             elapsed_s=new.elapsed_s(now)))
     if killed:
         Run.objects.filter(pk__in=[run.pk for run in killed]).update(
