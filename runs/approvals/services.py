@@ -41,9 +41,9 @@ from django.utils import timezone
 from governance_client import answers, rules
 from policies.models import AgentKey, Team
 from policies.services import audit
-from runs.check import metrics, run_memory
-from runs.check.check_store import state_of
+from runs.check import metrics, run_memory, states
 from runs.check.policy_cache import rules_for_version
+from runs.check.states import state_of
 from runs.killswitch import cover
 from runs.live.events import publish_team_event
 from runs.models import (
@@ -122,10 +122,7 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
     )
     if not won:
         return None
-    Run.objects.filter(pk=run.id).update(
-        status=new.status, stop_reason=new.stop_reason, ended_at=new.ended_at,
-        tool_calls=new.tool_calls, memory=new.fixed_memory(), idle_deadline=new.idle_deadline,
-    )
+    Run.objects.filter(pk=run.id).update(**states.columns_of(new, SETTLED))
     run_memory.save(run.id, state, new)
     answer = _final(run, pending, decision, new, now, label)
     _record_final(run, pending, answer, now, decision)
@@ -135,6 +132,12 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
                                   latency=(decided_at - requested_at).total_seconds()),
                           robust=True)
     return Settled(status=status, answer=answer, state=new)
+
+
+# What settling a request changes of its run: it may end it (a denial, a cancellation by a
+# kill), an approval counts the tool call, the wait leaves its memory, and the idle deadline
+# starts again (SPEC 11, 14).
+SETTLED = (*states.ENDED, "tool_calls", "memory", "idle_deadline")
 
 
 def settle_on_end(*, run: Any, before: rules.RunState, after: rules.RunState,
@@ -209,7 +212,8 @@ def settle_stale_locked(*, run: Any, state: rules.RunState, now: datetime) -> in
     cancelled = stale.update(status=rules.CANCELLED, decided_at=state.ended_at or now)
     if state.pending is not None:
         ids.append(f"{state.pending.approval_id} (in its memory)")
-        Run.objects.filter(pk=run.id).update(memory=_without_wait(state).fixed_memory())
+        Run.objects.filter(pk=run.id).update(**states.columns_of(_without_wait(state),
+                                                                 ("memory",)))
     if ids:
         log.warning("run %s is %s but still waited for approval: %s; cancelled as of its end",
                     run.id, state.status, ", ".join(ids))

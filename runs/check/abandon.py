@@ -33,8 +33,9 @@ from django.utils import timezone
 
 from governance_client import answers, rules
 from runs.approvals.services import settle_on_end
-from runs.check.check_store import RUN_COLUMNS, state_of
+from runs.check import states
 from runs.check.policy_cache import rules_for_version
+from runs.check.states import RUN_COLUMNS, state_of
 from runs.live.events import publish_run_event
 from runs.models import Decision, Run
 from runs.sweep import one_by_one
@@ -62,10 +63,9 @@ def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
         if new is None:
             return None
         policy = rules_for_version(run.policy_version_id)
-        Run.objects.filter(pk=run.pk).update(status=new.status, stop_reason=new.stop_reason,
-                                             ended_at=new.ended_at, memory=new.fixed_memory())
-        run.status, run.stop_reason, run.ended_at = new.status, new.stop_reason, new.ended_at
-        run.memory = new.fixed_memory()
+        ended = states.columns_of(new, (*states.ENDED, "memory"))
+        Run.objects.filter(pk=run.pk).update(**ended)
+        states.set_columns(run, ended)
         Decision.objects.create(
             run_id=run.pk, step=new.steps, outcome=rules.STOP, reason=rules.ABANDONED,
             action_name="", action_type="", args=None,

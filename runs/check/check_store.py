@@ -82,34 +82,16 @@ from runs.check.rate_limits import (
     windows_prepared,
     windows_sql,
 )
+from runs.check.states import (
+    RUN_COLUMNS,
+    STATE_COLUMNS,
+    UPDATE_FIELDS,
+    columns_of,
+    run_state,
+    state_of,
+)
 from runs.killswitch import cover
 from runs.models import Decision, Run, RunStatus
-
-# A run's columns that make its state as the rules see it (rules.RunState), in the order the
-# lock statement returns them; the rest of what the check reads of a run never changes (its
-# id, team, agent, policy version). The lock statement, the ORM's read and the write take
-# their column lists from here, and `state_of` is the one translation into a RunState.
-STATE_COLUMNS = ("status", "stop_reason", "steps", "tool_calls", "cost_usd", "started_at",
-                 "ended_at", "memory", "idle_deadline")
-RUN_COLUMNS = ("id", "team_id", "agent", "policy_version_id", *STATE_COLUMNS)
-# What a check may change: everything of the state but its start.
-UPDATE_FIELDS = tuple(name for name in STATE_COLUMNS if name != "started_at")
-
-
-def run_state(*, status: str, stop_reason: str | None, steps: int, tool_calls: int,
-              cost_usd: Decimal, started_at: datetime, ended_at: datetime | None,
-              memory: dict[str, Any] | None, idle_deadline: datetime | None) -> RunState:
-    """The rules' view of a run, from its STATE_COLUMNS."""
-    return RunState(
-        started_at=started_at, status=status, stop_reason=stop_reason, ended_at=ended_at,
-        steps=steps, tool_calls=tool_calls, cost_usd=Decimal(cost_usd),
-        idle_deadline=idle_deadline,
-    ).load_memory(memory or {})
-
-
-def state_of(run: Run) -> RunState:
-    """The rules' view of a run read by the ORM."""
-    return run_state(**{name: getattr(run, name) for name in STATE_COLUMNS})
 
 
 @dataclass(slots=True)
@@ -219,10 +201,8 @@ def _rate_rows(cursor: Any, *, locking: bool) -> tuple[bool, list[Any]]:
 
 
 def _update_values(state: RunState) -> dict[str, Any]:
-    """The run's new columns: its memory is the state's fixed part (the keyed entries are
-    rows of their own, runs/check/run_memory.py), the rest attributes."""
-    return {name: state.fixed_memory() if name == "memory" else getattr(state, name)
-            for name in UPDATE_FIELDS}
+    """The run's new columns: everything a check may change."""
+    return columns_of(state, UPDATE_FIELDS)
 
 
 class DuplicateCheck(Exception):

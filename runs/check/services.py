@@ -21,7 +21,7 @@ from governance_client import answers, rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs.approvals import services as approvals
-from runs.check import metrics, run_memory
+from runs.check import metrics, run_memory, states
 from runs.check.abandon import abandon_if_idle
 from runs.check.check_store import (
     DecisionRow,
@@ -495,17 +495,18 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             # A local stop of a waiting run ends its wait: its request is cancelled, the
             # final answer audited after the stop that ended it (SPEC 10).
             approvals.settle_on_end(run=run, before=waited, after=state, now=now)
-            Run.objects.filter(pk=run.pk).update(
-                status=state.status, stop_reason=state.stop_reason, ended_at=state.ended_at,
-                steps=state.steps, tool_calls=state.tool_calls, cost_usd=state.cost_usd,
-                memory=state.fixed_memory(),
-            )
+            Run.objects.filter(pk=run.pk).update(**states.columns_of(state, LOCAL_FIELDS))
             run_memory.save(run.pk, loaded, state)
         if rows or waited is not loaded:  # recorded, or an expiry settled first
             run.refresh_from_db()
     if rows or waited is not loaded:
         publish_run_event(run)
     return run, recorded, len(entries) - recorded
+
+
+# What an upload of local decisions changes: what a check does but the idle deadline, which
+# only a check and a start move (an upload is no activity of the run, SPEC 14).
+LOCAL_FIELDS = tuple(name for name in states.UPDATE_FIELDS if name != "idle_deadline")
 
 
 def _local_check(entry: dict[str, Any]) -> rules.Check:
@@ -548,8 +549,7 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
             raise ServiceError(409, "run_finished", "This run was already finished.") from None
         # Finishing changes only these: the counters and the memory stay as the last check
         # left them, and are not written back.
-        changes = {"status": new_state.status, "stop_reason": new_state.stop_reason,
-                   "ended_at": new_state.ended_at, "finished_at": now}
+        changes = {**states.columns_of(new_state, states.ENDED), "finished_at": now}
         if output is not None:
             changes["output"] = output
         # A check that opened an approval since the read makes this match nothing too: the
@@ -557,8 +557,7 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
         no_approval = Q(memory__pending=None) | Q(memory__pending__isnull=True)
         if Run.objects.filter(no_approval, pk=run.pk, status=run.status,
                               finished_at__isnull=True).update(**changes):
-            for name, value in changes.items():
-                setattr(run, name, value)
+            states.set_columns(run, changes)
             publish_run_event(run)
             return run
     raise OperationalError("the run kept changing while it was being finished")
@@ -583,10 +582,9 @@ def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None,
         state = approvals.settle_due_locked(run=run, state=state_of(run), now=now)
         new_state = rules.finish(state, status, already_finished=False, now=now)
         approvals.settle_on_end(run=run, before=state, after=new_state, now=now)
-        run.status, run.stop_reason = new_state.status, new_state.stop_reason
-        run.ended_at, run.finished_at = new_state.ended_at, now
-        run.memory = new_state.fixed_memory()
-        fields = ["status", "stop_reason", "ended_at", "finished_at", "memory"]
+        states.set_columns(run, states.columns_of(new_state, (*states.ENDED, "memory")))
+        run.finished_at = now
+        fields = [*states.ENDED, "memory", "finished_at"]
         if output is not None:
             run.output = output
             fields.append("output")

@@ -14,7 +14,6 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from decimal import Decimal
 from functools import partial
 from typing import Any
 
@@ -27,8 +26,9 @@ from django.utils import timezone
 from governance_client import answers, rules
 from policies.models import Team
 from policies.services import audit
-from runs.check.check_store import RUN_COLUMNS, state_of
+from runs.check import states
 from runs.check.policy_cache import rules_for_version
+from runs.check.states import RUN_COLUMNS, state_of
 from runs.killswitch import cover
 from runs.killswitch.selectors import engaged_switch
 from runs.live.events import publish_team_event
@@ -252,10 +252,6 @@ class FanoutResult:
 # enough that one batch holds its row locks (which checks of those runs wait for) briefly.
 FANOUT_BATCH = 1000
 
-# The run columns the audit record's answer needs (rules.RunState.usage, the policy's limits).
-_KILL_FIELDS = ("id", "team_id", "policy_version_id", "status", "stop_reason", "steps",
-                "tool_calls", "cost_usd", "started_at", "ended_at")
-
 # PostgreSQL: the runs locked by the batch's first statement killed by one UPDATE, and their
 # audit records written by one INSERT ... SELECT from its RETURNING, in one statement. The
 # answer is built in SQL from the same parts as answers.kill_answer: the switch's fixed part, the
@@ -263,7 +259,7 @@ _KILL_FIELDS = ("id", "team_id", "policy_version_id", "status", "stop_reason", "
 # rounded to the millisecond) and the limits of the run's policy version.
 _KILL_SQL = """
 WITH killed AS (
-    UPDATE runs_run r SET status = %(killed)s, stop_reason = 'killed', ended_at = %(now)s
+    UPDATE runs_run r SET """ + ", ".join(f"{name} = %({name})s" for name in states.ENDED) + """
     WHERE r.id = ANY(%(ids)s::uuid[]) AND r.status = %(running)s
     RETURNING r.id, r.policy_version_id, r.steps, r.tool_calls, r.cost_usd,
               greatest(0, extract(epoch FROM %(now)s - r.started_at)) AS elapsed
@@ -282,6 +278,13 @@ SELECT k.id, k.steps, %(stop)s, 'killed', '', '', NULL, '', 0, NULL, NULL, NULL,
 FROM killed k
 RETURNING run_id
 """
+
+
+def _killed_columns(now: datetime) -> dict[str, Any]:
+    """The columns a kill sets, the same for every run it kills (`rules.kill`)."""
+    killed = rules.kill(rules.RunState(started_at=now), now=now)
+    assert killed is not None
+    return states.columns_of(killed, states.ENDED)
 
 
 def _limits_of(version_ids: set[int]) -> dict[int, dict[str, Any]]:
@@ -347,9 +350,10 @@ def _kill_batch_sql(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
         return [(str(pk), team_id) for pk, team_id, _, _ in rows]
     limits = _limits_of({version for _, _, version in locked})
     teams = {pk: team_id for pk, team_id, _ in locked}
+    now = timezone.now()
     with connection.cursor() as cursor:
         cursor.execute(_KILL_SQL, {
-            "ids": list(teams), "now": timezone.now(), "killed": rules.KILLED,
+            "ids": list(teams), "now": now, **_killed_columns(now),
             "running": rules.RUNNING, "stop": rules.STOP,
             "base": json.dumps(answers.kill_answer_fixed(switch.pk, cover.switch_in_words(switch))),
             "limits": json.dumps({str(k): v for k, v in limits.items()}),
@@ -365,7 +369,7 @@ def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
         return []
     settled = _settle_pending(switch, [pk for pk, _, _, pending in locked if pending])
     rows = list(Run.objects.filter(pk__in=[pk for pk, *_ in locked if pk not in settled])
-                .order_by("pk").only(*_KILL_FIELDS))
+                .order_by("pk").only(*RUN_COLUMNS))
     teams = {pk: team_id for pk, team_id, _, _ in locked}
     now = timezone.now()
     limits = _limits_of({run.policy_version_id for run in rows})
@@ -373,10 +377,7 @@ def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
     decisions: list[Decision] = []
     words = cover.switch_in_words(switch)
     for run in rows:
-        new = rules.kill(rules.RunState(
-            started_at=run.started_at, status=run.status, stop_reason=run.stop_reason,
-            ended_at=run.ended_at, steps=run.steps, tool_calls=run.tool_calls,
-            cost_usd=Decimal(run.cost_usd)), now=now)
+        new = rules.kill(state_of(run), now=now)
         if new is None:
             continue
         killed.append(run)
@@ -387,8 +388,7 @@ def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
             at=now,
             elapsed_s=new.elapsed_s(now)))
     if killed:
-        Run.objects.filter(pk__in=[run.pk for run in killed]).update(
-            status=rules.KILLED, stop_reason="killed", ended_at=now)
+        Run.objects.filter(pk__in=[run.pk for run in killed]).update(**_killed_columns(now))
         Decision.objects.bulk_create(decisions, batch_size=FANOUT_BATCH)
     return [(str(pk), teams[pk]) for pk in [*settled, *(run.pk for run in killed)]]
 
