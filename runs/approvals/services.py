@@ -41,7 +41,7 @@ from django.utils import timezone
 from governance_client import answers, rules
 from policies.models import AgentKey, Team
 from policies.services import audit
-from runs.check import metrics, run_memory, states
+from runs.check import metrics, records, run_memory, states
 from runs.check.policy_cache import rules_for_version
 from runs.check.states import state_of
 from runs.killswitch import cover
@@ -235,14 +235,10 @@ def _record_final(run: Any, pending: rules.Pending, answer: dict[str, Any], now:
                   decision: rules.Decision) -> None:
     """The second audit record, at the approval's step, and the final answer on the request."""
     approval = Approval.objects.only("args").get(pk=pending.approval_id)
-    row = Decision.objects.create(
-        run_id=run.id, step=pending.step, outcome=decision.outcome, reason=decision.reason,
-        action_name=pending.action_name, action_type=pending.action_type, args=approval.args,
-        repeat_key=pending.repeat_key, repeat_count=decision.repeat_count, check_id=None,
-        answer=answer, at=now,
-    )
-    answer["decision_id"] = row.pk
-    Approval.objects.filter(pk=pending.approval_id).update(final_decision_id=row.pk,
+    pk = records.insert(run.id, [records.final_row(pending, decision, answer, approval.args,
+                                                   now)])
+    answer["decision_id"] = pk
+    Approval.objects.filter(pk=pending.approval_id).update(final_decision_id=pk,
                                                            decision=answer)
 
 
@@ -478,9 +474,7 @@ def final_answer(approval: Approval) -> dict[str, Any] | None:
     # rules.replay_allowed, on the stored answer.
     if run.status == rules.RUNNING or (stored or {}).get("decision") == rules.STOP:
         return stored
-    from runs.check.services import stop_answer
-
-    return stop_answer(run, _repeat_key(approval, stored))
+    return records.stop_answer(run, _repeat_key(approval, stored))
 
 
 def _repeat_key(approval: Approval, stored: dict[str, Any] | None) -> str:

@@ -31,13 +31,13 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from governance_client import answers, rules
+from governance_client import rules
 from runs.approvals.services import settle_on_end
-from runs.check import states
+from runs.check import records, states
 from runs.check.policy_cache import rules_for_version
 from runs.check.states import RUN_COLUMNS, state_of
 from runs.live.events import publish_run_event
-from runs.models import Decision, Run
+from runs.models import Run
 from runs.sweep import one_by_one
 
 log = logging.getLogger(__name__)
@@ -66,11 +66,7 @@ def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
         ended = states.columns_of(new, (*states.ENDED, "memory"))
         Run.objects.filter(pk=run.pk).update(**ended)
         states.set_columns(run, ended)
-        Decision.objects.create(
-            run_id=run.pk, step=new.steps, outcome=rules.STOP, reason=rules.ABANDONED,
-            action_name="", action_type="", args=None,
-            answer=answers.abandon_answer(new, policy, now), at=now, elapsed_s=new.elapsed_s(now),
-        )
+        records.insert(run.pk, [records.abandon_row(new, policy, now)])
         # A waiting run has no idle deadline, but one recorded by an older version may:
         # its request ends with it (SPEC 10, "No impossible states").
         settle_on_end(run=run, before=state, after=new, now=now)

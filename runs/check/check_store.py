@@ -47,9 +47,8 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal
 from typing import Any, Protocol
 
 import psycopg
@@ -81,6 +80,15 @@ from runs.check.rate_limits import (
     windows_params,
     windows_prepared,
     windows_sql,
+)
+from runs.check.records import (
+    DECISION_COLUMNS,
+    DecisionRow,
+    insert,
+    row_values,
+)
+from runs.check.records import (
+    ROW_FIELDS as ROW_FIELDS,  # read here by tests/test_check_store_shapes.py
 )
 from runs.check.states import (
     RUN_COLUMNS,
@@ -139,27 +147,6 @@ class RateRead:
 
 
 @dataclass(slots=True)
-class DecisionRow:
-    """The audit record of a check: every column of runs_decision but its id and run."""
-
-    step: int
-    outcome: str
-    reason: str
-    action_name: str
-    action_type: str
-    args: Any
-    repeat_key: str
-    repeat_count: int
-    check_id: str | None
-    progress: Any
-    last_result: Any
-    cost_usd: Decimal
-    elapsed_s: float | None  # since the run's start, as the rules counted it (backtests)
-    answer: dict[str, Any]
-    at: datetime
-
-
-@dataclass(slots=True)
 class HitRow:
     """An action counted by the rate limits (runs/check/rate_limits.py); stamped by the store."""
 
@@ -176,16 +163,6 @@ class SwitchSeen:
     agent: str
     reason: str
     engaged_by_label: str
-
-
-# The columns are the model's and DecisionRow's own, written once each: the SQL below, both
-# writes and tests/test_check_store_shapes.py take them from there.
-DECISION_COLUMNS = tuple(f.column for f in Decision._meta.concrete_fields if not f.primary_key)
-ROW_FIELDS = tuple(f.name for f in fields(DecisionRow))
-
-
-def _row_values(row: DecisionRow) -> dict[str, Any]:
-    return {name: getattr(row, name) for name in ROW_FIELDS}
 
 
 def _rate_rows(cursor: Any, *, locking: bool) -> tuple[bool, list[Any]]:
@@ -517,7 +494,7 @@ class PostgresCheck:
 
     def write(self, *, run_id: uuid.UUID, state: RunState | None, rows: list[DecisionRow],
               hit: HitRow | None = None, keyed: Sequence[dict[str, Any]] = ()) -> int:
-        decisions = dumps([{"run_id": run_id, **_row_values(row)} for row in rows])
+        decisions = dumps([{"run_id": run_id, **row_values(row)} for row in rows])
         runs = dumps([{"id": run_id, **_update_values(state)}] if state is not None else [])
         hits = dumps([{"team_id": hit.team_id, "agent": hit.agent, "run_id": run_id,
                         "action_name": hit.action_name}] if hit is not None else [])
@@ -651,9 +628,6 @@ class OrmCheck:
             elif hit is not None:
                 count_in_python(team_id=hit.team_id, agent=hit.agent, run_id=run_id,
                                 action_name=hit.action_name, at=rows[-1].at)
-            pk = 0
-            for row in rows:
-                pk = Decision.objects.create(run_id=run_id, **_row_values(row)).pk
-            return int(pk)
+            return insert(run_id, rows)
         finally:
             self.db_seconds += time.perf_counter() - started

@@ -21,10 +21,9 @@ from governance_client import answers, rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs.approvals import services as approvals
-from runs.check import metrics, run_memory, states
+from runs.check import metrics, records, run_memory, states
 from runs.check.abandon import abandon_if_idle
 from runs.check.check_store import (
-    DecisionRow,
     DuplicateCheck,
     HitRow,
     PostgresCheck,
@@ -35,6 +34,7 @@ from runs.check.check_store import (
     state_of,
 )
 from runs.check.policy_cache import rules_for_version
+from runs.check.records import DecisionRow, kill_detail
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
 from runs.models import Approval, Decision, Run
@@ -151,16 +151,6 @@ def _insert_unless_switched(run: Run) -> bool:
         run._state.adding, run._state.db = False, connection.alias
         _remember(run.pk, run.team_id, run.agent, run.policy_version_id)
     return inserted
-
-
-def abandon_row(state: rules.RunState, policy: rules.Policy, now: Any) -> DecisionRow:
-    """Audited like a kill by the fan-out: outcome stop, no action, step unchanged."""
-    return DecisionRow(
-        step=state.steps, outcome=rules.STOP, reason=rules.ABANDONED, action_name="",
-        action_type="", args=None, repeat_key="", repeat_count=0, check_id=None,
-        progress=None, last_result=None, cost_usd=Decimal(0),
-        answer=answers.abandon_answer(state, policy, now), at=now, elapsed_s=state.elapsed_s(now),
-    )
 
 
 UNAUTHORIZED = "A valid agent key is required (Authorization: Bearer)."
@@ -293,7 +283,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
         rows: list[DecisionRow] = []
         abandoned = rules.abandon(state, now=now)
         if abandoned is not None:
-            rows.append(abandon_row(abandoned, policy, now))
+            rows.append(records.abandon_row(abandoned, policy, now))
             approvals.settle_on_end(run=run, before=state, after=abandoned, now=now)
             state = abandoned
         kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
@@ -403,34 +393,6 @@ def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, check: rule
     return state, first
 
 
-def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
-    """What a check of this ended run answers, without checking it (SPEC 4.4): its stop,
-    nothing counted, ``key`` the check's repeat key; ``decision_id`` names the audit record
-    of the run's last stop (a finished run's last record). An approval's final answer once
-    its run is over (runs/approvals/services.py `final_answer`), equal to a replay's."""
-    now = now or timezone.now()
-    state = run_memory.load(state_of(run), run.pk, [(rules.REPEAT, key)])
-    if state.status == rules.KILLED:
-        state.stop_detail = kill_detail(run.pk)
-    answer = answers.answer_of(rules.terminal_decision(state, key), state,
-                               rules_for_version(run.policy_version_id), now)
-    records = Decision.objects.filter(run_id=run.pk).order_by("-id").values_list("id", flat=True)
-    last = records.filter(outcome=rules.STOP).first() or records.first() or 0
-    return {**answer, "decision_id": last}
-
-
-def kill_detail(run_id: Any) -> str | None:
-    """The words of the kill that ended a run (the switch and the operator's reason), from its
-    audit record, for the stop answered to every later check (SPEC 6): the run's first stop,
-    since a stop ends a run (`decision_run_stop`: one probe, however many checks of the
-    killed run were answered since)."""
-    first = (Decision.objects.of_run(run_id).filter(outcome=rules.STOP)
-             .values_list("reason", "answer").first())
-    answer = first[1] if first is not None and first[0] == "killed" else None
-    message = (answer or {}).get("message") if isinstance(answer, dict) else None
-    return message or None
-
-
 def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]],
                         key_agent: str = "") -> tuple[Run, int, int]:
     """Record the decisions a fail-open client made while the service was unreachable.
@@ -481,17 +443,17 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             violation = rules.policy_violation(policy, check.name) if allowed else None
             answer = answers.local_answer(verdict, state, policy, now,
                                           decided_at=at.isoformat(), violation=violation)
-            rows.append(Decision(
-                run=run, step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
+            rows.append((run.pk, DecisionRow(
+                step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
                 action_name=action["name"], action_type=action["type"],
                 args=rules.redact(action.get("args") or {}, policy.redact_args),
                 repeat_key=verdict.repeat_key, repeat_count=verdict.repeat_count,
                 check_id=entry["check_id"], progress=entry.get("progress"), last_result=last,
-                cost_usd=cost, answer=answer, at=now,
-            ))
+                cost_usd=cost, answer=answer, at=now, elapsed_s=None,
+            )))
             recorded += 1
         if rows:
-            Decision.objects.bulk_create(rows)
+            records.insert_many(rows)
             # A local stop of a waiting run ends its wait: its request is cancelled, the
             # final answer audited after the stop that ended it (SPEC 10).
             approvals.settle_on_end(run=run, before=waited, after=state, now=now)

@@ -26,13 +26,13 @@ from django.utils import timezone
 from governance_client import answers, rules
 from policies.models import Team
 from policies.services import audit
-from runs.check import states
+from runs.check import records, states
 from runs.check.policy_cache import rules_for_version
 from runs.check.states import RUN_COLUMNS, state_of
 from runs.killswitch import cover
 from runs.killswitch.selectors import engaged_switch
 from runs.live.events import publish_team_event
-from runs.models import Decision, KillSwitch, Run, RunStatus, Scope, WebhookDelivery
+from runs.models import KillSwitch, Run, RunStatus, Scope, WebhookDelivery
 from runs.publisher import publisher
 from runs.webhooks.delivery import PENDING, payload_for
 
@@ -264,17 +264,20 @@ WITH killed AS (
     RETURNING r.id, r.policy_version_id, r.steps, r.tool_calls, r.cost_usd,
               greatest(0, extract(epoch FROM %(now)s - r.started_at)) AS elapsed
 )
-INSERT INTO runs_decision (run_id, step, outcome, reason, action_name, action_type, args,
-    repeat_key, repeat_count, check_id, progress, last_result, cost_usd, answer, at,
-    elapsed_s)
-SELECT k.id, k.steps, %(stop)s, 'killed', '', '', NULL, '', 0, NULL, NULL, NULL, 0,
-    %(base)s::jsonb || jsonb_build_object(
+""" + records.insert_select_sql({
+    # As records.kill_row: a stop with no action, nothing counted, the step unchanged.
+    "run_id": "k.id", "step": "k.steps", "outcome": "%(stop)s", "reason": "%(reason)s",
+    "action_name": "''", "action_type": "''", "args": "NULL", "repeat_key": "''",
+    "repeat_count": "0", "check_id": "NULL", "progress": "NULL", "last_result": "NULL",
+    "cost_usd": "0",
+    "answer": """%(base)s::jsonb || jsonb_build_object(
         'step', k.steps,
         'usage', jsonb_build_object(
             'steps', k.steps, 'tool_calls', k.tool_calls, 'cost_usd', k.cost_usd::float8,
             'elapsed_s', round(k.elapsed, 3)::float8),
-        'limits', %(limits)s::jsonb -> k.policy_version_id::text),
-    %(now)s, k.elapsed::float8
+        'limits', %(limits)s::jsonb -> k.policy_version_id::text)""",
+    "at": "%(now)s", "elapsed_s": "k.elapsed::float8",
+}) + """
 FROM killed k
 RETURNING run_id
 """
@@ -354,7 +357,7 @@ def _kill_batch_sql(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
     with connection.cursor() as cursor:
         cursor.execute(_KILL_SQL, {
             "ids": list(teams), "now": now, **_killed_columns(now),
-            "running": rules.RUNNING, "stop": rules.STOP,
+            "running": rules.RUNNING, "stop": rules.STOP, "reason": rules.KILLED,
             "base": json.dumps(answers.kill_answer_fixed(switch.pk, cover.switch_in_words(switch))),
             "limits": json.dumps({str(k): v for k, v in limits.items()}),
         })
@@ -374,22 +377,18 @@ def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
     now = timezone.now()
     limits = _limits_of({run.policy_version_id for run in rows})
     killed: list[Run] = []
-    decisions: list[Decision] = []
+    decisions: list[tuple[Any, records.DecisionRow]] = []
     words = cover.switch_in_words(switch)
     for run in rows:
         new = rules.kill(state_of(run), now=now)
         if new is None:
             continue
         killed.append(run)
-        decisions.append(Decision(
-            run_id=run.pk, step=new.steps, outcome=rules.STOP, reason="killed",
-            action_name="", action_type="", args=None,
-            answer=answers.kill_answer(switch.pk, words, new, limits[run.policy_version_id], now),
-            at=now,
-            elapsed_s=new.elapsed_s(now)))
+        decisions.append((run.pk, records.kill_row(switch.pk, words, new,
+                                                   limits[run.policy_version_id], now)))
     if killed:
         Run.objects.filter(pk__in=[run.pk for run in killed]).update(**_killed_columns(now))
-        Decision.objects.bulk_create(decisions, batch_size=FANOUT_BATCH)
+        records.insert_many(decisions, batch_size=FANOUT_BATCH)
     return [(str(pk), teams[pk]) for pk in [*settled, *(run.pk for run in killed)]]
 
 
