@@ -279,8 +279,6 @@ def _locked(run_id: Any) -> tuple[Run, rules.RunState]:
 
 def covering_kill(run: Any) -> str | None:
     """The kill switch covering the run, in the words the agent reads; None when none does."""
-    from runs.killswitch import cover
-
     switch = cover.covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
     return cover.switch_in_words(switch) if switch is not None else None
 
