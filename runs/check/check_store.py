@@ -214,13 +214,30 @@ class CheckTransaction(Protocol):
         ...
 
 
+# Which store a check's transaction uses, the one choice of the check's path:
+#
+# | database    | inside a caller's transaction | the check touches approvals | store         |
+# | ----------- | ----------------------------- | --------------------------- | ------------- |
+# | PostgreSQL  | no                            | no                          | PostgresCheck |
+# | PostgreSQL  | yes (tests, scripts)          | either                      | OrmCheck      |
+# | PostgreSQL  | either                        | yes (``portable``)          | OrmCheck      |
+# | SQLite      | either                        | either                      | OrmCheck      |
+#
+# A check that finds approvals involved on PostgresCheck starts again as ``portable``
+# (runs/check/services.py `run_check`).
+def uses_prepared_statements(*, vendor: str, in_atomic_block: bool, portable: bool) -> bool:
+    """Whether the check runs on PostgresCheck (the table above), else on OrmCheck."""
+    return vendor == "postgresql" and not in_atomic_block and not portable
+
+
 @contextmanager
 def check_transaction(*, portable: bool = False) -> Iterator[CheckTransaction]:
     """One check's transaction: committed by `write`, rolled back on any other way out.
     ``portable``: the ORM path on every database, for checks that touch approvals (SPEC 11),
     which read and write more than the two prepared statements do."""
     db = connections[DEFAULT_DB_ALIAS]
-    if db.vendor == "postgresql" and not db.in_atomic_block and not portable:
+    if uses_prepared_statements(vendor=db.vendor, in_atomic_block=db.in_atomic_block,
+                                portable=portable):
         tx = PostgresCheck(db)
         try:
             yield tx
