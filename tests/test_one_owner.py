@@ -83,3 +83,21 @@ def test_the_state_columns_are_columns_of_the_run() -> None:
     written = states.columns_of(state, states.UPDATE_FIELDS)
     assert written["memory"] == state.fixed_memory()
     assert states.run_state(**{**written, "started_at": state.started_at}).steps == 7
+
+
+@pytest.mark.parametrize(("vendor", "in_atomic_block", "portable", "prepared"), [
+    ("postgresql", False, False, True),
+    ("postgresql", True, False, False),
+    ("postgresql", False, True, False),
+    ("postgresql", True, True, False),
+    ("sqlite", False, False, False),
+    ("sqlite", True, True, False),
+])
+def test_the_store_table_picks_the_prepared_statements_only_on_postgresql_alone(
+        vendor: str, in_atomic_block: bool, portable: bool, prepared: bool) -> None:
+    """The table in runs/check/check_store.py: the two prepared round trips only on
+    PostgreSQL, outside a caller's transaction, for a check that touches no approval."""
+    from runs.check import check_store
+
+    assert check_store.uses_prepared_statements(
+        vendor=vendor, in_atomic_block=in_atomic_block, portable=portable) is prepared
