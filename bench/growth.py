@@ -67,7 +67,7 @@ IDLE_AGENT = "bench-growth-idle"
 # --- The generated history ------------------------------------------------------------------
 
 # The decisions' columns as the check writes them; the answer is the check's stored answer
-# (runs/check/services.py _answer_of), shaped like a step_ok allow of the benchmark's policy.
+# (governance_client/answers.py `answer`), shaped like a step_ok allow of the benchmark's policy.
 HISTORY_SQL = """
 WITH g AS (
     SELECT n, gen_random_uuid() AS id,

@@ -71,6 +71,14 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
      "the kill switch and webhook reads change nothing"),
     ("governance/middleware.py", "from runs.check.api import error",
      "the project takes of the agent API only its edge"),
+    # The import circle that once was: approvals and abandon took answer builders from the
+    # check's services; and the owners below must stay free of what uses them.
+    ("runs/approvals/services.py", "from runs.check.services import run_check",
+     "the check's layers: answers, records and states below the services"),
+    ("runs/check/abandon.py", "from runs.check.services import run_check",
+     "the check's layers: answers, records and states below the services"),
+    ("runs/check/records.py", "from runs.killswitch.services import killswitch_kill_run",
+     "the check's layers: answers, records and states below the services"),
 ])
 def test_a_forbidden_import_breaks_its_contract(copy: Path, module: str, line: str,
                                                  contract: str) -> None:

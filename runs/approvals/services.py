@@ -38,12 +38,12 @@ from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from governance_client import rules
+from governance_client import answers, rules
 from policies.models import AgentKey, Team
 from policies.services import audit
-from runs.check import metrics, run_memory
-from runs.check.check_store import state_of
+from runs.check import metrics, records, run_memory, states
 from runs.check.policy_cache import rules_for_version
+from runs.check.states import state_of
 from runs.killswitch import cover
 from runs.live.events import publish_team_event
 from runs.models import (
@@ -73,14 +73,6 @@ class ApprovalError(Exception):
 
 def iso(moment: datetime | None) -> str | None:
     return moment.isoformat().replace("+00:00", "Z") if moment is not None else None
-
-
-def answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
-              now: datetime) -> dict[str, Any]:
-    """A check answer (SPEC 5.2, 15), as the check builds it."""
-    from runs.check.services import _answer_of
-
-    return _answer_of(decision, state, policy, now)
 
 
 # --- Opening a request (inside the check's transaction) -------------------------------------
@@ -130,10 +122,7 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
     )
     if not won:
         return None
-    Run.objects.filter(pk=run.id).update(
-        status=new.status, stop_reason=new.stop_reason, ended_at=new.ended_at,
-        tool_calls=new.tool_calls, memory=new.fixed_memory(), idle_deadline=new.idle_deadline,
-    )
+    Run.objects.filter(pk=run.id).update(**states.columns_of(new, SETTLED))
     run_memory.save(run.id, state, new)
     answer = _final(run, pending, decision, new, now, label)
     _record_final(run, pending, answer, now, decision)
@@ -143,6 +132,12 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
                                   latency=(decided_at - requested_at).total_seconds()),
                           robust=True)
     return Settled(status=status, answer=answer, state=new)
+
+
+# What settling a request changes of its run: it may end it (a denial, a cancellation by a
+# kill), an approval counts the tool call, the wait leaves its memory, and the idle deadline
+# starts again (SPEC 11, 14).
+SETTLED = (*states.ENDED, "tool_calls", "memory", "idle_deadline")
 
 
 def settle_on_end(*, run: Any, before: rules.RunState, after: rules.RunState,
@@ -217,7 +212,8 @@ def settle_stale_locked(*, run: Any, state: rules.RunState, now: datetime) -> in
     cancelled = stale.update(status=rules.CANCELLED, decided_at=state.ended_at or now)
     if state.pending is not None:
         ids.append(f"{state.pending.approval_id} (in its memory)")
-        Run.objects.filter(pk=run.id).update(memory=_without_wait(state).fixed_memory())
+        Run.objects.filter(pk=run.id).update(**states.columns_of(_without_wait(state),
+                                                                 ("memory",)))
     if ids:
         log.warning("run %s is %s but still waited for approval: %s; cancelled as of its end",
                     run.id, state.status, ", ".join(ids))
@@ -227,7 +223,7 @@ def settle_stale_locked(*, run: Any, state: rules.RunState, now: datetime) -> in
 
 def _final(run: Any, pending: rules.Pending, decision: rules.Decision, new: rules.RunState,
            now: datetime, label: str) -> dict[str, Any]:
-    answer = answer_of(decision, new, rules_for_version(run.policy_version_id), now)
+    answer = answers.answer_of(decision, new, rules_for_version(run.policy_version_id), now)
     # The approver is named in the answer (and so in its audit record): null for a command
     # run without --user, an expiry or a cancellation.
     answer["approval"] = {**(decision.approval or pending.summary()),
@@ -239,14 +235,10 @@ def _record_final(run: Any, pending: rules.Pending, answer: dict[str, Any], now:
                   decision: rules.Decision) -> None:
     """The second audit record, at the approval's step, and the final answer on the request."""
     approval = Approval.objects.only("args").get(pk=pending.approval_id)
-    row = Decision.objects.create(
-        run_id=run.id, step=pending.step, outcome=decision.outcome, reason=decision.reason,
-        action_name=pending.action_name, action_type=pending.action_type, args=approval.args,
-        repeat_key=pending.repeat_key, repeat_count=decision.repeat_count, check_id=None,
-        answer=answer, at=now,
-    )
-    answer["decision_id"] = row.pk
-    Approval.objects.filter(pk=pending.approval_id).update(final_decision_id=row.pk,
+    pk = records.insert(run.id, [records.final_row(pending, decision, answer, approval.args,
+                                                   now)])
+    answer["decision_id"] = pk
+    Approval.objects.filter(pk=pending.approval_id).update(final_decision_id=pk,
                                                            decision=answer)
 
 
@@ -287,8 +279,6 @@ def _locked(run_id: Any) -> tuple[Run, rules.RunState]:
 
 def covering_kill(run: Any) -> str | None:
     """The kill switch covering the run, in the words the agent reads; None when none does."""
-    from runs.killswitch import cover
-
     switch = cover.covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
     return cover.switch_in_words(switch) if switch is not None else None
 
@@ -482,9 +472,7 @@ def final_answer(approval: Approval) -> dict[str, Any] | None:
     # rules.replay_allowed, on the stored answer.
     if run.status == rules.RUNNING or (stored or {}).get("decision") == rules.STOP:
         return stored
-    from runs.check.services import stop_answer
-
-    return stop_answer(run, _repeat_key(approval, stored))
+    return records.stop_answer(run, _repeat_key(approval, stored))
 
 
 def _repeat_key(approval: Approval, stored: dict[str, Any] | None) -> str:

@@ -38,10 +38,11 @@ from django.utils import timezone
 
 from governance_client import rules
 from runs.approvals.services import settle_on_end
-from runs.check.check_store import RUN_COLUMNS, state_of
+from runs.check import records, states
 from runs.check.policy_cache import rules_for_version
+from runs.check.states import RUN_COLUMNS, state_of
 from runs.live.events import publish_run_event
-from runs.models import Decision, Run
+from runs.models import Run
 from runs.sweep import one_by_one
 
 log = logging.getLogger(__name__)
@@ -67,32 +68,15 @@ def _abandon_one(run_id: Any, *, now: datetime) -> Run | None:
         new = rules.overdue(state, policy, now=now)
         if new is None:
             return None
-        Run.objects.filter(pk=run.pk).update(status=new.status, stop_reason=new.stop_reason,
-                                             ended_at=new.ended_at, memory=new.fixed_memory())
-        run.status, run.stop_reason, run.ended_at = new.status, new.stop_reason, new.ended_at
-        run.memory = new.fixed_memory()
-        Decision.objects.create(
-            run_id=run.pk, step=new.steps, outcome=rules.STOP, reason=new.stop_reason,
-            action_name="", action_type="", args=None,
-            answer=_end_answer(new, policy, now), at=now, elapsed_s=new.elapsed_s(now),
-        )
+        ended = states.columns_of(new, (*states.ENDED, "memory"))
+        Run.objects.filter(pk=run.pk).update(**ended)
+        states.set_columns(run, ended)
+        records.insert(run.pk, [records.abandon_row(new, policy, now)])
         # A waiting run has no idle deadline, but one recorded by an older version may:
         # its request ends with it (SPEC 10, "No impossible states").
         settle_on_end(run=run, before=state, after=new, now=now)
         transaction.on_commit(lambda: publish_run_event(run))
     return run
-
-
-def _end_answer(new: rules.RunState, policy: rules.Policy, now: datetime) -> dict[str, Any]:
-    """The audit record of the end: an abandonment's, or the same shape for a run whose time
-    budget ran out with no check to stop it, its message naming the budget."""
-    from runs.check.services import abandon_answer
-
-    answer = abandon_answer(new, policy, now)
-    if new.stop_reason == "max_seconds":
-        answer.update(reason="max_seconds", message=rules.out_of_time_message(policy),
-                      next_action=rules.NEXT_ACTION["max_seconds"])
-    return answer
 
 
 def abandon_idle_runs(*, team_id: int | None = None, now: datetime | None = None,

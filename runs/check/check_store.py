@@ -47,9 +47,8 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal
 from typing import Any, Protocol
 
 import psycopg
@@ -82,34 +81,25 @@ from runs.check.rate_limits import (
     windows_prepared,
     windows_sql,
 )
+from runs.check.records import (
+    DECISION_COLUMNS,
+    DecisionRow,
+    insert,
+    row_values,
+)
+from runs.check.records import (
+    ROW_FIELDS as ROW_FIELDS,  # read here by tests/test_check_store_shapes.py
+)
+from runs.check.states import (
+    RUN_COLUMNS,
+    STATE_COLUMNS,
+    UPDATE_FIELDS,
+    columns_of,
+    run_state,
+    state_of,
+)
 from runs.killswitch import cover
 from runs.models import Decision, Run, RunStatus
-
-# A run's columns that make its state as the rules see it (rules.RunState), in the order the
-# lock statement returns them; the rest of what the check reads of a run never changes (its
-# id, team, agent, policy version). The lock statement, the ORM's read and the write take
-# their column lists from here, and `state_of` is the one translation into a RunState.
-STATE_COLUMNS = ("status", "stop_reason", "steps", "tool_calls", "cost_usd", "started_at",
-                 "ended_at", "memory", "idle_deadline")
-RUN_COLUMNS = ("id", "team_id", "agent", "policy_version_id", *STATE_COLUMNS)
-# What a check may change: everything of the state but its start.
-UPDATE_FIELDS = tuple(name for name in STATE_COLUMNS if name != "started_at")
-
-
-def run_state(*, status: str, stop_reason: str | None, steps: int, tool_calls: int,
-              cost_usd: Decimal, started_at: datetime, ended_at: datetime | None,
-              memory: dict[str, Any] | None, idle_deadline: datetime | None) -> RunState:
-    """The rules' view of a run, from its STATE_COLUMNS."""
-    return RunState(
-        started_at=started_at, status=status, stop_reason=stop_reason, ended_at=ended_at,
-        steps=steps, tool_calls=tool_calls, cost_usd=Decimal(cost_usd),
-        idle_deadline=idle_deadline,
-    ).load_memory(memory or {})
-
-
-def state_of(run: Run) -> RunState:
-    """The rules' view of a run read by the ORM."""
-    return run_state(**{name: getattr(run, name) for name in STATE_COLUMNS})
 
 
 @dataclass(slots=True)
@@ -157,27 +147,6 @@ class RateRead:
 
 
 @dataclass(slots=True)
-class DecisionRow:
-    """The audit record of a check: every column of runs_decision but its id and run."""
-
-    step: int
-    outcome: str
-    reason: str
-    action_name: str
-    action_type: str
-    args: Any
-    repeat_key: str
-    repeat_count: int
-    check_id: str | None
-    progress: Any
-    last_result: Any
-    cost_usd: Decimal
-    elapsed_s: float | None  # since the run's start, as the rules counted it (backtests)
-    answer: dict[str, Any]
-    at: datetime
-
-
-@dataclass(slots=True)
 class HitRow:
     """An action counted by the rate limits (runs/check/rate_limits.py); stamped by the store."""
 
@@ -196,16 +165,6 @@ class SwitchSeen:
     engaged_by_label: str
 
 
-# The columns are the model's and DecisionRow's own, written once each: the SQL below, both
-# writes and tests/test_check_store_shapes.py take them from there.
-DECISION_COLUMNS = tuple(f.column for f in Decision._meta.concrete_fields if not f.primary_key)
-ROW_FIELDS = tuple(f.name for f in fields(DecisionRow))
-
-
-def _row_values(row: DecisionRow) -> dict[str, Any]:
-    return {name: getattr(row, name) for name in ROW_FIELDS}
-
-
 def _rate_rows(cursor: Any, *, locking: bool) -> tuple[bool, list[Any]]:
     """The rate-limit part of a multi-statement message, the cursor being on the result before
     it: whether the rules' locks were granted in time (`locking`: the message took some),
@@ -219,10 +178,8 @@ def _rate_rows(cursor: Any, *, locking: bool) -> tuple[bool, list[Any]]:
 
 
 def _update_values(state: RunState) -> dict[str, Any]:
-    """The run's new columns: its memory is the state's fixed part (the keyed entries are
-    rows of their own, runs/check/run_memory.py), the rest attributes."""
-    return {name: state.fixed_memory() if name == "memory" else getattr(state, name)
-            for name in UPDATE_FIELDS}
+    """The run's new columns: everything a check may change."""
+    return columns_of(state, UPDATE_FIELDS)
 
 
 class DuplicateCheck(Exception):
@@ -257,13 +214,30 @@ class CheckTransaction(Protocol):
         ...
 
 
+# Which store a check's transaction uses, the one choice of the check's path:
+#
+# | database    | inside a caller's transaction | the check touches approvals | store         |
+# | ----------- | ----------------------------- | --------------------------- | ------------- |
+# | PostgreSQL  | no                            | no                          | PostgresCheck |
+# | PostgreSQL  | yes (tests, scripts)          | either                      | OrmCheck      |
+# | PostgreSQL  | either                        | yes (``portable``)          | OrmCheck      |
+# | SQLite      | either                        | either                      | OrmCheck      |
+#
+# A check that finds approvals involved on PostgresCheck starts again as ``portable``
+# (runs/check/services.py `run_check`).
+def uses_prepared_statements(*, vendor: str, in_atomic_block: bool, portable: bool) -> bool:
+    """Whether the check runs on PostgresCheck (the table above), else on OrmCheck."""
+    return vendor == "postgresql" and not in_atomic_block and not portable
+
+
 @contextmanager
 def check_transaction(*, portable: bool = False) -> Iterator[CheckTransaction]:
     """One check's transaction: committed by `write`, rolled back on any other way out.
     ``portable``: the ORM path on every database, for checks that touch approvals (SPEC 11),
     which read and write more than the two prepared statements do."""
     db = connections[DEFAULT_DB_ALIAS]
-    if db.vendor == "postgresql" and not db.in_atomic_block and not portable:
+    if uses_prepared_statements(vendor=db.vendor, in_atomic_block=db.in_atomic_block,
+                                portable=portable):
         tx = PostgresCheck(db)
         try:
             yield tx
@@ -537,7 +511,7 @@ class PostgresCheck:
 
     def write(self, *, run_id: uuid.UUID, state: RunState | None, rows: list[DecisionRow],
               hit: HitRow | None = None, keyed: Sequence[dict[str, Any]] = ()) -> int:
-        decisions = dumps([{"run_id": run_id, **_row_values(row)} for row in rows])
+        decisions = dumps([{"run_id": run_id, **row_values(row)} for row in rows])
         runs = dumps([{"id": run_id, **_update_values(state)}] if state is not None else [])
         hits = dumps([{"team_id": hit.team_id, "agent": hit.agent, "run_id": run_id,
                         "action_name": hit.action_name}] if hit is not None else [])
@@ -671,9 +645,6 @@ class OrmCheck:
             elif hit is not None:
                 count_in_python(team_id=hit.team_id, agent=hit.agent, run_id=run_id,
                                 action_name=hit.action_name, at=rows[-1].at)
-            pk = 0
-            for row in rows:
-                pk = Decision.objects.create(run_id=run_id, **_row_values(row)).pk
-            return int(pk)
+            return insert(run_id, rows)
         finally:
             self.db_seconds += time.perf_counter() - started

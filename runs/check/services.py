@@ -17,16 +17,17 @@ from django.db.models import Q
 from django.utils import timezone
 from governance_client.keys import repeat_key
 
-from governance_client import rules
+from governance_client import answers, rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs.approvals import services as approvals
-from runs.check import metrics, run_memory
+from runs.check import metrics, records, run_memory, states
 from runs.check.abandon import abandon_if_idle
 from runs.check.check_store import (
-    DecisionRow,
+    CheckTransaction,
     DuplicateCheck,
     HitRow,
+    Locked,
     PostgresCheck,
     RateRead,
     RunRow,
@@ -35,6 +36,7 @@ from runs.check.check_store import (
     state_of,
 )
 from runs.check.policy_cache import rules_for_version
+from runs.check.records import DecisionRow, kill_detail
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
 from runs.models import Approval, Decision, Run
@@ -154,58 +156,6 @@ def _insert_unless_switched(run: Run) -> bool:
     return inserted
 
 
-EXPIRED = "expired"
-DEADLINE_EXPIRED = "deadline_expired"
-
-
-# SPEC 15: every check answer carries these, null where they do not apply. Answers stored
-# before a field existed get it on replay.
-ANSWER_DEFAULTS: dict[str, Any] = {
-    "directive": None, "shadow": None, "approval": None, "retry_after_s": None,
-}
-
-
-def _answer_of(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
-               now: Any) -> dict[str, Any]:
-    return {
-        "decision": decision.answer,
-        "reason": decision.reason,
-        "step": decision.step,
-        "repeat_key": decision.repeat_key,
-        "repeat_count": decision.repeat_count,
-        "message": decision.message,
-        "next_action": decision.next_action,
-        "usage": state.usage(now),
-        "limits": policy.limits(),
-        "directive": decision.directive,
-        "shadow": decision.shadow,
-        "approval": decision.approval,
-        "retry_after_s": decision.retry_after_s,
-    }
-
-
-def abandon_answer(state: rules.RunState, policy: rules.Policy, now: Any) -> dict[str, Any]:
-    """The audit record of an abandonment (SPEC 14), shaped like a check answer (as a kill's
-    is) so screens show it the same way."""
-    return {
-        **ANSWER_DEFAULTS,
-        "decision": rules.STOP, "reason": rules.ABANDONED, "step": state.steps,
-        "repeat_key": "", "repeat_count": 0, "message": rules.abandoned_message(policy),
-        "next_action": rules.NEXT_ACTION[rules.ABANDONED], "usage": state.usage(now),
-        "limits": policy.limits(),
-    }
-
-
-def abandon_row(state: rules.RunState, policy: rules.Policy, now: Any) -> DecisionRow:
-    """Audited like a kill by the fan-out: outcome stop, no action, step unchanged."""
-    return DecisionRow(
-        step=state.steps, outcome=rules.STOP, reason=rules.ABANDONED, action_name="",
-        action_type="", args=None, repeat_key="", repeat_count=0, check_id=None,
-        progress=None, last_result=None, cost_usd=Decimal(0),
-        answer=abandon_answer(state, policy, now), at=now, elapsed_s=state.elapsed_s(now),
-    )
-
-
 UNAUTHORIZED = "A valid agent key is required (Authorization: Bearer)."
 
 
@@ -302,110 +252,47 @@ def _last_result_json(last: rules.LastResult | None) -> dict[str, Any] | None:
             if value is not None}
 
 
+@dataclass(slots=True)
+class _Read:
+    """What the check read under the run's lock: the lock's result, the run, the rate-limit
+    windows asked for with the lock (`rate`), the check's repeat key and keyed entries, and
+    the run's state with those entries loaded."""
+
+    locked: Locked
+    run: RunRow
+    rate: RateRead | None
+    keyed: _Keyed
+    state: rules.RunState
+
+
 def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
                 deadline: float | None, portable: bool = False) -> dict[str, Any]:
-    # The order of SPEC 15: an idle run is ended first, then a terminal run answers its stop,
-    # then a replay, then the 409 of a run waiting for an approval, then rules 1 to 9, the
-    # rate limits, the approvals, and the allow.
+    """One attempt at a check, in the order of SPEC 15: an idle run is ended first, then a
+    terminal run answers its stop, then a replay, then the 409 of a run waiting for an
+    approval, then rules 1 to 9, the rate limits, the approvals, and the allow. Raises
+    _Portable (start again on the ORM), DuplicateCheck or StaleConnection for `run_check`
+    to retry."""
     with check_transaction(portable=portable) as tx:
-        facts = _RUN_FACTS.get(run_id)
-        rate = _rate_read(facts, check.name)
-        guess = _keyed_for(check, facts[2]) if facts is not None else None
-        locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=check.check_id,
-                         rate=rate, keyed=list(guess.wanted) if guess is not None else None)
-        if locked is None or not agent_key_matches(claim, locked.key_hash):
-            raise ServiceError(401, "unauthorized", UNAUTHORIZED)
-        run = locked.run
-        if run is None:
-            raise ServiceError(404, "not_found", "No such run.")
-        _remember(run.id, run.team_id, run.agent, run.policy_version_id)
-        if guess is not None and guess.version_id == run.policy_version_id \
-                and locked.keyed is not None:
-            keyed, counts = guess, locked.keyed
-        else:
-            keyed = _keyed_for(check, run.policy_version_id)
-            counts = tx.read_keyed(run_id=run.id, keyed=list(keyed.wanted))
-        # Only the check's own entries of the keyed memory: the rules answer the same as with
-        # all of it (governance_client.rules, keyed_reads), and what they change is written.
-        loaded = state = run.state.load_keyed(run_memory.found(keyed.wanted, counts))
+        read = _lock_and_read(tx, claim=claim, run_id=run_id, check=check)
+        run, loaded = read.run, read.state
         policy = rules_for_version(run.policy_version_id)
         if isinstance(tx, PostgresCheck) and _involves_approvals(
-                policy, state, locked.earlier_answer, check.name):
+                policy, loaded, read.locked.earlier_answer, check.name):
             raise _Portable()
         now = timezone.now()
-        rows: list[DecisionRow] = []
-        # Past a deadline that is its time budget's, the run is not abandoned: rule 4 stops it.
-        abandoned = rules.abandon(state, now=now, policy=policy)
-        if abandoned is not None:
-            rows.append(abandon_row(abandoned, policy, now))
-            approvals.settle_on_end(run=run, before=state, after=abandoned, now=now)
-            state = abandoned
-        kill = cover.switch_in_words(locked.switch) if locked.switch is not None else None
-        first = locked.earlier_answer
-        if state.pending is not None or (first is not None
-                                         and first[1].get("decision") == rules.PENDING):
-            state, first = _settle_on_check(run, state, first, check, now=now, kill=kill)
-        if state.status == rules.KILLED:
-            state.stop_detail = kill_detail(run.id)
-        if first is not None:
-            first_id, first_answer = first
-            if not rows and rules.replay_allowed(state, first_answer.get("decision", ""),
-                                                 covered=kill is not None):
-                return {**ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}
-            # The first answer was an allow and the run is over: answer the run's stop, as
-            # a new audited decision (the retry must not leak an allow, SPEC 4.5).
-            check = replace(check, check_id=None)
-        if state.status == rules.RUNNING and state.pending is not None:
-            pending = state.pending
-            raise ServiceError(
-                409, "approval_pending",
-                f"The run is waiting for approval {pending.approval_id} of "
-                f"{pending.action_name} (check_id {pending.check_id!r}): resend that check, "
-                f"or wait with GET /api/v1/approvals/{pending.approval_id}.",
-                {"approval_id": pending.approval_id, "check_id": pending.check_id})
-        check_id = check.check_id
-        missing = rules.check_id_missing(policy, state, check, kill=kill)
-        if missing is not None:
-            raise ServiceError(422, "invalid_request", "The request is not valid.",
-                               {"check_id": missing})
-        windows: list[rules.RateWindow] = []
-        if state.status == rules.RUNNING and kill is None:
-            matching = rules.rate_limits_matching(policy, check.name)
-            if locked.windows is not None and rate is not None and rate.rules == matching:
-                windows = locked.windows
-            elif matching:
-                windows = tx.rate_windows(run=run, rules=matching, now=now)
-        decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
-                                             rate=windows, key=keyed.key,
-                                             approval_id=str(uuid.uuid4()))
-        answer = _answer_of(decision, new_state, policy, now)
-        if new_state is not state and deadline is not None and time.monotonic() > deadline:
-            # The agent gave up on this check (its deadline_ms passed while the check waited,
-            # for the run's lock usually): it will not run the action, so nothing is counted,
-            # and the audit says so instead of recording an allow that never ran.
-            decision, new_state = _expired(state, decision), state
-            answer = {**answer, "decision": rules.STOP, "reason": DEADLINE_EXPIRED,
-                      "step": state.steps, "message": EXPIRED_MESSAGE,
-                      "next_action": EXPIRED_NEXT, "usage": state.usage(now),
-                      "directive": None, "shadow": None, "check_id": check_id}
-            # The check_id stays free: the client may upload its own decision for it.
-            check_id = None
-        waited = decision.outcome == rules.WAIT
+        state, rows, kill, first = _settle_first(read, policy, check, now=now)
+        replayed, check = _replay_or_refuse(state, rows, first, policy, check, kill=kill)
+        if replayed is not None:
+            return replayed
+        windows = _windows(tx, read, policy, state, check, kill=kill, now=now)
+        decision, new_state, answer, check_id = _decide(
+            policy, state, check, kill=kill, windows=windows, key=read.keyed.key, now=now,
+            deadline=deadline)
+        args = rules.redact(check.args, policy.redact_args)
+        rows.append(_record(decision, new_state, check, check_id=check_id, args=args,
+                            answer=answer, now=now))
         # A pending answer takes its hit now, not again once approved (SPEC 12, 15).
         counted = decision.outcome in rules.RATE_COUNTED
-        args = rules.redact(check.args, policy.redact_args)
-        rows.append(DecisionRow(
-            step=decision.step, outcome=decision.outcome, reason=decision.reason,
-            action_name=check.name, action_type=check.type,
-            args=args, repeat_key=decision.repeat_key,
-            repeat_count=decision.repeat_count,
-            # A wait keeps no check_id: the same check_id is decided again (SPEC 12), and
-            # its cost is not registered (the agent sends it again).
-            check_id=None if waited else check_id, progress=check.progress,
-            last_result=_last_result_json(check.last_result),
-            cost_usd=Decimal(0) if waited else check.cost_usd, answer=answer,
-            at=now, elapsed_s=new_state.elapsed_s(now),
-        ))
         hit = HitRow(team_id=run.team_id, agent=run.agent, action_name=check.name) \
             if counted else None
         # The rules give a new state only when something changed; an abandonment ended it.
@@ -417,10 +304,154 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             approvals.approval_open(
                 run=run, pending=new_state.pending, args=args,
                 pattern=rules.approval_pattern(policy, check.name) or "", decision_id=decision_id)
-    # Committed: the agent must get this answer, so nothing below may raise (each of these
-    # only logs its own failure).
+    _after_commit(read, decision, windows, db_seconds=tx.db_seconds)
+    return {**answer, "decision_id": decision_id}
+
+
+def _lock_and_read(tx: CheckTransaction, *, claim: KeyClaim, run_id: uuid.UUID,
+                   check: rules.Check) -> _Read:
+    """Lock the run and read what the check needs (401 and 404 before anything else). When
+    this process already knows the run's policy version (`_RUN_FACTS`), the rate-limit
+    windows and the keyed entries are read in the locking round trip; else the entries take
+    one more round trip once the run is locked."""
+    facts = _RUN_FACTS.get(run_id)
+    rate = _rate_read(facts, check.name)
+    guess = _keyed_for(check, facts[2]) if facts is not None else None
+    locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=check.check_id,
+                     rate=rate, keyed=list(guess.wanted) if guess is not None else None)
+    if locked is None or not agent_key_matches(claim, locked.key_hash):
+        raise ServiceError(401, "unauthorized", UNAUTHORIZED)
+    run = locked.run
+    if run is None:
+        raise ServiceError(404, "not_found", "No such run.")
+    _remember(run.id, run.team_id, run.agent, run.policy_version_id)
+    if guess is not None and guess.version_id == run.policy_version_id \
+            and locked.keyed is not None:
+        keyed, counts = guess, locked.keyed
+    else:
+        keyed = _keyed_for(check, run.policy_version_id)
+        counts = tx.read_keyed(run_id=run.id, keyed=list(keyed.wanted))
+    # Only the check's own entries of the keyed memory: the rules answer the same as with
+    # all of it (governance_client.rules, keyed_reads), and what they change is written.
+    state = run.state.load_keyed(run_memory.found(keyed.wanted, counts))
+    return _Read(locked=locked, run=run, rate=rate, keyed=keyed, state=state)
+
+
+def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now: Any
+                  ) -> tuple[rules.RunState, list[DecisionRow], str | None, Any]:
+    """What is due before the check is decided: an idle run is abandoned (its audit record
+    comes first), a waiting run's request expires or is cancelled by a kill switch. Returns
+    the run's state after that, the records written so far, the covering switch in words
+    (None when none covers the run) and the earlier answer to this check_id."""
+    run, state = read.run, read.state
+    rows: list[DecisionRow] = []
+    # Past a deadline that is its time budget's, the run is not abandoned: rule 4 stops it.
+    abandoned = rules.abandon(state, now=now, policy=policy)
+    if abandoned is not None:
+        rows.append(records.abandon_row(abandoned, policy, now))
+        approvals.settle_on_end(run=run, before=state, after=abandoned, now=now)
+        state = abandoned
+    switch = read.locked.switch
+    kill = cover.switch_in_words(switch) if switch is not None else None
+    first = read.locked.earlier_answer
+    if state.pending is not None or (first is not None
+                                     and first[1].get("decision") == rules.PENDING):
+        state, first = _settle_on_check(run, state, first, check, now=now, kill=kill)
+    if state.status == rules.KILLED:
+        state.stop_detail = kill_detail(run.id)
+    return state, rows, kill, first
+
+
+def _replay_or_refuse(state: rules.RunState, rows: list[DecisionRow], first: Any,
+                      policy: rules.Policy, check: rules.Check, *, kill: str | None
+                      ) -> tuple[dict[str, Any] | None, rules.Check]:
+    """A replay's answer (the earlier answer to this check_id, when it still holds), or
+    the check to decide; raises the 409 of a run waiting for an approval and the 422 of a
+    check_id the policy requires."""
+    if first is not None:
+        first_id, first_answer = first
+        if not rows and rules.replay_allowed(state, first_answer.get("decision", ""),
+                                             covered=kill is not None):
+            return {**answers.ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}, check
+        # The first answer was an allow and the run is over: answer the run's stop, as
+        # a new audited decision (the retry must not leak an allow, SPEC 4.5).
+        check = replace(check, check_id=None)
+    if state.status == rules.RUNNING and state.pending is not None:
+        pending = state.pending
+        raise ServiceError(
+            409, "approval_pending",
+            f"The run is waiting for approval {pending.approval_id} of "
+            f"{pending.action_name} (check_id {pending.check_id!r}): resend that check, "
+            f"or wait with GET /api/v1/approvals/{pending.approval_id}.",
+            {"approval_id": pending.approval_id, "check_id": pending.check_id})
+    missing = rules.check_id_missing(policy, state, check, kill=kill)
+    if missing is not None:
+        raise ServiceError(422, "invalid_request", "The request is not valid.",
+                           {"check_id": missing})
+    return None, check
+
+
+def _windows(tx: CheckTransaction, read: _Read, policy: rules.Policy, state: rules.RunState,
+             check: rules.Check, *, kill: str | None, now: Any) -> list[rules.RateWindow]:
+    """The rate-limit windows the check's action matches (SPEC 12): those read with the lock
+    when they are the right ones, else read now (taking the rules' locks)."""
+    if state.status != rules.RUNNING or kill is not None:
+        return []
+    matching = rules.rate_limits_matching(policy, check.name)
+    locked, rate = read.locked, read.rate
+    if locked.windows is not None and rate is not None and rate.rules == matching:
+        return locked.windows
+    if matching:
+        return tx.rate_windows(run=read.run, rules=matching, now=now)
+    return []
+
+
+def _decide(policy: rules.Policy, state: rules.RunState, check: rules.Check, *,
+            kill: str | None, windows: list[rules.RateWindow], key: str, now: Any,
+            deadline: float | None
+            ) -> tuple[rules.Decision, rules.RunState, dict[str, Any], str | None]:
+    """The rules' decision, the run's new state, the answer and the check_id to record."""
+    check_id = check.check_id
+    decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
+                                         rate=windows, key=key,
+                                         approval_id=str(uuid.uuid4()))
+    answer = answers.answer_of(decision, new_state, policy, now)
+    if new_state is not state and deadline is not None and time.monotonic() > deadline:
+        # The agent gave up on this check (its deadline_ms passed while the check waited,
+        # for the run's lock usually): it will not run the action, so nothing is counted,
+        # and the audit says so instead of recording an allow that never ran.
+        answer = answers.expired_answer(answer, state, now, check_id)
+        decision, new_state = answers.expired_decision(state, decision), state
+        # The check_id stays free: the client may upload its own decision for it.
+        check_id = None
+    return decision, new_state, answer, check_id
+
+
+def _record(decision: rules.Decision, new_state: rules.RunState, check: rules.Check, *,
+            check_id: str | None, args: Any, answer: dict[str, Any], now: Any) -> DecisionRow:
+    """The check's audit record."""
+    waited = decision.outcome == rules.WAIT
+    return DecisionRow(
+        step=decision.step, outcome=decision.outcome, reason=decision.reason,
+        action_name=check.name, action_type=check.type,
+        args=args, repeat_key=decision.repeat_key,
+        repeat_count=decision.repeat_count,
+        # A wait keeps no check_id: the same check_id is decided again (SPEC 12), and
+        # its cost is not registered (the agent sends it again).
+        check_id=None if waited else check_id, progress=check.progress,
+        last_result=_last_result_json(check.last_result),
+        cost_usd=Decimal(0) if waited else check.cost_usd, answer=answer,
+        at=now, elapsed_s=new_state.elapsed_s(now),
+    )
+
+
+def _after_commit(read: _Read, decision: rules.Decision, windows: list[rules.RateWindow], *,
+                  db_seconds: float) -> None:
+    """Committed: the agent must get this answer, so nothing here may raise (each of these
+    only logs its own failure): metrics, the key's last use, the screens' wake-up."""
+    locked = read.locked
     metrics.decision_made(team=locked.team_slug, outcome=decision.outcome,
-                          reason=decision.reason, db_seconds=tx.db_seconds)
+                          reason=decision.reason, db_seconds=db_seconds)
     if decision.outcome == rules.WAIT or (decision.shadow or {}).get("reason") == \
             rules.RATE_LIMITED:
         limited = rules.rate_wait(windows)
@@ -431,8 +462,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
         agent_key_touch(locked.key_id, locked.key_last_used_at)
     except DatabaseError:
         log.warning("could not record the agent key's last use", exc_info=True)
-    publish_run_event(run)
-    return {**answer, "decision_id": decision_id}
+    publish_run_event(read.run)
 
 
 def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, check: rules.Check, *,
@@ -448,46 +478,6 @@ def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, check: rule
         if final:
             first = (int(final["decision_id"]), final)
     return state, first
-
-
-EXPIRED_MESSAGE = ("The check arrived or waited past its deadline_ms: the agent no longer "
-                   "waited for the answer, so it was not decided and nothing was counted.")
-EXPIRED_NEXT = "Check the action again if it is still wanted."
-
-
-def _expired(state: rules.RunState, decision: rules.Decision) -> rules.Decision:
-    return rules.Decision(outcome=EXPIRED, reason=DEADLINE_EXPIRED, step=state.steps,
-                          repeat_key=decision.repeat_key,
-                          repeat_count=state.repeat_counts.get(decision.repeat_key, 0),
-                          message=EXPIRED_MESSAGE, next_action=EXPIRED_NEXT)
-
-
-def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
-    """What a check of this ended run answers, without checking it (SPEC 4.4): its stop,
-    nothing counted, ``key`` the check's repeat key; ``decision_id`` names the audit record
-    of the run's last stop (a finished run's last record). An approval's final answer once
-    its run is over (runs/approvals/services.py `final_answer`), equal to a replay's."""
-    now = now or timezone.now()
-    state = run_memory.load(state_of(run), run.pk, [(rules.REPEAT, key)])
-    if state.status == rules.KILLED:
-        state.stop_detail = kill_detail(run.pk)
-    answer = _answer_of(rules.terminal_decision(state, key), state,
-                        rules_for_version(run.policy_version_id), now)
-    records = Decision.objects.filter(run_id=run.pk).order_by("-id").values_list("id", flat=True)
-    last = records.filter(outcome=rules.STOP).first() or records.first() or 0
-    return {**answer, "decision_id": last}
-
-
-def kill_detail(run_id: Any) -> str | None:
-    """The words of the kill that ended a run (the switch and the operator's reason), from its
-    audit record, for the stop answered to every later check (SPEC 6): the run's first stop,
-    since a stop ends a run (`decision_run_stop`: one probe, however many checks of the
-    killed run were answered since)."""
-    first = (Decision.objects.of_run(run_id).filter(outcome=rules.STOP)
-             .values_list("reason", "answer").first())
-    answer = first[1] if first is not None and first[0] == "killed" else None
-    message = (answer or {}).get("message") if isinstance(answer, dict) else None
-    return message or None
 
 
 def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]],
@@ -538,34 +528,34 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             at = min(max(at, run.started_at), now)
             # Kept (the action ran), but an allow the policy forbids is flagged (SPEC 10).
             violation = rules.policy_violation(policy, check.name) if allowed else None
-            answer = {**_answer_of(verdict, state, policy, now), "local": True,
-                      "decided_at": at.isoformat(), "policy_violation": violation is not None,
-                      "violation": violation}
-            rows.append(Decision(
-                run=run, step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
+            answer = answers.local_answer(verdict, state, policy, now,
+                                          decided_at=at.isoformat(), violation=violation)
+            rows.append((run.pk, DecisionRow(
+                step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
                 action_name=action["name"], action_type=action["type"],
                 args=rules.redact(action.get("args") or {}, policy.redact_args),
                 repeat_key=verdict.repeat_key, repeat_count=verdict.repeat_count,
                 check_id=entry["check_id"], progress=entry.get("progress"), last_result=last,
-                cost_usd=cost, answer=answer, at=now,
-            ))
+                cost_usd=cost, answer=answer, at=now, elapsed_s=None,
+            )))
             recorded += 1
         if rows:
-            Decision.objects.bulk_create(rows)
+            records.insert_many(rows)
             # A local stop of a waiting run ends its wait: its request is cancelled, the
             # final answer audited after the stop that ended it (SPEC 10).
             approvals.settle_on_end(run=run, before=waited, after=state, now=now)
-            Run.objects.filter(pk=run.pk).update(
-                status=state.status, stop_reason=state.stop_reason, ended_at=state.ended_at,
-                steps=state.steps, tool_calls=state.tool_calls, cost_usd=state.cost_usd,
-                memory=state.fixed_memory(),
-            )
+            Run.objects.filter(pk=run.pk).update(**states.columns_of(state, LOCAL_FIELDS))
             run_memory.save(run.pk, loaded, state)
         if rows or waited is not loaded:  # recorded, or an expiry settled first
             run.refresh_from_db()
     if rows or waited is not loaded:
         publish_run_event(run)
     return run, recorded, len(entries) - recorded
+
+
+# What an upload of local decisions changes: what a check does but the idle deadline, which
+# only a check and a start move (an upload is no activity of the run, SPEC 14).
+LOCAL_FIELDS = tuple(name for name in states.UPDATE_FIELDS if name != "idle_deadline")
 
 
 def _local_check(entry: dict[str, Any]) -> rules.Check:
@@ -606,8 +596,7 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
             raise ServiceError(409, "run_finished", "This run was already finished.") from None
         # Finishing changes only these: the counters and the memory stay as the last check
         # left them, and are not written back.
-        changes = {"status": new_state.status, "stop_reason": new_state.stop_reason,
-                   "ended_at": new_state.ended_at, "finished_at": now}
+        changes = {**states.columns_of(new_state, states.ENDED), "finished_at": now}
         if output is not None:
             changes["output"] = output
         # A check that opened an approval since the read makes this match nothing too: the
@@ -615,8 +604,7 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
         no_approval = Q(memory__pending=None) | Q(memory__pending__isnull=True)
         if Run.objects.filter(no_approval, pk=run.pk, status=run.status,
                               finished_at__isnull=True).update(**changes):
-            for name, value in changes.items():
-                setattr(run, name, value)
+            states.set_columns(run, changes)
             publish_run_event(run)
             return run
     raise OperationalError("the run kept changing while it was being finished")
@@ -641,10 +629,9 @@ def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None,
         state = approvals.settle_due_locked(run=run, state=state_of(run), now=now)
         new_state = rules.finish(state, status, already_finished=False, now=now)
         approvals.settle_on_end(run=run, before=state, after=new_state, now=now)
-        run.status, run.stop_reason = new_state.status, new_state.stop_reason
-        run.ended_at, run.finished_at = new_state.ended_at, now
-        run.memory = new_state.fixed_memory()
-        fields = ["status", "stop_reason", "ended_at", "finished_at", "memory"]
+        states.set_columns(run, states.columns_of(new_state, (*states.ENDED, "memory")))
+        run.finished_at = now
+        fields = [*states.ENDED, "memory", "finished_at"]
         if output is not None:
             run.output = output
             fields.append("output")

@@ -14,7 +14,6 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from decimal import Decimal
 from functools import partial
 from typing import Any
 
@@ -24,15 +23,16 @@ from django.db.models import Q, QuerySet
 from django.db.models.fields.json import KT
 from django.utils import timezone
 
-from governance_client import rules
+from governance_client import answers, rules
 from policies.models import Team
 from policies.services import audit
-from runs.check.check_store import RUN_COLUMNS, state_of
+from runs.check import records, states
 from runs.check.policy_cache import rules_for_version
+from runs.check.states import RUN_COLUMNS, state_of
 from runs.killswitch import cover
 from runs.killswitch.selectors import engaged_switch
 from runs.live.events import publish_team_event
-from runs.models import Decision, KillSwitch, Run, RunStatus, Scope, WebhookDelivery
+from runs.models import KillSwitch, Run, RunStatus, Scope, WebhookDelivery
 from runs.publisher import publisher
 from runs.webhooks.delivery import PENDING, payload_for
 
@@ -248,68 +248,46 @@ class FanoutResult:
     deliveries: list[int]  # deliveries this pass must start
 
 
-def _kill_answer(switch: KillSwitch, state: rules.RunState, limits: dict[str, Any],
-                 now: datetime) -> dict[str, Any]:
-    """The audit record's answer, shaped like a check answer so screens show it the same."""
-    return {
-        **_answer_base(switch),
-        "step": state.steps,
-        "usage": state.usage(now),
-        "limits": limits,
-    }
-
-
-def _answer_base(switch: KillSwitch) -> dict[str, Any]:
-    """The part of a kill's answer that is the same for every run the switch kills."""
-    return {
-        "decision": rules.STOP,
-        "reason": "killed",
-        "repeat_key": "",
-        "repeat_count": 0,
-        "message": f"Stopped by a kill switch: {cover.switch_in_words(switch)}.",
-        "next_action": rules.NEXT_ACTION["killed"],
-        "directive": None,
-        "shadow": None,
-        "approval": None,
-        "retry_after_s": None,
-        "kill_switch": switch.pk,
-    }
-
-
 # Runs killed per transaction: big enough that 10,000 runs take a few round trips, small
 # enough that one batch holds its row locks (which checks of those runs wait for) briefly.
 FANOUT_BATCH = 1000
 
-# The run columns the audit record's answer needs (rules.RunState.usage, the policy's limits).
-_KILL_FIELDS = ("id", "team_id", "policy_version_id", "status", "stop_reason", "steps",
-                "tool_calls", "cost_usd", "started_at", "ended_at")
-
 # PostgreSQL: the runs locked by the batch's first statement killed by one UPDATE, and their
 # audit records written by one INSERT ... SELECT from its RETURNING, in one statement. The
-# answer is built in SQL from the same parts as _kill_answer: the switch's fixed part, the
+# answer is built in SQL from the same parts as answers.kill_answer: the switch's fixed part, the
 # run's usage (rules.RunState.usage: the run ended now, so elapsed is now - started_at,
 # rounded to the millisecond) and the limits of the run's policy version.
 _KILL_SQL = """
 WITH killed AS (
-    UPDATE runs_run r SET status = %(killed)s, stop_reason = 'killed', ended_at = %(now)s
+    UPDATE runs_run r SET """ + ", ".join(f"{name} = %({name})s" for name in states.ENDED) + """
     WHERE r.id = ANY(%(ids)s::uuid[]) AND r.status = %(running)s
     RETURNING r.id, r.policy_version_id, r.steps, r.tool_calls, r.cost_usd,
               greatest(0, extract(epoch FROM %(now)s - r.started_at)) AS elapsed
 )
-INSERT INTO runs_decision (run_id, step, outcome, reason, action_name, action_type, args,
-    repeat_key, repeat_count, check_id, progress, last_result, cost_usd, answer, at,
-    elapsed_s)
-SELECT k.id, k.steps, %(stop)s, 'killed', '', '', NULL, '', 0, NULL, NULL, NULL, 0,
-    %(base)s::jsonb || jsonb_build_object(
+""" + records.insert_select_sql({
+    # As records.kill_row: a stop with no action, nothing counted, the step unchanged.
+    "run_id": "k.id", "step": "k.steps", "outcome": "%(stop)s", "reason": "%(reason)s",
+    "action_name": "''", "action_type": "''", "args": "NULL", "repeat_key": "''",
+    "repeat_count": "0", "check_id": "NULL", "progress": "NULL", "last_result": "NULL",
+    "cost_usd": "0",
+    "answer": """%(base)s::jsonb || jsonb_build_object(
         'step', k.steps,
         'usage', jsonb_build_object(
             'steps', k.steps, 'tool_calls', k.tool_calls, 'cost_usd', k.cost_usd::float8,
             'elapsed_s', round(k.elapsed, 3)::float8),
-        'limits', %(limits)s::jsonb -> k.policy_version_id::text),
-    %(now)s, k.elapsed::float8
+        'limits', %(limits)s::jsonb -> k.policy_version_id::text)""",
+    "at": "%(now)s", "elapsed_s": "k.elapsed::float8",
+}) + """
 FROM killed k
 RETURNING run_id
 """
+
+
+def _killed_columns(now: datetime) -> dict[str, Any]:
+    """The columns a kill sets, the same for every run it kills (`rules.kill`)."""
+    killed = rules.kill(rules.RunState(started_at=now), now=now)
+    assert killed is not None
+    return states.columns_of(killed, states.ENDED)
 
 
 def _limits_of(version_ids: set[int]) -> dict[int, dict[str, Any]]:
@@ -375,11 +353,12 @@ def _kill_batch_sql(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
         return [(str(pk), team_id) for pk, team_id, _, _ in rows]
     limits = _limits_of({version for _, _, version in locked})
     teams = {pk: team_id for pk, team_id, _ in locked}
+    now = timezone.now()
     with connection.cursor() as cursor:
         cursor.execute(_KILL_SQL, {
-            "ids": list(teams), "now": timezone.now(), "killed": rules.KILLED,
-            "running": rules.RUNNING, "stop": rules.STOP,
-            "base": json.dumps(_answer_base(switch)),
+            "ids": list(teams), "now": now, **_killed_columns(now),
+            "running": rules.RUNNING, "stop": rules.STOP, "reason": rules.KILLED,
+            "base": json.dumps(answers.kill_answer_fixed(switch.pk, cover.switch_in_words(switch))),
             "limits": json.dumps({str(k): v for k, v in limits.items()}),
         })
         killed = [row[0] for row in cursor.fetchall()]
@@ -393,29 +372,23 @@ def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
         return []
     settled = _settle_pending(switch, [pk for pk, _, _, pending in locked if pending])
     rows = list(Run.objects.filter(pk__in=[pk for pk, *_ in locked if pk not in settled])
-                .order_by("pk").only(*_KILL_FIELDS))
+                .order_by("pk").only(*RUN_COLUMNS))
     teams = {pk: team_id for pk, team_id, _, _ in locked}
     now = timezone.now()
     limits = _limits_of({run.policy_version_id for run in rows})
     killed: list[Run] = []
-    decisions: list[Decision] = []
+    decisions: list[tuple[Any, records.DecisionRow]] = []
+    words = cover.switch_in_words(switch)
     for run in rows:
-        new = rules.kill(rules.RunState(
-            started_at=run.started_at, status=run.status, stop_reason=run.stop_reason,
-            ended_at=run.ended_at, steps=run.steps, tool_calls=run.tool_calls,
-            cost_usd=Decimal(run.cost_usd)), now=now)
+        new = rules.kill(state_of(run), now=now)
         if new is None:
             continue
         killed.append(run)
-        decisions.append(Decision(
-            run_id=run.pk, step=new.steps, outcome=rules.STOP, reason="killed",
-            action_name="", action_type="", args=None,
-            answer=_kill_answer(switch, new, limits[run.policy_version_id], now), at=now,
-            elapsed_s=new.elapsed_s(now)))
+        decisions.append((run.pk, records.kill_row(switch.pk, words, new,
+                                                   limits[run.policy_version_id], now)))
     if killed:
-        Run.objects.filter(pk__in=[run.pk for run in killed]).update(
-            status=rules.KILLED, stop_reason="killed", ended_at=now)
-        Decision.objects.bulk_create(decisions, batch_size=FANOUT_BATCH)
+        Run.objects.filter(pk__in=[run.pk for run in killed]).update(**_killed_columns(now))
+        records.insert_many(decisions, batch_size=FANOUT_BATCH)
     return [(str(pk), teams[pk]) for pk in [*settled, *(run.pk for run in killed)]]
 
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import httpx
 
-from . import rules
+from . import answers, rules
 from .aio import AsyncGovernanceClient
 from .client import GovernanceClient
 from .local import make_check
@@ -503,23 +503,18 @@ class FakeGovernance:
         """The answer, recorded in ``run.decisions`` as answered (``answered`` replaces
         fields: a wait or a pending answer is recorded as such, never as an allow)."""
         self._decisions += 1
+        shown = verdict or rules.Decision(outcome=rules.ALLOW, reason=rules.STEP_OK,
+                                          step=run.steps, repeat_key="", repeat_count=0)
         answer: dict[str, Any] = {
-            "decision": verdict.answer if verdict else "allow",
-            "reason": verdict.reason if verdict else rules.STEP_OK,
+            **answers.answer(shown, usage=run.state.usage(now), limits=self.policy.limits()),
             "decision_id": self._decisions,
-            "step": verdict.step if verdict else run.steps,
-            "repeat_key": verdict.repeat_key if verdict else None,
-            "repeat_count": verdict.repeat_count if verdict else None,
-            "message": verdict.message if verdict else None,
-            "next_action": verdict.next_action if verdict else None,
-            "usage": run.state.usage(now),
-            "limits": self.policy.limits(),
-            "directive": verdict.directive if verdict else None,
-            "shadow": verdict.shadow if verdict else None,
-            "approval": None,
-            "retry_after_s": None,
-            **(answered or {}),
+            # The fake opens approvals and rate-limit waits itself (``answered``), never
+            # through the rules' decision.
+            "approval": None, "retry_after_s": None,
         }
+        if verdict is None:  # a wait or a pending answer names no repeat key
+            answer |= {"repeat_key": None, "repeat_count": None}
+        answer |= answered or {}
         run.decisions.append(answer)
         return answer
 
