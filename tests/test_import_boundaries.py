@@ -79,6 +79,24 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
      "the check's layers: answers, records and states below the services"),
     ("runs/check/records.py", "from runs.killswitch.services import killswitch_kill_run",
      "the check's layers: answers, records and states below the services"),
+    # Reads that wrote (issue 25): a selector or presenter that settles, abandons or looks
+    # first itself, and a look first from anywhere but a view, the API or a stream.
+    ("runs/dashboard/presenters.py", "from runs.first_look import look",
+     "the run and approval reads change nothing: selectors and presenters"),
+    ("runs/dashboard/presenters.py", "from runs.approvals.services import settle_if_due",
+     "the run and approval reads change nothing: selectors and presenters"),
+    ("runs/audit/selectors.py", "from runs.check.abandon import abandon_if_idle",
+     "the run and approval reads change nothing: selectors and presenters"),
+    ("runs/dashboard/selectors.py", "from runs.check.rate_limits import prune_hits",
+     "the run and approval reads change nothing: selectors and presenters"),
+    ("runs/approvals/selectors.py", "from runs.live.events import publish_team_event",
+     "the run and approval reads change nothing: selectors and presenters"),
+    ("runs/templatetags/approval_tags.py", "from runs.approvals.services import expire_due",
+     "the run and approval reads change nothing: selectors and presenters"),
+    ("runs/killswitch/views.py", "from runs.first_look import look",
+     "only the views look first: the reads' one place that writes"),
+    ("runs/check/edge.py", "from runs.first_look import look_at_run",
+     "only the views look first: the reads' one place that writes"),
 ])
 def test_a_forbidden_import_breaks_its_contract(copy: Path, module: str, line: str,
                                                  contract: str) -> None:

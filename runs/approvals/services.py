@@ -23,6 +23,9 @@ whoever meets it (`settle_stale_locked`), and by migration runs/0010.
 Settling applies `rules.settle` (the run's counters, status and active time), writes the final
 answer as a second audit record at the same step, and, after the commit, wakes the screens and
 notifies the team's webhook (``approval.decided``).
+
+The reads (the API's answer, the pages' lists) are runs/approvals/selectors.py; they change
+nothing, whoever reads settles first (runs/first_look.py).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from governance_client import answers, rules
-from policies.models import AgentKey, Team
+from policies.models import Team
 from policies.services import audit
+from runs.approvals.selectors import iso
 from runs.check import metrics, records, run_memory, states
 from runs.check.policy_cache import rules_for_version
 from runs.check.states import state_of
@@ -49,7 +53,6 @@ from runs.live.events import publish_team_event
 from runs.models import (
     Approval,
     ApprovalStatus,
-    Decision,
     Run,
     WebhookDelivery,
 )
@@ -69,10 +72,6 @@ class ApprovalError(Exception):
                  fields: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.fields = status, code, message, fields or {}
-
-
-def iso(moment: datetime | None) -> str | None:
-    return moment.isoformat().replace("+00:00", "Z") if moment is not None else None
 
 
 # --- Opening a request (inside the check's transaction) -------------------------------------
@@ -356,6 +355,21 @@ def expire_due(*, now: datetime | None = None, limit: int = 500) -> int:
     return _settle_each(list(_due(pending, now).order_by("expires_at")[:limit]), now)
 
 
+def settle_due_for_team(team: Team, *, now: datetime | None = None, limit: int = 500) -> int:
+    """A look (runs/first_look.py): it settles the team's requests past their expiry first
+    (and any left pending on a run that is over), and, while a kill switch is engaged over
+    any of the team's runs, the requests of the runs it covers (its fan-out may not have got
+    there yet). At most ``limit`` of each, soonest expiry first: the beat's `expire_due` and
+    the fan-out do the rest. Without an engaged switch that is one indexed read more."""
+    now = now or timezone.now()
+    pending = (Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
+               .select_related("run").order_by("expires_at"))
+    due = list(_due(pending, now)[:limit])
+    if cover.engaged_over_team_ids(team.pk):
+        due += list(pending.filter(expires_at__gt=now, run__status=rules.RUNNING)[:limit])
+    return _settle_each(due, now)
+
+
 def _clean_note(note: str | None, *, required: bool) -> str:
     text = (note or "").strip()
     if required and not text:
@@ -439,104 +453,3 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
                         f"The approval was already {current.status}"
                         + (f" by {current.decided_by_label}" if current.decided_by_label else "")
                         + ".")
-
-
-# --- Reads --------------------------------------------------------------------------------
-
-def approval_json(approval: Approval) -> dict[str, Any]:
-    """The answer of GET /api/v1/approvals/{id} (SPEC 11)."""
-    return {
-        "id": str(approval.pk),
-        "run_id": str(approval.run_id),
-        "status": approval.status,
-        "action": {"name": approval.action_name, "type": approval.action_type,
-                   "args": approval.args if approval.args is not None else {}},
-        "requested_at": iso(approval.requested_at),
-        "expires_at": iso(approval.expires_at),
-        "decided_at": iso(approval.decided_at),
-        "decided_by": approval.decided_by_label or None,
-        "note": approval.note or None,
-        "decision": final_answer(approval),
-    }
-
-
-def final_answer(approval: Approval) -> dict[str, Any] | None:
-    """The request's final answer as its agent must act on it: null while pending, else
-    what a replay of its check answers (SPEC 4.5, 10): the stored answer while the run goes
-    on, or when it was a stop; once the run is over, the run's stop. An approved action whose
-    run was then killed or finished is not to be run: its answer is no longer the allow."""
-    if approval.status == ApprovalStatus.PENDING:
-        return None
-    stored = approval.decision if isinstance(approval.decision, dict) else None
-    run = approval.run
-    # rules.replay_allowed, on the stored answer.
-    if run.status == rules.RUNNING or (stored or {}).get("decision") == rules.STOP:
-        return stored
-    return records.stop_answer(run, _repeat_key(approval, stored))
-
-
-def _repeat_key(approval: Approval, stored: dict[str, Any] | None) -> str:
-    """The repeat key of the request's check: in its final answer, else in the pending
-    answer's audit record."""
-    key = (stored or {}).get("repeat_key")
-    if isinstance(key, str):
-        return key
-    return (Decision.objects.filter(pk=approval.requested_decision_id)
-            .values_list("repeat_key", flat=True).first() or "")
-
-
-def approval_for_key(key: AgentKey, approval_id: Any) -> Approval | None:
-    """The key's team's approval (an agent-bound key: only its agent's), with what is due
-    (an expiry, a kill switch's cancellation) settled."""
-    approvals = Approval.objects.filter(team_id=key.team_id).select_related("run")
-    if key.agent:
-        approvals = approvals.filter(run__agent=key.agent)
-    approval = approvals.filter(pk=approval_id).first()
-    if approval is None:
-        return None
-    if settle_if_due(approval) or _kill_if_covered(approval):
-        approval = approvals.get(pk=approval_id)
-    return approval
-
-
-def _kill_if_covered(approval: Approval) -> bool:
-    """An approved request whose run a kill switch now covers: the run is killed now, as the
-    fan-out will, so that its answer is stop / killed from the engage's commit on (SPEC 4.5),
-    exactly as a replay of its check answers, and never the allow that preceded the switch."""
-    if approval.status != ApprovalStatus.APPROVED or approval.run.status != rules.RUNNING:
-        return False
-    from runs.killswitch.services import killswitch_kill_run
-
-    return killswitch_kill_run(run_id=approval.run_id)
-
-
-def approvals_for_team(team: Team, *, limit: int = 100) -> list[Approval]:
-    """Pending first (soonest to expire first), then the latest decided ones."""
-    pending = list(Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
-                   .select_related("run").order_by("expires_at")[:limit])
-    decided = list(Approval.objects.filter(team=team).exclude(status=ApprovalStatus.PENDING)
-                   .select_related("run").order_by("-decided_at", "-requested_at")[:limit])
-    return pending + decided
-
-
-def pending_count(team: Team) -> int:
-    return Approval.objects.filter(team=team, status=ApprovalStatus.PENDING).count()
-
-
-def settle_due_for_team(team: Team, *, now: datetime | None = None, limit: int = 500) -> int:
-    """A look (runs/first_look.py): it settles the team's requests past their expiry first
-    (and any left pending on a run that is over), and, while a kill switch is engaged over
-    any of the team's runs, the requests of the runs it covers (its fan-out may not have got
-    there yet). At most ``limit`` of each, soonest expiry first: the beat's `expire_due` and
-    the fan-out do the rest. Without an engaged switch that is one indexed read more."""
-    now = now or timezone.now()
-    pending = (Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
-               .select_related("run").order_by("expires_at"))
-    due = list(_due(pending, now)[:limit])
-    if cover.engaged_over_team_ids(team.pk):
-        due += list(pending.filter(expires_at__gt=now, run__status=rules.RUNNING)[:limit])
-    return _settle_each(due, now)
-
-
-def pending_for_run(run: Run) -> Approval | None:
-    return Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).first()

@@ -1,7 +1,7 @@
 """Approval screens (SPEC 11, 7): the team's live approvals page and the decide action that
 the page, the run page and their live streams share. Views only translate between HTTP and
 runs/approvals/services.py; RBAC is the team_view decorator's (outsider 404, viewer 403 on
-decide)."""
+decide). Before a read, whoever looks first settles (runs/first_look.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from django.views.decorators.http import require_POST, require_safe
 from governance.web import page
 from policies.access import team_view
 from policies.models import Role
+from runs import first_look
 from runs.approvals.services import ApprovalError, approval_decide
 from runs.dashboard import presenters
 from runs.dashboard.stream import ApprovalsSource, sse_response
@@ -26,6 +27,7 @@ from runs.models import Approval
 @team_view(Role.VIEWER)
 @require_safe
 def approvals_page(request: HttpRequest, slug: str) -> HttpResponse:
+    first_look.look(request.team)
     return page(request, "runs/approvals.html", presenters.approvals_context(request.team))
 
 
@@ -73,9 +75,11 @@ def approval_decide_view(request: HttpRequest, slug: str, approval_id: Any) -> H
         flash = {"id": str(approval.pk), "error": error,
                  "done": "" if error else f"{approval.status.capitalize()}."}
         if request.htmx.target == LIST_REGION:
+            first_look.look(team)
             return page(request, "runs/_approvals_list.html",
                         {**presenters.approvals_context(team), "flash": flash}, status=status)
         if request.htmx.target == RUN_REGION:
+            first_look.look_at_request(approval.run)
             return page(request, "runs/_run_approval.html",
                         {**presenters.run_approval_context(approval.run), "flash": flash},
                         status=status)
@@ -86,5 +90,6 @@ def approval_decide_view(request: HttpRequest, slug: str, approval_id: Any) -> H
         messages.success(request, f"{approval.status.capitalize()}: {approval.action_name}.")
         return redirect(_next(request, reverse("runs:approvals", args=[team.slug])))
     messages.error(request, error)
+    first_look.look(team)
     return page(request, "runs/approvals.html", presenters.approvals_context(team),
                 status=status)

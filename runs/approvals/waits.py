@@ -34,8 +34,8 @@ from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
-from runs.approvals.services import approval_json, settle_if_due
-from runs.killswitch import cover
+from runs import first_look
+from runs.approvals.selectors import approval_json
 from runs.live.events import local_broker, redis_listener
 from runs.live.looks import look_lane
 from runs.models import Approval, ApprovalStatus
@@ -54,16 +54,9 @@ def look(team_id: int, approval_ids: list[str]) -> dict[str, dict[str, Any] | No
     no longer pending, None for one that is gone (deleted by retention); the pending ones are
     left out. Whoever looks first settles (SPEC 11): an approval past its expiry, or whose run
     an engaged kill switch covers, is settled here first, as the poll's own look would."""
-    now = timezone.now()
     rows = {str(a.pk): a for a in Approval.objects.filter(team_id=team_id, pk__in=approval_ids)
             .select_related("run")}
-    pending = [a for a in rows.values() if a.status == ApprovalStatus.PENDING]
-    # One query for the team's switches, not one per approval: without an engaged switch
-    # only the expired ones can be due.
-    engaged = bool(pending) and bool(cover.engaged_over_team_ids(team_id))
-    for approval in pending:
-        if (engaged or now >= approval.expires_at) and settle_if_due(approval, now=now):
-            approval.refresh_from_db()
+    first_look.look_at_approvals(team_id, rows.values())
     answers: dict[str, dict[str, Any] | None] = {}
     for approval_id in approval_ids:
         approval = rows.get(approval_id)

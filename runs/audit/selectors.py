@@ -1,4 +1,6 @@
-"""Reads for runs, shared by the API and the dashboard."""
+"""Reads for runs, shared by the API and the dashboard. They change nothing (an import-linter
+contract in pyproject.toml): whoever reads first lets runs/first_look.py settle what is due,
+and the rows still due are shown as they will be (runs/due.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,7 @@ from django.utils import timezone
 
 from governance_client import rules
 from policies.models import PolicyVersion, Team
-from runs import first_look
-from runs.approvals.services import settle_if_due_for_run
-from runs.check.abandon import abandon_if_idle
+from runs import due
 from runs.check.policy_cache import rules_for_version
 from runs.models import Decision, Run
 from runs.sweep import one_by_one
@@ -95,22 +95,22 @@ def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = 
     if status:
         runs = runs.filter(status=status)
         if status == rules.RUNNING:
-            runs = runs.filter(first_look.still_running(now))  # over, however unsaid
+            runs = runs.filter(due.still_running(now))  # over, however unsaid
     if agent:
         runs = runs.filter(agent=agent)
-    return first_look.as_it_will_be(runs.order_by("-started_at")[:limit], now=now)
+    return due.as_it_will_be(runs.order_by("-started_at")[:limit], now=now)
 
 
 def run_for_team(team: Team, run_id: Any, *, key_agent: str = "") -> Run:
+    """The team's run (an agent-bound key: only its agent's), as stored: the caller settles
+    what is due on it first (`first_look.look_at_run`); 404 for another team's."""
     runs = Run.objects.select_related("policy_version").filter(team=team, pk=run_id)
     if key_agent:
         runs = runs.filter(agent=key_agent)
     run = runs.first()
     if run is None:
         raise Http404("No such run.")
-    if settle_if_due_for_run(run):  # SPEC 11: a read after the expiry settles it
-        run.refresh_from_db()
-    return abandon_if_idle(run)
+    return run
 
 
 def decisions_of(run: Run, *, after: int = 0, limit: int = 100) -> QuerySet[Decision]:

@@ -32,7 +32,7 @@ from pydantic import ValidationError as PydanticValidationError
 from governance import fastjson
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
 from runs import first_look
-from runs.approvals import services as approvals
+from runs.approvals import selectors as approvals
 from runs.approvals.waits import (
     RETRY_AFTER_S,
     TooManyWaits,
@@ -213,16 +213,20 @@ def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, A
 @api.get("/runs/{run_id}", response={200: s.RunOut, **ERRORS}, summary="Get a run",
          operation_id="get_run")
 def get_run(request: HttpRequest, run_id: str) -> dict[str, Any]:
-    return selectors.run_json(selectors.run_for_team(request.auth.team, _run_uuid(run_id),
-                                                     key_agent=request.auth.agent))
+    return selectors.run_json(_looked_at_run(request, run_id))
+
+
+def _looked_at_run(request: HttpRequest, run_id: str) -> Any:
+    """The key's run, what is due on it settled first (whoever looks first, SPEC 11, 14)."""
+    return first_look.look_at_run(selectors.run_for_team(
+        request.auth.team, _run_uuid(run_id), key_agent=request.auth.agent))
 
 
 @api.get("/runs/{run_id}/decisions", response={200: s.DecisionsOut, **ERRORS},
          summary="A run's decisions, in order", operation_id="list_decisions")
 def list_decisions(request: HttpRequest, run_id: str, filters: Query[s.DecisionsFilter]
                    ) -> dict[str, Any]:
-    run = selectors.run_for_team(request.auth.team, _run_uuid(run_id),
-                                 key_agent=request.auth.agent)
+    run = _looked_at_run(request, run_id)
     rows = selectors.decisions_of(run, after=filters.after, limit=filters.limit)
     return {"decisions": [selectors.decision_json(d) for d in rows]}
 
@@ -360,6 +364,10 @@ def finish(request: HttpRequest, run_id: str, payload: s.FinishIn) -> dict[str, 
 
 def _read_approval_now(key: Any, approval_id: uuid.UUID) -> dict[str, Any] | None:
     approval = approvals.approval_for_key(key, approval_id)
+    if approval is None:
+        return None
+    if first_look.look_at_approval(approval):  # whoever looks first settles (SPEC 11)
+        approval = approvals.approval_for_key(key, approval_id)
     return approvals.approval_json(approval) if approval is not None else None
 
 

@@ -1,7 +1,9 @@
 """What the run screens show, computed once for the page and for its live stream.
 
 The page renders each partial with these contexts and the stream re-renders the same partials
-with the same contexts, so a live update can never look different from a reload.
+with the same contexts, so a live update can never look different from a reload. They change
+nothing (an import-linter contract in pyproject.toml): the view, or the stream's look, lets
+runs/first_look.py settle what is due before it calls them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from django.utils import timezone
 from governance.templatetags.dashboard_tags import money
 from governance_client import rules
 from policies.models import Team
-from runs import first_look
+from runs.approvals.selectors import approvals_for_team, pending_for_run
 from runs.audit.selectors import elapsed_s, violation_of
 from runs.dashboard import selectors as dashboard
 from runs.killswitch.selectors import engaged_for_team
@@ -217,7 +219,6 @@ def overview_context(team: Team, now: datetime | None = None, *, range_key: str 
     from runs.dashboard.charts import activity_chart
 
     now = now or timezone.now()
-    first_look.look(team, now=now)  # whoever looks first settles (SPEC 11, 14), a share
     span = dashboard.chart_range(range_key)
     since = now - dashboard.RANGES[span.key]
     running, running_count = dashboard.running_runs(team, now=now)
@@ -238,9 +239,9 @@ def overview_context(team: Team, now: datetime | None = None, *, range_key: str 
     }
 
 
-def runs_list_context(team: Team, filters: dashboard.RunFilters) -> dict[str, Any]:
-    now = timezone.now()
-    first_look.look(team, now=now)  # whoever looks first settles (SPEC 11, 14), a share
+def runs_list_context(team: Team, filters: dashboard.RunFilters, now: datetime | None = None
+                      ) -> dict[str, Any]:
+    now = now or timezone.now()
     page = dashboard.runs_page(team, filters, now=now)
     return {
         "team": team,
@@ -317,11 +318,9 @@ def approval_card(approval: Any, now: datetime | None = None) -> ApprovalCard:
 
 def approvals_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
     """The approvals page's live partials: pending first (soonest expiry first), then the
-    latest decided. Looking settles what is past its expiry (SPEC 11)."""
-    from runs.approvals.services import approvals_for_team
-
+    latest decided (the caller looked first: `first_look.look` settles what is past its
+    expiry, SPEC 11)."""
     now = now or timezone.now()
-    first_look.look(team, now=now)
     # A request that cannot be shown is logged and left out; the page still answers.
     cards = one_by_one(approvals_for_team(team, limit=50), lambda a: approval_card(a, now),
                        what="approval")
@@ -331,10 +330,7 @@ def approvals_context(team: Team, now: datetime | None = None) -> dict[str, Any]
 
 
 def run_approval_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
-    """The run page's pending banner: the request the run waits for, if any."""
-    from runs.approvals.services import pending_for_run, settle_if_due
-
+    """The run page's pending banner: the request the run waits for, if any (the caller
+    looked first: `first_look.look_at_run_page` settles what is due on it)."""
     pending = pending_for_run(run) if run.status == RunStatus.RUNNING else None
-    if pending is not None and settle_if_due(pending, now=now):
-        pending = None
     return {"approval": approval_card(pending, now) if pending is not None else None}

@@ -14,15 +14,13 @@ from decimal import Decimal
 from typing import Any
 from urllib.parse import urlencode
 
-from django.conf import settings
 from django.db.models import Avg, Count, Exists, Max, OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import TruncDay, TruncHour, TruncMinute
 from django.utils import timezone
 from governance_client.rules import WOULD_STOP
 
 from policies.models import Policy, Team
-from runs import first_look
-from runs.check.rate_limits import prune_hits_now_and_then
+from runs import due
 from runs.killswitch import cover
 from runs.models import Decision, KillSwitch, Run, RunStatus
 
@@ -120,7 +118,7 @@ def _matching(team: Team, filters: RunFilters, now: datetime) -> QuerySet[Run]:
     if filters.status:
         runs = runs.filter(status=filters.status)
         if filters.status == RunStatus.RUNNING:
-            runs = runs.filter(first_look.still_running(now))  # over, however unsaid
+            runs = runs.filter(due.still_running(now))  # over, however unsaid
     if filters.agent:
         runs = runs.filter(agent=filters.agent)
     if filters.stop_reason:
@@ -212,7 +210,7 @@ def runs_page(team: Team, filters: RunFilters, *, now: datetime | None = None) -
         runs, more_after = found[:RUNS_PER_PAGE], len(found) > RUNS_PER_PAGE
         first = not filters.after or _after(column, descending, filters.after) is None
     count = _matching(team, filters, now).order_by()[:COUNT_CAP + 1].count()
-    return RunsPage(runs=first_look.as_it_will_be(runs, now=now), first=first,
+    return RunsPage(runs=due.as_it_will_be(runs, now=now), first=first,
                     next_after=_cursor(runs[-1], column) if runs and more_after else None,
                     # A later page was reached from an earlier one: rows come before it.
                     previous_before=_cursor(runs[0], column) if runs and not first else None,
@@ -257,10 +255,7 @@ def running_runs(team: Team, *, limit: int = 10, now: datetime | None = None
     idle deadline (SPEC 14) or waiting for a request past its expiry (SPEC 11), ended or not
     yet (runs/first_look.py: the caller looks first)."""
     now = now or timezone.now()
-    if not settings.REDIS_URL:
-        # The embedded default runs no beat: the overview's reads keep the hits small.
-        prune_hits_now_and_then(now=now)
-    running = Run.objects.filter(first_look.still_running(now), team=team,
+    running = Run.objects.filter(due.still_running(now), team=team,
                                  status=RunStatus.RUNNING).select_related(
         "policy_version__policy"
     )

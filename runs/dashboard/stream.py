@@ -5,6 +5,9 @@ looks again whenever `runs.live.events.wakeups` says the team changed, and at le
 ``DASHBOARD_STREAM_LOOK_S`` seconds anyway, so a lost wake-up (Redis down, or another process
 without Redis) costs at most that delay. Only what changed is sent.
 
+Each look of a source lets runs/first_look.py settle what is due first, as the page's view
+does, then renders through the presenters, which change nothing.
+
 Streams have a bounded lifetime (``DASHBOARD_STREAM_SECONDS``): it ends and the browser's
 EventSource reconnects after ``retry`` ms, sending ``Last-Event-ID`` (the last decision id it
 received) so nothing is missed or repeated, and is authorized again.
@@ -42,8 +45,8 @@ from django.urls import reverse
 from governance.deadlines import read_deadline
 from policies.access import controls
 from policies.models import Team
-from runs.approvals.services import pending_count
-from runs.check.abandon import abandon_if_idle
+from runs import first_look
+from runs.approvals.selectors import pending_count
 from runs.dashboard.presenters import (
     approvals_context,
     killswitch_context,
@@ -344,7 +347,9 @@ class RunSource(Source):
         if run is None:  # deleted by retention while watched
             self._finished = True
             return []
-        run = abandon_if_idle(run)  # SPEC 14: a watched run past its deadline ends on screen
+        # Whoever looks first settles (SPEC 11, 14): a watched run past its deadline, or its
+        # request past its expiry, ends on screen.
+        run = first_look.look_at_run_page(run)
         frames = []
         for decision in timeline(run, after=self.after, flagged=self.flagged):
             html = render_to_string("runs/_step_row.html",
@@ -377,6 +382,7 @@ class OverviewSource(Source):
         self.partials = Partials()
 
     def frames(self) -> list[Frame]:
+        first_look.look_at_overview(self.team)
         return self.render(("overview-running", "overview-chart", "overview-switches",
                             "overview-loops", "overview-agents", "overview-rate-limited"),
                            overview_context(self.team, range_key=self.range_key))
@@ -391,6 +397,7 @@ class RunsListSource(Source):
         self.partials = Partials()
 
     def frames(self) -> list[Frame]:
+        first_look.look(self.team)
         return self.render(("runs-table",), runs_list_context(self.team, self.filters))
 
 
@@ -430,4 +437,5 @@ class ApprovalsSource(Source):
         self.partials = Partials()
 
     def frames(self) -> list[Frame]:
+        first_look.look(self.team)
         return self.render(("approvals-list",), approvals_context(self.team))

@@ -1,5 +1,9 @@
 """Dashboard screens for runs (SPEC section 7): the team overview, the live runs list and the
-live run page, and their server-sent event streams (runs/dashboard/stream.py)."""
+live run page, and their server-sent event streams (runs/dashboard/stream.py).
+
+Each view lets runs/first_look.py settle what is due first (whoever looks first settles,
+SPEC 11, 14, a bounded share), then reads through selectors and presenters, which change
+nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from django.views.decorators.http import require_safe
 from governance.web import page
 from policies.access import team_view
 from policies.models import Role
+from runs import first_look
 from runs.audit import selectors
 from runs.dashboard import presenters
 from runs.dashboard import selectors as dashboard
@@ -27,8 +32,10 @@ from runs.dashboard.stream import (
 @require_safe
 def overview(request: HttpRequest, slug: str) -> HttpResponse:
     range_key = dashboard.chart_range(request.GET.get("range")).key
+    now = timezone.now()
+    first_look.look_at_overview(request.team, now=now)
     return page(request, "runs/overview.html",
-                {**presenters.overview_context(request.team, range_key=range_key),
+                {**presenters.overview_context(request.team, now, range_key=range_key),
                  "own_stream": True})
 
 
@@ -43,8 +50,10 @@ def overview_stream(request: HttpRequest, slug: str) -> StreamingHttpResponse:
 @require_safe
 def runs_list(request: HttpRequest, slug: str) -> HttpResponse:
     filters = dashboard.RunFilters.from_query(request.GET)
+    now = timezone.now()
+    first_look.look(request.team, now=now)
     context = {
-        **presenters.runs_list_context(request.team, filters),
+        **presenters.runs_list_context(request.team, filters, now),
         "choices": dashboard.run_filter_choices(request.team),
         "own_stream": True,
     }
@@ -68,8 +77,8 @@ def runs_stream(request: HttpRequest, slug: str) -> StreamingHttpResponse:
 @team_view(Role.VIEWER)
 @require_safe
 def run_detail(request: HttpRequest, slug: str, run_id: str) -> HttpResponse:
-    run = selectors.run_for_team(request.team, run_id)
     now = timezone.now()
+    run = first_look.look_at_run_page(selectors.run_for_team(request.team, run_id), now=now)
     flagged = request.GET.get("only") == "flagged"
     decisions, earlier = dashboard.timeline_page(run, before=_int(request.GET.get("before")),
                                                  flagged=flagged)
@@ -98,7 +107,7 @@ def _int(raw: str | None) -> int | None:
 @require_safe
 def run_timeline(request: HttpRequest, slug: str, run_id: str) -> HttpResponse:
     """Earlier timeline rows (htmx): the page before ``before``, with its own "earlier" row."""
-    run = selectors.run_for_team(request.team, run_id)
+    run = first_look.look_at_run(selectors.run_for_team(request.team, run_id))
     flagged = request.GET.get("only") == "flagged"
     decisions, earlier = dashboard.timeline_page(run, before=_int(request.GET.get("before")),
                                                  flagged=flagged)
@@ -112,6 +121,7 @@ def run_timeline(request: HttpRequest, slug: str, run_id: str) -> HttpResponse:
 @team_view(Role.VIEWER)
 @require_safe
 def run_stream(request: HttpRequest, slug: str, run_id: str) -> StreamingHttpResponse:
+    # Only the run's team is checked here (404 else): each look of the stream settles first.
     run = selectors.run_for_team(request.team, run_id)
     return sse_response(request, RunSource(request, request.team, run.pk,
                                            last_event_id(request),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django import template
 
 from policies.models import Team
-from runs.approvals.services import pending_count
+from runs.approvals.selectors import pending_count
 
 register = template.Library()
 

@@ -9,13 +9,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from policies.models import Team
-from runs.approvals.services import (
-    ApprovalError,
-    approval_decide,
-    approvals_for_team,
-    iso,
-    settle_due_for_team,
-)
+from runs.approvals.selectors import approvals_for_team, iso
+from runs.approvals.services import ApprovalError, approval_decide, settle_due_for_team
 
 
 def _shell_label() -> str:

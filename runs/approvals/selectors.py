@@ -1,0 +1,89 @@
+"""Reads of approvals (SPEC 11): the API's answer for a request, its final answer, and what
+the approvals page, the run page and the navigation show.
+
+They change nothing (an import-linter contract in pyproject.toml): what is due on a request
+(an expiry, a kill switch's cancellation) is settled before the read, by the caller's look
+(runs/first_look.py).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from governance_client import rules
+from policies.models import AgentKey, Team
+from runs.check import records
+from runs.models import Approval, ApprovalStatus, Decision, Run
+
+
+def iso(moment: datetime | None) -> str | None:
+    return moment.isoformat().replace("+00:00", "Z") if moment is not None else None
+
+
+def approval_json(approval: Approval) -> dict[str, Any]:
+    """The answer of GET /api/v1/approvals/{id} (SPEC 11)."""
+    return {
+        "id": str(approval.pk),
+        "run_id": str(approval.run_id),
+        "status": approval.status,
+        "action": {"name": approval.action_name, "type": approval.action_type,
+                   "args": approval.args if approval.args is not None else {}},
+        "requested_at": iso(approval.requested_at),
+        "expires_at": iso(approval.expires_at),
+        "decided_at": iso(approval.decided_at),
+        "decided_by": approval.decided_by_label or None,
+        "note": approval.note or None,
+        "decision": final_answer(approval),
+    }
+
+
+def final_answer(approval: Approval) -> dict[str, Any] | None:
+    """The request's final answer as its agent must act on it: null while pending, else
+    what a replay of its check answers (SPEC 4.5, 10): the stored answer while the run goes
+    on, or when it was a stop; once the run is over, the run's stop. An approved action whose
+    run was then killed or finished is not to be run: its answer is no longer the allow."""
+    if approval.status == ApprovalStatus.PENDING:
+        return None
+    stored = approval.decision if isinstance(approval.decision, dict) else None
+    run = approval.run
+    # rules.replay_allowed, on the stored answer.
+    if run.status == rules.RUNNING or (stored or {}).get("decision") == rules.STOP:
+        return stored
+    return records.stop_answer(run, _repeat_key(approval, stored))
+
+
+def _repeat_key(approval: Approval, stored: dict[str, Any] | None) -> str:
+    """The repeat key of the request's check: in its final answer, else in the pending
+    answer's audit record."""
+    key = (stored or {}).get("repeat_key")
+    if isinstance(key, str):
+        return key
+    return (Decision.objects.filter(pk=approval.requested_decision_id)
+            .values_list("repeat_key", flat=True).first() or "")
+
+
+def approval_for_key(key: AgentKey, approval_id: Any) -> Approval | None:
+    """The key's team's approval (an agent-bound key: only its agent's), None for another's:
+    as stored (the caller looks first: `first_look.look_at_approval`)."""
+    approvals = Approval.objects.filter(team_id=key.team_id).select_related("run")
+    if key.agent:
+        approvals = approvals.filter(run__agent=key.agent)
+    return approvals.filter(pk=approval_id).first()
+
+
+def approvals_for_team(team: Team, *, limit: int = 100) -> list[Approval]:
+    """Pending first (soonest to expire first), then the latest decided ones."""
+    pending = list(Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
+                   .select_related("run").order_by("expires_at")[:limit])
+    decided = list(Approval.objects.filter(team=team).exclude(status=ApprovalStatus.PENDING)
+                   .select_related("run").order_by("-decided_at", "-requested_at")[:limit])
+    return pending + decided
+
+
+def pending_count(team: Team) -> int:
+    return Approval.objects.filter(team=team, status=ApprovalStatus.PENDING).count()
+
+
+def pending_for_run(run: Run) -> Approval | None:
+    return Approval.objects.filter(run=run, status=ApprovalStatus.PENDING).first()
