@@ -119,12 +119,12 @@ def test_in_shadow_mode_nothing_waits_but_the_would_be_waits_are_counted():
 def test_a_wait_longer_than_the_time_left_is_a_stop_and_ends_the_play_of_its_run():
     # SPEC 12 with issue 26: the check answers stop / max_seconds, not a wait, when the
     # wait outlasts the run's time; the estimate counted it as a wait and played on.
-    stopped: list[tuple[Hashable, datetime]] = []
+    stopped: list[tuple[Hashable, datetime, int]] = []
     waits, complete = rate_limit_waits(
         draft(("search.*", "run", 1, 60)), [("r1", "bot", actions(0, 10, 20))],
         deadlines=[at(45)], out_of_time=stopped)
     assert (waits, complete) == ([], True)
-    assert stopped == [("r1", at(10))]
+    assert stopped == [("r1", at(10), 0)]
     # A wait that fits is a wait; the run's next action, moved past the deadline by it, is
     # stopped by the check's own max_seconds rule.
     stopped.clear()
@@ -132,7 +132,7 @@ def test_a_wait_longer_than_the_time_left_is_a_stop_and_ends_the_play_of_its_run
         draft(("search.*", "run", 2, 30)), [("r1", "bot", actions(0, 10, 20, 40))],
         deadlines=[at(45)], out_of_time=stopped)
     assert [(w.at, w.seconds) for w in waits] == [(at(20), 10.0)]
-    assert stopped == [("r1", at(50))]
+    assert stopped == [("r1", at(50), 0)]
 
 
 def test_the_estimator_counts_runs_a_wait_would_stop_out_of_time():

@@ -71,6 +71,7 @@ class Counted:
 
     at: datetime
     name: str
+    step: int = 0  # the recorded check's step
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +165,7 @@ def rate_limit_waits(draft: Policy,
                      max_waits: int = MAX_WAITS, max_work: int = MAX_WORK,
                      played: list[tuple[Hashable, datetime, str]] | None = None,
                      deadlines: Sequence[datetime | None] | None = None,
-                     out_of_time: list[tuple[Hashable, datetime]] | None = None,
+                     out_of_time: list[tuple[Hashable, datetime, int]] | None = None,
                      ) -> tuple[list[Wait], bool]:
     """The waits the draft's rate limits would answer to ``runs`` ((run, agent, its counted
     actions in time order)), and whether the play got to the end within its bounds.
@@ -180,7 +181,7 @@ def rate_limit_waits(draft: Policy,
     holds taken out): a wait longer than the time left is a stop at once (SPEC 12,
     `rules.wait_past_budget`), and an action its waits pushed past the deadline is stopped
     by the check's max_seconds rule; either way nothing more of that run is played, and
-    ``out_of_time``, when given, receives (run, when)."""
+    ``out_of_time``, when given, receives (run, when, the action's step)."""
     if not draft.rate_limits:
         return [], True
     shadow = draft.mode == "shadow"
@@ -197,7 +198,7 @@ def rate_limit_waits(draft: Policy,
         deadline = None if shadow or deadlines is None else deadlines[index]
         if deadline is not None and now > deadline:
             if out_of_time is not None:
-                out_of_time.append((run, now))
+                out_of_time.append((run, now, actions[position].step))
             continue
         # Two equal rules count the same stamps: one window of them is enough.
         scopes = list(dict.fromkeys(
@@ -214,7 +215,7 @@ def rate_limit_waits(draft: Policy,
             # The check answers stop / max_seconds rather than a wait the run's time cannot
             # cover: no wait, and the run goes no further.
             if out_of_time is not None:
-                out_of_time.append((run, now))
+                out_of_time.append((run, now, actions[position].step))
             continue
         if limited is not None:
             waits.append(Wait(run=run, agent=agent, at=now, seconds=limited[1]))
@@ -266,6 +267,9 @@ class Estimate:
     recorded_approval_requests: int = 0
     # Runs the draft's rate limits would stop out of time (a wait past the time left).
     out_of_time_stops: int = 0
+    # Of those, the runs their recording did not stop there so (run -> the step of the stop):
+    # what `policies.impact` counts as stopped by the draft (docs/policies.md).
+    out_of_time_changes: dict[Hashable, int] = field(default_factory=dict)
     total: Tally = field(default_factory=Tally)
     by_agent: dict[str, Tally] = field(default_factory=dict)
     by_hour: dict[str, Tally] = field(default_factory=dict)
@@ -329,6 +333,7 @@ class Estimator:
         self.estimate = Estimate(shadow=draft.mode == "shadow")
         self._counted: list[tuple[Hashable, str, Sequence[Counted]]] = []
         self._deadlines: list[datetime | None] = []
+        self._recorded_stops: dict[Hashable, tuple[str, int] | None] = {}
 
     @property
     def needs_trace(self) -> bool:
@@ -362,20 +367,23 @@ class Estimator:
                 for tally in est._tallies(agent, moment):
                     tally.approval_requests += 1
             if decision.outcome in RATE_COUNTED and rate_limits_matching(self.draft, rec.name):
-                counted.append(Counted(at=moment, name=rec.name))
+                counted.append(Counted(at=moment, name=rec.name, step=rec.step))
         if counted:
             counted.sort(key=lambda action: action.at)  # stable: decision order on a tie
             self._counted.append((run, agent, counted))
+            self._recorded_stops[run] = recorded_stop(steps)
             self._deadlines.append(None if self.draft.max_seconds is None else
                                    started_at + timedelta(seconds=float(self.draft.max_seconds)))
         return effect
 
     def result(self) -> Estimate:
-        stopped: list[tuple[Hashable, datetime]] = []
+        stopped: list[tuple[Hashable, datetime, int]] = []
         waits, complete = rate_limit_waits(self.draft, self._counted,
                                            deadlines=self._deadlines, out_of_time=stopped)
         est = self.estimate
         est.out_of_time_stops = len(stopped)
+        est.out_of_time_changes = {run: step for run, _, step in stopped
+                                   if self._recorded_stops.get(run) != ("max_seconds", step)}
         est.complete = complete
         for wait in waits:
             for tally in est._tallies(wait.agent, wait.at):
