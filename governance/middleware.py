@@ -12,6 +12,7 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.core.handlers.wsgi import WSGIRequest
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import render, resolve_url
@@ -255,6 +256,14 @@ class JsonApiErrorsMiddleware(_SyncAndAsync):
     @staticmethod
     def before_view(request: HttpRequest) -> HttpResponse | None:
         if request.method in {"POST", "PUT", "PATCH"}:
+            if isinstance(request, WSGIRequest) and not request.META.get("CONTENT_LENGTH") \
+                    and "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower():
+                # Django's WSGI request reads CONTENT_LENGTH bytes of the body, none without
+                # it: a chunked body (which `manage.py serve`'s ASGI server decodes) would
+                # reach the view empty and be refused as missing.
+                return error(411, "length_required",
+                             "This server (WSGI, as `make demo`'s) does not read a chunked "
+                             "body: send the body with a Content-Length header.")
             limit = body_limit(request.path)
             try:
                 # META, not request.headers: that mapping is built from every header on
