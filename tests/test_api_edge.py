@@ -96,3 +96,19 @@ def test_a_chunked_body_a_wsgi_server_cannot_read_is_refused_not_read_as_empty(
     # With its length the same body is read as always.
     assert api.post(path.format(run=run), body, content_type="application/json",
                     HTTP_TRANSFER_ENCODING="chunked").status_code in (200, 201)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("length", ["abc", "1e3", "12, 12", "²"])
+def test_a_content_length_that_is_not_a_number_is_a_400_not_a_500(api, client,
+                                                                   length: str) -> None:
+    # Django reads the header with int() when a body is read (request.body): under a WSGI
+    # server (`make demo`) the API, the pages and the health views answered 500.
+    response = api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json",
+                        CONTENT_LENGTH=length)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "bad_request"
+    assert "Content-Length" in response.json()["error"]["message"]
+    page = client.post("/accounts/login/", "username=a",
+                       content_type="application/x-www-form-urlencoded", CONTENT_LENGTH=length)
+    assert page.status_code == 400 and b"Content-Length" in page.content
