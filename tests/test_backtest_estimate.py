@@ -588,3 +588,27 @@ def test_a_result_stored_before_the_estimate_still_shows(team, users):
     html = response.content.decode()
     assert 'data-runs="3"' in html and "backtest-effect" not in html
     assert "backtest-estimate" not in html
+
+
+@pytest.mark.django_db
+def test_a_stop_the_policys_own_rate_limit_made_is_no_change_under_that_policy(
+        api, team, tmp_path):
+    # The second check would wait about an hour with 45 s of budget: the check answered
+    # stop / max_seconds (issue 26). The replay of one run cannot see the rate limit, so
+    # backtesting that same version said the run would go on ("let 1 stopped run go on",
+    # one change) while the estimate said it would stop there.
+    set_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 1000},
+               budgets={"max_seconds": 45},
+               rate_limits=[{"match": "search.*", "per": "run", "max": 1, "window_s": 3600}])
+    run_id = api.post("/api/v1/runs", {"agent": "support-bot"},
+                      content_type="application/json").json()["run_id"]
+    answers = [api.post(f"/api/v1/runs/{run_id}/check",
+                        {"action": {"name": "search.docs", "args": {"q": n}}},
+                        content_type="application/json").json() for n in range(2)]
+    assert [(a["decision"], a["reason"]) for a in answers] == [
+        ("allow", "step_ok"), ("stop", "max_seconds")]
+    same = command_json(team, tmp_path)
+    assert (same["changed"], same["effect"]["let_on"]) == (0, 0)
+    assert same["estimate"]["max_seconds_stops"] == 1
+    # A draft without the limit lets the run go on: that is a change.
+    assert command_json(team, tmp_path, rate_limits=[])["changed"] == 1

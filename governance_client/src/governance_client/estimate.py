@@ -270,6 +270,11 @@ class Estimate:
     # Of those, the runs their recording did not stop there so (run -> the step of the stop):
     # what `policies.impact` counts as stopped by the draft (docs/policies.md).
     out_of_time_changes: dict[Hashable, int] = field(default_factory=dict)
+    # The rest: runs whose recorded stop (stop / max_seconds at that step, a wait past the
+    # time left) the draft's rate limits make again, though the replay of one run, which
+    # cannot see rate limits, let them on. They are no change (`effect_let_on` leaves them
+    # out; the selector drops them from the changes).
+    reproduced: set[Hashable] = field(default_factory=set)
     total: Tally = field(default_factory=Tally)
     by_agent: dict[str, Tally] = field(default_factory=dict)
     by_hour: dict[str, Tally] = field(default_factory=dict)
@@ -334,6 +339,7 @@ class Estimator:
         self._counted: list[tuple[Hashable, str, Sequence[Counted]]] = []
         self._deadlines: list[datetime | None] = []
         self._recorded_stops: dict[Hashable, tuple[str, int] | None] = {}
+        self._let_on: set[Hashable] = set()
 
     @property
     def needs_trace(self) -> bool:
@@ -372,6 +378,8 @@ class Estimator:
             counted.sort(key=lambda action: action.at)  # stable: decision order on a tie
             self._counted.append((run, agent, counted))
             self._recorded_stops[run] = recorded_stop(steps)
+            if effect.let_on:
+                self._let_on.add(run)
             self._deadlines.append(None if self.draft.max_seconds is None else
                                    started_at + timedelta(seconds=float(self.draft.max_seconds)))
         return effect
@@ -384,6 +392,9 @@ class Estimator:
         est.out_of_time_stops = len(stopped)
         est.out_of_time_changes = {run: step for run, _, step in stopped
                                    if self._recorded_stops.get(run) != ("max_seconds", step)}
+        est.reproduced = {run for run, _, _ in stopped
+                          if run not in est.out_of_time_changes and run in self._let_on}
+        est.effect_let_on -= len(est.reproduced)
         est.complete = complete
         for wait in waits:
             for tally in est._tallies(wait.agent, wait.at):
