@@ -22,9 +22,16 @@ IMPACT_SINCE = inputs.DEFAULT_SINCE
 
 def stopped_at_once(report: selectors.Report) -> tuple[int, dict[str, int]]:
     """Of the runs the backtest says would change, those the draft stops by its own rules at
-    step 1 (a kill is replayed as recorded, never the draft's), by the draft's reason."""
+    step 1 (a kill is replayed as recorded, never the draft's), by the draft's reason; with
+    the runs whose first check would wait longer than their time left (`max_seconds`)."""
     counts = Counter(c.draft["stop_reason"] for c in report.changes
                      if c.draft["status"] == "stopped" and c.draft["step"] == 1)
+    # A rate-limit wait longer than the run's time left is a stop at once too (SPEC 12,
+    # issue 26): the replay of one run cannot see it, the estimate across the runs does.
+    waits_stop = sum(step == 1 for step in (report.estimate.out_of_time_changes.values()
+                                             if report.estimate is not None else ()))
+    if waits_stop:
+        counts["max_seconds"] += waits_stop
     ordered = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
     return sum(counts.values()), ordered
 

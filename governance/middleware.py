@@ -12,6 +12,7 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.core.handlers.wsgi import WSGIRequest
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import render, resolve_url
@@ -104,6 +105,9 @@ class ApiRouteMiddleware(_SyncAndAsync):
         self.api = ApiChain(is_async=self.async_mode)._middleware_chain
 
     def __call__(self, request: HttpRequest) -> Any:
+        refused = _bad_length(request)
+        if refused is not None:
+            return self._answer_async(refused) if self.async_mode else refused
         if request.path.startswith(API_PREFIX):
             if request.method == "HEAD":
                 # HEAD is GET without the body (RFC 9110 9.3.2): the API's operations name
@@ -118,6 +122,26 @@ class ApiRouteMiddleware(_SyncAndAsync):
 
     async def _head_async(self, request: HttpRequest) -> HttpResponse:
         return _headless(await self.api(request))
+
+    @staticmethod
+    async def _answer_async(response: HttpResponse) -> HttpResponse:
+        return response
+
+
+_BAD_LENGTH = "Bad request: the Content-Length header is not a number."
+
+
+def _bad_length(request: HttpRequest) -> HttpResponse | None:
+    """A 400 for a Content-Length that is not digits (RFC 9112 6.3): Django reads it with
+    int() when a body is read, and its ValueError was a 500 under a WSGI server (`make
+    demo`'s runserver) wherever a body is read: the API, the pages' CSRF check, /healthz.
+    `manage.py serve`'s server refuses such a request before the application."""
+    length = request.META.get("CONTENT_LENGTH")
+    if not length or (length.isascii() and length.strip().isdigit()):
+        return None
+    if request.path.startswith(API_PREFIX):
+        return error(400, "bad_request", _BAD_LENGTH)
+    return HttpResponseBadRequest(_BAD_LENGTH, content_type="text/plain; charset=utf-8")
 
 
 def _headless(response: HttpResponse) -> HttpResponse:
@@ -255,6 +279,14 @@ class JsonApiErrorsMiddleware(_SyncAndAsync):
     @staticmethod
     def before_view(request: HttpRequest) -> HttpResponse | None:
         if request.method in {"POST", "PUT", "PATCH"}:
+            if isinstance(request, WSGIRequest) and not request.META.get("CONTENT_LENGTH") \
+                    and "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower():
+                # Django's WSGI request reads CONTENT_LENGTH bytes of the body, none without
+                # it: a chunked body (which `manage.py serve`'s ASGI server decodes) would
+                # reach the view empty and be refused as missing.
+                return error(411, "length_required",
+                             "This server (WSGI, as `make demo`'s) does not read a chunked "
+                             "body: send the body with a Content-Length header.")
             limit = body_limit(request.path)
             try:
                 # META, not request.headers: that mapping is built from every header on

@@ -76,3 +76,39 @@ def test_the_asgi_refusal_and_the_middlewares_are_the_same_413(api, path: str) -
     assert early == late.json() == {"error": {
         "code": "payload_too_large", "message": f"The body is over {limit // 1024} KiB.",
         "fields": {}}}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/api/v1/runs", "/api/v1/runs/{run}/check"])
+def test_a_chunked_body_a_wsgi_server_cannot_read_is_refused_not_read_as_empty(
+        api, path: str) -> None:
+    # Django's WSGI request reads CONTENT_LENGTH bytes, none without it: under `make demo`'s
+    # runserver (or any WSGI server) a chunked body reached the view empty and the agent was
+    # told 422 "a JSON object body is required" for a body it did send.
+    run = api.post("/api/v1/runs", {"agent": "bot"},
+                   content_type="application/json").json()["run_id"]
+    body = {"agent": "bot"} if path == "/api/v1/runs" else {"action": {"name": "search"}}
+    response = api.post(path.format(run=run), body, content_type="application/json",
+                        HTTP_TRANSFER_ENCODING="chunked", CONTENT_LENGTH="")
+    assert response.status_code == 411
+    assert response.json()["error"]["code"] == "length_required"
+    assert "Content-Length" in response.json()["error"]["message"]
+    # With its length the same body is read as always.
+    assert api.post(path.format(run=run), body, content_type="application/json",
+                    HTTP_TRANSFER_ENCODING="chunked").status_code in (200, 201)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("length", ["abc", "1e3", "12, 12", "²"])
+def test_a_content_length_that_is_not_a_number_is_a_400_not_a_500(api, client,
+                                                                   length: str) -> None:
+    # Django reads the header with int() when a body is read (request.body): under a WSGI
+    # server (`make demo`) the API, the pages and the health views answered 500.
+    response = api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json",
+                        CONTENT_LENGTH=length)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "bad_request"
+    assert "Content-Length" in response.json()["error"]["message"]
+    page = client.post("/accounts/login/", "username=a",
+                       content_type="application/x-www-form-urlencoded", CONTENT_LENGTH=length)
+    assert page.status_code == 400 and b"Content-Length" in page.content

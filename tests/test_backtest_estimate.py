@@ -116,6 +116,40 @@ def test_in_shadow_mode_nothing_waits_but_the_would_be_waits_are_counted():
     assert [(t - T0).total_seconds() for _, t, _ in played] == [0, 10, 20, 30]
 
 
+def test_a_wait_longer_than_the_time_left_is_a_stop_and_ends_the_play_of_its_run():
+    # SPEC 12 with issue 26: the check answers stop / max_seconds, not a wait, when the
+    # wait outlasts the run's time; the estimate counted it as a wait and played on.
+    stopped: list[tuple[Hashable, datetime, int]] = []
+    waits, complete = rate_limit_waits(
+        draft(("search.*", "run", 1, 60)), [("r1", "bot", actions(0, 10, 20))],
+        deadlines=[at(45)], out_of_time=stopped)
+    assert (waits, complete) == ([], True)
+    assert stopped == [("r1", at(10), 0)]
+    # A wait that fits is a wait; the run's next action, moved past the deadline by it, is
+    # stopped by the check's own max_seconds rule.
+    stopped.clear()
+    waits, _ = rate_limit_waits(
+        draft(("search.*", "run", 2, 30)), [("r1", "bot", actions(0, 10, 20, 40))],
+        deadlines=[at(45)], out_of_time=stopped)
+    assert [(w.at, w.seconds) for w in waits] == [(at(20), 10.0)]
+    assert stopped == [("r1", at(50), 0)]
+
+
+def test_the_estimator_counts_runs_a_wait_would_stop_out_of_time():
+    policy = draft(("search.*", "agent", 1, 3600), max_seconds=45)
+    estimator = Estimator(policy)
+    for run in ("r1", "r2"):
+        steps = checks("search.docs")
+        estimator.add_run(run=run, agent="bot", started_at=T0, steps=steps,
+                          outcome=replayed(policy, steps), recorded_steps=1,
+                          recorded_cost=Decimal("0.1"))
+    result = estimator.result()
+    assert (result.total.rate_limit_waits, result.out_of_time_stops) == (0, 1)
+    assert result.as_json()["estimate"]["max_seconds_stops"] == 1
+    assert "stop ~1 run out of time (max_seconds) where a rate-limit wait would outlast it" \
+        in result.summary()
+
+
 def test_without_rate_limits_nothing_is_played():
     assert play(draft(), [("r1", "bot", actions(0, 0, 0))]) == ([], True, [])
 
@@ -554,3 +588,27 @@ def test_a_result_stored_before_the_estimate_still_shows(team, users):
     html = response.content.decode()
     assert 'data-runs="3"' in html and "backtest-effect" not in html
     assert "backtest-estimate" not in html
+
+
+@pytest.mark.django_db
+def test_a_stop_the_policys_own_rate_limit_made_is_no_change_under_that_policy(
+        api, team, tmp_path):
+    # The second check would wait about an hour with 45 s of budget: the check answered
+    # stop / max_seconds (issue 26). The replay of one run cannot see the rate limit, so
+    # backtesting that same version said the run would go on ("let 1 stopped run go on",
+    # one change) while the estimate said it would stop there.
+    set_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 1000},
+               budgets={"max_seconds": 45},
+               rate_limits=[{"match": "search.*", "per": "run", "max": 1, "window_s": 3600}])
+    run_id = api.post("/api/v1/runs", {"agent": "support-bot"},
+                      content_type="application/json").json()["run_id"]
+    answers = [api.post(f"/api/v1/runs/{run_id}/check",
+                        {"action": {"name": "search.docs", "args": {"q": n}}},
+                        content_type="application/json").json() for n in range(2)]
+    assert [(a["decision"], a["reason"]) for a in answers] == [
+        ("allow", "step_ok"), ("stop", "max_seconds")]
+    same = command_json(team, tmp_path)
+    assert (same["changed"], same["effect"]["let_on"]) == (0, 0)
+    assert same["estimate"]["max_seconds_stops"] == 1
+    # A draft without the limit lets the run go on: that is a change.
+    assert command_json(team, tmp_path, rate_limits=[])["changed"] == 1

@@ -130,6 +130,33 @@ def test_a_deny_all_save_shows_every_run_stopped(team, admin, recorded):
     assert current(team)["tools"]["allow"] is None
 
 
+def test_a_rate_limit_whose_waits_outlast_the_runs_time_asks_too(team, admin, recorded):
+    # One action a day for the whole team: every run after the first would wait about a day
+    # at its first check, longer than its 45 s, and the check answers stop / max_seconds at
+    # once (issue 26). The replay of one run does not see rate limits; the estimate does.
+    before = current(team)
+    refused = save(admin, team, rate_limits="* team 1 86400", max_seconds="45")
+    assert refused.status_code == 422
+    assert "would stop 2 of its 3 most recent ended runs (started within 30 days) at their " \
+           "first step: max_seconds 2." in refused.content.decode()
+    assert current(team) == before
+
+
+def test_runs_a_rate_limit_already_stopped_out_of_time_do_not_ask_again(team, admin, api):
+    # Under that policy already, its runs were stopped so when they ran: a harmless edit of
+    # it (another max_steps) never asks.
+    day = [{"match": "*", "per": "team", "max": 1, "window_s": 86400}]
+    set_policy(team, rate_limits=day)
+    answers = []
+    for _ in range(3):
+        run_id = start(api)
+        answers.append(check(api, run_id, name="search.docs")["reason"])
+        finish(api, run_id)
+    assert answers == ["step_ok", "max_seconds", "max_seconds"]
+    response = save(admin, team, rate_limits="* team 1 86400", max_steps="30")
+    assert response.status_code == 302, response.content.decode()[:2000]
+
+
 def test_a_harmless_change_or_a_minority_never_asks(team, admin, recorded):
     assert save(admin, team, max_steps="30").status_code == 302
     assert current(team)["step_limits"]["max_steps"] == 30

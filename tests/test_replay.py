@@ -112,6 +112,23 @@ def test_an_abandonment_is_replayed_as_recorded():
     assert (outcome.status, outcome.stop_reason, outcome.step) == ("stopped", "abandoned", 1)
 
 
+def test_a_run_ended_out_of_time_by_the_sweep_is_replayed_as_recorded():
+    # The sweep's record of a run whose time budget ran out with no check (issue 26) has no
+    # action: no check was decided there. Replayed as a check it was an allow of an action
+    # named "" at exactly max_seconds, so the unchanged policy said "not stopped".
+    swept = Recorded(outcome="stop", reason="max_seconds", step=1, name="", elapsed_s=45.0)
+    steps = [call(1), swept]
+    policy = Policy(max_seconds=45)
+    outcome = replay(policy, steps, started_at=T0, recorded=policy, trace=True)
+    assert (outcome.status, outcome.stop_reason, outcome.step) == ("stopped", "max_seconds", 1)
+    assert not changed(recorded_stop(steps), outcome)
+    assert [rec.name for rec, _ in outcome.decisions] == ["search"]
+    # A draft that stops earlier still wins: the silence that followed never came.
+    later = Recorded(outcome="stop", reason="max_seconds", step=2, name="", elapsed_s=45.0)
+    assert replay(Policy(max_steps=1, max_seconds=None), [call(1), call(2), later],
+                  started_at=T0, recorded=policy).stop == ("max_steps", 2)
+
+
 def test_a_kill_answered_to_a_check_counts_that_check():
     steps = [call(1), call(2, outcome="stop", reason="killed")]
     outcome = replay(LOOSE, steps, started_at=T0, recorded=LOOSE)

@@ -71,6 +71,7 @@ class Counted:
 
     at: datetime
     name: str
+    step: int = 0  # the recorded check's step
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +164,8 @@ def rate_limit_waits(draft: Policy,
                      runs: Sequence[tuple[Hashable, str, Sequence[Counted]]], *,
                      max_waits: int = MAX_WAITS, max_work: int = MAX_WORK,
                      played: list[tuple[Hashable, datetime, str]] | None = None,
+                     deadlines: Sequence[datetime | None] | None = None,
+                     out_of_time: list[tuple[Hashable, datetime, int]] | None = None,
                      ) -> tuple[list[Wait], bool]:
     """The waits the draft's rate limits would answer to ``runs`` ((run, agent, its counted
     actions in time order)), and whether the play got to the end within its bounds.
@@ -171,7 +174,14 @@ def rate_limit_waits(draft: Policy,
     first across the runs; each rule keeps the ``max`` most recent stamps of each scope,
     which is all `window_of` needs. In shadow mode nothing waits: a would-be wait is counted
     and the action runs at its recorded time (SPEC 12). ``played``, when given, receives
-    each action as it was counted: (run, when, name)."""
+    each action as it was counted: (run, when, name).
+
+    ``deadlines`` (one per run, or None) is when each run's time budget runs out under the
+    draft (its start plus ``max_seconds``; the times played are active time, the recorded
+    holds taken out): a wait longer than the time left is a stop at once (SPEC 12,
+    `rules.wait_past_budget`), and an action its waits pushed past the deadline is stopped
+    by the check's max_seconds rule; either way nothing more of that run is played, and
+    ``out_of_time``, when given, receives (run, when, the action's step)."""
     if not draft.rate_limits:
         return [], True
     shadow = draft.mode == "shadow"
@@ -184,6 +194,12 @@ def rate_limit_waits(draft: Policy,
     while heap:
         now, index, position = heapq.heappop(heap)
         run, agent, actions = runs[index]
+        # Nothing waits in shadow mode, so no wait runs a run out of time.
+        deadline = None if shadow or deadlines is None else deadlines[index]
+        if deadline is not None and now > deadline:
+            if out_of_time is not None:
+                out_of_time.append((run, now, actions[position].step))
+            continue
         # Two equal rules count the same stamps: one window of them is enough.
         scopes = list(dict.fromkeys(
             (rule, _scope(rule, run, agent))
@@ -194,6 +210,13 @@ def rate_limit_waits(draft: Policy,
             work += len(recent)
             windows.append(window_of(key[0], recent, now))
         limited = rate_wait(windows)
+        if limited is not None and deadline is not None and \
+                limited[1] > (deadline - now).total_seconds():
+            # The check answers stop / max_seconds rather than a wait the run's time cannot
+            # cover: no wait, and the run goes no further.
+            if out_of_time is not None:
+                out_of_time.append((run, now, actions[position].step))
+            continue
         if limited is not None:
             waits.append(Wait(run=run, agent=agent, at=now, seconds=limited[1]))
             if len(waits) >= max_waits or work > max_work:
@@ -242,6 +265,16 @@ class Estimate:
     cost_removed: Decimal = Decimal(0)
     recorded_waits: int = 0
     recorded_approval_requests: int = 0
+    # Runs the draft's rate limits would stop out of time (a wait past the time left).
+    out_of_time_stops: int = 0
+    # Of those, the runs their recording did not stop there so (run -> the step of the stop):
+    # what `policies.impact` counts as stopped by the draft (docs/policies.md).
+    out_of_time_changes: dict[Hashable, int] = field(default_factory=dict)
+    # The rest: runs whose recorded stop (stop / max_seconds at that step, a wait past the
+    # time left) the draft's rate limits make again, though the replay of one run, which
+    # cannot see rate limits, let them on. They are no change (`effect_let_on` leaves them
+    # out; the selector drops them from the changes).
+    reproduced: set[Hashable] = field(default_factory=set)
     total: Tally = field(default_factory=Tally)
     by_agent: dict[str, Tally] = field(default_factory=dict)
     by_hour: dict[str, Tally] = field(default_factory=dict)
@@ -258,7 +291,7 @@ class Estimate:
                        "cost_removed_usd": str(self.cost_removed.quantize(MICRO_USD))},
             "estimate": {
                 "shadow": self.shadow, "complete": self.complete,
-                **self.total.as_json(),
+                **self.total.as_json(), "max_seconds_stops": self.out_of_time_stops,
                 "recorded": {"rate_limit_waits": self.recorded_waits,
                              "approval_requests": self.recorded_approval_requests},
                 "by_agent": {k: v.as_json() for k, v in sorted(self.by_agent.items())},
@@ -280,6 +313,9 @@ class Estimate:
         if self.effect_let_on:
             parts.append(f"let {_count(self.effect_let_on, 'stopped run')} go on")
         about = "~" if self.complete else "at least "
+        if self.out_of_time_stops:
+            parts.append(f"stop {about}{_count(self.out_of_time_stops, 'run')} out of time "
+                         "(max_seconds) where a rate-limit wait would outlast it")
         waits, requests = self.total.rate_limit_waits, self.total.approval_requests
         caused = (f"{about}{_count(waits, 'rate-limit wait')} ({about}"
                   f"{round(self.total.wait_s):,} s of waiting)" if waits else
@@ -301,6 +337,9 @@ class Estimator:
         self.draft = draft
         self.estimate = Estimate(shadow=draft.mode == "shadow")
         self._counted: list[tuple[Hashable, str, Sequence[Counted]]] = []
+        self._deadlines: list[datetime | None] = []
+        self._recorded_stops: dict[Hashable, tuple[str, int] | None] = {}
+        self._let_on: set[Hashable] = set()
 
     @property
     def needs_trace(self) -> bool:
@@ -334,15 +373,28 @@ class Estimator:
                 for tally in est._tallies(agent, moment):
                     tally.approval_requests += 1
             if decision.outcome in RATE_COUNTED and rate_limits_matching(self.draft, rec.name):
-                counted.append(Counted(at=moment, name=rec.name))
+                counted.append(Counted(at=moment, name=rec.name, step=rec.step))
         if counted:
             counted.sort(key=lambda action: action.at)  # stable: decision order on a tie
             self._counted.append((run, agent, counted))
+            self._recorded_stops[run] = recorded_stop(steps)
+            if effect.let_on:
+                self._let_on.add(run)
+            self._deadlines.append(None if self.draft.max_seconds is None else
+                                   started_at + timedelta(seconds=float(self.draft.max_seconds)))
         return effect
 
     def result(self) -> Estimate:
-        waits, complete = rate_limit_waits(self.draft, self._counted)
+        stopped: list[tuple[Hashable, datetime, int]] = []
+        waits, complete = rate_limit_waits(self.draft, self._counted,
+                                           deadlines=self._deadlines, out_of_time=stopped)
         est = self.estimate
+        est.out_of_time_stops = len(stopped)
+        est.out_of_time_changes = {run: step for run, _, step in stopped
+                                   if self._recorded_stops.get(run) != ("max_seconds", step)}
+        est.reproduced = {run for run, _, _ in stopped
+                          if run not in est.out_of_time_changes and run in self._let_on}
+        est.effect_let_on -= len(est.reproduced)
         est.complete = complete
         for wait in waits:
             for tally in est._tallies(wait.agent, wait.at):

@@ -11,7 +11,7 @@ What is not the draft's to decide is replayed as recorded:
 - a kill switch: a check that was answered ``killed`` is decided again with the kill, and a
   kill without an action (the fan-out) ends the replay where it happened;
 - operators' and the system's decisions: an approval's outcome (approved, denied, expired),
-  an abandonment;
+  an abandonment, the sweep's end of a run out of time;
 - recorded waits (rate limits) are skipped: they registered nothing;
 - everything after the recorded run's first stop is skipped: the agent stopped there.
 
@@ -53,6 +53,11 @@ AS_RECORDED = frozenset({"killed", "abandoned", "approval_denied", "approval_exp
 # Answers to a check of a run that was already over (finished by its agent): the recorded
 # run ended before them, no policy stopped it.
 RUN_OVER = frozenset({RUN_FINISHED, AGENT_STOPPED})
+# The sweep's end of a run whose time budget ran out with no check (SPEC 14, issue 26): a
+# record without an action, replayed as recorded like an abandonment (its agent had gone
+# silent, so the run ends at that step under any draft). A check's own max_seconds stop
+# names its action and is the draft's to decide.
+OUT_OF_TIME = "max_seconds"
 NOT_SIMULATED = ("rate_limits", "approvals", "max_idle_seconds")
 REPLAYED_KILL = "a kill switch (replayed as recorded)"
 
@@ -189,10 +194,11 @@ def replay(draft: Policy, steps: Iterable[Recorded], *, started_at: datetime,
                 continue
         if rec.outcome == STOP and rec.reason in RUN_OVER:
             break
-        if rec.outcome == STOP and rec.reason in AS_RECORDED and not (
-                rec.reason == "killed" and rec.name):
-            # A fan-out kill, an abandonment, an approval outcome seen on its own: no check
-            # was decided, the step does not move.
+        if rec.outcome == STOP and (
+                (rec.reason in AS_RECORDED and not (rec.reason == "killed" and rec.name))
+                or (rec.reason == OUT_OF_TIME and not rec.name)):
+            # A fan-out kill, an abandonment, the sweep's end of a run out of time, an
+            # approval outcome seen on its own: no check was decided, the step does not move.
             return ended(KILLED if rec.reason == "killed" else STOPPED, rec.reason,
                          state.steps)
         check = Check(name=rec.name, type=rec.type, args=rec.args or {},
