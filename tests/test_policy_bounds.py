@@ -125,6 +125,21 @@ def test_anchors_and_aliases_within_the_bounds_are_read() -> None:
     assert [p["step_limits"]["max_steps"] for p in teams[0]["policies"]] == [5, 5]
 
 
+def test_a_key_written_twice_is_refused_where_it_is_written_again() -> None:
+    # YAML's loaders keep the last one silently: this policy would be enforced while its
+    # reader saw shadow (found by trying the Import page as an operator would).
+    text = ("teams:\n  - slug: support\n    policies:\n      - name: default\n"
+            "        mode: shadow\n        mode: enforce\n")
+    words = refusal(text)
+    assert "found the key 'mode' twice in one mapping" in words and "line 6, column 9" in words
+    assert "twice" in refusal("- {x: 1, x: 2}\n")
+
+
+def test_a_merge_may_still_be_overridden_by_the_mappings_own_keys() -> None:
+    assert load_yaml("a: &x {b: 1}\nc:\n  <<: *x\n  b: 2\n") == {"a": {"b": 1}, "c": {"b": 2}}
+    assert load_yaml("a: 1\nb: {a: 1}\n") == {"a": 1, "b": {"a": 1}}
+
+
 def test_a_deep_alias_counts_as_the_levels_it_repeats() -> None:
     eight = "[" * 8 + "1" + "]" * 8
     assert f"at most {MAX_DEPTH} levels" in refusal(f"a: &a {eight}\nb: {eight.replace('1', '*a')}")
