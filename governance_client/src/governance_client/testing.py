@@ -1,12 +1,16 @@
 """An in-process fake of the governance service, for testing agents without a server.
 
 It serves the HTTP surface of SPEC 5 (start, get, check, finish, error bodies, the upload of
-local decisions) and decides every check with the server's own rules
-(``governance_client.rules.evaluate``): steps, repeats, no progress, budgets, tool allow/deny
-lists, repeated errors, shadow mode, ``check_id`` replay, a kill switch. On top of them it
-scripts what a person or other agents would do on the real service: approvals (SPEC 11),
-decided by an ``operator`` callback or by ``decide``, and rate limits (SPEC 12) on a clock of
-its own, which the client's sleeps advance::
+local decisions, the approval poll) and decides as the service does, through the same pure
+functions: ``rules.evaluate`` for every check (the stop rules, shadow mode, the rate limits
+from ``rules.window_of`` over the actions it counted, the approvals it opens),
+``rules.settle`` for an approval's final answer (approved, denied, expired as of its
+``expires_at``, cancelled by the kill switch), ``rules.record_outcome`` for uploaded local
+decisions, ``rules.finish``, and ``answers`` for every answer. What is its own is the
+routing, a clock (`now`: it moves only with the clients' sleeps and long polls and with
+``advance``) and a scripted operator (``operator`` or ``decide``) standing in for the people
+and other agents of the real service. tests/test_fake_parity.py runs one table of scenarios
+through the fake and the server and compares the answers::
 
     fake = FakeGovernance(max_repeat_action=3, max_usd=1.0, deny=["shell.*"])
     with fake.client() as client, client.run("my-agent") as run:
