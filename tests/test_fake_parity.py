@@ -87,6 +87,9 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[tuple[str, Any]]]] = {
         check(args={"q": 1}), check("refund.issue", {"order": 7}, check_id="r1"), wait(901),
         check("refund.issue", {"order": 7}, check_id="r1"), check(),
         ("finish", "failed")]),
+    "approval_cancelled_by_a_finish": (APPROVALS, [
+        check("refund.issue", {"order": 7}, check_id="r1"), wait(10), ("finish", "stopped"),
+        check("refund.issue", {"order": 7}, check_id="r1"), check()]),
     "approval_needs_a_check_id": (APPROVALS, [check("refund.issue", {"order": 7})]),
     "approval_cancelled_by_a_kill_switch": (APPROVALS, [
         check("refund.issue", {"order": 7}, check_id="r1"), ("kill", "incident 12"),

@@ -502,17 +502,21 @@ class FakeGovernance:
         approval.decision = answer
         run.answers[approval.check_id] = answer
 
-    def _cancel_on_end(self, run: FakeRun) -> None:
+    def _cancel_on_end(self, run: FakeRun, pending: rules.Pending | None) -> None:
         """The run ended while it waited (a finish, a local stop): its request is cancelled,
-        its final answer the ended run's stop (SPEC 10, 11)."""
-        for approval in self.approvals.values():
-            if approval.run_id == run.id and approval.status == rules.PENDING:
-                approval.status = rules.CANCELLED
-                key = rules.repeat_key(approval.action["name"], approval.action["args"],
-                                       self.policy.ignore_args)
-                approval.decision = answers.answer_of(
-                    rules.terminal_decision(run.state, key), run.state, self.policy,
-                    self.now())
+        its final answer the ended run's stop at the request's step (SPEC 10, 11), as the
+        service's `settle_on_end` answers it."""
+        approval = self.approvals.get(pending.approval_id) if pending is not None else None
+        if pending is None or approval is None or approval.status != rules.PENDING \
+                or run.state.status not in rules.TERMINAL:
+            return
+        approval.status = rules.CANCELLED
+        decision = replace(rules.terminal_decision(run.state, pending.repeat_key),
+                           step=pending.step, approval=pending.summary(rules.CANCELLED))
+        answer = self._answer(run, decision, self.now())
+        answer["approval"] = {**pending.summary(rules.CANCELLED), "decided_by": None}
+        approval.decision = answer
+        run.answers[approval.check_id] = answer
 
     def _approval_json(self, approval: FakeApproval) -> dict[str, Any]:
         def at(seconds: float) -> str:
@@ -555,6 +559,7 @@ class FakeGovernance:
             return _error(422, "invalid_request", "Invalid upload.", {"decisions": "a list"})
         # What is due first (an expiry comes before the upload that finds it), as on the service.
         self._settle_due(run, ask=False)
+        waiting = run.state.pending
         recorded = 0
         for entry in entries:
             check_id = entry.get("check_id")
@@ -584,9 +589,8 @@ class FakeGovernance:
             run.answers[check_id] = answer
             run.uploaded.append(entry)
             recorded += 1
-        if run.status != rules.RUNNING:
-            # A local stop ends the run's wait too: nothing stays pending (SPEC 10).
-            self._cancel_on_end(run)
+        # A local stop ends the run's wait too: nothing stays pending (SPEC 10).
+        self._cancel_on_end(run, waiting)
         return httpx.Response(200, json={"recorded": recorded,
                                          "skipped": len(entries) - recorded,
                                          "run": run.as_json()})
@@ -598,8 +602,9 @@ class FakeGovernance:
         if run.finished:
             return _error(409, "run_finished", "The run is already finished.")
         self._settle_due(run, ask=False)  # an expiry that is due comes first (SPEC 11)
+        waiting = run.state.pending
         run.state = rules.finish(run.state, status, already_finished=False, now=self.now())
-        self._cancel_on_end(run)
+        self._cancel_on_end(run, waiting)
         run.finished = True
         run.output = body.get("output")
         return httpx.Response(200, json=run.as_json())
