@@ -69,6 +69,8 @@ class FakeApproval:
     status: str = "pending"
     note: str | None = None
     decision: dict[str, Any] | None = None
+    #: On the fake's clock; an expiry is decided at its ``expires_at``.
+    decided_at: float | None = None
 
 
 @dataclass
@@ -138,7 +140,8 @@ class FakeGovernance:
     The policy is ``policy`` (a ``rules.Policy``) with any of its fields given as keywords
     (``max_steps=5``, ``max_usd=0.5``, ``deny=["shell.*"]``, ``mode="shadow"``...); by default
     a new policy's defaults, without ``max_seconds`` or ``max_usd`` (tests should not depend
-    on the machine's speed or on costs they did not set).
+    on costs they did not set). ``start_time``: the moment the fake's clock starts from
+    (default: when the fake is made).
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class FakeGovernance:
         approval_timeout_s: float | None = None,
         operator: Callable[[FakeApproval], Verdict] | None = None,
         rate_limits: Iterable[RateLimit] = (),
+        start_time: datetime | None = None,
         **policy_fields: Any,
     ) -> None:
         unknown = set(policy_fields) - _POLICY_FIELDS
@@ -193,7 +197,7 @@ class FakeGovernance:
         #: `advance`: the only time the fake knows (`now`), so no test depends on the
         #: machine's speed.
         self.clock = 0.0
-        self._origin = datetime.now(UTC)
+        self._origin = start_time or datetime.now(UTC)  # the clock's zero
         #: Who engaged ``kill_switch``, as the agent is told (the switch's words, SPEC 6).
         self.kill_switch_by = "an operator"
         # The actions a rate limit counts (rules.RATE_COUNTED): (when, run, agent, name).
@@ -496,6 +500,7 @@ class FakeGovernance:
         decision, run.state = rules.settle(run.state, status, now=now, note=note or "",
                                            kill=self._kill_words(), policy=self.policy)
         approval.status, approval.note = status, note
+        approval.decided_at = approval.expires_at if status == rules.EXPIRED else self.clock
         answer = self._answer(run, decision, now)
         # The approver is named in the answer, as on the service: nobody, for the fake.
         answer["approval"] = {**(decision.approval or {}), "decided_by": None}
@@ -510,7 +515,7 @@ class FakeGovernance:
         if pending is None or approval is None or approval.status != rules.PENDING \
                 or run.state.status not in rules.TERMINAL:
             return
-        approval.status = rules.CANCELLED
+        approval.status, approval.decided_at = rules.CANCELLED, self.clock
         decision = replace(rules.terminal_decision(run.state, pending.repeat_key),
                            step=pending.step, approval=pending.summary(rules.CANCELLED))
         answer = self._answer(run, decision, self.now())
@@ -519,8 +524,9 @@ class FakeGovernance:
         run.answers[approval.check_id] = answer
 
     def _approval_json(self, approval: FakeApproval) -> dict[str, Any]:
-        def at(seconds: float) -> str:
-            return (self._origin + timedelta(seconds=seconds)).isoformat()
+        def at(seconds: float) -> str:  # as the service writes its times: UTC, with a Z
+            return (self._origin + timedelta(seconds=seconds)).isoformat().replace(
+                "+00:00", "Z")
 
         return {
             "id": approval.id,
@@ -529,7 +535,7 @@ class FakeGovernance:
             "action": approval.action,
             "requested_at": at(approval.requested_at),
             "expires_at": at(approval.expires_at),
-            "decided_at": None,
+            "decided_at": None if approval.decided_at is None else at(approval.decided_at),
             "decided_by": None,
             "note": approval.note,
             "decision": approval.decision,
