@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -95,3 +96,16 @@ def test_a_rate_limit_wait_longer_than_the_runs_time_left_is_a_stop_as_on_the_se
     assert "wait 60.000 s" in answered[1]["message"]
     assert "left of the run's time budget (max_seconds=45)" in answered[1]["message"]
     assert fake.runs[run.id].state.stop_reason == "max_seconds"
+
+
+def test_an_expired_approval_ends_the_run_at_its_expiry_not_when_it_is_noticed() -> None:
+    # As on the service (rules.settle): the run stops as of expires_at.
+    fake = FakeGovernance(approvals=["refund.*"], approval_timeout_s=120)
+    run = fake.client(approval_timeout=0).start_run("bot")
+    assert run.check("refund.issue", {"order": 1}).decision == "pending"
+    fake.advance(500)
+
+    assert run.check("refund.issue", {"order": 1}).reason == "approval_expired"
+    state = fake.runs[run.id].state
+    assert state.ended_at == fake.now() - timedelta(seconds=380)
+    assert state.usage(fake.now())["elapsed_s"] == 0.0  # the wait is no active time

@@ -377,13 +377,8 @@ def _replay_or_refuse(state: rules.RunState, rows: list[DecisionRow], first: Any
         # a new audited decision (the retry must not leak an allow, SPEC 4.5).
         check = replace(check, check_id=None)
     if state.status == rules.RUNNING and state.pending is not None:
-        pending = state.pending
-        raise ServiceError(
-            409, "approval_pending",
-            f"The run is waiting for approval {pending.approval_id} of "
-            f"{pending.action_name} (check_id {pending.check_id!r}): resend that check, "
-            f"or wait with GET /api/v1/approvals/{pending.approval_id}.",
-            {"approval_id": pending.approval_id, "check_id": pending.check_id})
+        message, fields = rules.approval_pending(state.pending)
+        raise ServiceError(409, "approval_pending", message, fields)
     missing = rules.check_id_missing(policy, state, check, kill=kill)
     if missing is not None:
         raise ServiceError(422, "invalid_request", "The request is not valid.",

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from django.db import connection
 from django.db.models import Q
 
+from governance_client import answers
 from policies.models import Team
 from runs.models import KillSwitch, Scope
 
@@ -210,11 +211,7 @@ def covered_in_words(scope: str, *, team: Team | None, agent: str = "") -> str:
 
 
 def switch_in_words(switch: SwitchFields) -> str:
-    """A switch for the agent it stops: the message of a refused start or a killed check."""
-    what = {
-        Scope.GLOBAL: "the global kill switch",
-        Scope.TEAM: "the team kill switch",
-        Scope.AGENT: f"the kill switch of agent {switch.agent}",
-        Scope.RUN: "the kill switch of this run",
-    }[Scope(switch.scope)]
-    return f"{what}, engaged by {switch.engaged_by_label}: {switch.reason}"
+    """A switch for the agent it stops: the message of a refused start or a killed check
+    (the words are `answers.switch_in_words`, which the client's fake says too)."""
+    return answers.switch_in_words(Scope(switch.scope).value, agent=switch.agent,
+                                   by=switch.engaged_by_label, reason=switch.reason)

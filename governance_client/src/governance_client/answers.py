@@ -70,6 +70,16 @@ def abandon_answer(state: rules.RunState, policy: rules.Policy, now: datetime
     return answer_of(abandon_decision(state, policy), state, policy, now)
 
 
+SWITCH_SCOPES = {"global": "the global kill switch", "team": "the team kill switch",
+                 "agent": "the kill switch of agent {agent}", "run": "the kill switch of this run"}
+
+
+def switch_in_words(scope: str, *, by: str, reason: str, agent: str | None = None) -> str:
+    """A switch for the agent it stops (SPEC 6): the message of a refused start or a killed
+    check names the switch, who engaged it and why."""
+    return f"{SWITCH_SCOPES[scope].format(agent=agent)}, engaged by {by}: {reason}"
+
+
 def kill_decision(words: str, *, step: int) -> rules.Decision:
     """A kill by the fan-out (SPEC 6): stop, no action, the step unchanged. ``words``: the
     switch as the agent reads it (runs/killswitch/cover.py `switch_in_words`)."""

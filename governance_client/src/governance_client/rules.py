@@ -520,6 +520,15 @@ def policy_violation(policy: Policy, name: str) -> str | None:
     return None
 
 
+def approval_pending(pending: Pending) -> tuple[str, dict[str, str]]:
+    """The 409 ``approval_pending`` of a check sent while the run waits for an approval
+    (SPEC 11): its message and fields, naming the request and the check to resend."""
+    return (f"The run is waiting for approval {pending.approval_id} of "
+            f"{pending.action_name} (check_id {pending.check_id!r}): resend that check, "
+            f"or wait with GET /api/v1/approvals/{pending.approval_id}.",
+            {"approval_id": pending.approval_id, "check_id": pending.check_id})
+
+
 def check_id_missing(policy: Policy, state: RunState, check: Check, *, kill: str | None
                      ) -> str | None:
     """Why this check is refused (422 naming ``check_id``) before anything is counted: in

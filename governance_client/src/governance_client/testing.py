@@ -1,12 +1,16 @@
 """An in-process fake of the governance service, for testing agents without a server.
 
 It serves the HTTP surface of SPEC 5 (start, get, check, finish, error bodies, the upload of
-local decisions) and decides every check with the server's own rules
-(``governance_client.rules.evaluate``): steps, repeats, no progress, budgets, tool allow/deny
-lists, repeated errors, shadow mode, ``check_id`` replay, a kill switch. On top of them it
-scripts what a person or other agents would do on the real service: approvals (SPEC 11),
-decided by an ``operator`` callback or by ``decide``, and rate limits (SPEC 12) on a clock of
-its own, which the client's sleeps advance::
+local decisions, the approval poll) and decides as the service does, through the same pure
+functions: ``rules.evaluate`` for every check (the stop rules, shadow mode, the rate limits
+from ``rules.window_of`` over the actions it counted, the approvals it opens),
+``rules.settle`` for an approval's final answer (approved, denied, expired as of its
+``expires_at``, cancelled by the kill switch), ``rules.record_outcome`` for uploaded local
+decisions, ``rules.finish``, and ``answers`` for every answer. What is its own is the
+routing, a clock (`now`: it moves only with the clients' sleeps and long polls and with
+``advance``) and a scripted operator (``operator`` or ``decide``) standing in for the people
+and other agents of the real service. tests/test_fake_parity.py runs one table of scenarios
+through the fake and the server and compares the answers::
 
     fake = FakeGovernance(max_repeat_action=3, max_usd=1.0, deny=["shell.*"])
     with fake.client() as client, client.run("my-agent") as run:
@@ -25,7 +29,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,6 +69,8 @@ class FakeApproval:
     status: str = "pending"
     note: str | None = None
     decision: dict[str, Any] | None = None
+    #: On the fake's clock; an expiry is decided at its ``expires_at``.
+    decided_at: float | None = None
 
 
 @dataclass
@@ -135,7 +140,8 @@ class FakeGovernance:
     The policy is ``policy`` (a ``rules.Policy``) with any of its fields given as keywords
     (``max_steps=5``, ``max_usd=0.5``, ``deny=["shell.*"]``, ``mode="shadow"``...); by default
     a new policy's defaults, without ``max_seconds`` or ``max_usd`` (tests should not depend
-    on the machine's speed or on costs they did not set).
+    on costs they did not set). ``start_time``: the moment the fake's clock starts from
+    (default: when the fake is made).
     """
 
     def __init__(
@@ -145,9 +151,10 @@ class FakeGovernance:
         policies: Iterable[str] = ("default",),
         policy: rules.Policy | None = None,
         approvals: Iterable[str] = (),
-        approval_timeout_s: float = 900,
+        approval_timeout_s: float | None = None,
         operator: Callable[[FakeApproval], Verdict] | None = None,
         rate_limits: Iterable[RateLimit] = (),
+        start_time: datetime | None = None,
         **policy_fields: Any,
     ) -> None:
         unknown = set(policy_fields) - _POLICY_FIELDS
@@ -159,13 +166,24 @@ class FakeGovernance:
                 policy_fields[name] = tuple(policy_fields[name])
         if policy_fields.get("max_usd") is not None:
             policy_fields["max_usd"] = Decimal(str(policy_fields["max_usd"]))
-        self.policy = replace(base, **policy_fields)
+        chosen = replace(base, **policy_fields)
         self.api_key = api_key
         self.policies = set(policies)
-        self.approval_patterns = tuple(approvals)
-        self.approval_timeout_s = approval_timeout_s
+        # The approvals and rate limits are the policy's, as on the service (rules.evaluate
+        # applies them); the keywords, when given, replace the policy's own.
+        self.approval_patterns = tuple(approvals) or chosen.approval_tools
+        self.approval_timeout_s = (chosen.approval_timeout_s if approval_timeout_s is None
+                                   else approval_timeout_s)
+        self.rate_limits = tuple(rate_limits) or tuple(
+            RateLimit(match=r.match, max=r.max, window_s=r.window_s, per=r.per)  # type: ignore[arg-type]
+            for r in chosen.rate_limits)
+        self.policy = replace(
+            chosen, approval_tools=self.approval_patterns,
+            approval_timeout_s=self.approval_timeout_s,  # type: ignore[arg-type]
+            rate_limits=tuple(rules.RateLimit(match=r.match, per=r.per, max=r.max,
+                                              window_s=r.window_s)  # type: ignore[arg-type]
+                              for r in self.rate_limits))
         self.operator = operator
-        self.rate_limits = tuple(rate_limits)
         self.runs: dict[str, FakeRun] = {}
         self.approvals: dict[str, FakeApproval] = {}
         self.kill_switch: str | None = None
@@ -175,9 +193,15 @@ class FakeGovernance:
         #: The journal folder of this fake's clients (governance_client.journal): their own,
         #: so a test never sends what another left; made when first written.
         self.journal = Path(tempfile.gettempdir()) / f"fake-governance-{uuid.uuid4().hex}"
-        #: The fake's clock (seconds), advanced by the clients' sleeps and long polls.
+        #: The fake's clock (seconds), advanced by the clients' sleeps and long polls and by
+        #: `advance`: the only time the fake knows (`now`), so no test depends on the
+        #: machine's speed.
         self.clock = 0.0
-        self._allowed_at: list[tuple[float, str, str, str]] = []  # (t, run, agent, name)
+        self._origin = start_time or datetime.now(UTC)  # the clock's zero
+        #: Who engaged ``kill_switch``, as the agent is told (the switch's words, SPEC 6).
+        self.kill_switch_by = "an operator"
+        # The actions a rate limit counts (rules.RATE_COUNTED): (when, run, agent, name).
+        self._counted: list[tuple[datetime, str, str, str]] = []
         self._failures: list[_Failure] = []
         self._decisions = 0
 
@@ -253,23 +277,22 @@ class FakeGovernance:
     def limits(self) -> dict[str, Any]:
         return self.policy.limits()
 
+    def now(self) -> datetime:
+        """The fake's time: the moment it was made, plus its clock."""
+        return self._origin + timedelta(seconds=self.clock)
+
     def decide(self, approval_id: str, verdict: Literal["approve", "deny"],
                note: str | None = None) -> None:
-        """An operator's decision on a pending approval (SPEC 11)."""
+        """An operator's decision on a pending approval (SPEC 11). Under the kill switch the
+        request is cancelled instead and the decision refused, as on the service."""
         approval = self.approvals[approval_id]
         if approval.status != "pending":
             raise ValueError(f"approval {approval_id} is {approval.status}")
-        run = self.runs[approval.run_id]
-        if verdict == "approve":
-            approval.status = "approved"
-            answer = self._decide(run, approval.body, approved=True)
-        else:
-            approval.status = "denied"
-            approval.note = note
-            answer = self._stop(run, approval.body, rules.APPROVAL_DENIED,
-                                f"An operator denied {approval.action['name']}: {note or ''}")
-        approval.decision = answer
-        run.answers[approval.check_id] = answer
+        if self.kill_switch is not None:
+            self._settle(approval, rules.CANCELLED)
+            raise ValueError(f"approval {approval_id} was cancelled by the kill switch")
+        self._settle(approval, rules.APPROVED if verdict == "approve" else rules.DENIED,
+                     note=note)
 
     # -- HTTP -----------------------------------------------------------------------------------
 
@@ -325,11 +348,14 @@ class FakeGovernance:
         for run in self.runs.values():
             if external_id is not None and run.external_id == external_id:
                 return httpx.Response(200, json=self._run_json(run, policy))
-        if self.kill_switch is not None:
-            return _error(409, "kill_switch_engaged", f"Kill switch engaged: {self.kill_switch}")
+        kill = self._kill_words()
+        if kill is not None:
+            return _error(409, "kill_switch_engaged", f"No new run may start: {kill}.")
+        now = self.now()
         run = FakeRun(
             id=str(uuid.uuid4()), agent=agent, task=body.get("task"), external_id=external_id,
-            state=rules.RunState(started_at=datetime.now(UTC)),
+            state=rules.RunState(started_at=now, idle_deadline=rules.next_deadline(
+                self.policy, rules.RunState(started_at=now), now)),
         )
         self.runs[run.id] = run
         return httpx.Response(201, json=self._run_json(run, policy))
@@ -355,203 +381,165 @@ class FakeGovernance:
             }
         }
 
+    def _kill_words(self) -> str | None:
+        """The engaged switch as the agent reads it (the service's words for a global one)."""
+        if self.kill_switch is None:
+            return None
+        return answers.switch_in_words("global", by=self.kill_switch_by,
+                                       reason=self.kill_switch)
+
     def _check(self, run: FakeRun, body: dict[str, Any]) -> httpx.Response:
+        """A check, in the service's order (runs/check/services.py, SPEC 15): what is due on a
+        waiting run is settled, then a replay, then the 409 of a run waiting for an approval,
+        then the rules (rules 1 to 9, rate limits, approvals, allow) in `rules.evaluate`."""
         run.checks.append(body)
         action = body.get("action")
         if not isinstance(action, dict) or not isinstance(action.get("name"), str):
             return _error(422, "invalid_request", "Invalid check.", {"action.name": "required"})
-        check_id = body.get("check_id")
-        first = run.answers.get(check_id) if isinstance(check_id, str) else None
-        if first is not None and (run.status == rules.RUNNING
-                                  or first["decision"] == rules.STOP):
-            if first["decision"] == "pending":
-                approval = self.approvals[first["approval"]["id"]]
-                self._settle(approval)
-                if approval.decision is not None:
-                    return httpx.Response(200, json=approval.decision)
-            return httpx.Response(200, json=first)
-        pending = [a for a in self.approvals.values()
-                   if a.run_id == run.id and a.status == "pending"]
-        for approval in pending:
-            self._settle(approval)
-        pending = [a for a in pending if a.status == "pending"]
-        if pending and self.kill_switch is None and run.status == rules.RUNNING:
-            return _error(409, "approval_pending",
-                          f"Approval {pending[0].id} is pending for this run.",
-                          {"approval": pending[0].id})
-        answer = self._decide(run, body)
-        if isinstance(check_id, str) and answer["decision"] != "wait":
-            run.answers[check_id] = answer
-        return httpx.Response(200, json=answer)
-
-    def _decide(self, run: FakeRun, body: dict[str, Any], *, approved: bool = False
-                ) -> dict[str, Any]:
-        action = body["action"]
-        name = action["name"]
-        check = make_check(name, action.get("args"), type=action.get("type", "tool"),
-                           progress=body.get("progress"), last_result=body.get("last_result"),
-                           cost_usd=body.get("cost_usd"))
-        now = datetime.now(UTC)
-        if approved:
-            # The step was counted when the approval was asked for: only the allow remains.
-            key = rules.repeat_key(name, check.args, self.policy.ignore_args)
-            run.state.repeat_counts[key] = run.state.repeat_counts.get(key, 0) + 1
-            if check.type == "tool":
-                run.state.tool_calls += 1
-            # Its rate-limit slot was taken by the pending answer, not again now (SPEC 12).
-            verdict = rules.Decision(outcome=rules.ALLOW, reason=rules.STEP_OK,
-                                     step=run.state.steps, repeat_key=key,
-                                     repeat_count=run.state.repeat_counts[key])
-            return self._answer(run, verdict, now)
-        kill = f"the global kill switch: {self.kill_switch}" if self.kill_switch else None
-        verdict, new = rules.evaluate(self.policy, run.state, check, now=now, kill=kill)
-        if (verdict.answer == rules.ALLOW and run.state.status == rules.RUNNING
-                and self.policy.mode != "shadow"):
-            # The rate limits come after rules 1 to 9 and before approvals (SPEC 12, 15),
-            # as on the service: a check those rules stop is stopped, not made to wait.
-            wait = self._rate_limited(run, name)
-            past = None if wait is None else rules.wait_past_budget(
-                self.policy, run.state, name, wait[0], now)
-            if past is not None:
-                return self._out_of_time(run, check, past, now)
-            if wait is not None:
-                return self._answer(run, None, now, {
-                    "decision": "wait", "reason": "rate_limited", "step": run.steps + 1,
-                    "retry_after_s": wait[0], "message": wait[1],
-                    "next_action": rules.NEXT_ACTION[rules.RATE_LIMITED],
-                })
-        needs_approval = (verdict.answer == rules.ALLOW and run.state.status == rules.RUNNING
-                          and any(fnmatchcase(name, p) for p in self.approval_patterns))
-        if needs_approval and self.policy.mode != "shadow":
-            # SPEC 11: the step is counted, the repeat count and tool_calls move on approval.
-            new = run.state.copy()
-            new.steps += 1
-            rules._register(new, check)  # same registration as evaluate's
-            run.state = new
+        check_id = body.get("check_id") if isinstance(body.get("check_id"), str) else None
+        check = make_check(action["name"], action.get("args"),
+                                 type=action.get("type", "tool"), progress=body.get("progress"),
+                                 last_result=body.get("last_result"),
+                                 cost_usd=body.get("cost_usd"), check_id=check_id)
+        kill = self._kill_words()
+        self._settle_due(run)
+        first = run.answers.get(check_id) if check_id is not None else None
+        if first is not None:
+            if first["decision"] == rules.PENDING:
+                # What a resent pending check answers: its final answer once there is one.
+                first = self.approvals[first["approval"]["id"]].decision or first
+            if rules.replay_allowed(run.state, first["decision"], covered=kill is not None):
+                return httpx.Response(200, json=first)
+            # The first answer was an allow and the run is over: its stop is decided anew.
+            check = replace(check, check_id=None)
+        pending = run.state.pending
+        if run.state.status == rules.RUNNING and pending is not None:
+            message, fields_ = rules.approval_pending(pending)
+            return _error(409, "approval_pending", message, fields_)
+        missing = rules.check_id_missing(self.policy, run.state, check, kill=kill)
+        if missing is not None:
+            return _error(422, "invalid_request", "The request is not valid.",
+                          {"check_id": missing})
+        now = self.now()
+        windows = (self._windows(run, check.name, now)
+                   if run.state.status == rules.RUNNING and kill is None else [])
+        decision, run.state = rules.evaluate(self.policy, run.state, check, now=now, kill=kill,
+                                             rate=windows, approval_id=str(uuid.uuid4()))
+        if decision.outcome in rules.RATE_COUNTED:
+            # A pending answer takes its slot now, not again once approved (SPEC 12, 15).
+            self._counted.append((now, run.id, run.agent, check.name))
+        if decision.outcome == rules.PENDING:
+            opened = run.state.pending
+            assert opened is not None
             approval = FakeApproval(
-                id=str(uuid.uuid4()), run_id=run.id, check_id=str(body.get("check_id")),
-                action={"name": name, "type": check.type, "args": dict(check.args)},
+                id=opened.approval_id, run_id=run.id, check_id=opened.check_id,
+                action={"name": check.name, "type": check.type, "args": dict(check.args)},
                 body=body, requested_at=self.clock,
                 expires_at=self.clock + self.approval_timeout_s,
             )
             self.approvals[approval.id] = approval
-            # A pending answer takes its rate-limit slot now, whatever comes of it (SPEC 12).
-            self._allowed_at.append((self.clock, run.id, run.agent, name))
-            return self._answer(run, None, now, {
-                "decision": "pending", "reason": "approval_required", "step": new.steps,
-                "approval": self._approval_json(approval)["approval"],
-                "message": f"{name} needs an operator's approval.",
-                "next_action": rules.NEXT_ACTION[rules.APPROVAL_REQUIRED],
-            })
-        run.state = new
-        if verdict.answer == rules.ALLOW:
-            self._allowed_at.append((self.clock, run.id, run.agent, name))
-        return self._answer(run, verdict, now)
+        answer = self._answer(run, decision, now)
+        # A wait keeps no check_id: the same check is decided again when sent again.
+        if check.check_id is not None and decision.outcome != rules.WAIT:
+            run.answers[check.check_id] = answer
+        return httpx.Response(200, json=answer)
 
-    def _out_of_time(self, run: FakeRun, check: rules.Check, message: str, now: datetime
-                     ) -> dict[str, Any]:
-        """As the service (issue 26): a rate-limit wait longer than the run's time left is a
-        stop now, the step counted and the check registered as for any stop of rule 1 to 9."""
-        key = rules.repeat_key(check.name, check.args, self.policy.ignore_args)
-        new = run.state.copy()
-        new.steps += 1
-        rules._register(new, check)  # same registration as evaluate's
-        new.status, new.stop_reason, new.ended_at = rules.STOPPED, "max_seconds", now
-        run.state = new
-        verdict = rules.Decision(outcome=rules.STOP, reason="max_seconds", step=new.steps,
-                                 repeat_key=key, repeat_count=new.repeat_counts.get(key, 0),
-                                 message=message, next_action=rules.NEXT_ACTION["max_seconds"])
-        return self._answer(run, verdict, now)
+    def _windows(self, run: FakeRun, name: str, now: datetime) -> list[rules.RateWindow]:
+        """The rate-limit windows of the action (SPEC 12), from the actions counted in each
+        rule's scope: what the service's store reads."""
+        windows = []
+        for rule in rules.rate_limits_matching(self.policy, name):
+            stamps = [at for at, run_id, agent, action in self._counted
+                      if rule.matches(action) and (
+                          rule.per == "team" or (rule.per == "run" and run_id == run.id)
+                          or (rule.per == "agent" and agent == run.agent))]
+            windows.append(rules.window_of(rule, stamps, now))
+        return windows
 
-    def _rate_limited(self, run: FakeRun, name: str) -> tuple[float, str] | None:
-        longest: tuple[float, str] | None = None
-        for limit in self.rate_limits:
-            if not fnmatchcase(name, limit.match):
-                continue
-            since = self.clock - limit.window_s
-            times = sorted(
-                t for t, run_id, agent, action in self._allowed_at
-                if t > since and fnmatchcase(action, limit.match)
-                and (limit.per == "team" or (limit.per == "run" and run_id == run.id)
-                     or (limit.per == "agent" and agent == run.agent))
-            )
-            if len(times) >= limit.max:
-                retry = round(times[len(times) - limit.max] + limit.window_s - self.clock, 3)
-                retry = max(retry, 0.001)
-                message = (f"Rate limit {limit.match!r}: {limit.max} per {limit.window_s} s "
-                           f"per {limit.per}.")
-                if longest is None or retry > longest[0]:
-                    longest = (retry, message)
-        return longest
-
-    def _stop(self, run: FakeRun, body: dict[str, Any], reason: str, message: str
-              ) -> dict[str, Any]:
-        now = datetime.now(UTC)
-        state = run.state.copy()
-        if state.status == rules.RUNNING:
-            state.status, state.stop_reason, state.ended_at = rules.STOPPED, reason, now
-        run.state = state
-        action = body["action"]
-        key = rules.repeat_key(action["name"], action.get("args"), self.policy.ignore_args)
-        verdict = rules.Decision(outcome=rules.STOP, reason=reason, step=state.steps,
-                                 repeat_key=key, repeat_count=state.repeat_counts.get(key, 0),
-                                 message=message, next_action=rules.NEXT_ACTION[reason])
-        return self._answer(run, verdict, now)
-
-    def _answer(self, run: FakeRun, verdict: rules.Decision | None, now: datetime,
-                answered: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The answer, recorded in ``run.decisions`` as answered (``answered`` replaces
-        fields: a wait or a pending answer is recorded as such, never as an allow)."""
+    def _answer(self, run: FakeRun, decision: rules.Decision, now: datetime
+                ) -> dict[str, Any]:
+        """The answer (answers.answer_of, as the service builds it), recorded in
+        ``run.decisions`` as answered."""
         self._decisions += 1
-        shown = verdict or rules.Decision(outcome=rules.ALLOW, reason=rules.STEP_OK,
-                                          step=run.steps, repeat_key="", repeat_count=0)
-        answer: dict[str, Any] = {
-            **answers.answer(shown, usage=run.state.usage(now), limits=self.policy.limits()),
-            "decision_id": self._decisions,
-            # The fake opens approvals and rate-limit waits itself (``answered``), never
-            # through the rules' decision.
-            "approval": None, "retry_after_s": None,
-        }
-        if verdict is None:  # a wait or a pending answer names no repeat key
-            answer |= {"repeat_key": None, "repeat_count": None}
-        answer |= answered or {}
+        answer = {**answers.answer_of(decision, run.state, self.policy, now),
+                  "decision_id": self._decisions}
         run.decisions.append(answer)
         return answer
 
-    def _settle(self, approval: FakeApproval) -> None:
-        """Ask the scripted operator, then settle an expiry (whoever looks first)."""
-        if approval.status != "pending":
+    def _pending_approval(self, run: FakeRun) -> FakeApproval | None:
+        pending = run.state.pending
+        return self.approvals.get(pending.approval_id) if pending is not None else None
+
+    def _settle_due(self, run: FakeRun, *, ask: bool = True) -> None:
+        """What is due on a waiting run (whoever looks first settles, SPEC 11): the scripted
+        operator's verdict (``ask``), else the expiry once past ``expires_at``, else the
+        cancellation under the kill switch."""
+        approval = self._pending_approval(run)
+        if approval is None or approval.status != rules.PENDING:
             return
-        if self.operator is not None:
+        if ask and self.operator is not None:
             verdict = self.operator(approval)
             if verdict is not None:
                 kind, note = verdict if isinstance(verdict, tuple) else (verdict, None)
-                self.decide(approval.id, kind, note)
-                return
-        if self.clock >= approval.expires_at:
-            approval.status = "expired"
-            run = self.runs[approval.run_id]
-            approval.decision = self._stop(run, approval.body, rules.APPROVAL_EXPIRED,
-                                           "Nobody decided the approval before it expired.")
-            run.answers[approval.check_id] = approval.decision
+                if self.kill_switch is None:
+                    self._settle(approval, rules.APPROVED if kind == "approve"
+                                 else rules.DENIED, note=note)
+                    return
+        pending = run.state.pending
+        assert pending is not None
+        if self.now() >= pending.expires_at:
+            self._settle(approval, rules.EXPIRED)
+        elif self.kill_switch is not None:
+            self._settle(approval, rules.CANCELLED)
+
+    def _settle(self, approval: FakeApproval, status: str, note: str | None = None) -> None:
+        """Settle the run's pending approval with `rules.settle` (an expiry ends the run as
+        of ``expires_at``), its final answer the one a resent check gets (SPEC 11)."""
+        run = self.runs[approval.run_id]
+        now = self.now()
+        decision, run.state = rules.settle(run.state, status, now=now, note=note or "",
+                                           kill=self._kill_words(), policy=self.policy)
+        approval.status, approval.note = status, note
+        approval.decided_at = approval.expires_at if status == rules.EXPIRED else self.clock
+        answer = self._answer(run, decision, now)
+        # The approver is named in the answer, as on the service: nobody, for the fake.
+        answer["approval"] = {**(decision.approval or {}), "decided_by": None}
+        approval.decision = answer
+        run.answers[approval.check_id] = answer
+
+    def _cancel_on_end(self, run: FakeRun, pending: rules.Pending | None) -> None:
+        """The run ended while it waited (a finish, a local stop): its request is cancelled,
+        its final answer the ended run's stop at the request's step (SPEC 10, 11), as the
+        service's `settle_on_end` answers it."""
+        approval = self.approvals.get(pending.approval_id) if pending is not None else None
+        if pending is None or approval is None or approval.status != rules.PENDING \
+                or run.state.status not in rules.TERMINAL:
+            return
+        approval.status, approval.decided_at = rules.CANCELLED, self.clock
+        decision = replace(rules.terminal_decision(run.state, pending.repeat_key),
+                           step=pending.step, approval=pending.summary(rules.CANCELLED))
+        answer = self._answer(run, decision, self.now())
+        answer["approval"] = {**pending.summary(rules.CANCELLED), "decided_by": None}
+        approval.decision = answer
+        run.answers[approval.check_id] = answer
 
     def _approval_json(self, approval: FakeApproval) -> dict[str, Any]:
-        start = datetime(2026, 1, 1, tzinfo=UTC)
-        expires = datetime.now(UTC) + timedelta(seconds=approval.expires_at - self.clock)
-        data = {
+        def at(seconds: float) -> str:  # as the service writes its times: UTC, with a Z
+            return (self._origin + timedelta(seconds=seconds)).isoformat().replace(
+                "+00:00", "Z")
+
+        return {
             "id": approval.id,
             "run_id": approval.run_id,
             "status": approval.status,
             "action": approval.action,
-            "requested_at": (start + timedelta(seconds=approval.requested_at)).isoformat(),
-            "expires_at": expires.isoformat(),
-            "decided_at": None,
+            "requested_at": at(approval.requested_at),
+            "expires_at": at(approval.expires_at),
+            "decided_at": None if approval.decided_at is None else at(approval.decided_at),
             "decided_by": None,
             "note": approval.note,
             "decision": approval.decision,
         }
-        return data | {"approval": {"id": approval.id, "status": approval.status,
-                                    "expires_at": data["expires_at"]}}
 
     def _approval(self, approval_id: str, request: httpx.Request) -> httpx.Response:
         approval = self.approvals.get(approval_id)
@@ -563,19 +551,21 @@ class FakeGovernance:
             wait = -1
         if not 0 <= wait <= 60:
             return _error(422, "invalid_request", "Invalid wait.", {"wait": "0..60"})
-        self._settle(approval)
-        if approval.status == "pending" and wait:
+        run = self.runs[approval.run_id]
+        self._settle_due(run)
+        if approval.status == rules.PENDING and wait:
             # A long poll that nobody answered: the time passes, then maybe it expired.
             self.advance(wait)
-            self._settle(approval)
-        data = self._approval_json(approval)
-        data.pop("approval")
-        return httpx.Response(200, json=data)
+            self._settle_due(run)
+        return httpx.Response(200, json=self._approval_json(approval))
 
     def _upload(self, run: FakeRun, body: dict[str, Any]) -> httpx.Response:
         entries = body.get("decisions")
         if not isinstance(entries, list):
             return _error(422, "invalid_request", "Invalid upload.", {"decisions": "a list"})
+        # What is due first (an expiry comes before the upload that finds it), as on the service.
+        self._settle_due(run, ask=False)
+        waiting = run.state.pending
         recorded = 0
         for entry in entries:
             check_id = entry.get("check_id")
@@ -583,30 +573,30 @@ class FakeGovernance:
                 continue
             action = entry["action"]
             check = make_check(action["name"], action.get("args"),
-                               type=action.get("type", "tool"), progress=entry.get("progress"),
-                               last_result=entry.get("last_result"),
-                               cost_usd=entry.get("cost_usd"))
+                                     type=action.get("type", "tool"),
+                                     progress=entry.get("progress"),
+                                     last_result=entry.get("last_result"),
+                                     cost_usd=entry.get("cost_usd"))
+            now = self.now()
+            allowed = entry["decision"] == rules.ALLOW
             verdict, run.state = rules.record_outcome(
-                self.policy, run.state, check, allowed=entry["decision"] == "allow",
-                reason=entry.get("reason") or rules.STEP_OK, now=datetime.now(UTC),
+                self.policy, run.state, check, allowed=allowed,
+                reason=entry.get("reason") or rules.STEP_OK, now=now,
                 message=entry.get("message"),
             )
             # As on the service: kept, and flagged when it broke the policy (SPEC 10).
-            judged = replace(self.policy, approval_tools=self.approval_patterns)
-            violation = (rules.policy_violation(judged, check.name)
-                         if entry["decision"] == "allow" else None)
-            answer = self._answer(run, verdict, datetime.now(UTC)) | {
-                "local": True, "policy_violation": violation is not None,
-                "violation": violation}
-            run.decisions[-1] = answer
+            violation = rules.policy_violation(self.policy, check.name) if allowed else None
+            self._decisions += 1
+            answer = {**answers.local_answer(verdict, run.state, self.policy, now,
+                                             decided_at=entry.get("at") or now.isoformat(),
+                                             violation=violation),
+                      "decision_id": self._decisions}
+            run.decisions.append(answer)
             run.answers[check_id] = answer
             run.uploaded.append(entry)
             recorded += 1
-        if run.status != rules.RUNNING:
-            # A local stop ends the run's wait too: nothing stays pending (SPEC 10).
-            for approval in self.approvals.values():
-                if approval.run_id == run.id and approval.status == "pending":
-                    approval.status = "cancelled"
+        # A local stop ends the run's wait too: nothing stays pending (SPEC 10).
+        self._cancel_on_end(run, waiting)
         return httpx.Response(200, json={"recorded": recorded,
                                          "skipped": len(entries) - recorded,
                                          "run": run.as_json()})
@@ -617,11 +607,10 @@ class FakeGovernance:
             return _error(422, "invalid_request", "Invalid finish.", {"status": "required"})
         if run.finished:
             return _error(409, "run_finished", "The run is already finished.")
-        for approval in self.approvals.values():
-            if approval.run_id == run.id and approval.status == "pending":
-                approval.status = "cancelled"
-        run.state = rules.finish(run.state, status, already_finished=False,
-                                 now=datetime.now(UTC))
+        self._settle_due(run, ask=False)  # an expiry that is due comes first (SPEC 11)
+        waiting = run.state.pending
+        run.state = rules.finish(run.state, status, already_finished=False, now=self.now())
+        self._cancel_on_end(run, waiting)
         run.finished = True
         run.output = body.get("output")
         return httpx.Response(200, json=run.as_json())
