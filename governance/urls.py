@@ -21,4 +21,5 @@ urlpatterns = [
     path("", include("backtests.urls")),
 ]
 
+handler400 = "policies.views.bad_request"
 handler403 = "policies.views.permission_denied"

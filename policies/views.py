@@ -9,10 +9,12 @@ from typing import Any
 from urllib.parse import urlencode
 
 from django import forms
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.tokens import default_token_generator
 from django.contrib.auth.views import INTERNAL_RESET_SESSION_TOKEN, PasswordResetConfirmView
+from django.core.exceptions import RequestDataTooBig
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -23,7 +25,7 @@ from governance.web import page
 
 from . import impact, selectors
 from .access import can, team_view, teams_of
-from .document import DocumentError, default_policy, parse_document
+from .document import MAX_DOCUMENT_BYTES, DocumentError, default_policy, parse_document
 from .egress import masked_url
 from .forms import (
     DENY_ALL,
@@ -66,6 +68,21 @@ def permission_denied(request: HttpRequest, exception: Exception | None = None
     """The 403 page inside the layout: the team's navigation stays (team_view leaves the team
     on the request before refusing), so a refused person can go on with what they may do."""
     return page(request, "403.html", {"exception": str(exception or "")}, status=403)
+
+
+def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """The 400 page, saying what was wrong where a person can act on it: a form past Django's
+    upload limit (a policy pasted into the Import page, say) was a bare "Bad Request (400)"
+    before. Outside the layout: such a request is refused before it has a user."""
+    if isinstance(exception, RequestDataTooBig):
+        mib = settings.DATA_UPLOAD_MAX_MEMORY_SIZE / (1024 * 1024)
+        kib = MAX_DOCUMENT_BYTES // 1024
+        message = (f"The form sent more than {mib:g} MiB, more than a page reads at once. "
+                   f"A policy document may be at most {kib} KiB: choose it as a file on "
+                   "the Import page instead of pasting it.")
+    else:
+        message = "The request could not be read. Go back and try again."
+    return render(request, "400.html", {"message": message}, status=400)
 
 
 @require_safe

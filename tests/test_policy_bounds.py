@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from django.conf import settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.management import CommandError, call_command
 from django.test import Client
@@ -205,6 +206,21 @@ def test_an_upload_past_the_size_bound_is_refused_unread(team: Team, users: dict
         reverse("policies_import", kwargs={"slug": team.slug}), {"file": upload})
     assert response.status_code == 422
     assert f"at most {MAX_DOCUMENT_BYTES // 1024} KiB" in response.content.decode()
+
+
+@pytest.mark.django_db
+def test_a_paste_past_the_forms_limit_gets_a_page_that_says_what_to_do(
+        team: Team, users: dict[str, Any]) -> None:
+    # Django refuses a form body past DATA_UPLOAD_MAX_MEMORY_SIZE before the view runs; the
+    # person saw a bare "Bad Request (400)".
+    response = client_of(users["admin"]).post(
+        reverse("policies_import", kwargs={"slug": team.slug}),
+        {"document": "#" * (settings.DATA_UPLOAD_MAX_MEMORY_SIZE + 1)})
+    assert response.status_code == 400
+    page = response.content.decode()
+    assert f"at most {MAX_DOCUMENT_BYTES // 1024} KiB: choose it as a file" in page
+    assert 'href="/"' in page or "Back to the dashboard" in page
+    assert team.policies.get(name="default").current.version == 1
 
 
 @pytest.mark.django_db
