@@ -31,8 +31,9 @@ from runs.check import check_store
 from runs.check.services import _insert_unless_switched
 from runs.dashboard.selectors import switches_covering
 from runs.killswitch import cover
+from runs.killswitch.fanout import RUN_ENDED
 from runs.killswitch.selectors import engaged_for_team
-from runs.killswitch.services import RUN_ENDED, resolve_target
+from runs.killswitch.services import resolve_target
 from runs.models import KillSwitch, Run, Scope
 
 pytestmark = pytest.mark.django_db

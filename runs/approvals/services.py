@@ -505,7 +505,7 @@ def _kill_if_covered(approval: Approval) -> bool:
     exactly as a replay of its check answers, and never the allow that preceded the switch."""
     if approval.status != ApprovalStatus.APPROVED or approval.run.status != rules.RUNNING:
         return False
-    from runs.killswitch.services import killswitch_kill_run
+    from runs.killswitch.fanout import killswitch_kill_run
 
     return killswitch_kill_run(run_id=approval.run_id)
 
