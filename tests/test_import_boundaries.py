@@ -79,6 +79,12 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
      "the check's layers: answers, records and states below the services"),
     ("runs/check/records.py", "from runs.killswitch.services import killswitch_kill_run",
      "the check's layers: answers, records and states below the services"),
+    ("runs/check/check_store.py", "from runs.killswitch.fanout import killswitch_kill_run",
+     "the check's layers: answers, records and states below the services"),
+    ("runs/killswitch/fanout.py", "from runs.killswitch.services import killswitch_engage",
+     "the check's layers: answers, records and states below the services"),
+    ("runs/killswitch/selectors.py", "from runs.killswitch.fanout import killswitch_fanout",
+     "the kill switch and webhook reads change nothing"),
 ])
 def test_a_forbidden_import_breaks_its_contract(copy: Path, module: str, line: str,
                                                  contract: str) -> None:

@@ -4,7 +4,7 @@ back (`columns_of`). Every writer of a run's state takes its values from `column
 the columns it changes: the check (runs/check/check_store.py, its prepared statement and its
 ORM twin), the upload of local decisions and the finish (runs/check/services.py), an
 abandonment (runs/check/abandon.py), an approval's settlement (runs/approvals/services.py)
-and the kill switch's fan-out (runs/killswitch/services.py, its SQL and its ORM batch).
+and the kill switch's fan-out (runs/killswitch/fanout.py, its SQL and its ORM batch).
 """
 
 from __future__ import annotations
