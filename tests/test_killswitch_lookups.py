@@ -28,7 +28,7 @@ from policies.services import agent_key_create
 from runs.approvals.services import settle_due_for_team
 from runs.approvals.waits import look
 from runs.check import check_store
-from runs.check.services import _insert_unless_switched
+from runs.check.lifecycle import _insert_unless_switched
 from runs.dashboard.selectors import switches_covering
 from runs.killswitch import cover
 from runs.killswitch.fanout import RUN_ENDED
