@@ -93,6 +93,8 @@ _RUN_FACTS_MAX = 20_000
 
 
 def remember_run(run_id: uuid.UUID, team_id: int, agent: str, version_id: int) -> None:
+    """What never changes about a run, kept for this process's next check of it: the start
+    (runs/check/lifecycle.py) and every check tell it."""
     if run_id not in _RUN_FACTS:
         if len(_RUN_FACTS) >= _RUN_FACTS_MAX:
             _RUN_FACTS.clear()
