@@ -137,9 +137,9 @@ def _enqueue_fanout(switch_id: int) -> None:
     """After the engage's commit. The embedded default runs the task eagerly, here (no
     broker to wait for); with a broker, the publish is handed to a background thread
     (runs/publisher.py), so an engage returns once its commit is done whatever Redis is doing
-    (SPEC 10). If that thread never publishes it, the beat sweep (`stale_work`, every minute)
-    finds the switch without `fanout_done_at` and publishes it again; running the fan-out
-    twice is harmless."""
+    (SPEC 10). If that thread never publishes it, the beat sweep (every minute, sweep.py
+    `stale_work`) finds the switch without `fanout_done_at` and publishes it again; running
+    the fan-out (fanout.py) twice is harmless."""
     from runs.killswitch.tasks import killswitch_fanout_task
 
     if killswitch_fanout_task.app.conf.task_always_eager:
