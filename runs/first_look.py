@@ -46,7 +46,7 @@ from runs.approvals.services import settle_due_for_team, settle_if_due, settle_i
 from runs.check.abandon import abandon_idle_runs, abandon_if_idle
 from runs.check.rate_limits import prune_hits_now_and_then
 from runs.killswitch import cover
-from runs.killswitch.services import killswitch_kill_run
+from runs.killswitch.fanout import killswitch_kill_run
 from runs.models import Approval, ApprovalStatus, Run
 
 # Runs ended, and requests settled, by one look at most (each kind). One locking

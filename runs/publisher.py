@@ -6,7 +6,7 @@ one thread of the process publishes them with short broker timeouts and no retri
 own, and while the broker is down or hung it retries the whole backlog with a backoff capped
 at ``MAX_DELAY_S``. What it never manages to publish (the process dies first, it gives up
 after ``GIVE_UP_AFTER_S``, the backlog is full) is restarted by the beat sweep
-(runs/killswitch/services.py ``stale_work``: a switch without ``fanout_done_at``, a pending
+(runs/killswitch/sweep.py ``stale_work``: a switch without ``fanout_done_at``, a pending
 delivery older than a minute), so every publish handed here is safe to lose and to repeat.
 
 Workers publish their own follow-ups directly: a task may wait for the broker, and every

@@ -209,7 +209,7 @@ def test_another_check_id_while_pending_answers_409_naming_it(api, approving):
 def test_a_kill_switch_covering_the_run_cancels_the_approval(api, approving, users):
     from unittest import mock
 
-    from runs.killswitch.services import killswitch_fanout
+    from runs.killswitch.fanout import killswitch_fanout
 
     run_id, first = pending(api)
     run = Run.objects.get(pk=run_id)

@@ -13,7 +13,8 @@ from django.urls import reverse
 
 from policies.forms import PolicyForm
 from policies.models import Policy
-from runs.killswitch.services import killswitch_engage, killswitch_fanout
+from runs.killswitch.fanout import killswitch_fanout
+from runs.killswitch.services import killswitch_engage
 from runs.models import KillSwitch, Scope
 from tests.test_dashboard_runs import _fast, as_user, check, events, read_all, start  # noqa: F401
 

@@ -11,7 +11,8 @@ from django.test import Client
 from django.urls import reverse
 
 from runs.dashboard import selectors as dashboard
-from runs.killswitch.services import killswitch_engage, killswitch_fanout
+from runs.killswitch.fanout import killswitch_fanout
+from runs.killswitch.services import killswitch_engage
 from runs.models import Decision, Run, Scope
 from tests.conftest import set_policy
 from tests.test_dashboard_runs import _fast, as_user, check, start  # noqa: F401

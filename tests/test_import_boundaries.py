@@ -97,6 +97,18 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
      "only the views look first: the reads' one place that writes"),
     ("runs/check/edge.py", "from runs.first_look import look_at_run",
      "only the views look first: the reads' one place that writes"),
+    ("runs/check/check_store.py", "from runs.killswitch.fanout import killswitch_kill_run",
+     "the check's layers: answers, records and states below the services"),
+    ("runs/killswitch/fanout.py", "from runs.killswitch.services import killswitch_engage",
+     "the check's layers: answers, records and states below the services"),
+    ("runs/killswitch/selectors.py", "from runs.killswitch.fanout import killswitch_fanout",
+     "the kill switch and webhook reads change nothing"),
+    # The check's services know nothing of a run's start and finish or of the uploads, and
+    # those two know nothing of each other.
+    ("runs/check/services.py", "from runs.check.lifecycle import run_start",
+     "the check's layers: answers, records and states below the services"),
+    ("runs/check/local.py", "from runs.check.lifecycle import run_finish",
+     "the check's layers: answers, records and states below the services"),
 ])
 def test_a_forbidden_import_breaks_its_contract(copy: Path, module: str, line: str,
                                                  contract: str) -> None:

@@ -20,10 +20,10 @@ from django.utils import timezone
 
 from governance.celery import app as celery_app
 from policies.models import OperatorEvent
+from runs.killswitch.fanout import killswitch_fanout
 from runs.killswitch.services import (
     KillSwitchError,
     killswitch_engage,
-    killswitch_fanout,
     killswitch_release,
 )
 from runs.models import Decision, KillSwitch, Run, WebhookAttempt, WebhookDelivery
@@ -140,7 +140,7 @@ def test_the_fanout_kills_in_batches_each_run_once_with_its_audit_record(
         api, team, other_team, commit, monkeypatch):
     """Set-based fan-out in several batches: every covered running run killed once, with
     one audit record, in one pass; overlapping switches and a second pass add nothing."""
-    from runs.killswitch import services as killswitch
+    from runs.killswitch import fanout as killswitch
 
     monkeypatch.setattr(killswitch, "FANOUT_BATCH", 2)
     runs = [start(api) for _ in range(5)]

@@ -15,7 +15,7 @@ from django.utils import timezone
 from policies.models import Team
 from policies.services import agent_key_create
 from runs.check import check_store
-from runs.check.services import _insert_unless_switched
+from runs.check.lifecycle import _insert_unless_switched
 from runs.killswitch import cover
 from runs.killswitch.selectors import engaged_for_team
 from runs.models import KillSwitch, Run, Scope

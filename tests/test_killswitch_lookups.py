@@ -28,11 +28,12 @@ from policies.services import agent_key_create
 from runs.approvals.services import settle_due_for_team
 from runs.approvals.waits import look
 from runs.check import check_store
-from runs.check.services import _insert_unless_switched
+from runs.check.lifecycle import _insert_unless_switched
 from runs.dashboard.selectors import switches_covering
 from runs.killswitch import cover
+from runs.killswitch.fanout import RUN_ENDED
 from runs.killswitch.selectors import engaged_for_team
-from runs.killswitch.services import RUN_ENDED, resolve_target
+from runs.killswitch.services import resolve_target
 from runs.models import KillSwitch, Run, Scope
 
 pytestmark = pytest.mark.django_db

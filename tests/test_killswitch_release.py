@@ -11,7 +11,8 @@ from django.test import Client
 from django.urls import reverse
 
 from policies.models import OperatorEvent
-from runs.killswitch.services import RUN_ENDED, killswitch_engage, killswitch_fanout
+from runs.killswitch.fanout import RUN_ENDED, killswitch_fanout
+from runs.killswitch.services import killswitch_engage
 from runs.models import KillSwitch
 from tests.test_dashboard_runs import check, start
 

@@ -17,7 +17,7 @@ import pytest
 
 from policies.models import Team
 from policies.services import agent_key_create, team_ensure
-from runs.check.services import run_start
+from runs.check.lifecycle import run_start
 from runs.killswitch.services import killswitch_engage
 from runs.models import Decision, KillSwitch, Run, WebhookDelivery
 from runs.webhooks import delivery as webhooks

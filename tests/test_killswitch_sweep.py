@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from runs.killswitch.services import stale_work
+from runs.killswitch.sweep import stale_work
 from runs.killswitch.tasks import killswitch_sweep_task
 from runs.models import KillSwitch, WebhookDelivery
 
@@ -41,9 +41,9 @@ def test_it_names_old_pending_deliveries_with_their_next_attempt(team):
 def test_a_pass_names_a_bounded_number_oldest_first(team, monkeypatch):
     """An outage can leave thousands behind; one pass of the sweep publishes a bounded
     number (the next pass takes the next ones), not all of them at once."""
-    from runs.killswitch import services
+    from runs.killswitch import sweep
 
-    monkeypatch.setattr(services, "STALE_BATCH", 3, raising=False)
+    monkeypatch.setattr(sweep, "STALE_BATCH", 3, raising=False)
     switches = [KillSwitch.objects.create(
         scope="agent", team=team, agent=f"bot-{n}", target=f"agent:{team.pk}:bot-{n}",
         reason="r", engaged_by_label="ops", engaged_at=timezone.now() - timedelta(minutes=10 - n))

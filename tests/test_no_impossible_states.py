@@ -25,7 +25,7 @@ from governance_client import rules
 from policies.models import Team
 from runs.approvals.services import ApprovalError, approval_decide, expire_due
 from runs.check.abandon import abandon_idle_runs
-from runs.killswitch import services as killswitch
+from runs.killswitch import fanout as killswitch
 from runs.killswitch.services import killswitch_engage
 from runs.models import Approval, ApprovalStatus, Decision, KillSwitch, Run
 from tests.conftest import set_policy

@@ -36,7 +36,8 @@ from policies.models import Team
 from policies.services import agent_key_create
 from runs.approvals.services import expire_due
 from runs.check.abandon import abandon_idle_runs
-from runs.killswitch.services import killswitch_engage, killswitch_fanout, killswitch_release
+from runs.killswitch.fanout import killswitch_fanout
+from runs.killswitch.services import killswitch_engage, killswitch_release
 from runs.models import Approval, ApprovalStatus, KillSwitch, Run
 from tests.conftest import set_policy
 

@@ -12,7 +12,7 @@ import pytest
 
 from governance_client import answers, rules
 from runs.check import records, states
-from runs.killswitch import services as killswitch
+from runs.killswitch import fanout as killswitch
 from runs.models import Run
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)

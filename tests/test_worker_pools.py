@@ -19,7 +19,7 @@ from bench.backtest import generate
 from governance.celery import app
 from policies.models import Policy, Team
 from policies.services import agent_key_create, team_ensure
-from runs.check.services import run_start
+from runs.check.lifecycle import run_start
 from runs.killswitch.services import killswitch_engage
 from runs.models import KillSwitch, Run, WebhookDelivery
 from runs.webhooks import delivery as webhooks

@@ -1,4 +1,5 @@
-"""The agent HTTP API (SPEC section 5): thin views over runs/check/services.py.
+"""The agent HTTP API (SPEC section 5): thin views over runs/check/services.py (the check),
+runs/check/lifecycle.py (start, finish) and runs/check/local.py (local decisions).
 
 django-ninja is used for one reason: the pydantic schemas that validate each request also
 generate /api/v1/openapi.json, so the published contract is the code. Its own error shapes
@@ -43,13 +44,9 @@ from runs.audit import selectors
 from runs.check import metrics
 from runs.check import schemas as s
 from runs.check.edge import bearer_token, error
-from runs.check.services import (
-    ServiceError,
-    run_check,
-    run_finish,
-    run_local_decisions,
-    run_start,
-)
+from runs.check.lifecycle import run_finish, run_start
+from runs.check.local import run_local_decisions
+from runs.check.services import ServiceError, run_check
 
 log = logging.getLogger(__name__)
 

@@ -42,6 +42,7 @@ as in tests) `OrmCheck` does the same reads and writes through the ORM inside
 from __future__ import annotations
 
 import json
+import operator
 import time
 import uuid
 import weakref
@@ -269,11 +270,23 @@ KEYED_READS = "\n        UNION ALL ".join(
 # The switch subquery is the cover rule's SQL form (runs/killswitch/cover.py). It reads with
 # the statement's snapshot, taken when the statement started, so a switch whose engage
 # committed before this check began is always seen (SPEC 4.5).
+#
+# The select list is named once, here: each value of the lock's row is read by the position
+# its name has in this list (LOCK_AT), so a column added or moved shifts no other reading.
+# The run's team is the key's (the run is joined on it), hence not read twice.
+LOCK_SELECT: tuple[tuple[str, str], ...] = (
+    ("key_id", "k.id"), ("key_hash", "k.key_hash"), ("key_last_used_at", "k.last_used_at"),
+    ("team_id", "k.team_id"), ("team_slug", "t.slug"),
+    *((f"run_{name}", f"r.{name}") for name in RUN_COLUMNS if name != "team_id"),
+    ("switch_scope", "s.scope"), ("switch_agent", "s.agent"), ("switch_reason", "s.reason"),
+    ("switch_engaged_by_label", "s.engaged_by_label"),
+    ("earlier_id", "d.id"), ("earlier_answer", "d.answer"), ("keyed", "m.counts"),
+)
+LOCK_AT = {name: i for i, (name, _) in enumerate(LOCK_SELECT)}
+# The run's state columns as they sit in the row, in STATE_COLUMNS order (one C call a check).
+_STATE_OF_ROW = operator.itemgetter(*(LOCK_AT[f"run_{name}"] for name in STATE_COLUMNS))
 LOCK_SQL = f"""
-SELECT k.id, k.key_hash, k.last_used_at, k.team_id, t.slug,
-       {", ".join(f"r.{name}" for name in RUN_COLUMNS if name != "team_id")},
-       s.scope, s.agent, s.reason, s.engaged_by_label,
-       d.id, d.answer, m.counts
+SELECT {", ".join(expression for _, expression in LOCK_SELECT)}
 FROM policies_agentkey k
 JOIN policies_team t ON t.id = k.team_id
 LEFT JOIN LATERAL (
@@ -373,6 +386,34 @@ def _loaded(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
+def _locked_of(row: Sequence[Any], *, windows: list[RateWindow] | None, keyed: bool
+               ) -> Locked:
+    """The lock's row (LOCK_SELECT) as what the locking read found. ``keyed``: entries of
+    the keyed memory were named, so the row's counts are the ones asked for."""
+    at = LOCK_AT
+    run = None
+    if row[at["run_id"]] is not None:
+        state = dict(zip(STATE_COLUMNS, _STATE_OF_ROW(row), strict=True))
+        state["memory"] = _loaded(state["memory"])
+        run = RunRow(id=row[at["run_id"]], team_id=row[at["team_id"]],
+                     agent=row[at["run_agent"]],
+                     policy_version_id=row[at["run_policy_version_id"]],
+                     state=run_state(**state))
+    switch = None
+    if row[at["switch_scope"]] is not None:
+        switch = SwitchSeen(scope=row[at["switch_scope"]], agent=row[at["switch_agent"]],
+                            reason=row[at["switch_reason"]],
+                            engaged_by_label=row[at["switch_engaged_by_label"]])
+    earlier_id = row[at["earlier_id"]]
+    earlier = (int(earlier_id), _loaded(row[at["earlier_answer"]])) \
+        if earlier_id is not None else None
+    return Locked(key_id=row[at["key_id"]], key_hash=row[at["key_hash"]],
+                  key_last_used_at=row[at["key_last_used_at"]], team_id=row[at["team_id"]],
+                  team_slug=row[at["team_slug"]], run=run, switch=switch,
+                  earlier_answer=earlier, windows=windows,
+                  keyed=(_loaded(row[at["keyed"]]) or {}) if keyed else None)
+
+
 class PostgresCheck:
     def __init__(self, db: BaseDatabaseWrapper) -> None:
         db.ensure_connection()
@@ -456,22 +497,9 @@ class PostgresCheck:
             self.db_seconds += time.perf_counter() - started
         if row is None:
             return None
-        run = None
-        if row[5] is not None:
-            state = dict(zip(STATE_COLUMNS, row[8:17], strict=True))
-            state["memory"] = _loaded(state["memory"])
-            run = RunRow(id=row[5], team_id=row[3], agent=row[6], policy_version_id=row[7],
-                         state=run_state(**state))
-        switch = None
-        if row[17] is not None:
-            switch = SwitchSeen(scope=row[17], agent=row[18], reason=row[19],
-                                engaged_by_label=row[20])
-        earlier = (int(row[21]), _loaded(row[22])) if row[21] is not None else None
-        return Locked(key_id=row[0], key_hash=row[1], key_last_used_at=row[2], team_id=row[3],
-                      team_slug=row[4], run=run, switch=switch, earlier_answer=earlier,
-                      windows=windows_from_rows(rate.rules, windows_rows, locked=rate_locked)
-                      if rate is not None else None,
-                      keyed=(_loaded(row[23]) or {}) if keyed else None)
+        return _locked_of(row, windows=windows_from_rows(
+            rate.rules, windows_rows, locked=rate_locked) if rate is not None else None,
+            keyed=bool(keyed))
 
     def read_keyed(self, *, run_id: uuid.UUID, keyed: Sequence[str]) -> dict[str, int]:
         """The counts of these entries of the run's keyed memory, by digest: one round trip,

@@ -5,8 +5,8 @@ row every writer builds (`DecisionRow`), the inserts (the ORM's here, the SQL wr
 
 Writers: the check (runs/check/check_store.py, its prepared statement and its ORM twin), an
 abandonment (runs/check/abandon.py), an approval's final answer (runs/approvals/services.py),
-an upload of local decisions (runs/check/services.py) and the kill switch's fan-out
-(runs/killswitch/services.py, its SQL and its ORM batch). The answer stored in each record
+an upload of local decisions (runs/check/local.py) and the kill switch's fan-out
+(runs/killswitch/fanout.py, its SQL and its ORM batch). The answer stored in each record
 is built by governance_client/answers.py.
 """
 

@@ -1,28 +1,24 @@
-"""Writes for runs: start, check, finish. Each is one transaction that locks the run first,
-so the checks of one run are serialized in every process (SPEC 4.5)."""
+"""The check (SPEC 4, 15): one transaction that locks the run first, so the checks of one run
+are serialized in every process (SPEC 4.5). A run's start and finish are
+runs/check/lifecycle.py, the upload of local decisions runs/check/local.py."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import uuid
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
 
-from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
-from django.db.models import Q
+from django.db import DatabaseError, OperationalError, connection
 from django.utils import timezone
 from governance_client.keys import repeat_key
 
 from governance_client import answers, rules
-from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs.approvals import services as approvals
-from runs.check import metrics, records, run_memory, states
-from runs.check.abandon import abandon_if_idle
+from runs.check import metrics, records, run_memory
 from runs.check.check_store import (
     CheckTransaction,
     DuplicateCheck,
@@ -33,13 +29,12 @@ from runs.check.check_store import (
     RunRow,
     StaleConnection,
     check_transaction,
-    state_of,
 )
 from runs.check.policy_cache import rules_for_version
 from runs.check.records import DecisionRow, kill_detail
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
-from runs.models import Approval, Decision, Run
+from runs.models import Approval
 
 log = logging.getLogger(__name__)
 
@@ -50,110 +45,6 @@ class ServiceError(Exception):
     def __init__(self, status: int, code: str, message: str, fields: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.fields = status, code, message, fields or {}
-
-
-def run_start(
-    *, key: AgentKey, agent: str, policy: str | None, task: str | None,
-    metadata: dict[str, Any] | None, external_id: str | None,
-) -> tuple[Run, bool]:
-    """Start a run, or return the team's run with this external_id. Returns (run, created)."""
-    team = key.team
-    if key.agent and agent != key.agent:
-        raise ServiceError(422, "invalid_request", "This key may only start runs of its agent.",
-                           {"agent": f"this key is limited to agent {key.agent!r}"})
-    if external_id is not None:
-        existing = Run.objects.filter(team=team, external_id=external_id).first()
-        if existing is not None:
-            return _same_agent(existing, agent), False
-    name = policy or "default"
-    # The version comes along: the answer shows it, without a query of its own.
-    policy_row = Policy.objects.filter(team=team, name=name).select_related("current").first()
-    if policy_row is None or policy_row.current_id is None:
-        raise ServiceError(422, "invalid_request", f"Unknown policy {name!r}.",
-                           {"policy": f"no policy named {name!r} in this team"})
-    limits = rules_for_version(policy_row.current_id)
-    metadata = rules.redact(metadata or {}, limits.redact_args)
-    now = timezone.now()
-    run = Run(team=team, agent=agent, policy_version=policy_row.current,
-              started_at=now, task=task or "", metadata=metadata,
-              external_id=external_id,
-              idle_deadline=rules.next_deadline(limits, rules.RunState(started_at=now), now))
-    try:
-        for _ in range(2):
-            if _insert_unless_switched(run):
-                break
-            switch = cover.covering_switch(team_id=team.pk, agent=agent, run_id=None)
-            if switch is not None:
-                raise ServiceError(409, "kill_switch_engaged",
-                                   f"No new run may start: {cover.switch_in_words(switch)}.")
-            # Released between the two statements: the start is tried once more.
-        else:
-            raise ServiceError(409, "kill_switch_engaged",
-                               "No new run may start: a kill switch covers it.")
-    except IntegrityError:
-        # Two starts raced with one external_id: the loser answers with the winner's run.
-        # Without an external_id the error is something else, never another run's start.
-        if external_id is None:
-            raise
-        existing = Run.objects.filter(team=team, external_id=external_id).first()
-        if existing is None:
-            raise
-        return _same_agent(existing, agent), False
-    publish_run_event(run)
-    return run, True
-
-
-def _same_agent(existing: Run, agent: str) -> Run:
-    """The run an external_id names is given back only to a start for the same agent: else
-    a key bound to one agent could read another's run through it (SPEC 10)."""
-    if existing.agent != agent:
-        raise ServiceError(409, "external_id_conflict",
-                           "This external_id belongs to a run of another agent.",
-                           {"external_id": "already used by a run of another agent"})
-    return existing
-
-
-# The cover rule for a run that does not exist yet; parameters: team, team, agent. `ks.active`
-# as the partial unique index of the switches' keys says it, so that both databases read
-# the (at most three) keys from it.
-_NOT_SWITCHED = f"""
-WHERE NOT EXISTS (
-    SELECT 1 FROM runs_killswitch ks WHERE ks.active AND (
-        {cover.covers_sql(switch="ks", team="%s", agent="%s", run=None)}))
-"""
-
-
-@functools.cache
-def _start_sql(vendor: str) -> str:
-    """The start's INSERT, built once per database backend (the quoting is the backend's)."""
-    fields = Run._meta.concrete_fields
-    columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
-    return (f"INSERT INTO {connection.ops.quote_name(Run._meta.db_table)} ({columns}) "
-            f"SELECT {', '.join(['%s'] * len(fields))} {_NOT_SWITCHED}")
-
-
-def _insert_unless_switched(run: Run) -> bool:
-    """Insert a new run unless an engaged kill switch covers it; False when one does.
-
-    One statement, so the switch is read with the snapshot of the insert itself (a switch
-    committed before the start began is always seen, SPEC 4.5) and no transaction has to be
-    opened around a read and a write: one round trip instead of four, and no ORM query to
-    build, on a request every run makes (docs/performance.md). The values are prepared by the
-    model's own fields, as `Run.objects.create` would.
-    """
-    fields = Run._meta.concrete_fields
-    values = [f.get_db_prep_save(getattr(run, f.attname), connection) for f in fields]
-    sql = _start_sql(connection.vendor)
-    # Inside a caller's transaction (tests, scripts) a savepoint keeps that transaction usable
-    # after a refused insert (a duplicate external_id); on its own the statement is atomic.
-    guard = transaction.atomic() if connection.in_atomic_block else nullcontext()
-    with guard, connection.cursor() as cursor:
-        cursor.execute(sql, [*values, run.team_id, run.team_id, run.agent])
-        inserted = cursor.rowcount == 1
-    if inserted:
-        run._state.adding, run._state.db = False, connection.alias
-        _remember(run.pk, run.team_id, run.agent, run.policy_version_id)
-    return inserted
 
 
 UNAUTHORIZED = "A valid agent key is required (Authorization: Bearer)."
@@ -201,7 +92,9 @@ _RUN_FACTS: dict[uuid.UUID, tuple[int, str, int]] = {}
 _RUN_FACTS_MAX = 20_000
 
 
-def _remember(run_id: uuid.UUID, team_id: int, agent: str, version_id: int) -> None:
+def remember_run(run_id: uuid.UUID, team_id: int, agent: str, version_id: int) -> None:
+    """What never changes about a run, kept for this process's next check of it: the start
+    (runs/check/lifecycle.py) and every check tell it."""
     if run_id not in _RUN_FACTS:
         if len(_RUN_FACTS) >= _RUN_FACTS_MAX:
             _RUN_FACTS.clear()
@@ -324,7 +217,7 @@ def _lock_and_read(tx: CheckTransaction, *, claim: KeyClaim, run_id: uuid.UUID,
     run = locked.run
     if run is None:
         raise ServiceError(404, "not_found", "No such run.")
-    _remember(run.id, run.team_id, run.agent, run.policy_version_id)
+    remember_run(run.id, run.team_id, run.agent, run.policy_version_id)
     if guess is not None and guess.version_id == run.policy_version_id \
             and locked.keyed is not None:
         keyed, counts = guess, locked.keyed
@@ -473,163 +366,3 @@ def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, check: rule
         if final:
             first = (int(final["decision_id"]), final)
     return state, first
-
-
-def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]],
-                        key_agent: str = "") -> tuple[Run, int, int]:
-    """Record the decisions a fail-open client made while the service was unreachable.
-
-    The actions it allowed ran, so each one is counted exactly as an allow (a local stop ends
-    the run with its reason), with `rules.record_outcome`, and audited with its outcome and
-    `"local": true` in its answer. Entries whose check_id the run already has are skipped
-    (the upload was retried, or the service did decide that check): the counters then agree
-    with what ran. One transaction, under the run's lock, like a check.
-    """
-    recorded = 0
-    with transaction.atomic():
-        runs = Run.objects.select_for_update().select_related("policy_version")
-        runs = runs.filter(team=team, pk=run_id)
-        if key_agent:  # an agent-bound key touches only its agent's runs (SPEC 10)
-            runs = runs.filter(agent=key_agent)
-        run = runs.first()
-        if run is None:
-            raise ServiceError(404, "not_found", "No such run.")
-        policy = rules_for_version(run.policy_version_id)
-        checks = [_local_check(entry) for entry in entries]
-        # The entries of the keyed memory every uploaded decision reads, in one query.
-        loaded = state = run_memory.load(state_of(run), run.pk, [
-            entry for check in checks for entry in rules.keyed_reads(
-                check, repeat_key(check.name, check.args, policy.ignore_args))])
-        seen = set(Decision.objects.filter(
-            run=run, check_id__in=[e["check_id"] for e in entries]
-        ).values_list("check_id", flat=True))
-        now = timezone.now()
-        # What is due first (an expiry comes before the upload that finds it), so that a
-        # local stop of a waiting run then cancels its request (SPEC 10).
-        state = waited = approvals.settle_due_locked(run=run, state=state, now=now)
-        rows = []
-        for entry, check in zip(entries, checks, strict=True):
-            if entry["check_id"] in seen:
-                continue
-            seen.add(entry["check_id"])
-            action, last, cost = entry["action"], entry.get("last_result"), check.cost_usd
-            allowed = entry["decision"] == rules.ALLOW
-            verdict, state = rules.record_outcome(
-                policy, state, check, allowed=allowed,
-                reason=entry["reason"], message=entry.get("message"), now=now,
-            )
-            at = entry.get("at") or now
-            # The client's clock, kept within what the service can vouch for.
-            at = min(max(at, run.started_at), now)
-            # Kept (the action ran), but an allow the policy forbids is flagged (SPEC 10).
-            violation = rules.policy_violation(policy, check.name) if allowed else None
-            answer = answers.local_answer(verdict, state, policy, now,
-                                          decided_at=at.isoformat(), violation=violation)
-            rows.append((run.pk, DecisionRow(
-                step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
-                action_name=action["name"], action_type=action["type"],
-                args=rules.redact(action.get("args") or {}, policy.redact_args),
-                repeat_key=verdict.repeat_key, repeat_count=verdict.repeat_count,
-                check_id=entry["check_id"], progress=entry.get("progress"), last_result=last,
-                cost_usd=cost, answer=answer, at=now, elapsed_s=None,
-            )))
-            recorded += 1
-        if rows:
-            records.insert_many(rows)
-            # A local stop of a waiting run ends its wait: its request is cancelled, the
-            # final answer audited after the stop that ended it (SPEC 10).
-            approvals.settle_on_end(run=run, before=waited, after=state, now=now)
-            Run.objects.filter(pk=run.pk).update(**states.columns_of(state, LOCAL_FIELDS))
-            run_memory.save(run.pk, loaded, state)
-        if rows or waited is not loaded:  # recorded, or an expiry settled first
-            run.refresh_from_db()
-    if rows or waited is not loaded:
-        publish_run_event(run)
-    return run, recorded, len(entries) - recorded
-
-
-# What an upload of local decisions changes: what a check does but the idle deadline, which
-# only a check and a start move (an upload is no activity of the run, SPEC 14).
-LOCAL_FIELDS = tuple(name for name in states.UPDATE_FIELDS if name != "idle_deadline")
-
-
-def _local_check(entry: dict[str, Any]) -> rules.Check:
-    """An uploaded local decision's check, as the rules count it."""
-    action = entry["action"]
-    return rules.make_check(action["name"], action.get("args"), type=action["type"],
-                            progress=entry.get("progress"),
-                            last_result=entry.get("last_result") or None,
-                            cost_usd=entry.get("cost_usd"))
-
-
-def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
-               key_agent: str = "") -> Run:
-    """Finish a run (SPEC 5.1) without a transaction around a read and a write: the run is
-    read, `rules.finish` decides, and the update applies only if the run is still as read.
-    A check that stopped the run or another finish in between makes it match nothing, and the
-    finish is decided again on the new row; that can happen at most twice, since a run's
-    status and its finish each change once. Two round trips instead of four, on a request
-    every run makes (docs/performance.md)."""
-    for _ in range(3):
-        runs = Run.objects.select_related("policy_version").filter(team=team, pk=run_id)
-        if key_agent:  # an agent-bound key finishes only its agent's runs (SPEC 10)
-            runs = runs.filter(agent=key_agent)
-        run = runs.first()
-        if run is None:
-            raise ServiceError(404, "not_found", "No such run.")
-        if (run.memory or {}).get("pending"):
-            return _finish_waiting(team=team, run_id=run.pk, status=status, output=output,
-                                   key_agent=key_agent)
-        now = timezone.now()
-        # A finish after the idle deadline finds the run abandoned (SPEC 14): it then keeps
-        # that status and reason and stores the output, like any stopped run.
-        run = abandon_if_idle(run, now=now)
-        try:
-            new_state = rules.finish(state_of(run), status,
-                                     already_finished=run.finished_at is not None, now=now)
-        except rules.FinishError:
-            raise ServiceError(409, "run_finished", "This run was already finished.") from None
-        # Finishing changes only these: the counters and the memory stay as the last check
-        # left them, and are not written back.
-        changes = {**states.columns_of(new_state, states.ENDED), "finished_at": now}
-        if output is not None:
-            changes["output"] = output
-        # A check that opened an approval since the read makes this match nothing too: the
-        # next pass finishes through _finish_waiting, which cancels it.
-        no_approval = Q(memory__pending=None) | Q(memory__pending__isnull=True)
-        if Run.objects.filter(no_approval, pk=run.pk, status=run.status,
-                              finished_at__isnull=True).update(**changes):
-            states.set_columns(run, changes)
-            publish_run_event(run)
-            return run
-    raise OperationalError("the run kept changing while it was being finished")
-
-
-def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None,
-                    key_agent: str = "") -> Run:
-    """Finish a run that waits for an approval (SPEC 11): under the run's lock, the request
-    expires if it is past its expiry, else finishing cancels it; then the run is finished as
-    usual (a stopped run keeps its status and reason)."""
-    with transaction.atomic():
-        runs = Run.objects.select_for_update().select_related("policy_version")
-        runs = runs.filter(team=team, pk=run_id)
-        if key_agent:  # an agent-bound key touches only its agent's runs (SPEC 10)
-            runs = runs.filter(agent=key_agent)
-        run = runs.first()
-        if run is None:
-            raise ServiceError(404, "not_found", "No such run.")
-        if run.finished_at is not None:
-            raise ServiceError(409, "run_finished", "This run was already finished.")
-        now = timezone.now()
-        state = approvals.settle_due_locked(run=run, state=state_of(run), now=now)
-        new_state = rules.finish(state, status, already_finished=False, now=now)
-        approvals.settle_on_end(run=run, before=state, after=new_state, now=now)
-        states.set_columns(run, states.columns_of(new_state, (*states.ENDED, "memory")))
-        run.finished_at = now
-        fields = [*states.ENDED, "memory", "finished_at"]
-        if output is not None:
-            run.output = output
-            fields.append("output")
-        run.save(update_fields=fields)
-    publish_run_event(run)
-    return run

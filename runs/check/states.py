@@ -2,9 +2,10 @@
 `RunState`, the one translation from them (`run_state`, `state_of`) and the one translation
 back (`columns_of`). Every writer of a run's state takes its values from `columns_of`, naming
 the columns it changes: the check (runs/check/check_store.py, its prepared statement and its
-ORM twin), the upload of local decisions and the finish (runs/check/services.py), an
-abandonment (runs/check/abandon.py), an approval's settlement (runs/approvals/services.py)
-and the kill switch's fan-out (runs/killswitch/services.py, its SQL and its ORM batch).
+ORM twin), the upload of local decisions (runs/check/local.py) and the finish
+(runs/check/lifecycle.py), an abandonment (runs/check/abandon.py), an approval's settlement
+(runs/approvals/services.py) and the kill switch's fan-out (runs/killswitch/fanout.py, its
+SQL and its ORM batch).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ runs/webhooks/tasks.py's task, on the ``webhooks`` queue and its own worker.
 
 Each task takes ids, calls a service and is idempotent: ``acks_late`` with
 ``reject_on_worker_lost`` means a task whose worker dies is delivered again, and running it
-twice changes nothing the second time (runs/killswitch/services.py, runs/webhooks/delivery.py).
+twice changes nothing the second time (runs/killswitch/fanout.py, runs/webhooks/delivery.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from celery import shared_task
 from django.db import DatabaseError, InterfaceError
 from kombu.exceptions import OperationalError as BrokerError
 
-from runs.killswitch import services as killswitch
+from runs.killswitch import fanout, sweep
 from runs.models import KillSwitch, Scope
 from runs.webhooks import delivery as webhooks
 
@@ -33,12 +33,12 @@ _retry = {"autoretry_for": (DatabaseError, InterfaceError, BrokerError), "retry_
 @shared_task(name="runs.tasks.killswitch_fanout", acks_late=True,
              reject_on_worker_lost=True, **_retry)
 def killswitch_fanout_task(switch_id: int, sweep: bool = False) -> None:
-    result = killswitch.killswitch_fanout(switch_id=switch_id)
+    result = fanout.killswitch_fanout(switch_id=switch_id)
     if result is None:
         return
     for delivery_id in result.deliveries:
         webhooks.schedule_delivery(delivery_id, 1, 0)
-    killswitch.killswitch_fanout_done(switch_id=switch_id)
+    fanout.killswitch_fanout_done(switch_id=switch_id)
     if sweep or killswitch_fanout_task.app.conf.task_always_eager:
         return  # eager runs in one process with the engage: nothing can slip in between
     if KillSwitch.objects.filter(pk=switch_id, active=True).exclude(scope=Scope.RUN).exists():
@@ -51,7 +51,7 @@ def killswitch_sweep_task() -> dict[str, int]:
     (``stale_work``). A switch engaged while the broker was down never got its fan-out task,
     and a delivery whose chain died with its worker (or whose publish a server gave up on)
     has nothing scheduled; both are idempotent, so restarting them twice is harmless."""
-    fanouts, deliveries = killswitch.stale_work()
+    fanouts, deliveries = sweep.stale_work()
     for switch_id in fanouts:
         killswitch_fanout_task.delay(switch_id)
     for delivery_id, number in deliveries:

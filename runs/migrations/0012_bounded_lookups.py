@@ -9,7 +9,7 @@
 - `killswitch_team_engaged` (team) of the engaged switches: a team's, without the history.
 
 And the run switches of runs that already ended are retired, as the fan-out retires them
-now (runs/killswitch/services.py retire_run_switch): they have nothing left to guard.
+now (runs/killswitch/fanout.py retire_run_switch): they have nothing left to guard.
 
 On PostgreSQL each index is built CONCURRENTLY (the SQL is Django's for the index, with IF
 NOT EXISTS), the new one before the old one is dropped (CONCURRENTLY, IF EXISTS): a plain
@@ -27,7 +27,7 @@ from typing import Any
 from django.db import migrations, models
 from django.utils import timezone
 
-from runs.killswitch.services import retired
+from runs.killswitch.fanout import retired
 
 # As runs.models.IN_RUN_ORDER: ordered by an expression the primary key does not index.
 IN_RUN_ORDER = models.Func(models.F("id"), template="(%(expressions)s + 0)",

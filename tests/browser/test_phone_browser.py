@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from policies.models import Team
-from runs.killswitch.services import killswitch_engage, killswitch_fanout
+from runs.killswitch.fanout import killswitch_fanout
+from runs.killswitch.services import killswitch_engage
 from runs.models import KillSwitch, Run
 from tests.browser.test_dashboard_browser import (  # noqa: F401 (fixtures)
     SCREENSHOTS,

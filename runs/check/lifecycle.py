@@ -1,0 +1,204 @@
+"""A run's start and finish (SPEC 5.1): each one or two statements, without a transaction
+around a read and a write, on requests every run makes (docs/performance.md). A run waiting
+for an approval is finished under its lock instead (`_finish_waiting`). The checks in between
+are runs/check/services.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import nullcontext
+from typing import Any
+
+from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from governance_client import rules
+from policies.models import AgentKey, Policy, Team
+from runs.approvals import services as approvals
+from runs.check import states
+from runs.check.abandon import abandon_if_idle
+from runs.check.policy_cache import rules_for_version
+from runs.check.services import ServiceError, remember_run
+from runs.check.states import state_of
+from runs.killswitch import cover
+from runs.live.events import publish_run_event
+from runs.models import Run
+
+
+def run_start(
+    *, key: AgentKey, agent: str, policy: str | None, task: str | None,
+    metadata: dict[str, Any] | None, external_id: str | None,
+) -> tuple[Run, bool]:
+    """Start a run, or return the team's run with this external_id. Returns (run, created)."""
+    team = key.team
+    if key.agent and agent != key.agent:
+        raise ServiceError(422, "invalid_request", "This key may only start runs of its agent.",
+                           {"agent": f"this key is limited to agent {key.agent!r}"})
+    if external_id is not None:
+        existing = Run.objects.filter(team=team, external_id=external_id).first()
+        if existing is not None:
+            return _same_agent(existing, agent), False
+    name = policy or "default"
+    # The version comes along: the answer shows it, without a query of its own.
+    policy_row = Policy.objects.filter(team=team, name=name).select_related("current").first()
+    if policy_row is None or policy_row.current_id is None:
+        raise ServiceError(422, "invalid_request", f"Unknown policy {name!r}.",
+                           {"policy": f"no policy named {name!r} in this team"})
+    limits = rules_for_version(policy_row.current_id)
+    metadata = rules.redact(metadata or {}, limits.redact_args)
+    now = timezone.now()
+    run = Run(team=team, agent=agent, policy_version=policy_row.current,
+              started_at=now, task=task or "", metadata=metadata,
+              external_id=external_id,
+              idle_deadline=rules.next_deadline(limits, rules.RunState(started_at=now), now))
+    try:
+        for _ in range(2):
+            if _insert_unless_switched(run):
+                break
+            switch = cover.covering_switch(team_id=team.pk, agent=agent, run_id=None)
+            if switch is not None:
+                raise ServiceError(409, "kill_switch_engaged",
+                                   f"No new run may start: {cover.switch_in_words(switch)}.")
+            # Released between the two statements: the start is tried once more.
+        else:
+            raise ServiceError(409, "kill_switch_engaged",
+                               "No new run may start: a kill switch covers it.")
+    except IntegrityError:
+        # Two starts raced with one external_id: the loser answers with the winner's run.
+        # Without an external_id the error is something else, never another run's start.
+        if external_id is None:
+            raise
+        existing = Run.objects.filter(team=team, external_id=external_id).first()
+        if existing is None:
+            raise
+        return _same_agent(existing, agent), False
+    publish_run_event(run)
+    return run, True
+
+
+def _same_agent(existing: Run, agent: str) -> Run:
+    """The run an external_id names is given back only to a start for the same agent: else
+    a key bound to one agent could read another's run through it (SPEC 10)."""
+    if existing.agent != agent:
+        raise ServiceError(409, "external_id_conflict",
+                           "This external_id belongs to a run of another agent.",
+                           {"external_id": "already used by a run of another agent"})
+    return existing
+
+
+# The cover rule for a run that does not exist yet; parameters: team, team, agent. `ks.active`
+# as the partial unique index of the switches' keys says it, so that both databases read
+# the (at most three) keys from it.
+_NOT_SWITCHED = f"""
+WHERE NOT EXISTS (
+    SELECT 1 FROM runs_killswitch ks WHERE ks.active AND (
+        {cover.covers_sql(switch="ks", team="%s", agent="%s", run=None)}))
+"""
+
+
+@functools.cache
+def _start_sql(vendor: str) -> str:
+    """The start's INSERT, built once per database backend (the quoting is the backend's)."""
+    fields = Run._meta.concrete_fields
+    columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
+    return (f"INSERT INTO {connection.ops.quote_name(Run._meta.db_table)} ({columns}) "
+            f"SELECT {', '.join(['%s'] * len(fields))} {_NOT_SWITCHED}")
+
+
+def _insert_unless_switched(run: Run) -> bool:
+    """Insert a new run unless an engaged kill switch covers it; False when one does.
+
+    One statement, so the switch is read with the snapshot of the insert itself (a switch
+    committed before the start began is always seen, SPEC 4.5) and no transaction has to be
+    opened around a read and a write: one round trip instead of four, and no ORM query to
+    build, on a request every run makes (docs/performance.md). The values are prepared by the
+    model's own fields, as `Run.objects.create` would.
+    """
+    fields = Run._meta.concrete_fields
+    values = [f.get_db_prep_save(getattr(run, f.attname), connection) for f in fields]
+    sql = _start_sql(connection.vendor)
+    # Inside a caller's transaction (tests, scripts) a savepoint keeps that transaction usable
+    # after a refused insert (a duplicate external_id); on its own the statement is atomic.
+    guard = transaction.atomic() if connection.in_atomic_block else nullcontext()
+    with guard, connection.cursor() as cursor:
+        cursor.execute(sql, [*values, run.team_id, run.team_id, run.agent])
+        inserted = cursor.rowcount == 1
+    if inserted:
+        run._state.adding, run._state.db = False, connection.alias
+        remember_run(run.pk, run.team_id, run.agent, run.policy_version_id)
+    return inserted
+
+
+def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
+               key_agent: str = "") -> Run:
+    """Finish a run (SPEC 5.1) without a transaction around a read and a write: the run is
+    read, `rules.finish` decides, and the update applies only if the run is still as read.
+    A check that stopped the run or another finish in between makes it match nothing, and the
+    finish is decided again on the new row; that can happen at most twice, since a run's
+    status and its finish each change once. Two round trips instead of four, on a request
+    every run makes (docs/performance.md)."""
+    for _ in range(3):
+        runs = Run.objects.select_related("policy_version").filter(team=team, pk=run_id)
+        if key_agent:  # an agent-bound key finishes only its agent's runs (SPEC 10)
+            runs = runs.filter(agent=key_agent)
+        run = runs.first()
+        if run is None:
+            raise ServiceError(404, "not_found", "No such run.")
+        if (run.memory or {}).get("pending"):
+            return _finish_waiting(team=team, run_id=run.pk, status=status, output=output,
+                                   key_agent=key_agent)
+        now = timezone.now()
+        # A finish after the idle deadline finds the run abandoned (SPEC 14): it then keeps
+        # that status and reason and stores the output, like any stopped run.
+        run = abandon_if_idle(run, now=now)
+        try:
+            new_state = rules.finish(state_of(run), status,
+                                     already_finished=run.finished_at is not None, now=now)
+        except rules.FinishError:
+            raise ServiceError(409, "run_finished", "This run was already finished.") from None
+        # Finishing changes only these: the counters and the memory stay as the last check
+        # left them, and are not written back.
+        changes = {**states.columns_of(new_state, states.ENDED), "finished_at": now}
+        if output is not None:
+            changes["output"] = output
+        # A check that opened an approval since the read makes this match nothing too: the
+        # next pass finishes through _finish_waiting, which cancels it.
+        no_approval = Q(memory__pending=None) | Q(memory__pending__isnull=True)
+        if Run.objects.filter(no_approval, pk=run.pk, status=run.status,
+                              finished_at__isnull=True).update(**changes):
+            states.set_columns(run, changes)
+            publish_run_event(run)
+            return run
+    raise OperationalError("the run kept changing while it was being finished")
+
+
+def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None,
+                    key_agent: str = "") -> Run:
+    """Finish a run that waits for an approval (SPEC 11): under the run's lock, the request
+    expires if it is past its expiry, else finishing cancels it; then the run is finished as
+    usual (a stopped run keeps its status and reason)."""
+    with transaction.atomic():
+        runs = Run.objects.select_for_update().select_related("policy_version")
+        runs = runs.filter(team=team, pk=run_id)
+        if key_agent:  # an agent-bound key touches only its agent's runs (SPEC 10)
+            runs = runs.filter(agent=key_agent)
+        run = runs.first()
+        if run is None:
+            raise ServiceError(404, "not_found", "No such run.")
+        if run.finished_at is not None:
+            raise ServiceError(409, "run_finished", "This run was already finished.")
+        now = timezone.now()
+        state = approvals.settle_due_locked(run=run, state=state_of(run), now=now)
+        new_state = rules.finish(state, status, already_finished=False, now=now)
+        approvals.settle_on_end(run=run, before=state, after=new_state, now=now)
+        states.set_columns(run, states.columns_of(new_state, (*states.ENDED, "memory")))
+        run.finished_at = now
+        fields = [*states.ENDED, "memory", "finished_at"]
+        if output is not None:
+            run.output = output
+            fields.append("output")
+        run.save(update_fields=fields)
+    publish_run_event(run)
+    return run

@@ -1,0 +1,248 @@
+"""The kill switch's fan-out (SPEC 6): what follows an engage's commit, run by the Celery task
+(runs/killswitch/tasks.py), by the publisher's thread while the broker is down, and by whoever
+looks first at a covered run (`killswitch_kill_run`). It marks the covered running runs
+``killed`` with one audit record each, in batches, with two twins of one batch: one SQL
+statement on PostgreSQL (`_KILL_SQL`), the ORM elsewhere; then it creates the webhook
+deliveries (runs/killswitch/deliveries.py) and retires a run switch whose run ended.
+Idempotent: it may run any number of times, concurrently too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import connection, transaction
+from django.db.models import QuerySet
+from django.db.models.fields.json import KT
+from django.utils import timezone
+
+from governance_client import answers, rules
+from runs.check import records, states
+from runs.check.policy_cache import rules_for_version
+from runs.check.states import RUN_COLUMNS, state_of
+from runs.killswitch import cover
+from runs.killswitch.deliveries import ensure_deliveries
+from runs.live.events import publish_team_event
+from runs.models import KillSwitch, Run, RunStatus, Scope
+
+
+@dataclass(frozen=True)
+class FanoutResult:
+    killed: list[str]  # run ids killed by this pass (empty when run again)
+    deliveries: list[int]  # deliveries this pass must start
+
+
+# Runs killed per transaction: big enough that 10,000 runs take a few round trips, small
+# enough that one batch holds its row locks (which checks of those runs wait for) briefly.
+FANOUT_BATCH = 1000
+
+# PostgreSQL: the runs locked by the batch's first statement killed by one UPDATE, and their
+# audit records written by one INSERT ... SELECT from its RETURNING, in one statement. The
+# answer is built in SQL from the same parts as answers.kill_answer: the switch's fixed part, the
+# run's usage (rules.RunState.usage: the run ended now, so elapsed is now - started_at,
+# rounded to the millisecond) and the limits of the run's policy version.
+_KILL_SQL = """
+WITH killed AS (
+    UPDATE runs_run r SET """ + ", ".join(f"{name} = %({name})s" for name in states.ENDED) + """
+    WHERE r.id = ANY(%(ids)s::uuid[]) AND r.status = %(running)s
+    RETURNING r.id, r.policy_version_id, r.steps, r.tool_calls, r.cost_usd,
+              greatest(0, extract(epoch FROM %(now)s - r.started_at)) AS elapsed
+)
+""" + records.insert_select_sql({
+    # As records.kill_row: a stop with no action, nothing counted, the step unchanged.
+    "run_id": "k.id", "step": "k.steps", "outcome": "%(stop)s", "reason": "%(reason)s",
+    "action_name": "''", "action_type": "''", "args": "NULL", "repeat_key": "''",
+    "repeat_count": "0", "check_id": "NULL", "progress": "NULL", "last_result": "NULL",
+    "cost_usd": "0",
+    "answer": """%(base)s::jsonb || jsonb_build_object(
+        'step', k.steps,
+        'usage', jsonb_build_object(
+            'steps', k.steps, 'tool_calls', k.tool_calls, 'cost_usd', k.cost_usd::float8,
+            'elapsed_s', round(k.elapsed, 3)::float8),
+        'limits', %(limits)s::jsonb -> k.policy_version_id::text)""",
+    "at": "%(now)s", "elapsed_s": "k.elapsed::float8",
+}) + """
+FROM killed k
+RETURNING run_id
+"""
+
+
+def _killed_columns(now: datetime) -> dict[str, Any]:
+    """The columns a kill sets, the same for every run it kills (`rules.kill`)."""
+    killed = rules.kill(rules.RunState(started_at=now), now=now)
+    assert killed is not None
+    return states.columns_of(killed, states.ENDED)
+
+
+def _limits_of(version_ids: set[int]) -> dict[int, dict[str, Any]]:
+    return {pk: rules_for_version(pk).limits() for pk in version_ids}
+
+
+def _kill_batch(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:
+    """Kill up to FANOUT_BATCH covered running runs in one transaction: one locking read of
+    the runs, then one UPDATE of them all and one INSERT of all their audit records.
+
+    The runs are locked in id order, each with the same row lock a check takes before it
+    reads the switches, so a check racing the kill either committed before (the kill then
+    sees its new state) or waits and then finds the run killed. Every fan-out locks in the
+    same order, so two of them (a team and a global switch) never deadlock. A run a check or
+    another pass ended meanwhile is re-read under the lock (READ COMMITTED) and left out:
+    each run is killed at most once (every run the locking read returns is running and
+    stays so under the lock, so each batch kills all it locked). Returns (run id, team id)
+    of the runs killed; empty when nothing is left."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            return _kill_batch_sql(switch, running)
+        return _kill_batch_orm(switch, running)
+
+
+def _settle_pending(switch: KillSwitch, run_ids: list[Any]) -> set[Any]:
+    """The batch's runs that wait for an approval (SPEC 11), already locked by the batch:
+    the kill cancels the approval, and the approval's final answer (stop / killed, at the
+    same step) is the kill's audit record; a request already past its expiry expires
+    instead, as it would for any look. Either way the run ends here with its request
+    settled, never killed below with it pending (SPEC 10). Rare, so one by one. Returns the
+    ids ended."""
+    if not run_ids:
+        return set()
+    from runs.approvals.services import settle_due_locked
+
+    settled = set()
+    now = timezone.now()
+    for run in Run.objects.filter(pk__in=run_ids).only(*RUN_COLUMNS):
+        state = state_of(run)
+        if state.pending is None or state.status != rules.RUNNING:
+            continue
+        after = settle_due_locked(run=run, state=state, now=now,
+                                  kill=cover.switch_in_words(switch))
+        if after.status != rules.RUNNING:
+            settled.add(run.pk)
+    return settled
+
+
+def _locked_batch(running: QuerySet[Run]) -> list[tuple[Any, int, int, Any]]:
+    """Lock the batch: (id, team id, policy version id, pending approval or None)."""
+    return list(running.select_for_update().order_by("pk")
+                .annotate(pending=KT("memory__pending"))
+                .values_list("pk", "team_id", "policy_version_id", "pending")[:FANOUT_BATCH])
+
+
+def _kill_batch_sql(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:
+    rows = _locked_batch(running)
+    if not rows:
+        return []
+    settled = _settle_pending(switch, [pk for pk, _, _, pending in rows if pending])
+    locked = [(pk, team_id, version) for pk, team_id, version, _ in rows if pk not in settled]
+    if not locked:
+        return [(str(pk), team_id) for pk, team_id, _, _ in rows]
+    limits = _limits_of({version for _, _, version in locked})
+    teams = {pk: team_id for pk, team_id, _ in locked}
+    now = timezone.now()
+    with connection.cursor() as cursor:
+        cursor.execute(_KILL_SQL, {
+            "ids": list(teams), "now": now, **_killed_columns(now),
+            "running": rules.RUNNING, "stop": rules.STOP, "reason": rules.KILLED,
+            "base": json.dumps(answers.kill_answer_fixed(switch.pk, cover.switch_in_words(switch))),
+            "limits": json.dumps({str(k): v for k, v in limits.items()}),
+        })
+        killed = [row[0] for row in cursor.fetchall()]
+    every = {pk: team_id for pk, team_id, _, _ in rows}
+    return [(str(pk), every[pk]) for pk in [*settled, *killed]]
+
+
+def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:
+    locked = _locked_batch(running)
+    if not locked:
+        return []
+    settled = _settle_pending(switch, [pk for pk, _, _, pending in locked if pending])
+    rows = list(Run.objects.filter(pk__in=[pk for pk, *_ in locked if pk not in settled])
+                .order_by("pk").only(*RUN_COLUMNS))
+    teams = {pk: team_id for pk, team_id, _, _ in locked}
+    now = timezone.now()
+    limits = _limits_of({run.policy_version_id for run in rows})
+    killed: list[Run] = []
+    decisions: list[tuple[Any, records.DecisionRow]] = []
+    words = cover.switch_in_words(switch)
+    for run in rows:
+        new = rules.kill(state_of(run), now=now)
+        if new is None:
+            continue
+        killed.append(run)
+        decisions.append((run.pk, records.kill_row(switch.pk, words, new,
+                                                   limits[run.policy_version_id], now)))
+    if killed:
+        Run.objects.filter(pk__in=[run.pk for run in killed]).update(**_killed_columns(now))
+        records.insert_many(decisions, batch_size=FANOUT_BATCH)
+    return [(str(pk), teams[pk]) for pk in [*settled, *(run.pk for run in killed)]]
+
+
+def killswitch_kill_run(*, run_id: Any) -> bool:
+    """Kill one running run that an engaged switch covers, now, exactly as the fan-out will
+    (whoever looks first: an approved request's poll, runs/approvals/services.py). False
+    when no switch covers it or it is over; idempotent like the fan-out."""
+    run = Run.objects.filter(pk=run_id, status=rules.RUNNING).only("team_id", "agent").first()
+    if run is None:
+        return False
+    switch = cover.covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.pk)
+    if switch is None:
+        return False
+    killed = _kill_batch(switch, Run.objects.filter(pk=run.pk, status=rules.RUNNING))
+    if killed:
+        publish_team_event(run.team_id)
+    return bool(killed)
+
+
+def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
+    """Mark every running covered run ``killed`` (one audit record each), set-based in
+    batches (_kill_batch), then create the webhook deliveries. Safe to run any number of
+    times, concurrently too: each run is killed under its lock at most once, each delivery
+    exists at most once."""
+    switch = KillSwitch.objects.filter(pk=switch_id).first()
+    if switch is None:
+        return None
+    running = Run.objects.filter(cover.runs_covered_by(switch), status=rules.RUNNING)
+    if switch.released_at is not None:
+        # Released before this pass ran: runs started after the release were never covered.
+        running = running.filter(started_at__lt=switch.released_at)
+    killed: list[str] = []
+    while batch := _kill_batch(switch, running):
+        killed += [pk for pk, _ in batch]
+        for team_id in sorted({team_id for _, team_id in batch}):
+            publish_team_event(team_id)  # one wake-up per team and batch, not per run
+    deliveries = ensure_deliveries(switch, resume=switch.fanout_done_at is None)
+    if switch.scope == Scope.RUN:
+        retire_run_switch(switch_id=switch.pk)
+    return FanoutResult(killed=killed, deliveries=deliveries)
+
+
+RUN_ENDED = "its run ended"
+
+
+def retired(now: datetime) -> dict[str, Any]:
+    """The release of a run switch whose run ended: the columns it sets (here, and for the
+    switches of runs that ended before this existed, migration runs 0012)."""
+    return {"active": False, "released_at": now, "released_by_label": "the system",
+            "release_reason": RUN_ENDED}
+
+
+def retire_run_switch(*, switch_id: int) -> bool:
+    """A run switch whose run has ended has nothing left to guard (a killed run stays killed,
+    and a check of an ended run is answered by its end, before any switch is read): it is
+    released as "its run ended", so the history does not show it engaged for ever and no
+    read of the engaged switches keeps finding it. Returns whether it was retired."""
+    return bool(KillSwitch.objects.filter(
+        pk=switch_id, scope=Scope.RUN, active=True,
+        run__status__in=[s for s in RunStatus.values if s != RunStatus.RUNNING],
+    ).update(**retired(timezone.now())))
+
+
+def killswitch_fanout_done(*, switch_id: int) -> None:
+    """Record that a fan-out pass finished, deliveries started. Until then a new pass (the
+    task delivered again after its worker died) restarts the deliveries left unstarted."""
+    KillSwitch.objects.filter(pk=switch_id, fanout_done_at__isnull=True).update(
+        fanout_done_at=timezone.now()
+    )
+
