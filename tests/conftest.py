@@ -161,7 +161,7 @@ def attack_turn() -> Iterator[None]:
     suites measured the machine, not the server (a valid check took 2.3 s in 1 of 5 tries
     with one other suite; a run of four groups and other work missed the 2 s deadline once).
     So an attack module has the machine to itself: it takes the turn exclusively, and every
-    other test of every suite of this checkout takes it shared (`_shared_turn`), so the
+    other test of every suite of this checkout takes it shared (`pytest_runtest_protocol`), so the
     others finish the test at hand and wait meanwhile. The gate makes the attack's wait
     first in line: without it, shared holders that overlap could keep it waiting forever."""
     global _holding_attack_turn
@@ -177,10 +177,12 @@ def attack_turn() -> Iterator[None]:
             _holding_attack_turn = False
 
 
-@pytest.fixture(autouse=True)
-def _shared_turn(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Any other test waits while an attack module of another suite runs (`attack_turn`)."""
-    if _holding_attack_turn or "attack_turn" in request.fixturenames:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Any other test waits while an attack module of another suite runs (`attack_turn`).
+    Around the whole test, setup included: a wait inside it would hold the test's database
+    transaction open, which the server ends after 10 s idle (settings.py)."""
+    if _holding_attack_turn or "attack_turn" in getattr(item, "fixturenames", ()):
         yield
         return
     _TURNS.mkdir(exist_ok=True)

@@ -106,7 +106,12 @@ def history(team: Team) -> dict[str, Run]:
         rows.append(_decision(shadow, step, rules.WOULD_STOP if shadowed else rules.ALLOW,
                               "max_steps" if shadowed else "ok", now))
         rows += [_decision(other, step, rules.ALLOW, "ok", now) for other in others]
-    Decision.objects.bulk_create(rows, batch_size=5000)
+        if len(rows) >= 5000:
+            # Written as they are built: building them all first left the test's
+            # transaction idle past the server's 10 s limit on a loaded machine.
+            Decision.objects.bulk_create(rows)
+            rows = []
+    Decision.objects.bulk_create(rows)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE runs_decision")
         cursor.execute("ANALYZE runs_run")
