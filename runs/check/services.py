@@ -416,12 +416,13 @@ def _decide(policy: rules.Policy, state: rules.RunState, check: rules.Check, *,
                                          rate=windows, key=key,
                                          approval_id=str(uuid.uuid4()))
     answer = answers.answer_of(decision, new_state, policy, now)
-    if new_state is not state and deadline is not None and time.monotonic() > deadline:
-        # The agent gave up on this check (its deadline_ms passed while the check waited,
-        # for the run's lock usually): it will not run the action, so nothing is counted,
-        # and the audit says so instead of recording an allow that never ran.
+    # The agent may have given up on this check (its deadline_ms passed while the check
+    # waited, for the run's lock usually): the rules say what then stands.
+    expired = rules.expire(state, decision, new_state,
+                           past_deadline=deadline is not None and time.monotonic() > deadline)
+    if expired is not None:
         answer = answers.expired_answer(answer, state, now, check_id)
-        decision, new_state = answers.expired_decision(state, decision), state
+        decision, new_state = expired
         # The check_id stays free: the client may upload its own decision for it.
         check_id = None
     return decision, new_state, answer, check_id
