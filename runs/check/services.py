@@ -17,6 +17,7 @@ from django.db.models import Q
 from django.utils import timezone
 from governance_client.keys import repeat_key
 
+from governance.errors import AppError
 from governance_client import answers, rules
 from policies.models import AgentKey, Policy, Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
@@ -44,12 +45,8 @@ from runs.models import Approval, Decision, Run
 log = logging.getLogger(__name__)
 
 
-class ServiceError(Exception):
-    """A refusal the API turns into its JSON error (SPEC 5.3)."""
-
-    def __init__(self, status: int, code: str, message: str, fields: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.fields = status, code, message, fields or {}
+# The application's one error (governance/errors.py), by the name the check's callers know.
+ServiceError = AppError
 
 
 def run_start(
