@@ -41,10 +41,68 @@ class FastPBKDF2PasswordHasher(PBKDF2PasswordHasher):
     iterations = 1
 
 
+# --- Both check stores ----------------------------------------------------------------------
+# A test inside pytest-django's transaction (a plain `django_db`) runs every check on the ORM
+# path: the prepared statements run only outside a caller's transaction (the table
+# `uses_prepared_statements` in runs/check/check_store.py). Marked `both_stores`, a test runs
+# twice on PostgreSQL: `[orm]` as before, and `[prepared]` with its data committed
+# (django_db(transaction=True)), where the same checks go through the two prepared round
+# trips. On SQLite there is one store, so one run and the test's id unchanged.
+STORES = ("orm", "prepared")
+
+
+def pytest_generate_tests(metafunc: Any) -> None:
+    if not ON_POSTGRES or metafunc.definition.get_closest_marker("both_stores") is None:
+        return
+    db = metafunc.definition.get_closest_marker("django_db")
+    if (db is not None and db.kwargs.get("transaction")) or \
+            {"transactional_db", "server", "agent"} & set(metafunc.fixturenames):
+        return  # committed already: its checks run on the prepared statements
+    metafunc.parametrize("check_store", STORES, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def check_store(request: Any) -> Iterator[str]:
+    """The check store a `both_stores` test runs on ("orm" elsewhere). Counts the check
+    transactions the test opens in this process, and fails a test whose checks did not run
+    on the store it names (on `[prepared]`, a check that touches approvals starts on the
+    prepared statements and goes on on the ORM: it counts as prepared)."""
+    store = getattr(request, "param", None)
+    if store is None:
+        yield "orm"
+        return
+    from runs.check import check_store as cs
+
+    opened = {"orm": 0, "prepared": 0}
+    orm_init, pg_init = cs.OrmCheck.__init__, cs.PostgresCheck.__init__
+
+    def orm(self: Any, *args: Any, **kwargs: Any) -> None:
+        opened["orm"] += 1
+        orm_init(self, *args, **kwargs)
+
+    def prepared(self: Any, *args: Any, **kwargs: Any) -> None:
+        opened["prepared"] += 1
+        pg_init(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cs.OrmCheck, "__init__", orm)
+        patch.setattr(cs.PostgresCheck, "__init__", prepared)
+        yield store
+    if store == "orm":
+        assert opened["prepared"] == 0, "a check ran on the prepared statements"
+    elif opened["orm"]:
+        assert opened["prepared"], "the checks ran on the ORM only"
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     skip_pg = pytest.mark.skip(reason="needs DATABASE_URL=postgres://...")
     skip_redis = pytest.mark.skip(reason="needs REDIS_URL (Redis and a Celery worker)")
+    committed = pytest.mark.django_db(transaction=True)
     for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("check_store") == "prepared":
+            # The closest django_db marker wins: this one, over the module's plain one.
+            item.add_marker(committed, append=False)
         if "postgres" in item.keywords and not ON_POSTGRES:
             item.add_marker(skip_pg)
         if "redis" in item.keywords and not HAS_REDIS:

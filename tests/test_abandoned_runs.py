@@ -22,6 +22,9 @@ from runs.models import Decision, Run
 from tests.conftest import Agent, set_policy
 from tests.test_bounded_looks import overdue_runs
 
+# Plain django_db tests of these run on both check stores (tests/conftest.py).
+pytestmark = pytest.mark.both_stores
+
 
 def start(api: Any, **body: Any) -> str:
     response = api.post("/api/v1/runs", {"agent": "bot", **body},

@@ -113,6 +113,7 @@ def test_a_text_too_long_is_refused_in_characters(api, run_id, body, field, limi
     assert_nothing_counted(run_id)
 
 
+@pytest.mark.both_stores
 def test_unknown_fields_are_ignored(api, run_id):
     response = post(api, f"/api/v1/runs/{run_id}/check",
                     {"action": {"name": "x", "color": "red"}, "mood": "happy"})
@@ -145,6 +146,7 @@ def test_very_deep_json_is_refused_without_a_crash(api, run_id):
 
 
 @pytest.mark.parametrize("header", [None, "Bearer nope", "Bearer gov_aaaaaaaaaaaa_x", "Basic x"])
+@pytest.mark.both_stores
 def test_it_answers_401_without_a_valid_key(run_id, header):
     client = Client()
     extra = {"HTTP_AUTHORIZATION": header} if header else {}
@@ -154,6 +156,7 @@ def test_it_answers_401_without_a_valid_key(run_id, header):
     assert_nothing_counted(run_id)
 
 
+@pytest.mark.both_stores
 def test_a_revoked_key_is_refused(client, team):
     new = agent_key_create(team=team, name="k")
     agent_key_revoke(key=new.key, actor=None)
@@ -161,6 +164,7 @@ def test_a_revoked_key_is_refused(client, team):
     assert_error(response, 401, "unauthorized")
 
 
+@pytest.mark.both_stores
 def test_a_key_with_a_right_prefix_and_wrong_secret_is_refused(client, team):
     token = agent_key_create(team=team, name="k").token
     forged = token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")
@@ -169,6 +173,7 @@ def test_a_key_with_a_right_prefix_and_wrong_secret_is_refused(client, team):
 
 
 @pytest.mark.parametrize("run", ["00000000-0000-0000-0000-000000000000", "not-a-uuid", "1"])
+@pytest.mark.both_stores
 def test_it_answers_404_for_an_unknown_run(api, run):
     assert_error(post(api, f"/api/v1/runs/{run}/check", {"action": {"name": "x"}}), 404,
                  "not_found")
@@ -270,6 +275,7 @@ def test_nul_in_a_known_field_is_refused_naming_that_field(api, run_id, path, bo
     assert_nothing_counted(run_id)
 
 
+@pytest.mark.both_stores
 def test_nul_in_an_unknown_field_is_ignored_like_the_field(api, run_id):
     """Unknown fields are ignored (SPEC 5.2), whatever they hold: nothing of them is stored."""
     check = ('{"action": {"name": "a", "args": {}, "note\\u0000": "x\\u0000"},'

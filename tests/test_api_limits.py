@@ -49,6 +49,7 @@ def check(api: Client, run_id: str, **body: Any) -> Any:
     ("action.name", 200), ("check_id", 100), ("progress", 256), ("last_result.digest", 128),
     ("last_result.error", 2000), ("last_result.summary", 2000),
 ])
+@pytest.mark.both_stores
 def test_each_check_field_takes_exactly_its_limit(
         api: Client, run_id: str, field: str, limit: int) -> None:
     def body(text: str) -> dict[str, Any]:
@@ -146,6 +147,7 @@ def test_cost_outside_0_to_1_million_is_refused(api: Client, run_id: str, cost: 
     assert not Decision.objects.exists()
 
 
+@pytest.mark.both_stores
 def test_a_tiny_cost_rounds_to_the_micro_dollar(api: Client, run_id: str) -> None:
     assert check(api, run_id, cost_usd=1e-300).json()["usage"]["cost_usd"] == 0
     assert check(api, run_id, cost_usd=0.0000005).json()["usage"]["cost_usd"] == 0.000001
@@ -162,6 +164,7 @@ def test_a_number_too_large_to_be_finite_is_refused_in_args_and_metadata(
     assert Run.objects.count() == 1 and not Decision.objects.exists()
 
 
+@pytest.mark.both_stores
 def test_big_integers_are_kept_exactly_up_to_what_json_parsing_allows(
         api: Client, run_id: str) -> None:
     huge = 10**4000 + 7
@@ -189,6 +192,7 @@ def test_big_integers_are_kept_exactly_up_to_what_json_parsing_allows(
 
 # --- Unicode -----------------------------------------------------------------------------------
 
+@pytest.mark.both_stores
 def test_any_unicode_text_is_accepted_and_given_back_as_sent(api: Client, run_id: str) -> None:
     args = {"q": "退款政策 🧾", "ключ": "значение", "rtl": "\u202eevil", "zw": "a\u200bb"}
     answer = check(api, run_id, action={"name": "搜索.docs", "args": args}).json()
@@ -213,6 +217,7 @@ def test_a_lone_surrogate_is_refused_naming_the_field(
     assert not Decision.objects.exists()
 
 
+@pytest.mark.both_stores
 def test_a_surrogate_pair_is_one_character_and_accepted(api: Client, run_id: str) -> None:
     response = post(api, f"/api/v1/runs/{run_id}/check",
                      '{"action": {"name": "x", "args": {"q": "\\ud83d\\ude00"}}}')

@@ -30,7 +30,7 @@ from runs.killswitch.services import killswitch_engage
 from runs.models import Approval, ApprovalStatus, Decision, KillSwitch, Run
 from tests.conftest import set_policy
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.both_stores]
 
 PAY = {"name": "payments.refund", "args": {"order": 42}}
 

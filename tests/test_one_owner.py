@@ -5,8 +5,10 @@ the other writers."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
@@ -101,3 +103,27 @@ def test_the_store_table_picks_the_prepared_statements_only_on_postgresql_alone(
 
     assert check_store.uses_prepared_statements(
         vendor=vendor, in_atomic_block=in_atomic_block, portable=portable) is prepared
+
+
+@pytest.mark.django_db
+@pytest.mark.both_stores
+def test_a_check_looks_its_policy_up_once(api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check's steps are handed the run's policy: one lookup per check, whether this
+    process knew the run's policy version before the lock (it started the run) or not."""
+    from runs.check import services
+
+    response = api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json")
+    run_id = response.json()["run_id"]
+    version = Run.objects.get(pk=run_id).policy_version_id
+    looked: list[int] = []
+    lookup = services.rules_for_version
+    monkeypatch.setattr(services, "rules_for_version",
+                        lambda version_id: looked.append(version_id) or lookup(version_id))
+    for forget in (False, True):
+        if forget:
+            services._RUN_FACTS.pop(uuid.UUID(run_id), None)
+        looked.clear()
+        answer = api.post(f"/api/v1/runs/{run_id}/check", {"action": {"name": "x"}},
+                          content_type="application/json")
+        assert answer.json()["decision"] == "allow"
+        assert looked == [version]

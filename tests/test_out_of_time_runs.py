@@ -21,6 +21,9 @@ from tests.conftest import set_policy
 from tests.test_abandoned_runs import check, start
 from tests.test_bounded_looks import at, ms
 
+# Plain django_db tests of these run on both check stores (tests/conftest.py).
+pytestmark = pytest.mark.both_stores
+
 
 def out_of_time(rid: str, *, over: float = 8, budget: float = 45) -> datetime:
     """Make the run one started ``budget + over`` s ago, with the deadline its start wrote

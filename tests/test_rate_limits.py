@@ -255,6 +255,7 @@ def waited_run(api: Any, team: Any, **changes: Any) -> str:
 
 
 @pytest.mark.django_db
+@pytest.mark.both_stores
 def test_the_timeline_shows_the_wait_row(client: Any, api: Any, team: Any,
                                          users: dict[str, Any]) -> None:
     rid = waited_run(api, team)
@@ -266,6 +267,7 @@ def test_the_timeline_shows_the_wait_row(client: Any, api: Any, team: Any,
 
 
 @pytest.mark.django_db
+@pytest.mark.both_stores
 def test_the_overview_counts_rate_limited_checks(client: Any, api: Any, team: Any,
                                                  users: dict[str, Any]) -> None:
     waited_run(api, team)
@@ -277,6 +279,7 @@ def test_the_overview_counts_rate_limited_checks(client: Any, api: Any, team: An
 
 
 @pytest.mark.django_db
+@pytest.mark.both_stores
 def test_the_waits_are_counted_in_the_metrics_by_team_and_rule(api: Any, team: Any,
                                                                settings: Any) -> None:
     settings.METRICS_TOKEN = "m"
@@ -311,6 +314,7 @@ def test_the_openapi_document_says_every_answer_carries_the_common_fields(client
 
 
 @pytest.mark.django_db
+@pytest.mark.both_stores
 def test_allow_stop_and_wait_answers_all_carry_the_common_fields(api: Any, team: Any) -> None:
     limit(team, rule(per="run", max=1), step_limits={"max_steps": 2, "max_repeat_action": 9,
                                                       "no_progress_window": 9})

@@ -39,6 +39,7 @@ from governance_client.rules import (
     terminal_decision,
 )
 
+from governance_client import rules
 from policies.document import default_policy
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
@@ -1324,3 +1325,30 @@ def test_memory_round_trips_through_json_ready_data() -> None:
     assert restored.memory() == state.memory()
     assert restored.repeat_counts == state.repeat_counts
     assert restored.progress_seen == state.progress_seen
+
+
+def test_a_check_past_its_deadline_is_expired_and_the_state_before_it_stands() -> None:
+    """rules.expire: the agent gave up on the check, so what the rules decided does not
+    stand; the expired decision keeps the repeat key, with the count before the check."""
+    _, state = drive(loose(), [same(), same()])
+    before = copy.deepcopy(state)
+    decision, new = evaluate(loose(), state, same(), now=T0)
+    assert decision.repeat_count == 3
+
+    expired, kept = rules.expire(state, decision, new, past_deadline=True)
+
+    assert kept is state and state == before
+    assert (expired.outcome, expired.reason, expired.step) == ("expired", "deadline_expired", 2)
+    assert (expired.repeat_key, expired.repeat_count) == (decision.repeat_key, 2)
+    assert expired.message == rules.EXPIRED_MESSAGE
+    assert expired.next_action == rules.EXPIRED_NEXT
+
+
+def test_a_check_in_time_or_that_changed_nothing_is_not_expired() -> None:
+    state = fresh()
+    decision, new = evaluate(loose(), state, same(), now=T0)
+    assert rules.expire(state, decision, new, past_deadline=False) is None
+    over = fresh(status=STOPPED, stop_reason="max_steps")
+    stop, same_state = evaluate(loose(), over, same(), now=T0)
+    assert same_state is over
+    assert rules.expire(over, stop, same_state, past_deadline=True) is None

@@ -41,6 +41,7 @@ from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
+from governance.errors import AppError
 from governance_client import answers, rules
 from policies.models import Team
 from policies.services import audit
@@ -65,13 +66,9 @@ MAX_NOTE = 2000
 DECISIONS = {"approve": rules.APPROVED, "deny": rules.DENIED}
 
 
-class ApprovalError(Exception):
-    """A refusal: the API and the dashboard turn it into their own error (SPEC 5.3 codes)."""
-
-    def __init__(self, status: int, code: str, message: str,
-                 fields: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.fields = status, code, message, fields or {}
+# The application's one error (governance/errors.py): the API and the dashboard turn it into
+# their own answer (SPEC 5.3 codes).
+ApprovalError = AppError
 
 
 # --- Opening a request (inside the check's transaction) -------------------------------------

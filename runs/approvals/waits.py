@@ -34,6 +34,7 @@ from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
+from governance.errors import AppError
 from runs import first_look
 from runs.approvals.selectors import approval_json
 from runs.live.events import local_broker, redis_listener
@@ -77,8 +78,11 @@ async def off_the_api_pool(fn: Callable[[], T], viewer: Hashable) -> T:
     return await look_lane.run(fn, viewer)
 
 
-class TooManyWaits(Exception):
-    """A poll over its key's or its team's cap of waiting polls."""
+# A poll over its key's or its team's cap of waiting polls is refused with the application's
+# one error (governance/errors.py); the API adds its Retry-After.
+TooManyWaits = AppError
+TOO_MANY_WAITS = ("Too many polls of this key or team are waiting already: ask again after "
+                  "Retry-After seconds, or with wait=0 for the status now.")
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,8 @@ class ApprovalWaits:
         with self._lock:
             if (self._per_key[key_id] >= settings.APPROVAL_WAITS_PER_KEY
                     or self._per_team[team_id] >= settings.APPROVAL_WAITS_PER_TEAM):
-                raise TooManyWaits
+                raise AppError(429, "too_many_waits", TOO_MANY_WAITS,
+                               retry_after_s=RETRY_AFTER_S)
             self._per_key[key_id] += 1
             self._per_team[team_id] += 1
         try:

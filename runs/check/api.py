@@ -31,12 +31,11 @@ from ninja.security import HttpBearer
 from pydantic import ValidationError as PydanticValidationError
 
 from governance import fastjson
+from governance.errors import AppError
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
 from runs import first_look
 from runs.approvals import selectors as approvals
 from runs.approvals.waits import (
-    RETRY_AFTER_S,
-    TooManyWaits,
     approval_waits,
     off_the_api_pool,
 )
@@ -46,7 +45,7 @@ from runs.check import schemas as s
 from runs.check.edge import bearer_token, error
 from runs.check.lifecycle import run_finish, run_start
 from runs.check.local import run_local_decisions
-from runs.check.services import ServiceError, run_check
+from runs.check.services import run_check
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +131,13 @@ def _on_404(request: HttpRequest, exc: Exception) -> HttpResponse:
     return error(404, "not_found", "Not found.")
 
 
-@api.exception_handler(ServiceError)
-def _on_service(request: HttpRequest, exc: ServiceError) -> HttpResponse:
-    return error(exc.status, exc.code, exc.message, exc.fields)
+@api.exception_handler(AppError)
+def _on_refusal(request: HttpRequest, exc: AppError) -> HttpResponse:
+    """Whatever the services refuse, in the SPEC 5.3 envelope (governance/errors.py)."""
+    refused = error(exc.status, exc.code, exc.message, exc.fields)
+    if exc.retry_after_s is not None:
+        refused["Retry-After"] = str(exc.retry_after_s)
+    return refused
 
 
 @api.exception_handler(Exception)
@@ -160,7 +163,7 @@ def _run_uuid(run_id: str) -> uuid.UUID:
     try:
         return uuid.UUID(run_id)
     except ValueError:
-        raise ServiceError(404, "not_found", "No such run.") from None
+        raise AppError(404, "not_found", "No such run.") from None
 
 
 # OpenAPI links: a started run's id feeds the run's other operations, so clients and
@@ -394,27 +397,21 @@ async def get_approval(request: HttpRequest, approval_id: str, filters: Query[s.
     try:
         wanted = uuid.UUID(approval_id)
     except ValueError:
-        raise ServiceError(404, "not_found", "No such approval.") from None
+        raise AppError(404, "not_found", "No such approval.") from None
     key = request.auth
     seen = approval_waits.seen(key.team_id)
     body = await _read_approval(key, wanted)
     if body is None:
-        raise ServiceError(404, "not_found", "No such approval.")
+        raise AppError(404, "not_found", "No such approval.")
     if body["status"] == "pending" and filters.wait > 0:
-        try:
-            with approval_waits.slot(key_id=key.pk, team_id=key.team_id):
-                outcome = await approval_waits.wait(
-                    team_id=key.team_id, approval_id=body["id"], run_id=body["run_id"],
-                    expires_at=datetime.fromisoformat(body["expires_at"]), seen=seen,
-                    timeout=filters.wait)
-        except TooManyWaits:
-            refused = error(429, "too_many_waits",
-                            "Too many polls of this key or team are waiting already: ask again "
-                            "after Retry-After seconds, or with wait=0 for the status now.")
-            refused["Retry-After"] = str(RETRY_AFTER_S)
-            return refused
+        # Over the key's or the team's cap: 429 too_many_waits with a Retry-After.
+        with approval_waits.slot(key_id=key.pk, team_id=key.team_id):
+            outcome = await approval_waits.wait(
+                team_id=key.team_id, approval_id=body["id"], run_id=body["run_id"],
+                expires_at=datetime.fromisoformat(body["expires_at"]), seen=seen,
+                timeout=filters.wait)
         if outcome is not None:
             if outcome.body is None:  # deleted by retention while waiting
-                raise ServiceError(404, "not_found", "No such approval.")
+                raise AppError(404, "not_found", "No such approval.")
             body = outcome.body
     return HttpResponse(json.dumps(body), content_type="application/json")

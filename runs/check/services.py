@@ -15,6 +15,7 @@ from django.db import DatabaseError, OperationalError, connection
 from django.utils import timezone
 from governance_client.keys import repeat_key
 
+from governance.errors import AppError
 from governance_client import answers, rules
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs.approvals import services as approvals
@@ -39,12 +40,8 @@ from runs.models import Approval
 log = logging.getLogger(__name__)
 
 
-class ServiceError(Exception):
-    """A refusal the API turns into its JSON error (SPEC 5.3)."""
-
-    def __init__(self, status: int, code: str, message: str, fields: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.fields = status, code, message, fields or {}
+# The application's one error (governance/errors.py), by the name the check's callers know.
+ServiceError = AppError
 
 
 UNAUTHORIZED = "A valid agent key is required (Authorization: Bearer)."
@@ -101,11 +98,12 @@ def remember_run(run_id: uuid.UUID, team_id: int, agent: str, version_id: int) -
         _RUN_FACTS[run_id] = (team_id, agent, version_id)
 
 
-def _rate_read(facts: tuple[int, str, int] | None, name: str) -> RateRead | None:
-    if facts is None:
+def _rate_read(facts: tuple[int, str, int] | None, policy: rules.Policy | None,
+               name: str) -> RateRead | None:
+    if facts is None or policy is None:
         return None
-    team_id, agent, version_id = facts
-    matching = rules.rate_limits_matching(rules_for_version(version_id), name)
+    team_id, agent, _ = facts
+    matching = rules.rate_limits_matching(policy, name)
     return RateRead(rules=matching, team_id=team_id, agent=agent) if matching else None
 
 
@@ -119,8 +117,7 @@ class _Keyed:
     wanted: dict[str, rules.Entry]
 
 
-def _keyed_for(check: rules.Check, version_id: int) -> _Keyed:
-    policy = rules_for_version(version_id)
+def _keyed_for(check: rules.Check, version_id: int, policy: rules.Policy) -> _Keyed:
     key = repeat_key(check.name, check.args, policy.ignore_args)
     return _Keyed(version_id, key, run_memory.digests(rules.keyed_reads(check, key)))
 
@@ -148,11 +145,13 @@ def _last_result_json(last: rules.LastResult | None) -> dict[str, Any] | None:
 @dataclass(slots=True)
 class _Read:
     """What the check read under the run's lock: the lock's result, the run, the rate-limit
-    windows asked for with the lock (`rate`), the check's repeat key and keyed entries, and
-    the run's state with those entries loaded."""
+    windows asked for with the lock (`rate`), the check's repeat key and keyed entries, the
+    run's state with those entries loaded, and the run's policy (parsed rules, read once per
+    attempt and handed down to every step)."""
 
     locked: Locked
     run: RunRow
+    policy: rules.Policy
     rate: RateRead | None
     keyed: _Keyed
     state: rules.RunState
@@ -167,8 +166,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
     to retry."""
     with check_transaction(portable=portable) as tx:
         read = _lock_and_read(tx, claim=claim, run_id=run_id, check=check)
-        run, loaded = read.run, read.state
-        policy = rules_for_version(run.policy_version_id)
+        run, loaded, policy = read.run, read.state, read.policy
         if isinstance(tx, PostgresCheck) and _involves_approvals(
                 policy, loaded, read.locked.earlier_answer, check.name):
             raise _Portable()
@@ -208,8 +206,11 @@ def _lock_and_read(tx: CheckTransaction, *, claim: KeyClaim, run_id: uuid.UUID,
     windows and the keyed entries are read in the locking round trip; else the entries take
     one more round trip once the run is locked."""
     facts = _RUN_FACTS.get(run_id)
-    rate = _rate_read(facts, check.name)
-    guess = _keyed_for(check, facts[2]) if facts is not None else None
+    # The policy of the version this process knows for the run, looked up once: the rate
+    # limits, the keyed entries and the decision all read it.
+    known = rules_for_version(facts[2]) if facts is not None else None
+    rate = _rate_read(facts, known, check.name)
+    guess = _keyed_for(check, facts[2], known) if facts and known else None
     locked = tx.lock(prefix=claim.prefix, run_id=run_id, check_id=check.check_id,
                      rate=rate, keyed=list(guess.wanted) if guess is not None else None)
     if locked is None or not agent_key_matches(claim, locked.key_hash):
@@ -218,16 +219,19 @@ def _lock_and_read(tx: CheckTransaction, *, claim: KeyClaim, run_id: uuid.UUID,
     if run is None:
         raise ServiceError(404, "not_found", "No such run.")
     remember_run(run.id, run.team_id, run.agent, run.policy_version_id)
+    # A run's policy version never changes: what this process knew is the run's.
+    policy = known if facts and known and facts[2] == run.policy_version_id \
+        else rules_for_version(run.policy_version_id)
     if guess is not None and guess.version_id == run.policy_version_id \
             and locked.keyed is not None:
         keyed, counts = guess, locked.keyed
     else:
-        keyed = _keyed_for(check, run.policy_version_id)
+        keyed = _keyed_for(check, run.policy_version_id, policy)
         counts = tx.read_keyed(run_id=run.id, keyed=list(keyed.wanted))
     # Only the check's own entries of the keyed memory: the rules answer the same as with
     # all of it (governance_client.rules, keyed_reads), and what they change is written.
     state = run.state.load_keyed(run_memory.found(keyed.wanted, counts))
-    return _Read(locked=locked, run=run, rate=rate, keyed=keyed, state=state)
+    return _Read(locked=locked, run=run, policy=policy, rate=rate, keyed=keyed, state=state)
 
 
 def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now: Any
@@ -304,12 +308,13 @@ def _decide(policy: rules.Policy, state: rules.RunState, check: rules.Check, *,
                                          rate=windows, key=key,
                                          approval_id=str(uuid.uuid4()))
     answer = answers.answer_of(decision, new_state, policy, now)
-    if new_state is not state and deadline is not None and time.monotonic() > deadline:
-        # The agent gave up on this check (its deadline_ms passed while the check waited,
-        # for the run's lock usually): it will not run the action, so nothing is counted,
-        # and the audit says so instead of recording an allow that never ran.
+    # The agent may have given up on this check (its deadline_ms passed while the check
+    # waited, for the run's lock usually): the rules say what then stands.
+    expired = rules.expire(state, decision, new_state,
+                           past_deadline=deadline is not None and time.monotonic() > deadline)
+    if expired is not None:
         answer = answers.expired_answer(answer, state, now, check_id)
-        decision, new_state = answers.expired_decision(state, decision), state
+        decision, new_state = expired
         # The check_id stays free: the client may upload its own decision for it.
         check_id = None
     return decision, new_state, answer, check_id

@@ -20,6 +20,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from governance.errors import AppError
 from governance_client import rules
 from policies.models import Team
 from policies.services import audit
@@ -35,8 +36,12 @@ log = logging.getLogger(__name__)
 MAX_REASON = 1000
 
 
-class KillSwitchError(ValueError):
-    """A request the services refuse: the message is meant for the operator."""
+class KillSwitchError(AppError):
+    """A switch the services refuse (its scope and options do not fit, no reason): the
+    application's one error as 422 invalid_request, the message meant for the operator."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(422, "invalid_request", message)
 
 
 @dataclass(frozen=True)

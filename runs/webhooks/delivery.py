@@ -33,6 +33,7 @@ import httpx
 from django.db import connections, transaction
 from django.utils import timezone
 
+from governance.errors import AppError
 from policies.egress import RefusedTarget, UnresolvedHost, VettedBackend, ascii_url
 from policies.models import Team
 from policies.services import webhook_secret_id
@@ -117,8 +118,9 @@ def approval_payload(approval: Any, event: str) -> dict[str, Any]:
     }
 
 
-class SendTestRefused(ValueError):
-    """A "Send test" the service refuses; the message is meant for the admin."""
+# A "Send test" the service refuses: the application's one error (governance/errors.py), its
+# message meant for the admin.
+SendTestRefused = AppError
 
 
 NO_WEBHOOK = "This team has no webhook URL: set one in the team settings."
@@ -133,14 +135,14 @@ def send_test(*, team: Team, sent_by: str) -> WebhookDelivery:
     team's last test is pending, another is refused (SendTestRefused), so a button pressed in a
     loop cannot fill the webhook worker with one team's attempts."""
     if not team.webhook_url:
-        raise SendTestRefused(NO_WEBHOOK)
+        raise AppError(409, "no_webhook", NO_WEBHOOK)
     now = timezone.now()
     with transaction.atomic():
         # The team's row lock makes "none pending, so create one" one step for concurrent
         # presses. NO KEY: rows that merely reference the team (runs, audit) are not held up.
         Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list("pk").get()
         if WebhookDelivery.objects.filter(team=team, event=TEST_EVENT, status=PENDING).exists():
-            raise SendTestRefused(TEST_PENDING)
+            raise AppError(409, "test_pending", TEST_PENDING)
         delivery = WebhookDelivery.objects.create(
             team=team, event=TEST_EVENT, url=team.webhook_url,
             payload={"event": TEST_EVENT, "team": team.slug, "sent_by": sent_by,

@@ -105,20 +105,11 @@ def kill_answer_fixed(switch_id: int, words: str) -> dict[str, Any]:
     return {name: value for name, value in whole.items() if name not in PER_RUN}
 
 
-EXPIRED = "expired"
-DEADLINE_EXPIRED = "deadline_expired"
-EXPIRED_MESSAGE = ("The check arrived or waited past its deadline_ms: the agent no longer "
-                   "waited for the answer, so it was not decided and nothing was counted.")
-EXPIRED_NEXT = "Check the action again if it is still wanted."
-
-
-def expired_decision(state: rules.RunState, decision: rules.Decision) -> rules.Decision:
-    """A check the agent no longer waited for (its deadline_ms passed): audited as expired,
-    nothing counted, the state before the check."""
-    return rules.Decision(outcome=EXPIRED, reason=DEADLINE_EXPIRED, step=state.steps,
-                          repeat_key=decision.repeat_key,
-                          repeat_count=state.repeat_counts.get(decision.repeat_key, 0),
-                          message=EXPIRED_MESSAGE, next_action=EXPIRED_NEXT)
+# The expiry of a check past its deadline is a rule (`rules.expire`); its answer is built here.
+EXPIRED = rules.EXPIRED  # the audited outcome
+DEADLINE_EXPIRED = rules.DEADLINE_EXPIRED
+EXPIRED_MESSAGE = rules.EXPIRED_MESSAGE
+EXPIRED_NEXT = rules.EXPIRED_NEXT
 
 
 def expired_answer(decided: dict[str, Any], state: rules.RunState, now: datetime,

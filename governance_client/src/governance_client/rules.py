@@ -1032,6 +1032,29 @@ def terminal_decision(state: RunState, key: str) -> Decision:
     )
 
 
+# A check the agent no longer waited for (its deadline_ms passed before it was decided).
+DEADLINE_EXPIRED = "deadline_expired"
+EXPIRED_MESSAGE = ("The check arrived or waited past its deadline_ms: the agent no longer "
+                   "waited for the answer, so it was not decided and nothing was counted.")
+EXPIRED_NEXT = "Check the action again if it is still wanted."
+
+
+def expire(state: RunState, decision: Decision, new: RunState, *, past_deadline: bool
+           ) -> tuple[Decision, RunState] | None:
+    """A check whose deadline passed before it was decided (the caller tells, from its own
+    clock; usually the check waited for the run's lock): the agent gave up on it and will not
+    run the action, so a decision that changed the run (``new``, from `evaluate`) does not
+    stand. It is audited as expired instead, nothing counted: the expired decision and the
+    state before the check. None when the decision stands (in time, or one that changed
+    nothing, such as a terminal run's stop, which is answered as decided)."""
+    if not past_deadline or new is state:
+        return None
+    return Decision(outcome=EXPIRED, reason=DEADLINE_EXPIRED, step=state.steps,
+                    repeat_key=decision.repeat_key,
+                    repeat_count=state.repeat_counts.get(decision.repeat_key, 0),
+                    message=EXPIRED_MESSAGE, next_action=EXPIRED_NEXT), state
+
+
 def elapsed_seconds(*, started_at: datetime, ended_at: datetime | None, status: str,
                     now: datetime, paused_s: float = 0.0,
                     pending_since: datetime | None = None) -> float:
