@@ -20,7 +20,7 @@ from runs.approvals import services as approvals
 from runs.check import states
 from runs.check.abandon import abandon_if_idle
 from runs.check.policy_cache import rules_for_version
-from runs.check.services import ServiceError, remember_run
+from runs.check.services import ServiceError, locked_run_of_key, remember_run
 from runs.check.states import state_of
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
@@ -180,13 +180,7 @@ def _finish_waiting(*, team: Team, run_id: Any, status: str, output: str | None,
     expires if it is past its expiry, else finishing cancels it; then the run is finished as
     usual (a stopped run keeps its status and reason)."""
     with transaction.atomic():
-        runs = Run.objects.select_for_update().select_related("policy_version")
-        runs = runs.filter(team=team, pk=run_id)
-        if key_agent:  # an agent-bound key touches only its agent's runs (SPEC 10)
-            runs = runs.filter(agent=key_agent)
-        run = runs.first()
-        if run is None:
-            raise ServiceError(404, "not_found", "No such run.")
+        run = locked_run_of_key(team=team, run_id=run_id, key_agent=key_agent)
         if run.finished_at is not None:
             raise ServiceError(409, "run_finished", "This run was already finished.")
         now = timezone.now()

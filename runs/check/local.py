@@ -17,7 +17,7 @@ from runs.approvals import services as approvals
 from runs.check import records, run_memory, states
 from runs.check.policy_cache import rules_for_version
 from runs.check.records import DecisionRow
-from runs.check.services import ServiceError
+from runs.check.services import locked_run_of_key
 from runs.check.states import state_of
 from runs.live.events import publish_run_event
 from runs.models import Decision, Run
@@ -35,13 +35,7 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
     """
     recorded = 0
     with transaction.atomic():
-        runs = Run.objects.select_for_update().select_related("policy_version")
-        runs = runs.filter(team=team, pk=run_id)
-        if key_agent:  # an agent-bound key touches only its agent's runs (SPEC 10)
-            runs = runs.filter(agent=key_agent)
-        run = runs.first()
-        if run is None:
-            raise ServiceError(404, "not_found", "No such run.")
+        run = locked_run_of_key(team=team, run_id=run_id, key_agent=key_agent)
         policy = rules_for_version(run.policy_version_id)
         checks = [_local_check(entry) for entry in entries]
         # The entries of the keyed memory every uploaded decision reads, in one query.

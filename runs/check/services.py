@@ -17,6 +17,7 @@ from governance_client.keys import repeat_key
 
 from governance.errors import AppError
 from governance_client import answers, rules
+from policies.models import Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs.approvals import services as approvals
 from runs.check import metrics, records, run_memory
@@ -35,7 +36,7 @@ from runs.check.policy_cache import rules_for_version
 from runs.check.records import DecisionRow, kill_detail
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
-from runs.models import Approval
+from runs.models import Approval, Run
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,20 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
 # (cleared when full); a miss only costs a separate round trip.
 _RUN_FACTS: dict[uuid.UUID, tuple[int, str, int]] = {}
 _RUN_FACTS_MAX = 20_000
+
+
+def locked_run_of_key(*, team: Team, run_id: Any, key_agent: str) -> Run:
+    """The key's run, locked for the caller's transaction (a finish, an upload of local
+    decisions): 404 unless it is the key's team's, and its agent's for an agent-bound key
+    (SPEC 10)."""
+    runs = Run.objects.select_for_update().select_related("policy_version")
+    runs = runs.filter(team=team, pk=run_id)
+    if key_agent:
+        runs = runs.filter(agent=key_agent)
+    run = runs.first()
+    if run is None:
+        raise ServiceError(404, "not_found", "No such run.")
+    return run
 
 
 def remember_run(run_id: uuid.UUID, team_id: int, agent: str, version_id: int) -> None:
