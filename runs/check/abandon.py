@@ -27,7 +27,6 @@ sets it again with `rules.next_deadline`, like the check does.
 
 from __future__ import annotations
 
-import logging
 import time
 from datetime import datetime
 from typing import Any
@@ -44,8 +43,6 @@ from runs.check.states import RUN_COLUMNS, state_of
 from runs.live.events import publish_run_event
 from runs.models import Run
 from runs.sweep import one_by_one
-
-log = logging.getLogger(__name__)
 
 # The overdue runs one read finds; the beat's pass reads batch after batch for at most
 # SWEEP_SECONDS (one locking transaction a run), so a backlog of 100,000 overdue runs drains
