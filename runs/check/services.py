@@ -160,14 +160,15 @@ def _last_result_json(last: rules.LastResult | None) -> dict[str, Any] | None:
 @dataclass(slots=True)
 class _Read:
     """What the check read under the run's lock: the lock's result, the run, the rate-limit
-    windows asked for with the lock (`rate`), the check's repeat key and keyed entries, the
-    run's state with those entries loaded, and the run's policy (parsed rules, read once per
-    attempt and handed down to every step)."""
+    windows asked for with the lock (`rate`), the rate limits the action matches, the check's
+    repeat key and keyed entries, the run's state with those entries loaded, and the run's
+    policy (parsed rules, read once per attempt and handed down to every step)."""
 
     locked: Locked
     run: RunRow
     policy: rules.Policy
     rate: RateRead | None
+    matching: tuple[rules.RateLimit, ...]
     keyed: _Keyed
     state: rules.RunState
 
@@ -190,7 +191,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
         replayed, check = _replay_or_refuse(state, rows, first, policy, check, kill=kill)
         if replayed is not None:
             return replayed
-        windows = _windows(tx, read, policy, state, check, kill=kill, now=now)
+        windows = _windows(tx, read, state, kill=kill, now=now)
         decision, new_state, answer, check_id = _decide(
             policy, state, check, kill=kill, windows=windows, key=read.keyed.key, now=now,
             deadline=deadline)
@@ -246,7 +247,12 @@ def _lock_and_read(tx: CheckTransaction, *, claim: KeyClaim, run_id: uuid.UUID,
     # Only the check's own entries of the keyed memory: the rules answer the same as with
     # all of it (governance_client.rules, keyed_reads), and what they change is written.
     state = run.state.load_keyed(run_memory.found(keyed.wanted, counts))
-    return _Read(locked=locked, run=run, policy=policy, rate=rate, keyed=keyed, state=state)
+    # The rate limits the action matches, matched once: under the policy this process knew,
+    # the ones asked for with the lock (`_rate_read` asks only when some match).
+    matching = (rate.rules if rate is not None else ()) if policy is known \
+        else rules.rate_limits_matching(policy, check.name)
+    return _Read(locked=locked, run=run, policy=policy, rate=rate, matching=matching,
+                 keyed=keyed, state=state)
 
 
 def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now: Any
@@ -298,14 +304,13 @@ def _replay_or_refuse(state: rules.RunState, rows: list[DecisionRow], first: Any
     return None, check
 
 
-def _windows(tx: CheckTransaction, read: _Read, policy: rules.Policy, state: rules.RunState,
-             check: rules.Check, *, kill: str | None, now: Any) -> list[rules.RateWindow]:
+def _windows(tx: CheckTransaction, read: _Read, state: rules.RunState, *, kill: str | None,
+             now: Any) -> list[rules.RateWindow]:
     """The rate-limit windows the check's action matches (SPEC 12): those read with the lock
     when they are the right ones, else read now (taking the rules' locks)."""
     if state.status != rules.RUNNING or kill is not None:
         return []
-    matching = rules.rate_limits_matching(policy, check.name)
-    locked, rate = read.locked, read.rate
+    locked, rate, matching = read.locked, read.rate, read.matching
     if locked.windows is not None and rate is not None and rate.rules == matching:
         return locked.windows
     if matching:
