@@ -308,6 +308,10 @@ def summary(results: dict[str, Any]) -> str:
             lines.append(fmt(results[key]).strip())
     if "attacks" in results:
         lines.extend(line.strip() for line in attack_lines(results["attacks"]))
+    if "retention" in results:
+        from .retention import line as retention_line
+
+        lines.append(retention_line(results["retention"]).strip())
     lines.append("")
     lines.append("targets:")
     for name, measured, met in targets(results):
@@ -404,6 +408,9 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
         "attack_p99_ratios": {name: r["p99_ratio"] for name, r in
                               (results.get("attacks") or {}).get("attacks", {}).items()},
         "growth_10m_over_empty": (results.get("growth") or {}).get("history_over_empty"),
+        "retention_86m_flat_s": sum(((results.get("retention") or {}).get("flat_at_86m")
+                                     or {}).get(k, 0) for k in ("delete_s", "vacuum_s")) or None,
+        "retention_partition_drop_s": (results.get("retention") or {}).get("partition_drop_s"),
         "correct": not correctness(results),
     }
 
