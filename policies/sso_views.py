@@ -240,12 +240,24 @@ class SsoBackend(OIDCAuthenticationBackend):
             raise Refused(f"The ID token is not valid: {exc}.") from None
 
     def retrieve_matching_jwk(self, token: str) -> Any:
+        """The library's choice by key id; a token without one (a provider with a single
+        key may leave it out) is verified with the provider's one signing key, if it has
+        exactly one."""
         try:
-            return super().retrieve_matching_jwk(token)
+            if "kid" in jwt.get_unverified_header(token):
+                return super().retrieve_matching_jwk(token)
+            response = requests.get(self.OIDC_OP_JWKS_ENDPOINT, timeout=settings.OIDC_TIMEOUT)
+            response.raise_for_status()
+            keys = [key for key in response.json()["keys"]
+                    if key.get("use", "sig") == "sig"
+                    and key.get("alg", self.OIDC_RP_SIGN_ALGO) == self.OIDC_RP_SIGN_ALGO]
+            if len(keys) != 1:
+                raise SuspiciousOperation("no key id, and not one signing key")
+            return jwt.PyJWK(keys[0], algorithm=self.OIDC_RP_SIGN_ALGO)
         except SuspiciousOperation:
             raise Refused("The ID token's signature could not be verified with the identity "
                           "provider's keys: none of them has its key id.") from None
-        except (KeyError, TypeError, jwt.PyJWTError):
+        except (KeyError, TypeError, AttributeError, jwt.PyJWTError):
             raise Refused("The ID token or the provider's keys are malformed.") from None
 
 
