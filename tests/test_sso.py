@@ -301,3 +301,29 @@ def test_a_bad_role_map_is_a_system_check_error_naming_the_entry(db: Any):
         errors = sso_role_map_teams(databases=["default"])
         assert [e.msg for e in errors] == [
             "OIDC_ROLE_MAP entry 1 names the team 'nowhere', which does not exist."]
+
+
+def test_an_sso_role_changed_by_an_admin_is_kept_from_then_on(sso: Provider):
+    sso.set_user("gina-sub", preferred_username="gina", groups=["support-ops"])
+    sign_in(Client(), "gina-sub")
+    user = SsoIdentity.objects.get(subject="gina-sub").user
+    support = Membership.objects.get(user=user).team
+    membership_set(team=support, user=user, role=Role.VIEWER, actor=None)  # the members page
+    sign_in(Client(), "gina-sub")
+    assert roles(user) == {"support": (Role.VIEWER, False)}
+
+
+def test_groups_missing_from_the_id_token_are_read_from_userinfo(sso: Provider,
+                                                                 monkeypatch: Any):
+    sso.set_user("hal-sub", preferred_username="hal", groups=["support-leads"])
+    real = SsoBackend._verify_jws
+
+    def without_groups(self: SsoBackend, payload: str, key: Any) -> dict[str, Any]:
+        claims = real(self, payload, key)
+        claims.pop("groups")
+        return claims
+
+    monkeypatch.setattr(SsoBackend, "_verify_jws", without_groups)
+    assert sign_in(Client(), "hal-sub").status_code == 302
+    user = SsoIdentity.objects.get(subject="hal-sub").user
+    assert roles(user) == {"support": (Role.ADMIN, True)}
