@@ -19,7 +19,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from .models import ROLE_RANK, Membership, Role, SsoIdentity, Team
@@ -130,7 +130,19 @@ def sign_in(*, issuer: str, subject: str, claims: dict[str, Any]) -> SignIn:
     Refusals are returned, not raised, so that their audit events (and a known person's
     revoked memberships) are committed: no mapped group refuses with 403, and makes no
     account for a new person."""
-    entries = parse_role_map(settings.OIDC_ROLE_MAP)  # the system check proved it parses
+    try:
+        entries = parse_role_map(settings.OIDC_ROLE_MAP)  # the system check refuses a bad one
+    except RoleMapError as exc:  # a server started with --skip-checks
+        return SignIn(None, SignInRefused(f"Single sign-on is misconfigured: {exc}", 503))
+    try:
+        return _sign_in(issuer, subject, claims, entries)
+    except IntegrityError:
+        # The same person's first sign-in in two tabs at once: the other made the account.
+        return _sign_in(issuer, subject, claims, entries)
+
+
+def _sign_in(issuer: str, subject: str, claims: dict[str, Any],
+             entries: list[RoleMapEntry]) -> SignIn:
     unknown = unknown_teams(entries)
     groups = groups_of(claims)
     with transaction.atomic():
@@ -225,7 +237,7 @@ def _new_user(issuer: str, subject: str, claims: dict[str, Any]) -> AbstractBase
     the account is found by (issuer, sub)), made unique, and no usable password."""
     users = get_user_model()
     wanted = str(claims.get("preferred_username") or claims.get("email") or "")
-    base = re.sub(r"[^\w.@+-]", "", wanted)[:120] or "sso"
+    base = re.sub(r"[^\w.@+-]", "", wanted)[:80] or "sso"  # with a suffix: within 150
     digest = hashlib.sha256(f"{issuer}\n{subject}".encode()).hexdigest()
     name = base
     for length in (6, 10, 16, 64):

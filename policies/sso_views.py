@@ -78,13 +78,15 @@ def provider() -> Provider:
             f"its discovery document could not be read ({type(exc).__name__})") from None
     if not isinstance(document, dict):
         raise ProviderUnreachable("its discovery document is not a JSON object")
-    if str(document.get("issuer", "")).rstrip("/") != issuer:
+    # The issuer as the provider spells it (some end it with "/"): ID tokens name it so.
+    spelled = document.get("issuer")
+    if not isinstance(spelled, str) or spelled.rstrip("/") != issuer:
         raise ProviderUnreachable(
             f"its discovery document names the issuer {document.get('issuer')!r}, "
             f"not OIDC_ISSUER ({issuer!r})")
     try:
         found = Provider(
-            issuer=issuer,
+            issuer=spelled,
             authorization_endpoint=_url(document, "authorization_endpoint"),
             token_endpoint=_url(document, "token_endpoint"),
             jwks_uri=_url(document, "jwks_uri"),
@@ -146,6 +148,7 @@ class SsoBackend(OIDCAuthenticationBackend):
         Raises Refused, ProviderUnreachable or SignInRefused."""
         self.request = request
         found = provider()
+        self.issuer = found.issuer
         self.OIDC_OP_TOKEN_ENDPOINT = found.token_endpoint
         self.OIDC_OP_JWKS_ENDPOINT = found.jwks_uri
         self.OIDC_OP_USER_ENDPOINT = found.userinfo_endpoint
@@ -223,7 +226,7 @@ class SsoBackend(OIDCAuthenticationBackend):
         try:
             return jwt.decode(
                 payload, key, algorithms=[self.OIDC_RP_SIGN_ALGO],
-                audience=self.OIDC_RP_CLIENT_ID, issuer=settings.OIDC_ISSUER,
+                audience=self.OIDC_RP_CLIENT_ID, issuer=self.issuer,
                 leeway=settings.OIDC_CLOCK_SKEW_S,
                 options={"require": ["iss", "aud", "exp", "iat", "sub"]})
         except jwt.ExpiredSignatureError:

@@ -238,12 +238,14 @@ def test_an_unreachable_provider_is_a_page_not_a_500(db: Any):
     forget_provider()
 
 
-def test_a_role_map_naming_a_missing_team_refuses_the_sign_in(sso: Provider):
+def test_a_role_map_naming_a_missing_team_or_not_parsing_refuses_the_sign_in(sso: Provider):
     sso.set_user("eve-sub", preferred_username="eve", groups=["staff"])
     with override_settings(OIDC_ROLE_MAP=json.dumps(
             [{"group": "staff", "team": "support", "role": "viewer"},
              {"group": "staff", "team": "nowhere", "role": "viewer"}])):
         refused(sign_in(Client(), "eve-sub"), 503, b"entry 1 names the team &#x27;nowhere&#x27;")
+    with override_settings(OIDC_ROLE_MAP="not json"):  # a server started with --skip-checks
+        refused(sign_in(Client(), "eve-sub"), 503, b"OIDC_ROLE_MAP is not JSON")
 
 
 def test_the_login_page_and_the_password_policy(sso: Provider, db: Any):
