@@ -39,9 +39,18 @@ def sso_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
         errors.append(Error("OIDC_ISSUER is set but OIDC_CLIENT_ID is not.",
                             id="governance.E002"))
     if settings.OIDC_ISSUER and not settings.OIDC_ISSUER.startswith(("https://", "http://")):
-        errors.append(Error(f"OIDC_ISSUER must be an https:// URL, not {settings.OIDC_ISSUER!r}.",
-                            id="governance.E003"))
+        errors.append(Error(f"OIDC_ISSUER must be a URL (https://...), not "
+                            f"{settings.OIDC_ISSUER!r}.", id="governance.E003"))
     return errors
+
+
+@register(Tags.security, deploy=True)
+def sso_over_https(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
+    if not settings.OIDC_ISSUER.startswith("http://"):
+        return []
+    return [Warning("OIDC_ISSUER is a plain http:// URL: the provider's keys and tokens travel "
+                    "unprotected.", hint="Use the provider's https:// issuer.",
+                    id="governance.W002")]
 
 
 @register(Tags.database)

@@ -329,3 +329,14 @@ def test_groups_missing_from_the_id_token_are_read_from_userinfo(sso: Provider,
     assert sign_in(Client(), "hal-sub").status_code == 302
     user = SsoIdentity.objects.get(subject="hal-sub").user
     assert roles(user) == {"support": (Role.ADMIN, True)}
+
+
+def test_the_other_settings_checks():
+    from governance.checks import sso_over_https, sso_settings
+
+    with override_settings(OIDC_ISSUER="login.example.com", OIDC_CLIENT_ID=""):
+        assert [e.id for e in sso_settings()] == ["governance.E002", "governance.E003"]
+    with override_settings(OIDC_ISSUER="http://login.example.com", OIDC_CLIENT_ID="x"):
+        assert [w.id for w in sso_over_https()] == ["governance.W002"]
+    with override_settings(OIDC_ISSUER="https://login.example.com", OIDC_CLIENT_ID="x"):
+        assert sso_settings() == [] and sso_over_https() == []
