@@ -313,6 +313,40 @@ LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
 
+# --- Single sign-on, OpenID Connect (SPEC 17, docs/sso.md) -------------------------------------
+# Off while OIDC_ISSUER is unset: the login page is the password form alone, as before. The
+# provider's endpoints are discovered from <issuer>/.well-known/openid-configuration at the
+# first SSO sign-in (policies/sso_views.py), never at import: a provider that is down cannot
+# stop the server from starting, only SSO sign-ins, with a page that says so.
+OIDC_ISSUER = (os.environ.get("OIDC_ISSUER") or "").strip().rstrip("/")
+OIDC_CLIENT_ID = os.environ.get("OIDC_CLIENT_ID") or ""
+OIDC_CLIENT_SECRET = os.environ.get("OIDC_CLIENT_SECRET") or ""
+# JSON list of {"group", "team": slug | "*", "role"}; checked at start (governance/checks.py).
+OIDC_ROLE_MAP = os.environ.get("OIDC_ROLE_MAP") or "[]"
+OIDC_GROUPS_CLAIM = os.environ.get("OIDC_GROUPS_CLAIM") or "groups"
+OIDC_PASSWORD_LOGIN = (os.environ.get("OIDC_PASSWORD_LOGIN") or
+                       ("superusers" if OIDC_ISSUER else "all")).strip().lower()
+if OIDC_PASSWORD_LOGIN not in {"all", "superusers", "off"}:
+    raise ImproperlyConfigured("OIDC_PASSWORD_LOGIN must be all, superusers or off")
+# Every call to the provider (discovery, token, keys, userinfo) gives up after this long.
+OIDC_TIMEOUT = env_float("OIDC_TIMEOUT", 5.0)
+# The algorithm the provider signs ID tokens with; anything else is refused.
+OIDC_RP_SIGN_ALGO = os.environ.get("OIDC_SIGN_ALGO") or "RS256"
+# What mozilla-django-oidc reads (the request view and the backend of policies/sso_views.py).
+OIDC_RP_CLIENT_ID = OIDC_CLIENT_ID
+OIDC_RP_CLIENT_SECRET = OIDC_CLIENT_SECRET
+OIDC_RP_SCOPES = "openid email profile"
+OIDC_USE_PKCE = True
+OIDC_USE_NONCE = True
+OIDC_AUTHENTICATION_CALLBACK_URL = "sso_callback"
+# Accepted difference between the provider's clock and ours when checking an ID token's times.
+OIDC_CLOCK_SKEW_S = 60
+AUTHENTICATION_BACKENDS = [
+    "django.contrib.auth.backends.ModelBackend",
+    # Signs in nobody by itself: the SSO callback calls it (policies/sso_views.py).
+    "policies.sso_views.SsoBackend",
+]
+
 SECURE_HSTS_SECONDS = 0 if DEBUG else env_int("SECURE_HSTS_SECONDS", 31536000)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = True
 SECURE_HSTS_PRELOAD = True

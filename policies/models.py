@@ -47,11 +47,34 @@ class Membership(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=20, choices=Role.choices, default=Role.VIEWER)
+    # Given by single sign-on from the provider's groups (policies/sso.py), recomputed at each
+    # of the person's SSO sign-ins; False: given by hand (an admin, an invitation, a command),
+    # which SSO never changes.
+    from_sso = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["user", "team"], name="one_membership_per_team")
+        ]
+
+
+class SsoIdentity(models.Model):
+    """A person of the identity provider (SPEC 17): the account an OpenID Connect sign-in
+    with this (issuer, sub) signs in to. Never found by e-mail or username."""
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                                related_name="sso_identity")
+    issuer = models.CharField(max_length=300)
+    subject = models.CharField(max_length=255)  # the ID token's `sub`
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_sign_in_at = models.DateTimeField(null=True, blank=True)
+    last_groups = models.JSONField(default=list, blank=True)  # as the last sign-in gave them
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["issuer", "subject"],
+                                    name="one_account_per_sso_subject")
         ]
 
 

@@ -264,7 +264,9 @@ def membership_set(*, team: Team, user: AbstractBaseUser, role: str,
     if not created and membership.role != role:
         before = membership.role
         membership.role = role
-        membership.save(update_fields=["role"])
+        # A role set by hand is the hand's from now on: SSO sign-ins leave it alone.
+        membership.from_sso = False
+        membership.save(update_fields=["role", "from_sso"])
         audit(actor=actor, action="member.role", team=team, target=user.get_username(),
               detail={"before": before, "after": role})
     elif created:

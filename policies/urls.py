@@ -1,14 +1,16 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import views
+from . import sso_views, views
 
 TEAM = "teams/<slug:slug>/"  # a team's pages are under its slug
 
 urlpatterns = [
     path("", views.home, name="home"),
-    path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True),
-         name="login"),
+    path("accounts/login/", sso_views.SignInView.as_view(), name="login"),
+    # Single sign-on (SPEC 17, docs/sso.md): 404 while OIDC_ISSUER is unset.
+    path("accounts/sso/login/", sso_views.SsoLoginView.as_view(), name="sso_login"),
+    path("accounts/sso/callback/", sso_views.sso_callback, name="sso_callback"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     # An invitation link (policies.services.member_invite) has a password-reset link's shape.
     path("accounts/reset/<uidb64>/<token>/", views.InvitationView.as_view(),
