@@ -50,7 +50,9 @@ class Membership(models.Model):
     # Given by single sign-on from the provider's groups (policies/sso.py), recomputed at each
     # of the person's SSO sign-ins; False: given by hand (an admin, an invitation, a command),
     # which SSO never changes.
-    from_sso = models.BooleanField(default=False)
+    # db_default: the previous release, which does not know the column, still adds members
+    # while this one migrates (docs/upgrades.md).
+    from_sso = models.BooleanField(default=False, db_default=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

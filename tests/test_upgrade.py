@@ -135,6 +135,12 @@ def test_the_previous_release_serves_through_and_after_this_release_s_migrations
             checker.join(timeout=60)
         assert answers and set(answers) == {200}, answers
 
+        # The old release's commands on the new schema: a policy change, a new key.
+        policy.write_text(POLICY.replace("max_steps: 500", "max_steps: 400"))
+        _manage(previous, database_url, "apply_policies", str(policy))
+        _manage(previous, database_url, "create_agent_key", "--team", "upgrade",
+                "--name", "after-upgrade")
+
         # The old server on the new schema: a new run, its checks, its finish.
         with httpx.Client(base_url=old.url, timeout=30, headers=headers) as http:
             other = http.post("/api/v1/runs", json={"agent": "bot"})
