@@ -162,7 +162,7 @@ class PolicyVersionOut(Schema):
     document: dict[str, Any]
 
 
-class PolicyOut(PolicyVersionOut):
+class PolicySavedOut(PolicyVersionOut):
     changed: bool | None = None
 
 
@@ -266,7 +266,7 @@ def _confirmation_required(impacts: list[impact.Impact]) -> HttpResponse:
     return HttpResponse(json.dumps(body), status=409, content_type="application/json")
 
 
-@router.put("/teams/{slug}/policies/{name}", response={200: PolicyOut, **ERRORS},
+@router.put("/teams/{slug}/policies/{name}", response={200: PolicySavedOut, **ERRORS},
             summary="Save a policy (a new version when something changed)",
             operation_id="operator_put_policy")
 def put_policy(request: HttpRequest, slug: str, name: str, payload: PolicyPutIn) -> Any:
@@ -308,7 +308,8 @@ def backtest_policy(request: HttpRequest, slug: str, name: str, payload: Backtes
         raise AppError(422, "invalid_request", str(exc), {"since": str(exc)}) from None
     report = backtests.backtest(team, policy, document, since=since, limit=payload.limit)
     _read(request, team)
-    return {**report.as_json(), "summary": report.summary}
+    # The draft as it would be saved (defaults filled): what `govctl --dry-run` diffs.
+    return {**report.as_json(), "summary": report.summary, "draft": document}
 
 
 # --- Kill switch -------------------------------------------------------------------------------

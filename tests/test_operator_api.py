@@ -356,3 +356,15 @@ def test_operator_paths_run_on_their_own_pool_never_the_checks():
     for path in ("/api/v1/teams", "/api/v1/teams/a/policies/b", "/api/v1/killswitch",
                  "/api/v1/approvals/abc/decide"):
         assert pool_name(path) == "operator"
+
+
+def test_the_matrix_covers_every_operator_operation(client):
+    doc = client.get("/api/v1/openapi.json").json()
+    documented = {(method.upper(), path) for path, methods in doc["paths"].items()
+                  for method, op in methods.items()
+                  if op.get("security") == [{"OperatorTokenAuth": []}]}
+    covered = {(method, path.split("?")[0].replace("support", "{slug}")
+                .replace("/default", "/{name}").replace("{run}", "{run_id}")
+                .replace("{approval}", "{approval_id}"))
+               for method, path, *_ in ENDPOINTS}
+    assert documented == covered
