@@ -23,7 +23,7 @@ BODIES = {
 
 
 def operations(client):
-    """The agent API's operations (the operator API's, SPEC 17, are tests/test_operator_api.py's)."""
+    """The agent API's operations (the operator API's, SPEC 17: tests/test_operator_api.py)."""
     doc = client.get("/api/v1/openapi.json").json()
     for path, methods in doc["paths"].items():
         for method, op in methods.items():

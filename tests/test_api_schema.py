@@ -116,14 +116,16 @@ def test_every_operator_operation_answers_within_its_schema(schema: Any, users: 
         excluded = [negative_data_rejection] if mode == GenerationMode.NEGATIVE and \
             operation.method.upper() == "GET" else []
         excluded += [positive_data_acceptance]
-        strategy = operation.as_strategy(generation_mode=mode)
+        _operator_calls(operation.as_strategy(generation_mode=mode), operator, excluded)()
 
-        @given(case=strategy)
-        @settings(QUIET, max_examples=10)
-        def call(case: Any) -> None:
-            case.call_and_validate(headers=operator, excluded_checks=excluded)
 
-        call()
+def _operator_calls(strategy: Any, headers: dict[str, str], excluded: list[Any]) -> Any:
+    @given(case=strategy)
+    @settings(QUIET, max_examples=10)
+    def call(case: Any) -> None:
+        case.call_and_validate(headers=headers, excluded_checks=excluded)
+
+    return call
 
 
 def _calls(strategy: Any, auth: dict[str, str], excluded: list[Any]) -> Any:

@@ -4,13 +4,14 @@ engaged and released, an approval listed and decided, a refusal that exits 1 wit
 
 from __future__ import annotations
 
+import contextlib
 import io
 from pathlib import Path
 from typing import Any
 
 import pytest
-
 from governance_client.govctl import main
+
 from policies.models import OperatorEvent, PolicyVersion, Team
 from policies.tokens import operator_token_create
 from runs.models import KillSwitch
@@ -34,8 +35,6 @@ teams:
 def govctl(server: Server, token: str, *args: str) -> tuple[int, str, str]:
     out = io.StringIO()
     err = io.StringIO()
-    import contextlib
-
     with contextlib.redirect_stderr(err):
         code = main(["--url", server.url, "--token", token, *args], out=out)
     return code, out.getvalue(), err.getvalue()

@@ -240,19 +240,19 @@ def parser() -> argparse.ArgumentParser:
     apply.add_argument("--note", help="the versions' note (default: the command line)")
     apply.add_argument("--confirm-stops", action="store_true",
                        help="confirm changes that would stop most recent runs at once")
-    apply.set_defaults(run=policies_apply)
+    apply.set_defaults(handler=policies_apply)
     export = policies.add_parser("export", help="a team's policies as a policy file")
     export.add_argument("--team", required=True)
-    export.set_defaults(run=policies_export)
+    export.set_defaults(handler=policies_export)
 
     switch = groups.add_parser("killswitch")
     switch.add_argument("action", choices=["engage", "release"])
     switch.add_argument("--scope", required=True, choices=["global", "team", "agent", "run"])
     switch.add_argument("--team")
     switch.add_argument("--agent")
-    switch.add_argument("--run")
+    switch.add_argument("--run", help="the run's id (run scope)")
     switch.add_argument("--reason", required=True)
-    switch.set_defaults(run=killswitch)
+    switch.set_defaults(handler=killswitch)
 
     approvals = groups.add_parser("approvals").add_subparsers(dest="command", required=True)
     listing = approvals.add_parser("list", help="a team's approval requests")
@@ -260,12 +260,12 @@ def parser() -> argparse.ArgumentParser:
     listing.add_argument("--status", default="pending",
                          choices=["pending", "approved", "denied", "expired", "cancelled", "all"])
     listing.add_argument("--json", action="store_true")
-    listing.set_defaults(run=approvals_list)
+    listing.set_defaults(handler=approvals_list)
     decide = approvals.add_parser("decide", help="approve or deny a request")
     decide.add_argument("id")
     decide.add_argument("decision", choices=["approve", "deny"])
     decide.add_argument("--note", help="required to deny: the agent reads it")
-    decide.set_defaults(run=approvals_decide)
+    decide.set_defaults(handler=approvals_decide)
     return top
 
 
@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None, *, out: Any = None,
         return _fail("--url and --token (or GOVERNANCE_URL and GOVERNANCE_OPERATOR_TOKEN) "
                      "are required")
     try:
-        args.run(Api(args.url, args.token, transport=transport), args, out)
+        args.handler(Api(args.url, args.token, transport=transport), args, out)
     except Refused as refused:
         return _fail(str(refused))
     return 0
