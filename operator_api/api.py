@@ -121,10 +121,11 @@ def _team(request: HttpRequest, slug: str, needed: Role = Role.VIEWER) -> tuple[
     return team, role
 
 
-def _read(request: HttpRequest, team: Team | None) -> None:
-    """A read made with a token, in the audit log (SPEC 17: every use names the token)."""
-    audit(actor=request.auth.user, action="token.read", team=team,  # type: ignore[attr-defined]
-          target=request.get_full_path()[:200])
+def _read(request: HttpRequest, team: Team | None, action: str = "token.read") -> None:
+    """A use of a token that no service audits, in the audit log (SPEC 17: every use names
+    the token): a read, or a write that changed nothing (``token.unchanged``)."""
+    audit(actor=request.auth.user, action=action, team=team,  # type: ignore[attr-defined]
+          target=f"{request.method} {request.get_full_path()}"[:200])
 
 
 # --- Teams and policies ------------------------------------------------------------------------
@@ -284,6 +285,8 @@ def put_policy(request: HttpRequest, slug: str, name: str, payload: PolicyPutIn)
         raise AppError(422, "invalid_request", "The policy cannot be saved.", exc.errors) \
             from None
     policy = _policy(team, name)
+    if version is None:
+        _read(request, team, "token.unchanged")
     return {**version_json(policy.name, policy.current), "changed": version is not None}
 
 
@@ -397,6 +400,8 @@ def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
                                     run=target.run, reason=payload.reason, actor=token.user,
                                     actor_label=label)
         engaged, changed = False, switch is not None
+    if not changed:
+        _read(request, target.team, "token.unchanged")
     return {"scope": target.scope.value, "team": target.team.slug if target.team else None,
             "agent": target.agent or None, "run": str(target.run.pk) if target.run else None,
             "engaged": engaged, "changed": changed, "switch": _switch_json(switch)}

@@ -269,6 +269,9 @@ def test_killswitch_engage_release_and_who_may_release(world):
     assert started.status_code == 409  # the switch covers the team from its commit on
     again = call(world, "operator", "POST", "/api/v1/killswitch", engage).json()
     assert again["changed"] is False
+    # A use that changed nothing is in the audit log too, naming the token.
+    noop = OperatorEvent.objects.order_by("-id").first()
+    assert noop.action == "token.unchanged" and noop.detail["token"]["name"] == "ci-operator"
     release = {**engage, "action": "release", "reason": "over"}
     # The team's default: operators release only the switches they engaged themselves.
     refused = call(world, "operator", "POST", "/api/v1/killswitch", release)
