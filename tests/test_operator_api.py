@@ -192,7 +192,7 @@ def test_a_team_token_sees_its_team_only_and_the_lesser_role_wins(world, users, 
     assert client.get("/api/v1/teams").json()["teams"][0]["role"] == "viewer"
 
 
-def test_put_validates_saves_and_says_when_nothing_changed(world):
+def test_put_validates_saves_and_says_when_nothing_changed(world, users):
     path = "/api/v1/teams/support/policies/default"
     bad = call(world, "admin", "PUT", path, {"step_limits": {"max_steps": -1}, "mode": "x",
                                               "note": "bad"})
@@ -210,6 +210,9 @@ def test_put_validates_saves_and_says_when_nothing_changed(world):
     assert again["changed"] is False and again["version"] == saved["version"]
     event = OperatorEvent.objects.filter(action="policy.version").order_by("-id").first()
     assert event.detail["source"] == "api" and event.detail["token"]["name"] == "ci-admin"
+    browser = Client()
+    browser.force_login(users["admin"])
+    assert "admin (token ci-admin)" in browser.get("/teams/support/audit/").content.decode()
     versions = call(world, "admin", "GET", path + "/versions").json()["versions"]
     assert [v["version"] for v in versions][:2] == [saved["version"], saved["version"] - 1]
     old = call(world, "admin", "GET", path + "?version=1").json()
