@@ -20,6 +20,7 @@ from django.utils.cache import add_never_cache_headers, patch_cache_control
 from whitenoise.middleware import WhiteNoiseMiddleware
 
 from policies.services import agent_key_claim
+from policies.tokens import token_prefix
 from runs.check.edge import bearer_token, body_limit, error, too_large
 
 from .deadlines import read_deadline, timed_out
@@ -51,6 +52,8 @@ def presented_key(request: HttpRequest) -> str:
     if not header:
         return "(no key)"
     token = bearer_token(header)
+    if token is not None and (op_prefix := token_prefix(token.strip())) is not None:
+        return f"op_{op_prefix}"  # an operator token's bucket (SPEC 17), apart from keys'
     claim = agent_key_claim(token.strip()) if token is not None else None
     return claim.prefix if claim is not None else "(not a key)"
 

@@ -24,7 +24,11 @@ from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, reset_queries
 
-# Paths served by the API's pool; everything else is the dashboard's.
+from operator_api.paths import serves as operator_path
+
+# Paths served by the API's pool; everything else is the dashboard's, but the operator API's
+# (SPEC 17), which has a pool of its own: an operator call never takes a check's thread nor
+# queues behind the pages (SPEC 21).
 API_PREFIXES = ("/api/", "/healthz", "/readyz")
 
 P = ParamSpec("P")
@@ -45,12 +49,13 @@ os.register_at_fork(after_in_child=_reset)
 
 
 def pool(name: str) -> ThreadPoolExecutor:
-    """The process's pool `api` or `dashboard`, made on first use."""
+    """The process's pool `api`, `operator` or `dashboard`, made on first use."""
     try:
         return _pools[name]
     except KeyError:
         pass
-    size = {"api": settings.API_THREADS, "dashboard": settings.DASHBOARD_THREADS}[name]
+    size = {"api": settings.API_THREADS, "operator": settings.OPERATOR_THREADS,
+            "dashboard": settings.DASHBOARD_THREADS}[name]
     with _lock:
         if name not in _pools:
             _pools[name] = ThreadPoolExecutor(max_workers=size, thread_name_prefix=name)
@@ -58,7 +63,9 @@ def pool(name: str) -> ThreadPoolExecutor:
 
 
 def pool_name(path: str) -> str:
-    return "api" if path.startswith(API_PREFIXES) else "dashboard"
+    if path.startswith(API_PREFIXES):
+        return "operator" if operator_path(path) else "api"
+    return "dashboard"
 
 
 def run_request(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:

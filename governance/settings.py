@@ -402,6 +402,8 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 # `manage.py serve --threads / --dashboard-threads` set these for the workers it starts.
 API_THREADS = env_int("WEB_THREADS", 4)
 DASHBOARD_THREADS = env_int("WEB_DASHBOARD_THREADS", 4)
+# The operator API's own pool (SPEC 17, 21: an operator call never takes a check's thread).
+OPERATOR_THREADS = env_int("WEB_OPERATOR_THREADS", 2)
 # A request body must have arrived whole within this many seconds (it is read on the event
 # loop, holding no thread): later, the request is answered 408 and its connection closed.
 REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
@@ -422,9 +424,9 @@ DASHBOARD_STREAM_SHARE = env_float("DASHBOARD_STREAM_SHARE", 0.2)
 if not 0 < DASHBOARD_STREAM_SHARE <= 1:
     raise ImproperlyConfigured("DASHBOARD_STREAM_SHARE must be in (0, 1]")
 if (REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1
-        or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1):
+        or OPERATOR_THREADS < 1 or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1):
     raise ImproperlyConfigured(
-        "REQUEST_BODY_SECONDS, WEB_THREADS, WEB_DASHBOARD_THREADS and "
+        "REQUEST_BODY_SECONDS, WEB_THREADS, WEB_DASHBOARD_THREADS, WEB_OPERATOR_THREADS and "
         "MAX_IDLE_CONNECTIONS_PER_ADDRESS must be at least 1")
 # --- Kill-switch webhooks (runs/webhooks/delivery.py, policies/egress.py) ------------------
 # Webhooks go to public addresses only; a receiver on an internal network must be listed here

@@ -1,5 +1,6 @@
 from django.urls import include, path
 
+from operator_api.api import mount as mount_operator_api
 from runs.approvals import urls as approvals_urls
 from runs.check.api import api
 from runs.check.metrics import metrics_view
@@ -7,6 +8,9 @@ from runs.dashboard import urls as dashboard_urls
 from runs.killswitch import urls as killswitch_urls
 
 from . import views
+
+# The operator API (SPEC 17) joins the agent API's document before its URLs are made.
+mount_operator_api(api)
 
 urlpatterns = [
     path("favicon.ico", views.favicon, name="favicon"),

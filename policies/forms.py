@@ -303,3 +303,21 @@ class WebhookForm(forms.Form):
             except RefusedTarget as exc:
                 raise forms.ValidationError(str(exc)) from None
         return url
+
+
+class OperatorTokenForm(forms.Form):
+    """A new operator token (SPEC 17): its team is one of the person's, or every team."""
+
+    name = forms.CharField(max_length=100)
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.VIEWER,
+                             help_text="It acts with the lesser of your role and this one.")
+    team = forms.ChoiceField(required=False, help_text="Empty: every team you are in.")
+    expires_days = forms.IntegerField(required=False, min_value=1, max_value=3650,
+                                      label="Expires after (days)",
+                                      help_text="Empty: never (revoke it when done).")
+
+    def __init__(self, *args: Any, teams: list[Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.teams = {team.slug: team for team in teams}
+        self.fields["team"].choices = [("", "every team")] + [
+            (team.slug, team.slug) for team in teams]

@@ -194,3 +194,28 @@ class AuthFailure(models.Model):
                                     name="one_failure_count_per_credential_and_source")
         ]
         indexes = [models.Index(fields=["window_start"], name="authfailure_window_idx")]
+
+
+class OperatorToken(models.Model):
+    """A bearer token for automation (SPEC 17): it acts as its owner, with the lesser of the
+    owner's role and its own, on its team only when one is given. Stored like an agent key:
+    only a hash, the prefix finds the row. Tokens start ``gov_op_``."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                             related_name="operator_tokens")
+    name = models.CharField(max_length=100)
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE,
+                             related_name="operator_tokens")  # null: every team of the owner
+    role = models.CharField(max_length=20, choices=Role.choices)
+    prefix = models.CharField(max_length=16, unique=True)
+    token_hash = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix})"

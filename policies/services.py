@@ -3,6 +3,7 @@ leaves an operator audit event."""
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import hmac
 import secrets
@@ -33,12 +34,22 @@ from .models import (
 
 KEY_PREFIX = "gov"
 
+# The operator token acting in this request (policies/tokens.py `acting`, set by the operator
+# API around each view): every audit event written meanwhile names it (SPEC 17).
+acting_token: contextvars.ContextVar[Any] = contextvars.ContextVar("acting_token", default=None)
+
 
 def audit(
     *, actor: AbstractBaseUser | None, action: str, team: Team | None, target: str = "",
     detail: dict[str, Any] | None = None, actor_label: str | None = None,
 ) -> OperatorEvent:
     label = actor_label or (actor.get_username() if actor is not None else "system")
+    token = acting_token.get()
+    if token is not None:
+        detail = {**(detail or {}), "token": {"name": token.name, "prefix": token.prefix}}
+        if "(token " not in label:
+            label = f"{label} (token {token.name})"
+    label = label[:150]
     return OperatorEvent.objects.create(
         team=team, actor=actor, actor_label=label, action=action, target=target,
         detail=detail or {},

@@ -23,7 +23,7 @@ from django.views.decorators.http import require_http_methods, require_POST, req
 
 from governance.web import page
 
-from . import impact, selectors
+from . import impact, selectors, tokens
 from .access import can, team_view, teams_of
 from .document import MAX_DOCUMENT_BYTES, DocumentError, default_policy, parse_document
 from .egress import masked_url
@@ -36,6 +36,7 @@ from .forms import (
     MemberInviteForm,
     MemberRoleForm,
     OperatorReleaseForm,
+    OperatorTokenForm,
     PolicyForm,
     WebhookForm,
 )
@@ -650,3 +651,45 @@ def audit_log(request: HttpRequest, slug: str) -> HttpResponse:
         "choices": selectors.audit_choices(request.team),
         "filter_query": urlencode(query),
     })
+
+
+# --- Operator tokens (SPEC 17) ---------------------------------------------------------------
+
+NEW_OPERATOR_TOKEN_SESSION_KEY = "dashboard:new-operator-token"
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def operator_tokens(request: HttpRequest) -> HttpResponse:
+    """The person's own tokens: create (shown once), list, revoke."""
+    form = OperatorTokenForm(request.POST or None, teams=tokens.teams_for_tokens(request.user))
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            new = tokens.operator_token_create(
+                user=request.user, name=data["name"], role=data["role"],
+                team=form.teams.get(data["team"] or ""), expires_days=data["expires_days"],
+                actor=request.user)
+        except tokens.TokenError as exc:
+            for field, message in exc.fields.items():
+                form.add_error(field if field in form.fields else None, message)
+        else:
+            request.session[NEW_OPERATOR_TOKEN_SESSION_KEY] = {"token": new.secret,
+                                                               "name": new.token.name}
+            return redirect("operator_tokens")
+    return page(request, "policies/operator_tokens.html", {
+        "form": form,
+        "tokens": tokens.tokens_of(request.user),
+        "new_token": request.session.pop(NEW_OPERATOR_TOKEN_SESSION_KEY, None),
+    }, status=422 if request.method == "POST" else 200)
+
+
+@login_required
+@require_POST
+def operator_token_revoke(request: HttpRequest, token_id: int) -> HttpResponse:
+    token = tokens.token_of(request.user, token_id)
+    if token is None:
+        raise Http404("No such token.")
+    if tokens.operator_token_revoke(token=token, actor=request.user):
+        messages.success(request, f"Revoked token {token.name}: it stops working now.")
+    return redirect("operator_tokens")

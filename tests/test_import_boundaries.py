@@ -37,7 +37,7 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The packages and their contracts, somewhere a forbidden import can be added."""
     where = tmp_path_factory.mktemp("boundaries")
     ignore = shutil.ignore_patterns("__pycache__", "migrations", "tests", "examples")
-    for package in ("governance", "policies", "runs", "backtests"):
+    for package in ("governance", "policies", "runs", "backtests", "operator_api"):
         shutil.copytree(ROOT / package, where / package, ignore=ignore)
     shutil.copytree(CLIENT_SRC / "governance_client", where / "src" / "governance_client",
                     ignore=ignore)
@@ -63,6 +63,12 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
      "backtests only read: nothing of the policies or the runs depends on them"),
     ("backtests/probe.py", "from governance.celery import app",
      "the apps use only the project's shared web module"),
+    ("operator_api/probe.py", "from runs.dashboard import presenters",
+     "the operator API calls the services, never the screens or the check"),
+    ("operator_api/probe.py", "from runs.check.services import run_check",
+     "the operator API calls the services, never the screens or the check"),
+    ("runs/probe.py", "from operator_api import api",
+     "nothing of the apps depends on the operator API"),
     ("runs/webhooks/probe.py", "from runs.killswitch.tasks import killswitch_fanout_task",
      "webhooks are a transport: they know nothing of what sends them"),
     ("runs/killswitch/selectors.py", "from runs.killswitch.services import killswitch_engage",

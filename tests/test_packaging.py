@@ -29,7 +29,7 @@ def test_the_distribution_lists_every_package() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "packages"])
     found = set(find_packages(str(ROOT), include=["governance*", "policies*", "runs*",
-                                                  "backtests*"]))
+                                                  "backtests*", "operator_api*"]))
     found |= set(find_packages(str(ROOT / "governance_client" / "src")))
     assert listed == found
 

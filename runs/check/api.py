@@ -33,6 +33,7 @@ from pydantic import ValidationError as PydanticValidationError
 from governance import fastjson
 from governance.errors import AppError
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
+from policies.tokens import is_operator_token
 from runs import first_look
 from runs.approvals import selectors as approvals
 from runs.approvals.waits import (
@@ -60,8 +61,16 @@ class StrictJsonParser(Parser):
         return json.loads(request.body, parse_constant=_reject_constant)
 
 
+def wrong_kind() -> AppError:
+    """An operator token on an agent endpoint (SPEC 17): told by its shape, nothing looked up."""
+    return AppError(403, "wrong_credential_kind",
+                    "This is an operator token (gov_op_...): the agent API takes agent keys.")
+
+
 class AgentKeyAuth(HttpBearer):
     def authenticate(self, request: HttpRequest, token: str) -> Any:
+        if is_operator_token(token):
+            raise wrong_kind()
         key = agent_key_authenticate(token)
         if key is not None:
             agent_key_touch(key.pk, key.last_used_at)
@@ -155,8 +164,9 @@ def _on_exception(request: HttpRequest, exc: Exception) -> HttpResponse:
 
 # 429 is `too_many_failures`: a key that keeps failing from one address (governance/throttle.py);
 # for the approval long poll, `too_many_waits` too (runs/approvals/waits.py).
-ERRORS = {400: s.ErrorOut, 401: s.ErrorOut, 404: s.ErrorOut, 409: s.ErrorOut, 413: s.ErrorOut,
-          422: s.ErrorOut, 429: s.ErrorOut, 503: s.ErrorOut}
+# 403 is `wrong_credential_kind`: an operator token (SPEC 17).
+ERRORS = {400: s.ErrorOut, 401: s.ErrorOut, 403: s.ErrorOut, 404: s.ErrorOut, 409: s.ErrorOut,
+          413: s.ErrorOut, 422: s.ErrorOut, 429: s.ErrorOut, 503: s.ErrorOut}
 
 
 def _run_uuid(run_id: str) -> uuid.UUID:
@@ -256,6 +266,8 @@ def _serve_check(request: HttpRequest, run_id: str, received: float | None = Non
     token = bearer_token(request.META.get("HTTP_AUTHORIZATION"))
     claim = agent_key_claim(token) if token else None
     if claim is None:
+        if is_operator_token(token):
+            raise wrong_kind()
         raise AuthenticationError()
     try:
         payload = _check_payload(request)

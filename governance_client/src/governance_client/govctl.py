@@ -1,0 +1,296 @@
+"""`govctl`: the operator API (SPEC 17) from a shell, a CI job or a chat bot.
+
+    govctl [--url URL] [--token TOKEN] policies apply FILE.yaml [--dry-run] [--note TEXT]
+                                                                 [--confirm-stops]
+    govctl policies export --team SLUG
+    govctl killswitch engage|release --scope global|team|agent|run [--team SLUG]
+                                     [--agent NAME] [--run UUID] --reason TEXT
+    govctl approvals list --team SLUG [--status pending]
+    govctl approvals decide ID approve|deny [--note TEXT]
+
+``--url`` and ``--token`` default to ``GOVERNANCE_URL`` and ``GOVERNANCE_OPERATOR_TOKEN``.
+Every refusal of the server (its SPEC 5.3 error: code, message, fields) is printed on stderr
+and ends the command with exit status 1; nothing else is ever retried or guessed.
+
+A policy file has the format of ``manage.py apply_policies`` and the dashboard's export
+(SPEC 3): ``apply`` saves every policy of the file's teams through
+``PUT /api/v1/teams/{slug}/policies/{name}`` (the server says whether each one changed),
+``--dry-run`` saves nothing and prints, for each policy that would change, the diff against
+the current version and the backtest of the draft on the team's recorded runs (SPEC 13).
+Reading YAML needs PyYAML (``pip install 'governance-client[cli]'``); a JSON file needs
+nothing more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import httpx
+
+TIMEOUT_S = 60.0  # a backtest reads up to 1,000 runs inside the request
+
+
+class Refused(Exception):
+    """The server refused (or could not be reached): the reason, for stderr and exit 1."""
+
+
+def _yaml() -> Any:
+    try:
+        import yaml
+    except ImportError:  # pragma: no cover - the cli extra installs it
+        raise Refused("reading or writing YAML needs PyYAML: "
+                      "pip install 'governance-client[cli]'") from None
+    return yaml
+
+
+def _load(path: str) -> Any:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise Refused(f"cannot read {path}: {exc.strerror or exc}") from None
+    if path.endswith(".json"):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise Refused(f"{path} is not valid JSON: {exc}") from None
+    yaml = _yaml()
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise Refused(f"{path} is not valid YAML: {exc}") from None
+
+
+def _dump(data: Any) -> str:
+    try:
+        yaml = _yaml()
+    except Refused:
+        return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    return str(yaml.safe_dump(data, sort_keys=False, default_flow_style=False,
+                              allow_unicode=True))
+
+
+class Api:
+    def __init__(self, url: str, token: str, *, transport: httpx.BaseTransport | None = None):
+        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=TIMEOUT_S,
+                                 headers={"Authorization": f"Bearer {token}"},
+                                 transport=transport)
+
+    def call(self, method: str, path: str, body: Any = None, *, params: Any = None,
+             allow: Sequence[int] = ()) -> tuple[int, Any]:
+        try:
+            response = self.http.request(method, f"/api/v1{path}", json=body, params=params)
+        except httpx.HTTPError as exc:
+            raise Refused(f"cannot reach {self.http.base_url}: {exc}") from None
+        try:
+            data = response.json()
+        except ValueError:
+            data = None
+        if response.status_code < 300 or response.status_code in allow:
+            return response.status_code, data
+        raise Refused(_reason(response.status_code, data))
+
+
+def _reason(status: int, data: Any) -> str:
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict):
+        return f"HTTP {status}"
+    text = f"{error.get('code', 'error')} ({status}): {error.get('message', '')}"
+    for field, problem in (error.get("fields") or {}).items():
+        text += f"\n  {field}: {problem}"
+    for item in error.get("impacts") or []:
+        text += (f"\n  {item.get('policy')}: would stop {item.get('stopped_at_once')} of "
+                 f"{item.get('runs')} recent runs at once {item.get('by_reason')}")
+    return text
+
+
+def _teams_of(document: Any) -> list[dict[str, Any]]:
+    teams = document.get("teams") if isinstance(document, dict) else None
+    if not isinstance(teams, list) or not teams:
+        raise Refused("the file must be a policy document: a mapping with a 'teams' list")
+    for i, team in enumerate(teams):
+        if not isinstance(team, dict) or not isinstance(team.get("slug"), str) \
+                or not isinstance(team.get("policies", []), list):
+            raise Refused(f"teams[{i}] needs a 'slug' and a 'policies' list")
+        for j, policy in enumerate(team.get("policies", [])):
+            if not isinstance(policy, dict) or not isinstance(policy.get("name"), str):
+                raise Refused(f"teams[{i}].policies[{j}] needs a 'name'")
+    return teams
+
+
+def _diff(before: Any, after: Any, *, label: str) -> str:
+    lines = difflib.unified_diff(_dump(before).splitlines() if before else [],
+                                 _dump(after).splitlines(), fromfile=f"{label} (current)",
+                                 tofile=f"{label} (file)", lineterm="")
+    return "\n".join(lines)
+
+
+def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
+    teams = _teams_of(_load(args.file))
+    note = args.note or f"govctl policies apply {Path(args.file).name}"
+    changed = 0
+    for team in teams:
+        slug = team["slug"]
+        _, listing = api.call("GET", f"/teams/{slug}/policies")
+        current = {p["name"]: p for p in listing["policies"]}
+        for policy in team.get("policies", []):
+            name = policy["name"]
+            label = f"{slug}/{name}"
+            if args.dry_run:
+                changed += _dry_run(api, out, slug, name, policy, current.get(name), label)
+                continue
+            body = {**policy, "note": note}
+            if args.confirm_stops:
+                body["confirm_stops"] = True
+            _, saved = api.call("PUT", f"/teams/{slug}/policies/{name}", body)
+            if saved["changed"]:
+                changed += 1
+                print(f"policy {label}: version {saved['version']}", file=out)
+    if not changed:
+        print("nothing changed" + (" (dry run)" if args.dry_run else ""), file=out)
+    elif args.dry_run:
+        print(f"{changed} polic{'y' if changed == 1 else 'ies'} would change (dry run: "
+              "nothing saved)", file=out)
+
+
+def _dry_run(api: Api, out: Any, slug: str, name: str, policy: dict[str, Any],
+             current: dict[str, Any] | None, label: str) -> int:
+    if current is None:
+        print(f"policy {label}: new\n{_dump(policy)}", file=out)
+        return 1
+    _, report = api.call("POST", f"/teams/{slug}/policies/{name}/backtest", policy)
+    draft = report.get("draft", policy)
+    if draft == current["document"]:
+        return 0
+    print(f"policy {label}: would change (version {current['version']} -> "
+          f"{current['version'] + 1})", file=out)
+    print(_diff(current["document"], draft, label=label), file=out)
+    reasons = ", ".join(f"{k} {v}" for k, v in report.get("by_reason", {}).items())
+    print(f"backtest: {report['runs']} recorded runs replayed, {report['changed']} would "
+          f"change" + (f" ({reasons})" if reasons else "") + ".", file=out)
+    if report.get("summary"):
+        print(f"backtest: {report['summary']}", file=out)
+    return 1
+
+
+def policies_export(api: Api, args: argparse.Namespace, out: Any) -> None:
+    _, listing = api.call("GET", f"/teams/{args.team}/policies")
+    team = listing["team"]
+    document = {"teams": [{"slug": team["slug"], "name": team["name"],
+                           "webhook_url": team.get("webhook_url"),
+                           "policies": [p["document"] for p in listing["policies"]]}]}
+    out.write(_dump(document))
+
+
+def killswitch(api: Api, args: argparse.Namespace, out: Any) -> None:
+    body = {"action": args.action, "scope": args.scope, "reason": args.reason,
+            "team": args.team, "agent": args.agent, "run": args.run}
+    _, state = api.call("POST", "/killswitch", {k: v for k, v in body.items() if v is not None})
+    where = " ".join(f"{k} {state[k]}" for k in ("team", "agent", "run") if state.get(k))
+    what = f"{state['scope']} kill switch" + (f" ({where})" if where else "")
+    if args.action == "engage":
+        print(f"{what}: {'engaged' if state['changed'] else 'already engaged'}", file=out)
+    else:
+        print(f"{what}: {'released' if state['changed'] else 'not engaged, nothing to release'}",
+              file=out)
+
+
+def approvals_list(api: Api, args: argparse.Namespace, out: Any) -> None:
+    params = {"status": args.status} if args.status != "all" else {}
+    _, data = api.call("GET", f"/teams/{args.team}/approvals", params=params)
+    if args.json:
+        print(json.dumps(data["approvals"], indent=2), file=out)
+        return
+    if not data["approvals"]:
+        print(f"no {args.status if args.status != 'all' else ''} approvals".replace("  ", " "),
+              file=out)
+    for approval in data["approvals"]:
+        action = approval["action"]
+        print(f"{approval['id']}  {approval['status']:<9} run {approval['run_id'][:8]}  "
+              f"{action['name']} {json.dumps(action['args'], sort_keys=True)}  "
+              f"expires {approval['expires_at']}", file=out)
+
+
+def approvals_decide(api: Api, args: argparse.Namespace, out: Any) -> None:
+    _, approval = api.call("POST", f"/approvals/{args.id}/decide",
+                           {"decision": args.decision, "note": args.note or ""})
+    print(f"{approval['id']}: {approval['status']}", file=out)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="govctl", description=(
+        "Operate the agent governance control plane with an operator token (SPEC 17)."))
+    top.add_argument("--url", default=os.environ.get("GOVERNANCE_URL"),
+                     help="the server (default: $GOVERNANCE_URL)")
+    top.add_argument("--token", default=os.environ.get("GOVERNANCE_OPERATOR_TOKEN"),
+                     help="an operator token gov_op_... (default: $GOVERNANCE_OPERATOR_TOKEN)")
+    groups = top.add_subparsers(dest="group", required=True)
+
+    policies = groups.add_parser("policies").add_subparsers(dest="command", required=True)
+    apply = policies.add_parser("apply", help="save every policy of a file's teams")
+    apply.add_argument("file")
+    apply.add_argument("--dry-run", action="store_true",
+                       help="save nothing; print each change's diff and backtest")
+    apply.add_argument("--note", help="the versions' note (default: the command line)")
+    apply.add_argument("--confirm-stops", action="store_true",
+                       help="confirm changes that would stop most recent runs at once")
+    apply.set_defaults(handler=policies_apply)
+    export = policies.add_parser("export", help="a team's policies as a policy file")
+    export.add_argument("--team", required=True)
+    export.set_defaults(handler=policies_export)
+
+    switch = groups.add_parser("killswitch")
+    switch.add_argument("action", choices=["engage", "release"])
+    switch.add_argument("--scope", required=True, choices=["global", "team", "agent", "run"])
+    switch.add_argument("--team")
+    switch.add_argument("--agent")
+    switch.add_argument("--run", help="the run's id (run scope)")
+    switch.add_argument("--reason", required=True)
+    switch.set_defaults(handler=killswitch)
+
+    approvals = groups.add_parser("approvals").add_subparsers(dest="command", required=True)
+    listing = approvals.add_parser("list", help="a team's approval requests")
+    listing.add_argument("--team", required=True)
+    listing.add_argument("--status", default="pending",
+                         choices=["pending", "approved", "denied", "expired", "cancelled", "all"])
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(handler=approvals_list)
+    decide = approvals.add_parser("decide", help="approve or deny a request")
+    decide.add_argument("id")
+    decide.add_argument("decision", choices=["approve", "deny"])
+    decide.add_argument("--note", help="required to deny: the agent reads it")
+    decide.set_defaults(handler=approvals_decide)
+    return top
+
+
+def main(argv: Sequence[str] | None = None, *, out: Any = None,
+         transport: httpx.BaseTransport | None = None) -> int:
+    args = parser().parse_args(argv)
+    out = out or sys.stdout
+    if not args.url or not args.token:
+        return _fail("--url and --token (or GOVERNANCE_URL and GOVERNANCE_OPERATOR_TOKEN) "
+                     "are required")
+    try:
+        args.handler(Api(args.url, args.token, transport=transport), args, out)
+    except Refused as refused:
+        return _fail(str(refused))
+    return 0
+
+
+def _fail(reason: str) -> int:
+    print(f"govctl: {reason}", file=sys.stderr)
+    return 1
+
+
+def run() -> NoReturn:  # the console script
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run()

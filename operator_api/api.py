@@ -1,0 +1,505 @@
+"""The operator API (SPEC 17): under /api/v1/, in the agent API's OpenAPI document with its own
+security scheme (`OperatorTokenAuth`), answering the JSON errors of SPEC 5.3.
+
+Every view is thin: it finds the team the token may see (404 for any other, as the dashboard's
+`team_view`), checks the role of SPEC 7 the dashboard's view of the same action asks for
+(403 ``forbidden``), and calls the very service or selector that view calls: policies
+(`policies.services.policy_save`, the save's confirmation `policies.impact`), the backtest
+(`backtests.selectors.backtest`), the kill switch (`runs.killswitch.services`, who may release
+from `runs.killswitch.selectors.may_release`), approvals (`runs.approvals.services
+.approval_decide`) and the runs' reads (`runs.audit.selectors`, after the look of
+`runs.first_look`). No rule is written twice here: the refusals (422, 409) are the services'.
+
+Each request runs in its own copy of the context, in which the token is the acting one
+(`policies.tokens.acting`): every audit event the services write names it, and a read writes
+one event of its own (``token.read``), so every use of a token is in the audit log.
+
+Serving: these paths run on the server's operator pool, never on the agents' API pool
+(`governance.pools.pool_name`), so an operator call never takes a check's thread (SPEC 21).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import uuid
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, Literal
+
+from django.http import HttpRequest, HttpResponse
+from ninja import NinjaAPI, Query, Router, Schema
+from ninja.security import HttpBearer
+from pydantic import BaseModel, ConfigDict, Field
+
+from backtests import selectors as backtests
+from backtests.inputs import MAX_LIMIT, InputError, parse_since
+from governance.errors import AppError
+from policies import impact
+from policies import selectors as policy_reads
+from policies.access import can
+from policies.document import DocumentError, parse_policy
+from policies.models import Policy, PolicyVersion, Role, Team
+from policies.services import agent_key_claim, audit, policy_save
+from policies.tokens import (
+    acting_token,
+    is_operator_token,
+    operator_token_authenticate,
+    token_is_superuser,
+    token_label,
+    token_role,
+    token_teams,
+)
+from runs import first_look
+from runs.approvals import selectors as approval_reads
+from runs.approvals.services import approval_decide
+from runs.audit import selectors as run_reads
+from runs.check.edge import bearer_token
+from runs.check.schemas import DecisionsFilter, ErrorOut, RunsFilter
+from runs.killswitch import selectors as switches
+from runs.killswitch.services import killswitch_engage, killswitch_release, resolve_target
+from runs.models import Approval, ApprovalStatus, KillSwitch, Run, Scope
+
+# --- Authentication ----------------------------------------------------------------------------
+
+class OperatorTokenAuth(HttpBearer):
+    """``Authorization: Bearer gov_op_...``: an operator token (policies/tokens.py)."""
+
+    openapi_description = ("An operator token (`gov_op_...`), made on the account page or "
+                           "with `manage.py create_operator_token`. Agent keys are refused "
+                           "(403 `wrong_credential_kind`).")
+
+    def __call__(self, request: HttpRequest) -> Any:
+        token = bearer_token(request.META.get("HTTP_AUTHORIZATION"))
+        if token is None:
+            raise AppError(401, "unauthorized",
+                           "An operator token is required (Authorization: Bearer gov_op_...).")
+        return self.authenticate(request, token.strip())
+
+    def authenticate(self, request: HttpRequest, token: str) -> Any:
+        if not is_operator_token(token) and agent_key_claim(token) is not None:
+            # Told by its shape: nothing is looked up, so the answer says nothing of the key.
+            raise AppError(403, "wrong_credential_kind",
+                           "This is an agent key: the operator API takes operator tokens "
+                           "(gov_op_...).")
+        found = operator_token_authenticate(token)  # 401 with its code otherwise
+        acting_token.set(found)  # in this request's own context (`_own_context`)
+        return found
+
+
+def _own_context(view: Callable[..., Any]) -> Callable[..., Any]:
+    """The view in a copy of the context: the acting token set by the authentication ends
+    with the request, whatever thread served it."""
+    @wraps(view)
+    def run(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        return contextvars.copy_context().run(view, request, *args, **kwargs)
+
+    return run
+
+
+router = Router(auth=OperatorTokenAuth(), tags=["operator"])
+router.add_decorator(_own_context, mode="view")
+
+ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut,
+          422: ErrorOut, 429: ErrorOut, 503: ErrorOut}
+
+
+def _forbidden(needed: str) -> AppError:
+    return AppError(403, "forbidden", f"This needs the {needed} role.")
+
+
+def _team(request: HttpRequest, slug: str, needed: Role = Role.VIEWER) -> tuple[Team, Role]:
+    """The team and the token's role in it: 404 for a team it does not see (another team is
+    as absent as a missing one), 403 for a role below ``needed``."""
+    token = request.auth  # type: ignore[attr-defined]
+    team = Team.objects.filter(slug=slug).first()
+    role = token_role(token, team) if team is not None else None
+    if team is None or role is None:
+        raise AppError(404, "not_found", "No such team.")
+    if not can(role, needed):
+        raise _forbidden(needed.label)
+    return team, role
+
+
+def _read(request: HttpRequest, team: Team | None, action: str = "token.read") -> None:
+    """A use of a token that no service audits, in the audit log (SPEC 17: every use names
+    the token): a read, or a write that changed nothing (``token.unchanged``)."""
+    audit(actor=request.auth.user, action=action, team=team,  # type: ignore[attr-defined]
+          target=f"{request.method} {request.get_full_path()}"[:200])
+
+
+# --- Teams and policies ------------------------------------------------------------------------
+
+class TeamOut(Schema):
+    slug: str
+    name: str
+    role: str
+
+
+class TeamsOut(Schema):
+    teams: list[TeamOut]
+
+
+@router.get("/teams", response={200: TeamsOut, **ERRORS}, summary="The teams the token sees",
+            operation_id="operator_list_teams")
+def list_teams(request: HttpRequest) -> dict[str, Any]:
+    token = request.auth  # type: ignore[attr-defined]
+    teams = []
+    for team in token_teams(token):
+        role = token_role(token, team)
+        if role is not None:
+            teams.append({"slug": team.slug, "name": team.name, "role": role.value})
+    _read(request, None)
+    return {"teams": teams}
+
+
+class PolicyVersionOut(Schema):
+    name: str
+    version: int
+    created_at: str
+    created_by: str | None
+    source: str
+    note: str
+    document: dict[str, Any]
+
+
+class PolicySavedOut(PolicyVersionOut):
+    changed: bool | None = None
+
+
+class PoliciesOut(Schema):
+    team: dict[str, Any]
+    policies: list[PolicyVersionOut]
+
+
+class VersionsOut(Schema):
+    versions: list[PolicyVersionOut]
+
+
+def version_json(name: str, version: PolicyVersion) -> dict[str, Any]:
+    return {"name": name, "version": version.version,
+            "created_at": approval_reads.iso(version.created_at),
+            "created_by": version.created_by.get_username() if version.created_by else None,
+            "source": version.source, "note": version.note, "document": version.document}
+
+
+def _policy(team: Team, name: str) -> Policy:
+    policy = Policy.objects.filter(team=team, name=name).select_related(
+        "current__created_by").first()
+    if policy is None or policy.current is None:
+        raise AppError(404, "not_found", "No such policy.")
+    return policy
+
+
+@router.get("/teams/{slug}/policies", response={200: PoliciesOut, **ERRORS},
+            summary="A team's policies, current versions", operation_id="operator_list_policies")
+def list_policies(request: HttpRequest, slug: str) -> dict[str, Any]:
+    team, _ = _team(request, slug)
+    _read(request, team)
+    return {"team": {"slug": team.slug, "name": team.name, "webhook_url": team.webhook_url},
+            "policies": [version_json(p.name, p.current) for p in policy_reads.policies_of(team)
+                         if p.current is not None]}
+
+
+class VersionQuery(Schema):
+    version: int | None = Field(default=None, ge=1)
+
+
+@router.get("/teams/{slug}/policies/{name}", response={200: PolicyVersionOut, **ERRORS},
+            summary="A policy: its current version, or `?version=N`",
+            operation_id="operator_get_policy")
+def get_policy(request: HttpRequest, slug: str, name: str, query: Query[VersionQuery]
+               ) -> dict[str, Any]:
+    team, _ = _team(request, slug)
+    policy = _policy(team, name)
+    version = policy.current
+    if query.version is not None:
+        version = policy.versions.select_related("created_by").filter(
+            version=query.version).first()
+        if version is None:
+            raise AppError(404, "not_found", f"Policy {name} has no version {query.version}.")
+    _read(request, team)
+    return version_json(policy.name, version)
+
+
+@router.get("/teams/{slug}/policies/{name}/versions", response={200: VersionsOut, **ERRORS},
+            summary="A policy's versions, newest first", operation_id="operator_list_versions")
+def list_versions(request: HttpRequest, slug: str, name: str) -> dict[str, Any]:
+    team, _ = _team(request, slug)
+    policy = _policy(team, name)
+    _read(request, team)
+    return {"versions": [version_json(policy.name, v) for v in policy_reads.versions_of(policy)]}
+
+
+class PolicyPutIn(BaseModel):  # pydantic's own: ninja's Schema drops the extra fields
+    """One policy as the YAML document's policy object (its `name` may be left out, and must
+    equal the URL's when given), with the change's `note`; `confirm_stops: true` confirms a
+    change that would stop most recent runs at once (docs/policies.md)."""
+
+    model_config = ConfigDict(extra="allow")
+    note: str = Field(min_length=1, max_length=500)
+    confirm_stops: bool = False
+
+
+def _draft(name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The policy of a body, validated as SPEC 3 (422 naming each bad field)."""
+    data = dict(extra or {})
+    given = data.get("name", name)
+    if given != name:
+        raise AppError(422, "invalid_request", "The policy's name must be the URL's.",
+                       {"name": f"must be {name!r} (the URL's) or left out"})
+    data["name"] = name
+    try:
+        return parse_policy(data)
+    except DocumentError as exc:
+        raise AppError(422, "invalid_request", "The policy is not valid.", exc.errors) from None
+
+
+def _confirmation_required(impacts: list[impact.Impact]) -> HttpResponse:
+    body = {"error": {
+        "code": "confirmation_required",
+        "message": " ".join(i.sentence() for i in impacts)
+        + " Send it again with \"confirm_stops\": true to save it.",
+        "fields": {},
+        "impacts": [{"policy": i.policy, "runs": i.runs, "stopped_at_once": i.stopped_at_once,
+                     "by_reason": i.by_reason, "since_days": i.since_days} for i in impacts],
+    }}
+    return HttpResponse(json.dumps(body), status=409, content_type="application/json")
+
+
+@router.put("/teams/{slug}/policies/{name}", response={200: PolicySavedOut, **ERRORS},
+            summary="Save a policy (a new version when something changed)",
+            operation_id="operator_put_policy")
+def put_policy(request: HttpRequest, slug: str, name: str, payload: PolicyPutIn) -> Any:
+    team, _ = _team(request, slug, Role.ADMIN)
+    document = _draft(name, payload.model_extra)
+    if not payload.confirm_stops:
+        # The same rule and numbers as the editor's Save (policies/impact.py).
+        impacts = impact.impacts_to_confirm(team, [document])
+        if impacts:
+            return _confirmation_required(impacts)
+    try:
+        version = policy_save(team=team, document=document, actor=request.auth.user,
+                              source="api", note=payload.note)
+    except DocumentError as exc:  # the team's cap on policies
+        raise AppError(422, "invalid_request", "The policy cannot be saved.", exc.errors) \
+            from None
+    policy = _policy(team, name)
+    if version is None:
+        _read(request, team, "token.unchanged")
+    return {**version_json(policy.name, policy.current), "changed": version is not None}
+
+
+class BacktestIn(PolicyPutIn):
+    note: str = ""
+    since: str = "30d"
+    limit: int = Field(default=1000, ge=1, le=MAX_LIMIT)
+
+
+@router.post("/teams/{slug}/policies/{name}/backtest", response={200: dict, **ERRORS},
+             summary="Backtest a draft of the policy on recorded runs (SPEC 13)",
+             operation_id="operator_backtest_policy")
+def backtest_policy(request: HttpRequest, slug: str, name: str, payload: BacktestIn
+                    ) -> dict[str, Any]:
+    team, _ = _team(request, slug)  # a viewer may backtest, as on the editor's panel
+    policy = _policy(team, name)
+    extra = {k: v for k, v in (payload.model_extra or {}).items()}
+    document = _draft(name, extra) if extra else policy.current.document
+    try:
+        since = parse_since(payload.since)
+    except InputError as exc:
+        raise AppError(422, "invalid_request", str(exc), {"since": str(exc)}) from None
+    report = backtests.backtest(team, policy, document, since=since, limit=payload.limit)
+    _read(request, team)
+    # The draft as it would be saved (defaults filled): what `govctl --dry-run` diffs.
+    return {**report.as_json(), "summary": report.summary, "draft": document}
+
+
+# --- Kill switch -------------------------------------------------------------------------------
+
+class KillSwitchIn(Schema):
+    action: Literal["engage", "release"]
+    scope: Literal["global", "team", "agent", "run"]
+    team: str | None = Field(default=None, max_length=50)
+    agent: str | None = Field(default=None, max_length=100)
+    run: str | None = Field(default=None, max_length=36)
+    reason: str = Field(min_length=1, max_length=1000)
+
+
+class KillSwitchOut(Schema):
+    scope: str
+    team: str | None
+    agent: str | None
+    run: str | None
+    engaged: bool
+    changed: bool
+    switch: dict[str, Any] | None
+
+
+def _switch_json(switch: KillSwitch | None) -> dict[str, Any] | None:
+    if switch is None:
+        return None
+    return {"id": switch.pk, "reason": switch.reason, "engaged_at": approval_reads.iso(
+        switch.engaged_at), "engaged_by": switch.engaged_by_label,
+        "released_at": approval_reads.iso(switch.released_at),
+        "released_by": switch.released_by_label or None,
+        "release_reason": switch.release_reason or None}
+
+
+@router.post("/killswitch", response={200: KillSwitchOut, **ERRORS},
+             summary="Engage or release a kill switch (SPEC 6)",
+             operation_id="operator_killswitch")
+def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
+    token = request.auth  # type: ignore[attr-defined]
+    team: Team | None = None
+    role: Role | None = None
+    run: Run | None = None
+    if payload.scope == Scope.GLOBAL:
+        if not token_is_superuser(token):
+            raise AppError(403, "forbidden", "Only a superuser's admin token for every team "
+                           "may engage or release the global kill switch.")
+        if payload.team or payload.agent or payload.run:
+            raise AppError(422, "invalid_request", "A global switch takes no team, agent or "
+                           "run.", {"scope": "global takes no team, agent or run"})
+    elif payload.scope == Scope.RUN:
+        if not payload.run:
+            raise AppError(422, "invalid_request", "A run switch needs the run.",
+                           {"run": "required for the run scope"})
+        try:
+            run_id = uuid.UUID(payload.run)
+        except ValueError:
+            raise AppError(404, "not_found", "No such run.") from None
+        found = Run.objects.select_related("team").filter(pk=run_id).first()
+        if found is None or token_role(token, found.team) is None or (
+                payload.team and payload.team != found.team.slug):
+            raise AppError(404, "not_found", "No such run.")
+        team, role = _team(request, found.team.slug, Role.OPERATOR)
+        run = found
+    else:
+        if not payload.team:
+            raise AppError(422, "invalid_request", f"A {payload.scope} switch needs the team.",
+                           {"team": f"required for the {payload.scope} scope"})
+        team, role = _team(request, payload.team, Role.OPERATOR)
+    target = resolve_target(scope=payload.scope, team=None if run else team,
+                            agent=payload.agent or "", run=run)
+    label = token_label(token)
+    if payload.action == "engage":
+        before = switches.engaged_switch(target)
+        switch = killswitch_engage(scope=target.scope, team=target.team, agent=target.agent,
+                                   run=target.run, reason=payload.reason, actor=token.user,
+                                   actor_label=label)
+        engaged, changed = True, before is None
+    else:
+        engaged_now = switches.engaged_switch(target)
+        if engaged_now is not None and target.scope != Scope.GLOBAL and not \
+                switches.may_release(engaged_now, team=target.team, user=token.user,
+                                     role=role):
+            raise AppError(403, "forbidden", "Only the team's admins may release this switch"
+                           " (operators: as the team's setting says).")
+        switch = killswitch_release(scope=target.scope, team=target.team, agent=target.agent,
+                                    run=target.run, reason=payload.reason, actor=token.user,
+                                    actor_label=label)
+        engaged, changed = False, switch is not None
+    if not changed:
+        _read(request, target.team, "token.unchanged")
+    return {"scope": target.scope.value, "team": target.team.slug if target.team else None,
+            "agent": target.agent or None, "run": str(target.run.pk) if target.run else None,
+            "engaged": engaged, "changed": changed, "switch": _switch_json(switch)}
+
+
+# --- Approvals ---------------------------------------------------------------------------------
+
+class ApprovalsQuery(Schema):
+    status: Literal["pending", "approved", "denied", "expired", "cancelled"] | None = None
+    limit: int = Field(default=100, ge=1, le=500)
+
+
+@router.get("/teams/{slug}/approvals", response={200: dict, **ERRORS},
+            summary="A team's approval requests", operation_id="operator_list_approvals")
+def list_approvals(request: HttpRequest, slug: str, query: Query[ApprovalsQuery]
+                   ) -> dict[str, Any]:
+    team, _ = _team(request, slug)
+    first_look.look(team)  # whoever looks first settles (SPEC 11), as the approvals page
+    rows = Approval.objects.filter(team=team).select_related("run")
+    if query.status is not None:
+        rows = rows.filter(status=query.status)
+    order = "expires_at" if query.status == ApprovalStatus.PENDING else "-requested_at"
+    _read(request, team)
+    return {"approvals": [approval_reads.approval_json(a)
+                          for a in rows.order_by(order)[:query.limit]]}
+
+
+class DecideIn(Schema):
+    decision: Literal["approve", "deny"]
+    note: str = Field(default="", max_length=2000)
+
+
+@router.post("/approvals/{approval_id}/decide", response={200: dict, **ERRORS},
+             summary="Approve or deny a request (SPEC 11)",
+             operation_id="operator_decide_approval")
+def decide_approval(request: HttpRequest, approval_id: str, payload: DecideIn
+                    ) -> dict[str, Any]:
+    token = request.auth  # type: ignore[attr-defined]
+    try:
+        wanted = uuid.UUID(approval_id)
+    except ValueError:
+        raise AppError(404, "not_found", "No such approval.") from None
+    approval = Approval.objects.select_related("team").filter(pk=wanted).first()
+    if approval is None or token_role(token, approval.team) is None:
+        raise AppError(404, "not_found", "No such approval.")
+    team, _ = _team(request, approval.team.slug, Role.OPERATOR)
+    decided = approval_decide(team=team, approval_id=wanted, decision=payload.decision,
+                              note=payload.note, actor=token.user, actor_label=token_label(token))
+    return approval_reads.approval_json(decided)
+
+
+# --- Runs --------------------------------------------------------------------------------------
+
+@router.get("/teams/{slug}/runs", response={200: dict, **ERRORS}, summary="A team's runs",
+            operation_id="operator_list_runs")
+def list_runs(request: HttpRequest, slug: str, filters: Query[RunsFilter]) -> dict[str, Any]:
+    team, _ = _team(request, slug)
+    first_look.look(team)  # whoever looks first settles (SPEC 11, 14)
+    runs = run_reads.runs_for_team(team, status=filters.status, agent=filters.agent,
+                                   limit=filters.limit)
+    _read(request, team)
+    return {"runs": run_reads.runs_json(runs)}
+
+
+def _run(team: Team, run_id: str) -> Run:
+    try:
+        wanted = uuid.UUID(run_id)
+    except ValueError:
+        raise AppError(404, "not_found", "No such run.") from None
+    return first_look.look_at_run(run_reads.run_for_team(team, wanted))
+
+
+@router.get("/teams/{slug}/runs/{run_id}", response={200: dict, **ERRORS},
+            summary="A team's run", operation_id="operator_get_run")
+def get_run(request: HttpRequest, slug: str, run_id: str) -> dict[str, Any]:
+    team, _ = _team(request, slug)
+    run = _run(team, run_id)
+    _read(request, team)
+    return run_reads.run_json(run)
+
+
+@router.get("/teams/{slug}/runs/{run_id}/decisions", response={200: dict, **ERRORS},
+            summary="A team's run's decisions, in order", operation_id="operator_list_decisions")
+def list_decisions(request: HttpRequest, slug: str, run_id: str,
+                   filters: Query[DecisionsFilter]) -> dict[str, Any]:
+    team, _ = _team(request, slug)
+    run = _run(team, run_id)
+    rows = run_reads.decisions_of(run, after=filters.after, limit=filters.limit)
+    _read(request, team)
+    return {"decisions": [run_reads.decision_json(d) for d in rows]}
+
+
+_mounted: list[NinjaAPI] = []
+
+
+def mount(api: NinjaAPI) -> None:
+    """Add the operator endpoints to the agent API's NinjaAPI: one OpenAPI document, one set
+    of error handlers (SPEC 5.3), each API with its own security scheme. Once per API."""
+    if api not in _mounted:
+        api.add_router("/", router)
+        _mounted.append(api)

@@ -1,0 +1,14 @@
+"""Which paths are the operator API's (SPEC 17): the server routes them to its operator pool,
+never to the agents' API pool (governance/pools.py), so an operator call never takes a
+check's thread (SPEC 21). Small on purpose: the server imports it without the views."""
+
+from __future__ import annotations
+
+PATH_PREFIXES = ("/api/v1/teams", "/api/v1/killswitch")
+
+
+def serves(path: str) -> bool:
+    """``/api/v1/teams...``, ``/api/v1/killswitch`` and ``/api/v1/approvals/{id}/decide``
+    (``/api/v1/approvals/{id}`` alone is the agents' long poll)."""
+    return path.startswith(PATH_PREFIXES) or (
+        path.startswith("/api/v1/approvals/") and path.endswith("/decide"))

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+
+from governance.errors import AppError
+from policies.models import Role, Team
+from policies.tokens import operator_token_create
+
+
+class Command(BaseCommand):
+    help = ("Create an operator token for automation (SPEC 17); the token is printed alone on "
+            "the last line and never again.")
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--user", required=True, help="the token's owner (username)")
+        parser.add_argument("--team", default=None, help="only this team (slug)")
+        parser.add_argument("--role", required=True, choices=Role.values)
+        parser.add_argument("--name", default=None, help="default: automation")
+        parser.add_argument("--expires-days", type=int, default=None, dest="expires_days")
+
+    def handle(self, *args: Any, user: str, team: str | None, role: str, name: str | None,
+               expires_days: int | None, **options: Any) -> None:
+        owner = get_user_model().objects.filter(username=user).first()
+        if owner is None:
+            raise CommandError(f"no user named {user!r}")
+        team_row = None
+        if team is not None:
+            team_row = Team.objects.filter(slug=team).first()
+            if team_row is None:
+                raise CommandError(f"no team with slug {team!r}")
+        try:
+            new = operator_token_create(user=owner, name=name or "automation", role=role,
+                                        team=team_row, expires_days=expires_days)
+        except AppError as exc:
+            raise CommandError(exc.message) from None
+        where = f"team {team}" if team else "every team of the owner"
+        expiry = (f", expires {new.token.expires_at:%Y-%m-%d %H:%M} UTC"
+                  if new.token.expires_at else "")
+        self.stdout.write(f"Created operator token {new.token.name!r} (prefix "
+                          f"{new.token.prefix}) for {user}, role {role}, {where}{expiry}.")
+        self.stdout.write(new.secret)

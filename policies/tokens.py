@@ -1,0 +1,195 @@
+"""Operator tokens (SPEC 17): bearer tokens a person makes for automation (CI, chat bots).
+
+A token acts as its owner, with the lesser of the owner's role and its own, and on its team
+only when one is given. It is shown once and stored hashed, like an agent key
+(policies/services.py): the prefix finds the row, the SHA-256 of the whole token is compared
+in constant time. It may expire and may be revoked; every action taken with it is an
+operator-audit event naming it (``acting``: `policies.services.audit` adds the token to each
+event written while it acts).
+
+Tokens start ``gov_op_``; an agent key starts ``gov_`` and a hex prefix, so the two kinds are
+told apart by their shape alone, without a lookup: an agent key on an operator endpoint, or a
+token on an agent endpoint, is refused 403 ``wrong_credential_kind`` (nothing is checked,
+so that answer tells nothing about the credential).
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db.models import Q
+from django.utils import timezone
+
+from governance.errors import AppError
+
+from .access import role_in
+from .models import ROLE_RANK, Membership, OperatorToken, Role, Team
+from .services import TOUCH_EVERY, _hash, acting_token, audit
+
+TOKEN_START = "gov_op_"
+MAX_EXPIRES_DAYS = 3650
+
+
+
+def is_operator_token(token: str | None) -> bool:
+    return bool(token) and token.startswith(TOKEN_START)  # type: ignore[union-attr]
+
+
+def token_label(token: OperatorToken) -> str:
+    """Who acted, as the audit log and a kill switch's row name it."""
+    return f"{token.user.get_username()} (token {token.name})"[:150]
+
+
+@contextmanager
+def acting(token: OperatorToken) -> Iterator[None]:
+    handle = acting_token.set(token)
+    try:
+        yield
+    finally:
+        acting_token.reset(handle)
+
+
+@dataclass(frozen=True)
+class NewToken:
+    token: OperatorToken
+    secret: str
+
+
+class TokenError(AppError):
+    """A token that cannot be made as asked (422, a field named)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(422, "invalid_request", message, {field: message})
+
+
+def operator_token_create(*, user: AbstractBaseUser, name: str, role: str,
+                          team: Team | None = None, expires_days: int | None = None,
+                          actor: AbstractBaseUser | None = None) -> NewToken:
+    """A new token for ``user``; the secret is returned once and only its hash is stored.
+    Its team must be one of the owner's (a superuser's: any)."""
+    name = (name or "").strip()
+    if not name or len(name) > 100:
+        raise TokenError("name", "a name of 1 to 100 characters is required")
+    try:
+        role = Role(role)
+    except ValueError:
+        raise TokenError("role", "one of viewer, operator, admin") from None
+    if team is not None and role_in(user, team) is None:
+        raise TokenError("team", f"{user.get_username()} is not a member of team {team.slug}")
+    if expires_days is not None and not 1 <= expires_days <= MAX_EXPIRES_DAYS:
+        raise TokenError("expires_days", f"1 to {MAX_EXPIRES_DAYS} days, or none")
+    prefix = secrets.token_hex(6)
+    secret = f"{TOKEN_START}{prefix}_{secrets.token_urlsafe(32)}"
+    expires_at = timezone.now() + timedelta(days=expires_days) if expires_days else None
+    token = OperatorToken.objects.create(
+        user=user, name=name, team=team, role=role, prefix=prefix, token_hash=_hash(secret),
+        expires_at=expires_at)
+    audit(actor=actor or user, action="token.create", team=team, target=name,
+          detail={"prefix": prefix, "owner": user.get_username(), "role": role.value,
+                  "team": team.slug if team else None,
+                  "expires_at": expires_at.isoformat() if expires_at else None})
+    return NewToken(token=token, secret=secret)
+
+
+def operator_token_revoke(*, token: OperatorToken, actor: AbstractBaseUser | None) -> bool:
+    updated = OperatorToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(
+        revoked_at=timezone.now())
+    if updated:
+        audit(actor=actor, action="token.revoke", team=token.team, target=token.name,
+              detail={"prefix": token.prefix, "owner": token.user.get_username()})
+    return bool(updated)
+
+
+def token_prefix(secret: str) -> str | None:
+    """The prefix a token's shape names (hex, 12 characters), or None."""
+    if not is_operator_token(secret):
+        return None
+    prefix, sep, _ = secret[len(TOKEN_START):].partition("_")
+    if not sep or len(prefix) != 12 or not all(c in "0123456789abcdef" for c in prefix):
+        return None
+    return prefix
+
+
+def operator_token_authenticate(secret: str) -> OperatorToken:
+    """The live token for a bearer secret, its owner loaded; else 401: ``unauthorized``
+    (unknown, malformed, or an owner no longer active), ``token_revoked``, ``token_expired``
+    (said only to whoever holds the whole secret: the hash matched)."""
+    prefix = token_prefix(secret)
+    token = None
+    if prefix is not None:
+        token = (OperatorToken.objects.select_related("user", "team")
+                 .filter(prefix=prefix).first())
+    if token is None or not hmac.compare_digest(token.token_hash, _hash(secret)) \
+            or not token.user.is_active:
+        raise AppError(401, "unauthorized",
+                       "A valid operator token is required (Authorization: Bearer gov_op_...).")
+    if token.revoked_at is not None:
+        raise AppError(401, "token_revoked", f"The operator token {token.name!r} was revoked.")
+    now = timezone.now()
+    if token.expires_at is not None and token.expires_at <= now:
+        raise AppError(401, "token_expired",
+                       f"The operator token {token.name!r} expired at "
+                       f"{token.expires_at.isoformat()}.")
+    if token.last_used_at is None or now - token.last_used_at > TOUCH_EVERY:
+        OperatorToken.objects.filter(
+            Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - TOUCH_EVERY), pk=token.pk
+        ).update(last_used_at=now)
+    return token
+
+
+def token_role(token: OperatorToken, team: Team) -> Role | None:
+    """The role the token acts with in ``team``: the lesser of its owner's and its own; None
+    outside its team (or a team its owner is not in), which the API answers 404."""
+    if token.team_id is not None and token.team_id != team.pk:
+        return None
+    owner = role_in(token.user, team)
+    if owner is None:
+        return None
+    mine = Role(token.role)
+    return owner if ROLE_RANK[owner] <= ROLE_RANK[mine] else mine
+
+
+def token_is_superuser(token: OperatorToken) -> bool:
+    """A superuser's admin token for every team acts as a superuser (the global kill switch,
+    every team); bound to one team, or with a lower role, it does not."""
+    return bool(token.user.is_superuser) and token.team_id is None \
+        and Role(token.role) == Role.ADMIN
+
+
+def token_teams(token: OperatorToken) -> list[Team]:
+    """The teams the token sees."""
+    if token.user.is_superuser:
+        teams = Team.objects.all()
+    else:
+        teams = Team.objects.filter(memberships__user=token.user)
+    if token.team_id is not None:
+        teams = teams.filter(pk=token.team_id)
+    return list(teams.order_by("slug"))
+
+
+def tokens_of(user: AbstractBaseUser) -> list[OperatorToken]:
+    return list(OperatorToken.objects.filter(user=user).select_related("team"))
+
+
+def token_of(user: AbstractBaseUser, token_id: Any) -> OperatorToken | None:
+    try:
+        return OperatorToken.objects.select_related("team", "user").filter(
+            user=user, pk=int(token_id)).first()
+    except (TypeError, ValueError):
+        return None
+
+
+def teams_for_tokens(user: AbstractBaseUser) -> list[Team]:
+    """The teams a person may bind a token to: theirs (a superuser's: all)."""
+    if user.is_superuser:
+        return list(Team.objects.order_by("slug"))
+    ids = Membership.objects.filter(user=user).values_list("team_id", flat=True)
+    return list(Team.objects.filter(pk__in=ids).order_by("slug"))
+

@@ -1,0 +1,134 @@
+"""`govctl` (SPEC 17) against the real multi-process server: a policy file applied twice (the
+second time nothing changes), a dry run that shows the diff and the backtest, a kill switch
+engaged and released, an approval listed and decided, a refusal that exits 1 with its reason."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+from governance_client.govctl import main
+
+from policies.models import OperatorEvent, PolicyVersion, Team
+from policies.tokens import operator_token_create
+from runs.models import KillSwitch
+from tests.conftest import Agent, Server, set_policy
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+FILE = """\
+teams:
+  - slug: support
+    name: Customer support
+    policies:
+      - name: default
+        step_limits: {max_steps: 2, max_repeat_action: 3, no_progress_window: 4}
+        approvals: {tools: ["payments.*"], timeout_s: 600}
+      - name: strict
+        step_limits: {max_steps: 5, max_repeat_action: 2, no_progress_window: 3}
+"""
+
+
+def govctl(server: Server, token: str, *args: str) -> tuple[int, str, str]:
+    out = io.StringIO()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["--url", server.url, "--token", token, *args], out=out)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def admin_token(users: dict[str, Any]) -> str:
+    return operator_token_create(user=users["admin"], name="ci", role="admin").secret
+
+
+def test_apply_twice_and_a_dry_run_with_its_backtest(server: Server, agent: Agent, team: Team,
+                                                     admin_token: str, tmp_path: Path):
+    # Recorded runs for the backtest: three steps each, completed.
+    for _ in range(2):
+        run = agent.start()
+        for i in range(3):
+            agent.check(run["run_id"], args={"i": i})
+        agent.http.post(f"/api/v1/runs/{run['run_id']}/finish", json={"status": "completed"})
+    path = tmp_path / "policies.yaml"
+    path.write_text(FILE)
+
+    code, out, err = govctl(server, admin_token, "policies", "apply", str(path), "--dry-run")
+    assert code == 0, err
+    assert "policy support/default: would change" in out
+    assert "+  max_steps: 2" in out or "max_steps: 2" in out
+    assert "backtest: 2 recorded runs replayed, 2 would change (max_steps 2)." in out
+    assert "policy support/strict: new" in out
+    assert not PolicyVersion.objects.filter(policy__name="strict").exists()
+
+    code, out, err = govctl(server, admin_token, "policies", "apply", str(path))
+    assert code == 0, err
+    assert "policy support/default: version" in out and "policy support/strict: version 1" in out
+    event = OperatorEvent.objects.filter(action="policy.version").order_by("-id").first()
+    assert event.detail["token"]["name"] == "ci"
+
+    code, out, err = govctl(server, admin_token, "policies", "apply", str(path))
+    assert (code, out.strip()) == (0, "nothing changed"), err
+
+    code, exported, err = govctl(server, admin_token, "policies", "export", "--team", "support")
+    assert code == 0 and "name: strict" in exported and "max_steps: 2" in exported
+    again = tmp_path / "exported.yaml"
+    again.write_text(exported)
+    assert govctl(server, admin_token, "policies", "apply", str(again))[1].strip() == \
+        "nothing changed"
+
+
+def test_refusals_exit_1_with_the_reason(server: Server, team: Team, users: dict[str, Any],
+                                         admin_token: str, tmp_path: Path):
+    viewer = operator_token_create(user=users["viewer"], name="ro", role="viewer").secret
+    path = tmp_path / "policies.yaml"
+    path.write_text(FILE)
+    code, _, err = govctl(server, viewer, "policies", "apply", str(path))
+    assert code == 1 and "forbidden (403)" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(FILE.replace("max_steps: 2", "max_steps: -2"))
+    code, _, err = govctl(server, admin_token, "policies", "apply", str(bad))
+    assert code == 1 and "step_limits.max_steps" in err
+    code, _, err = govctl(server, "gov_op_000000000000_nope", "approvals", "list",
+                          "--team", "support")
+    assert code == 1 and "unauthorized (401)" in err
+    code, _, err = govctl(server, admin_token, "approvals", "list", "--team", "nope")
+    assert code == 1 and "not_found (404)" in err
+
+
+def test_killswitch_engage_and_release(server: Server, agent: Agent, team: Team,
+                                       admin_token: str):
+    args = ["--scope", "agent", "--team", "support", "--agent", "support-bot"]
+    code, out, err = govctl(server, admin_token, "killswitch", "engage", *args,
+                            "--reason", "runaway bot")
+    assert code == 0 and "engaged" in out, err
+    assert agent.http.post("/api/v1/runs", json={"agent": "support-bot"}).status_code == 409
+    code, out, _ = govctl(server, admin_token, "killswitch", "engage", *args, "--reason", "x")
+    assert "already engaged" in out
+    code, out, err = govctl(server, admin_token, "killswitch", "release", *args,
+                            "--reason", "fixed")
+    assert code == 0 and "released" in out, err
+    assert not KillSwitch.objects.filter(active=True).exists()
+    assert agent.http.post("/api/v1/runs", json={"agent": "support-bot"}).status_code == 201
+
+
+def test_approvals_list_and_decide(server: Server, agent: Agent, team: Team, admin_token: str):
+    set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600})
+    run = agent.start()
+    answer = agent.check(run["run_id"], name="payments.refund", args={"order": 7},
+                         check_id="pay")
+    assert answer["decision"] == "pending"
+    approval_id = answer["approval"]["id"]
+    code, out, err = govctl(server, admin_token, "approvals", "list", "--team", "support")
+    assert code == 0 and approval_id in out and "payments.refund" in out, err
+    code, out, err = govctl(server, admin_token, "approvals", "decide", approval_id, "approve",
+                            "--note", "ok from chat")
+    assert (code, out.strip()) == (0, f"{approval_id}: approved"), err
+    code, _, err = govctl(server, admin_token, "approvals", "decide", approval_id, "deny",
+                          "--note", "too late")
+    assert code == 1 and "approval_decided (409)" in err
+    assert govctl(server, admin_token, "approvals", "list", "--team", "support")[1].strip() \
+        == "no pending approvals"

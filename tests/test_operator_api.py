@@ -1,0 +1,376 @@
+"""SPEC 17 in process (both stacks): operator tokens and the operator API.
+
+Every operator endpoint against every credential (a token of a viewer, an operator, an admin,
+a superuser, an admin of another team, an agent key, an expired and a revoked token), in the
+Django test client: the roles of SPEC 7 exactly as the dashboard's, 404 for another team,
+403 `wrong_credential_kind` both ways, 401 with a code for an expired or revoked token; then
+what each endpoint does: the same services and audit events as the pages, the same 409s."""
+
+from __future__ import annotations
+
+import io
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.test import Client
+from django.utils import timezone
+
+from governance.middleware import api_key_throttle
+from policies.models import OperatorEvent, OperatorToken, Team
+from policies.services import agent_key_create
+from policies.tokens import operator_token_create, operator_token_revoke
+from runs.models import Approval, KillSwitch
+from tests.conftest import set_policy
+
+pytestmark = pytest.mark.django_db
+
+CREDENTIALS = ["viewer", "operator", "admin", "superuser", "other_team", "agent_key",
+               "expired", "revoked"]
+RANK = {"viewer": 1, "operator": 2, "admin": 3, "superuser": 4}
+PAY = {"name": "payments.refund", "args": {"order": 42}}
+
+
+@pytest.fixture
+def world(team: Team, other_team: Team, users: dict[str, User]) -> dict[str, Any]:
+    """The team with a run, its decisions and a pending approval; a token per credential."""
+    set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600})
+    key = agent_key_create(team=team, name="agent").token
+    agent = Client(HTTP_AUTHORIZATION=f"Bearer {key}")
+    run_id = agent.post("/api/v1/runs", {"agent": "support-bot"},
+                        content_type="application/json").json()["run_id"]
+    answer = agent.post(f"/api/v1/runs/{run_id}/check", {"action": PAY, "check_id": "p1"},
+                        content_type="application/json").json()
+    assert answer["decision"] == "pending", answer
+    approval = Approval.objects.get(run_id=run_id)
+    tokens = {name: operator_token_create(user=users[name], name=f"ci-{name}", role="admin"
+                                          ).secret
+              for name in ("viewer", "operator", "admin", "superuser")}
+    tokens["other_team"] = operator_token_create(user=users["outsider"], name="ci-other_team",
+                                                 role="admin").secret
+    tokens["agent_key"] = key
+    expired = operator_token_create(user=users["admin"], name="old", role="admin",
+                                    expires_days=1)
+    OperatorToken.objects.filter(pk=expired.token.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1))
+    tokens["expired"] = expired.secret
+    revoked = operator_token_create(user=users["admin"], name="gone", role="admin")
+    operator_token_revoke(token=revoked.token, actor=None)
+    tokens["revoked"] = revoked.secret
+    return {"tokens": tokens, "run_id": run_id, "approval": str(approval.pk), "agent": agent}
+
+
+def call(world: dict[str, Any], who: str, method: str, path: str, body: Any = None
+         ) -> Any:
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {world['tokens'][who]}")
+    path = path.format(run=world["run_id"], approval=world["approval"])
+    if method == "GET":
+        return client.get(path)
+    return getattr(client, method.lower())(path, body, content_type="application/json")
+
+
+DRAFT = {"step_limits": {"max_steps": 40, "max_repeat_action": 3, "no_progress_window": 4},
+         "approvals": {"tools": ["payments.*"], "timeout_s": 600}}
+
+# (method, path, body, the least role, what the other team's admin gets)
+ENDPOINTS = [
+    ("GET", "/api/v1/teams", None, "viewer", 200),
+    ("GET", "/api/v1/teams/support/policies", None, "viewer", 404),
+    ("GET", "/api/v1/teams/support/policies/default", None, "viewer", 404),
+    ("GET", "/api/v1/teams/support/policies/default?version=1", None, "viewer", 404),
+    ("GET", "/api/v1/teams/support/policies/default/versions", None, "viewer", 404),
+    ("PUT", "/api/v1/teams/support/policies/default", {**DRAFT, "note": "more steps"},
+     "admin", 404),
+    ("POST", "/api/v1/teams/support/policies/default/backtest", DRAFT, "viewer", 404),
+    ("POST", "/api/v1/killswitch", {"action": "engage", "scope": "team", "team": "support",
+                                    "reason": "test"}, "operator", 404),
+    ("POST", "/api/v1/killswitch", {"action": "engage", "scope": "agent", "team": "support",
+                                    "agent": "support-bot", "reason": "test"},
+     "operator", 404),
+    ("POST", "/api/v1/killswitch", {"action": "engage", "scope": "run", "run": "{run}",
+                                    "reason": "test"}, "operator", 404),
+    ("POST", "/api/v1/killswitch", {"action": "engage", "scope": "global", "reason": "test"},
+     "superuser", 403),
+    ("GET", "/api/v1/teams/support/approvals?status=pending", None, "viewer", 404),
+    ("POST", "/api/v1/approvals/{approval}/decide", {"decision": "approve", "note": "ok"},
+     "operator", 404),
+    ("GET", "/api/v1/teams/support/runs", None, "viewer", 404),
+    ("GET", "/api/v1/teams/support/runs/{run}", None, "viewer", 404),
+    ("GET", "/api/v1/teams/support/runs/{run}/decisions", None, "viewer", 404),
+]
+
+
+def _expected(who: str, least: str, other: int) -> tuple[int, str | None]:
+    if who == "agent_key":
+        return 403, "wrong_credential_kind"
+    if who == "expired":
+        return 401, "token_expired"
+    if who == "revoked":
+        return 401, "token_revoked"
+    if who == "other_team":
+        return other, {200: None, 404: "not_found"}.get(other, "forbidden")
+    if RANK[who] < RANK[least]:
+        return 403, "forbidden"
+    return 200, None
+
+
+def _body(body: Any, world: dict[str, Any]) -> Any:
+    if isinstance(body, dict):
+        return {k: (v.format(run=world["run_id"]) if isinstance(v, str) else v)
+                for k, v in body.items()}
+    return body
+
+
+@pytest.mark.parametrize("who", CREDENTIALS)
+def test_every_endpoint_answers_each_credential_as_the_dashboard_would(world, who):
+    for method, path, body, least, other in ENDPOINTS:
+        api_key_throttle.forget()
+        before = OperatorEvent.objects.count()
+        response = call(world, who, method, path, _body(body, world))
+        status, code = _expected(who, least, other)
+        assert response.status_code == status, (method, path, response.content)
+        assert response["Content-Type"].startswith("application/json")
+        if code is not None:
+            assert response.json()["error"]["code"] == code, (path, response.content)
+        else:
+            # Every use of a token is in the audit log, naming the token.
+            event = OperatorEvent.objects.order_by("-id").first()
+            assert OperatorEvent.objects.count() > before, (method, path)
+            assert event.detail["token"]["name"] == f"ci-{who}", event.detail
+            assert f"(token ci-{who})" in event.actor_label
+        if path.endswith("/decide") and status == 200:
+            assert response.json()["status"] == "approved"
+        if body and body.get("scope") and status == 200:
+            # Released again, so the next endpoint's run is not killed by it.
+            KillSwitch.objects.update(active=False)
+
+
+def test_an_operator_token_on_the_agent_api_is_the_wrong_kind(world):
+    op = Client(HTTP_AUTHORIZATION=f"Bearer {world['tokens']['admin']}")
+    for method, path in [("GET", "/api/v1/runs"), ("GET", f"/api/v1/runs/{world['run_id']}"),
+                         ("POST", f"/api/v1/runs/{world['run_id']}/check"),
+                         ("POST", "/api/v1/runs")]:
+        response = (op.get(path) if method == "GET" else
+                    op.post(path, {"action": {"name": "x"}, "agent": "a"},
+                            content_type="application/json"))
+        assert response.status_code == 403, (path, response.content)
+        assert response.json()["error"]["code"] == "wrong_credential_kind"
+
+
+def test_missing_and_unknown_tokens_are_401_and_failures_are_throttled(world, settings):
+    assert Client().get("/api/v1/teams").json()["error"]["code"] == "unauthorized"
+    fake = "gov_op_0123456789ab_" + "x" * 43
+    bad = Client(HTTP_AUTHORIZATION=f"Bearer {fake}")
+    limit = settings.THROTTLE_API_KEY_FAILURES
+    for _ in range(limit):
+        assert bad.get("/api/v1/teams").status_code == 401
+    refused = bad.get("/api/v1/teams")
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "too_many_failures"
+    assert int(refused["Retry-After"]) > 0
+    # Another token from the same address is another bucket: a valid one still works.
+    assert call(world, "admin", "GET", "/api/v1/teams").status_code == 200
+
+
+def test_a_team_token_sees_its_team_only_and_the_lesser_role_wins(world, users, other_team):
+    from policies.services import membership_set
+
+    membership_set(team=other_team, user=users["admin"], role="admin", actor=None)
+    bound = operator_token_create(user=users["admin"], name="bound", role="viewer",
+                                  team=Team.objects.get(slug="support")).secret
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {bound}")
+    teams = client.get("/api/v1/teams").json()["teams"]
+    assert teams == [{"slug": "support", "name": "Customer support", "role": "viewer"}]
+    assert client.get("/api/v1/teams/billing/policies").status_code == 404
+    refused = client.put("/api/v1/teams/support/policies/default",
+                         {**DRAFT, "note": "x"}, content_type="application/json")
+    assert refused.status_code == 403
+    # The owner's role bounds the token's: a viewer's admin token is a viewer.
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {world['tokens']['viewer']}")
+    assert client.get("/api/v1/teams").json()["teams"][0]["role"] == "viewer"
+
+
+def test_put_validates_saves_and_says_when_nothing_changed(world, users):
+    path = "/api/v1/teams/support/policies/default"
+    bad = call(world, "admin", "PUT", path, {"step_limits": {"max_steps": -1}, "mode": "x",
+                                              "note": "bad"})
+    assert bad.status_code == 422
+    fields = bad.json()["error"]["fields"]
+    assert "step_limits.max_steps" in fields and "mode" in fields, fields
+    assert call(world, "admin", "PUT", path, DRAFT).json()["error"]["fields"] == {
+        "note": "Field required"} or "note" in call(world, "admin", "PUT", path, DRAFT
+                                                    ).json()["error"]["fields"]
+    wrong = call(world, "admin", "PUT", path, {**DRAFT, "name": "other", "note": "x"})
+    assert wrong.status_code == 422 and "name" in wrong.json()["error"]["fields"]
+    saved = call(world, "admin", "PUT", path, {**DRAFT, "note": "more steps"}).json()
+    assert saved["changed"] is True and saved["document"]["step_limits"]["max_steps"] == 40
+    again = call(world, "admin", "PUT", path, {**DRAFT, "note": "again"}).json()
+    assert again["changed"] is False and again["version"] == saved["version"]
+    event = OperatorEvent.objects.filter(action="policy.version").order_by("-id").first()
+    assert event.detail["source"] == "api" and event.detail["token"]["name"] == "ci-admin"
+    browser = Client()
+    browser.force_login(users["admin"])
+    assert "admin (token ci-admin)" in browser.get("/teams/support/audit/").content.decode()
+    versions = call(world, "admin", "GET", path + "/versions").json()["versions"]
+    assert [v["version"] for v in versions][:2] == [saved["version"], saved["version"] - 1]
+    old = call(world, "admin", "GET", path + "?version=1").json()
+    assert old["version"] == 1
+    assert call(world, "admin", "GET", path + "?version=99").status_code == 404
+    assert call(world, "admin", "GET", path + "/../nope").status_code == 404
+
+
+def test_a_change_that_stops_most_recent_runs_needs_confirm_stops(world):
+    agent = world["agent"]
+    for _ in range(3):
+        run_id = agent.post("/api/v1/runs", {"agent": "support-bot"},
+                            content_type="application/json").json()["run_id"]
+        agent.post(f"/api/v1/runs/{run_id}/check", {"action": {"name": "search.docs"}},
+                   content_type="application/json")
+        agent.post(f"/api/v1/runs/{run_id}/finish", {"status": "completed"},
+                   content_type="application/json")
+    deny_all = {**DRAFT, "tools": {"allow": []}, "note": "lock down"}
+    path = "/api/v1/teams/support/policies/default"
+    asked = call(world, "admin", "PUT", path, deny_all)
+    assert asked.status_code == 409, asked.content
+    error = asked.json()["error"]
+    assert error["code"] == "confirmation_required"
+    assert error["impacts"][0]["policy"] == "default"
+    assert error["impacts"][0]["stopped_at_once"] == error["impacts"][0]["runs"] >= 3
+    saved = call(world, "admin", "PUT", path, {**deny_all, "confirm_stops": True})
+    assert saved.status_code == 200 and saved.json()["changed"] is True
+
+
+def test_backtest_answers_the_output_of_section_13(world):
+    agent = world["agent"]
+    run_id = agent.post("/api/v1/runs", {"agent": "support-bot"},
+                        content_type="application/json").json()["run_id"]
+    for _ in range(3):
+        agent.post(f"/api/v1/runs/{run_id}/check", {"action": {"name": "search.docs"}},
+                   content_type="application/json")
+    agent.post(f"/api/v1/runs/{run_id}/finish", {"status": "completed"},
+               content_type="application/json")
+    draft = {**DRAFT, "step_limits": {**DRAFT["step_limits"], "max_steps": 1}}
+    report = call(world, "viewer", "POST", "/api/v1/teams/support/policies/default/backtest",
+                  draft).json()
+    assert "policy" in report, report
+    assert report["policy"] == "default" and report["changed"] == 1, report
+    assert report["by_reason"] == {"max_steps": 1}
+    assert {"runs", "changes", "not_simulated", "summary"} <= set(report)
+    bad = call(world, "viewer", "POST", "/api/v1/teams/support/policies/default/backtest",
+               {"since": "forever"})
+    assert bad.status_code == 422 and "since" in bad.json()["error"]["fields"]
+
+
+def test_killswitch_engage_release_and_who_may_release(world):
+    engage = {"action": "engage", "scope": "team", "team": "support", "reason": "incident"}
+    first = call(world, "admin", "POST", "/api/v1/killswitch", engage).json()
+    assert first["engaged"] is True and first["changed"] is True
+    started = world["agent"].post("/api/v1/runs", {"agent": "support-bot"},
+                                  content_type="application/json")
+    assert started.status_code == 409  # the switch covers the team from its commit on
+    again = call(world, "operator", "POST", "/api/v1/killswitch", engage).json()
+    assert again["changed"] is False
+    # A use that changed nothing is in the audit log too, naming the token.
+    noop = OperatorEvent.objects.order_by("-id").first()
+    assert noop.action == "token.unchanged" and noop.detail["token"]["name"] == "ci-operator"
+    release = {**engage, "action": "release", "reason": "over"}
+    # The team's default: operators release only the switches they engaged themselves.
+    refused = call(world, "operator", "POST", "/api/v1/killswitch", release)
+    assert refused.status_code == 403
+    done = call(world, "admin", "POST", "/api/v1/killswitch", release).json()
+    assert done["engaged"] is False and done["changed"] is True
+    nothing = call(world, "admin", "POST", "/api/v1/killswitch", release).json()
+    assert nothing["changed"] is False
+    event = OperatorEvent.objects.filter(action="killswitch.release").get()
+    assert event.detail["token"]["name"] == "ci-admin"
+    bad = call(world, "admin", "POST", "/api/v1/killswitch",
+               {"action": "engage", "scope": "team", "reason": "x"})
+    assert bad.status_code == 422 and "team" in bad.json()["error"]["fields"]
+    unknown = call(world, "admin", "POST", "/api/v1/killswitch",
+                   {"action": "explode", "scope": "team", "team": "support", "reason": "x"})
+    assert unknown.status_code == 422 and "action" in unknown.json()["error"]["fields"]
+
+
+def test_decide_lists_and_answers_409_as_section_11(world):
+    pending = call(world, "viewer", "GET",
+                   "/api/v1/teams/support/approvals?status=pending").json()["approvals"]
+    assert [a["id"] for a in pending] == [world["approval"]]
+    path = "/api/v1/approvals/{approval}/decide"
+    no_note = call(world, "operator", "POST", path, {"decision": "deny"})
+    assert no_note.status_code == 422 and "note" in no_note.json()["error"]["fields"]
+    done = call(world, "operator", "POST", path, {"decision": "approve", "note": "ok"})
+    assert done.status_code == 200 and done.json()["status"] == "approved"
+    twice = call(world, "admin", "POST", path, {"decision": "deny", "note": "no"})
+    assert twice.status_code == 409 and twice.json()["error"]["code"] == "approval_decided"
+    assert call(world, "admin", "POST", "/api/v1/approvals/nope/decide",
+                {"decision": "approve"}).status_code == 404
+
+
+def test_create_operator_token_prints_the_token_alone_on_the_last_line(world, users):
+    out = io.StringIO()
+    call_command("create_operator_token", "--user", "operator", "--team", "support",
+                 "--role", "operator", "--expires-days", "7", stdout=out)
+    token = out.getvalue().strip().splitlines()[-1]
+    assert token.startswith("gov_op_")
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert client.get("/api/v1/teams").json()["teams"][0]["role"] == "operator"
+    with pytest.raises(Exception, match="not a member"):
+        call_command("create_operator_token", "--user", "viewer", "--team", "billing",
+                     "--role", "viewer", stdout=io.StringIO())
+
+
+def test_the_account_page_creates_shows_once_lists_and_revokes(world, users):
+    browser = Client()
+    browser.force_login(users["operator"])
+    page = browser.get("/accounts/tokens/")
+    assert page.status_code == 200
+    made = browser.post("/accounts/tokens/", {"name": "chatops", "role": "operator",
+                                              "team": "support", "expires_days": "30"},
+                        follow=True)
+    text = made.content.decode()
+    assert "gov_op_" in text and "chatops" in text
+    assert "data-new-token" not in browser.get("/accounts/tokens/").content.decode()
+    token = OperatorToken.objects.get(name="chatops")
+    assert token.team.slug == "support" and token.expires_at is not None
+    refused = browser.post("/accounts/tokens/", {"name": "x", "role": "admin",
+                                                 "team": "billing"})
+    assert refused.status_code == 422
+    other = Client()
+    other.force_login(users["viewer"])
+    assert other.post(f"/accounts/tokens/{token.pk}/revoke").status_code == 404
+    browser.post(f"/accounts/tokens/{token.pk}/revoke")
+    token.refresh_from_db()
+    assert token.revoked_at is not None
+
+
+def test_the_operator_api_is_in_the_openapi_document_with_its_own_scheme(client):
+    doc = client.get("/api/v1/openapi.json").json()
+    schemes = doc["components"]["securitySchemes"]
+    assert {"AgentKeyAuth", "OperatorTokenAuth"} <= set(schemes)
+    put = doc["paths"]["/api/v1/teams/{slug}/policies/{name}"]["put"]
+    assert put["security"] == [{"OperatorTokenAuth": []}]
+    assert "/api/v1/killswitch" in doc["paths"]
+
+
+def test_operator_paths_run_on_their_own_pool_never_the_checks():
+    from governance.pools import pool_name
+
+    assert pool_name("/api/v1/runs/x/check") == "api"
+    assert pool_name("/api/v1/approvals/abc") == "api"
+    for path in ("/api/v1/teams", "/api/v1/teams/a/policies/b", "/api/v1/killswitch",
+                 "/api/v1/approvals/abc/decide"):
+        assert pool_name(path) == "operator"
+
+
+def test_the_matrix_covers_every_operator_operation(client):
+    doc = client.get("/api/v1/openapi.json").json()
+    documented = {(method.upper(), path) for path, methods in doc["paths"].items()
+                  for method, op in methods.items()
+                  if op.get("security") == [{"OperatorTokenAuth": []}]}
+    covered = {(method, path.split("?")[0].replace("support", "{slug}")
+                .replace("/default", "/{name}").replace("{run}", "{run_id}")
+                .replace("{approval}", "{approval_id}"))
+               for method, path, *_ in ENDPOINTS}
+    assert documented == covered
