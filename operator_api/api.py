@@ -25,16 +25,17 @@ import json
 import uuid
 from collections.abc import Callable
 from functools import wraps
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from django.http import HttpRequest, HttpResponse
 from ninja import NinjaAPI, Query, Router, Schema
 from ninja.security import HttpBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from backtests import selectors as backtests
 from backtests.inputs import MAX_LIMIT, InputError, parse_since
 from governance.errors import AppError
+from governance.text import text_problem
 from policies import impact
 from policies import selectors as policy_reads
 from policies.access import can
@@ -102,6 +103,19 @@ router.add_decorator(_own_context, mode="view")
 
 ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut,
           422: ErrorOut, 429: ErrorOut, 503: ErrorOut}
+
+
+def _storable(value: str | None) -> str | None:
+    """What is accepted must be storable on every database (a NUL is refused), as the agent
+    API's text fields (runs/check/schemas.py); the published schema says so."""
+    problem = text_problem(value) if value is not None else None
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+_NO_NUL = {"not": {"pattern": "\\u0000"}}
+Storable = AfterValidator(_storable)
 
 
 def _forbidden(needed: str) -> AppError:
@@ -237,7 +251,8 @@ class PolicyPutIn(BaseModel):  # pydantic's own: ninja's Schema drops the extra 
     change that would stop most recent runs at once (docs/policies.md)."""
 
     model_config = ConfigDict(extra="allow")
-    note: str = Field(min_length=1, max_length=500)
+    note: Annotated[str, Field(min_length=1, max_length=500, json_schema_extra=_NO_NUL),
+                    Storable]
     confirm_stops: bool = False
 
 
@@ -291,8 +306,8 @@ def put_policy(request: HttpRequest, slug: str, name: str, payload: PolicyPutIn)
 
 
 class BacktestIn(PolicyPutIn):
-    note: str = ""
-    since: str = "30d"
+    note: Annotated[str, Field(max_length=500, json_schema_extra=_NO_NUL), Storable] = ""
+    since: Annotated[str, Field(max_length=50, json_schema_extra=_NO_NUL), Storable] = "30d"
     limit: int = Field(default=1000, ge=1, le=MAX_LIMIT)
 
 
@@ -320,10 +335,11 @@ def backtest_policy(request: HttpRequest, slug: str, name: str, payload: Backtes
 class KillSwitchIn(Schema):
     action: Literal["engage", "release"]
     scope: Literal["global", "team", "agent", "run"]
-    team: str | None = Field(default=None, max_length=50)
-    agent: str | None = Field(default=None, max_length=100)
-    run: str | None = Field(default=None, max_length=36)
-    reason: str = Field(min_length=1, max_length=1000)
+    team: Annotated[str, Field(max_length=50, json_schema_extra=_NO_NUL), Storable] | None = None
+    agent: Annotated[str, Field(max_length=100, json_schema_extra=_NO_NUL), Storable] | None = None
+    run: Annotated[str, Field(max_length=36, json_schema_extra=_NO_NUL), Storable] | None = None
+    reason: Annotated[str, Field(min_length=1, max_length=1000, json_schema_extra=_NO_NUL),
+                      Storable]
 
 
 class KillSwitchOut(Schema):
@@ -431,7 +447,7 @@ def list_approvals(request: HttpRequest, slug: str, query: Query[ApprovalsQuery]
 
 class DecideIn(Schema):
     decision: Literal["approve", "deny"]
-    note: str = Field(default="", max_length=2000)
+    note: Annotated[str, Field(max_length=2000, json_schema_extra=_NO_NUL), Storable] = ""
 
 
 @router.post("/approvals/{approval_id}/decide", response={200: dict, **ERRORS},
