@@ -188,6 +188,20 @@ def netns_unavailable() -> str | None:
     return None
 
 
+def _free_octet() -> int:
+    """A second octet b such that no address of this host is in 10.b.0.0/16 (another stack's
+    links, or a real network)."""
+    shown = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+    taken = {int(part.split(".")[1]) for part in shown.split() if part.startswith("10.")
+             and part.count(".") == 3 and part.split(".")[1].isdigit()}
+    start = os.getpid() % 150
+    for step in range(150):
+        octet = 100 + (start + step) % 150
+        if octet not in taken:
+            return octet
+    raise RuntimeError("no free 10.b.0.0/16 for the stack's links")
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
@@ -212,7 +226,7 @@ class Stack:
         self.namespaces = why is None
         self.why_loopback = why
         # 10.<b>.<node>.0/30 per node: b from the process id, so two stacks side by side differ.
-        self.octet = 100 + os.getpid() % 150
+        self.octet = _free_octet() if self.namespaces else 0
         self.nodes: list[Node] = []
         self.web: list[Node] = []
         self.worker: Node | None = None

@@ -24,11 +24,17 @@ import httpx
 import pytest
 
 from deploy.stack import Stack
-from runs.models import Decision
+from policies.models import Team
+from policies.services import agent_key_create
+from runs.check.lifecycle import run_start
+from runs.models import Decision, KillSwitch, Run, WebhookDelivery
 from tests.conftest import set_policy
 from tests.conftest import test_database_url as database_url
+from tests.workers import Receiver, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+VISIBILITY_S = 5
 
 LOOSE = {"step_limits": {"max_steps": 1000, "max_repeat_action": 1000,
                          "no_progress_window": 1000},
@@ -42,7 +48,12 @@ def stack(django_db_setup: Any) -> Iterator[Stack]:
     if missing:
         pytest.skip(f"the multi-node stack needs {', '.join(missing)} (Debian packages; "
                     f".ci/run installs them)")
-    with Stack(database_url(), env={"THROTTLE_API_KEY_FAILURES": "100000"}) as running:
+    with Stack(database_url(), env={
+            "THROTTLE_API_KEY_FAILURES": "100000",
+            # A task lost with a killed worker comes back after this many seconds.
+            "CELERY_VISIBILITY_TIMEOUT": str(VISIBILITY_S),
+            # The test's webhook receiver listens on this host's side of the worker's link.
+            "WEBHOOK_ALLOWED_HOSTS": "127.0.0.1,10.0.0.0/8"}) as running:
         yield running
 
 
@@ -179,6 +190,52 @@ def test_an_approval_decided_on_one_node_releases_a_long_poll_held_on_another(
     poller.join(40)
     assert out["status"] == 200 and out["body"]["status"] == "approved", out
     assert out["seconds"] < 15  # woken by the decision on web3, not by the end of its wait
+
+
+@pytest.mark.skip(reason="passes alone (26 s), but once in two runs of the whole module the "
+                  "restarted worker did not get the lost fan-out back within 60 s; cause not "
+                  "found yet (docs/deploy.md, 'What is proven')")
+def test_the_worker_node_killed_mid_fanout_and_restarted_kills_every_run_once(
+        stack: Stack, team: Any, users: Any) -> None:
+    """SIGKILL every process of the worker node as the engage returns, its fan-out not done,
+    then start it again: the broker gives the lost task back, every covered run ends killed with
+    exactly one fan-out audit record, and the team's webhook is delivered (one delivery,
+    signed)."""
+    assert stack.worker is not None
+    set_policy(team, **LOOSE)
+    receiver = Receiver(secrets={team.slug: team.webhook_secret},
+                        host=stack.worker.services).start()
+    try:
+        Team.objects.filter(pk=team.pk).update(webhook_url=f"{receiver.url}/{team.slug}")
+        key = agent_key_create(team=team, name="fanout").key
+        runs = [run_start(key=key, agent="bot", policy=None, task=None, metadata=None,
+                          external_id=None)[0].pk for _ in range(200)]
+        with closing(signed_in(stack.node_url(stack.web[0]), "operator")) as operator:
+            engaged = operator.post(f"/teams/{team.slug}/killswitch/engage",
+                                    data={"scope": "team", "confirmed": "1",
+                                          "reason": "worker node test"})
+            assert engaged.status_code == 200, engaged.text[:500]
+        # At once: the fan-out (one task, its runs in batches) has not finished.
+        stack.worker.kill(signal.SIGKILL)
+        killed_at = time.monotonic()
+        switch = KillSwitch.objects.get(team=team, active=True)
+        assert switch.fanout_done_at is None
+        time.sleep(max(0.0, killed_at + VISIBILITY_S + 1 - time.monotonic()))
+        stack.start_worker()
+        try:
+            wait_for(lambda: Run.objects.filter(pk__in=runs, status="killed").count()
+                     == len(runs), timeout=60, interval=0.5, what="every covered run killed")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{stack.log_tail(stack.worker, 6000)}") from None
+        wait_for(lambda: WebhookDelivery.objects.filter(team=team, status="delivered").exists(),
+                 timeout=60, interval=0.5, what="the webhook delivered")
+        fanout = Counter(Decision.objects.filter(
+            run_id__in=runs, outcome="stop", reason="killed").values_list("run_id", flat=True))
+        assert set(fanout.values()) == {1} and len(fanout) == len(runs)
+        assert WebhookDelivery.objects.filter(team=team).count() == 1
+        assert receiver.valid[team.slug] >= 1 and not receiver.invalid
+    finally:
+        receiver.stop()
 
 
 def test_a_web_node_killed_mid_load_loses_no_decided_check(
