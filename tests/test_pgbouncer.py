@@ -21,12 +21,10 @@ from tests.conftest import test_database_url as database_url
 from tests.test_api_e2e import *  # noqa: F403 (the contract cases, run again through PgBouncer)
 from tests.test_approvals_e2e import (  # noqa: F401 (approvals: the ORM path, Redis wake-ups)
     approving,
-    test_a_denial_reaches_the_waiting_agent_with_the_note,
     test_the_long_poll_answers_as_soon_as_the_approval_is_decided,
 )
 from tests.test_rate_limits import (  # noqa: F401 (rate limits: advisory locks, window reads)
     test_a_full_rule_answers_wait_with_every_common_field,
-    test_each_scope_counts_its_own_actions,
     test_the_window_slides,
 )
 
