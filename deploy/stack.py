@@ -208,9 +208,9 @@ def _ip(*args: str) -> None:
 
 class Stack:
     """Three web nodes (`manage.py serve`) and one worker node (the three Celery pools of the
-    Makefile's `worker`) as separate hosts: network namespaces, each joined to this host by a
-    veth pair, or, where namespaces cannot be made, loopback addresses 127.0.0.x (said on
-    stderr). HAProxy in front of the web nodes (health checks on /readyz, TLS with a
+    Makefile's `worker`, and beat) as separate hosts: network namespaces, each joined to this
+    host by a veth pair, or, where namespaces cannot be made, loopback addresses 127.0.0.x
+    (said on stderr). HAProxy in front of the web nodes (health checks on /readyz, TLS with a
     self-signed certificate), PgBouncer in transaction mode between the nodes and PostgreSQL,
     one Redis of its own. Everything it made is removed by `stop`."""
 
@@ -329,7 +329,7 @@ class Stack:
         self._wait_web(node)
 
     def start_worker(self) -> None:
-        """The Makefile's `worker`: one Celery worker per pool, one process each."""
+        """The Makefile's `worker`: one Celery worker per pool, one process each; and beat."""
         node = self.worker
         assert node is not None
         celery = str(Path(sys.executable).with_name("celery"))
@@ -337,7 +337,10 @@ class Stack:
                              ("default,bulk", "bulk")):
             self._spawn(node, [celery, "-A", "governance", "worker", "-Q", queues,
                                "-n", f"{name}@{node.name}-{self.tag}", "--concurrency", "1",
-                               "-l", "warning"])
+                               "-l", "info"])
+        # The one beat of the deployment: the sweeps that restart what an outage left behind.
+        self._spawn(node, [celery, "-A", "governance", "beat", "-l", "info",
+                           "--schedule", str(self.dir / "celerybeat-schedule")])
 
     def _start_haproxy(self) -> None:
         cert = self.dir / "proxy.pem"
