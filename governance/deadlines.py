@@ -13,6 +13,11 @@ The deadline is the session's ``statement_timeout``, set when the block starts a
 it ends, rather than ``SET LOCAL`` in one transaction around the whole page: the page's
 writes (runs/first_look.py ends overdue runs under their row locks) stay in their own short
 transactions, and their locks are not held while the page renders.
+
+Behind a pooler in transaction mode (``DATABASE_POOLER=transaction``) there is no session to
+set it in: the SET would stay on whichever server connection ran it, for another client's
+statements, and the reset would reach another one. There the deadline is off; PgBouncer's
+``query_timeout`` is the bound (docs/deploy.md, "PgBouncer").
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ QUERY_CANCELED = "57014"
 def read_deadline(ms: int | None = None) -> Iterator[None]:
     """Every statement of the block on this thread's connection is cancelled after ``ms``
     (default ``DASHBOARD_STATEMENT_TIMEOUT_MS``). On SQLite, with 0, or inside another
-    deadline's block: nothing."""
+    deadline's block, or behind a pooler in transaction mode: nothing."""
     ms = settings.DASHBOARD_STATEMENT_TIMEOUT_MS if ms is None else ms
-    if ms <= 0 or connection.vendor != "postgresql" or getattr(connection, "_deadline", False):
+    if (ms <= 0 or connection.vendor != "postgresql" or getattr(connection, "_deadline", False)
+            or settings.DATABASE_POOLER == "transaction"):
         yield
         return
     try:

@@ -178,6 +178,14 @@ try:
     _db = dj_database_url.parse(DATABASE_URL)
 except Exception as exc:  # the library raises a bare ValueError/KeyError on unknown schemes
     raise ImproperlyConfigured(f"DATABASE_URL is not a database URL: {exc}") from None
+# What stands between the server and PostgreSQL: "" or "none" (PostgreSQL itself, or a pooler
+# in session mode: a server connection for each client connection), or "transaction" (a pooler
+# such as PgBouncer in transaction mode, where consecutive transactions of one connection may
+# run on different server connections, so nothing may be kept in the session).
+DATABASE_POOLER = (os.environ.get("DATABASE_POOLER") or "none").strip().lower()
+if DATABASE_POOLER not in {"none", "session", "transaction"}:
+    raise ImproperlyConfigured(
+        f"DATABASE_POOLER must be none, session or transaction, not {DATABASE_POOLER!r}")
 if _db["ENGINE"] == "django.db.backends.sqlite3":
     # BEGIN IMMEDIATE makes SQLite take its write lock when a transaction starts, which
     # serializes the checks of a run (SPEC 4.5) across threads and processes instead of
@@ -199,8 +207,18 @@ elif _db["ENGINE"] == "django.db.backends.postgresql":
     _db["OPTIONS"].update({
         "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 2, "keepalives_count": 3,
         "tcp_user_timeout": 2000,
-        "options": "-c idle_in_transaction_session_timeout=10000",
     })
+    if DATABASE_POOLER != "transaction":
+        _db["OPTIONS"]["options"] = "-c idle_in_transaction_session_timeout=10000"
+    else:
+        # Behind a pooler in transaction mode (docs/deploy.md "PgBouncer"): nothing may live
+        # in the session, which the next transaction may not have. PgBouncer refuses the
+        # `options` startup parameter (its `idle_transaction_timeout` bounds an abandoned
+        # transaction instead); Django's iterator() must not keep a cursor WITH HOLD across
+        # transactions; the check sends its statements whole instead of preparing them
+        # (runs/check/check_store.py), and the dashboard's read deadline is off
+        # (governance/deadlines.py).
+        _db["DISABLE_SERVER_SIDE_CURSORS"] = True
 else:
     raise ImproperlyConfigured("DATABASE_URL must be a sqlite:// or postgres:// URL")
 # Each server thread keeps its connection, on both databases: opening one per request

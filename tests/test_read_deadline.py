@@ -14,6 +14,7 @@ from django.db import OperationalError, connection
 from django.http import HttpRequest, HttpResponse
 from django.test import RequestFactory
 
+from governance.deadlines import read_deadline
 from governance.middleware import ReadDeadlineMiddleware
 from runs.dashboard import selectors as dashboard
 from runs.dashboard.stream import Frame, Source, _look
@@ -109,3 +110,15 @@ def test_a_look_on_the_lane_is_cancelled_at_the_deadline(deadline: int) -> None:
     with pytest.raises(OperationalError):
         asyncio.run(lane.run(slow_look, "viewer"))
     assert time.monotonic() - started < SLEEP_S - 1
+
+
+def test_behind_a_pooler_in_transaction_mode_the_deadline_sets_nothing_in_the_session(
+        settings: Any) -> None:
+    """A session SET would stay on whichever server connection ran it, for another client's
+    statements (docs/deploy.md, "PgBouncer"): there the deadline is off."""
+    settings.DATABASE_POOLER = "transaction"
+    settings.DASHBOARD_STATEMENT_TIMEOUT_MS = 300
+    before = statement_timeout()
+    with read_deadline():
+        assert statement_timeout() == before
+    assert statement_timeout() == before

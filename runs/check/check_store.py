@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 import time
 import uuid
 import weakref
@@ -53,6 +54,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 import psycopg
+from django.conf import settings
 from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
@@ -79,6 +81,7 @@ from runs.check.rate_limits import (
     windows_from_rows,
     windows_in_python,
     windows_params,
+    windows_positional,
     windows_prepared,
     windows_sql,
 )
@@ -369,6 +372,46 @@ EXECUTE_LOCK = ("BEGIN; SET LOCAL enable_seqscan = off; "
                 "EXECUTE governance_check_lock(%s, %s, %s, %s)")
 EXECUTE_WRITE = "EXECUTE governance_check_write(%s, %s, %s, %s); COMMIT"
 
+
+# --- Behind a pooler in transaction mode ------------------------------------------------------
+# PgBouncer in transaction mode (DATABASE_POOLER=transaction, docs/deploy.md) gives each
+# transaction whichever server connection is free: a statement PREPAREd in one transaction is
+# unknown to the next one's server connection (it answered "prepared statement does not exist",
+# then 503 "The store refused the write", for most checks), or already exists there. So there
+# the same statements are sent whole, in the same two messages: each $n becomes a typed
+# client-side literal. PostgreSQL then plans them on every check (docs/deploy.md, "PgBouncer",
+# for what that costs).
+_PLACEHOLDER = re.compile(r"\$(\d+)")
+
+
+def inlined(body: str, types: Sequence[str]) -> tuple[str, list[int]]:
+    """A statement written for PREPARE (placeholders $1, $2, ...) as one to send whole with
+    client-side binding: each placeholder a typed ``%s``, and the index of the parameter each
+    ``%s`` takes, in order (a placeholder may appear more than once)."""
+    order: list[int] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        index = int(match.group(1)) - 1
+        order.append(index)
+        return f"(%s::{types[index]})"
+
+    return _PLACEHOLDER.sub(placeholder, body.replace("%", "%%")), order
+
+
+_LOCK_INLINE, _LOCK_ORDER = inlined(LOCK_SQL, ["uuid", "text", "text", "text[]"])
+_WRITE_INLINE, _WRITE_ORDER = inlined(WRITE_SQL, ["jsonb"] * 4)
+SEND_LOCK = "BEGIN; SET LOCAL enable_seqscan = off; " + _LOCK_INLINE
+SEND_WRITE = _WRITE_INLINE + "\n; COMMIT"
+# The window read sent whole, by number of rules.
+_windows_inline: dict[int, tuple[str, list[int]]] = {}
+
+
+def statements_prepared() -> bool:
+    """Whether the check PREPAREs its statements once per connection (PostgreSQL itself, or a
+    pooler in session mode), else sends them whole (a pooler in transaction mode)."""
+    return settings.DATABASE_POOLER != "transaction"
+
+
 # The connections (Django's, one per thread) on which the statements are prepared.
 _prepared: weakref.WeakSet[Any] = weakref.WeakSet()
 # The rate-limit window statements prepared on each connection, by name.
@@ -431,16 +474,26 @@ class PostgresCheck:
         self.cursor: psycopg.ClientCursor[Any] = cursor
         self.open = False
         self.db_seconds = 0.0
+        self.prepared = statements_prepared()
 
     def _prepare(self) -> None:
-        if self.raw not in _prepared:
+        if self.prepared and self.raw not in _prepared:
             self.cursor.execute(PREPARE_SQL)
             _prepared.add(self.raw)
             _prepared_windows[self.raw] = set()
 
     def _windows_statement(self, rules: Sequence[RateLimit], *, team_id: int, agent: str,
                            run_id: uuid.UUID) -> tuple[str, list[Any]]:
-        """`EXECUTE` of the prepared window read, preparing it first on this connection."""
+        """`EXECUTE` of the prepared window read, preparing it first on this connection (or
+        the read itself, behind a pooler in transaction mode)."""
+        if not self.prepared:
+            count = len(rules)
+            if count not in _windows_inline:
+                _, types, body = windows_positional(count)
+                _windows_inline[count] = inlined(body, types)
+            sql, order = _windows_inline[count]
+            values = windows_params(rules, team_id=team_id, agent=agent, run_id=run_id)
+            return sql, [values[i] for i in order]
         name, prepare = windows_prepared(rules)
         done = _prepared_windows.setdefault(self.raw, set())
         if name not in done:
@@ -458,6 +511,8 @@ class PostgresCheck:
         started = time.perf_counter()
         sql = EXECUTE_LOCK
         params: list[Any] = [run_id, check_id, prefix, _text_array(keyed) if keyed else None]
+        if not self.prepared:
+            sql, params = SEND_LOCK, [params[i] for i in _LOCK_ORDER]
         keys: list[int] = []
         if rate is not None:
             # After the run's lock, in the same message: the rules' locks (a bounded wait),
@@ -545,6 +600,8 @@ class PostgresCheck:
                         "action_name": hit.action_name}] if hit is not None else [])
         entries = dumps([{"run_id": run_id, **entry} for entry in keyed])
         sql, params = EXECUTE_WRITE, (decisions, runs, hits, entries)
+        if not self.prepared:
+            sql, params = SEND_WRITE, tuple(params[i] for i in _WRITE_ORDER)
         cursor = self.cursor
         started = time.perf_counter()
         try:

@@ -284,15 +284,20 @@ def windows_sql(rules: Sequence[RateLimit], *, team_id: int, agent: str, run_id:
     return _windows_body(len(rules), lambda i, name: f"%(r{i}_{name})s"), params
 
 
-def windows_prepared(rules: Sequence[RateLimit]) -> tuple[str, str]:
-    """The same statement to PREPARE once per connection: its name (one per number of rules,
-    the only thing that changes the SQL) and its PREPARE. Planning it costs PostgreSQL more
-    than running it, as for the check's own statements."""
-    count = len(rules)
-    name = f"governance_rate_{count}"
+def windows_positional(count: int) -> tuple[str, list[str], str]:
+    """The window read for `count` rules with positional placeholders ($1, $2, ... in
+    `windows_params` order): its statement name (one per number of rules, the only thing that
+    changes the SQL), the placeholders' types, and the statement."""
     position = {name: index for index, (name, _) in enumerate(_PARAMS)}
     types = [kind for _ in range(count) for _, kind in _PARAMS]
     body = _windows_body(count, lambda i, n: f"${i * len(_PARAMS) + position[n] + 1}")
+    return f"governance_rate_{count}", types, body
+
+
+def windows_prepared(rules: Sequence[RateLimit]) -> tuple[str, str]:
+    """The same statement to PREPARE once per connection: its name and its PREPARE. Planning
+    it costs PostgreSQL more than running it, as for the check's own statements."""
+    name, types, body = windows_positional(len(rules))
     return name, f"PREPARE {name}({', '.join(types)}) AS {body}"
 
 

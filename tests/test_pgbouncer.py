@@ -1,0 +1,73 @@
+"""The agent API's contract cases (tests/test_api_e2e.py), and some of the rate limits' and
+approvals' (tests/test_rate_limits.py, tests/test_approvals_e2e.py), through a real PgBouncer in
+transaction pooling mode, started by the test (deploy/stack.py PgBouncer: its configuration in a
+temporary directory, its own port), with the server told so (DATABASE_POOLER=transaction,
+docs/deploy.md "PgBouncer"). Without that setting the check PREPAREs its statements once per
+connection, which a pooler in transaction mode cannot keep: the test at the end shows that
+failure, which is why the setting exists."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from deploy.stack import PgBouncer
+from tests.conftest import Server, server_env, start_server
+from tests.conftest import test_database_url as database_url
+from tests.test_api_e2e import *  # noqa: F403 (the contract cases, run again through PgBouncer)
+from tests.test_approvals_e2e import (  # noqa: F401 (approvals: the ORM path, Redis wake-ups)
+    approving,
+    test_the_long_poll_answers_as_soon_as_the_approval_is_decided,
+)
+from tests.test_rate_limits import (  # noqa: F401 (rate limits: advisory locks, window reads)
+    test_a_full_rule_answers_wait_with_every_common_field,
+    test_the_window_slides,
+)
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture(scope="module")
+def pgbouncer(django_db_setup: Any) -> Iterator[PgBouncer]:
+    why = PgBouncer.available()
+    if why:
+        pytest.skip(why)
+    with PgBouncer(database_url(), pool_size=4) as bouncer:
+        yield bouncer
+
+
+@pytest.fixture(scope="module")
+def server(pgbouncer: PgBouncer, django_db_blocker: Any) -> Iterator[Server]:
+    """The production server (2 workers), its database PgBouncer in transaction mode. Fewer
+    server connections (4) than the server's threads: transactions of one client connection
+    do land on different server connections."""
+    srv = start_server(env=server_env(DATABASE_URL=pgbouncer.url, DATABASE_POOLER="transaction"))
+    yield srv
+    srv.stop()
+
+
+def test_without_the_setting_prepared_statements_fail_through_the_pooler(
+        pgbouncer: PgBouncer, agent: Any) -> None:
+    """The reason for DATABASE_POOLER=transaction: a server that PREPAREs the check's
+    statements behind a pooler in transaction mode refuses checks (503) once its threads'
+    transactions land on server connections that never saw the PREPARE."""
+    runs = [agent.start()["run_id"] for _ in range(8)]
+    srv = start_server(workers=1, threads=8, env=server_env(DATABASE_URL=pgbouncer.url))
+    try:
+        def checks(run_id: str) -> list[int]:
+            with httpx.Client(base_url=srv.url, timeout=30,
+                              headers={"Authorization": f"Bearer {agent.token}"}) as http:
+                return [http.post(f"/api/v1/runs/{run_id}/check",
+                                  json={"action": {"name": "search.docs",
+                                                   "args": {"query": f"q{i}"}}}).status_code
+                        for i in range(10)]
+
+        with ThreadPoolExecutor(len(runs)) as pool:
+            statuses = [status for answers in pool.map(checks, runs) for status in answers]
+        assert 503 in statuses, statuses
+    finally:
+        srv.stop()
