@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 
 server = MCPServer("files")
 calls = {"count": 0}
@@ -26,14 +27,20 @@ def counter() -> str:
 
 @server.tool()
 def broken(path: str) -> str:
-    """Always fails."""
-    raise ValueError(f"cannot open {path}")
+    """Always fails (a ToolError: the SDK answers it with its text, without a traceback)."""
+    raise ToolError(f"cannot open {path}")
 
 
 @server.tool()
 def delete_all() -> str:
     """A tool the tests' policy denies."""
     return "deleted"
+
+
+@server.tool()
+def publish(title: str) -> str:
+    """A tool the tests' policy puts behind an operator's approval."""
+    return f"published {title}"
 
 
 @server.tool()

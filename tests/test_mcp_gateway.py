@@ -30,6 +30,7 @@ from mcp.client.stdio import StdioServerParameters
 from policies.models import Team
 from runs.killswitch.services import killswitch_engage
 from runs.models import Approval, Run
+from runs.models import Decision as AuditRecord
 from tests.conftest import ROOT, Agent, Server, free_port, set_policy
 from tests.workers import wait_for
 
@@ -79,135 +80,101 @@ def run_async(main: Any) -> Any:
 
 # --- stdio -----------------------------------------------------------------------------------
 
-def test_a_loop_of_identical_calls_is_refused_at_the_policys_step_and_stops_the_run(
-        server: Server, agent: Agent, team: Team) -> None:
-    set_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 3,
-                                  "no_progress_window": 10})
+def governed_policy(team: Team, **changes: Any) -> None:
+    """One policy for a whole session: a loop stopped at the 4th identical call, a denied
+    tool, a rate limit on `counter`, `publish` behind an approval, errors nudged at 2."""
+    set_policy(team, **{
+        "step_limits": {"max_steps": 50, "max_repeat_action": 3, "no_progress_window": 20},
+        "tools": {"allow": None, "deny": ["files.delete_*"]},
+        "rate_limits": [{"match": "files.counter", "per": "run", "max": 1, "window_s": 1}],
+        "approvals": {"tools": ["files.publish"], "timeout_s": 600},
+        "on_repeated_error": {"threshold": 2, "action": "nudge"},
+        **changes})
 
-    async def main() -> list[Any]:
-        async with Client(stdio_params(server, agent.token), mode="legacy") as client:
-            results = [await client.call_tool("search", {"query": "refund"}) for _ in range(4)]
-            results.append(await client.call_tool("counter", {}))
-            return results
 
-    results = run_async(main)
-    assert [r.is_error for r in results] == [False, False, False, True, True]
-    assert all(text(r).startswith("no match") for r in results[:3])
-    refused = text(results[3])
+def decide_when_asked(verdict: str, note: str = "not today") -> None:
+    """The operator, from a shell: `manage.py approvals decide` on the gateway's request."""
+    request = wait_for(lambda: Approval.objects.filter(status="pending").first(),
+                       timeout=30, what="the gateway's approval request")
+    call_command("approvals", "decide", str(request.pk), verdict, "--note", note)
+
+
+async def snapshot(client: Client) -> dict[str, Any]:
+    """Everything but tools/call, as the client received it."""
+    resources = await client.list_resources()
+    read = await client.read_resource("doc://readme")
+    prompts = await client.list_prompts()
+    prompt = await client.get_prompt("review", {"code": "x = 1\n  y\t= 2"})
+    tools = await client.list_tools()
+    return {
+        "resources": [r.model_dump(mode="json") for r in resources.resources],
+        "read": [c.model_dump(mode="json") for c in read.contents],
+        "prompts": [p.model_dump(mode="json") for p in prompts.prompts],
+        "prompt": [m.model_dump(mode="json") for m in prompt.messages],
+        "tools": {t.name: t.model_dump(mode="json") for t in tools.tools},
+    }
+
+
+def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> None:
+    """The same Client configuration against the upstream, then against the gateway in front
+    of it (only the command differs): resources and prompts byte for byte, the denied tool
+    left out; then a rate-limited call that waits, an approval approved from the command line,
+    results reported (a repeated error nudged), and a loop refused at the 4th identical call,
+    which stops the run: every later call is answered the same way."""
+    governed_policy(team)
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        async with Client(direct_params()) as client:  # the default mode (auto)
+            direct = await snapshot(client)
+        async with Client(stdio_params(server, agent.token)) as client:
+            governed = await snapshot(client)
+            out: dict[str, Any] = {"counter": [await client.call_tool("counter", {})]}
+            started = time.monotonic()
+            out["counter"].append(await client.call_tool("counter", {}))
+            out["waited"] = time.monotonic() - started
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, decide_when_asked, "approve")
+                out["publish"] = await client.call_tool("publish", {"title": "notes"})
+            out["broken"] = [await client.call_tool("broken", {"path": "/x"}) for _ in range(3)]
+            out["search"] = [await client.call_tool("search", {"query": "refund"})
+                             for _ in range(4)]
+            out["after"] = await client.call_tool("delete_all", {})
+        return direct, governed, out
+
+    direct, governed, out = run_async(main)
+    assert "delete_all" in direct["tools"] and "delete_all" not in governed["tools"]
+    del direct["tools"]["delete_all"]
+    assert json.dumps(governed, sort_keys=True) == json.dumps(direct, sort_keys=True)
+    assert governed["read"][0]["text"] == "Read me: ünïcødé  spaces\tand tabs\n"
+
+    assert [text(r) for r in out["counter"]] == ["call 1", "call 2"]
+    assert out["waited"] >= 0.3  # the second call waited for the rate limit, then ran
+    assert (out["publish"].is_error, text(out["publish"])) == (False, "published notes")
+    assert all(r.is_error for r in out["broken"])
+    assert text(out["broken"][0]) == "cannot open /x"  # the upstream's own words
+    searches = out["search"]
+    assert [r.is_error for r in searches] == [False, False, False, True]
+    refused = text(searches[3])
     assert refused.startswith("Blocked by governance (loop_detected): ")
     assert "max_repeat_action=3" in refused
-    assert text(results[4]) == refused  # every later call is answered the same way
+    assert text(out["after"]) == refused
 
     run = finished_run(agent)
-    assert (run["status"], run["stop_reason"], run["steps"]) == ("stopped", "loop_detected", 4)
+    assert (run["status"], run["stop_reason"]) == ("stopped", "loop_detected")
     decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
-    assert [d["outcome"] for d in decisions] == ["allow", "allow", "allow", "stop"]
-    assert {d["action"]["name"] for d in decisions} == {"files.search"}
-    assert decisions[0]["action"]["args"] == {"query": "refund"}
-
-
-def test_results_are_reported_so_repeated_errors_and_no_progress_count(
-        server: Server, agent: Agent, team: Team) -> None:
-    set_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 100,
-                                  "no_progress_window": 3},
-               on_repeated_error={"threshold": 2, "action": "nudge"})
-
-    async def main() -> list[Any]:
-        async with Client(stdio_params(server, agent.token), mode="legacy") as client:
-            out = [await client.call_tool("broken", {"path": f"/tmp/{i}"}) for i in range(3)]
-            return out
-
-    results = run_async(main)
-    assert all(r.is_error for r in results)
-    # The third call carries the second report of the same error: the nudge is appended.
-    assert "cannot open" in text(results[0])
-    run = finished_run(agent)
-    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
-    detail = agent.http.get(f"/api/v1/decisions/{decisions[2]['id']}").json()
-    assert detail["last_result"]["status"] == "error"
-    assert detail["last_result"]["digest"]
-    assert detail["directive"] and detail["directive"]["content"] in text(results[2])
-
-
-def test_a_denied_tool_is_left_out_of_tools_list_and_refused_if_called(
-        server: Server, agent: Agent, team: Team) -> None:
-    set_policy(team, tools={"allow": None, "deny": ["files.delete_*"]})
-
-    async def main() -> tuple[list[str], Any]:
-        async with Client(stdio_params(server, agent.token), mode="legacy") as client:
-            names = [tool.name for tool in (await client.list_tools()).tools]
-            return names, await client.call_tool("delete_all", {})
-
-    names, called = run_async(main)
-    assert "delete_all" not in names and {"search", "broken", "counter"} <= set(names)
-    assert called.is_error
-    assert text(called).startswith("Blocked by governance (tool_denied): ")
-    assert finished_run(agent)["stop_reason"] == "tool_denied"
-
-
-def test_a_rate_limited_call_waits_and_succeeds(server: Server, agent: Agent,
-                                                team: Team) -> None:
-    set_policy(team, rate_limits=[{"match": "files.*", "per": "run", "max": 1, "window_s": 1}])
-
-    async def main() -> tuple[list[Any], float]:
-        async with Client(stdio_params(server, agent.token), mode="legacy") as client:
-            first = await client.call_tool("counter", {})
-            started = time.monotonic()
-            second = await client.call_tool("counter", {})
-            return [first, second], time.monotonic() - started
-
-    (first, second), waited = run_async(main)
-    assert (text(first), text(second)) == ("call 1", "call 2")
-    assert not second.is_error and waited >= 0.5
-    run = finished_run(agent)
-    assert run["status"] == "completed"
-    outcomes = [d["outcome"] for d in agent.http.get(
-        f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]]
-    assert outcomes[0] == "allow" and "wait" in outcomes and outcomes[-1] == "allow"
-
-
-def test_a_rate_limit_past_max_wait_answers_when_to_retry(server: Server, agent: Agent,
-                                                          team: Team) -> None:
-    set_policy(team, rate_limits=[{"match": "files.*", "per": "run", "max": 1,
-                                   "window_s": 60}])
-
-    async def main() -> list[Any]:
-        async with Client(stdio_params(server, agent.token, "--max-wait", "0"),
-                          mode="legacy") as client:
-            return [await client.call_tool("counter", {}) for _ in range(2)]
-
-    first, second = run_async(main)
-    assert not first.is_error and second.is_error
-    assert text(second).startswith("Blocked by governance (rate_limited): ")
-    assert "Try again in" in text(second)
-    assert finished_run(agent)["status"] == "completed"  # a wait is not a stop
-
-
-@pytest.mark.parametrize("verdict", ["approve", "deny"])
-def test_an_approval_decided_from_the_command_line_forwards_or_refuses_the_call(
-        server: Server, agent: Agent, team: Team, verdict: str) -> None:
-    set_policy(team, approvals={"tools": ["files.search"], "timeout_s": 600})
-
-    def operator() -> None:
-        request = wait_for(lambda: Approval.objects.filter(status="pending").first(),
-                           timeout=30, what="the gateway's approval request")
-        call_command("approvals", "decide", str(request.pk), verdict, "--note", "not today")
-
-    async def main() -> Any:
-        async with Client(stdio_params(server, agent.token), mode="legacy") as client:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(anyio.to_thread.run_sync, operator)
-                return await client.call_tool("search", {"query": "pay"})
-
-    result = run_async(main)
-    if verdict == "approve":
-        assert (result.is_error, text(result)) == (False, "no match")
-        assert finished_run(agent)["status"] == "completed"
-    else:
-        assert result.is_error
-        assert text(result).startswith("Blocked by governance (approval_denied): ")
-        assert "not today" in text(result)
-        assert finished_run(agent)["stop_reason"] == "approval_denied"
+    assert {d["action"]["name"] for d in decisions} == {
+        "files.counter", "files.publish", "files.broken", "files.search"}
+    assert decisions[-1]["outcome"] == "stop" and decisions[-1]["reason"] == "loop_detected"
+    assert "wait" in [d["outcome"] for d in decisions]
+    assert [d["outcome"] for d in decisions if d["action"]["name"] == "files.publish"] == [
+        "pending", "allow"]
+    # The third `broken` check carried the second report of the same error: its nudge was
+    # appended to that call's result; every report carried a digest.
+    third = [d for d in decisions if d["action"]["name"] == "files.broken"][2]
+    audited = AuditRecord.objects.get(pk=third["id"])
+    assert audited.last_result["status"] == "error" and audited.last_result["digest"]
+    assert audited.last_result["error"] == "cannot open /x"
+    assert audited.answer["directive"]["content"] in text(out["broken"][2])
 
 
 def test_the_kill_switch_refuses_the_next_call(server: Server, agent: Agent,
@@ -227,40 +194,6 @@ def test_the_kill_switch_refuses_the_next_call(server: Server, agent: Agent,
     assert "runaway tool use" in text(second)
     assert text(third) == text(second)
     assert finished_run(agent)["status"] == "killed"
-
-
-def test_an_unchanged_client_configuration_works_by_swapping_only_the_server_command(
-        server: Server, agent: Agent) -> None:
-    """The same Client configuration (default mode, its callbacks) against the upstream and
-    against the gateway in front of it: the same tools, resources and prompts, byte for
-    byte; only the command differs."""
-
-    async def session(params: StdioServerParameters) -> dict[str, Any]:
-        async with Client(params) as client:
-            resources = await client.list_resources()
-            read = await client.read_resource("doc://readme")
-            prompts = await client.list_prompts()
-            prompt = await client.get_prompt("review", {"code": "x = 1\n  y\t= 2"})
-            tools = await client.list_tools()
-            called = await client.call_tool("search", {"query": "q"})
-            return {
-                "resources": [r.model_dump(mode="json") for r in resources.resources],
-                "read": [c.model_dump(mode="json") for c in read.contents],
-                "prompts": [p.model_dump(mode="json") for p in prompts.prompts],
-                "prompt": [m.model_dump(mode="json") for m in prompt.messages],
-                "tools": sorted(t.name for t in tools.tools),
-                "called": [c.model_dump(mode="json") for c in called.content],
-            }
-
-    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
-        direct = await session(direct_params())
-        governed = await session(stdio_params(server, agent.token))
-        return direct, governed
-
-    direct, governed = run_async(main)
-    assert json.dumps(governed, sort_keys=True) == json.dumps(direct, sort_keys=True)
-    assert governed["read"][0]["text"] == "Read me: ünïcødé  spaces\tand tabs\n"
-    assert the_run(agent)["steps"] == 1
 
 
 # --- faults ----------------------------------------------------------------------------------
@@ -298,8 +231,12 @@ INITIALIZE = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
     "clientInfo": {"name": "raw", "version": "0"}}}
 
 
-def test_a_call_before_initialize_and_malformed_json_are_json_rpc_errors(
+def test_faults_of_the_client_and_of_the_upstream_never_hang_the_session(
         server: Server, agent: Agent) -> None:
+    """A call before initialize, malformed JSON, bad arguments: JSON-RPC errors, nothing
+    checked; an unknown method is the upstream's own error; huge arguments are checked by
+    their digest and forwarded whole; an upstream that dies mid-call answers that call with
+    an error, ends the session, and the run is finished `failed`."""
     with raw_gateway(server, agent.token) as process:
         send(process, {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
                        "params": {"name": "search", "arguments": {"query": "x"}}})
@@ -317,38 +254,22 @@ def test_a_call_before_initialize_and_malformed_json_are_json_rpc_errors(
         assert receive(process)["error"]["code"] == -32601  # the upstream's own answer
         send(process, {"jsonrpc": "2.0", "id": 4, "method": "ping"})
         assert receive(process) == {"jsonrpc": "2.0", "id": 4, "result": {}}
-    # No tool call was checked: the run was started, nothing counted.
-    assert the_run(agent)["steps"] == 0
+        big = "x" * (100 * 1024)
+        send(process, {"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+                       "params": {"name": "search", "arguments": {"query": big}}})
+        answer = receive(process)
+        assert answer["id"] == 5 and answer["result"]["content"][0]["text"] == "no match"
+        send(process, {"jsonrpc": "2.0", "id": 6, "method": "tools/call",
+                       "params": {"name": "exit_now", "arguments": {}}})
+        died = receive(process)
+        assert died["id"] == 6 and "exited" in died["error"]["message"]
+        assert process.wait(timeout=20) != 0  # the session ended with its upstream
 
-
-def test_huge_arguments_are_checked_by_their_digest_and_forwarded_whole(
-        server: Server, agent: Agent) -> None:
-    big = "x" * (100 * 1024)
-
-    async def main() -> Any:
-        async with Client(stdio_params(server, agent.token), mode="legacy") as client:
-            return await client.call_tool("search", {"query": big})
-
-    assert text(run_async(main)) == "no match"
-    run = finished_run(agent)
-    decision = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"][0]
-    assert decision["outcome"] == "allow"
-    assert decision["action"]["args"]["oversize_args"]["keys"] == ["query"]
-
-
-def test_an_upstream_that_dies_fails_the_call_and_the_run(server: Server,
-                                                          agent: Agent) -> None:
-    async def main() -> str:
-        async with Client(stdio_params(server, agent.token), mode="legacy") as client:
-            await client.call_tool("counter", {})
-            with pytest.raises(Exception) as died:  # noqa: PT011 - any error, never a hang
-                with anyio.fail_after(20):
-                    await client.call_tool("exit_now", {})
-            return str(died.value)
-
-    run_async(main)
     run = finished_run(agent)
     assert run["status"] == "failed"
+    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
+    assert [d["action"]["name"] for d in decisions] == ["files.search", "files.exit_now"]
+    assert decisions[0]["action"]["args"]["oversize_args"]["keys"] == ["query"]
 
 
 def test_the_service_down_refuses_calls_by_default_and_forwards_them_with_fail_open(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -83,30 +84,46 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Gatewa
 
 async def serve_stdio(config: GatewayConfig, command: Sequence[str]) -> str | None:
     """Relay the client on this process's stdio to the upstream COMMAND; the run's end."""
-    from mcp.client.stdio import StdioServerParameters, stdio_client
-    from mcp.server.stdio import stdio_server
-
     client = make_client(config)
     session = GatewaySession(config, client)
     try:
-        async with stdio_server() as (client_read, client_write):
-            try:
-                # The upstream gets this process's whole environment, as if started directly.
-                params = StdioServerParameters(command=command[0], args=list(command[1:]),
-                                               env=dict(os.environ))
-                async with stdio_client(params) as (up_read, up_write):
-                    session._client_write = client_write
-                    await session.serve(client_read, client_write, up_read, up_write)
-            except Exception as exc:  # noqa: BLE001 - the upstream could not run: run failed
-                logging.getLogger("governance_client.mcp").error(
-                    "upstream %s failed: %s", command[0], exc)
-                session._client_write = client_write
-                await session.upstream_failed(f"the upstream MCP server {command[0]} failed")
+        async with anyio.create_task_group() as tg:
+            # SIGTERM (a client's shutdown after its grace period) or SIGINT: the run is
+            # finished all the same, in the finally below.
+            tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+            await _relay(session, command)
+            tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
-            status = await session.finish()
+            await session.finish()
             await client.aclose()
-    return status
+    return session.status
+
+
+async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def _relay(session: GatewaySession, command: Sequence[str]) -> None:
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+    from mcp.server.stdio import stdio_server
+
+    async with stdio_server() as (client_read, client_write):
+        try:
+            # The upstream gets this process's whole environment, as if started directly.
+            params = StdioServerParameters(command=command[0], args=list(command[1:]),
+                                           env=dict(os.environ))
+            async with stdio_client(params) as (up_read, up_write):
+                session._client_write = client_write
+                await session.serve(client_read, client_write, up_read, up_write)
+        except Exception as exc:
+            logging.getLogger("governance_client.mcp").error(
+                "upstream %s failed: %s", command[0], exc)
+            session._client_write = client_write
+            await session.upstream_failed(f"the upstream MCP server {command[0]} failed")
 
 
 async def serve_http(config: GatewayConfig, upstream_url: str, host: str, port: int) -> None:

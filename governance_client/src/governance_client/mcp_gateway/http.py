@@ -171,7 +171,7 @@ class HttpGateway:
                         async with streamable_http_client(self.upstream_url) as (up_read,
                                                                                  up_write):
                             await session.serve(read, write, up_read, up_write)
-                    except Exception as exc:  # noqa: BLE001 - the upstream failed: run failed
+                    except Exception as exc:
                         logger.warning("session %s: upstream %s failed: %s", session_id,
                                        self.upstream_url, exc)
                         await session.upstream_failed(

@@ -98,7 +98,7 @@ def _id_in(exc: Exception) -> Any:
                 found = value.get("id")
                 if isinstance(found, int | str) and not isinstance(found, bool):
                     return found
-    except Exception:  # noqa: BLE001 - a best effort on an error already being reported
+    except Exception:
         return None
     return None
 
@@ -130,6 +130,8 @@ class GatewaySession:
         self.stop_text: str | None = None
         self.upstream_gone: str | None = None
         self.finished = False
+        #: How the run was finished (None: not yet, or no run).
+        self.status: str | None = None
         self._start_lock = anyio.Lock()
         self._started = anyio.Event()
         self._client_write: Any = None
@@ -155,6 +157,9 @@ class GatewaySession:
             self._tg = tg
             tg.start_soon(self._from_upstream, upstream_read)
             await self._from_client(client_read)
+            # The client closed the session: the run ends now, before the upstream is shut
+            # down (a client gives a server only a few seconds to exit before killing it).
+            await self.finish()
             tg.cancel_scope.cancel()
 
     async def _from_client(self, read: Any) -> None:
@@ -227,7 +232,7 @@ class GatewaySession:
                     await self._malformed(item)
                     continue
                 await self._upstream_message(item)
-        except Exception as exc:  # noqa: BLE001 - a transport failure ends the session below
+        except Exception as exc:
             logger.warning("reading the upstream MCP server failed: %s", exc)
         await self.upstream_failed("the upstream MCP server exited")
         assert self._tg is not None
@@ -479,6 +484,7 @@ class GatewaySession:
             status = "stopped"
         else:
             status = "completed"
+        self.status = status
         with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_SECONDS):
             try:
                 await run.finish(status)  # type: ignore[arg-type]
