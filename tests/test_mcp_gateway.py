@@ -151,7 +151,8 @@ def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> N
     assert out["waited"] >= 0.3  # the second call waited for the rate limit, then ran
     assert (out["publish"].is_error, text(out["publish"])) == (False, "published notes")
     assert all(r.is_error for r in out["broken"])
-    assert text(out["broken"][0]) == "cannot open /x"  # the upstream's own words
+    # The upstream's own words.
+    assert text(out["broken"][0]) == "Error executing tool broken: cannot open /x"
     searches = out["search"]
     assert [r.is_error for r in searches] == [False, False, False, True]
     refused = text(searches[3])
@@ -173,7 +174,7 @@ def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> N
     third = [d for d in decisions if d["action"]["name"] == "files.broken"][2]
     audited = AuditRecord.objects.get(pk=third["id"])
     assert audited.last_result["status"] == "error" and audited.last_result["digest"]
-    assert audited.last_result["error"] == "cannot open /x"
+    assert audited.last_result["error"] == "Error executing tool broken: cannot open /x"
     assert audited.answer["directive"]["content"] in text(out["broken"][2])
 
 
@@ -318,9 +319,12 @@ def process(*args: str, port: int) -> Iterator[str]:
 
 
 def test_over_streamable_http_both_sides(server: Server, agent: Agent, team: Team) -> None:
-    set_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 2,
-                                  "no_progress_window": 10},
-               tools={"allow": None, "deny": ["files.delete_*"]})
+    """The gateway serving streamable HTTP, its upstream over streamable HTTP: resources and
+    prompts unchanged, the denied tool left out and refused, a loop refused, an approval
+    denied from the command line; each MCP session is a run, finished when the client
+    deletes the session."""
+    governed_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 2,
+                                       "no_progress_window": 10})
     up_port, gw_port = free_port(), free_port()
     with process("-m", "tests.mcp_upstream", "http", str(up_port), port=up_port) as upstream, \
             process(*gateway_args(server, agent.token), "--upstream-url", upstream,
@@ -332,31 +336,41 @@ def test_over_streamable_http_both_sides(server: Server, agent: Agent, team: Tea
                 prompt = await client.get_prompt("review", {"code": "a\tb"})
                 tools = sorted(t.name for t in (await client.list_tools()).tools)
                 calls = [await client.call_tool("search", {"query": "q"}) for _ in range(3)]
-                denied = await client.call_tool("delete_all", {})
                 return {"read": [c.model_dump(mode="json") for c in read.contents],
                         "prompt": [m.model_dump(mode="json") for m in prompt.messages],
-                        "tools": tools, "calls": calls, "denied": denied}
+                        "tools": tools, "calls": calls}
 
-        async def main() -> tuple[dict[str, Any], dict[str, Any]]:
-            return await session(upstream), await session(gateway)
+        async def one_call(tool: str, args: dict[str, Any], verdict: str | None = None) -> Any:
+            async with Client(gateway) as client, anyio.create_task_group() as tg:
+                if verdict is not None:
+                    tg.start_soon(anyio.to_thread.run_sync, decide_when_asked, verdict)
+                return await client.call_tool(tool, args)
 
-        direct, governed = anyio.run(main)
-        assert governed["read"] == direct["read"] and governed["prompt"] == direct["prompt"]
-        assert "delete_all" in direct["tools"] and "delete_all" not in governed["tools"]
-        assert [c.is_error for c in governed["calls"]] == [False, False, True]
-        assert text(governed["calls"][2]).startswith("Blocked by governance (loop_detected)")
-        assert text(governed["denied"]) == text(governed["calls"][2])
-        run = finished_run(agent)
-        assert (run["status"], run["stop_reason"]) == ("stopped", "loop_detected")
-        stored = Run.objects.get(pk=run["run_id"])
-        assert stored.external_id  # the gateway's MCP session id
+        async def main() -> list[Any]:
+            return [await session(upstream), await session(gateway),
+                    await one_call("publish", {"title": "x"}, "deny"),
+                    await one_call("delete_all", {}),
+                    await one_call("counter", {})]
 
-        # A second session is a second run, finished `completed` when the client deletes it.
-        async def quiet() -> None:
-            async with Client(gateway) as client:
-                await client.call_tool("counter", {})
+        direct, governed, denied, forbidden, quiet = anyio.run(main)
 
-        anyio.run(quiet)
+    assert governed["read"] == direct["read"] and governed["prompt"] == direct["prompt"]
+    assert "delete_all" in direct["tools"] and "delete_all" not in governed["tools"]
+    assert [c.is_error for c in governed["calls"]] == [False, False, True]
+    assert text(governed["calls"][2]).startswith("Blocked by governance (loop_detected): ")
+    assert text(denied).startswith("Blocked by governance (approval_denied): ")
+    assert "not today" in text(denied)
+    assert text(forbidden).startswith("Blocked by governance (tool_denied): ")
+    assert (quiet.is_error, text(quiet)) == (False, "call 1")
+
+    def ends() -> list[tuple[str, str | None]] | None:
         runs = agent.http.get("/api/v1/runs", params={"agent": AGENT}).json()["runs"]
-        wait_for(lambda: agent.http.get(f"/api/v1/runs/{runs[0]['run_id']}").json()["status"]
-                 == "completed", timeout=20, what="the second run's end")
+        if any(r["status"] == "running" for r in runs):
+            return None
+        return [(r["status"], r["stop_reason"]) for r in reversed(runs)]
+
+    assert wait_for(ends, timeout=20, what="the runs' ends") == [
+        ("stopped", "loop_detected"), ("stopped", "approval_denied"),
+        ("stopped", "tool_denied"), ("completed", None)]
+    # Each run's external_id is its MCP session id, made by the gateway.
+    assert len({r.external_id for r in Run.objects.filter(agent=AGENT)}) == 4

@@ -124,6 +124,16 @@ async def _relay(session: GatewaySession, command: Sequence[str]) -> None:
                 "upstream %s failed: %s", command[0], exc)
             session._client_write = client_write
             await session.upstream_failed(f"the upstream MCP server {command[0]} failed")
+        if session.upstream_gone is not None:
+            # The upstream is gone, so is the session: the run ends `failed`, the answers
+            # already sent reach stdout, and the process exits (the SDK's stdio transport
+            # reads stdin in a thread that only the client's EOF would end).
+            with anyio.CancelScope(shield=True):
+                await session.finish()
+                await client_write.aclose()
+                await anyio.sleep(0.2)
+            logging.shutdown()
+            os._exit(1)
 
 
 async def serve_http(config: GatewayConfig, upstream_url: str, host: str, port: int) -> None:

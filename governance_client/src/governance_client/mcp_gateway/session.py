@@ -10,6 +10,7 @@ the gateway originates no request of its own, and answers only the calls it does
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -163,6 +164,12 @@ class GatewaySession:
             tg.cancel_scope.cancel()
 
     async def _from_client(self, read: Any) -> None:
+        # A transport that closes the stream under the read: the client is gone.
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError,
+                                 anyio.EndOfStream):
+            await self._relay_client(read)
+
+    async def _relay_client(self, read: Any) -> None:
         async for item in read:
             if isinstance(item, Exception):
                 await self._reply_error(None, PARSE_ERROR, f"Parse error: {item}")
