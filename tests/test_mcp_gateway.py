@@ -24,6 +24,7 @@ import anyio
 import httpx
 import pytest
 from django.core.management import call_command
+from django.db import connection
 from mcp.client.client import Client
 from mcp.client.stdio import StdioServerParameters
 
@@ -34,7 +35,8 @@ from runs.models import Decision as AuditRecord
 from tests.conftest import ROOT, Agent, Server, free_port, set_policy
 from tests.workers import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+# Processes and a real server: once, on the PostgreSQL stack (the gateway is the same on both).
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 AGENT = "mcp-agent"
 UPSTREAM = [sys.executable, "-m", "tests.mcp_upstream"]
@@ -96,7 +98,10 @@ def decide_when_asked(verdict: str, note: str = "not today") -> None:
     """The operator, from a shell: `manage.py approvals decide` on the gateway's request."""
     request = wait_for(lambda: Approval.objects.filter(status="pending").first(),
                        timeout=30, what="the gateway's approval request")
-    call_command("approvals", "decide", str(request.pk), verdict, "--note", note)
+    try:
+        call_command("approvals", "decide", str(request.pk), verdict, "--note", note)
+    finally:
+        connection.close()  # this thread's own connection
 
 
 async def snapshot(client: Client) -> dict[str, Any]:
