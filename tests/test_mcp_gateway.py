@@ -10,10 +10,13 @@ configuration. Over streamable HTTP on both sides: the same governance, and the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -278,22 +281,105 @@ def test_faults_of_the_client_and_of_the_upstream_never_hang_the_session(
     assert decisions[0]["action"]["args"]["oversize_args"]["keys"] == ["query"]
 
 
+class Link:
+    """The network between the gateway and the service: a TCP forwarder the test can cut
+    (open connections dropped, new ones closed at once) and restore."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.up = True
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                inbound, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.up:
+                inbound.close()
+                continue
+            try:
+                outbound = socket.create_connection(self.target)
+            except OSError:
+                inbound.close()
+                continue
+            self.open += [inbound, outbound]
+            for a, b in ((inbound, outbound), (outbound, inbound)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.close()
+
+    def cut(self) -> None:
+        self.up = False
+        for end in self.open:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+        self.open.clear()
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+
 def test_the_service_down_refuses_calls_by_default_and_forwards_them_with_fail_open(
         server: Server, agent: Agent) -> None:
-    closed_port = free_port()
-    down = Server(url=f"http://127.0.0.1:{closed_port}", process=None)  # type: ignore[arg-type]
+    """Fail closed: the service down when the session starts, every call is refused naming
+    the outage (tools/list still answers); once it is back, the next call starts the run and
+    runs. Fail open: the service down mid-session, the call is decided locally and forwarded,
+    and the local decision is uploaded once the service answers again."""
+    port = int(server.url.rsplit(":", 1)[1])
+    link = Link(port)
+    through = Server(url=link.url, process=None)  # type: ignore[arg-type]
 
-    async def main(*extra: str) -> Any:
-        async with Client(stdio_params(down, agent.token, *extra), mode="legacy") as client:
-            tools = [t.name for t in (await client.list_tools()).tools]
-            assert "search" in tools
-            return await client.call_tool("search", {"query": "x"})
+    async def fail_closed() -> list[Any]:
+        link.cut()
+        async with Client(stdio_params(through, agent.token), mode="legacy") as client:
+            assert "search" in [t.name for t in (await client.list_tools()).tools]
+            refused = await client.call_tool("counter", {})
+            link.up = True
+            return [refused, await client.call_tool("counter", {})]
 
-    refused = run_async(main)
-    assert refused.is_error
-    assert text(refused).startswith("Blocked by governance (governance_unavailable): ")
-    forwarded = anyio.run(main, "--fail-open")
-    assert (forwarded.is_error, text(forwarded)) == (False, "no match")
+    async def fail_open() -> list[Any]:
+        async with Client(stdio_params(through, agent.token, "--fail-open"),
+                          mode="legacy") as client:
+            out = [await client.call_tool("counter", {})]
+            link.cut()
+            out.append(await client.call_tool("counter", {}))
+            link.up = True
+            out.append(await client.call_tool("search", {"query": "x"}))
+            return out
+
+    try:
+        refused, ran = run_async(fail_closed)
+        assert refused.is_error
+        assert text(refused).startswith("Blocked by governance (governance_unavailable): ")
+        assert (ran.is_error, text(ran)) == (False, "call 1")
+        first = finished_run(agent)
+        assert (first["status"], first["steps"]) == ("completed", 1)
+        Run.objects.filter(pk=first["run_id"]).update(agent="mcp-agent-before")
+
+        results = run_async(fail_open)
+    finally:
+        link.close()
+    assert [(r.is_error, text(r)) for r in results] == [
+        (False, "call 1"), (False, "call 2"), (False, "no match")]
+    run = finished_run(agent)
+    assert run["status"] == "completed"
+    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
+    assert [(d["action"]["name"], d["outcome"], d["local"]) for d in decisions] == [
+        ("files.counter", "allow", False), ("files.counter", "allow", True),
+        ("files.search", "allow", False)]
 
 
 # --- streamable HTTP -------------------------------------------------------------------------
