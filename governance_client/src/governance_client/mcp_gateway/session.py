@@ -255,8 +255,11 @@ class GatewaySession:
 
     async def _upstream_message(self, item: SessionMessage) -> None:
         message = item.message
+        if isinstance(message, JSONRPCError) and message.id is None:
+            await self._to_client(item)  # an error about no request in particular
+            return
         if isinstance(message, JSONRPCResponse | JSONRPCError):
-            request_id = message.id
+            request_id: Any = message.id
             self._inflight.pop(request_id, None)
             if isinstance(message, JSONRPCResponse):
                 if request_id == self._init_id:
@@ -456,14 +459,16 @@ class GatewaySession:
         self._calls.pop(request_id, None)
         directive = self._directives.pop(request_id, None)
         run = self.run
-        try:
-            if isinstance(message, JSONRPCError):
-                if run is not None:
+        if isinstance(message, JSONRPCError):
+            # A protocol error of the upstream: the call failed, reported as an error.
+            if run is not None:
+                with contextlib.suppress(GovernanceError):
                     run.report(error=message.error.message or "error", call_id=str(request_id))
-                return message
-            result = message.result
-            content = result.get("content")
-            digest = result_digest(content)
+            return message
+        result = message.result
+        content = result.get("content")
+        digest = result_digest(content)
+        try:
             if run is not None:
                 if result.get("isError"):
                     run.report(error=_text_of(content) or "tool error", digest=digest,
@@ -476,8 +481,7 @@ class GatewaySession:
             return message
         items = list(content) if isinstance(content, list) else []
         items.append({"type": "text", "text": directive})
-        return JSONRPCResponse(jsonrpc="2.0", id=request_id,
-                               result={**message.result, "content": items})
+        return JSONRPCResponse(jsonrpc="2.0", id=request_id, result={**result, "content": items})
 
     async def finish(self) -> str | None:
         """End the run once the session is over; the status it was finished with."""
