@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import sys
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import SamplingMessage, TextContent
 
 server = MCPServer("files")
 calls = {"count": 0}
@@ -41,6 +42,17 @@ def delete_all() -> str:
 def publish(title: str) -> str:
     """A tool the tests' policy puts behind an operator's approval."""
     return f"published {title}"
+
+
+@server.tool()
+async def ask(question: str, ctx: Context) -> str:
+    """Asks the client's model (sampling, a request of the server), reporting progress."""
+    await ctx.report_progress(1, 2, "asking")
+    answer = await ctx.session.create_message(
+        [SamplingMessage(role="user", content=TextContent(type="text", text=question))],
+        max_tokens=10)
+    await ctx.report_progress(2, 2, "answered")
+    return f"the model says: {answer.content.text}"
 
 
 @server.tool()

@@ -30,6 +30,7 @@ from django.core.management import call_command
 from django.db import connection
 from mcp.client.client import Client
 from mcp.client.stdio import StdioServerParameters
+from mcp_types import CreateMessageResult, TextContent
 
 from policies.models import Team
 from runs.killswitch.services import killswitch_engage
@@ -134,8 +135,21 @@ def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> N
     async def main() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         async with Client(direct_params()) as client:  # the default mode (auto)
             direct = await snapshot(client)
-        async with Client(stdio_params(server, agent.token)) as client:
+        progress: list[tuple[float, float | None, str | None]] = []
+
+        async def sample(context: Any, params: Any) -> CreateMessageResult:
+            asked = params.messages[0].content.text
+            return CreateMessageResult(role="assistant", model="echo",
+                                       content=TextContent(type="text", text=asked.upper()))
+
+        async def on_progress(done: float, total: float | None, message: str | None) -> None:
+            progress.append((done, total, message))
+
+        async with Client(stdio_params(server, agent.token), sampling_callback=sample) as client:
             governed = await snapshot(client)
+            # Sampling (the server's request to the client) and progress pass through.
+            out_ask = await client.call_tool("ask", {"question": "hello"},
+                                             progress_callback=on_progress)
             out: dict[str, Any] = {"counter": [await client.call_tool("counter", {})]}
             started = time.monotonic()
             out["counter"].append(await client.call_tool("counter", {}))
@@ -147,6 +161,7 @@ def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> N
             out["search"] = [await client.call_tool("search", {"query": "refund"})
                              for _ in range(4)]
             out["after"] = await client.call_tool("delete_all", {})
+            out["ask"], out["progress"] = out_ask, progress
         return direct, governed, out
 
     direct, governed, out = run_async(main)
@@ -155,6 +170,8 @@ def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> N
     assert json.dumps(governed, sort_keys=True) == json.dumps(direct, sort_keys=True)
     assert governed["read"][0]["text"] == "Read me: ünïcødé  spaces\tand tabs\n"
 
+    assert text(out["ask"]) == "the model says: HELLO"
+    assert out["progress"] == [(1, 2, "asking"), (2, 2, "answered")]
     assert [text(r) for r in out["counter"]] == ["call 1", "call 2"]
     assert out["waited"] >= 0.3  # the second call waited for the rate limit, then ran
     assert (out["publish"].is_error, text(out["publish"])) == (False, "published notes")
@@ -172,7 +189,7 @@ def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> N
     assert (run["status"], run["stop_reason"]) == ("stopped", "loop_detected")
     decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
     assert {d["action"]["name"] for d in decisions} == {
-        "files.counter", "files.publish", "files.broken", "files.search"}
+        "files.ask", "files.counter", "files.publish", "files.broken", "files.search"}
     assert decisions[-1]["outcome"] == "stop" and decisions[-1]["reason"] == "loop_detected"
     assert "wait" in [d["outcome"] for d in decisions]
     assert [d["outcome"] for d in decisions if d["action"]["name"] == "files.publish"] == [
