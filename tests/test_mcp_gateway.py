@@ -124,6 +124,13 @@ async def snapshot(client: Client) -> dict[str, Any]:
     }
 
 
+async def echo_model(context: Any, params: Any) -> CreateMessageResult:
+    """The client's model, for the upstream's sampling requests: the question in capitals."""
+    asked = params.messages[0].content.text
+    return CreateMessageResult(role="assistant", model="echo",
+                               content=TextContent(type="text", text=asked.upper()))
+
+
 def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> None:
     """The same Client configuration against the upstream, then against the gateway in front
     of it (only the command differs): resources and prompts byte for byte, the denied tool
@@ -137,15 +144,11 @@ def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> N
             direct = await snapshot(client)
         progress: list[tuple[float, float | None, str | None]] = []
 
-        async def sample(context: Any, params: Any) -> CreateMessageResult:
-            asked = params.messages[0].content.text
-            return CreateMessageResult(role="assistant", model="echo",
-                                       content=TextContent(type="text", text=asked.upper()))
-
         async def on_progress(done: float, total: float | None, message: str | None) -> None:
             progress.append((done, total, message))
 
-        async with Client(stdio_params(server, agent.token), sampling_callback=sample) as client:
+        async with Client(stdio_params(server, agent.token),
+                          sampling_callback=echo_model) as client:
             governed = await snapshot(client)
             # Sampling (the server's request to the client) and progress pass through.
             out_ask = await client.call_tool("ask", {"question": "hello"},
@@ -439,14 +442,23 @@ def test_over_streamable_http_both_sides(server: Server, agent: Agent, team: Tea
                     "--listen", f"127.0.0.1:{gw_port}", port=gw_port) as gateway:
 
         async def session(url: str) -> dict[str, Any]:
-            async with Client(url) as client:
+            progress: list[Any] = []
+
+            async def on_progress(done: float, total: float | None, message: str | None) -> None:
+                progress.append((done, total, message))
+
+            # The handshake era on both (the per-request era has no sampling back-channel).
+            async with Client(url, mode="legacy", sampling_callback=echo_model) as client:
                 read = await client.read_resource("doc://readme")
                 prompt = await client.get_prompt("review", {"code": "a\tb"})
                 tools = sorted(t.name for t in (await client.list_tools()).tools)
+                asked = await client.call_tool("ask", {"question": "hi"},
+                                               progress_callback=on_progress)
                 calls = [await client.call_tool("search", {"query": "q"}) for _ in range(3)]
                 return {"read": [c.model_dump(mode="json") for c in read.contents],
                         "prompt": [m.model_dump(mode="json") for m in prompt.messages],
-                        "tools": tools, "calls": calls}
+                        "tools": tools, "calls": calls, "asked": text(asked),
+                        "progress": progress}
 
         async def one_call(tool: str, args: dict[str, Any], verdict: str | None = None) -> Any:
             async with Client(gateway) as client, anyio.create_task_group() as tg:
@@ -463,6 +475,8 @@ def test_over_streamable_http_both_sides(server: Server, agent: Agent, team: Tea
         direct, governed, denied, forbidden, quiet = anyio.run(main)
 
     assert governed["read"] == direct["read"] and governed["prompt"] == direct["prompt"]
+    assert governed["asked"] == direct["asked"] == "the model says: HI"
+    assert governed["progress"] == direct["progress"] == [(1, 2, "asking"), (2, 2, "answered")]
     assert "delete_all" in direct["tools"] and "delete_all" not in governed["tools"]
     assert [c.is_error for c in governed["calls"]] == [False, False, True]
     assert text(governed["calls"][2]).startswith("Blocked by governance (loop_detected): ")
