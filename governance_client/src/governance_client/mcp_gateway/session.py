@@ -147,6 +147,8 @@ class GatewaySession:
         self._held: dict[Any, tuple[anyio.CancelScope, SessionMessage]] = {}
         # progressToken -> the request that carried it (to route progress back over HTTP).
         self._progress: dict[Any, Any] = {}
+        # The transport's metadata of each forwarded request (over HTTP: how to end its stream).
+        self._metadata: dict[Any, Any] = {}
         self._tg: anyio.abc.TaskGroup | None = None
 
     # -- the relay ------------------------------------------------------------------------
@@ -179,10 +181,15 @@ class GatewaySession:
                 await self._client_request(item)
             elif isinstance(message, JSONRPCNotification):
                 if message.method == "notifications/cancelled":
-                    held = self._held.get((message.params or {}).get("requestId"))
+                    cancelled = (message.params or {}).get("requestId")
+                    held = self._held.get(cancelled)
                     if held is not None:
                         held[0].cancel()  # never forwarded: the upstream does not know it
                         continue
+                    if cancelled in self._inflight:
+                        # Forwarded: the upstream is told; no answer is due to the client,
+                        # and over HTTP the request's stream is ended now.
+                        await self._unanswered(cancelled)
                 if message.method == "notifications/initialized":
                     self.initialized = True
                 await self._to_upstream(item)
@@ -230,7 +237,16 @@ class GatewaySession:
         if token is not None:
             self._progress[token] = message.id
         self._inflight[message.id] = method
+        self._metadata[message.id] = item.metadata
         await self._to_upstream(item)
+
+    async def _unanswered(self, request_id: Any) -> None:
+        metadata = self._metadata.get(request_id)
+        self._forget(request_id)
+        callback = getattr(metadata, "on_request_unanswered", None)
+        if callback is not None:
+            with contextlib.suppress(Exception):
+                await callback()
 
     async def _from_upstream(self, read: Any) -> None:
         try:
@@ -261,6 +277,9 @@ class GatewaySession:
         if isinstance(message, JSONRPCResponse | JSONRPCError):
             request_id: Any = message.id
             self._inflight.pop(request_id, None)
+            self._metadata.pop(request_id, None)
+            for token in [t for t, owner in self._progress.items() if owner == request_id]:
+                del self._progress[token]
             if isinstance(message, JSONRPCResponse):
                 if request_id == self._init_id:
                     self._initialized_by(message.result)
@@ -287,6 +306,9 @@ class GatewaySession:
 
     def _forget(self, request_id: Any) -> None:
         self._inflight.pop(request_id, None)
+        self._metadata.pop(request_id, None)
+        for token in [t for t, owner in self._progress.items() if owner == request_id]:
+            del self._progress[token]
         self._lists.discard(request_id)
         self._calls.pop(request_id, None)
         self._directives.pop(request_id, None)
@@ -414,6 +436,7 @@ class GatewaySession:
             return
         self._calls[message.id] = params["name"]
         self._inflight[message.id] = "tools/call"
+        self._metadata[message.id] = item.metadata
         token = (params.get("_meta") or {}).get("progressToken") \
             if isinstance(params.get("_meta"), Mapping) else None
         if token is not None:
