@@ -44,8 +44,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(tran
 
 AGENT = "mcp-agent"
 UPSTREAM = [sys.executable, "-m", "tests.mcp_upstream"]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    [str(ROOT), str(ROOT / "governance_client" / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def child_env() -> dict[str, str]:
+    """The processes' environment: the test's (its client journal folder included, set by a
+    session fixture after this module is imported), with the sources on the path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(ROOT / "governance_client" / "src"), os.environ.get("PYTHONPATH", "")])}
 
 
 def gateway_args(server: Server, token: str, *extra: str) -> list[str]:
@@ -58,11 +63,12 @@ def stdio_params(server: Server, token: str, *extra: str) -> StdioServerParamete
     upstream's command after ``--``."""
     return StdioServerParameters(command=sys.executable,
                                  args=[*gateway_args(server, token, *extra), "--", *UPSTREAM],
-                                 env=ENV, cwd=str(ROOT))
+                                 env=child_env(), cwd=str(ROOT))
 
 
 def direct_params() -> StdioServerParameters:
-    return StdioServerParameters(command=UPSTREAM[0], args=UPSTREAM[1:], env=ENV, cwd=str(ROOT))
+    return StdioServerParameters(command=UPSTREAM[0], args=UPSTREAM[1:], env=child_env(),
+                                 cwd=str(ROOT))
 
 
 def the_run(agent: Agent) -> dict[str, Any]:
@@ -233,7 +239,7 @@ def raw_gateway(server: Server, token: str, *extra: str) -> Iterator[subprocess.
     process = subprocess.Popen(
         [sys.executable, *gateway_args(server, token, *extra), "--", *UPSTREAM],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env=ENV, cwd=str(ROOT))
+        env=child_env(), cwd=str(ROOT))
     try:
         yield process
     finally:
@@ -406,7 +412,7 @@ def test_the_service_down_refuses_calls_by_default_and_forwards_them_with_fail_o
 
 @contextmanager
 def process(*args: str, port: int) -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, *args], env=ENV, cwd=str(ROOT),
+    proc = subprocess.Popen([sys.executable, *args], env=child_env(), cwd=str(ROOT),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/mcp"
     try:
