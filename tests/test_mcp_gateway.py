@@ -212,22 +212,35 @@ def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> N
     assert audited.answer["directive"]["content"] in text(out["broken"][2])
 
 
-def test_the_kill_switch_refuses_the_next_call(server: Server, agent: Agent,
-                                               team: Team) -> None:
+def test_a_rate_limit_past_max_wait_then_the_kill_switch(server: Server, agent: Agent,
+                                                          team: Team) -> None:
+    """A rate limit that does not clear within --max-wait: the call is refused saying when to
+    retry, and the run goes on; a kill switch engaged mid-session refuses the next call with
+    its reason, and every later one."""
+    # A window within the run's time budget (a wait past it would be a max_seconds stop).
+    set_policy(team, rate_limits=[{"match": "files.counter", "per": "run", "max": 1,
+                                   "window_s": 10}])
+
     async def main() -> list[Any]:
-        async with Client(stdio_params(server, agent.token), mode="legacy") as client:
-            first = await client.call_tool("counter", {})
+        async with Client(stdio_params(server, agent.token, "--max-wait", "0"),
+                          mode="legacy") as client:
+            out = [await client.call_tool("counter", {}), await client.call_tool("counter", {})]
             with mock.patch("runs.killswitch.services._enqueue_fanout"):
                 await anyio.to_thread.run_sync(lambda: killswitch_engage(
                     scope="agent", team=team, agent=AGENT, reason="runaway tool use"))
-            return [first, await client.call_tool("counter", {}),
-                    await client.call_tool("search", {"query": "x"})]
+            out += [await client.call_tool("search", {"query": "x"}),
+                    await client.call_tool("counter", {})]
+            return out
 
-    first, second, third = run_async(main)
-    assert not first.is_error and second.is_error
-    assert text(second).startswith("Blocked by governance (killed): ")
-    assert "runaway tool use" in text(second)
-    assert text(third) == text(second)
+    first, limited, killed, later = run_async(main)
+    assert (first.is_error, text(first)) == (False, "call 1")
+    assert limited.is_error
+    assert text(limited).startswith("Blocked by governance (rate_limited): ")
+    assert "Try again in" in text(limited)
+    assert killed.is_error
+    assert text(killed).startswith("Blocked by governance (killed): ")
+    assert "runaway tool use" in text(killed)
+    assert text(later) == text(killed)
     assert finished_run(agent)["status"] == "killed"
 
 
