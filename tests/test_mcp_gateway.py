@@ -320,6 +320,26 @@ def test_faults_of_the_client_and_of_the_upstream_never_hang_the_session(
     assert decisions[0]["action"]["args"]["oversize_args"]["keys"] == ["query"]
 
 
+def test_a_client_that_leaves_while_a_call_waits_for_an_operator_ends_the_run(
+        server: Server, agent: Agent, team: Team) -> None:
+    governed_policy(team)
+    with raw_gateway(server, agent.token) as process:
+        send(process, INITIALIZE)
+        receive(process)
+        send(process, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        send(process, {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                       "params": {"name": "publish", "arguments": {"title": "x"}}})
+        request = wait_for(lambda: Approval.objects.filter(status="pending").first(),
+                           timeout=30, what="the gateway's approval request")
+        assert process.stdin is not None
+        process.stdin.close()  # the client leaves
+        assert process.wait(timeout=20) == 0
+    run = finished_run(agent)
+    assert run["status"] == "completed"
+    request.refresh_from_db()
+    assert request.status == "cancelled"
+
+
 class Link:
     """The network between the gateway and the service: a TCP forwarder the test can cut
     (open connections dropped, new ones closed at once) and restore."""

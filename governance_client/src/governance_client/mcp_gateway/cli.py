@@ -119,6 +119,8 @@ async def _relay(session: GatewaySession, command: Sequence[str]) -> None:
             async with stdio_client(params) as (up_read, up_write):
                 session._client_write = client_write
                 await session.serve(client_read, client_write, up_read, up_write)
+            # The client left: nothing more to write (the transport's writer ends with it).
+            await client_write.aclose()
         except Exception as exc:
             logging.getLogger("governance_client.mcp").error(
                 "upstream %s failed: %s", command[0], exc)

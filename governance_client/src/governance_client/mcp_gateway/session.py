@@ -512,6 +512,13 @@ class GatewaySession:
             return None
         self.finished = True
         run = self.run
+        # Calls still checked or waiting (for an operator, a rate limit) are given up: the
+        # session is over, and the run's finish must not wait behind them.
+        for scope, _ in list(self._held.values()):
+            scope.cancel()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+            while self._held:
+                await anyio.sleep(0.01)
         if self.upstream_gone is not None:
             status = "failed"
         elif self.stop_text is not None or run.stop_decision is not None:
