@@ -496,6 +496,12 @@ def _denied(policy: Policy, name: str) -> str | None:
     return None
 
 
+def tool_denied(policy: Policy, name: str) -> str | None:
+    """Why the policy's ``tools`` lists deny the action ``name`` (rule 3 of SPEC 4.4), or
+    None; what an MCP gateway leaves out of ``tools/list`` (SPEC 19)."""
+    return _denied(policy, name)
+
+
 def approval_pattern(policy: Policy, name: str) -> str | None:
     """The first ``approvals.tools`` pattern the action's name matches (SPEC 11)."""
     for pattern in policy.approval_tools:

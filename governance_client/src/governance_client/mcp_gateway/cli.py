@@ -1,0 +1,159 @@
+"""``governance-mcp``: the MCP gateway's command line (SPEC 19).
+
+    governance-mcp --url URL --key KEY --agent NAME [--policy P] [--fail-open]
+                   [--max-wait S] [--name SERVER] -- COMMAND [ARGS...]
+    governance-mcp --url URL --key KEY --agent NAME --upstream-url URL --listen HOST:PORT
+
+The first form spawns the upstream MCP server COMMAND over stdio and serves the MCP client
+over its own stdio (what Claude Desktop, Claude Code, Cursor and the Agents SDK's
+``MCPServerStdio`` start); the second serves streamable HTTP and reaches the upstream over
+streamable HTTP. ``GOVERNANCE_URL`` and ``GOVERNANCE_KEY`` may replace ``--url`` and ``--key``.
+Logs go to stderr: stdout is the MCP wire.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from .session import GatewayConfig, GatewaySession, make_client
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="governance-mcp",
+        description="Govern every MCP tool call with the agent governance check.",
+        epilog="Example: governance-mcp --agent my-agent -- npx -y "
+               "@modelcontextprotocol/server-filesystem /tmp")
+    parser.add_argument("--url", default=os.environ.get("GOVERNANCE_URL"),
+                        help="the governance service (default: $GOVERNANCE_URL)")
+    parser.add_argument("--key", default=os.environ.get("GOVERNANCE_KEY"),
+                        help="an agent key (default: $GOVERNANCE_KEY)")
+    parser.add_argument("--agent", required=True, help="the agent name of the runs")
+    parser.add_argument("--policy", help="the policy of the runs (default: the team's default)")
+    parser.add_argument("--fail-open", action="store_true",
+                        help="while the service is unreachable, decide locally with the "
+                             "run's policy and upload later (default: refuse every call)")
+    parser.add_argument("--max-wait", type=float, default=30.0, metavar="S",
+                        help="how long a rate-limited call waits before it is refused "
+                             "(default 30)")
+    parser.add_argument("--name", metavar="SERVER",
+                        help="SERVER in the action names <SERVER>.<tool> (default: the "
+                             "upstream's declared name)")
+    parser.add_argument("--upstream-url", help="the upstream MCP server's streamable HTTP URL")
+    parser.add_argument("--listen", metavar="HOST:PORT",
+                        help="serve streamable HTTP there (with --upstream-url)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="-- COMMAND [ARGS...]: the upstream MCP server to spawn over stdio")
+    return parser
+
+
+def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, GatewayConfig]:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    args.command = command
+    if not args.url or not args.key:
+        parser.error("--url and --key (or GOVERNANCE_URL and GOVERNANCE_KEY) are required")
+    if args.max_wait < 0:
+        parser.error("--max-wait must be >= 0")
+    http = args.upstream_url is not None or args.listen is not None
+    if http and (args.upstream_url is None or args.listen is None):
+        parser.error("--upstream-url and --listen go together")
+    if http and command:
+        parser.error("give either -- COMMAND [ARGS...] or --upstream-url and --listen")
+    if not http and not command:
+        parser.error("give the upstream: -- COMMAND [ARGS...], or --upstream-url and --listen")
+    if args.listen is not None:
+        host, _, port = args.listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error("--listen must be HOST:PORT")
+        args.host, args.port = host.strip("[]"), int(port)
+    config = GatewayConfig(url=args.url, key=args.key, agent=args.agent, policy=args.policy,
+                           fail_open=args.fail_open, max_wait=args.max_wait, name=args.name)
+    return args, config
+
+
+async def serve_stdio(config: GatewayConfig, command: Sequence[str]) -> str | None:
+    """Relay the client on this process's stdio to the upstream COMMAND; the run's end."""
+    client = make_client(config)
+    session = GatewaySession(config, client)
+    try:
+        async with anyio.create_task_group() as tg:
+            # SIGTERM (a client's shutdown after its grace period) or SIGINT: the run is
+            # finished all the same, in the finally below.
+            tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+            await _relay(session, command)
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await session.finish()
+            await client.aclose()
+    return session.status
+
+
+async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def _relay(session: GatewaySession, command: Sequence[str]) -> None:
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+    from mcp.server.stdio import stdio_server
+
+    async with stdio_server() as (client_read, client_write):
+        try:
+            # The upstream gets this process's whole environment, as if started directly.
+            params = StdioServerParameters(command=command[0], args=list(command[1:]),
+                                           env=dict(os.environ))
+            async with stdio_client(params) as (up_read, up_write):
+                session._client_write = client_write
+                await session.serve(client_read, client_write, up_read, up_write)
+            # The client left: nothing more to write (the transport's writer ends with it).
+            await client_write.aclose()
+        except Exception as exc:
+            logging.getLogger("governance_client.mcp").error(
+                "upstream %s failed: %s", command[0], exc)
+            session._client_write = client_write
+            await session.upstream_failed(f"the upstream MCP server {command[0]} failed")
+        if session.upstream_gone is not None:
+            # The upstream is gone, so is the session: the run ends `failed`, the answers
+            # already sent reach stdout, and the process exits (the SDK's stdio transport
+            # reads stdin in a thread that only the client's EOF would end).
+            with anyio.CancelScope(shield=True):
+                await session.finish()
+                await client_write.aclose()
+                await anyio.sleep(0.2)
+            logging.shutdown()
+            os._exit(1)
+
+
+async def serve_http(config: GatewayConfig, upstream_url: str, host: str, port: int) -> None:
+    from .http import HttpGateway
+
+    await HttpGateway(config, make_client(config), upstream_url).serve(host, port)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, config = parse(argv)
+    logging.basicConfig(level=os.environ.get("GOVERNANCE_MCP_LOG", "WARNING").upper(),
+                        stream=sys.stderr, format="governance-mcp: %(levelname)s %(message)s")
+    if args.command:
+        status = anyio.run(serve_stdio, config, args.command)
+        return 1 if status == "failed" else 0
+    anyio.run(serve_http, config, args.upstream_url, args.host, args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

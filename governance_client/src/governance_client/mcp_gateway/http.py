@@ -1,0 +1,187 @@
+"""The gateway over streamable HTTP on both sides (``--upstream-url URL --listen HOST:PORT``).
+
+Each MCP session of a client (its ``Mcp-Session-Id``, made by the gateway at ``initialize``)
+is one upstream session and one run (``external_id`` the session id). The session ends, and
+its run is finished, when the client deletes it, when it has been idle for ``idle_timeout``
+seconds (then its id answers 404, as the SDK's own servers do), or when the upstream fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+from uuid import uuid4
+
+import anyio
+from anyio.abc import TaskStatus
+from mcp.client.streamable_http import streamable_http_client
+from mcp.server.streamable_http import MCP_SESSION_ID_HEADER, StreamableHTTPServerTransport
+from mcp_types import INVALID_REQUEST, METHOD_NOT_FOUND
+from starlette.types import Message, Receive, Scope, Send
+
+from ..aio import AsyncGovernanceClient
+from .session import GatewayConfig, GatewaySession
+
+logger = logging.getLogger("governance_client.mcp")
+
+IDLE_TIMEOUT = 30 * 60.0
+MAX_OPENING_BODY = 4 * 1024 * 1024
+
+
+async def _json_error(send: Send, status: int, code: int, text: str,
+                      request_id: Any = None) -> None:
+    body = json.dumps({"jsonrpc": "2.0", "id": request_id,
+                       "error": {"code": code, "message": text}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _replaying(body: bytes) -> Receive:
+    """A ``receive`` that hands the body already read to the transport."""
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+class HttpGateway:
+    """An ASGI application: the gateway's streamable HTTP endpoint (any path)."""
+
+    def __init__(self, config: GatewayConfig, client: AsyncGovernanceClient, upstream_url: str,
+                 *, idle_timeout: float | None = IDLE_TIMEOUT) -> None:
+        self.config = config
+        self.client = client
+        self.upstream_url = upstream_url
+        self.idle_timeout = idle_timeout
+        self.sessions: dict[str, StreamableHTTPServerTransport] = {}
+        self.runs: dict[str, GatewaySession] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        session_id = headers.get(MCP_SESSION_ID_HEADER.lower())
+        if session_id is not None:
+            transport = self.sessions.get(session_id)
+            if transport is None:
+                await _json_error(send, 404, INVALID_REQUEST, "Session not found")
+                return
+            await transport.handle_request(scope, receive, send)
+            if transport.is_terminated:
+                self.sessions.pop(session_id, None)
+            return
+        if scope["method"] != "POST":
+            await _json_error(send, 400, INVALID_REQUEST, "Bad Request: Missing session ID")
+            return
+        body = await self._read_body(receive)
+        if body is None:
+            await _json_error(send, 413, INVALID_REQUEST, "Request body too large")
+            return
+        try:
+            message = json.loads(body)
+        except ValueError:
+            message = None
+        request_id = message.get("id") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or message.get("method") != "initialize":
+            # Only an initialize opens a session. server/discover (the per-request era) is
+            # answered as an unknown method, so that clients fall back to initialize.
+            code = METHOD_NOT_FOUND if isinstance(message, dict) \
+                and message.get("method") == "server/discover" else INVALID_REQUEST
+            await _json_error(send, 400 if code == INVALID_REQUEST else 404, code,
+                              "governance-mcp: a session starts with initialize", request_id)
+            return
+        await self._open(scope, _replaying(body), send)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            event = await receive()
+            if event["type"] != "http.request":
+                break
+            chunk = event.get("body", b"")
+            size += len(chunk)
+            if size > MAX_OPENING_BODY:
+                return None
+            chunks.append(chunk)
+            if not event.get("more_body"):
+                break
+        return b"".join(chunks)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            event = await receive()
+            if event["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif event["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def serve(self, host: str, port: int) -> None:
+        import uvicorn
+
+        server = uvicorn.Server(uvicorn.Config(self, host=host, port=port, log_level="warning",
+                                               lifespan="on"))
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            try:
+                await server.serve()
+            finally:
+                tg.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    for session in list(self.runs.values()):
+                        await session.finish()
+                    await self.client.aclose()
+
+    async def _open(self, scope: Scope, receive: Receive, send: Send) -> None:
+        transport = StreamableHTTPServerTransport(mcp_session_id=uuid4().hex,
+                                                  idle_timeout=self.idle_timeout)
+        session_id = transport.mcp_session_id
+        assert session_id is not None and self._tg is not None
+        self.sessions[session_id] = transport
+        await self._tg.start(self._session, transport)
+        await transport.handle_request(scope, receive, send)
+
+    async def _session(self, transport: StreamableHTTPServerTransport, *,
+                       task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        session_id = transport.mcp_session_id
+        assert session_id is not None
+        session = GatewaySession(self.config, self.client, session_id=session_id)
+        self.runs[session_id] = session
+        try:
+            async with transport.connect() as (read, write):
+                task_status.started()
+                idle = transport.idle_scope or anyio.CancelScope()
+                with idle:
+                    try:
+                        async with streamable_http_client(self.upstream_url) as (up_read,
+                                                                                 up_write):
+                            await session.serve(read, write, up_read, up_write)
+                    except Exception as exc:
+                        logger.warning("session %s: upstream %s failed: %s", session_id,
+                                       self.upstream_url, exc)
+                        await session.upstream_failed(
+                            f"the upstream MCP server at {self.upstream_url} cannot be reached")
+                if idle.cancelled_caught:
+                    logger.info("session %s expired (idle)", session_id)
+        finally:
+            self.sessions.pop(session_id, None)
+            self.runs.pop(session_id, None)
+            with anyio.CancelScope(shield=True):
+                if not transport.is_terminated:
+                    await transport.terminate()
+                await session.finish()

@@ -1,0 +1,535 @@
+"""One MCP session through the gateway (SPEC 19): a JSON-RPC relay between the MCP client and
+the upstream MCP server that governs ``tools/call`` and ``tools/list`` and passes every other
+message through unchanged, in both directions.
+
+The relay works on the SDK's transport streams (``SessionMessage`` in, ``SessionMessage`` out),
+whatever carries them (stdio or streamable HTTP on either side), so resources, prompts,
+notifications, sampling, progress, cancellation and pings keep their ids and their content:
+the gateway originates no request of its own, and answers only the calls it does not forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from mcp.shared.message import ClientMessageMetadata, ServerMessageMetadata, SessionMessage
+from mcp_types import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    PARSE_ERROR,
+    ErrorData,
+    JSONRPCError,
+    JSONRPCNotification,
+    JSONRPCRequest,
+    JSONRPCResponse,
+)
+
+from .. import rules
+from .._core import result_digest
+from ..aio import AsyncGovernanceClient, AsyncRun
+from ..decision import GOVERNANCE_UNAVAILABLE, Decision
+from ..errors import ApiError, GovernanceError, GovernanceUnavailable, KillSwitchEngaged
+
+logger = logging.getLogger("governance_client.mcp")
+
+PROTOCOL_VERSION_HEADER = "mcp-protocol-version"
+#: How long the end of a session may take to finish its run (the client's deadline and its
+#: upload of local decisions): the session is not held longer.
+FINISH_SECONDS = 15.0
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """What ``governance-mcp`` was started with (see ``cli``)."""
+
+    url: str
+    key: str
+    agent: str
+    policy: str | None = None
+    fail_open: bool = False
+    max_wait: float = 30.0
+    #: SERVER of the action names (``<SERVER>.<tool>``); None: the upstream's declared name.
+    name: str | None = None
+
+
+def make_client(config: GatewayConfig) -> AsyncGovernanceClient:
+    """The one governance client of a gateway process, shared by its sessions."""
+    return AsyncGovernanceClient(
+        config.url, config.key, fail_mode="open" if config.fail_open else "closed",
+        wait_budget=config.max_wait,
+    )
+
+
+def blocked(reason: str, message: str | None, next_action: str | None = None) -> str:
+    """The text of a refused call (SPEC 19)."""
+    words = " ".join(t.strip() for t in (message or "", next_action or "") if t and t.strip())
+    return f"Blocked by governance ({reason}): {words or 'no detail given.'}"
+
+
+def refusal(text: str) -> dict[str, Any]:
+    """A ``tools/call`` result that refuses the call, fit for the model to read."""
+    return {"content": [{"type": "text", "text": text}], "isError": True}
+
+
+def _text_of(content: Any) -> str:
+    if not isinstance(content, list):
+        return ""
+    return "\n".join(str(item.get("text")) for item in content
+                     if isinstance(item, Mapping) and item.get("type") == "text"
+                     and item.get("text") is not None)
+
+
+def _id_in(exc: Exception) -> Any:
+    """The request id in a message that did not parse, when it can be read (a JSON object with
+    an ``id``, of the wrong shape otherwise); None when not."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return None
+    try:
+        for error in errors():
+            value = error.get("input") if isinstance(error, Mapping) else None
+            if isinstance(value, Mapping):
+                found = value.get("id")
+                if isinstance(found, int | str) and not isinstance(found, bool):
+                    return found
+    except Exception:
+        return None
+    return None
+
+
+class UpstreamGone(Exception):
+    """The upstream MCP server exited or cannot be reached."""
+
+
+class GatewaySession:
+    """The relay of one MCP session, and its run.
+
+    ``serve`` relays until the client or the upstream ends the session; ``finish`` then ends
+    the run: ``failed`` if the upstream died, ``stopped`` if a stop ended it, else
+    ``completed``.
+    """
+
+    def __init__(self, config: GatewayConfig, client: AsyncGovernanceClient, *,
+                 session_id: str | None = None) -> None:
+        self.config = config
+        self.client = client
+        self.session_id = session_id
+        self.server_name: str | None = config.name
+        self.protocol_version: str | None = None
+        self.client_info: dict[str, Any] = {}
+        self.initialized = False
+        self.run: AsyncRun | None = None
+        self.start_refusal: str | None = None
+        #: The text of the stop that ended the run: every later call is answered with it.
+        self.stop_text: str | None = None
+        self.upstream_gone: str | None = None
+        self.finished = False
+        #: How the run was finished (None: not yet, or no run).
+        self.status: str | None = None
+        self._start_lock = anyio.Lock()
+        self._started = anyio.Event()
+        self._client_write: Any = None
+        self._upstream_write: Any = None
+        # Requests of the client forwarded upstream and not answered yet: id -> method.
+        self._inflight: dict[Any, str] = {}
+        self._init_id: Any = None
+        self._lists: set[Any] = set()
+        self._calls: dict[Any, str] = {}
+        self._directives: dict[Any, str] = {}
+        # Calls being checked (not forwarded yet): id -> (cancel scope, message).
+        self._held: dict[Any, tuple[anyio.CancelScope, SessionMessage]] = {}
+        # progressToken -> the request that carried it (to route progress back over HTTP).
+        self._progress: dict[Any, Any] = {}
+        # The transport's metadata of each forwarded request (over HTTP: how to end its stream).
+        self._metadata: dict[Any, Any] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # -- the relay ------------------------------------------------------------------------
+
+    async def serve(self, client_read: Any, client_write: Any, upstream_read: Any,
+                    upstream_write: Any) -> None:
+        self._client_write, self._upstream_write = client_write, upstream_write
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._from_upstream, upstream_read)
+            await self._from_client(client_read)
+            # The client closed the session: the run ends now, before the upstream is shut
+            # down (a client gives a server only a few seconds to exit before killing it).
+            await self.finish()
+            tg.cancel_scope.cancel()
+
+    async def _from_client(self, read: Any) -> None:
+        # A transport that closes the stream under the read: the client is gone.
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError,
+                                 anyio.EndOfStream):
+            await self._relay_client(read)
+
+    async def _relay_client(self, read: Any) -> None:
+        async for item in read:
+            if isinstance(item, Exception):
+                await self._reply_error(None, PARSE_ERROR, f"Parse error: {item}")
+                continue
+            message = item.message
+            if isinstance(message, JSONRPCRequest):
+                await self._client_request(item)
+            elif isinstance(message, JSONRPCNotification):
+                if message.method == "notifications/cancelled":
+                    cancelled = (message.params or {}).get("requestId")
+                    held = self._held.get(cancelled)
+                    if held is not None:
+                        held[0].cancel()  # never forwarded: the upstream does not know it
+                        continue
+                    if cancelled in self._inflight:
+                        # Forwarded: the upstream is told; no answer is due to the client,
+                        # and over HTTP the request's stream is ended now.
+                        await self._unanswered(cancelled)
+                if message.method == "notifications/initialized":
+                    self.initialized = True
+                await self._to_upstream(item)
+            else:
+                await self._to_upstream(item)  # answers to the upstream's own requests
+
+    async def _client_request(self, item: SessionMessage) -> None:
+        message: JSONRPCRequest = item.message  # type: ignore[assignment]
+        method, params = message.method, message.params or {}
+        if method == "server/discover":
+            # The per-request era (2026-07-28) has no session, and a governed run needs one:
+            # clients fall back to the initialize handshake on this answer.
+            await self._reply_error(message.id, METHOD_NOT_FOUND,
+                                    "governance-mcp speaks the initialize handshake")
+            return
+        if method == "initialize":
+            self._init_id = message.id
+            info = params.get("clientInfo")
+            self.client_info = dict(info) if isinstance(info, Mapping) else {}
+            self.initialized = True
+            assert self._tg is not None
+            self._tg.start_soon(self._start)
+        elif method == "tools/call":
+            if not self.initialized:
+                await self._reply_error(message.id, INVALID_REQUEST,
+                                        "tools/call received before initialize")
+                return
+            name, args = params.get("name"), params.get("arguments")
+            if not isinstance(name, str) or not name or \
+                    (args is not None and not isinstance(args, Mapping)):
+                await self._reply_error(message.id, INVALID_PARAMS,
+                                        "tools/call needs a name and an arguments object")
+                return
+            assert self._tg is not None
+            scope = anyio.CancelScope()
+            self._held[message.id] = (scope, item)
+            self._tg.start_soon(self._govern_call, item, scope)
+            return
+        elif method == "tools/list":
+            self._lists.add(message.id)
+            if self.initialized:
+                await self._started.wait()  # the policy's deny list is the run's
+        token = (params.get("_meta") or {}).get("progressToken") \
+            if isinstance(params.get("_meta"), Mapping) else None
+        if token is not None:
+            self._progress[token] = message.id
+        self._inflight[message.id] = method
+        self._metadata[message.id] = item.metadata
+        await self._to_upstream(item)
+
+    async def _unanswered(self, request_id: Any) -> None:
+        metadata = self._metadata.get(request_id)
+        self._forget(request_id)
+        callback = getattr(metadata, "on_request_unanswered", None)
+        if callback is not None:
+            with contextlib.suppress(Exception):
+                await callback()
+
+    async def _from_upstream(self, read: Any) -> None:
+        try:
+            async for item in read:
+                if isinstance(item, Exception):
+                    await self._malformed(item)
+                    continue
+                await self._upstream_message(item)
+        except Exception as exc:
+            logger.warning("reading the upstream MCP server failed: %s", exc)
+        await self.upstream_failed("the upstream MCP server exited")
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+
+    async def _malformed(self, exc: Exception) -> None:
+        request_id = _id_in(exc)
+        logger.warning("the upstream MCP server sent a malformed message: %s", exc)
+        if request_id is not None and request_id in self._inflight:
+            self._forget(request_id)
+            await self._reply_error(request_id, INTERNAL_ERROR,
+                                    "the upstream MCP server sent a malformed answer")
+
+    async def _upstream_message(self, item: SessionMessage) -> None:
+        message = item.message
+        if isinstance(message, JSONRPCError) and message.id is None:
+            await self._to_client(item)  # an error about no request in particular
+            return
+        if isinstance(message, JSONRPCResponse | JSONRPCError):
+            request_id: Any = message.id
+            self._inflight.pop(request_id, None)
+            self._metadata.pop(request_id, None)
+            for token in [t for t, owner in self._progress.items() if owner == request_id]:
+                del self._progress[token]
+            if isinstance(message, JSONRPCResponse):
+                if request_id == self._init_id:
+                    self._initialized_by(message.result)
+                if request_id in self._lists:
+                    message = JSONRPCResponse(jsonrpc="2.0", id=request_id,
+                                              result=self._filtered(message.result))
+            if request_id in self._calls:
+                message = self._called(request_id, message)
+            self._lists.discard(request_id)
+            await self._to_client(SessionMessage(message))
+            return
+        # The upstream's own requests and notifications: over HTTP, on the stream of the
+        # request they belong to (progress by its token), else the session's stream.
+        related = None
+        params = message.params or {}
+        if isinstance(message, JSONRPCNotification) and message.method == "notifications/progress":
+            related = self._progress.get(params.get("progressToken"))
+        elif self._calls:
+            related = next(reversed(self._calls))
+        if related is not None and related not in self._inflight:
+            related = None
+        await self._to_client(SessionMessage(
+            message, metadata=ServerMessageMetadata(related_request_id=related)))
+
+    def _forget(self, request_id: Any) -> None:
+        self._inflight.pop(request_id, None)
+        self._metadata.pop(request_id, None)
+        for token in [t for t, owner in self._progress.items() if owner == request_id]:
+            del self._progress[token]
+        self._lists.discard(request_id)
+        self._calls.pop(request_id, None)
+        self._directives.pop(request_id, None)
+
+    async def upstream_failed(self, why: str) -> None:
+        """The upstream is gone: every request it left unanswered is answered with an error,
+        and the run will end ``failed``."""
+        if self.upstream_gone is None:
+            self.upstream_gone = why
+            logger.warning("%s: the session ends", why)
+        for request_id in list(self._inflight):
+            self._forget(request_id)
+            await self._reply_error(request_id, INTERNAL_ERROR, why)
+
+    # -- sending --------------------------------------------------------------------------
+
+    async def _to_upstream(self, item: SessionMessage) -> None:
+        metadata = None
+        if self.protocol_version is not None:
+            metadata = ClientMessageMetadata(
+                headers={PROTOCOL_VERSION_HEADER: self.protocol_version})
+        try:
+            await self._upstream_write.send(SessionMessage(item.message, metadata=metadata))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            message = item.message
+            if isinstance(message, JSONRPCRequest):
+                self._forget(message.id)
+                await self._reply_error(message.id, INTERNAL_ERROR,
+                                        self.upstream_gone or "the upstream MCP server exited")
+
+    async def _to_client(self, item: SessionMessage) -> None:
+        try:
+            await self._client_write.send(item)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            logger.info("the MCP client is gone: %s not delivered", type(item.message).__name__)
+
+    async def _reply_error(self, request_id: Any, code: int, text: str) -> None:
+        await self._to_client(SessionMessage(JSONRPCError(
+            jsonrpc="2.0", id=request_id, error=ErrorData(code=code, message=text))))
+
+    async def _reply(self, request_id: Any, result: dict[str, Any]) -> None:
+        await self._to_client(SessionMessage(JSONRPCResponse(jsonrpc="2.0", id=request_id,
+                                                             result=result)))
+
+    # -- the run --------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        try:
+            await self.ensure_run()
+        finally:
+            self._started.set()
+
+    async def ensure_run(self) -> AsyncRun | None:
+        """The session's run, started on first need (its initialization); None while it
+        cannot be started (``start_refusal`` says why: every call is refused with it)."""
+        async with self._start_lock:
+            if self.run is not None:
+                return self.run
+            metadata = {"gateway": "governance-mcp"}
+            if self.client_info.get("name"):
+                metadata["mcp_client"] = str(self.client_info["name"])[:100]
+            try:
+                self.run = await self.client.start_run(
+                    self.config.agent, policy=self.config.policy, metadata=metadata,
+                    external_id=self.session_id)
+                self.start_refusal = None
+            except KillSwitchEngaged as exc:
+                self.start_refusal = blocked("killed", exc.message or exc.user_message,
+                                             exc.user_next)
+            except GovernanceUnavailable as exc:
+                logger.warning("governance unreachable, the run is not started: %s", exc)
+                self.start_refusal = blocked(
+                    GOVERNANCE_UNAVAILABLE, "The governance service is unreachable, so this "
+                    "tool was not run.", "Try again once it is reachable.")
+            except ApiError as exc:
+                logger.error("the run could not be started: %s", exc)
+                self.start_refusal = blocked(exc.code, exc.message)
+            except GovernanceError as exc:
+                self.start_refusal = blocked(exc.reason, str(exc))
+            return self.run
+
+    def _initialized_by(self, result: Mapping[str, Any]) -> None:
+        version = result.get("protocolVersion")
+        self.protocol_version = version if isinstance(version, str) else None
+        info = result.get("serverInfo")
+        if self.server_name is None and isinstance(info, Mapping) and info.get("name"):
+            self.server_name = str(info["name"])
+
+    def action_name(self, tool: str) -> str:
+        return f"{self.server_name or 'mcp'}.{tool}"
+
+    def _filtered(self, result: dict[str, Any]) -> dict[str, Any]:
+        """A ``tools/list`` page without the tools the run's policy denies (enforce mode: in
+        shadow mode nothing is denied, so nothing is left out)."""
+        tools = result.get("tools")
+        if self.run is None or not isinstance(tools, list):
+            return result
+        policy = rules.Policy.from_document(self.run.data.get("policy") or {})
+        if policy.mode == "shadow":
+            return result
+        kept = [tool for tool in tools
+                if not (isinstance(tool, Mapping) and isinstance(tool.get("name"), str)
+                        and rules.tool_denied(policy, self.action_name(tool["name"])))]
+        return {**result, "tools": kept}
+
+    async def _govern_call(self, item: SessionMessage, scope: anyio.CancelScope) -> None:
+        message: JSONRPCRequest = item.message  # type: ignore[assignment]
+        params = message.params or {}
+        answer: str | None = None
+        with scope:
+            try:
+                answer = await self._decide(message.id, params["name"],
+                                            params.get("arguments") or {})
+            finally:
+                self._held.pop(message.id, None)
+        if scope.cancelled_caught:
+            # Cancelled by the client while checked or waiting: nothing was run, no answer
+            # is due; over HTTP the request's stream is ended all the same.
+            unanswered = getattr(item.metadata, "on_request_unanswered", None)
+            if unanswered is not None:
+                await unanswered()
+            return
+        if answer is not None:
+            await self._reply(message.id, refusal(answer))
+            return
+        self._calls[message.id] = params["name"]
+        self._inflight[message.id] = "tools/call"
+        self._metadata[message.id] = item.metadata
+        token = (params.get("_meta") or {}).get("progressToken") \
+            if isinstance(params.get("_meta"), Mapping) else None
+        if token is not None:
+            self._progress[token] = message.id
+        await self._to_upstream(item)
+
+    async def _decide(self, request_id: Any, tool: str, args: Mapping[str, Any]) -> str | None:
+        """None when the call may be forwarded, else the text it is refused with."""
+        if self.stop_text is not None:
+            return self.stop_text
+        if self.upstream_gone is not None:
+            return blocked("upstream_unavailable", self.upstream_gone)
+        await self._started.wait()
+        run = self.run or await self.ensure_run()
+        if run is None:
+            return self.start_refusal
+        try:
+            decision = await run.check(self.action_name(tool), args, type="tool",
+                                       call_id=str(request_id))
+        except GovernanceError as exc:
+            reason = exc.code if isinstance(exc, ApiError) else exc.reason
+            text = exc.message if isinstance(exc, ApiError) else str(exc)
+            logger.warning("check of %s refused: %s", tool, exc)
+            return blocked(reason, text, "Do not run this tool now; try again later.")
+        if decision.allowed:
+            directive = decision.directive
+            if isinstance(directive, Mapping) and directive.get("content"):
+                self._directives[request_id] = str(directive["content"])
+            return None
+        text = blocked(decision.reason, decision.message, decision.next_action)
+        if self._ends_run(decision):
+            self.stop_text = text
+        return text
+
+    @staticmethod
+    def _ends_run(decision: Decision) -> bool:
+        return decision.decision == "stop" and decision.reason != GOVERNANCE_UNAVAILABLE
+
+    def _called(self, request_id: Any, message: JSONRPCResponse | JSONRPCError
+                ) -> JSONRPCResponse | JSONRPCError:
+        """Report the outcome of a forwarded call (the next check's ``last_result``); append
+        the allow's directive to its result."""
+        self._calls.pop(request_id, None)
+        directive = self._directives.pop(request_id, None)
+        run = self.run
+        if isinstance(message, JSONRPCError):
+            # A protocol error of the upstream: the call failed, reported as an error.
+            if run is not None:
+                with contextlib.suppress(GovernanceError):
+                    run.report(error=message.error.message or "error", call_id=str(request_id))
+            return message
+        result = message.result
+        content = result.get("content")
+        digest = result_digest(content)
+        try:
+            if run is not None:
+                if result.get("isError"):
+                    run.report(error=_text_of(content) or "tool error", digest=digest,
+                               call_id=str(request_id))
+                else:
+                    run.report(content, digest=digest, call_id=str(request_id))
+        except GovernanceError as exc:  # the run is closed: nothing to report to
+            logger.info("result of call %s not reported: %s", request_id, exc)
+        if directive is None:
+            return message
+        items = list(content) if isinstance(content, list) else []
+        items.append({"type": "text", "text": directive})
+        return JSONRPCResponse(jsonrpc="2.0", id=request_id, result={**result, "content": items})
+
+    async def finish(self) -> str | None:
+        """End the run once the session is over; the status it was finished with."""
+        if self.finished or self.run is None:
+            return None
+        self.finished = True
+        run = self.run
+        # Calls still checked or waiting (for an operator, a rate limit) are given up: the
+        # session is over, and the run's finish must not wait behind them.
+        for scope, _ in list(self._held.values()):
+            scope.cancel()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+            while self._held:
+                await anyio.sleep(0.01)
+        if self.upstream_gone is not None:
+            status = "failed"
+        elif self.stop_text is not None or run.stop_decision is not None:
+            status = "stopped"
+        else:
+            status = "completed"
+        self.status = status
+        with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_SECONDS):
+            try:
+                await run.finish(status)  # type: ignore[arg-type]
+            except GovernanceError as exc:
+                # Kept in the client's journal and sent at the next start.
+                logger.warning("run %s not finished (%s): %s", run.id, status, exc)
+        return status

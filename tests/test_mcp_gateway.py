@@ -1,0 +1,537 @@
+"""The MCP gateway (SPEC 19) end to end: the `mcp` SDK's own client, `governance-mcp` as a real
+process, a real upstream MCP server (tests/mcp_upstream.py) and the real governance server.
+
+Over stdio: a loop refused at the policy's step, a denied tool hidden and refused, a rate-limited
+call that waits, an approval decided from `manage.py approvals decide`, the kill switch, the
+faults (an upstream that dies, a call before initialize, malformed JSON, the service down, an
+approval denied), and resources and prompts passed through unchanged with an unchanged client
+configuration. Over streamable HTTP on both sides: the same governance, and the session's end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
+
+import anyio
+import httpx
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from mcp.client.client import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp_types import CreateMessageResult, TextContent
+
+from policies.models import Team
+from runs.killswitch.services import killswitch_engage
+from runs.models import Approval, Run
+from runs.models import Decision as AuditRecord
+from tests.conftest import ROOT, Agent, Server, free_port, set_policy
+from tests.workers import wait_for
+
+# Processes and a real server: once, on the PostgreSQL stack (the gateway is the same on both).
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+AGENT = "mcp-agent"
+UPSTREAM = [sys.executable, "-m", "tests.mcp_upstream"]
+
+
+def child_env() -> dict[str, str]:
+    """The processes' environment: the test's (its client journal folder included, set by a
+    session fixture after this module is imported), with the sources on the path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(ROOT / "governance_client" / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def gateway_args(server: Server, token: str, *extra: str) -> list[str]:
+    return ["-m", "governance_client.mcp_gateway", "--url", server.url, "--key", token,
+            "--agent", AGENT, *extra]
+
+
+def stdio_params(server: Server, token: str, *extra: str) -> StdioServerParameters:
+    """The MCP client's configuration of the governed server: the gateway's command, the
+    upstream's command after ``--``."""
+    return StdioServerParameters(command=sys.executable,
+                                 args=[*gateway_args(server, token, *extra), "--", *UPSTREAM],
+                                 env=child_env(), cwd=str(ROOT))
+
+
+def direct_params() -> StdioServerParameters:
+    return StdioServerParameters(command=UPSTREAM[0], args=UPSTREAM[1:], env=child_env(),
+                                 cwd=str(ROOT))
+
+
+def the_run(agent: Agent) -> dict[str, Any]:
+    runs = agent.http.get("/api/v1/runs", params={"agent": AGENT}).json()["runs"]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def finished_run(agent: Agent) -> dict[str, Any]:
+    return wait_for(lambda: (lambda r: r if r["status"] != "running" else None)(the_run(agent)),
+                    timeout=20, what="the run's end")
+
+
+def text(result: Any) -> str:
+    return "\n".join(item.text for item in result.content if item.type == "text")
+
+
+def run_async(main: Any) -> Any:
+    return anyio.run(main)
+
+
+# --- stdio -----------------------------------------------------------------------------------
+
+def governed_policy(team: Team, **changes: Any) -> None:
+    """One policy for a whole session: a loop stopped at the 4th identical call, a denied
+    tool, a rate limit on `counter`, `publish` behind an approval, errors nudged at 2."""
+    set_policy(team, **{
+        "step_limits": {"max_steps": 50, "max_repeat_action": 3, "no_progress_window": 20},
+        "tools": {"allow": None, "deny": ["files.delete_*"]},
+        "rate_limits": [{"match": "files.counter", "per": "run", "max": 1, "window_s": 1}],
+        "approvals": {"tools": ["files.publish"], "timeout_s": 600},
+        "on_repeated_error": {"threshold": 2, "action": "nudge"},
+        **changes})
+
+
+def decide_when_asked(verdict: str, note: str = "not today") -> None:
+    """The operator, from a shell: `manage.py approvals decide` on the gateway's request."""
+    request = wait_for(lambda: Approval.objects.filter(status="pending").first(),
+                       timeout=30, what="the gateway's approval request")
+    try:
+        call_command("approvals", "decide", str(request.pk), verdict, "--note", note)
+    finally:
+        connection.close()  # this thread's own connection
+
+
+async def snapshot(client: Client) -> dict[str, Any]:
+    """Everything but tools/call, as the client received it."""
+    resources = await client.list_resources()
+    read = await client.read_resource("doc://readme")
+    prompts = await client.list_prompts()
+    prompt = await client.get_prompt("review", {"code": "x = 1\n  y\t= 2"})
+    tools = await client.list_tools()
+    return {
+        "resources": [r.model_dump(mode="json") for r in resources.resources],
+        "read": [c.model_dump(mode="json") for c in read.contents],
+        "prompts": [p.model_dump(mode="json") for p in prompts.prompts],
+        "prompt": [m.model_dump(mode="json") for m in prompt.messages],
+        "tools": {t.name: t.model_dump(mode="json") for t in tools.tools},
+    }
+
+
+async def echo_model(context: Any, params: Any) -> CreateMessageResult:
+    """The client's model, for the upstream's sampling requests: the question in capitals."""
+    asked = params.messages[0].content.text
+    return CreateMessageResult(role="assistant", model="echo",
+                               content=TextContent(type="text", text=asked.upper()))
+
+
+def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> None:
+    """The same Client configuration against the upstream, then against the gateway in front
+    of it (only the command differs): resources and prompts byte for byte, the denied tool
+    left out; then a rate-limited call that waits, an approval approved from the command line,
+    results reported (a repeated error nudged), and a loop refused at the 4th identical call,
+    which stops the run: every later call is answered the same way."""
+    governed_policy(team)
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        async with Client(direct_params()) as client:  # the default mode (auto)
+            direct = await snapshot(client)
+        progress: list[tuple[float, float | None, str | None]] = []
+
+        async def on_progress(done: float, total: float | None, message: str | None) -> None:
+            progress.append((done, total, message))
+
+        async with Client(stdio_params(server, agent.token),
+                          sampling_callback=echo_model) as client:
+            governed = await snapshot(client)
+            # Sampling (the server's request to the client) and progress pass through.
+            out_ask = await client.call_tool("ask", {"question": "hello"},
+                                             progress_callback=on_progress)
+            out: dict[str, Any] = {"counter": [await client.call_tool("counter", {})]}
+            started = time.monotonic()
+            out["counter"].append(await client.call_tool("counter", {}))
+            out["waited"] = time.monotonic() - started
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, decide_when_asked, "approve")
+                out["publish"] = await client.call_tool("publish", {"title": "notes"})
+            out["broken"] = [await client.call_tool("broken", {"path": "/x"}) for _ in range(3)]
+            out["search"] = [await client.call_tool("search", {"query": "refund"})
+                             for _ in range(4)]
+            out["after"] = await client.call_tool("delete_all", {})
+            out["ask"], out["progress"] = out_ask, progress
+        return direct, governed, out
+
+    direct, governed, out = run_async(main)
+    assert "delete_all" in direct["tools"] and "delete_all" not in governed["tools"]
+    del direct["tools"]["delete_all"]
+    assert json.dumps(governed, sort_keys=True) == json.dumps(direct, sort_keys=True)
+    assert governed["read"][0]["text"] == "Read me: ünïcødé  spaces\tand tabs\n"
+
+    assert text(out["ask"]) == "the model says: HELLO"
+    assert out["progress"] == [(1, 2, "asking"), (2, 2, "answered")]
+    assert [text(r) for r in out["counter"]] == ["call 1", "call 2"]
+    assert out["waited"] >= 0.3  # the second call waited for the rate limit, then ran
+    assert (out["publish"].is_error, text(out["publish"])) == (False, "published notes")
+    assert all(r.is_error for r in out["broken"])
+    # The upstream's own words.
+    assert text(out["broken"][0]) == "Error executing tool broken: cannot open /x"
+    searches = out["search"]
+    assert [r.is_error for r in searches] == [False, False, False, True]
+    refused = text(searches[3])
+    assert refused.startswith("Blocked by governance (loop_detected): ")
+    assert "max_repeat_action=3" in refused
+    assert text(out["after"]) == refused
+
+    run = finished_run(agent)
+    assert (run["status"], run["stop_reason"]) == ("stopped", "loop_detected")
+    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
+    assert {d["action"]["name"] for d in decisions} == {
+        "files.ask", "files.counter", "files.publish", "files.broken", "files.search"}
+    assert decisions[-1]["outcome"] == "stop" and decisions[-1]["reason"] == "loop_detected"
+    assert "wait" in [d["outcome"] for d in decisions]
+    assert [d["outcome"] for d in decisions if d["action"]["name"] == "files.publish"] == [
+        "pending", "allow"]
+    # The third `broken` check carried the second report of the same error: its nudge was
+    # appended to that call's result; every report carried a digest.
+    third = [d for d in decisions if d["action"]["name"] == "files.broken"][2]
+    audited = AuditRecord.objects.get(pk=third["id"])
+    assert audited.last_result["status"] == "error" and audited.last_result["digest"]
+    assert audited.last_result["error"] == "Error executing tool broken: cannot open /x"
+    assert audited.answer["directive"]["content"] in text(out["broken"][2])
+
+
+def test_a_rate_limit_past_max_wait_then_the_kill_switch(server: Server, agent: Agent,
+                                                          team: Team) -> None:
+    """A rate limit that does not clear within --max-wait: the call is refused saying when to
+    retry, and the run goes on; a kill switch engaged mid-session refuses the next call with
+    its reason, and every later one."""
+    # A window within the run's time budget (a wait past it would be a max_seconds stop).
+    set_policy(team, rate_limits=[{"match": "files.counter", "per": "run", "max": 1,
+                                   "window_s": 10}])
+
+    async def main() -> list[Any]:
+        async with Client(stdio_params(server, agent.token, "--max-wait", "0"),
+                          mode="legacy") as client:
+            out = [await client.call_tool("counter", {}), await client.call_tool("counter", {})]
+            with mock.patch("runs.killswitch.services._enqueue_fanout"):
+                await anyio.to_thread.run_sync(lambda: killswitch_engage(
+                    scope="agent", team=team, agent=AGENT, reason="runaway tool use"))
+            out += [await client.call_tool("search", {"query": "x"}),
+                    await client.call_tool("counter", {})]
+            return out
+
+    first, limited, killed, later = run_async(main)
+    assert (first.is_error, text(first)) == (False, "call 1")
+    assert limited.is_error
+    assert text(limited).startswith("Blocked by governance (rate_limited): ")
+    assert "Try again in" in text(limited)
+    assert killed.is_error
+    assert text(killed).startswith("Blocked by governance (killed): ")
+    assert "runaway tool use" in text(killed)
+    assert text(later) == text(killed)
+    assert finished_run(agent)["status"] == "killed"
+
+
+# --- faults ----------------------------------------------------------------------------------
+
+@contextmanager
+def raw_gateway(server: Server, token: str, *extra: str) -> Iterator[subprocess.Popen[str]]:
+    """The gateway as a bare process, spoken to in JSON lines (no SDK client to correct us)."""
+    process = subprocess.Popen(
+        [sys.executable, *gateway_args(server, token, *extra), "--", *UPSTREAM],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=child_env(), cwd=str(ROOT))
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+
+
+def send(process: subprocess.Popen[str], message: Any) -> None:
+    assert process.stdin is not None
+    process.stdin.write((message if isinstance(message, str) else json.dumps(message)) + "\n")
+    process.stdin.flush()
+
+
+def receive(process: subprocess.Popen[str]) -> dict[str, Any]:
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line, "the gateway closed its stdout"
+    return json.loads(line)
+
+
+INITIALIZE = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+    "protocolVersion": "2025-11-25", "capabilities": {},
+    "clientInfo": {"name": "raw", "version": "0"}}}
+
+
+def test_faults_of_the_client_and_of_the_upstream_never_hang_the_session(
+        server: Server, agent: Agent) -> None:
+    """A call before initialize, malformed JSON, bad arguments: JSON-RPC errors, nothing
+    checked; an unknown method is the upstream's own error; huge arguments are checked by
+    their digest and forwarded whole; an upstream that dies mid-call answers that call with
+    an error, ends the session, and the run is finished `failed`."""
+    with raw_gateway(server, agent.token) as process:
+        send(process, {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                       "params": {"name": "search", "arguments": {"query": "x"}}})
+        early = receive(process)
+        assert early["id"] == 7 and early["error"]["code"] == -32600
+        send(process, "{not json")
+        assert receive(process)["error"]["code"] == -32700
+        send(process, INITIALIZE)
+        assert receive(process)["result"]["serverInfo"]["name"] == "files"
+        send(process, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        send(process, {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                       "params": {"name": "search", "arguments": "not an object"}})
+        assert receive(process)["error"]["code"] == -32602
+        send(process, {"jsonrpc": "2.0", "id": 3, "method": "no/such/method"})
+        assert receive(process)["error"]["code"] == -32601  # the upstream's own answer
+        send(process, {"jsonrpc": "2.0", "id": 4, "method": "ping"})
+        assert receive(process) == {"jsonrpc": "2.0", "id": 4, "result": {}}
+        big = "x" * (100 * 1024)
+        send(process, {"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+                       "params": {"name": "search", "arguments": {"query": big}}})
+        answer = receive(process)
+        assert answer["id"] == 5 and answer["result"]["content"][0]["text"] == "no match"
+        send(process, {"jsonrpc": "2.0", "id": 6, "method": "tools/call",
+                       "params": {"name": "exit_now", "arguments": {}}})
+        died = receive(process)
+        assert died["id"] == 6 and "exited" in died["error"]["message"]
+        assert process.wait(timeout=20) != 0  # the session ended with its upstream
+
+    run = finished_run(agent)
+    assert run["status"] == "failed"
+    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
+    assert [d["action"]["name"] for d in decisions] == ["files.search", "files.exit_now"]
+    assert decisions[0]["action"]["args"]["oversize_args"]["keys"] == ["query"]
+
+
+def test_a_client_that_leaves_while_a_call_waits_for_an_operator_ends_the_run(
+        server: Server, agent: Agent, team: Team) -> None:
+    governed_policy(team)
+    with raw_gateway(server, agent.token) as process:
+        send(process, INITIALIZE)
+        receive(process)
+        send(process, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        send(process, {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                       "params": {"name": "publish", "arguments": {"title": "x"}}})
+        request = wait_for(lambda: Approval.objects.filter(status="pending").first(),
+                           timeout=30, what="the gateway's approval request")
+        assert process.stdin is not None
+        process.stdin.close()  # the client leaves
+        assert process.wait(timeout=20) == 0
+    run = finished_run(agent)
+    assert run["status"] == "completed"
+    request.refresh_from_db()
+    assert request.status == "cancelled"
+
+
+class Link:
+    """The network between the gateway and the service: a TCP forwarder the test can cut
+    (open connections dropped, new ones closed at once) and restore."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.up = True
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                inbound, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.up:
+                inbound.close()
+                continue
+            try:
+                outbound = socket.create_connection(self.target)
+            except OSError:
+                inbound.close()
+                continue
+            self.open += [inbound, outbound]
+            for a, b in ((inbound, outbound), (outbound, inbound)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.close()
+
+    def cut(self) -> None:
+        self.up = False
+        for end in self.open:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+        self.open.clear()
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+
+def test_the_service_down_refuses_calls_by_default_and_forwards_them_with_fail_open(
+        server: Server, agent: Agent) -> None:
+    """Fail closed: the service down when the session starts, every call is refused naming
+    the outage (tools/list still answers); once it is back, the next call starts the run and
+    runs. Fail open: the service down mid-session, the call is decided locally and forwarded,
+    and the local decision is uploaded once the service answers again."""
+    port = int(server.url.rsplit(":", 1)[1])
+    link = Link(port)
+    through = Server(url=link.url, process=None)  # type: ignore[arg-type]
+
+    async def fail_closed() -> list[Any]:
+        link.cut()
+        async with Client(stdio_params(through, agent.token), mode="legacy") as client:
+            assert "search" in [t.name for t in (await client.list_tools()).tools]
+            refused = await client.call_tool("counter", {})
+            link.up = True
+            return [refused, await client.call_tool("counter", {})]
+
+    async def fail_open() -> list[Any]:
+        async with Client(stdio_params(through, agent.token, "--fail-open"),
+                          mode="legacy") as client:
+            out = [await client.call_tool("counter", {})]
+            link.cut()
+            out.append(await client.call_tool("counter", {}))
+            link.up = True
+            out.append(await client.call_tool("search", {"query": "x"}))
+            return out
+
+    try:
+        refused, ran = run_async(fail_closed)
+        assert refused.is_error
+        assert text(refused).startswith("Blocked by governance (governance_unavailable): ")
+        assert (ran.is_error, text(ran)) == (False, "call 1")
+        first = finished_run(agent)
+        assert (first["status"], first["steps"]) == ("completed", 1)
+        Run.objects.filter(pk=first["run_id"]).update(agent="mcp-agent-before")
+
+        results = run_async(fail_open)
+    finally:
+        link.close()
+    assert [(r.is_error, text(r)) for r in results] == [
+        (False, "call 1"), (False, "call 2"), (False, "no match")]
+    run = finished_run(agent)
+    assert run["status"] == "completed"
+    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
+    assert [(d["action"]["name"], d["outcome"], d["local"]) for d in decisions] == [
+        ("files.counter", "allow", False), ("files.counter", "allow", True),
+        ("files.search", "allow", False)]
+
+
+# --- streamable HTTP -------------------------------------------------------------------------
+
+@contextmanager
+def process(*args: str, port: int) -> Iterator[str]:
+    proc = subprocess.Popen([sys.executable, *args], env=child_env(), cwd=str(ROOT),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        def up() -> bool:
+            try:
+                httpx.get(url, timeout=1)
+            except httpx.TransportError:
+                assert proc.poll() is None, "the process exited"
+                return False
+            return True
+
+        wait_for(up, timeout=30, what=f"{args[1]} on port {port}")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_over_streamable_http_both_sides(server: Server, agent: Agent, team: Team) -> None:
+    """The gateway serving streamable HTTP, its upstream over streamable HTTP: resources and
+    prompts unchanged, the denied tool left out and refused, a loop refused, an approval
+    denied from the command line; each MCP session is a run, finished when the client
+    deletes the session."""
+    governed_policy(team, step_limits={"max_steps": 50, "max_repeat_action": 2,
+                                       "no_progress_window": 10})
+    up_port, gw_port = free_port(), free_port()
+    with process("-m", "tests.mcp_upstream", "http", str(up_port), port=up_port) as upstream, \
+            process(*gateway_args(server, agent.token), "--upstream-url", upstream,
+                    "--listen", f"127.0.0.1:{gw_port}", port=gw_port) as gateway:
+
+        async def session(url: str) -> dict[str, Any]:
+            progress: list[Any] = []
+
+            async def on_progress(done: float, total: float | None, message: str | None) -> None:
+                progress.append((done, total, message))
+
+            # The handshake era on both (the per-request era has no sampling back-channel).
+            async with Client(url, mode="legacy", sampling_callback=echo_model) as client:
+                read = await client.read_resource("doc://readme")
+                prompt = await client.get_prompt("review", {"code": "a\tb"})
+                tools = sorted(t.name for t in (await client.list_tools()).tools)
+                asked = await client.call_tool("ask", {"question": "hi"},
+                                               progress_callback=on_progress)
+                calls = [await client.call_tool("search", {"query": "q"}) for _ in range(3)]
+                return {"read": [c.model_dump(mode="json") for c in read.contents],
+                        "prompt": [m.model_dump(mode="json") for m in prompt.messages],
+                        "tools": tools, "calls": calls, "asked": text(asked),
+                        "progress": progress}
+
+        async def one_call(tool: str, args: dict[str, Any], verdict: str | None = None) -> Any:
+            async with Client(gateway) as client, anyio.create_task_group() as tg:
+                if verdict is not None:
+                    tg.start_soon(anyio.to_thread.run_sync, decide_when_asked, verdict)
+                return await client.call_tool(tool, args)
+
+        async def main() -> list[Any]:
+            return [await session(upstream), await session(gateway),
+                    await one_call("publish", {"title": "x"}, "deny"),
+                    await one_call("delete_all", {}),
+                    await one_call("counter", {})]
+
+        direct, governed, denied, forbidden, quiet = anyio.run(main)
+
+    assert governed["read"] == direct["read"] and governed["prompt"] == direct["prompt"]
+    assert governed["asked"] == direct["asked"] == "the model says: HI"
+    assert governed["progress"] == direct["progress"] == [(1, 2, "asking"), (2, 2, "answered")]
+    assert "delete_all" in direct["tools"] and "delete_all" not in governed["tools"]
+    assert [c.is_error for c in governed["calls"]] == [False, False, True]
+    assert text(governed["calls"][2]).startswith("Blocked by governance (loop_detected): ")
+    assert text(denied).startswith("Blocked by governance (approval_denied): ")
+    assert "not today" in text(denied)
+    assert text(forbidden).startswith("Blocked by governance (tool_denied): ")
+    assert (quiet.is_error, text(quiet)) == (False, "call 1")
+
+    def ends() -> list[tuple[str, str | None]] | None:
+        runs = agent.http.get("/api/v1/runs", params={"agent": AGENT}).json()["runs"]
+        if any(r["status"] == "running" for r in runs):
+            return None
+        return [(r["status"], r["stop_reason"]) for r in reversed(runs)]
+
+    assert wait_for(ends, timeout=20, what="the runs' ends") == [
+        ("stopped", "loop_detected"), ("stopped", "approval_denied"),
+        ("stopped", "tool_denied"), ("completed", None)]
+    # Each run's external_id is its MCP session id, made by the gateway.
+    assert len({r.external_id for r in Run.objects.filter(agent=AGENT)}) == 4
