@@ -17,7 +17,7 @@ from . import scenarios as sc
 from .report import TARGET_AGENTS
 
 PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "longrun", "stream",
-          "attacks", "metrics", "ratelimit", "growth")
+          "attacks", "metrics", "tracing", "ratelimit", "growth")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -181,6 +181,13 @@ def main(argv: list[str]) -> int:
         results["metrics"] = metrics_cost(team, args.workers, threads, seconds, warmup,
                                           rounds=1 if quick else 3)
         print(report.metrics_line(results["metrics"]), flush=True)
+    if "tracing" in phases:
+        from . import tracing
+
+        results["tracing"] = tracing.measure(team, workers=args.workers, threads=threads,
+                                             seconds=seconds, warmup=warmup,
+                                             rounds=1 if quick else 3)
+        print(tracing.line(results["tracing"]), flush=True)
 
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     return 0 if report.finish(results, history=not args.no_history) else 1
