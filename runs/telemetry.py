@@ -316,46 +316,57 @@ class CheckTrace:
     span: Any
     started: float
     team: str | None = None
+    facts: dict[str, Any] | None = None
 
 
 _check: contextvars.ContextVar[CheckTrace | None] = contextvars.ContextVar(
     "governance_check_trace", default=None)
+_SERVER_KIND: Any = None
 
 
 @contextlib.contextmanager
 def check_span(meta: Mapping[str, Any]) -> Iterator[CheckTrace | None]:
     """The check's span (``governance.check``, renamed with the action's name once the body
-    is read), the child of the request's ``traceparent``. Yields None while tracing is off."""
+    is read), the child of the request's ``traceparent``. Yields None while tracing is off.
+    On the path of every check: the span is made current by hand (one context attach), not
+    through the SDK's nested context managers, and its attributes are set once, at the end
+    (``check_answered``)."""
+    global _SERVER_KIND
     tracer = _get().tracer
     if tracer is None:
         yield None
         return
-    from opentelemetry.trace import SpanKind
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace as otel_trace
 
-    with tracer.start_as_current_span("governance.check", context=_parent(meta),
-                                      kind=SpanKind.SERVER, record_exception=False,
-                                      set_status_on_exception=False) as current:
-        trace = CheckTrace(span=current, started=time.perf_counter())
-        token = _check.set(trace)
-        try:
-            yield trace
-        finally:
-            _check.reset(token)
+    if _SERVER_KIND is None:
+        _SERVER_KIND = otel_trace.SpanKind.SERVER
+    current = tracer.start_span("governance.check", context=_parent(meta), kind=_SERVER_KIND,
+                                record_exception=False, set_status_on_exception=False)
+    token = otel_context.attach(otel_trace.set_span_in_context(current))
+    trace = CheckTrace(span=current, started=time.perf_counter())
+    check_token = _check.set(trace)
+    try:
+        yield trace
+    finally:
+        _check.reset(check_token)
+        otel_context.detach(token)
+        current.end()
 
 
 def check_facts(*, run_id: Any, team: str, agent: str, policy: tuple[str, int] | None
                 ) -> None:
-    """The run's facts, from the check's locking read (on the check's span, if any)."""
+    """The run's facts, from the check's locking read, kept for the check's span."""
     trace = _check.get()
     if trace is None:
         return
     trace.team = team
-    attributes: dict[str, Any] = {"governance.run.id": str(run_id), "governance.team": team,
-                                  "governance.agent": agent, "gen_ai.agent.name": agent}
+    facts: dict[str, Any] = {"governance.run.id": str(run_id), "governance.team": team,
+                             "governance.agent": agent, "gen_ai.agent.name": agent}
     if policy is not None:
-        attributes["governance.policy.name"] = policy[0]
-        attributes["governance.policy.version"] = policy[1]
-    annotate(trace.span, attributes)
+        facts["governance.policy.name"] = policy[0]
+        facts["governance.policy.version"] = policy[1]
+    trace.facts = facts
 
 
 def check_trace_id() -> str | None:
@@ -384,7 +395,7 @@ def check_answered(trace: CheckTrace | None, *, name: str | None, status: int,
         current = trace.span
         if name:
             current.update_name(f"governance.check {name}")
-        attributes: dict[str, Any] = {"http.response.status_code": status,
+        attributes: dict[str, Any] = {**(trace.facts or {}), "http.response.status_code": status,
                                       "gen_ai.tool.name": name}
         if answer is not None:
             attributes.update({
