@@ -16,7 +16,6 @@ by their ids, are printed as one tree.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 )
 from rename_loop import AGENT, EDIT_ARGS, TASK, Workspace, narration  # noqa: E402
 
-from governance_client import GovernanceClient, Run  # noqa: E402
+from governance_client import GovernanceClient  # noqa: E402
 
 SERVER_SPANS: list[dict[str, Any]] = []
 
@@ -60,7 +59,7 @@ def _value(any_value: Any) -> Any:
 class Receiver(BaseHTTPRequestHandler):
     """The server's spans, as an OTLP/HTTP collector receives them."""
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         if self.path == "/v1/traces":
             for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
@@ -162,11 +161,11 @@ def run_agent(client: GovernanceClient, tracer: trace.Tracer) -> str:
     graph.add_conditional_edges("tools", lambda s: END if isinstance(
         s["messages"][-1], AIMessage) else "agent", ["agent", END])
     app = graph.compile()
-    with tracer.start_as_current_span(f"invoke_agent {AGENT}", attributes={
-            "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": AGENT}):
-        with client.run(AGENT, task=TASK) as run:
-            state = app.invoke({"messages": [HumanMessage(TASK)]}, {"recursion_limit": 40})
-            run.output = str(state["messages"][-1].content)
+    invoke = tracer.start_as_current_span(f"invoke_agent {AGENT}", attributes={
+        "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": AGENT})
+    with invoke, client.run(AGENT, task=TASK) as run:
+        state = app.invoke({"messages": [HumanMessage(TASK)]}, {"recursion_limit": 40})
+        run.output = str(state["messages"][-1].content)
     return run.output or ""
 
 
@@ -189,7 +188,8 @@ def tree(agent_spans: list[Any]) -> list[str]:
                      f"step={a['governance.step']} policy={a['governance.policy.name']}"
                      f" v{a['governance.policy.version']}")
         elif span["name"] in ("governance.start", "governance.finish"):
-            text += f"  run={str(a.get('governance.run.id'))[:8]} status={a.get('governance.run.status')}"
+            text += (f"  run={str(a.get('governance.run.id'))[:8]} "
+                     f"status={a.get('governance.run.status')}")
         return text
 
     def walk(span: dict[str, Any], prefix: str, last: bool, top: bool) -> None:
