@@ -54,6 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--attacks", default="",
                         help="comma-separated attacks of the attacks phase (default: every "
                              "one in bench/attacks.py ATTACKS)")
+    parser.add_argument("--tracing-sampling", type=float, default=None,
+                        help="the tracing phase's head sampling ratio (default: every trace)")
     parser.add_argument("--no-history", action="store_true",
                         help="do not append this run to bench/history.jsonl")
     return parser.parse_args(argv)
@@ -186,7 +188,8 @@ def main(argv: list[str]) -> int:
 
         results["tracing"] = tracing.measure(team, workers=args.workers, threads=threads,
                                              seconds=seconds, warmup=warmup,
-                                             rounds=1 if quick else 3)
+                                             rounds=1 if quick else 3,
+                                             sampler_ratio=args.tracing_sampling)
         print(tracing.line(results["tracing"]), flush=True)
 
     results["elapsed_s"] = round(time.monotonic() - started, 1)

@@ -45,11 +45,14 @@ def sink() -> Iterator[str]:
 
 
 def measure(team: sc.Team, *, workers: int, threads: int, seconds: float, warmup: float,
-            rounds: int) -> dict[str, Any]:
+            rounds: int, sampler_ratio: float | None = None) -> dict[str, Any]:
     slices: dict[str, list[sc.Slice]] = {"off": [], "on": []}
     checks_on = 0
     with sink() as url:
         tracing = {"OTEL_EXPORTER_OTLP_ENDPOINT": url, "OTEL_METRIC_EXPORT_INTERVAL": "5000"}
+        if sampler_ratio is not None:  # head sampling: a share of the traces recorded
+            tracing.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio",
+                           OTEL_TRACES_SAMPLER_ARG=str(sampler_ratio))
         for _ in range(rounds):
             for label in ("off", "on"):
                 with stack.Server(workers=workers, threads=threads,
@@ -68,6 +71,7 @@ def measure(team: sc.Team, *, workers: int, threads: int, seconds: float, warmup
     off = sc.summarize(slices["off"], scenario=sc.REAL, agents=TARGET_AGENTS)
     on = sc.summarize(slices["on"], scenario=sc.REAL, agents=TARGET_AGENTS)
     return {
+        "sampler_ratio": sampler_ratio,
         "off_checks_per_s": off["checks_per_s"],
         "on_checks_per_s": on["checks_per_s"],
         "cost_pct": round((off["checks_per_s"] - on["checks_per_s"]) * 100
@@ -88,7 +92,8 @@ def measure(team: sc.Team, *, workers: int, threads: int, seconds: float, warmup
 
 def line(t: dict[str, Any]) -> str:
     got = t["received"]
-    return (f"  tracing at {TARGET_AGENTS} agents: off {t['off_checks_per_s']} checks/s "
+    sampled = "" if t.get("sampler_ratio") is None else f" (sampling {t['sampler_ratio']})"
+    return (f"  tracing{sampled} at {TARGET_AGENTS} agents: off {t['off_checks_per_s']} checks/s "
             f"({t['off_worker_cpu_ms_per_check']} ms worker CPU/check, p99 {t['off_p99_ms']} "
             f"ms), on {t['on_checks_per_s']} checks/s ({t['on_worker_cpu_ms_per_check']} ms, "
             f"p99 {t['on_p99_ms']} ms): cost {t['cost_pct']}%; the receiver decoded "

@@ -472,3 +472,20 @@ def describe_approval(kwargs: Mapping[str, Any], approval: Any) -> dict[str, Any
             "governance.run.id": str(approval.run_id), "governance.team": approval.team.slug,
             "governance.agent": approval.run.agent, "governance.step": approval.step,
             "gen_ai.tool.name": approval.action_name}
+
+
+def flush(timeout_s: float = 2.0) -> None:
+    """Export what this process still holds (a worker's graceful shutdown: the ASGI lifespan's
+    end), waiting ``timeout_s`` at most: a hung collector must not hold a shutdown either."""
+    state = _state
+    if state is None or state.pid != os.getpid() or not state.providers:
+        return
+
+    def run() -> None:
+        for provider in state.providers:
+            with contextlib.suppress(Exception):
+                provider.force_flush(int(timeout_s * 1000))
+
+    worker = threading.Thread(target=run, name="telemetry-flush", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
