@@ -229,3 +229,21 @@ def test_a_kill_switch_engage_and_release_have_spans(team: Any, traced: Any) -> 
         assert span.attributes["governance.killswitch.scope"] == "team"
         assert span.attributes["governance.team"] == "support"
         assert span.attributes["governance.killswitch.id"] == switch.pk
+
+
+@pytest.mark.parametrize("header", ["garbage", "00-" + "0" * 32 + "-" + "0" * 16 + "-01",
+                                    "ff-" + TRACE_ID + "-" + PARENT_ID + "-01x"])
+def test_a_malformed_traceparent_starts_a_trace(api: Any, traced: Any, header: str) -> None:
+    exporter, _ = traced
+    answer = _check(api, _start(api), HTTP_TRACEPARENT=header)
+    [span] = _spans(exporter, "governance.check")
+    assert span.parent is None
+    assert answer["trace_id"] == format(span.context.trace_id, "032x") != TRACE_ID
+
+
+def test_flush_exports_what_the_process_holds(traced: Any) -> None:
+    exporter, _ = traced
+    with telemetry.span("governance.start", attributes={"governance.agent": "bot"}):
+        pass
+    telemetry.flush(timeout_s=1)
+    assert [s.name for s in exporter.get_finished_spans()] == ["governance.start"]
