@@ -17,7 +17,7 @@ from . import scenarios as sc
 from .report import TARGET_AGENTS
 
 PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "longrun", "stream",
-          "attacks", "metrics", "ratelimit", "growth", "retention")
+          "attacks", "metrics", "tracing", "ratelimit", "growth", "retention")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -54,6 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--attacks", default="",
                         help="comma-separated attacks of the attacks phase (default: every "
                              "one in bench/attacks.py ATTACKS)")
+    parser.add_argument("--tracing-sampling", type=float, default=None,
+                        help="the tracing phase's head sampling ratio (default: every trace)")
     parser.add_argument("--no-history", action="store_true",
                         help="do not append this run to bench/history.jsonl")
     return parser.parse_args(argv)
@@ -181,6 +183,14 @@ def main(argv: list[str]) -> int:
         results["metrics"] = metrics_cost(team, args.workers, threads, seconds, warmup,
                                           rounds=1 if quick else 3)
         print(report.metrics_line(results["metrics"]), flush=True)
+    if "tracing" in phases:
+        from . import tracing
+
+        results["tracing"] = tracing.measure(team, workers=args.workers, threads=threads,
+                                             seconds=seconds, warmup=warmup,
+                                             rounds=1 if quick else 3,
+                                             sampler_ratio=args.tracing_sampling)
+        print(tracing.line(results["tracing"]), flush=True)
 
     if "retention" in phases:
         from . import retention

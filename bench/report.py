@@ -89,6 +89,12 @@ def metrics_line(m: dict[str, Any]) -> str:
             f"{m['scrape'].get('decisions_expected')}")
 
 
+def tracing_line(t: dict[str, Any]) -> str:
+    from .tracing import line
+
+    return line(t)
+
+
 def live_line(s: dict[str, Any]) -> str:
     if not s.get("measured"):
         return f"  live stream: not measured ({s.get('why')})"
@@ -200,6 +206,10 @@ def correctness(results: dict[str, Any]) -> list[str]:
         if scrape.get("decisions_counted") != scrape.get("decisions_expected"):
             failed.append(f"/metrics counted {scrape.get('decisions_counted')} decisions, the "
                           f"audit log has {scrape.get('decisions_expected')}")
+    traced = results.get("tracing")
+    if traced and (traced["errors"] or not traced["audit_ok"]):
+        failed.append(f"tracing points: errors {traced['errors']}, audit ok "
+                      f"{traced['audit_ok']}")
     failed += [f"growth: {f}" for f in (results.get("growth") or {}).get("failures", [])]
     live = results.get("stream")
     if live and live.get("measured") and live["errors"]:
@@ -229,6 +239,10 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     metrics = results.get("metrics")
     if metrics and metrics.get("cost_pct") is not None:
         out.append(("metrics cost < 5%", f"{metrics['cost_pct']}%", metrics["cost_pct"] < 5))
+    traced = results.get("tracing")
+    if traced and traced.get("cost_pct") is not None:
+        out.append(("tracing cost <= 5% (SPEC 18)", f"{traced['cost_pct']}%",
+                    traced["cost_pct"] <= 5))
     fan = results.get("fanout")
     if fan and fan.get("all_covered_killed_s") is not None and fan["covered_runs"] >= 10000:
         out.append(("fan-out: 10,000 runs killed <= 2 s after the commit",
@@ -303,7 +317,8 @@ def summary(results: dict[str, Any]) -> str:
     for key, fmt in (("micro", micro_line), ("backtest", backtest_line), ("soak", soak_line),
                      ("killswitch", killswitch_line), ("fanout", fanout_line),
                      ("longrun", longrun_line),
-                     ("stream", live_line), ("metrics", metrics_line)):
+                     ("stream", live_line), ("metrics", metrics_line),
+                     ("tracing", tracing_line)):
         if key in results:
             lines.append(fmt(results[key]).strip())
     if "attacks" in results:
@@ -396,6 +411,7 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
             (r["real_over_min_durable"] for r in ratios(results, "long")
              if r["agents"] == TARGET_AGENTS), None),
         "metrics_cost_pct": (results.get("metrics") or {}).get("cost_pct"),
+        "tracing_cost_pct": (results.get("tracing") or {}).get("cost_pct"),
         "soak_rss_growth_pct": (results.get("soak") or {}).get("rss_growth_max_pct"),
         "killswitch_all_stopped_s": (results.get("killswitch") or {}).get(
             "all_covered_stopped_s"),

@@ -51,6 +51,9 @@ def base_env(**extra: str) -> dict[str, str]:
     # Metrics are switched on per server by the caller, never inherited by accident.
     env.pop("METRICS_TOKEN", None)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    # So is tracing (the tracing phase, bench/tracing.py): no OTEL_* of the caller's shell.
+    for name in [n for n in env if n.startswith("OTEL_")]:
+        env.pop(name)
     env.update(extra)
     return env
 

@@ -44,6 +44,7 @@ from django.http import HttpResponse, HttpResponseBase  # noqa: E402
 from django.urls import ResolverMatch, URLPattern, URLResolver, get_resolver  # noqa: E402
 from django.urls.exceptions import Resolver404  # noqa: E402
 
+from runs import telemetry  # noqa: E402
 from runs.check import edge  # noqa: E402
 
 from . import connections, pools  # noqa: E402
@@ -305,6 +306,8 @@ class Application(ResolvedOnce, ASGIHandler):
                                   settings.TRUSTED_PROXIES)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                # The spans and metrics this worker still holds (at most 2 s, SPEC 18).
+                await asyncio.to_thread(telemetry.flush)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

@@ -338,9 +338,10 @@ def _fresh_throttles() -> Iterator[None]:
         throttle.forget()
     # Rolled-back tests hand their ids out again on SQLite: a parsed policy cached by
     # version id in one test must not be another test's version of the same id.
-    from runs.check.policy_cache import rules_for_version
+    from runs.check.policy_cache import rules_for_version, version_label
 
     rules_for_version.cache_clear()
+    version_label.cache_clear()
     # A test that stopped the cache's Redis must not break the next one.
     with contextlib.suppress(Exception):
         cache.clear()

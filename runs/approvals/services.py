@@ -45,6 +45,7 @@ from governance.errors import AppError
 from governance_client import answers, rules
 from policies.models import Team
 from policies.services import audit
+from runs import telemetry
 from runs.approvals.selectors import iso
 from runs.check import metrics, records, run_memory, states
 from runs.check.policy_cache import rules_for_version
@@ -378,6 +379,7 @@ def _clean_note(note: str | None, *, required: bool) -> str:
     return text
 
 
+@telemetry.traced("governance.approval.decide", telemetry.describe_approval)
 def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note: str | None,
                     actor: AbstractBaseUser | None = None, actor_label: str | None = None
                     ) -> Approval:

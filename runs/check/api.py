@@ -34,7 +34,7 @@ from governance import fastjson
 from governance.errors import AppError
 from policies.services import agent_key_authenticate, agent_key_claim, agent_key_touch
 from policies.tokens import is_operator_token
-from runs import first_look
+from runs import first_look, telemetry
 from runs.approvals import selectors as approvals
 from runs.approvals.waits import (
     approval_waits,
@@ -200,11 +200,16 @@ _START_422 = ("`invalid_request`, `fields` naming each field at fault: the body 
                                        201: {"links": _RUN_LINKS},
                                        422: {"description": _START_422}}})
 def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
-    run, created = run_start(
-        key=request.auth, agent=payload.agent, policy=payload.policy, task=payload.task,
-        metadata=payload.metadata, external_id=payload.external_id,
-    )
-    body = selectors.run_json(run)
+    with telemetry.span("governance.start", meta=request.META,
+                        attributes={"governance.agent": payload.agent,
+                                    "gen_ai.agent.name": payload.agent}) as span:
+        run, created = run_start(
+            key=request.auth, agent=payload.agent, policy=payload.policy, task=payload.task,
+            metadata=payload.metadata, external_id=payload.external_id,
+        )
+        body = selectors.run_json(run)
+        if span is not None:
+            telemetry.annotate(span, _run_attributes(request, body, created=created))
     started = {k: body[k] for k in ("run_id", "agent", "started_at", "policy")}
     return Status(201 if created else 200, {**started, "status": run.status})
 
@@ -297,14 +302,31 @@ def _without_ninja_validation(run: Any) -> Any:
     def run_check_operation(request: HttpRequest, **path: Any) -> HttpResponseBase:
         started = time.perf_counter()
         received = time.monotonic()
-        try:
-            response = _serve_check(request, path["run_id"], received)
-        except Exception as exc:
-            response = api.on_exception(request, exc)
+        with telemetry.check_span(request.META) as trace:
+            try:
+                response = _serve_check(request, path["run_id"], received)
+            except Exception as exc:
+                response = api.on_exception(request, exc)
+            if trace is not None:
+                _traced_answer(request, trace, response)
         metrics.check_answered(time.perf_counter() - started)
         return response
 
     return run_check_operation
+
+
+def _traced_answer(request: HttpRequest, trace: telemetry.CheckTrace,
+                   response: HttpResponseBase) -> None:
+    """The check's answer (or its refusal's code) on its span (SPEC 18)."""
+    answer = getattr(request, "governance_answer", None)
+    code = None
+    if answer is None and isinstance(response, HttpResponse):
+        try:
+            code = json.loads(response.content).get("error", {}).get("code")
+        except Exception:
+            code = None
+    telemetry.check_answered(trace, name=getattr(request, "governance_action", None),
+                             status=response.status_code, answer=answer, error_code=code)
 
 
 @api.post("/runs/{run_id}/check", response={200: s.CheckOut, **ERRORS},
@@ -316,8 +338,10 @@ def check(request: HttpRequest, run_id: str, payload: s.CheckIn) -> HttpResponse
 
 
 def _check(request: HttpRequest, run_id: uuid.UUID, payload: s.CheckIn) -> HttpResponse:
+    request.governance_action = payload.action.name  # type: ignore[attr-defined]
     answer = run_check(claim=request.auth, run_id=run_id, check=payload.to_check(),
                        deadline=_deadline(request, payload.deadline_ms, payload.deadline_at))
+    request.governance_answer = answer  # type: ignore[attr-defined]
     return HttpResponse(fastjson.dumps(answer), content_type="application/json")
 
 
@@ -367,9 +391,26 @@ def upload_local_decisions(request: HttpRequest, run_id: str, payload: s.LocalDe
 @api.post("/runs/{run_id}/finish", response={200: s.RunOut, **ERRORS}, summary="Finish a run",
           operation_id="finish_run")
 def finish(request: HttpRequest, run_id: str, payload: s.FinishIn) -> dict[str, Any]:
-    run = run_finish(team=request.auth.team, run_id=_run_uuid(run_id), status=payload.status,
-                     output=payload.output, key_agent=request.auth.agent)
-    return selectors.run_json(run, now=timezone.now())
+    with telemetry.span("governance.finish", meta=request.META,
+                        attributes={"governance.run.id": run_id}) as span:
+        run = run_finish(team=request.auth.team, run_id=_run_uuid(run_id),
+                         status=payload.status, output=payload.output,
+                         key_agent=request.auth.agent)
+        body = selectors.run_json(run, now=timezone.now())
+        if span is not None:
+            telemetry.annotate(span, _run_attributes(request, body))
+    return body
+
+
+def _run_attributes(request: HttpRequest, body: dict[str, Any], created: bool | None = None
+                    ) -> dict[str, Any]:
+    """A run's span attributes (SPEC 18), from its API answer."""
+    policy = body.get("policy") or {}
+    return {"governance.run.id": body.get("run_id"), "governance.agent": body.get("agent"),
+            "gen_ai.agent.name": body.get("agent"), "governance.run.status": body.get("status"),
+            "governance.team": request.auth.team.slug, "governance.policy.name": policy.get("name"),
+            "governance.policy.version": policy.get("version"),
+            "governance.run.created": created}
 
 
 # --- Approvals (SPEC 11) -----------------------------------------------------------------------

@@ -23,7 +23,12 @@ Exported:
 - governance_approvals_pending{team}: approval requests waiting for a decision, counted in
   the database when scraped;
 - governance_approval_decision_seconds{team, status}: from request to settlement (approved,
-  denied, expired, cancelled), observed by the process that settled it.
+  denied, expired, cancelled), observed by the process that settled it;
+- governance_telemetry_dropped_spans_total{reason}: OpenTelemetry spans dropped (SPEC 18,
+  runs/telemetry.py): `queue_full` (the bounded queue of spans waiting for the exporter) or
+  `export_failed` (in a batch the collector did not take);
+- governance_telemetry_failed_exports_total{signal}: OTLP batches (`traces`, `metrics`) the
+  collector did not take (down, slow past the export timeout, or refusing); dropped.
 """
 
 from __future__ import annotations
@@ -75,6 +80,11 @@ class _Metrics:
         self.approval_seconds = Histogram("governance_approval_decision_seconds",
                                           "Time from an approval request to its settlement.",
                                           ["team", "status"], buckets=APPROVAL_BUCKETS)
+        self.telemetry_spans = Counter("governance_telemetry_dropped_spans",
+                                       "OpenTelemetry spans dropped, by reason.", ["reason"])
+        self.telemetry_exports = Counter("governance_telemetry_failed_exports",
+                                         "OTLP export batches the collector did not take.",
+                                         ["signal"])
 
 
 _metrics: _Metrics | None = None
@@ -130,6 +140,20 @@ def approval_decided(*, team: str, status: str, seconds: float) -> None:
             m.approval_seconds.labels(team, status).observe(max(0.0, seconds))
     except Exception:
         log.warning("metrics: could not record an approval's latency", exc_info=True)
+
+
+def telemetry_lost(*, spans: int, batches: int, signal: str, reason: str) -> None:
+    """OpenTelemetry dropped spans or batches (runs/telemetry.py); called on its exporting
+    threads, and on a request's when the span queue is full."""
+    try:
+        m = _get()
+        if m is not None:
+            if spans:
+                m.telemetry_spans.labels(reason).inc(spans)
+            if batches:
+                m.telemetry_exports.labels(signal).inc(batches)
+    except Exception:
+        log.warning("metrics: could not count dropped telemetry", exc_info=True)
 
 
 class ApprovalsCollector:

@@ -14,3 +14,11 @@ from policies.models import PolicyVersion
 def rules_for_version(version_id: int) -> Policy:
     document = PolicyVersion.objects.values_list("document", flat=True).get(pk=version_id)
     return Policy.from_document(document)
+
+
+@lru_cache(maxsize=4096)
+def version_label(version_id: int) -> tuple[str, int]:
+    """A version's policy name and number, for the check's span (SPEC 18): read once per
+    version and process, and only while tracing is on."""
+    name, number = PolicyVersion.objects.values_list("policy__name", "version").get(pk=version_id)
+    return name, number

@@ -468,6 +468,10 @@ class CheckOut(Schema):
     retry_after_s: float | None = Field(
         description="A wait only: seconds (> 0, to the millisecond) until every matching "
         "rate limit has room.")
+    trace_id: str | None = Field(
+        description="The OpenTelemetry trace (32 hex digits) the check's span "
+        "is in, the agent's own when it sent a `traceparent` (SPEC 18); null while tracing "
+        "is off on the server.")
     # Only in the replay of a check_id that a fail-open client decided itself and uploaded.
     local: bool | None = Field(default=None, description="True when the client decided this "
                                "check itself during an outage (an uploaded local decision).")

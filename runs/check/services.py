@@ -19,6 +19,7 @@ from governance.errors import AppError
 from governance_client import answers, rules
 from policies.models import Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
+from runs import telemetry
 from runs.approvals import services as approvals
 from runs.check import metrics, records, run_memory
 from runs.check.check_store import (
@@ -32,7 +33,7 @@ from runs.check.check_store import (
     StaleConnection,
     check_transaction,
 )
-from runs.check.policy_cache import rules_for_version
+from runs.check.policy_cache import rules_for_version, version_label
 from runs.check.records import DecisionRow, kill_detail
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
@@ -183,6 +184,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
     with check_transaction(portable=portable) as tx:
         read = _lock_and_read(tx, claim=claim, run_id=run_id, check=check)
         run, loaded, policy = read.run, read.state, read.policy
+        trace_id = _traced(read)
         if isinstance(tx, PostgresCheck) and _involves_approvals(
                 policy, loaded, read.locked.earlier_answer, check.name):
             raise _Portable()
@@ -195,6 +197,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
         decision, new_state, answer, check_id = _decide(
             policy, state, check, kill=kill, windows=windows, key=read.keyed.key, now=now,
             deadline=deadline)
+        if trace_id is not None:  # the audit record keeps the trace its decision is in
+            answer = {**answer, "trace_id": trace_id}
         args = rules.redact(check.args, policy.redact_args)
         rows.append(_record(decision, new_state, check, check_id=check_id, args=args,
                             answer=answer, now=now))
@@ -213,6 +217,17 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
                 pattern=rules.approval_pattern(policy, check.name) or "", decision_id=decision_id)
     _after_commit(read, decision, windows, db_seconds=tx.db_seconds)
     return {**answer, "decision_id": decision_id}
+
+
+def _traced(read: _Read) -> str | None:
+    """The run's facts on the check's span (SPEC 18), and its trace id; None, at the cost
+    of one context lookup, while tracing is off."""
+    trace_id = telemetry.check_trace_id()
+    if trace_id is not None:
+        run = read.run
+        telemetry.check_facts(run_id=run.id, team=read.locked.team_slug, agent=run.agent,
+                              policy=version_label(run.policy_version_id))
+    return trace_id
 
 
 def _lock_and_read(tx: CheckTransaction, *, claim: KeyClaim, run_id: uuid.UUID,
@@ -365,6 +380,8 @@ def _after_commit(read: _Read, decision: rules.Decision, windows: list[rules.Rat
     locked = read.locked
     metrics.decision_made(team=locked.team_slug, outcome=decision.outcome,
                           reason=decision.reason, db_seconds=db_seconds)
+    telemetry.decision_made(team=locked.team_slug, outcome=decision.outcome,
+                            reason=decision.reason)
     if decision.outcome == rules.WAIT or (decision.shadow or {}).get("reason") == \
             rules.RATE_LIMITED:
         limited = rules.rate_wait(windows)

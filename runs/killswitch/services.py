@@ -24,6 +24,7 @@ from governance.errors import AppError
 from governance_client import rules
 from policies.models import Team
 from policies.services import audit
+from runs import telemetry
 from runs.killswitch import cover
 from runs.killswitch.fanout import killswitch_fanout
 from runs.killswitch.selectors import engaged_switch
@@ -162,6 +163,7 @@ def _enqueue_fanout(switch_id: int) -> None:
                      while_down=partial(_run_fanout_here, switch_id))
 
 
+@telemetry.traced("governance.killswitch.engage", telemetry.describe_switch)
 def killswitch_engage(
     *, scope: str, team: Team | None = None, agent: str = "", run: Run | None = None,
     reason: str, actor: AbstractBaseUser | None = None, actor_label: str | None = None,
@@ -208,6 +210,7 @@ def killswitch_engage(
     return switch
 
 
+@telemetry.traced("governance.killswitch.release", telemetry.describe_switch)
 def killswitch_release(
     *, scope: str, team: Team | None = None, agent: str = "", run: Run | None = None,
     reason: str, actor: AbstractBaseUser | None = None, actor_label: str | None = None,

@@ -32,6 +32,11 @@ from .local import LocalLedger, LocalLimits, make_check
 
 logger = logging.getLogger("governance_client")
 
+try:  # optional (the `otel` extra): without it, no trace context is sent
+    from opentelemetry import propagate as _otel_propagate
+except ImportError:  # pragma: no cover - exercised where opentelemetry-api is absent
+    _otel_propagate = None
+
 FailMode = Literal["closed", "open"]
 ActionType = Literal["tool", "llm", "other"]
 FinishStatus = Literal["completed", "failed", "stopped"]
@@ -103,6 +108,22 @@ class Settings:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}", "Accept": "application/json"}
+
+
+def traced_headers(headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` with the current OpenTelemetry context's ``traceparent`` (and
+    ``tracestate``, baggage: whatever the configured propagators write) when
+    opentelemetry-api is installed and a span is active, so the service's span for this
+    request is its child (SPEC 18): the decision nests under the framework's tool span."""
+    if _otel_propagate is None:
+        return headers
+    carrier: dict[str, str] = {}
+    try:
+        _otel_propagate.inject(carrier)
+    except Exception:  # a broken propagator must not break a check
+        logger.debug("could not read the OpenTelemetry context", exc_info=True)
+        return headers
+    return {**headers, **carrier} if carrier else headers
 
 
 # -- Retries ----------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from ._core import (
     result_digest,
     retry_policy,
     start_body,
+    traced_headers,
 )
 from ._transport import AsyncSleep, asend_once, async_sleep
 from .decision import DEADLINE_EXPIRED, Decision
@@ -249,6 +250,7 @@ class AsyncGovernanceClient:
         budget = self.settings.deadline if deadline is None else deadline
         ends = time.monotonic() + budget
         url = self.settings.base_url + path
+        headers = traced_headers(self.settings.headers)  # the caller's trace context, now
         attempts = 0
 
         async def attempt() -> httpx.Response:
@@ -262,7 +264,7 @@ class AsyncGovernanceClient:
                 response = await asend_once(
                     self._http, method, url, timeout,
                     json=body(remaining) if body is not None else None,
-                    params=params, headers=self.settings.headers,
+                    params=params, headers=headers,
                 )
             except httpx.TransportError as exc:
                 raise classify_error(exc, replay_safe=replay_safe) from exc

@@ -19,6 +19,8 @@ from governance_client import rules
 ANSWER_DEFAULTS: dict[str, Any] = {
     "directive": None, "shadow": None, "approval": None, "retry_after_s": None,
 }
+# SPEC 18: the trace the check's span is in (the server sets it while tracing is on).
+ANSWER_DEFAULTS["trace_id"] = None
 
 # The fields of an answer that depend on the run; the rest of a kill's answer is the same
 # for every run one switch kills (the fan-out's SQL adds these to `kill_answer_fixed`).
@@ -28,6 +30,7 @@ PER_RUN = ("step", "usage", "limits")
 def answer(decision: rules.Decision, *, usage: Any, limits: Any) -> dict[str, Any]:
     """The answer to a check the rules decided: every field of SPEC 15."""
     return {
+        "trace_id": None,  # SPEC 18: the server's check sets it while tracing is on
         "decision": decision.answer,
         "reason": decision.reason,
         "step": decision.step,

@@ -50,6 +50,7 @@ from ._core import (
     result_digest,
     retry_policy,
     start_body,
+    traced_headers,
 )
 from ._transport import Sleep, send_once, sync_sleep
 from .decision import DEADLINE_EXPIRED, Decision
@@ -250,6 +251,7 @@ class GovernanceClient:
         budget = self.settings.deadline if deadline is None else deadline
         ends = time.monotonic() + budget
         url = self.settings.base_url + path
+        headers = traced_headers(self.settings.headers)  # the caller's trace context, now
         attempts = 0
 
         def attempt() -> httpx.Response:
@@ -263,7 +265,7 @@ class GovernanceClient:
                 response = send_once(
                     self._http, method, url, timeout,
                     json=body(remaining) if body is not None else None,
-                    params=params, headers=self.settings.headers,
+                    params=params, headers=headers,
                 )
             except httpx.TransportError as exc:
                 raise classify_error(exc, replay_safe=replay_safe) from exc

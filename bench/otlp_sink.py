@@ -1,0 +1,68 @@
+"""A local OTLP/HTTP receiver for the benchmark's tracing phase (bench/tracing.py), in its own
+process so that decoding what the server exports takes no time from the load generator.
+
+    python -m bench.otlp_sink PORT
+
+It decodes each protobuf request (ExportTraceServiceRequest, ExportMetricsServiceRequest),
+counts the spans and the metric requests, and answers GET /count with them as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+counts = {"spans": 0, "span_requests": 0, "metric_requests": 0, "check_spans": 0}
+lock = threading.Lock()
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path == "/v1/traces":
+            request = ExportTraceServiceRequest.FromString(body)
+            spans = [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+            with lock:
+                counts["spans"] += len(spans)
+                counts["check_spans"] += sum(s.name.startswith("governance.check") for s in spans)
+                counts["span_requests"] += 1
+            answer = ExportTraceServiceResponse().SerializeToString()
+        elif self.path == "/v1/metrics":
+            ExportMetricsServiceRequest.FromString(body)
+            with lock:
+                counts["metric_requests"] += 1
+            answer = ExportMetricsServiceResponse().SerializeToString()
+        else:
+            self.send_error(404)
+            return
+        self._answer(answer, "application/x-protobuf")
+
+    def do_GET(self) -> None:
+        with lock:
+            self._answer(json.dumps(counts).encode(), "application/json")
+
+    def _answer(self, body: bytes, kind: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
