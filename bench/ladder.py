@@ -155,6 +155,59 @@ def lines(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def interface_attacks(team: sc.Team, *, workers: int, threads: int, agents: int, rounds: int,
+                      seconds: float, warmup: float,
+                      names: tuple[str, ...] = ("slow_bodies", "unfinished_headers")
+                      ) -> dict[str, Any]:
+    """Whether granian's WSGI interface holds SPEC 10's slow-client attacks: the wsgi-min
+    rung at `agents` agents without and with each attack, alternating slices. A WSGI
+    application reads its body on its own thread: if granian handed a request over before
+    its body had arrived, 200 slow bodies would hold every blocking thread, and the valid
+    checks would stop."""
+    from . import attacks as at
+
+    out: dict[str, Any] = {}
+    shape = {"workers": workers, "threads": threads}
+    with stack.Server(**shape) as product, \
+            stack.RawServer(interface="wsgi", **shape) as wsgi:
+        servers: dict[str, stack.Server] = {"wsgi-min": wsgi}
+        sc.run_slice(product, team, scenario="wsgi-min", agents=8, seconds=1.5, warmup=0.5,
+                     mode=sc.CHECKS, check_servers=servers)
+        for name in names:
+            slices: dict[str, list[sc.Slice]] = {"without": [], "with": []}
+            seen = []
+            for _ in range(rounds):
+                slices["without"].append(sc.run_slice(
+                    product, team, scenario="wsgi-min", agents=agents, seconds=seconds,
+                    warmup=warmup, mode=sc.CHECKS, check_servers=servers))
+                sc.reset_runs()
+                with at.running(at.ATTACKS[name], at.Target(port=wsgi.port),
+                                settle=1.5) as stats:
+                    slices["with"].append(sc.run_slice(
+                        product, team, scenario="wsgi-min", agents=agents, seconds=seconds,
+                        warmup=warmup, mode=sc.CHECKS, check_servers=servers, reset=False))
+                seen.append({"most_open": stats.most_open, "answers": dict(stats.answers),
+                             "closed_by_server": stats.closed_by_server})
+            without = sc.summarize(slices["without"], scenario="wsgi-min", agents=agents)
+            under = sc.summarize(slices["with"], scenario="wsgi-min", agents=agents)
+            out[name] = {
+                "without": {k: without[k] for k in ("checks_per_s", "p50_ms", "p99_ms")},
+                "with": {k: under[k] for k in ("checks_per_s", "p50_ms", "p99_ms")},
+                "p99_ratio": round(under["p99_ms"] / without["p99_ms"], 2)
+                if without["p99_ms"] else None,
+                "errors": without["errors"] + under["errors"],
+                "error_kinds": {**without["error_kinds"], **under["error_kinds"]},
+                "agents_starved": max(without["agents_starved"], under["agents_starved"]),
+                "attack": seen,
+            }
+            print(f"  granian WSGI under {name}: p99 {under['p99_ms']} ms against "
+                  f"{without['p99_ms']} without ({out[name]['p99_ratio']}x); checks/s "
+                  f"{under['checks_per_s']} against {without['checks_per_s']}; errors "
+                  f"{out[name]['errors']}, agents starved {out[name]['agents_starved']}; "
+                  f"attack {seen}", flush=True)
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ladder", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,6 +217,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--rungs", default=",".join(RUNGS))
+    parser.add_argument("--attacks", action="store_true",
+                        help="instead of the ladder: the wsgi-min rung under the slow-body "
+                             "and unfinished-header attacks (SPEC 10), alternating slices")
     args = parser.parse_args(argv)
     rungs = tuple(r for r in args.rungs.split(",") if r)
     unknown = set(rungs) - set(RUNGS)
@@ -174,6 +230,12 @@ def main(argv: list[str]) -> int:
     stack.setup_django()
     stack.create_minimal_tables()
     team = sc.seed_team("bench-long", policy=sc.LONG_POLICY)
+    if args.attacks:
+        held = interface_attacks(team, workers=args.workers, threads=args.threads,
+                                 agents=int(args.agents.split(",")[0]), rounds=args.rounds,
+                                 seconds=args.seconds, warmup=1.0)
+        return 0 if all(not r["errors"] and not r["agents_starved"]
+                        for r in held.values()) else 1
     result = measure(team, workers=args.workers, threads=args.threads,
                      agents=[int(a) for a in args.agents.split(",") if a],
                      rounds=args.rounds, seconds=args.seconds, warmup=1.0, rungs=rungs)
