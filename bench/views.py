@@ -90,15 +90,21 @@ async def wait(request: HttpRequest) -> HttpResponse:
 
 
 # --- The ladder's rungs on the product's server (bench/ladder.py, issue 33) ------------------
-# Each does the minimal durable check the fastest way (bench/minimal/fast.py), one statement,
-# behind one more layer of what the real check does: under /api/ they pass the API's
+# Each does the minimal durable check the fastest way (bench/minimal/fast.py: one statement,
+# prepared, on a psycopg connection of the thread's own, `_psycopg`) behind one more layer of
+# what the real check does: under /api/ they pass the API's
 # middleware and its pool's housekeeping; `fast_auth` adds the bearer key (parsed and hashed
 # as the check does, looked up in the statement); `fast_valid` adds the check's body parsing
 # and validation (CheckIn) on top.
 
 def _psycopg() -> object:
-    connection.ensure_connection()
-    return connection.connection
+    # A psycopg connection of this thread's own, as the raw rungs use: Django's connections
+    # have psycopg's prepared statements off (prepare_threshold None), so the statement would
+    # be planned at every check on these rungs only and the difference would not be the
+    # layer's. Django's housekeeping still runs on its own connection.
+    from bench.minimal import fast
+
+    return fast.thread_connection()
 
 
 def _answer(status: int, body: bytes) -> HttpResponse:

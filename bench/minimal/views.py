@@ -79,6 +79,7 @@ def fast_durable(request: HttpRequest, run_id: str) -> HttpResponse:
     the ladder's rung of Django's request cycle (bench/ladder.py)."""
     from bench.minimal import fast
 
-    connection.ensure_connection()
-    status, answer = fast.durable(connection.connection, run_id, request.body)
+    # The thread's own psycopg connection, prepared statements on (Django's have them off):
+    # bench/views.py `_psycopg`.
+    status, answer = fast.durable(fast.thread_connection(), run_id, request.body)
     return HttpResponse(answer, status=status, content_type=JSON)
