@@ -24,7 +24,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="short phases: proves the benchmark and the audit invariant "
-                             "(CI), about 3 minutes")
+                             "(CI), about 5 minutes")
     parser.add_argument("--agents", default="1,8,32,128",
                         help="comma-separated concurrency points (default 1,8,32,128)")
     parser.add_argument("--seconds", type=float,
