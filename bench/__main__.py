@@ -16,15 +16,15 @@ from . import report, stack
 from . import scenarios as sc
 from .report import TARGET_AGENTS
 
-PHASES = ("micro", "backtest", "points", "soak", "killswitch", "fanout", "longrun", "stream",
-          "attacks", "metrics", "tracing", "ratelimit", "growth", "retention")
+PHASES = ("micro", "backtest", "points", "ladder", "soak", "killswitch", "fanout", "longrun",
+          "stream", "attacks", "metrics", "tracing", "ratelimit", "growth", "retention")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="short phases: proves the benchmark and the audit invariant "
-                             "(CI), about 3 minutes")
+                             "(CI), about 5 minutes")
     parser.add_argument("--agents", default="1,8,32,128",
                         help="comma-separated concurrency points (default 1,8,32,128)")
     parser.add_argument("--seconds", type=float,
@@ -125,6 +125,18 @@ def main(argv: list[str]) -> int:
             finally:
                 if minimal is not None:
                     minimal.stop()
+        if "ladder" in phases:
+            from . import ladder
+
+            # The real check against the minimal durable check served the fastest way, and
+            # each layer between them (issue 33); its own servers beside this one.
+            results["ladder"] = ladder.measure(
+                sc.seed_team("bench-ladder", policy=sc.LONG_POLICY), workers=args.workers,
+                threads=threads, agents=[TARGET_AGENTS] if quick else [TARGET_AGENTS, 1],
+                rounds=rounds, seconds=seconds / rounds,
+                warmup=warmup, server=server)
+            for line in ladder.lines(results["ladder"]):
+                print(line, flush=True)
         if "soak" in phases:
             results["soak"] = sc.soak(server, team, agents=32, seconds=soak_seconds,
                                       sample_every=max(1.0, soak_seconds / 30))

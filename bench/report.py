@@ -157,7 +157,7 @@ def ratios(results: dict[str, Any], mode: str = "mix") -> list[dict[str, Any]]:
 def correctness(results: dict[str, Any]) -> list[str]:
     """Every failed correctness check, in words (empty: all held)."""
     failed = []
-    for p in results["points"]:
+    for p in results["points"] + (results.get("ladder") or {}).get("points", []):
         if p["errors"]:
             failed.append(f"{p['scenario']} at {p['agents']} agents: {p['errors']} errors "
                           f"{p['error_kinds']}")
@@ -232,6 +232,20 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     if real:
         out.append(("p99 <= 50 ms at 32 agents", f"{real['p99_ms']} ms", real["p99_ms"] <= 50))
         out.append(("0 errors at 32 agents", str(real["errors"]), real["errors"] == 0))
+    head = (results.get("ladder") or {}).get("headline") or {}
+    n = TARGET_AGENTS
+    if head.get(f"real_over_wsgi_min_{n}") is not None:
+        out.append((f"real >= 0.7 x the minimal durable check served the fastest way (WSGI) "
+                    f"at {n} agents", f"{head[f'real_over_wsgi_min_{n}']}x (old baseline: "
+                    f"{head.get(f'real_over_min_durable_{n}')}x)",
+                    head[f"real_over_wsgi_min_{n}"] >= 0.7))
+        out.append((f"real p99 <= 1.5 x the fastest minimal's at {n} agents",
+                    f"{head[f'p99_real_over_wsgi_min_{n}']}x",
+                    head[f"p99_real_over_wsgi_min_{n}"] <= 1.5))
+    if head.get("p50_real_over_wsgi_min_1") is not None:
+        out.append(("one agent alone: real p50 <= 1.3 x the fastest minimal's",
+                    f"{head['p50_real_over_wsgi_min_1']}x",
+                    head["p50_real_over_wsgi_min_1"] <= 1.3))
     soak = results.get("soak")
     if soak:
         out.append(("worker RSS growth <= 10% in the soak", f"{soak['rss_growth_max_pct']}%",
@@ -327,6 +341,11 @@ def summary(results: dict[str, Any]) -> str:
         from .retention import line as retention_line
 
         lines.append(retention_line(results["retention"]).strip())
+    if "ladder" in results:
+        from .ladder import lines as ladder_lines
+
+        lines.append("")
+        lines.extend(ladder_lines(results["ladder"]))
     lines.append("")
     lines.append("targets:")
     for name, measured, met in targets(results):
@@ -410,6 +429,7 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
         "real_over_min_durable_32_long": next(
             (r["real_over_min_durable"] for r in ratios(results, "long")
              if r["agents"] == TARGET_AGENTS), None),
+        "ladder": (results.get("ladder") or {}).get("headline"),
         "metrics_cost_pct": (results.get("metrics") or {}).get("cost_pct"),
         "tracing_cost_pct": (results.get("tracing") or {}).get("cost_pct"),
         "soak_rss_growth_pct": (results.get("soak") or {}).get("rss_growth_max_pct"),

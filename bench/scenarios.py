@@ -34,6 +34,19 @@ CHECK_PATHS: dict[str, ag.CheckPath] = {
     MIN_DURABLE: lambda run_id: f"/runs/{run_id}/durable",
     MIN_BARE: lambda run_id: f"/runs/{run_id}/bare",
 }
+# The ladder (bench/ladder.py, issue 33): the one-statement minimal durable check
+# (bench/minimal/fast.py) behind one more layer at each rung, then the real check. Each
+# rung's checks go to the server `run_slice` is given for it in `check_servers`.
+LADDER_PATHS: dict[str, ag.CheckPath] = {
+    "wsgi-min": lambda run_id: f"/runs/{run_id}/durable",
+    "asgi-min": lambda run_id: f"/runs/{run_id}/inline",
+    "asgi-pool": lambda run_id: f"/runs/{run_id}/pool",
+    "django-cycle": lambda run_id: f"/runs/{run_id}/fast",
+    "api-middleware": lambda run_id: f"/api/bench/runs/{run_id}/fast",
+    "auth": lambda run_id: f"/api/bench/runs/{run_id}/fast-auth",
+    "validation": lambda run_id: f"/api/bench/runs/{run_id}/fast-valid",
+}
+CHECK_PATHS.update(LADDER_PATHS, **{"real-metrics": ag.real_check_path})
 MIX, CHECKS = "mix", "checks"  # start-checks-finish runs; or runs already started, checks only
 # Checks only, one long slice per endpoint (a point of its own in the results): what the
 # short alternating slices hide, a cost that grows as the runs do (docs/performance.md "Two
@@ -132,7 +145,7 @@ class Slice:
 
 def run_slice(server: Server, team: Team, *, scenario: str, agents: int, seconds: float,
               warmup: float, minimal: Server | None = None, mode: str = MIX,
-              reset: bool = True) -> Slice:
+              reset: bool = True, check_servers: dict[str, Server] | None = None) -> Slice:
     """`agents` agents for `seconds` against one check endpoint, from empty run tables (unless
     the caller emptied them already); the audit rows written are counted against the
     decisions the agents received. A minimal scenario sends its checks to `minimal`, the
@@ -141,10 +154,15 @@ def run_slice(server: Server, team: Team, *, scenario: str, agents: int, seconds
         reset_runs()
     before = max_decision_id()
     check_server = minimal if scenario in MINIMAL else None
+    if check_servers and scenario in check_servers:
+        check_server = check_servers[scenario]
+        if check_server is server:
+            check_server = None
     if scenario in MINIMAL and minimal is None:
         raise ValueError(f"{scenario} needs the minimal baseline's server")
     opts = ag.AgentOptions(host="127.0.0.1", port=server.port, token=team.token,
-                           check_path=CHECK_PATHS[scenario], verify_answers=scenario == REAL,
+                           check_path=CHECK_PATHS[scenario],
+                           verify_answers=scenario.startswith(REAL),
                            check_port=check_server.port if check_server else None,
                            checks_only=mode == CHECKS)
 

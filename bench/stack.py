@@ -339,3 +339,29 @@ def machine_description() -> dict[str, Any]:
         "postgresql": pg_version,
         "load_average_at_start": os.getloadavg()[0],
     }
+
+
+@dataclass
+class RawServer(Server):
+    """A bench-only application without any framework (bench/minimal/wsgi_raw.py or
+    asgi_raw.py) under granian, the same worker count and flags as `manage.py serve` but the
+    interface: WSGI with ``threads`` blocking threads per worker, or ASGI (issue 33)."""
+
+    interface: str = "wsgi"
+
+    def command(self) -> list[str]:
+        from runs.management.commands.serve import granian_argv
+
+        granian = str(Path(sys.executable).with_name("granian"))
+        module = "bench.minimal.wsgi_raw:application" if self.interface == "wsgi" \
+            else "bench.minimal.asgi_raw:application"
+        argv = granian_argv(granian, module, host="127.0.0.1", port=self.port,
+                            workers=self.workers, max_connections=2048)
+        argv[argv.index("--interface") + 1] = self.interface
+        if self.interface == "wsgi":
+            argv[-1:-1] = ["--blocking-threads", str(self.threads)]
+        return argv
+
+    def start(self) -> Server:
+        self.extra_env = {**self.extra_env, "WEB_THREADS": str(self.threads)}
+        return super().start()

@@ -15,6 +15,9 @@ from . import views
 urlpatterns = [
     path("api/bench/runs/<str:run_id>/bare", views.bare, name="bench-bare"),
     path("api/bench/runs/<str:run_id>/durable", views.durable, name="bench-durable"),
+    path("api/bench/runs/<str:run_id>/fast", views.fast_durable, name="bench-fast"),
+    path("api/bench/runs/<str:run_id>/fast-auth", views.fast_auth, name="bench-fast-auth"),
+    path("api/bench/runs/<str:run_id>/fast-valid", views.fast_valid, name="bench-fast-valid"),
     path("api/bench/wait", views.wait, name="bench-wait"),
     path("", include("governance.urls")),
 ]

@@ -87,3 +87,64 @@ async def wait(request: HttpRequest) -> HttpResponse:
     await asyncio.sleep(seconds)
     runs = await api_thread(_count_runs)()
     return JsonResponse({"waited_s": seconds, "runs": runs})
+
+
+# --- The ladder's rungs on the product's server (bench/ladder.py, issue 33) ------------------
+# Each does the minimal durable check the fastest way (bench/minimal/fast.py: one statement,
+# prepared, on a psycopg connection of the thread's own, `_psycopg`) behind one more layer of
+# what the real check does: under /api/ they pass the API's
+# middleware and its pool's housekeeping; `fast_auth` adds the bearer key (parsed and hashed
+# as the check does, looked up in the statement); `fast_valid` adds the check's body parsing
+# and validation (CheckIn) on top.
+
+def _psycopg() -> object:
+    # A psycopg connection of this thread's own, as the raw rungs use: Django's connections
+    # have psycopg's prepared statements off (prepare_threshold None), so the statement would
+    # be planned at every check on these rungs only and the difference would not be the
+    # layer's. Django's housekeeping still runs on its own connection.
+    from bench.minimal import fast
+
+    return fast.thread_connection()
+
+
+def _answer(status: int, body: bytes) -> HttpResponse:
+    return HttpResponse(body, status=status, content_type="application/json")
+
+
+@csrf_exempt
+def fast_durable(request: HttpRequest, run_id: str) -> HttpResponse:
+    from bench.minimal import fast
+
+    return _answer(*fast.durable(_psycopg(), run_id, request.body))
+
+
+def _claim(request: HttpRequest) -> object:
+    from policies.services import agent_key_claim
+    from runs.check.edge import bearer_token
+
+    token = bearer_token(request.META.get("HTTP_AUTHORIZATION"))
+    return agent_key_claim(token) if token else None
+
+
+@csrf_exempt
+def fast_auth(request: HttpRequest, run_id: str) -> HttpResponse:
+    from bench.minimal import fast
+
+    claim = _claim(request)
+    if claim is None:
+        return _answer(401, fast.UNAUTHORIZED)
+    return _answer(*fast.durable(_psycopg(), run_id, request.body, claim=claim))
+
+
+@csrf_exempt
+def fast_valid(request: HttpRequest, run_id: str) -> HttpResponse:
+    from bench.minimal import fast
+    from runs.check.api import _reject_constant
+    from runs.check.schemas import CheckIn
+
+    claim = _claim(request)
+    if claim is None:
+        return _answer(401, fast.UNAUTHORIZED)
+    data = json.loads(request.body, parse_constant=_reject_constant)
+    CheckIn.model_validate(data).to_check()
+    return _answer(*fast.durable(_psycopg(), run_id, request.body, claim=claim, parsed=data))

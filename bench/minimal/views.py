@@ -72,3 +72,14 @@ def durable(request: HttpRequest, run_id: str) -> HttpResponse:
         ])
         (decision_id,) = cursor.fetchone()
     return HttpResponse(json.dumps({**answer, "decision_id": decision_id}), content_type=JSON)
+
+
+def fast_durable(request: HttpRequest, run_id: str) -> HttpResponse:
+    """The one-statement minimal durable check (bench/minimal/fast.py) in this application:
+    the ladder's rung of Django's request cycle (bench/ladder.py)."""
+    from bench.minimal import fast
+
+    # The thread's own psycopg connection, prepared statements on (Django's have them off):
+    # bench/views.py `_psycopg`.
+    status, answer = fast.durable(fast.thread_connection(), run_id, request.body)
+    return HttpResponse(answer, status=status, content_type=JSON)

@@ -1,0 +1,249 @@
+"""`python -m bench.ladder` (and `make bench`'s `ladder` phase): the real check against the
+minimal durable check served the fastest way this stack allows, and what each layer between
+them costs, measured (issue 33).
+
+A ladder of endpoints, each adding one layer to the one before; every rung up to the real
+check runs the same one-statement minimal durable check (bench/minimal/fast.py: the run's
+UPDATE ... RETURNING, the repeat-count upsert and the audit INSERT, one round trip):
+
+- wsgi-min: granian WSGI, a raw WSGI application (bench/minimal/wsgi_raw.py): the floor;
+- asgi-min: granian ASGI, a raw ASGI application, the statement on the event loop: the
+  ASGI interface;
+- asgi-pool: the same, the statement on a thread pool: the hand-off from the loop to a
+  thread and back;
+- django-cycle: the product's ASGI application class with minimal settings (no middleware):
+  Django's request cycle (request object, URL resolution, request_started / finished and
+  the connection housekeeping);
+- api-middleware: the product's server (`manage.py serve`) under /api/: the API's
+  middleware chain and its pool;
+- auth: the bearer key, parsed and hashed as the check does, looked up in the statement;
+- validation: the check's body parsing and validation (CheckIn);
+- real: the real check: ninja's dispatch, the check's two round trips and statements, the
+  rules, the answer's serialisation, the key's last use, live-event publishing;
+- real-metrics: the product's server with METRICS_TOKEN: the metrics.
+
+The rungs are measured in alternating slices, runs already started (checks only), at 32
+agents and one agent, with the old baseline (`min-durable`, three statements under the
+product's application class) in the same rounds, so the old ratio stands beside the new.
+What one layer costs is the difference of two rungs: in the workers' and PostgreSQL's CPU per
+check (what a noisy neighbour disturbs least), in the time per check at 32 agents (1 /
+throughput: capacity) and in the p50 of one agent alone (latency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import sys
+from typing import Any
+
+from . import report, stack
+from . import scenarios as sc
+
+RUNGS = ("wsgi-min", "asgi-min", "asgi-pool", "django-cycle", "api-middleware", "auth",
+         "validation", "real", "real-metrics")
+OLD = "min-durable"
+
+
+def measure(team: sc.Team, *, workers: int, threads: int, agents: list[int], rounds: int,
+            seconds: float, warmup: float, server: stack.Server | None = None,
+            rungs: tuple[str, ...] = RUNGS) -> dict[str, Any]:
+    """Every rung (and the old baseline) at each concurrency of `agents`, `rounds` slices
+    each, alternating."""
+    shape = {"workers": workers, "threads": threads}
+    with contextlib.ExitStack() as stack_:
+        product = server or stack_.enter_context(stack.Server(**shape))
+        servers: dict[str, stack.Server] = {}
+        if "wsgi-min" in rungs:
+            servers["wsgi-min"] = stack_.enter_context(stack.RawServer(interface="wsgi",
+                                                                       **shape))
+        if {"asgi-min", "asgi-pool"} & set(rungs):
+            raw_asgi = stack_.enter_context(stack.RawServer(interface="asgi", **shape))
+            servers["asgi-min"] = servers["asgi-pool"] = raw_asgi
+        minimal = stack_.enter_context(stack.MinimalServer(**shape))
+        servers["django-cycle"] = servers[OLD] = minimal
+        if "real-metrics" in rungs:
+            servers["real-metrics"] = stack_.enter_context(
+                stack.Server(metrics=True, **shape))
+        plan = [r for r in rungs] + [OLD]
+        for rung in plan:  # imports, connections, prepared statements
+            sc.run_slice(product, team, scenario=rung, agents=8, seconds=1.5, warmup=0.5,
+                         minimal=minimal, mode=sc.CHECKS, check_servers=servers)
+        points: list[dict[str, Any]] = []
+        for n in agents:
+            slices: dict[str, list[sc.Slice]] = {r: [] for r in plan}
+            for _ in range(rounds):
+                for rung in plan:
+                    slices[rung].append(sc.run_slice(
+                        product, team, scenario=rung, agents=n, seconds=seconds,
+                        warmup=warmup, minimal=minimal, mode=sc.CHECKS,
+                        check_servers=servers))
+            for rung in plan:
+                point = sc.summarize(slices[rung], scenario=rung, agents=n, mode="ladder")
+                points.append(point)
+                print(report.point_line(point), flush=True)
+    return {"agents": agents, "rounds": rounds, "seconds_per_slice": seconds,
+            "rungs": list(rungs), "points": points, "layers": layers(points, rungs),
+            "headline": headline(points)}
+
+
+def _at(points: list[dict[str, Any]], scenario: str, agents: int) -> dict[str, Any] | None:
+    return next((p for p in points if p["scenario"] == scenario and p["agents"] == agents),
+                None)
+
+
+def layers(points: list[dict[str, Any]], rungs: tuple[str, ...] = RUNGS
+           ) -> list[dict[str, Any]]:
+    """What each rung adds to the one below it, per check."""
+    out = []
+    many = max(p["agents"] for p in points)
+    one = min(p["agents"] for p in points)
+    for below, rung in itertools.pairwise(rungs):
+        a, b = _at(points, below, many), _at(points, rung, many)
+        a1, b1 = _at(points, below, one), _at(points, rung, one)
+        if a is None or b is None:
+            continue
+        out.append({
+            "layer": rung,
+            "worker_cpu_us": round((b["server_cpu_ms_per_check"]
+                                    - a["server_cpu_ms_per_check"]) * 1000),
+            "postgres_cpu_us": round((b["postgres_cpu_ms_per_check"]
+                                      - a["postgres_cpu_ms_per_check"]) * 1000),
+            f"time_per_check_us_at_{many}": round(1e6 / b["checks_per_s"]
+                                                  - 1e6 / a["checks_per_s"])
+            if a["checks_per_s"] and b["checks_per_s"] else None,
+            f"p50_us_at_{one}": round((b1["p50_ms"] - a1["p50_ms"]) * 1000)
+            if a1 and b1 and one != many else None,
+        })
+    return out
+
+
+def headline(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """The targets of issue 33: real / wsgi-min at 32 agents (>= 0.7 this round), its p99
+    within 1.5x, one agent alone within 1.3x of the minimal's p50; and the old ratio."""
+    out: dict[str, Any] = {}
+    for n in sorted({p["agents"] for p in points}):
+        real, fastest, old = _at(points, "real", n), _at(points, "wsgi-min", n), \
+            _at(points, OLD, n)
+        if real is None:
+            continue
+        if fastest:
+            out[f"real_over_wsgi_min_{n}"] = round(real["checks_per_s"]
+                                                   / fastest["checks_per_s"], 2)
+            out[f"p99_real_over_wsgi_min_{n}"] = round(real["p99_ms"] / fastest["p99_ms"], 2)
+            out[f"p50_real_over_wsgi_min_{n}"] = round(real["p50_ms"] / fastest["p50_ms"], 2)
+        if old:
+            out[f"real_over_min_durable_{n}"] = round(real["checks_per_s"]
+                                                      / old["checks_per_s"], 2)
+    return out
+
+
+def lines(result: dict[str, Any]) -> list[str]:
+    many = max(result["agents"])
+    one = min(result["agents"])
+    out = [f"ladder, runs already started, {result['rounds']} alternating slices of "
+           f"{result['seconds_per_slice']:g} s (what each layer adds per check):",
+           f"  {'layer':15} {'worker CPU us':>13} {'PostgreSQL us':>13} "
+           f"{'time/check us @' + str(many):>18} {'p50 us @' + str(one):>12}"]
+    for layer in result["layers"]:
+        out.append(f"  {layer['layer']:15} {layer['worker_cpu_us']:13} "
+                   f"{layer['postgres_cpu_us']:13} "
+                   f"{layer[f'time_per_check_us_at_{many}']!s:>18} "
+                   f"{layer.get(f'p50_us_at_{one}')!s:>12}")
+    out.append("  " + ", ".join(f"{k} {v}" for k, v in result["headline"].items()))
+    return out
+
+
+def interface_attacks(team: sc.Team, *, workers: int, threads: int, agents: int, rounds: int,
+                      seconds: float, warmup: float,
+                      names: tuple[str, ...] = ("slow_bodies", "unfinished_headers")
+                      ) -> dict[str, Any]:
+    """Whether granian's WSGI interface holds SPEC 10's slow-client attacks: the wsgi-min
+    rung at `agents` agents without and with each attack, alternating slices. A WSGI
+    application reads its body on its own thread: if granian handed a request over before
+    its body had arrived, 200 slow bodies would hold every blocking thread, and the valid
+    checks would stop."""
+    from . import attacks as at
+
+    out: dict[str, Any] = {}
+    shape = {"workers": workers, "threads": threads}
+    with stack.Server(**shape) as product, \
+            stack.RawServer(interface="wsgi", **shape) as wsgi:
+        servers: dict[str, stack.Server] = {"wsgi-min": wsgi}
+        sc.run_slice(product, team, scenario="wsgi-min", agents=8, seconds=1.5, warmup=0.5,
+                     mode=sc.CHECKS, check_servers=servers)
+        for name in names:
+            slices: dict[str, list[sc.Slice]] = {"without": [], "with": []}
+            seen = []
+            for _ in range(rounds):
+                slices["without"].append(sc.run_slice(
+                    product, team, scenario="wsgi-min", agents=agents, seconds=seconds,
+                    warmup=warmup, mode=sc.CHECKS, check_servers=servers))
+                sc.reset_runs()
+                with at.running(at.ATTACKS[name], at.Target(port=wsgi.port),
+                                settle=1.5) as stats:
+                    slices["with"].append(sc.run_slice(
+                        product, team, scenario="wsgi-min", agents=agents, seconds=seconds,
+                        warmup=warmup, mode=sc.CHECKS, check_servers=servers, reset=False))
+                seen.append({"most_open": stats.most_open, "answers": dict(stats.answers),
+                             "closed_by_server": stats.closed_by_server})
+            without = sc.summarize(slices["without"], scenario="wsgi-min", agents=agents)
+            under = sc.summarize(slices["with"], scenario="wsgi-min", agents=agents)
+            out[name] = {
+                "without": {k: without[k] for k in ("checks_per_s", "p50_ms", "p99_ms")},
+                "with": {k: under[k] for k in ("checks_per_s", "p50_ms", "p99_ms")},
+                "p99_ratio": round(under["p99_ms"] / without["p99_ms"], 2)
+                if without["p99_ms"] else None,
+                "errors": without["errors"] + under["errors"],
+                "error_kinds": {**without["error_kinds"], **under["error_kinds"]},
+                "agents_starved": max(without["agents_starved"], under["agents_starved"]),
+                "attack": seen,
+            }
+            print(f"  granian WSGI under {name}: p99 {under['p99_ms']} ms against "
+                  f"{without['p99_ms']} without ({out[name]['p99_ratio']}x); checks/s "
+                  f"{under['checks_per_s']} against {without['checks_per_s']}; errors "
+                  f"{out[name]['errors']}, agents starved {out[name]['agents_starved']}; "
+                  f"attack {seen}", flush=True)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ladder", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--agents", default="32,1")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=4.0, help="seconds per slice")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--rungs", default=",".join(RUNGS))
+    parser.add_argument("--attacks", action="store_true",
+                        help="instead of the ladder: the wsgi-min rung under the slow-body "
+                             "and unfinished-header attacks (SPEC 10), alternating slices")
+    args = parser.parse_args(argv)
+    rungs = tuple(r for r in args.rungs.split(",") if r)
+    unknown = set(rungs) - set(RUNGS)
+    if unknown:
+        parser.error(f"unknown rungs {sorted(unknown)}; known: {', '.join(RUNGS)}")
+    stack.fresh_database()
+    stack.manage("migrate", "--noinput", "-v0")
+    stack.setup_django()
+    stack.create_minimal_tables()
+    team = sc.seed_team("bench-long", policy=sc.LONG_POLICY)
+    if args.attacks:
+        held = interface_attacks(team, workers=args.workers, threads=args.threads,
+                                 agents=int(args.agents.split(",")[0]), rounds=args.rounds,
+                                 seconds=args.seconds, warmup=1.0)
+        return 0 if all(not r["errors"] and not r["agents_starved"]
+                        for r in held.values()) else 1
+    result = measure(team, workers=args.workers, threads=args.threads,
+                     agents=[int(a) for a in args.agents.split(",") if a],
+                     rounds=args.rounds, seconds=args.seconds, warmup=1.0, rungs=rungs)
+    for line in lines(result):
+        print(line)
+    ok = all(p["errors"] == 0 and p["audit_ok"] for p in result["points"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,105 @@
+"""The minimal durable check done the fastest way this stack allows (issue 33): one statement,
+one round trip, a protocol-level prepared statement, orjson.
+
+Every rung of the ladder (bench/ladder.py) runs this same function, from a raw WSGI
+application (bench/minimal/wsgi_raw.py) up to the product's own server (bench/views.py), so
+that the difference between two rungs is what the layer added, not the SQL.
+
+The statement: the run's `UPDATE ... RETURNING` (which locks the row, as the real check's
+lock does), the repeat-count upsert of the action's key and the audit `INSERT`, as
+data-modifying CTEs of one statement in autocommit: one round trip, atomic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from typing import Any
+
+import orjson
+
+from bench.views import ANSWER
+
+DURABLE_ONE = """
+WITH r AS (
+    UPDATE runs_run SET steps = steps + 1 WHERE id = %(run)s RETURNING id, steps
+), c AS (
+    INSERT INTO bench_repeat_count (run_id, repeat_key, count)
+    SELECT id, %(key)s, 1 FROM r
+    ON CONFLICT (run_id, repeat_key) DO UPDATE SET count = bench_repeat_count.count + 1
+    RETURNING count
+), d AS (
+    INSERT INTO runs_decision (run_id, step, outcome, reason, action_name, action_type, args,
+        repeat_key, repeat_count, check_id, progress, last_result, cost_usd, answer, at)
+    SELECT r.id, r.steps, 'allow', 'step_ok', %(name)s, %(type)s, %(args)s::jsonb, %(key)s,
+        c.count, %(check_id)s, %(progress)s::jsonb, %(last)s::jsonb, %(cost)s,
+        %(answer)s::jsonb || jsonb_build_object('step', r.steps, 'repeat_count', c.count),
+        now()
+    FROM r, c
+    RETURNING id, step, repeat_count
+)
+SELECT id, step, repeat_count FROM d
+"""
+
+# The same, found through the bearer key: the key's row (by its prefix, not revoked, with the
+# token's hash) joined to the run of its team. What authentication adds to the statement.
+DURABLE_ONE_KEYED = DURABLE_ONE.replace(
+    "UPDATE runs_run SET steps = steps + 1 WHERE id = %(run)s RETURNING id, steps",
+    "UPDATE runs_run SET steps = runs_run.steps + 1 FROM policies_agentkey k "
+    "WHERE runs_run.id = %(run)s AND k.prefix = %(prefix)s AND k.revoked_at IS NULL "
+    "AND k.key_hash = %(digest)s AND runs_run.team_id = k.team_id "
+    "RETURNING runs_run.id, runs_run.steps")
+
+_ANSWER_JSON = orjson.dumps(ANSWER).decode()
+NOT_FOUND = b'{"error":{"code":"not_found"}}'
+UNAUTHORIZED = b'{"error":{"code":"unauthorized"}}'
+
+
+def params(run_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    action = body.get("action") or {}
+    args = orjson.dumps(action.get("args"), option=orjson.OPT_SORT_KEYS)
+    key = f"{action.get('name', '')}:{hashlib.sha256(args).hexdigest()[:32]}"
+    return {
+        "run": run_id, "key": key, "name": action.get("name", ""),
+        "type": action.get("type", "tool"), "args": args.decode(),
+        "check_id": body.get("check_id"), "progress": orjson.dumps(body.get("progress")).decode(),
+        "last": orjson.dumps(body.get("last_result")).decode(),
+        "cost": body.get("cost_usd") or 0, "answer": _ANSWER_JSON,
+    }
+
+
+def durable(conn: Any, run_id: str, body: bytes, *, claim: Any = None,
+            parsed: dict[str, Any] | None = None) -> tuple[int, bytes]:
+    """(status, answer bytes) of one minimal durable check on `conn` (a psycopg connection in
+    autocommit). `claim` (a KeyClaim) looks the run up through the key; `parsed`, a body
+    already parsed (and validated) by the caller."""
+    values = params(run_id, parsed if parsed is not None else orjson.loads(body))
+    sql = DURABLE_ONE
+    if claim is not None:
+        sql = DURABLE_ONE_KEYED
+        values["prefix"], values["digest"] = claim.prefix, claim.digest
+    import psycopg
+
+    # A plain (server-side binding) cursor: Django's connections default to client-side
+    # binding, which cannot prepare; every rung prepares the same way.
+    row = psycopg.Cursor(conn).execute(sql, values, prepare=True).fetchone()
+    if row is None:
+        return (401, UNAUTHORIZED) if claim is not None else (404, NOT_FOUND)
+    decision_id, step, count = row
+    return 200, orjson.dumps({**ANSWER, "step": step, "repeat_key": values["key"],
+                              "repeat_count": count, "decision_id": decision_id})
+
+
+_local = threading.local()
+
+
+def thread_connection() -> Any:
+    """This thread's own psycopg connection in autocommit (the raw applications': no Django)."""
+    conn = getattr(_local, "conn", None)
+    if conn is None or conn.closed:
+        import psycopg
+
+        url = os.environ["DATABASE_URL"].replace("postgres://", "postgresql://", 1)
+        conn = _local.conn = psycopg.connect(url, autocommit=True, connect_timeout=2)
+    return conn
