@@ -333,7 +333,7 @@ def _decide(policy: rules.Policy, state: rules.RunState, check: rules.Check, *,
     expired = rules.expire(state, decision, new_state,
                            past_deadline=deadline is not None and time.monotonic() > deadline)
     if expired is not None:
-        answer = answers.expired_answer(answer, state, now, check_id)
+        answer = answers.expired_answer(answer, state, now, check_id, policy)
         decision, new_state = expired
         # The check_id stays free: the client may upload its own decision for it.
         check_id = None
