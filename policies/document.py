@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from governance_client.rules import DEFAULT_REDACT
+from governance_client.rules import DEFAULT_REDACT, default_warning
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -177,7 +177,7 @@ class PolicyDoc(_Strict):
                 # An omitted warning takes its default where it fits, else the last count
                 # before the stop (none for a limit of 1): a policy written before warnings
                 # existed, with max_repeat_action: 2, stays valid (docs/policies.md).
-                setattr(warnings, field, limit - 1 if limit > 1 else None)
+                setattr(warnings, field, default_warning(field, limit))
                 continue
             if value is not None and value >= limit:
                 problems[f"warnings.{field}"] = (

@@ -707,6 +707,18 @@ BUDGETS = ("max_steps", "max_seconds", "max_usd", "max_tool_calls")
 _WRAP_UP = "Wrap up: finish the task or return the partial response."
 
 
+DEFAULT_WARNINGS: dict[str, Any] = {"repeat_action": 2, "no_progress": 3,
+                                    "budget_fraction": 0.8}
+
+
+def default_warning(field: str, limit: int) -> int | None:
+    """A new policy's warning ``field`` (repeat_action, no_progress) under its step limit:
+    the SPEC 16 value where it comes before the stop, else the last count before it (none
+    for a limit of 1). The policy document and the fake's reading of a file both use it."""
+    value = int(DEFAULT_WARNINGS[field])
+    return value if value < limit else (limit - 1 if limit > 1 else None)
+
+
 def _directive(code: str, content: str) -> dict[str, str]:
     return {"type": "inject_message", "role": "user", "code": code, "content": content}
 

@@ -229,6 +229,14 @@ class FakeGovernance:
         if "max_idle_seconds" not in budgets:  # omitted in a file: the default (SPEC 3, 14)
             found = {**found, "budgets": {**budgets,
                                           "max_idle_seconds": rules.Policy().max_idle_seconds}}
+        if "warnings" not in found:  # omitted in a file: a new policy's (SPEC 16)
+            steps = found.get("step_limits") or {}
+            found = {**found, "warnings": {
+                "repeat_action": rules.default_warning(
+                    "repeat_action", steps.get("max_repeat_action") or 3),
+                "no_progress": rules.default_warning(
+                    "no_progress", steps.get("no_progress_window") or 4),
+                "budget_fraction": rules.DEFAULT_WARNINGS["budget_fraction"]}}
         approvals = found.get("approvals") or {}
         kwargs.setdefault("approvals", tuple(approvals.get("tools") or ()))
         kwargs.setdefault("approval_timeout_s", approvals.get("timeout_s", 900))
