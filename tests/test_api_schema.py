@@ -80,8 +80,8 @@ def test_the_schema_publishes_links_from_a_started_run(schema: Any) -> None:
 def test_every_operation_answers_within_its_schema(schema: Any, auth: dict[str, str],
                                                     mode: GenerationMode) -> None:
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 8  # the six of SPEC 5, GET /approvals/{id} (SPEC 11) and
-    # POST runs/{id}/local-decisions (the fail-open upload)
+    assert len(operations) == 9  # the six of SPEC 5, GET /approvals/{id} (SPEC 11),
+    # POST runs/{id}/local-decisions (the fail-open upload) and GET /decisions/{id} (SPEC 16)
     for operation in operations:
         strategy = operation.as_strategy(generation_mode=mode)
         if mode == GenerationMode.POSITIVE:
