@@ -431,8 +431,12 @@ class FakeGovernance:
         now = self.now()
         windows = (self._windows(run, check.name, now)
                    if run.state.status == rules.RUNNING and kill is None else [])
-        decision, run.state = rules.evaluate(self.policy, run.state, check, now=now, kill=kill,
-                                             rate=windows, approval_id=str(uuid.uuid4()))
+        decision, run.state = rules.evaluate(
+            self.policy, run.state, check, now=now, kill=kill, rate=windows,
+            approval_id=str(uuid.uuid4()),
+            kill_rule=answers.kill_rule("global", team=None, by=self.kill_switch_by,
+                                        reason=self.kill_switch)
+            if self.kill_switch is not None else None)
         if decision.outcome in rules.RATE_COUNTED:
             # A pending answer takes its slot now, not again once approved (SPEC 12, 15).
             self._counted.append((now, run.id, run.agent, check.name))
