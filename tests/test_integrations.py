@@ -478,7 +478,7 @@ def test_the_claude_sdk_result_after_a_stop_is_the_notice_not_an_empty_answer(
     run_id, answer = asyncio.run(main())
     assert answer.startswith("Let me look that up.")
     assert "Stopped by governance (loop_detected)" in answer
-    assert "mcp__docs__search was called 1 times" in answer
+    assert "mcp__docs__search was already called 1 time with" in answer
     stored = agent.http.get(f"/api/v1/runs/{run_id}").json()
     assert (stored["stop_reason"], stored["output"]) == ("loop_detected", answer)
 

@@ -577,6 +577,10 @@ def rule(name: str, limit: Mapping[str, Any], observed: Mapping[str, Any]) -> di
     return {"name": name, "limit": dict(limit), "observed": dict(observed)}
 
 
+def _times(n: int) -> str:
+    return "1 time" if n == 1 else f"{n} times"
+
+
 def _money(value: Decimal | float | None) -> float | None:
     return None if value is None else float(value)
 
@@ -636,7 +640,7 @@ def _first_stop(
     count = state.repeat_counts.get(key, 0)
     if count >= policy.max_repeat_action:
         return "loop_detected", (
-            f"{check.name} was already called {count} times with the same arguments, all "
+            f"{check.name} was already called {_times(count)} with the same arguments, all "
             f"that max_repeat_action={policy.max_repeat_action} allows: this call was not "
             "run and the run is stopped."
         ), rule("loop_detected", {"max_repeat_action": policy.max_repeat_action},
@@ -791,7 +795,7 @@ def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: da
                 "after is not run and stops this run" if left > 0 else
                 "the next identical call is not run and stops this run")
         found.append(WarningFound(count / limit, _directive(REPEAT_ACTION, (
-            f"{check.name} was called {count} times with the same arguments; "
+            f"{check.name} was called {_times(count)} with the same arguments; "
             f"max_repeat_action is {limit}: {then}. Use the result you have or change "
             "approach.")), rule(REPEAT_ACTION, {"max_repeat_action": limit,
                                                 "warnings.repeat_action":
