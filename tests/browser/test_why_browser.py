@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover
     pytestmark.append(pytest.mark.skip(reason="needs the playwright package"))
 
 
-def test_the_run_page_says_why_a_loop_was_stopped(page: Page, server: Server, agent: Agent,
+def test_the_run_page_says_why_a_loop_was_stopped(page: Page, server: Server, agent: Agent,  # noqa: F811
                                                   team: Team, users: Any) -> None:
     from pathlib import Path
 
