@@ -191,3 +191,14 @@ def test_the_decision_endpoint_never_shows_another_teams_or_agents(
     for bad in ("0", "abc", "99999999999999999999", str(mine + 1000)):
         assert api.get(f"/api/v1/decisions/{bad}").status_code == 404
     assert Client().get(f"/api/v1/decisions/{mine}").status_code == 401
+
+
+def test_a_request_cancelled_by_a_kill_switch_names_the_switch(api: Client, team: Any) -> None:
+    set_policy(team, approvals={"tools": ["pay.*"], "timeout_s": 600})
+    rid = start(api)
+    pending = check(api, rid, name="pay.refund", check_id="p1")
+    killswitch_engage(scope="team", team=team, reason="fraud", actor_label="ops")
+    final = check(api, rid, name="pay.refund", check_id="p1")
+    assert final["reason"] == "killed" and pending["decision"] == "pending"
+    assert final["rule"]["limit"] == {"scope": "team", "team": "support"}
+    assert final["rule"]["observed"] == {"engaged_by": "ops", "reason": "fraud"}

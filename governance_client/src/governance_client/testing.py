@@ -389,6 +389,13 @@ class FakeGovernance:
             }
         }
 
+    def _kill_rule(self) -> dict[str, Any] | None:
+        """The switch as a killed stop's rule names it (SPEC 16): the fake's is global."""
+        if self.kill_switch is None:
+            return None
+        return answers.kill_rule("global", team=None, by=self.kill_switch_by,
+                                 reason=self.kill_switch)
+
     def _kill_words(self) -> str | None:
         """The engaged switch as the agent reads it (the service's words for a global one)."""
         if self.kill_switch is None:
@@ -433,10 +440,7 @@ class FakeGovernance:
                    if run.state.status == rules.RUNNING and kill is None else [])
         decision, run.state = rules.evaluate(
             self.policy, run.state, check, now=now, kill=kill, rate=windows,
-            approval_id=str(uuid.uuid4()),
-            kill_rule=answers.kill_rule("global", team=None, by=self.kill_switch_by,
-                                        reason=self.kill_switch)
-            if self.kill_switch is not None else None)
+            approval_id=str(uuid.uuid4()), kill_rule=self._kill_rule())
         if decision.outcome in rules.RATE_COUNTED:
             # A pending answer takes its slot now, not again once approved (SPEC 12, 15).
             self._counted.append((now, run.id, run.agent, check.name))
@@ -510,7 +514,8 @@ class FakeGovernance:
         run = self.runs[approval.run_id]
         now = self.now()
         decision, run.state = rules.settle(run.state, status, now=now, note=note or "",
-                                           kill=self._kill_words(), policy=self.policy)
+                                           kill=self._kill_words(), policy=self.policy,
+                                           kill_rule=self._kill_rule())
         approval.status, approval.note = status, note
         approval.decided_at = approval.expires_at if status == rules.EXPIRED else self.clock
         answer = self._answer(run, decision, now)
