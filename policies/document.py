@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from governance_client.rules import DEFAULT_REDACT
+from governance_client.rules import DEFAULT_REDACT, default_warning
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -24,6 +24,7 @@ from pydantic import (
     StrictStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from governance.text import first_text_problem
@@ -137,6 +138,15 @@ class Approvals(_Strict):
     timeout_s: Annotated[StrictInt, Field(ge=1, le=86400)] = 900
 
 
+class Warnings(_Strict):
+    """SPEC 16: warn the agent before a stop; each optional, null = off. A new policy gets
+    these values; versions made before the block existed have it null (policies/0008)."""
+
+    repeat_action: Annotated[StrictInt, Field(ge=1, le=999)] | None = 2
+    no_progress: Annotated[StrictInt, Field(ge=1, le=999)] | None = 3
+    budget_fraction: Annotated[Number, Field(gt=0, lt=1)] | None = 0.8
+
+
 class PolicyDoc(_Strict):
     name: Annotated[StrictStr, Field(pattern=POLICY_NAME)]
     mode: Literal["enforce", "shadow"] = "enforce"
@@ -148,6 +158,43 @@ class PolicyDoc(_Strict):
     redact_args: Patterns = list(DEFAULT_REDACT)
     rate_limits: Annotated[list[RateLimitDoc], Field(max_length=50)] = []
     approvals: Approvals = Approvals()
+    # SPEC 16. Null (no warnings) on versions made before it existed.
+    warnings: Warnings | None = Warnings()
+
+    @model_validator(mode="after")
+    def _warn_below_limits(self) -> PolicyDoc:
+        """A warning at or past its limit would never come before the stop: refused, naming
+        the warning's field (SPEC 16)."""
+        warnings, steps = self.warnings, self.step_limits
+        if warnings is None:
+            return self
+        problems = {}
+        for field, limit, name in (
+                ("repeat_action", steps.max_repeat_action, "step_limits.max_repeat_action"),
+                ("no_progress", steps.no_progress_window, "step_limits.no_progress_window")):
+            value = getattr(warnings, field)
+            if field not in warnings.model_fields_set and value is not None and value >= limit:
+                # An omitted warning takes its default where it fits, else the last count
+                # before the stop (none for a limit of 1): a policy written before warnings
+                # existed, with max_repeat_action: 2, stays valid (docs/policies.md).
+                setattr(warnings, field, default_warning(field, limit))
+                continue
+            if value is not None and value >= limit:
+                problems[f"warnings.{field}"] = (
+                    f"must be below {name} ({limit}) so the warning comes before the stop; "
+                    f"between 1 and {limit - 1}, or null for no warning" if limit > 1 else
+                    f"must be null: {name} is 1, so no warning can come before the stop")
+        if problems:
+            raise _FieldErrors(problems)
+        return self
+
+
+class _FieldErrors(ValueError):
+    """Errors of fields that a whole-policy rule found, each named by its path."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = errors
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
 
 
 class TeamDoc(_Strict):
@@ -211,6 +258,13 @@ def _errors(exc: ValidationError, prefix: str = "") -> dict[str, str]:
         if len(err["loc"]) > 1 and err["loc"][-1] == "int" and err["type"] == "int_type":
             # The integer branch of a number field: the float branch's "a valid number" is the
             # rule people need, not "a valid integer" for an amount that may have decimals.
+            continue
+        found = (err.get("ctx") or {}).get("error")
+        if isinstance(found, _FieldErrors):
+            # A rule over the whole policy: each error at its field's own path.
+            base = _path(err["loc"]) if err["loc"] else ""
+            for field, message in found.errors.items():
+                errors.setdefault(f"{base}.{field}" if base else field, message)
             continue
         path = _path(err["loc"])
         if prefix:

@@ -41,7 +41,14 @@ FIELD_PATHS = {
     "rate_limits": "rate_limits",
     "approval_tools": "approvals.tools",
     "approval_timeout_s": "approvals.timeout_s",
+    "warn_repeat_action": "warnings.repeat_action",
+    "warn_no_progress": "warnings.no_progress",
+    "warn_budget_fraction": "warnings.budget_fraction",
 }
+# SPEC 16: the warnings block, one box each; an empty box is null (that warning off), and
+# three empty boxes are a null block.
+WARNING_FIELDS = {"warn_repeat_action": "repeat_action", "warn_no_progress": "no_progress",
+                  "warn_budget_fraction": "budget_fraction"}
 OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls", "max_idle_seconds"}
 RATE_LINE = "match per max window_s, e.g. http.* agent 10 60"
 INT_RE = re.compile(r"^[+-]?\d+$")
@@ -117,6 +124,9 @@ class PolicyForm(forms.Form):
     rate_limits = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
     approval_tools = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
     approval_timeout_s = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
+    warn_repeat_action = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
+    warn_no_progress = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
+    warn_budget_fraction = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
     # Not part of the policy: why it changed, kept on the version (required by the save view).
     note = forms.CharField(required=False, max_length=500, strip=True, widget=forms.TextInput(
         attrs={"placeholder": "what changed and why (shown in the history)", "maxlength": 500}))
@@ -137,6 +147,7 @@ class PolicyForm(forms.Form):
     def initial_from(cls, document: dict[str, Any]) -> dict[str, Any]:
         steps, budgets, tools = document["step_limits"], document["budgets"], document["tools"]
         approvals = document.get("approvals") or {}
+        warnings = document.get("warnings") or {}
 
         def text(value: Any) -> str:
             return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
@@ -163,6 +174,7 @@ class PolicyForm(forms.Form):
             # Versions saved before approvals existed have no block: they require none.
             "approval_tools": "\n".join(approvals.get("tools", [])),
             "approval_timeout_s": text(approvals.get("timeout_s", 900)),
+            **{field: text(warnings.get(key)) for field, key in WARNING_FIELDS.items()},
         }
 
     def document(self) -> dict[str, Any]:
@@ -177,6 +189,7 @@ class PolicyForm(forms.Form):
         threshold = data.get("error_threshold") or ""
         rate_limits, self.rate_line_errors = _rate_rules(data.get("rate_limits") or "")
         timeout = data.get("approval_timeout_s") or ""
+        warnings = {key: number(field) for field, key in WARNING_FIELDS.items()}
         return {
             "name": self.fixed_name if self.fixed_name is not None else (data.get("name") or ""),
             "mode": data.get("mode") or "enforce",
@@ -202,6 +215,7 @@ class PolicyForm(forms.Form):
                 "tools": _lines(data.get("approval_tools") or ""),
                 "timeout_s": _number(timeout) if timeout.strip() else 900,
             },
+            "warnings": warnings if any(v is not None for v in warnings.values()) else None,
         }
 
     def clean(self) -> dict[str, Any]:

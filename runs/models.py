@@ -156,6 +156,9 @@ class Decision(models.Model):
     # check_id replay returns exactly the first answer and screens show what the agent saw.
     answer = models.JSONField(default=dict)
     at = models.DateTimeField()
+    # SPEC 16: the rule that decided (name, policy, version, limit, observed, scope), as the
+    # answer carries it; null for a plain allow and on decisions recorded before it existed.
+    rule = models.JSONField(null=True, blank=True)
 
     objects = DecisionQuerySet.as_manager()
 

@@ -388,6 +388,10 @@ def set_policy(team: Team, **changes: Any) -> None:
     from policies.document import parse_policy
 
     document = {**team.policies.get(name="default").current.document}
+    if "step_limits" in changes and "warnings" not in changes:
+        # New step limits take the warnings a new policy would get under them (SPEC 16), as
+        # a file's policy does: a warning the stored version had may not fit them.
+        document.pop("warnings", None)
     for key, value in changes.items():
         if isinstance(value, dict) and isinstance(document.get(key), dict):
             document[key] = {**document[key], **value}

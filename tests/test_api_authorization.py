@@ -31,8 +31,15 @@ def operations(client):
                 yield path, method, op["operationId"]
 
 
-def call(client, path, method, operation, run_id, headers, approval_id=""):
-    url = path.replace("{run_id}", run_id).replace("{approval_id}", approval_id)
+def call(client, path, method, operation, run_id, headers, approval_id="", decision_id=""):
+    if not decision_id and "{decision_id}" in path:
+        from runs.models import Decision
+
+        # The run's newest decision (SPEC 16's endpoint): made by a check if it has none.
+        found = Decision.objects.filter(run_id=run_id).order_by("-id").first()
+        decision_id = str(found.pk) if found is not None else "1"
+    url = path.replace("{run_id}", run_id).replace("{approval_id}", approval_id).replace(
+        "{decision_id}", decision_id)
     if method == "post":
         return client.post(url, json.dumps(BODIES[operation]), content_type="application/json",
                            **headers)
@@ -61,7 +68,7 @@ def approval_id(api, team, run_id):
 def test_every_operation_is_documented_and_covered(client):
     assert {op for _, _, op in operations(client)} == {
         "start_run", "list_runs", "get_run", "list_decisions", "check", "finish_run",
-        "get_approval", "upload_local_decisions"}
+        "get_approval", "upload_local_decisions", "get_decision"}
 
 
 @pytest.mark.parametrize("who", ["anonymous", "revoked", "session-only superuser"])
@@ -86,7 +93,7 @@ def test_another_teams_key_sees_none_of_this_teams_runs(other_team, run_id, appr
     client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
     for path, method, op in operations(client):
         response = call(client, path, method, op, run_id, {}, approval_id)
-        if "{run_id}" in path or "{approval_id}" in path:
+        if "{run_id}" in path or "{approval_id}" in path or "{decision_id}" in path:
             assert response.status_code == 404, op
         elif op == "list_runs":
             assert run_id not in {r["run_id"] for r in response.json()["runs"]}
@@ -97,8 +104,10 @@ def test_another_teams_key_sees_none_of_this_teams_runs(other_team, run_id, appr
 def test_the_right_key_may_call_every_operation(api, run_id, approval_id):
     expected = {"start_run": 201, "list_runs": 200, "get_run": 200, "list_decisions": 200,
                 "check": 200, "finish_run": 200, "get_approval": 200,
-                "upload_local_decisions": 200}
-    for path, method, op in sorted(operations(api), key=lambda o: o[2] == "finish_run"):
+                "upload_local_decisions": 200, "get_decision": 200}
+    # The check first: the decision read is the one it made.
+    for path, method, op in sorted(operations(api), key=lambda o: (o[2] == "finish_run",
+                                                                   o[2] != "check")):
         response = call(api, path, method, op, run_id, {}, approval_id)
         assert response.status_code == expected[op], op
 
@@ -141,8 +150,9 @@ def test_an_agent_bound_key_may_call_every_operation_on_its_own_agents_runs(team
     expected = {"start_run": 422, "list_runs": 200, "get_run": 200, "list_decisions": 200,
                 "check": 200, "finish_run": 200,  # start_run's body names agent "bot"
                 "get_approval": 404,  # the approval is agent "bot"'s, not bot1's
-                "upload_local_decisions": 200}
-    for path, method, op in sorted(operations(bot1), key=lambda o: o[2] == "finish_run"):
+                "upload_local_decisions": 200, "get_decision": 200}
+    for path, method, op in sorted(operations(bot1), key=lambda o: (o[2] == "finish_run",
+                                                                    o[2] != "check")):
         response = call(bot1, path, method, op, own, {}, approval_id)
         assert response.status_code == expected[op], op
     assert [r["run_id"] for r in bot1.get("/api/v1/runs").json()["runs"]] == [own]

@@ -42,7 +42,14 @@ def test_the_same_search_with_equivalent_args_is_stopped_at_the_fourth_call(agen
     assert answers[3]["repeat_count"] == 3
     assert len({a["repeat_key"] for a in answers}) == 1
     assert answers[3]["message"] == (
-        "search.docs was called 3 times with the same arguments (max_repeat_action=3).")
+        "search.docs was already called 3 times with the same arguments, all that "
+        "max_repeat_action=3 allows: this call was not run and the run is stopped.")
+    # SPEC 16: the rule that fired, and the warning the agent had at the 2nd call.
+    assert answers[3]["rule"] == {"name": "loop_detected", "policy": "default",
+                                  "version": 1, "limit": {"max_repeat_action": 3},
+                                  "observed": {"repeat_count": 3}, "scope": "run"}
+    assert answers[0]["rule"] is None and answers[0]["directive"] is None
+    assert answers[1]["directive"]["code"] == "repeat_action"
 
 
 def test_a_normal_run_is_allowed_throughout_and_finishes_completed(agent):
@@ -121,7 +128,7 @@ def test_a_repeated_error_gets_a_nudge_naming_the_count(agent):
                for i in range(4)]
     assert [a["directive"] is not None for a in answers] == [False, False, True, True]
     assert answers[2]["directive"] == {
-        "type": "inject_message", "role": "user",
+        "type": "inject_message", "role": "user", "code": "repeated_error",
         "content": "The error 'no matches found' occurred 3 times. "
                    "Change approach radically or abandon this subtask."}
     assert "occurred 4 times" in answers[3]["directive"]["content"]

@@ -82,8 +82,8 @@ def test_every_operation_answers_within_its_schema(schema: Any, auth: dict[str, 
     # The agent API's; the operator API's (SPEC 17) take a token: the test below.
     operations = [result.ok() for result in schema.exclude(tag="operator")
                   .get_all_operations()]
-    assert len(operations) == 8  # the six of SPEC 5, GET /approvals/{id} (SPEC 11) and
-    # POST runs/{id}/local-decisions (the fail-open upload)
+    assert len(operations) == 9  # the six of SPEC 5, GET /approvals/{id} (SPEC 11),
+    # POST runs/{id}/local-decisions (the fail-open upload) and GET /decisions/{id} (SPEC 16)
     for operation in operations:
         strategy = operation.as_strategy(generation_mode=mode)
         if mode == GenerationMode.POSITIVE:

@@ -93,6 +93,8 @@ def record(api: Any, checks: list[dict[str, Any]], *, clock: Clock | None = None
 def draft_file(tmp_path: Path, team: Team, **changes: Any) -> str:
     """The team's default policy with these changes, as an apply_policies document."""
     document = {**team.policies.get(name="default").current.document}
+    if "step_limits" in changes and "warnings" not in changes:
+        document.pop("warnings", None)  # the warnings new step limits get (SPEC 16)
     for key, value in changes.items():
         document[key] = {**document[key], **value} if isinstance(value, dict) else value
     path = tmp_path / "draft.yaml"

@@ -87,3 +87,27 @@ def test_the_overview_shows_nothing_of_another_team(team, other_team, users):
     assert "their-bot" not in html
     assert as_user(users).get(reverse("runs:overview", kwargs={"slug": other_team.slug}),
                               {"range": "7d"}).status_code == 404
+
+
+def test_warnings_followed_by_a_change_of_action_or_by_the_stop(team, users):
+    """SPEC 16: the overview counts what agents did after a warning."""
+    set_policy(team, step_limits={"max_repeat_action": 2, "max_steps": 50},
+               warnings={"repeat_action": 1, "budget_fraction": None, "no_progress": None})
+    changed = start(team)
+    check(team, changed, "search.docs", {"q": 1})  # warned (1 of 2)
+    check(team, changed, "crm.lookup", {"id": 1})  # another action: warned again, first time
+    stopped = start(team)
+    check(team, stopped, "search.docs", {"q": 1})
+    check(team, stopped, "search.docs", {"q": 1})  # warned (2 of 2)
+    check(team, stopped, "search.docs", {"q": 1})  # loop_detected
+    warned = dashboard.warning_outcomes(team, since=timezone.now() - timedelta(hours=1))
+    # The first run's two (the first followed by another action, the last by nothing yet),
+    # the second's two (the first followed by the same action, the second by the stop).
+    assert (warned.warnings, warned.changed, warned.stopped) == (4, 1, 1)
+    html = as_user(users).get(reverse("runs:overview", kwargs={"slug": team.slug})).content.decode()
+    assert 'data-warned-changed>1<' in html and 'data-warned-stopped>1<' in html
+    page = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug,
+                                                           "run_id": stopped.pk})).content
+    assert b"loop_detected: repeat_count 2 reached max_repeat_action 2 (policy default v2)" \
+        in page
+    assert b"The rule loop_detected of policy default v2 stopped this run" in page

@@ -38,7 +38,8 @@ def form_data(**changes: str) -> dict[str, str]:
             "no_progress_window": "4", "max_seconds": "45", "max_usd": "1", "max_tool_calls": "",
             "tools_deny": "", "ignore_args": "", "error_threshold": "3", "error_action": "nudge",
             "redact_args": "password\napi_key\ntoken\nsecret\nauthorization",
-            "max_idle_seconds": "3600", "rate_limits": "", "note": "a test edit"}
+            "max_idle_seconds": "3600", "rate_limits": "", "note": "a test edit",
+            "warn_repeat_action": "2", "warn_no_progress": "3", "warn_budget_fraction": "0.8"}
     return {**data, **changes}
 
 
@@ -126,6 +127,18 @@ def test_inline_validation_returns_out_of_band_field_errors(team, admin):
     # the note's slot is always sent, so a refused save's note error does not stay.
     assert 'id="err-name"' not in no_note and 'id="err-note"' in no_note
     assert 'id="err-name"' in created.content.decode()
+
+
+def test_inline_validation_shows_a_warning_at_its_limit_in_its_slot(team, admin):
+    url = reverse("policy_validate", kwargs={"slug": team.slug, "name": "default"})
+    html = admin.post(url, form_data(warn_repeat_action="3"),
+                      HTTP_HX_REQUEST="true").content.decode()
+    slot = html.split('id="err-warn_repeat_action"')[1].split("</div>")[0]
+    assert "must be below step_limits.max_repeat_action (3)" in slot
+    # Three empty boxes: no warnings at all (a null block, as an older version has).
+    admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "default"}),
+               form_data(warn_repeat_action="", warn_no_progress="", warn_budget_fraction=""))
+    assert current(team)["warnings"] is None
 
 
 def test_a_save_refused_for_its_note_shows_the_error_where_validation_clears_it(team, admin):

@@ -106,6 +106,17 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[tuple[str, Any]]]] = {
         check("refund.issue", {"order": 7}, check_id="r1")]),
     "kill_switch": ({}, [check(args={"q": 1}), ("kill", "incident 12"),
                          check(args={"q": 2}), ("start", None)]),
+    # SPEC 16 warnings: the repeat warning at 2 of 3, the no-progress one at 3 of 4, the
+    # budget's once (steps 15 of 18), the nearest of several, a model that changes course.
+    "warning_repeat_action": ({}, [check(args={"q": 1}), check(args={"q": 1}),
+                                   check(args={"q": 1}), check(args={"q": 1})]),
+    "warning_no_progress": ({}, [check(args={"q": n}, progress="same") for n in range(5)]),
+    "warning_budget_once": ({**NO_TIME_BUDGET, "step_limits": {"max_steps": 6}}, [
+        check(args={"q": n}) for n in range(7)]),
+    "warning_then_a_change_of_action": ({}, [
+        check(args={"q": 1}), check(args={"q": 1}), check("files.read", {"path": "a"}),
+        ("finish", "completed")]),
+    "warnings_off": ({"warnings": None}, [check(args={"q": 1}), check(args={"q": 1})]),
     "replay": ({"step_limits": {"max_steps": 1}}, [
         check(args={"q": 1}, check_id="a"), check(args={"q": 1}, check_id="a"),
         check(args={"q": 2}, check_id="b"), check(args={"q": 1}, check_id="a")]),

@@ -77,6 +77,10 @@ class Scenario:
     calls: list[tuple[str, dict[str, Any]]]
     reason: str | None  # the expected stop reason (None: the run completes)
     step: int | None = None  # the step of the stop
+    # A run that completes: what the model must have been told, and before which of its
+    # turns (the directive of SPEC 16 put in front of it by the integration).
+    told: str = "occurred 3 times. Change approach radically or abandon this subtask."
+    told_by_turn: int | None = None
 
 
 EDIT = {"path": "auth.py", "old": "user_id", "new": "account_id"}
@@ -92,6 +96,13 @@ SCENARIOS = [
              "tool_denied", 2),
     Scenario("kill_switch", {}, [("step", {"n": n}) for n in range(1, 8)], "killed", 3),
     Scenario("nudge", {}, [("fetch", {"url": f"https://x/{i}"}) for i in range(4)], None),
+    # SPEC 16: the model loops, is warned at the 2nd identical call (the policy's
+    # warnings.repeat_action: 2 of max_repeat_action 3), changes action, and the run
+    # completes instead of stopping at the 4th identical call.
+    Scenario("warned_then_changed", {}, [("step", {"n": 1}), ("step", {"n": 1}),
+                                         ("search", {"query": "another way"})], None,
+             told="step was called 2 times with the same arguments; max_repeat_action is 3",
+             told_by_turn=2),
 ]
 SCENARIO_IDS = [s.name for s in SCENARIOS]
 
@@ -308,11 +319,19 @@ def test_the_integration_governs_a_real_agent(
     if scenario.reason is None:
         assert stored["status"] == "completed", outcome.answer
         assert [d["outcome"] for d in audited] == ["allow"] * len(scenario.calls)
-        # The repeated-error directive reached the model (the 3rd error, on the 4th check).
-        # (Each framework words the error its own way; the count and the advice are the
-        # service's.)
-        directive = "occurred 3 times. Change approach radically or abandon this subtask."
-        assert any(directive in given for given in outcome.model_inputs), outcome.model_inputs
+        # The directive reached the model: the repeated-error nudge (the 3rd error, on the
+        # 4th check; each framework words the error its own way, the count and the advice
+        # are the service's), or the repeat warning before the turn that changed action.
+        assert any(scenario.told in given for given in outcome.model_inputs), \
+            outcome.model_inputs
+        if scenario.told_by_turn is not None:
+            n = scenario.told_by_turn
+            assert scenario.told in outcome.model_inputs[n], outcome.model_inputs
+            assert not any(scenario.told in given for given in outcome.model_inputs[:n])
+            warned = [d for d in audited if d["step"] == 2]
+            assert warned and warned[0]["outcome"] == "allow"
+            rule = agent.http.get(f"/api/v1/decisions/{warned[0]['id']}").json()["rule"]
+            assert rule["name"] == "repeat_action"
         return
     assert stored["stop_reason"] == scenario.reason, outcome.answer
     stop = audited[-1]
@@ -459,7 +478,7 @@ def test_the_claude_sdk_result_after_a_stop_is_the_notice_not_an_empty_answer(
     run_id, answer = asyncio.run(main())
     assert answer.startswith("Let me look that up.")
     assert "Stopped by governance (loop_detected)" in answer
-    assert "mcp__docs__search was called 1 times" in answer
+    assert "mcp__docs__search was already called 1 time with" in answer
     stored = agent.http.get(f"/api/v1/runs/{run_id}").json()
     assert (stored["stop_reason"], stored["output"]) == ("loop_detected", answer)
 

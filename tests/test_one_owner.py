@@ -32,7 +32,7 @@ def test_a_sql_writer_of_audit_records_must_name_every_column() -> None:
     with pytest.raises(ValueError, match="runs_decision columns"):
         records.insert_select_sql({k: v for k, v in every.items() if k != "elapsed_s"})
     with pytest.raises(ValueError, match="runs_decision columns"):
-        records.insert_select_sql({**every, "rule": "NULL"})
+        records.insert_select_sql({**every, "not_a_column": "NULL"})
 
 
 def test_the_fan_out_sql_writes_the_kill_record_and_the_columns_a_kill_sets() -> None:

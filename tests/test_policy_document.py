@@ -35,6 +35,7 @@ SPEC_DEFAULTS = {
     "redact_args": ["password", "api_key", "token", "secret", "authorization"],
     "rate_limits": [],
     "approvals": {"tools": [], "timeout_s": 900},
+    "warnings": {"repeat_action": 2, "no_progress": 3, "budget_fraction": 0.8},
 }
 
 
@@ -116,6 +117,7 @@ def test_a_full_document_is_kept_as_written() -> None:
         "rate_limits": [{"match": "http.*", "per": "agent", "max": 10, "window_s": 60},
                         {"match": "mail.send", "per": "team", "max": 100, "window_s": 86400}],
         "approvals": {"tools": ["payments.*"], "timeout_s": 60},
+        "warnings": {"repeat_action": 1, "no_progress": None, "budget_fraction": 0.5},
     }
 
     assert parse_policy(copy.deepcopy(full)) == full
@@ -892,3 +894,36 @@ def test_max_idle_seconds_defaults_to_an_hour_and_null_means_never() -> None:
     assert parse_policy(policy())["budgets"]["max_idle_seconds"] == 3600
     assert parse_policy(policy(budgets={"max_idle_seconds": None}))["budgets"][
         "max_idle_seconds"] is None
+
+
+# --- SPEC 16: the warnings block ---------------------------------------------------------------
+
+def test_a_new_policy_gets_the_spec_warnings() -> None:
+    (team,) = parse_document(one_policy())
+    assert team["policies"][0]["warnings"] == {"repeat_action": 2, "no_progress": 3,
+                                               "budget_fraction": 0.8}
+
+
+@pytest.mark.parametrize(("warnings", "field"), [
+    ({"repeat_action": 3}, "warnings.repeat_action"),
+    ({"repeat_action": 7}, "warnings.repeat_action"),
+    ({"no_progress": 4}, "warnings.no_progress"),
+    ({"budget_fraction": 1}, "warnings.budget_fraction"),
+    ({"budget_fraction": 0}, "warnings.budget_fraction"),
+    ({"repeat_action": 0}, "warnings.repeat_action"),
+    ({"later": 1}, "warnings.later"),
+])
+def test_a_warning_at_or_past_its_limit_is_refused_naming_the_field(
+        warnings: dict[str, Any], field: str) -> None:
+    with pytest.raises(DocumentError) as caught:
+        parse_document(one_policy(warnings=warnings))
+    assert list(caught.value.errors) == [f"teams[0].policies[0].{field}"]
+
+
+def test_null_warnings_are_off_and_omitted_ones_fit_small_limits() -> None:
+    (team,) = parse_document(one_policy(warnings=None))
+    assert team["policies"][0]["warnings"] is None
+    small = {"max_steps": 5, "max_repeat_action": 2, "no_progress_window": 1}
+    (team,) = parse_document(one_policy(step_limits=small))
+    assert team["policies"][0]["warnings"] == {"repeat_action": 1, "no_progress": None,
+                                               "budget_fraction": 0.8}

@@ -317,6 +317,7 @@ def test_the_repeated_error_directive_is_surfaced_on_the_decision() -> None:
     assert decision.directive == {
         "type": "inject_message",
         "role": "user",
+        "code": "repeated_error",
         "content": "The error 'no matches found' occurred 3 times. "
         "Change approach radically or abandon this subtask.",
     }

@@ -111,7 +111,8 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
     state = run_memory.load(state.copy(), run.id, [(rules.REPEAT, pending.repeat_key)])
     # The policy restarts an approved run's idle deadline: time pending is not idle (SPEC 14).
     decision, new = rules.settle(state, status, now=now, by=label or None, note=note, kill=kill,
-                                 policy=rules_for_version(run.policy_version_id))
+                                 policy=rules_for_version(run.policy_version_id),
+                                 kill_rule=_kill_rule(run) if kill is not None else None)
     decided_at = pending.expires_at if status == rules.EXPIRED else now
     won = Approval.objects.filter(pk=pending.approval_id, status=ApprovalStatus.PENDING).update(
         status=status, decided_at=decided_at, decided_by=actor, decided_by_label=label,
@@ -272,6 +273,16 @@ def _notify(approval: Approval, event: str) -> None:
 def _locked(run_id: Any) -> tuple[Run, rules.RunState]:
     run = Run.objects.select_for_update().get(pk=run_id)
     return run, state_of(run)
+
+
+def _kill_rule(run: Any) -> dict[str, Any] | None:
+    """The covering switch as the cancelled request's stop names it (SPEC 16): read again
+    here, a rare path (a request cancelled by a kill switch), so its callers pass words."""
+    switch = cover.covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
+    if switch is None:
+        return None
+    team = Team.objects.filter(pk=run.team_id).values_list("slug", flat=True).first()
+    return cover.switch_rule(switch, team=team, run=run.id)
 
 
 def covering_kill(run: Any) -> str | None:

@@ -134,6 +134,54 @@ def decision_json(d: Decision) -> dict[str, Any]:
     }
 
 
+def decision_for_key(team: Team, decision_id: int, *, key_agent: str = "") -> Decision:
+    """A decision of the key's team (an agent-bound key: of its agent's runs, SPEC 10);
+    404 for any other, as for a decision that does not exist."""
+    rows = Decision.objects.select_related("run__policy_version__policy").filter(
+        pk=decision_id, run__team=team)
+    if key_agent:
+        rows = rows.filter(run__agent=key_agent)
+    found = rows.first()
+    if found is None:
+        raise Http404("No such decision.")
+    return found
+
+
+def rule_of(d: Decision) -> dict[str, Any] | None:
+    """The rule of a decision: its column, else its answer's (the same value), null for a
+    plain allow and for a decision recorded before rules existed."""
+    if d.rule is not None:
+        return d.rule
+    answer = d.answer if isinstance(d.answer, dict) else {}
+    return answer.get("rule")
+
+
+def decision_detail_json(d: Decision) -> dict[str, Any]:
+    """SPEC 16: the decision, its rule and the values it was made from; args redacted as
+    stored, the result's status and digest only (its error text and summary may be long)."""
+    answer = d.answer if isinstance(d.answer, dict) else {}
+    last = d.last_result if isinstance(d.last_result, dict) else None
+    version = d.run.policy_version
+    return {
+        "decision_id": d.pk,
+        "run_id": d.run_id,
+        "step": d.step,
+        "outcome": d.outcome,
+        "reason": d.reason,
+        "rule": rule_of(d),
+        "directive": answer.get("directive"),
+        "action": {"name": d.action_name, "type": d.action_type, "args": d.args}
+        if d.action_name else None,
+        "progress": d.progress,
+        "last_result": {"status": last.get("status"), "digest": last.get("digest")}
+        if last is not None else None,
+        "cost_usd": float(d.cost_usd),
+        "usage": answer.get("usage"),
+        "policy": {"name": version.policy.name, "version": version.version},
+        "at": d.at,
+    }
+
+
 def violation_of(d: Decision) -> str | None:
     """Why an uploaded local allow broke its run's policy (a denied tool, an action needing
     approval: SPEC 10, "Uploaded local decisions"), in words; None for any other decision.

@@ -246,6 +246,18 @@ def list_decisions(request: HttpRequest, run_id: str, filters: Query[s.Decisions
     return {"decisions": [selectors.decision_json(d) for d in rows]}
 
 
+@api.get("/decisions/{decision_id}", response={200: s.DecisionDetailOut, **ERRORS},
+         summary="One decision and the rule that made it", operation_id="get_decision")
+def get_decision(request: HttpRequest, decision_id: str) -> dict[str, Any]:
+    """SPEC 16: another team's or (for an agent-bound key) another agent's decision answers
+    404, like one that does not exist."""
+    if not decision_id.isdigit() or len(decision_id) > 18:
+        raise Http404("No such decision.")
+    found = selectors.decision_for_key(request.auth.team, int(decision_id),
+                                       key_agent=request.auth.agent)
+    return selectors.decision_detail_json(found)
+
+
 def _check_payload(request: HttpRequest) -> s.CheckIn:
     """The body validated by the CheckIn schema, with ninja's errors for bad input (400 for
     a body that is not JSON, 422 naming the fields), but without ninja's per-request models."""

@@ -3,6 +3,7 @@ forever: the check never parses a policy document on the hot path."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from governance_client.rules import Policy
@@ -12,8 +13,10 @@ from policies.models import PolicyVersion
 
 @lru_cache(maxsize=4096)
 def rules_for_version(version_id: int) -> Policy:
-    document = PolicyVersion.objects.values_list("document", flat=True).get(pk=version_id)
-    return Policy.from_document(document)
+    document, number = PolicyVersion.objects.values_list("document", "version").get(
+        pk=version_id)
+    # The version's number, for the `rule` of its answers (SPEC 16).
+    return replace(Policy.from_document(document), version=number)
 
 
 @lru_cache(maxsize=4096)

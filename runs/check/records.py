@@ -46,6 +46,13 @@ class DecisionRow:
     elapsed_s: float | None  # since the run's start, as the rules counted it (backtests)
     answer: dict[str, Any]
     at: datetime
+    # SPEC 16: the answer's rule, kept in a column of its own (the decision endpoint, the
+    # timeline's "why"); taken from the answer unless given.
+    rule: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rule is None and isinstance(self.answer, dict):
+            self.rule = self.answer.get("rule")
 
 
 # The columns are the model's and DecisionRow's own, written once each: the check's SQL, the
@@ -104,10 +111,12 @@ def abandon_row(state: rules.RunState, policy: rules.Policy, now: datetime) -> D
 
 
 def kill_row(switch_id: int, words: str, state: rules.RunState, limits: dict[str, Any],
-             now: datetime) -> DecisionRow:
+             now: datetime, *, fired: dict[str, Any] | None = None,
+             policy: tuple[str, int] | None = None) -> DecisionRow:
     """A kill by the fan-out (SPEC 6); its SQL twin is the fan-out's `_KILL_SQL`."""
-    return _no_action(answers.kill_decision(words, step=state.steps),
-                      answers.kill_answer(switch_id, words, state, limits, now), now,
+    return _no_action(answers.kill_decision(words, step=state.steps, fired=fired),
+                      answers.kill_answer(switch_id, words, state, limits, now, fired=fired,
+                                          policy=policy), now,
                       state.elapsed_s(now))
 
 

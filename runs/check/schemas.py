@@ -428,7 +428,21 @@ class UsageOut(Schema):
 class DirectiveOut(Schema):
     type: Literal["inject_message"]
     role: Literal["user"]
+    code: Literal["repeat_action", "no_progress", "budget", "repeated_error"] = Field(
+        description="Which warning (SPEC 16): put content in front of the model.")
     content: str
+
+
+class RuleOut(Schema):
+    """The rule that decided (SPEC 16): null for a plain allow."""
+
+    name: str = Field(description="The stop reason, or the warning's code.")
+    policy: str | None
+    version: int | None
+    limit: dict[str, Any] = Field(description="The limit's field(s) and value(s).")
+    observed: dict[str, Any] = Field(description="The counter(s) observed.")
+    scope: str = Field(description='"run", or the id of the ancestor run whose limit it is '
+                       "(sub-agent runs).")
 
 
 class ShadowOut(Schema):
@@ -468,6 +482,8 @@ class CheckOut(Schema):
     retry_after_s: float | None = Field(
         description="A wait only: seconds (> 0, to the millisecond) until every matching "
         "rate limit has room.")
+    rule: RuleOut | None = Field(description="The rule that decided, with its limit and the "
+                                 "values observed (SPEC 16); null for a plain allow.")
     trace_id: str | None = Field(
         description="The OpenTelemetry trace (32 hex digits) the check's span "
         "is in, the agent's own when it sent a `traceparent` (SPEC 18); null while tracing "
@@ -516,6 +532,36 @@ class DecisionOut(Schema):
 
 class DecisionsOut(Schema):
     decisions: list[DecisionOut]
+
+
+class LastResultOut(Schema):
+    status: str | None = None
+    digest: str | None = None
+
+
+class DecisionPolicyOut(Schema):
+    name: str
+    version: int
+
+
+class DecisionDetailOut(Schema):
+    """One decision and why it was made (SPEC 16): GET /api/v1/decisions/{decision_id}."""
+
+    decision_id: int
+    run_id: UUID
+    step: int
+    outcome: Literal["allow", "stop", "would_stop", "pending", "wait", "expired"]
+    reason: str
+    rule: RuleOut | None
+    directive: DirectiveOut | None
+    action: DecisionActionOut | None
+    progress: str | float | int | None = None
+    last_result: LastResultOut | None
+    cost_usd: float
+    usage: dict[str, Any] | None = Field(description="The run's counters after this "
+                                         "decision (steps, tool_calls, cost_usd, elapsed_s).")
+    policy: DecisionPolicyOut
+    at: datetime
 
 
 class RunsFilter(Schema):

@@ -194,9 +194,12 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
         if replayed is not None:
             return replayed
         windows = _windows(tx, read, state, kill=kill, now=now)
+        switch = read.locked.switch
+        kill_rule = cover.switch_rule(switch, team=read.locked.team_slug, run=run.id) \
+            if switch is not None else None
         decision, new_state, answer, check_id = _decide(
             policy, state, check, kill=kill, windows=windows, key=read.keyed.key, now=now,
-            deadline=deadline)
+            deadline=deadline, kill_rule=kill_rule)
         if trace_id is not None:  # the audit record keeps the trace its decision is in
             answer = {**answer, "trace_id": trace_id}
         args = rules.redact(check.args, policy.redact_args)
@@ -335,20 +338,20 @@ def _windows(tx: CheckTransaction, read: _Read, state: rules.RunState, *, kill: 
 
 def _decide(policy: rules.Policy, state: rules.RunState, check: rules.Check, *,
             kill: str | None, windows: list[rules.RateWindow], key: str, now: Any,
-            deadline: float | None
+            deadline: float | None, kill_rule: dict[str, Any] | None = None
             ) -> tuple[rules.Decision, rules.RunState, dict[str, Any], str | None]:
     """The rules' decision, the run's new state, the answer and the check_id to record."""
     check_id = check.check_id
     decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
                                          rate=windows, key=key,
-                                         approval_id=str(uuid.uuid4()))
+                                         approval_id=str(uuid.uuid4()), kill_rule=kill_rule)
     answer = answers.answer_of(decision, new_state, policy, now)
     # The agent may have given up on this check (its deadline_ms passed while the check
     # waited, for the run's lock usually): the rules say what then stands.
     expired = rules.expire(state, decision, new_state,
                            past_deadline=deadline is not None and time.monotonic() > deadline)
     if expired is not None:
-        answer = answers.expired_answer(answer, state, now, check_id)
+        answer = answers.expired_answer(answer, state, now, check_id, policy)
         decision, new_state = expired
         # The check_id stays free: the client may upload its own decision for it.
         check_id = None

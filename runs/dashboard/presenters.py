@@ -62,6 +62,56 @@ class StepRow:
     local: bool = False  # decided by a fail-open client during an outage, uploaded later
     violation: str = ""  # a local allow that broke the run's policy: why (SPEC 10)
     retry_after_s: float | None = None
+    why: str = ""  # SPEC 16: the rule that decided, in words ("" for a plain allow)
+    warning: str = ""  # the directive's code, when the row carries a warning
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def _pairs(values: Any) -> str:
+    if not isinstance(values, dict):
+        return ""
+    return ", ".join(f"{k} {_value(v)}" for k, v in values.items())
+
+
+def rule_in_words(rule: Any) -> str:
+    """A decision's rule (SPEC 16), readable: "loop_detected: repeat_count 3 reached
+    max_repeat_action 3 (policy default v4)". The same JSON the API's decision shows."""
+    if not isinstance(rule, dict) or not rule.get("name"):
+        return ""
+    name = rule["name"]
+    observed, limit = _pairs(rule.get("observed")), _pairs(rule.get("limit"))
+    if name == rules.KILLED:
+        text = f"killed: the {limit or 'kill switch'}" + (f" switch, {observed}" if observed
+                                                        else " switch")
+    elif observed and limit:
+        text = f"{name}: {observed} reached {limit}"
+    else:
+        text = f"{name}: {observed or limit}" if observed or limit else name
+    where = ""
+    if rule.get("policy"):
+        where = f" (policy {rule['policy']} v{rule.get('version')}"
+        scope = rule.get("scope")
+        where += ")" if scope in (None, "run") else f", the limit of run {scope})"
+    return text + where
+
+
+def rule_sentence(rule: Any, reason: str) -> str:
+    """The stop banner's one sentence (SPEC 16): which rule of which policy stopped the run,
+    with the value observed and the limit."""
+    if not isinstance(rule, dict) or not rule.get("name"):
+        return ""
+    policy = f" of policy {rule['policy']} v{rule.get('version')}" if rule.get("policy") else ""
+    observed, limit = _pairs(rule.get("observed")), _pairs(rule.get("limit"))
+    detail = f": {observed} reached {limit}" if observed and limit else \
+        f": {observed or limit}" if observed or limit else ""
+    return f"The rule {rule['name']}{policy} stopped this run{detail}."
 
 
 def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
@@ -75,6 +125,7 @@ def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
     approval = answer.get("approval") or {}
     if not isinstance(approval, dict):
         approval = {}
+    rule = d.rule if d.rule is not None else answer.get("rule")
     return StepRow(
         id=d.pk,
         step=d.step,
@@ -101,6 +152,8 @@ def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
         local=answer.get("local") is True,
         violation=violation_of(d) or "",
         retry_after_s=answer.get("retry_after_s"),
+        why=rule_in_words(rule),
+        warning=(directive.get("code") or "") if isinstance(directive, dict) else "",
     )
 
 
@@ -150,23 +203,27 @@ class Banner:
     next_action: str
     output: str
     ended_at: datetime | None
+    rule: str = ""  # SPEC 16: the rule that stopped the run, in one sentence
 
 
 def banner(run: Run) -> Banner | None:
     """The stop banner: why the run ended and its partial response. None while it runs."""
     if run.status == RunStatus.RUNNING:
         return None
-    message = next_action = ""
+    message = next_action = sentence = ""
     if run.stop_reason:
         # The run's first stop ended it (`decision_run_stop`: one probe, however many checks
         # of the ended run were answered since).
         stop = (Decision.objects.of_run(run.pk).filter(outcome=rules.STOP)
-                .only("reason", "answer").first())
+                .only("reason", "answer", "rule").first())
         if stop is not None and stop.reason == run.stop_reason:
             message = stop.answer.get("message") or ""
             next_action = stop.answer.get("next_action") or ""
+            sentence = rule_sentence(stop.rule if stop.rule is not None
+                                     else stop.answer.get("rule"), stop.reason)
     return Banner(status=run.status, reason=run.stop_reason or "", message=message,
-                  next_action=next_action, output=run.output, ended_at=run.ended_at)
+                  next_action=next_action, output=run.output, ended_at=run.ended_at,
+                  rule=sentence)
 
 
 # The would-stops counted for a run's shadow summary: past it the page says "N+" (every
@@ -233,6 +290,7 @@ def overview_context(team: Team, now: datetime | None = None, *, range_key: str 
         "loops": dashboard.top_loops(team, since=since),
         "agents": agents,
         "would_stop": dashboard.would_stop_count(team, since=since),
+        "warned": dashboard.warning_outcomes(team, since=since),
         "rate_limited": dashboard.rate_limited(team, since=now - timedelta(hours=24)),
         "switches": dashboard.switches_covering(team),
         "now": now,

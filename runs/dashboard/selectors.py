@@ -371,6 +371,39 @@ def top_loops(team: Team, *, since: datetime, limit: int = 5, variants: int = 5
     ]
 
 
+@dataclass(frozen=True)
+class WarningOutcomes:
+    """SPEC 16: what the agents did after a warning, over the range."""
+
+    warnings: int  # the warnings looked at (at most WARNINGS_LOOKED_AT, the newest)
+    changed: int  # the next check of the run was another action
+    stopped: int  # the next check of the run was stopped
+    capped: bool
+
+
+WARNINGS_LOOKED_AT = 500
+
+
+def warning_outcomes(team: Team, *, since: datetime) -> WarningOutcomes:
+    """The warnings of the team's runs in the range (an allow carrying a rule, SPEC 16), each
+    with the run's next decision: another action (a change of course) or a stop. Bounded: the
+    newest WARNINGS_LOOKED_AT warnings, each next decision one probe of `decision_run`."""
+    following = Decision.objects.of_run(OuterRef("run_id"), after=OuterRef("id"))
+    rows = list(
+        Decision.objects.filter(run__team=team, at__gte=since, outcome="allow",
+                                rule__isnull=False)
+        .annotate(next_outcome=Subquery(following.values("outcome")[:1]),
+                  next_key=Subquery(following.values("repeat_key")[:1]))
+        .order_by("-id").values_list("repeat_key", "next_outcome", "next_key")
+        [:WARNINGS_LOOKED_AT + 1])
+    capped = len(rows) > WARNINGS_LOOKED_AT
+    rows = rows[:WARNINGS_LOOKED_AT]
+    stopped = sum(1 for _, outcome, _ in rows if outcome == "stop")
+    changed = sum(1 for key, outcome, nxt in rows
+                  if outcome not in (None, "stop") and nxt != key)
+    return WarningOutcomes(len(rows), changed, stopped, capped)
+
+
 def would_stop_count(team: Team, *, since: datetime) -> int:
     """Runs started in the range that a shadow policy would have stopped."""
     return Run.objects.filter(team=team, started_at__gte=since).filter(would_stop_q()).count()

@@ -210,6 +210,15 @@ def covered_in_words(scope: str, *, team: Team | None, agent: str = "") -> str:
     return "(this run)"
 
 
+def switch_rule(switch: SwitchFields, *, team: str | None, run: Any = None
+                ) -> dict[str, Any]:
+    """The switch as a killed stop's `rule` names it (SPEC 16, `answers.kill_rule`): ``team``
+    the covered run's team slug, ``run`` its id (for a run switch)."""
+    return answers.kill_rule(Scope(switch.scope).value, team=team, agent=switch.agent or None,
+                             by=switch.engaged_by_label, reason=switch.reason,
+                             run=str(run) if run is not None else None)
+
+
 def switch_in_words(switch: SwitchFields) -> str:
     """A switch for the agent it stops: the message of a refused start or a killed check
     (the words are `answers.switch_in_words`, which the client's fake says too)."""

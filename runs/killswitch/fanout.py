@@ -57,7 +57,10 @@ WITH killed AS (
     "action_name": "''", "action_type": "''", "args": "NULL", "repeat_key": "''",
     "repeat_count": "0", "check_id": "NULL", "progress": "NULL", "last_result": "NULL",
     "cost_usd": "0",
+    # The switch's rule, with the run's policy and version (answers.PER_RUN_RULE).
+    "rule": "%(rule)s::jsonb || (%(refs)s::jsonb -> k.policy_version_id::text)",
     "answer": """%(base)s::jsonb || jsonb_build_object(
+        'rule', %(rule)s::jsonb || (%(refs)s::jsonb -> k.policy_version_id::text),
         'step', k.steps,
         'usage', jsonb_build_object(
             'steps', k.steps, 'tool_calls', k.tool_calls, 'cost_usd', k.cost_usd::float8,
@@ -79,6 +82,16 @@ def _killed_columns(now: datetime) -> dict[str, Any]:
 
 def _limits_of(version_ids: set[int]) -> dict[int, dict[str, Any]]:
     return {pk: rules_for_version(pk).limits() for pk in version_ids}
+
+
+def _refs_of(version_ids: set[int]) -> dict[int, tuple[str, int]]:
+    """Each version's (policy name, version number), which a kill's rule names."""
+    return {pk: answers.policy_ref(rules_for_version(pk)) for pk in version_ids}
+
+
+def _switch_rule(switch: KillSwitch, run_id: Any = None) -> dict[str, Any]:
+    team = switch.team.slug if switch.team_id is not None else None
+    return cover.switch_rule(switch, team=team, run=switch.run_id or run_id)
 
 
 def _kill_batch(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:
@@ -138,14 +151,20 @@ def _kill_batch_sql(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
     locked = [(pk, team_id, version) for pk, team_id, version, _ in rows if pk not in settled]
     if not locked:
         return [(str(pk), team_id) for pk, team_id, _, _ in rows]
-    limits = _limits_of({version for _, _, version in locked})
+    versions = {version for _, _, version in locked}
+    limits = _limits_of(versions)
+    fired = _switch_rule(switch)
+    base = answers.kill_answer_fixed(switch.pk, cover.switch_in_words(switch), fired)
+    rule = {k: v for k, v in base["rule"].items() if k not in answers.PER_RUN_RULE}
+    refs = {str(pk): {"policy": name, "version": number}
+            for pk, (name, number) in _refs_of(versions).items()}
     teams = {pk: team_id for pk, team_id, _ in locked}
     now = timezone.now()
     with connection.cursor() as cursor:
         cursor.execute(_KILL_SQL, {
             "ids": list(teams), "now": now, **_killed_columns(now),
             "running": rules.RUNNING, "stop": rules.STOP, "reason": rules.KILLED,
-            "base": json.dumps(answers.kill_answer_fixed(switch.pk, cover.switch_in_words(switch))),
+            "base": json.dumps(base), "rule": json.dumps(rule), "refs": json.dumps(refs),
             "limits": json.dumps({str(k): v for k, v in limits.items()}),
         })
         killed = [row[0] for row in cursor.fetchall()]
@@ -162,17 +181,20 @@ def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
                 .order_by("pk").only(*RUN_COLUMNS))
     teams = {pk: team_id for pk, team_id, _, _ in locked}
     now = timezone.now()
-    limits = _limits_of({run.policy_version_id for run in rows})
+    versions = {run.policy_version_id for run in rows}
+    limits, refs = _limits_of(versions), _refs_of(versions)
     killed: list[Run] = []
     decisions: list[tuple[Any, records.DecisionRow]] = []
     words = cover.switch_in_words(switch)
+    fired = _switch_rule(switch)
     for run in rows:
         new = rules.kill(state_of(run), now=now)
         if new is None:
             continue
         killed.append(run)
-        decisions.append((run.pk, records.kill_row(switch.pk, words, new,
-                                                   limits[run.policy_version_id], now)))
+        decisions.append((run.pk, records.kill_row(
+            switch.pk, words, new, limits[run.policy_version_id], now, fired=fired,
+            policy=refs[run.policy_version_id])))
     if killed:
         Run.objects.filter(pk__in=[run.pk for run in killed]).update(**_killed_columns(now))
         records.insert_many(decisions, batch_size=FANOUT_BATCH)

@@ -63,6 +63,9 @@ class Decision:
     #: connection error of an outage, the service's own words and API steps for a wait it
     #: stopped waiting for). ``message`` and ``next_action`` are then words for the user.
     detail: str | None = None
+    #: SPEC 16: the rule that decided ({"name", "policy", "version", "limit", "observed",
+    #: "scope"}); None for a plain allow and for an answer from a service without it.
+    rule: dict[str, Any] | None = None
 
     @property
     def allowed(self) -> bool:
@@ -95,6 +98,7 @@ class Decision:
             retry_after_s=float(retry_after) if isinstance(retry_after, int | float) else None,
             check_id=check_id,
             call_id=call_id,
+            rule=body.get("rule") if isinstance(body.get("rule"), dict) else None,
         )
 
     def to_state(self) -> dict[str, Any]:

@@ -141,6 +141,14 @@ class Policy:
     rate_limits: tuple[RateLimit, ...] = ()
     approval_tools: tuple[str, ...] = ()
     approval_timeout_s: int = 900
+    # SPEC 16 warnings; None = off. A new policy's values; a version stored before the block
+    # existed has none (`from_document` reads an absent block as null).
+    warn_repeat_action: int | None = 2
+    warn_no_progress: int | None = 3
+    warn_budget_fraction: float | None = 0.8
+    # The policy's identity, for the `rule` of an answer (SPEC 16): its name and version.
+    name: str = "default"
+    version: int = 0
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Policy:
@@ -164,6 +172,9 @@ class Policy:
         redact = doc.get("redact_args")
         # Versions saved before SPEC 11 have no approvals block: they require none.
         approvals = doc.get("approvals") or {}
+        # Versions saved before SPEC 16 have no warnings (a null block, policies/0008).
+        warnings = doc.get("warnings") or {}
+        version = doc.get("version")
 
         def step(name: str) -> Any:
             value = steps.get(name)
@@ -190,6 +201,11 @@ class Policy:
             ),
             approval_tools=tuple(approvals.get("tools") or ()),
             approval_timeout_s=int(approvals.get("timeout_s") or new.approval_timeout_s),
+            warn_repeat_action=warnings.get("repeat_action"),
+            warn_no_progress=warnings.get("no_progress"),
+            warn_budget_fraction=warnings.get("budget_fraction"),
+            name=str(doc.get("name") or new.name),
+            version=version if isinstance(version, int) else new.version,
         )
 
     def limits(self) -> dict[str, Any]:
@@ -376,6 +392,9 @@ class RunState:
     # SPEC 11 / 15: time spent waiting for settled approvals, and the approval still open.
     paused_s: float = 0.0
     pending: Pending | None = None
+    # SPEC 16: the budgets the run was already warned about (a budget warning is sent once
+    # per budget per run); kept in the fixed memory, so the check's one write stores it.
+    budget_warned: frozenset[str] = frozenset()
     #: What ended a killed run, in words (the switch and the operator's reason); not part of
     #: the memory: the caller fills it from the kill's audit record when it answers the stop.
     stop_detail: str | None = None
@@ -420,6 +439,7 @@ class RunState:
             "no_progress_streak": self.no_progress_streak,
             "paused_s": self.paused_s,
             "pending": self.pending.to_json() if self.pending is not None else None,
+            **({"budget_warned": sorted(self.budget_warned)} if self.budget_warned else {}),
         }
 
     def keyed(self) -> dict[Entry, int]:
@@ -457,6 +477,7 @@ class RunState:
         self.paused_s = float(memory.get("paused_s", 0.0))
         pending = memory.get("pending")
         self.pending = Pending.from_json(pending) if pending else None
+        self.budget_warned = frozenset(memory.get("budget_warned") or ())
         return self
 
 
@@ -473,6 +494,9 @@ class Decision:
     shadow: dict[str, str] | None = None
     retry_after_s: float | None = None  # a wait only
     approval: dict[str, str] | None = None
+    # SPEC 16: the rule that decided, as the rules know it: {"name", "limit", "observed"}
+    # (answers.rule_of adds the policy, its version and the scope); None for a plain allow.
+    rule: dict[str, Any] | None = None
 
     @property
     def answer(self) -> str:
@@ -550,56 +574,100 @@ def check_id_missing(policy: Policy, state: RunState, check: Check, *, kill: str
             "check can be resumed once an operator decides.")
 
 
+Stop = tuple[str, str, dict[str, Any]]  # (reason, message, rule: name, limit, observed)
+
+
+def rule(name: str, limit: Mapping[str, Any], observed: Mapping[str, Any]) -> dict[str, Any]:
+    """The rules' part of an answer's ``rule`` (SPEC 16): which rule, its limit and the
+    values observed; answers.rule_of adds the policy, its version and the scope."""
+    return {"name": name, "limit": dict(limit), "observed": dict(observed)}
+
+
+def _times(n: int) -> str:
+    return "1 time" if n == 1 else f"{n} times"
+
+
+def _money(value: Decimal | float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _denied_rule(policy: Policy, name: str) -> dict[str, Any]:
+    for pattern in policy.deny:
+        if fnmatchcase(name, pattern):
+            return rule("tool_denied", {"deny": pattern}, {"action": name})
+    return rule("tool_denied", {"allow": list(policy.allow or ())}, {"action": name})
+
+
 def _first_stop(
-    policy: Policy, state: RunState, check: Check, key: str, now: datetime, kill: str | None
-) -> tuple[str, str] | None:
-    """The first rule of SPEC 4.4 that stops this check, as (reason, message)."""
+    policy: Policy, state: RunState, check: Check, key: str, now: datetime, kill: str | None,
+    kill_rule: Mapping[str, Any] | None = None,
+) -> Stop | None:
+    """The first rule of SPEC 4.4 that stops this check, as (reason, message, rule). Each
+    message says the value observed, the limit and what happens now (SPEC 16)."""
     if kill is not None:
-        return "killed", f"Stopped by a kill switch: {kill}."
+        return "killed", f"Stopped by a kill switch: {kill}.", rule(
+            "killed", (kill_rule or {}).get("limit", {}), (kill_rule or {}).get("observed", {}))
     if state.steps > policy.max_steps:
-        return "max_steps", f"Step {state.steps} exceeds max_steps={policy.max_steps}."
+        return "max_steps", (
+            f"Step {state.steps} is past max_steps={policy.max_steps}: the action was not "
+            "run and the run is stopped."
+        ), rule("max_steps", {"max_steps": policy.max_steps}, {"steps": state.steps})
     denied = _denied(policy, check.name)
     if denied:
-        return "tool_denied", f"Tool denied by the policy: {denied}"
+        return "tool_denied", (
+            f"Tool denied by the policy: {denied} The action was not run and the run is "
+            "stopped."), _denied_rule(policy, check.name)
     elapsed = state.elapsed_s(now)
     if policy.max_seconds is not None and elapsed > policy.max_seconds:
         return "max_seconds", (
             f"The run has lasted {elapsed:.1f} s, over "
-            f"max_seconds={_plain(policy.max_seconds)}."
-        )
+            f"max_seconds={_plain(policy.max_seconds)}: the action was not run and the run "
+            "is stopped."
+        ), rule("max_seconds", {"max_seconds": policy.max_seconds},
+                {"elapsed_s": round(elapsed, 3)})
     if policy.max_usd is not None and state.cost_usd >= policy.max_usd:
         return "max_usd", (
             f"The run has spent ${_plain(state.cost_usd)}, reaching "
-            f"max_usd={_plain(policy.max_usd)}."
-        )
+            f"max_usd={_plain(policy.max_usd)}: the action was not run and the run is "
+            "stopped."
+        ), rule("max_usd", {"max_usd": _money(policy.max_usd)},
+                {"cost_usd": _money(state.cost_usd)})
     if (
         policy.max_tool_calls is not None
         and check.type == "tool"
         and state.tool_calls >= policy.max_tool_calls
     ):
         return "max_tool_calls", (
-            f"The run has made {state.tool_calls} tool calls "
-            f"(max_tool_calls={policy.max_tool_calls})."
-        )
+            f"The run has already made {state.tool_calls} tool calls, all that "
+            f"max_tool_calls={policy.max_tool_calls} allows: this call was not run and the "
+            "run is stopped."
+        ), rule("max_tool_calls", {"max_tool_calls": policy.max_tool_calls},
+                {"tool_calls": state.tool_calls})
     count = state.repeat_counts.get(key, 0)
     if count >= policy.max_repeat_action:
         return "loop_detected", (
-            f"{check.name} was called {count} times with the same arguments "
-            f"(max_repeat_action={policy.max_repeat_action})."
-        )
+            f"{check.name} was already called {_times(count)} with the same arguments, all "
+            f"that max_repeat_action={policy.max_repeat_action} allows: this call was not "
+            "run and the run is stopped."
+        ), rule("loop_detected", {"max_repeat_action": policy.max_repeat_action},
+                {"repeat_count": count})
     if state.no_progress_streak >= policy.no_progress_window:
         return "no_progress", (
-            f"{state.no_progress_streak} informative checks in a row brought nothing new "
-            f"(no_progress_window={policy.no_progress_window})."
-        )
+            f"{state.no_progress_streak} informative checks in a row brought nothing new, "
+            f"reaching no_progress_window={policy.no_progress_window}: the action was not "
+            "run and the run is stopped."
+        ), rule("no_progress", {"no_progress_window": policy.no_progress_window},
+                {"no_progress_streak": state.no_progress_streak})
     error = check.last_result.error_text if check.last_result else None
     if policy.error_action == "stop" and error is not None:
         seen = state.error_counts.get(error, 0)
         if seen >= policy.error_threshold:
             return "repeated_error", (
-                f"The error '{error}' occurred {seen} times "
-                f"(on_repeated_error.threshold={policy.error_threshold})."
-            )
+                f"The error '{error}' occurred {seen} times, reaching "
+                f"on_repeated_error.threshold={policy.error_threshold}: the action was not "
+                "run and the run is stopped."
+            ), rule("repeated_error", {"on_repeated_error.threshold": policy.error_threshold},
+                    {"error_count": seen})
     return None
 
 
@@ -629,12 +697,143 @@ def _register(state: RunState, check: Check) -> None:
 
 
 def nudge(error: str, count: int) -> dict[str, str]:
-    return {
-        "type": "inject_message",
-        "role": "user",
-        "content": f"The error '{error}' occurred {count} times. "
-        "Change approach radically or abandon this subtask.",
-    }
+    """The repeated-error nudge of SPEC 4.4 / 5.2: a warning with code ``repeated_error``."""
+    return _directive(REPEATED_ERROR, f"The error '{error}' occurred {count} times. "
+                      "Change approach radically or abandon this subtask.")
+
+
+# --- Warnings before stops (SPEC 16) ----------------------------------------------------------
+#
+# Chosen last, on an allow only (a shadow would-stop included: the action runs), from the
+# state after the allow was counted. Choosing one changes no counter: only `budget_warned`,
+# the budgets already warned about, since a budget warning is sent once per budget per run.
+
+REPEAT_ACTION = "repeat_action"
+NO_PROGRESS = "no_progress"
+BUDGET = "budget"
+REPEATED_ERROR = "repeated_error"
+WARNING_CODES = (REPEATED_ERROR, REPEAT_ACTION, NO_PROGRESS, BUDGET)
+BUDGETS = ("max_steps", "max_seconds", "max_usd", "max_tool_calls")
+_WRAP_UP = "Wrap up: finish the task or return the partial response."
+
+
+DEFAULT_WARNINGS: dict[str, Any] = {"repeat_action": 2, "no_progress": 3,
+                                    "budget_fraction": 0.8}
+
+
+def default_warning(field: str, limit: int) -> int | None:
+    """A new policy's warning ``field`` (repeat_action, no_progress) under its step limit:
+    the SPEC 16 value where it comes before the stop, else the last count before it (none
+    for a limit of 1). The policy document and the fake's reading of a file both use it."""
+    value = int(DEFAULT_WARNINGS[field])
+    return value if value < limit else (limit - 1 if limit > 1 else None)
+
+
+def _directive(code: str, content: str) -> dict[str, str]:
+    return {"type": "inject_message", "role": "user", "code": code, "content": content}
+
+
+@dataclass(frozen=True, slots=True)
+class WarningFound:
+    """One warning that applies: how near its limit (observed / limit: the highest is
+    sent), its directive, its rule, and the budget it warns about (None: not a budget)."""
+
+    nearness: float
+    directive: dict[str, str]
+    rule: dict[str, Any]
+    budget: str | None = None
+
+
+def _budget_warning(policy: Policy, state: RunState, now: datetime, budget: str,
+                    fraction: float) -> WarningFound | None:
+    if budget == "max_steps":
+        limit: Any = policy.max_steps
+        observed: Any = state.steps
+        counter, words = "steps", (
+            f"This run is at step {observed} of max_steps={limit}: an action past step "
+            f"{limit} is not run and stops this run.")
+    elif budget == "max_seconds":
+        if policy.max_seconds is None:
+            return None
+        limit, observed = policy.max_seconds, round(state.elapsed_s(now), 3)
+        counter, words = "elapsed_s", (
+            f"This run has lasted {observed:.1f} s of max_seconds={_plain(limit)}: past "
+            f"{_plain(limit)} s its next action is not run and the run is stopped.")
+    elif budget == "max_usd":
+        if policy.max_usd is None:
+            return None
+        limit, observed = float(policy.max_usd), float(state.cost_usd)
+        counter, words = "cost_usd", (
+            f"This run has spent ${_plain(state.cost_usd)} of max_usd="
+            f"{_plain(policy.max_usd)}: once it reaches ${_plain(policy.max_usd)} its next "
+            "action is not run and the run is stopped.")
+    else:
+        if policy.max_tool_calls is None:
+            return None
+        limit, observed = policy.max_tool_calls, state.tool_calls
+        counter, words = "tool_calls", (
+            f"This run has made {observed} tool calls of max_tool_calls={limit}: once it has "
+            f"made {limit}, its next tool call is not run and the run is stopped.")
+    if limit <= 0 or observed < fraction * float(limit):
+        return None
+    return WarningFound(observed / float(limit), _directive(BUDGET, f"{words} {_WRAP_UP}"),
+                   rule(BUDGET, {budget: limit, "warnings.budget_fraction": fraction},
+                        {counter: observed}), budget)
+
+
+def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: datetime
+                ) -> list[WarningFound]:
+    """Every warning that applies to an allowed check, ``state`` the run's state after it
+    was counted (SPEC 16), in the order that breaks a tie of nearness."""
+    found: list[WarningFound] = []
+    error = check.last_result.error_text if check.last_result else None
+    if error is not None and policy.error_action == "nudge":
+        count = state.error_counts.get(error, 0)
+        if count >= policy.error_threshold:
+            found.append(WarningFound(count / policy.error_threshold, nudge(error, count), rule(
+                REPEATED_ERROR, {"on_repeated_error.threshold": policy.error_threshold},
+                {"error_count": count})))
+    count = state.repeat_counts.get(key, 0)
+    limit = policy.max_repeat_action
+    if policy.warn_repeat_action is not None and count >= policy.warn_repeat_action:
+        left = limit - count
+        then = (f"{left} more identical call{'s' if left != 1 else ''} may run, and the one "
+                "after is not run and stops this run" if left > 0 else
+                "the next identical call is not run and stops this run")
+        found.append(WarningFound(count / limit, _directive(REPEAT_ACTION, (
+            f"{check.name} was called {_times(count)} with the same arguments; "
+            f"max_repeat_action is {limit}: {then}. Use the result you have or change "
+            "approach.")), rule(REPEAT_ACTION, {"max_repeat_action": limit,
+                                                "warnings.repeat_action":
+                                                    policy.warn_repeat_action},
+                                {"repeat_count": count})))
+    streak, window = state.no_progress_streak, policy.no_progress_window
+    if policy.warn_no_progress is not None and streak >= policy.warn_no_progress:
+        found.append(WarningFound(streak / window, _directive(NO_PROGRESS, (
+            f"{streak} informative checks in a row brought nothing new; at {window} in a row "
+            f"(no_progress_window={window}) the next action is not run and this run is "
+            "stopped. Report new progress or change approach.")), rule(
+                NO_PROGRESS, {"no_progress_window": window,
+                              "warnings.no_progress": policy.warn_no_progress},
+                {"no_progress_streak": streak})))
+    if policy.warn_budget_fraction is not None:
+        for budget in BUDGETS:
+            if budget in state.budget_warned:
+                continue
+            warned = _budget_warning(policy, state, now, budget,
+                                     float(policy.warn_budget_fraction))
+            if warned is not None:
+                found.append(warned)
+    return found
+
+
+def choose_warning(found: Sequence[WarningFound]) -> WarningFound | None:
+    """The warning sent: the one nearest to its limit, the first of a tie."""
+    best: WarningFound | None = None
+    for warning in found:
+        if best is None or warning.nearness > best.nearness:
+            best = warning
+    return best
 
 
 # --- Rate limits (SPEC 12) ---------------------------------------------------------------------
@@ -818,14 +1017,15 @@ def wait_past_budget(policy: Policy, state: RunState, name: str, wait: float,
 def evaluate(
     policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None,
     rate: Sequence[RateWindow] = (), key: str | None = None,
-    approval_id: str = "",
+    approval_id: str = "", kill_rule: Mapping[str, Any] | None = None,
 ) -> tuple[Decision, RunState]:
     """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any;
     ``rate`` holds the windows of `rate_limits_matching(policy, check.name)`, read by the
     caller (under its locks) for a running run. ``key`` is the check's repeat key when the
     caller already knows it: a backtest replays the recorded key of a check whose args were
     stored redacted (replay.py). ``approval_id`` is the id a new approval request gets,
-    should this check open one.
+    should this check open one. ``kill_rule``: the covering switch's ``limit`` and
+    ``observed`` for the stop's ``rule`` (SPEC 16, answers.kill_rule).
 
     The order (SPEC 4.4, 11, 12, 14, 15): a run past its idle deadline is abandoned; a
     terminal run answers its stop; rules 1 to 9; rate limits; approvals; allow. The caller
@@ -844,7 +1044,7 @@ def evaluate(
     new = state.copy()
     new.steps += 1
     _register(new, check)
-    stop = _first_stop(policy, new, check, key, now, kill)
+    stop = _first_stop(policy, new, check, key, now, kill, kill_rule)
     if stop is None:
         if policy.mode == "shadow":
             # Nothing waits in shadow mode: a window the store could not read in time is no
@@ -858,8 +1058,15 @@ def evaluate(
             # A window the store could not read in time is no evidence of a long wait.
             past = None if window.busy_retry_s is not None else wait_past_budget(
                 policy, state, check.name, wait, now)
+            limited_rule = rule(RATE_LIMITED, {
+                "index": policy.rate_limits.index(window.rule) if window.rule in
+                policy.rate_limits else None, "match": window.rule.match,
+                "per": window.rule.per, "max": window.rule.max,
+                "window_s": window.rule.window_s}, {"retry_after_s": wait})
             if past is not None:
-                stop = ("max_seconds", past)
+                stop = ("max_seconds", past, rule(
+                    "max_seconds", {"max_seconds": policy.max_seconds},
+                    {"elapsed_s": round(state.elapsed_s(now), 3), "retry_after_s": wait}))
             elif policy.mode != "shadow":
                 # A wait registers nothing: the agent sends the same body again. It is
                 # activity all the same (SPEC 14).
@@ -869,9 +1076,10 @@ def evaluate(
                     outcome=WAIT, reason=RATE_LIMITED, step=state.steps + 1, repeat_key=key,
                     repeat_count=state.repeat_counts.get(key, 0), message=message,
                     next_action=NEXT_ACTION[RATE_LIMITED], retry_after_s=wait,
+                    rule=limited_rule,
                 ), waited
             else:
-                stop = (RATE_LIMITED, message)
+                stop = (RATE_LIMITED, message, limited_rule)
     if stop is None:
         pattern = approval_pattern(policy, check.name)
         if pattern is not None:
@@ -880,11 +1088,12 @@ def evaluate(
                 new.idle_deadline = None
                 return _pending(policy, new, check, key, pattern, now, approval_id), new
             # Shadow mode makes no request: the would-be wait is reported and the action runs.
-            stop = APPROVAL_REQUIRED, _approval_message(check.name, pattern, policy)
+            stop = (APPROVAL_REQUIRED, _approval_message(check.name, pattern, policy),
+                    _approval_rule(policy, check.name, pattern))
     new.idle_deadline = next_deadline(policy, new, now)
 
     if stop is not None and (policy.mode != "shadow" or stop[0] == "killed"):
-        reason, message = stop
+        reason, message, fired = stop
         _end(new, reason, now)
         decision = Decision(
             outcome=STOP,
@@ -894,6 +1103,7 @@ def evaluate(
             repeat_count=new.repeat_counts.get(key, 0),
             message=message,
             next_action=NEXT_ACTION[reason],
+            rule=fired,
         )
         return decision, new
 
@@ -901,22 +1111,27 @@ def evaluate(
     new.repeat_counts[key] = new.repeat_counts.get(key, 0) + 1
     if check.type == "tool":
         new.tool_calls += 1
-    directive = None
-    error = check.last_result.error_text if check.last_result else None
-    if error is not None and policy.error_action == "nudge":
-        count = new.error_counts[error]
-        if count >= policy.error_threshold:
-            directive = nudge(error, count)
+    # The warning, chosen last (SPEC 16, 21): nearest to its limit; a budget's only once.
+    warning = choose_warning(warnings_of(policy, new, check, key, now))
+    if warning is not None and warning.budget is not None:
+        new.budget_warned = new.budget_warned | {warning.budget}
     decision = Decision(
         outcome=ALLOW if stop is None else WOULD_STOP,
         reason=STEP_OK,
         step=new.steps,
         repeat_key=key,
         repeat_count=new.repeat_counts[key],
-        directive=directive,
+        directive=None if warning is None else warning.directive,
         shadow=None if stop is None else {"reason": stop[0], "message": stop[1]},
+        # A shadow would-stop names the rule that would have stopped; else the warning's.
+        rule=stop[2] if stop is not None else None if warning is None else warning.rule,
     )
     return decision, new
+
+
+def _approval_rule(policy: Policy, name: str, pattern: str) -> dict[str, Any]:
+    return rule(APPROVAL_REQUIRED, {"approvals.tools": pattern,
+                                    "timeout_s": policy.approval_timeout_s}, {"action": name})
 
 
 def _approval_message(name: str, pattern: str, policy: Policy) -> str:
@@ -943,12 +1158,13 @@ def _pending(policy: Policy, new: RunState, check: Check, key: str, pattern: str
         message=_approval_message(check.name, pattern, policy),
         next_action=NEXT_ACTION[APPROVAL_REQUIRED],
         approval=new.pending.summary(),
+        rule=_approval_rule(policy, check.name, pattern),
     )
 
 
 def settle(state: RunState, status: str, *, now: datetime, by: str | None = None,
-           note: str = "", kill: str | None = None, policy: Policy | None = None
-           ) -> tuple[Decision, RunState]:
+           note: str = "", kill: str | None = None, policy: Policy | None = None,
+           kill_rule: Mapping[str, Any] | None = None) -> tuple[Decision, RunState]:
     """The final answer of the run's pending approval (SPEC 11), for the same step:
 
     - ``approved``: allow / step_ok; the repeat count and (for a tool) ``tool_calls`` go up now;
@@ -981,21 +1197,28 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
     if status == DENIED:
         reason = APPROVAL_DENIED
         who = f" ({by})" if by else ""
-        message = f"An operator{who} denied {pending.action_name}: {note}"
+        message = (f"An operator{who} denied {pending.action_name}: {note} The action was not "
+                   "run and the run is stopped.")
+        fired = rule(reason, {"approvals": "required"}, {"decided_by": by, "note": note})
     elif status == EXPIRED:
         reason = APPROVAL_EXPIRED
+        waited = round((pending.expires_at - pending.since).total_seconds(), 3)
         message = (f"Nobody decided on {pending.action_name} before the approval expired at "
-                   f"{_iso(pending.expires_at)}.")
+                   f"{_iso(pending.expires_at)}, {_plain(waited)} s after it was asked: the "
+                   "action was not run and the run is stopped.")
+        fired = rule(reason, {"timeout_s": waited}, {"expires_at": _iso(pending.expires_at)})
     elif status == CANCELLED and kill is not None:
         reason = "killed"
         message = f"Stopped by a kill switch: {kill}."
+        fired = rule(reason, (kill_rule or {}).get("limit", {}),
+                     (kill_rule or {}).get("observed", {}))
     else:
         raise ValueError(f"an approval cannot be settled as {status!r} here")
     _end(new, reason, end)
     return Decision(
         outcome=STOP, reason=reason, step=pending.step, repeat_key=key,
         repeat_count=new.repeat_counts.get(key, 0), message=message,
-        next_action=NEXT_ACTION[reason], approval=pending.summary(status),
+        next_action=NEXT_ACTION[reason], approval=pending.summary(status), rule=fired,
     ), new
 
 
@@ -1035,6 +1258,8 @@ def terminal_decision(state: RunState, key: str) -> Decision:
         repeat_count=state.repeat_counts.get(key, 0),
         message=message,
         next_action=NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED]),
+        rule=rule(reason, {"status": RUNNING}, {"status": state.status,
+                                                 "stop_reason": state.stop_reason}),
     )
 
 
@@ -1058,7 +1283,8 @@ def expire(state: RunState, decision: Decision, new: RunState, *, past_deadline:
     return Decision(outcome=EXPIRED, reason=DEADLINE_EXPIRED, step=state.steps,
                     repeat_key=decision.repeat_key,
                     repeat_count=state.repeat_counts.get(decision.repeat_key, 0),
-                    message=EXPIRED_MESSAGE, next_action=EXPIRED_NEXT), state
+                    message=EXPIRED_MESSAGE, next_action=EXPIRED_NEXT,
+                    rule=rule(DEADLINE_EXPIRED, {}, {"past_deadline": True})), state
 
 
 def elapsed_seconds(*, started_at: datetime, ended_at: datetime | None, status: str,
@@ -1113,6 +1339,7 @@ def record_outcome(
         repeat_count=new.repeat_counts.get(key, 0),
         message=message,
         next_action=None if allowed else NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED]),
+        rule=None if allowed else rule(reason, {}, {"decided": "locally"}),
     )
     return decision, new
 

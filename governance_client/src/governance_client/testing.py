@@ -229,6 +229,14 @@ class FakeGovernance:
         if "max_idle_seconds" not in budgets:  # omitted in a file: the default (SPEC 3, 14)
             found = {**found, "budgets": {**budgets,
                                           "max_idle_seconds": rules.Policy().max_idle_seconds}}
+        if "warnings" not in found:  # omitted in a file: a new policy's (SPEC 16)
+            steps = found.get("step_limits") or {}
+            found = {**found, "warnings": {
+                "repeat_action": rules.default_warning(
+                    "repeat_action", steps.get("max_repeat_action") or 3),
+                "no_progress": rules.default_warning(
+                    "no_progress", steps.get("no_progress_window") or 4),
+                "budget_fraction": rules.DEFAULT_WARNINGS["budget_fraction"]}}
         approvals = found.get("approvals") or {}
         kwargs.setdefault("approvals", tuple(approvals.get("tools") or ()))
         kwargs.setdefault("approval_timeout_s", approvals.get("timeout_s", 900))
@@ -381,6 +389,13 @@ class FakeGovernance:
             }
         }
 
+    def _kill_rule(self) -> dict[str, Any] | None:
+        """The switch as a killed stop's rule names it (SPEC 16): the fake's is global."""
+        if self.kill_switch is None:
+            return None
+        return answers.kill_rule("global", team=None, by=self.kill_switch_by,
+                                 reason=self.kill_switch)
+
     def _kill_words(self) -> str | None:
         """The engaged switch as the agent reads it (the service's words for a global one)."""
         if self.kill_switch is None:
@@ -423,8 +438,9 @@ class FakeGovernance:
         now = self.now()
         windows = (self._windows(run, check.name, now)
                    if run.state.status == rules.RUNNING and kill is None else [])
-        decision, run.state = rules.evaluate(self.policy, run.state, check, now=now, kill=kill,
-                                             rate=windows, approval_id=str(uuid.uuid4()))
+        decision, run.state = rules.evaluate(
+            self.policy, run.state, check, now=now, kill=kill, rate=windows,
+            approval_id=str(uuid.uuid4()), kill_rule=self._kill_rule())
         if decision.outcome in rules.RATE_COUNTED:
             # A pending answer takes its slot now, not again once approved (SPEC 12, 15).
             self._counted.append((now, run.id, run.agent, check.name))
@@ -498,7 +514,8 @@ class FakeGovernance:
         run = self.runs[approval.run_id]
         now = self.now()
         decision, run.state = rules.settle(run.state, status, now=now, note=note or "",
-                                           kill=self._kill_words(), policy=self.policy)
+                                           kill=self._kill_words(), policy=self.policy,
+                                           kill_rule=self._kill_rule())
         approval.status, approval.note = status, note
         approval.decided_at = approval.expires_at if status == rules.EXPIRED else self.clock
         answer = self._answer(run, decision, now)

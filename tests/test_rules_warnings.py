@@ -1,0 +1,178 @@
+"""SPEC 16 warnings in the pure rules: examples, then properties over random check sequences
+(in the style of tests/test_rules_properties.py): a warning is always an allow, never changes
+a counter, the nearest to its limit is sent, and a `budget` warning comes once per budget per
+run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+from governance_client.rules import (
+    ALLOW,
+    BUDGETS,
+    WARNING_CODES,
+    Check,
+    LastResult,
+    Policy,
+    RunState,
+    evaluate,
+    warnings_of,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.test_rules_properties import LOOSE, T0, policies, sequences
+
+SEQUENCES = settings(max_examples=40, deadline=None)
+OFF = {"warn_repeat_action": None, "warn_no_progress": None, "warn_budget_fraction": None}
+
+
+def drive(policy: Policy, checks: list[Check], *, seconds: float = 0):
+    state = RunState(started_at=T0)
+    out = []
+    for i, check in enumerate(checks):
+        decision, state = evaluate(policy, state, check, now=T0 + timedelta(seconds=i * seconds))
+        out.append(decision)
+    return out, state
+
+
+SAME = Check(name="search.docs", args={"q": "refund"})
+
+
+def test_the_repeat_warning_comes_at_its_threshold_and_says_what_happens_next() -> None:
+    decisions, _ = drive(Policy(**{**LOOSE, **OFF, "max_repeat_action": 3,
+                                   "warn_repeat_action": 2}), [SAME] * 4)
+    assert [d.answer for d in decisions] == [ALLOW, ALLOW, ALLOW, "stop"]
+    assert decisions[0].directive is None and decisions[0].rule is None
+    warned = decisions[1]
+    assert warned.directive == {
+        "type": "inject_message", "role": "user", "code": "repeat_action",
+        "content": "search.docs was called 2 times with the same arguments; "
+                   "max_repeat_action is 3: 1 more identical call may run, and the one after "
+                   "is not run and stops this run. Use the result you have or change approach."}
+    assert warned.rule == {"name": "repeat_action",
+                           "limit": {"max_repeat_action": 3, "warnings.repeat_action": 2},
+                           "observed": {"repeat_count": 2}}
+    assert "the next identical call is not run" in decisions[2].directive["content"]
+    assert decisions[3].rule == {"name": "loop_detected", "limit": {"max_repeat_action": 3},
+                                 "observed": {"repeat_count": 3}}
+
+
+def test_the_no_progress_warning_names_the_streak_and_the_window() -> None:
+    same = replace(SAME, progress="p")
+    decisions, _ = drive(Policy(**{**LOOSE, **OFF, "no_progress_window": 4,
+                                   "warn_no_progress": 3}),
+                         [replace(same, args={"i": i}) for i in range(5)])
+    # p is new at the first check; then 1, 2, 3 in a row bring nothing new.
+    assert [d.directive and d.directive["code"] for d in decisions[:4]] == [
+        None, None, None, "no_progress"]
+    assert "3 informative checks in a row brought nothing new; at 4 in a row" in \
+        decisions[3].directive["content"]
+    assert decisions[4].reason == "no_progress"
+
+
+def test_a_budget_warning_comes_once_per_budget() -> None:
+    policy = Policy(**{**LOOSE, **OFF, "max_steps": 10, "warn_budget_fraction": 0.8})
+    decisions, state = drive(policy, [replace(SAME, args={"i": i}) for i in range(10)])
+    codes = [d.directive and d.directive["code"] for d in decisions]
+    assert codes == [None] * 7 + ["budget", None, None]
+    assert decisions[7].rule == {"name": "budget",
+                                 "limit": {"max_steps": 10, "warnings.budget_fraction": 0.8},
+                                 "observed": {"steps": 8}}
+    assert "step 8 of max_steps=10" in decisions[7].directive["content"]
+    assert state.budget_warned == frozenset({"max_steps"})
+    assert state.memory()["budget_warned"] == ["max_steps"]
+
+
+def test_the_nearest_to_its_limit_wins() -> None:
+    # Repeat count 2 of 3 (0.67) against steps 9 of 10 (0.9): the budget is nearer.
+    policy = Policy(**{**LOOSE, **OFF, "max_steps": 10, "max_repeat_action": 3,
+                       "warn_repeat_action": 2, "warn_budget_fraction": 0.85})
+    checks = [replace(SAME, args={"i": i}) for i in range(7)] + [SAME, SAME]
+    decisions, _ = drive(policy, checks)
+    assert decisions[8].directive["code"] == "budget"
+    # Once the budget's warning is sent, the repeat warning applies again.
+    decisions, _ = drive(policy, [*checks, replace(SAME, name="x")])
+    assert decisions[8].rule["observed"] == {"steps": 9}
+
+
+def test_the_repeated_error_nudge_is_a_warning_with_its_code() -> None:
+    err = LastResult(status="error", error="boom")
+    decisions, _ = drive(Policy(**{**LOOSE, **OFF, "error_threshold": 2}),
+                         [replace(SAME, args={"i": i}, last_result=err) for i in range(2)])
+    assert decisions[1].directive["code"] == "repeated_error"
+    assert decisions[1].rule["observed"] == {"error_count": 2}
+
+
+def test_shadow_mode_warns_as_enforce_does() -> None:
+    enforce = Policy(**{**LOOSE, "max_repeat_action": 3})
+    shadow = replace(enforce, mode="shadow")
+    a, _ = drive(enforce, [SAME] * 3)
+    b, _ = drive(shadow, [SAME] * 3)
+    assert [d.directive for d in a] == [d.directive for d in b]
+
+
+@SEQUENCES
+@given(policy=policies, sequence=sequences,
+       warn=st.tuples(st.none() | st.integers(1, 4), st.none() | st.integers(1, 4),
+                      st.none() | st.sampled_from([0.1, 0.5, 0.8, 0.99])))
+def test_warnings_never_change_an_outcome_or_a_counter(policy: Policy, sequence: list[Check],
+                                                       warn: tuple) -> None:
+    on = replace(policy, warn_repeat_action=warn[0], warn_no_progress=warn[1],
+                 warn_budget_fraction=warn[2])
+    off = replace(policy, **OFF)
+    a, b = RunState(started_at=T0), RunState(started_at=T0)
+    for i, check in enumerate(sequence):
+        now = T0 + timedelta(seconds=i)
+        da, a = evaluate(on, a, check, now=now)
+        db, b = evaluate(off, b, check, now=now)
+        assert (da.outcome, da.reason, da.step, da.repeat_count, da.message) == \
+            (db.outcome, db.reason, db.step, db.repeat_count, db.message)
+        assert replace(a, budget_warned=frozenset()) == b
+        if da.directive is not None:
+            # A warning is an allow (or a shadow would-stop, whose action runs too).
+            assert da.answer == ALLOW
+            assert da.directive["code"] in WARNING_CODES
+            assert da.directive["type"] == "inject_message" and da.directive["role"] == "user"
+        if db.directive is not None:  # the nudge is there either way
+            assert db.directive["code"] == "repeated_error"
+
+
+@SEQUENCES
+@given(policy=policies, sequence=sequences,
+       fraction=st.sampled_from([0.1, 0.5, 0.8, 0.99]))
+def test_a_budget_warning_is_sent_at_most_once_per_budget_per_run(
+        policy: Policy, sequence: list[Check], fraction: float) -> None:
+    policy = replace(policy, warn_budget_fraction=fraction)
+    state = RunState(started_at=T0)
+    sent: list[str] = []
+    for i, check in enumerate(sequence):
+        decision, new = evaluate(policy, state, check, now=T0 + timedelta(seconds=i))
+        added = new.budget_warned - state.budget_warned
+        budget = decision.directive is not None and decision.directive["code"] == "budget"
+        assert len(added) == (1 if budget else 0)
+        assert added <= set(BUDGETS)
+        sent.extend(added)
+        state = new
+    assert len(sent) == len(set(sent))
+
+
+@SEQUENCES
+@given(policy=policies, sequence=sequences)
+def test_the_warning_sent_is_the_nearest_to_its_limit(policy: Policy,
+                                                     sequence: list[Check]) -> None:
+    policy = replace(policy, warn_repeat_action=1, warn_no_progress=1,
+                     warn_budget_fraction=0.5)
+    state = RunState(started_at=T0)
+    for i, check in enumerate(sequence):
+        now = T0 + timedelta(seconds=i)
+        decision, new = evaluate(policy, state, check, now=now)
+        if decision.directive is not None and decision.outcome == ALLOW:
+            found = warnings_of(policy, replace(new, budget_warned=state.budget_warned),
+                                check, decision.repeat_key, now)
+            assert decision.rule in [w.rule for w in found]
+            best = max(w.nearness for w in found)
+            chosen = next(w for w in found if w.rule == decision.rule)
+            assert chosen.nearness == best
+        state = new
