@@ -50,6 +50,14 @@ class Run(models.Model):
     # SPEC 14: the last activity (start, check, wait) + the policy's max_idle_seconds; a
     # running run past it is abandoned. Null: never (no limit, or a run older than the field).
     idle_deadline = models.DateTimeField(null=True, blank=True)
+    # SPEC 20: a child run's place in its tree. Plain ids, not foreign keys: a tree is read by
+    # `root_run_id` (one index), retention deletes runs without following them, and a run's
+    # ancestry never changes once it started. `ancestors` lists the ancestors' ids, the root
+    # first (empty for a root), which is the order the check locks them in (runs/check/tree.py).
+    parent_run_id = models.UUIDField(null=True, blank=True)
+    root_run_id = models.UUIDField(null=True, blank=True)
+    depth = models.PositiveSmallIntegerField(default=0)
+    ancestors = models.JSONField(default=list, blank=True)
 
     class Meta:
         ordering = ["-started_at"]
@@ -69,6 +77,12 @@ class Run(models.Model):
             # check's update of a running run never writes to it.
             models.Index(fields=["team", "ended_at", "id"], name="run_team_ended",
                          condition=models.Q(ended_at__isnull=False)),
+            # SPEC 20: a run's children, and every run of a tree (its descendants are among
+            # them); only child runs are in these indexes.
+            models.Index(fields=["parent_run_id"], name="run_parent",
+                         condition=models.Q(parent_run_id__isnull=False)),
+            models.Index(fields=["root_run_id"], name="run_root",
+                         condition=models.Q(root_run_id__isnull=False)),
         ]
         constraints = [
             models.UniqueConstraint(

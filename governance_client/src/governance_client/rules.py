@@ -53,6 +53,8 @@ RUN_FINISHED = "run_finished"
 AGENT_STOPPED = "agent_stopped"
 RATE_LIMITED = "rate_limited"
 ABANDONED = "abandoned"  # SPEC 14: no activity for budgets.max_idle_seconds
+PARENT_STOPPED = "parent_stopped"  # SPEC 20: an ancestor of the run is over
+MAX_DEPTH = 5  # SPEC 20: a root is depth 0, its deepest descendant depth 5
 SCOPES = ("run", "agent", "team")  # rate_limits[].per
 APPROVAL_REQUIRED = "approval_required"
 APPROVAL_DENIED = "approval_denied"
@@ -90,6 +92,8 @@ NEXT_ACTION = {
     RATE_LIMITED: "Do not run the action yet: wait retry_after_s seconds, then send the same "
     "check again.",
     ABANDONED: "The run was ended for inactivity: start a new run for new work.",
+    PARENT_STOPPED: "Stop now and return the partial response to the parent agent: a run "
+    "this sub-agent belongs to is over.",
     RUN_FINISHED: "The run is over: do not execute the action; start a new run for new work.",
     APPROVAL_REQUIRED: "Do not run the action yet: wait for an operator's decision "
     "(GET /api/v1/approvals/{id}?wait=60, or send this check again with the same check_id), "
@@ -473,6 +477,9 @@ class Decision:
     shadow: dict[str, str] | None = None
     retry_after_s: float | None = None  # a wait only
     approval: dict[str, str] | None = None
+    #: SPEC 20: the id of the ancestor run whose limit or end stopped this check (None: the
+    #: run's own rule). SPEC 16's ``rule.scope`` is this id, or "run" when None.
+    scope: str | None = None
 
     @property
     def answer(self) -> str:
@@ -544,37 +551,115 @@ def check_id_missing(policy: Policy, state: RunState, check: Check, *, kill: str
             "check can be resumed once an operator decides.")
 
 
+@dataclass(frozen=True, slots=True)
+class Ancestor:
+    """An ancestor of the checked run (SPEC 20), as the caller read it under its lock (the
+    root first): its id, its policy and its state before this check."""
+
+    run_id: str
+    policy: Policy
+    state: RunState
+
+
+def in_tree(tree: Sequence[Ancestor], check: Check) -> list[Ancestor]:
+    """The ancestors as this check counts on them (SPEC 20): a step and the check's cost
+    each, before the rules read their limits."""
+    counted = []
+    for ancestor in tree:
+        state = replace(ancestor.state, steps=ancestor.state.steps + 1,
+                        cost_usd=ancestor.state.cost_usd + check.cost_usd)
+        counted.append(replace(ancestor, state=state))
+    return counted
+
+
+def ended_ancestor(tree: Sequence[Ancestor], now: datetime) -> tuple[Ancestor, str] | None:
+    """The first ancestor (the root first) that is over, or past its idle deadline, with the
+    reason it ended for (SPEC 20, ``parent_stopped``)."""
+    for ancestor in tree:
+        state = ancestor.state
+        if state.status == RUNNING and state.pending is None:
+            over = abandon(state, now=now, policy=ancestor.policy)
+            state = over if over is not None else state
+        if state.status in TERMINAL:
+            return ancestor, state.stop_reason or state.status
+    return None
+
+
+def _parent_stopped(ancestor: Ancestor, reason: str) -> tuple[str, str, str]:
+    return PARENT_STOPPED, (f"Ancestor run {ancestor.run_id} is {ancestor.state.status} "
+                            f"(reason: {reason}): this run stops with it."
+                            if ancestor.state.status != RUNNING else
+                            f"Ancestor run {ancestor.run_id} is over (reason: {reason}): this "
+                            "run stops with it."), ancestor.run_id
+
+
+def _tree_limit(rule: str, policy: Policy, state: RunState, check: Check, now: datetime
+                ) -> str | None:
+    """The message of one of the tree's rules (SPEC 20: 2, 4, 5 and 6) that ``state`` passes
+    under ``policy``, else None. The words say "the run"; an ancestor's are reworded."""
+    if rule == "max_steps" and state.steps > policy.max_steps:
+        return f"Step {state.steps} exceeds max_steps={policy.max_steps}."
+    if rule == "max_seconds":
+        elapsed = state.elapsed_s(now)
+        if policy.max_seconds is not None and elapsed > policy.max_seconds:
+            return (f"The run has lasted {elapsed:.1f} s, over "
+                    f"max_seconds={_plain(policy.max_seconds)}.")
+    if rule == "max_usd" and policy.max_usd is not None and state.cost_usd >= policy.max_usd:
+        return (f"The run has spent ${_plain(state.cost_usd)}, reaching "
+                f"max_usd={_plain(policy.max_usd)}.")
+    if (rule == "max_tool_calls" and policy.max_tool_calls is not None
+            and check.type == "tool" and state.tool_calls >= policy.max_tool_calls):
+        return (f"The run has made {state.tool_calls} tool calls "
+                f"(max_tool_calls={policy.max_tool_calls}).")
+    return None
+
+
+def _limit_in_tree(rule: str, policy: Policy, state: RunState, check: Check, now: datetime,
+                   tree: Sequence[Ancestor]) -> tuple[str, str, str | None] | None:
+    """Rule ``rule`` for the run itself first, then for each ancestor from the root down
+    (SPEC 21): (reason, message, scope), scope None for the run's own limit."""
+    own = _tree_limit(rule, policy, state, check, now)
+    if own is not None:
+        return rule, own, None
+    for ancestor in tree:
+        passed = _tree_limit(rule, ancestor.policy, ancestor.state, check, now)
+        if passed is not None:
+            words = passed.replace("The run has", "The tree has").replace(
+                "Step ", "Tree step ", 1)
+            return rule, (f"Ancestor run {ancestor.run_id}'s limit: {words} (an "
+                          "ancestor's budget bounds its sub-agents' runs)"), ancestor.run_id
+    return None
+
+
 def _first_stop(
-    policy: Policy, state: RunState, check: Check, key: str, now: datetime, kill: str | None
-) -> tuple[str, str] | None:
-    """The first rule of SPEC 4.4 that stops this check, as (reason, message)."""
+    policy: Policy, state: RunState, check: Check, key: str, now: datetime, kill: str | None,
+    tree: Sequence[Ancestor] = (),
+) -> tuple[str, str, str | None] | None:
+    """The first rule of SPEC 4.4 (21 for a run with ancestors) that stops this check, as
+    (reason, message, scope): scope None for the run's own rule, else the ancestor's id.
+    ``tree``: the ancestors as this check counts on them (`in_tree`), the root first."""
     if kill is not None:
-        return "killed", f"Stopped by a kill switch: {kill}."
-    if state.steps > policy.max_steps:
-        return "max_steps", f"Step {state.steps} exceeds max_steps={policy.max_steps}."
+        return "killed", f"Stopped by a kill switch: {kill}.", None
+    ended = ended_ancestor(tree, now)
+    if ended is not None:
+        return _parent_stopped(*ended)
+    passed = _limit_in_tree("max_steps", policy, state, check, now, tree)
+    if passed is not None:
+        return passed
     denied = _denied(policy, check.name)
     if denied:
-        return "tool_denied", f"Tool denied by the policy: {denied}"
-    elapsed = state.elapsed_s(now)
-    if policy.max_seconds is not None and elapsed > policy.max_seconds:
-        return "max_seconds", (
-            f"The run has lasted {elapsed:.1f} s, over "
-            f"max_seconds={_plain(policy.max_seconds)}."
-        )
-    if policy.max_usd is not None and state.cost_usd >= policy.max_usd:
-        return "max_usd", (
-            f"The run has spent ${_plain(state.cost_usd)}, reaching "
-            f"max_usd={_plain(policy.max_usd)}."
-        )
-    if (
-        policy.max_tool_calls is not None
-        and check.type == "tool"
-        and state.tool_calls >= policy.max_tool_calls
-    ):
-        return "max_tool_calls", (
-            f"The run has made {state.tool_calls} tool calls "
-            f"(max_tool_calls={policy.max_tool_calls})."
-        )
+        return "tool_denied", f"Tool denied by the policy: {denied}", None
+    for rule in ("max_seconds", "max_usd", "max_tool_calls"):
+        passed = _limit_in_tree(rule, policy, state, check, now, tree)
+        if passed is not None:
+            return passed
+    stop = _own_stop(policy, state, check, key)
+    return (*stop, None) if stop is not None else None
+
+
+def _own_stop(policy: Policy, state: RunState, check: Check, key: str
+              ) -> tuple[str, str] | None:
+    """Rules 7 to 9 of SPEC 4.4, which stay per run (SPEC 20)."""
     count = state.repeat_counts.get(key, 0)
     if count >= policy.max_repeat_action:
         return "loop_detected", (
@@ -812,7 +897,7 @@ def wait_past_budget(policy: Policy, state: RunState, name: str, wait: float,
 def evaluate(
     policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None,
     rate: Sequence[RateWindow] = (), key: str | None = None,
-    approval_id: str = "",
+    approval_id: str = "", tree: Sequence[Ancestor] = (),
 ) -> tuple[Decision, RunState]:
     """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any;
     ``rate`` holds the windows of `rate_limits_matching(policy, check.name)`, read by the
@@ -826,6 +911,11 @@ def evaluate(
     answers replays and the 409 of a run already waiting for an approval before calling
     this. The input state is left untouched; the returned state is what must
     be stored.
+
+    ``tree``: the run's ancestors, the root first, as read under their locks (SPEC 20): a
+    killed ancestor is the caller's ``kill``; an ended one stops the run (``parent_stopped``,
+    enforced in shadow mode too, like a kill); their step, time, cost and tool-call limits
+    bound the run after its own (SPEC 21). What the check counts on them is `count_in_tree`.
     """
     if key is None:
         key = repeat_key(check.name, check.args, policy.ignore_args)
@@ -838,7 +928,7 @@ def evaluate(
     new = state.copy()
     new.steps += 1
     _register(new, check)
-    stop = _first_stop(policy, new, check, key, now, kill)
+    stop = _first_stop(policy, new, check, key, now, kill, in_tree(tree, check))
     if stop is None:
         if policy.mode == "shadow":
             # Nothing waits in shadow mode: a window the store could not read in time is no
@@ -853,7 +943,7 @@ def evaluate(
             past = None if window.busy_retry_s is not None else wait_past_budget(
                 policy, state, check.name, wait, now)
             if past is not None:
-                stop = ("max_seconds", past)
+                stop = ("max_seconds", past, None)
             elif policy.mode != "shadow":
                 # A wait registers nothing: the agent sends the same body again. It is
                 # activity all the same (SPEC 14).
@@ -865,7 +955,7 @@ def evaluate(
                     next_action=NEXT_ACTION[RATE_LIMITED], retry_after_s=wait,
                 ), waited
             else:
-                stop = (RATE_LIMITED, message)
+                stop = (RATE_LIMITED, message, None)
     if stop is None:
         pattern = approval_pattern(policy, check.name)
         if pattern is not None:
@@ -874,11 +964,11 @@ def evaluate(
                 new.idle_deadline = None
                 return _pending(policy, new, check, key, pattern, now, approval_id), new
             # Shadow mode makes no request: the would-be wait is reported and the action runs.
-            stop = APPROVAL_REQUIRED, _approval_message(check.name, pattern, policy)
+            stop = APPROVAL_REQUIRED, _approval_message(check.name, pattern, policy), None
     new.idle_deadline = next_deadline(policy, new, now)
 
-    if stop is not None and (policy.mode != "shadow" or stop[0] == "killed"):
-        reason, message = stop
+    if stop is not None and (policy.mode != "shadow" or stop[0] in ("killed", PARENT_STOPPED)):
+        reason, message, scope = stop
         _end(new, reason, now)
         decision = Decision(
             outcome=STOP,
@@ -888,6 +978,7 @@ def evaluate(
             repeat_count=new.repeat_counts.get(key, 0),
             message=message,
             next_action=NEXT_ACTION[reason],
+            scope=scope,
         )
         return decision, new
 
@@ -909,8 +1000,34 @@ def evaluate(
         repeat_count=new.repeat_counts[key],
         directive=directive,
         shadow=None if stop is None else {"reason": stop[0], "message": stop[1]},
+        scope=None if stop is None else stop[2],
     )
     return decision, new
+
+
+def count_in_tree(tree: Sequence[Ancestor], decision: Decision, check: Check, *,
+                  now: datetime) -> list[RunState]:
+    """The ancestors' states after this check of their descendant (SPEC 20), in ``tree``'s
+    order: every check the run counted counts on each ancestor too (a step and its cost;
+    a tool call when the action runs), and is activity for it (its idle deadline moves, so a
+    parent waiting for its sub-agent is not abandoned meanwhile). A check that counted
+    nothing (a terminal run, a wait) leaves them unchanged (the same objects)."""
+    if decision.outcome == WAIT or not tree:
+        return [ancestor.state for ancestor in tree]
+    runs_action = decision.outcome in (ALLOW, WOULD_STOP)
+    counted = []
+    for ancestor in tree:
+        state = ancestor.state
+        if state.status != RUNNING:
+            counted.append(state)
+            continue
+        new = replace(state, steps=state.steps + 1, cost_usd=state.cost_usd + check.cost_usd,
+                      tool_calls=state.tool_calls + (1 if runs_action and check.type == "tool"
+                                                     else 0))
+        new.idle_deadline = next_deadline(ancestor.policy, new, now) \
+            if new.pending is None else new.idle_deadline
+        counted.append(new)
+    return counted
 
 
 def _approval_message(name: str, pattern: str, policy: Policy) -> str:

@@ -1,0 +1,141 @@
+"""Sub-agent runs (SPEC 20, 21): the start's parent rules, a tree counted and bounded as one,
+`parent_stopped`, kill switches over descendants, the run's tree on the API."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from django.test import Client
+
+from policies.services import agent_key_create
+from runs.check import tree
+from runs.models import Decision, Run
+from tests.conftest import set_policy
+
+pytestmark = [pytest.mark.django_db, pytest.mark.both_stores]
+
+
+def post(api: Client, path: str, body: dict) -> dict:
+    response = api.post(path, json.dumps(body), content_type="application/json")
+    return {**response.json(), "http": response.status_code}
+
+
+def start(api: Client, agent: str = "bot", **extra: object) -> str:
+    body = post(api, "/api/v1/runs", {"agent": agent, **extra})
+    assert body["http"] == 201, body
+    return body["run_id"]
+
+
+def check(api: Client, run_id: str, name: str = "search", **extra: object) -> dict:
+    return post(api, f"/api/v1/runs/{run_id}/check",
+                {"action": {"name": name, "args": {"n": str(uuid.uuid4())}}, **extra})
+
+
+@pytest.fixture(autouse=True)
+def _forget_lineage() -> None:
+    # Each test's process memory of trees starts empty: the first check of a child run
+    # must find its ancestors itself (the Relock path) as a fresh server process would.
+    tree._LINEAGE.clear()
+
+
+def test_a_child_starts_under_its_parent_with_the_parents_policy(api, team):
+    parent = start(api)
+    child = start(api, "helper", parent_run_id=parent)
+    grandchild = start(api, "helper", parent_run_id=child)
+    run = Run.objects.get(pk=grandchild)
+    assert (str(run.parent_run_id), str(run.root_run_id), run.depth) == (child, parent, 2)
+    assert run.ancestors == [parent, child]
+    assert run.policy_version.document["name"] == "default"
+    body = api.get(f"/api/v1/runs/{parent}").json()
+    assert body["children"] == [child] and body["parent_run_id"] is None
+    assert body["root_run_id"] is None
+    assert api.get(f"/api/v1/runs/{child}").json()["parent_run_id"] == parent
+
+
+def test_the_parent_rules_of_a_start(api, team, other_team):
+    unknown = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": str(uuid.uuid4())})
+    assert unknown["http"] == 404 and "parent_run_id" in unknown["error"]["fields"]
+    other = Client(HTTP_AUTHORIZATION="Bearer "
+                   + agent_key_create(team=other_team, name="k").token)
+    theirs = start(other)
+    refused = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": theirs})
+    assert refused["http"] == 404 and "parent_run_id" in refused["error"]["fields"]
+    bad = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": "nope"})
+    assert bad["http"] == 422 and "parent_run_id" in bad["error"]["fields"]
+    # An agent-bound key names only its agent's runs as parents (SPEC 10).
+    bound = Client(HTTP_AUTHORIZATION="Bearer "
+                   + agent_key_create(team=team, name="b", agent="helper").token)
+    others = start(api, "bot")
+    hidden = post(bound, "/api/v1/runs", {"agent": "helper", "parent_run_id": others})
+    assert hidden["http"] == 404
+    # Depth: the root is 0, at most 5.
+    run = start(api)
+    for _ in range(5):
+        run = start(api, parent_run_id=run)
+    deep = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": run})
+    assert deep["http"] == 422 and "parent_run_id" in deep["error"]["fields"]
+    # A parent that is over: 409 parent_finished.
+    done = start(api)
+    post(api, f"/api/v1/runs/{done}/finish", {"status": "completed"})
+    over = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": done})
+    assert over["http"] == 409 and over["error"]["code"] == "parent_finished"
+
+
+def test_a_childs_checks_count_on_every_ancestor_and_its_limits_bound_the_tree(api, team):
+    set_policy(team, step_limits={"max_steps": 5})
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    allowed = [check(api, run)["decision"] for run in (root, child, grandchild, grandchild,
+                                                         child)]
+    assert allowed == ["allow"] * 5
+    assert [Run.objects.get(pk=r).steps for r in (root, child, grandchild)] == [5, 4, 2]
+    stopped = check(api, grandchild)
+    assert (stopped["decision"], stopped["reason"]) == ("stop", "max_steps")
+    assert root in stopped["message"]
+    # The child ended; its stop does not stop its ancestors.
+    statuses = [Run.objects.get(pk=r).status for r in (root, child, grandchild)]
+    assert statuses == ["running", "running", "stopped"]
+
+
+def test_the_runs_own_limit_comes_before_its_ancestors(api, team):
+    set_policy(team, budgets={"max_usd": 1.0, "max_seconds": 45, "max_tool_calls": None})
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    assert check(api, root, cost_usd=0.5)["decision"] == "allow"
+    own = check(api, child, cost_usd=1.0)
+    assert (own["reason"], root in own["message"]) == ("max_usd", False)
+    other = start(api, "helper", parent_run_id=root)
+    tree_stop = check(api, other, cost_usd=0.6)
+    assert tree_stop["reason"] == "max_usd" and root in tree_stop["message"]
+    assert float(Run.objects.get(pk=root).cost_usd) == pytest.approx(2.1)
+
+
+def test_an_ancestor_that_ends_stops_its_descendants(api, team):
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    assert check(api, grandchild)["decision"] == "allow"
+    post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})
+    answer = check(api, grandchild)
+    assert (answer["decision"], answer["reason"]) == ("stop", "parent_stopped")
+    assert root in answer["message"] and "completed" in answer["message"]
+    assert Run.objects.get(pk=grandchild).status == "stopped"
+    assert Decision.objects.filter(run_id=grandchild, reason="parent_stopped").count() == 1
+
+
+def test_a_kill_switch_over_the_parent_covers_its_children(api, team, users):
+    from unittest import mock
+
+    from runs.killswitch.services import killswitch_engage
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    assert check(api, child)["decision"] == "allow"
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):  # the check's own read
+        killswitch_engage(scope="run", run=Run.objects.get(pk=root), reason="runaway",
+                          actor=users["operator"])
+    answer = check(api, child)
+    assert (answer["decision"], answer["reason"]) == ("stop", "killed")
+    assert Run.objects.get(pk=child).status == "killed"
