@@ -139,3 +139,40 @@ def test_a_kill_switch_over_the_parent_covers_its_children(api, team, users):
     answer = check(api, child)
     assert (answer["decision"], answer["reason"]) == ("stop", "killed")
     assert Run.objects.get(pk=child).status == "killed"
+
+
+def test_the_fanout_of_a_switch_over_a_parent_kills_its_descendants(api, team, users):
+    from unittest import mock
+
+    from runs.killswitch.fanout import killswitch_fanout
+    from runs.killswitch.services import killswitch_engage
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    sibling_tree = start(api)
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):
+        switch = killswitch_engage(scope="run", run=Run.objects.get(pk=child),
+                                   reason="runaway", actor=users["operator"])
+    result = killswitch_fanout(switch_id=switch.pk)
+    assert result is not None and sorted(result.killed) == sorted([child, grandchild])
+    assert [Run.objects.get(pk=r).status for r in (root, child, grandchild, sibling_tree)] \
+        == ["running", "killed", "killed", "running"]
+    assert killswitch_fanout(switch_id=switch.pk).killed == []
+
+
+def test_an_agent_switch_covers_the_sub_agents_of_that_agent(api, team, users):
+    from unittest import mock
+
+    from runs.killswitch.fanout import killswitch_fanout
+    from runs.killswitch.services import killswitch_engage
+    root = start(api, "planner")
+    child = start(api, "helper", parent_run_id=root)
+    other = start(api, "helper")
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):
+        switch = killswitch_engage(scope="agent", team=team, agent="planner",
+                                   reason="runaway", actor=users["operator"])
+    refused = post(api, "/api/v1/runs", {"agent": "helper", "parent_run_id": root})
+    assert refused["http"] == 409 and refused["error"]["code"] == "kill_switch_engaged"
+    killswitch_fanout(switch_id=switch.pk)
+    assert [Run.objects.get(pk=r).status for r in (root, child, other)] \
+        == ["killed", "killed", "running"]
