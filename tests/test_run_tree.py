@@ -176,3 +176,54 @@ def test_an_agent_switch_covers_the_sub_agents_of_that_agent(api, team, users):
     killswitch_fanout(switch_id=switch.pk)
     assert [Run.objects.get(pk=r).status for r in (root, child, other)] \
         == ["killed", "killed", "running"]
+
+
+def test_a_check_locks_the_root_first_then_down_to_its_run(api, team):
+    """The lock order of a tree (docs/reliability.md): ancestors root first, then the run;
+    a process that did not know the ancestors starts again rather than lock them late."""
+    from unittest import mock
+
+    from runs.check import check_store
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    tree._LINEAGE.clear()  # as a process that did not start these runs
+    taken: list[tuple[str, list[str]]] = []
+    stores = (check_store.OrmCheck, check_store.PostgresCheck)
+    originals = {(cls, name): getattr(cls, name) for cls in stores
+                 for name in ("lock", "lock_ancestors")}
+
+    def spy(cls, name):
+        def wrapped(self, **kwargs):
+            ids = kwargs.get("ids") or [kwargs.get("run_id")]
+            if ids:
+                taken.append((name, [str(i) for i in ids]))
+            return originals[(cls, name)](self, **kwargs)
+        return wrapped
+
+    with mock.patch.multiple(check_store.OrmCheck, lock=spy(check_store.OrmCheck, "lock"),
+                             lock_ancestors=spy(check_store.OrmCheck, "lock_ancestors")), \
+            mock.patch.multiple(check_store.PostgresCheck,
+                                lock=spy(check_store.PostgresCheck, "lock"),
+                                lock_ancestors=spy(check_store.PostgresCheck,
+                                                   "lock_ancestors")):
+        assert check(api, grandchild)["decision"] == "allow"
+        assert check(api, grandchild)["decision"] == "allow"
+    # First attempt: the run alone (its ancestors unknown), then again root first.
+    assert taken == [("lock", [grandchild]),
+                     ("lock_ancestors", [root, child]), ("lock", [grandchild]),
+                     ("lock_ancestors", [root, child]), ("lock", [grandchild])]
+    assert check_store.ANCESTOR_LOCK_SQL.endswith("FOR UPDATE")
+
+
+def test_the_fanout_locks_parents_before_their_children(api, team):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from runs.killswitch import fanout
+    root = start(api)
+    start(api, "helper", parent_run_id=root)
+    with CaptureQueriesContext(connection) as seen:
+        fanout._locked_batch(Run.objects.filter(status="running"))
+    locking = [q["sql"] for q in seen.captured_queries if "runs_run" in q["sql"]]
+    assert locking and '"depth" ASC' in locking[0].split("ORDER BY")[1]

@@ -43,7 +43,7 @@ def _fire(urls: list[str], token: str, jobs: list[tuple[str, dict]]) -> list[htt
         return list(pool.map(one, range(len(jobs))))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_servers(server):
     second = start_server()
     try:
