@@ -227,3 +227,23 @@ def test_the_fanout_locks_parents_before_their_children(api, team):
         fanout._locked_batch(Run.objects.filter(status="running"))
     locking = [q["sql"] for q in seen.captured_queries if "runs_run" in q["sql"]]
     assert locking and '"depth" ASC' in locking[0].split("ORDER BY")[1]
+
+
+def test_the_run_pages_show_the_tree_and_the_list_shows_a_childs_parent(api, team, users):
+    from django.urls import reverse
+    set_policy(team, step_limits={"max_steps": 5})
+    root = start(api, "planner")
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    check(api, grandchild)
+    page = Client()
+    page.force_login(users["operator"])
+    html = page.get(reverse("runs:run", args=[team.slug, root])).content.decode()
+    assert f'data-child-run="{child}"' in html and "Tree usage" in html
+    assert "1 / 5" in html  # the grandchild's step counted on the root
+    html = page.get(reverse("runs:run", args=[team.slug, grandchild])).content.decode()
+    assert f'data-parent-run="{child}"' in html and "in the tree of" in html
+    listed = page.get(reverse("runs:runs", args=[team.slug])).content.decode()
+    assert f'data-parent-run="{root}"' in listed
+    confirm = page.get(reverse("runs:killswitch-run", args=[team.slug, root])).content.decode()
+    assert 'data-descendants="2"' in confirm

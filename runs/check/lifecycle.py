@@ -216,6 +216,7 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
                               finished_at__isnull=True).update(**changes):
             states.set_columns(run, changes)
             publish_run_event(run)
+            tree.publish_ancestors(run)
             return run
     raise OperationalError("the run kept changing while it was being finished")
 

@@ -31,6 +31,7 @@ from runs.check.check_store import CheckTransaction, RunRow
 from runs.check.policy_cache import rules_for_version
 from runs.check.states import TREE_FIELDS, columns_of
 from runs.killswitch import cover
+from runs.live.events import publish_run_event
 from runs.models import KillSwitch
 
 # What this process knows of a run's tree: run id -> (team id, ancestors' ids, root first).
@@ -103,3 +104,15 @@ def ancestor_writes(family: Family, decision: rules.Decision, check: rules.Check
     after = rules.count_in_tree(family.tree, decision, check, now=now)
     return [(row.id, columns_of(state, TREE_FIELDS))
             for row, state in zip(family.rows, after, strict=True) if state is not row.state]
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    pk: str
+    team_id: int
+
+
+def publish_ancestors(run: Any) -> None:
+    """The run pages of a run's ancestors show its status in their tree: wake them."""
+    for ancestor in run.ancestors or ():
+        publish_run_event(_Seen(pk=ancestor, team_id=run.team_id))
