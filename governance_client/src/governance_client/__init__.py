@@ -15,6 +15,7 @@ from .errors import (
     GovernanceUnavailable,
     InvalidRequest,
     KillSwitchEngaged,
+    ParentFinished,
     RunClosed,
     RunFinished,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "GovernanceUnavailable",
     "InvalidRequest",
     "KillSwitchEngaged",
+    "ParentFinished",
     "LocalLimits",
     "Run",
     "RunClosed",
