@@ -1,0 +1,105 @@
+"""The integrations govern the frameworks' own sub-agents as child runs (SPEC 20), on
+scripted models and the fake service (its tree rules are the service's)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from governance_client import rules
+from governance_client.testing import FakeGovernance
+
+pytest.importorskip("agents")
+
+
+def _scripted(turns: list[list[Any]]) -> Any:
+    from agents.items import ModelResponse
+    from agents.models.interface import Model
+    from agents.usage import Usage
+
+    class Scripted(Model):
+        def __init__(self) -> None:
+            self.turns = iter(turns)
+
+        async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+            return ModelResponse(output=next(self.turns), usage=Usage(), response_id=None)
+
+        def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+    return Scripted()
+
+
+def _call(name: str, args: dict[str, Any], i: int) -> Any:
+    from openai.types.responses import ResponseFunctionToolCall
+    return ResponseFunctionToolCall(id=f"fc_{name}_{i}", call_id=f"call_{name}_{i}",
+                                    type="function_call", name=name, arguments=json.dumps(args))
+
+
+def _text(text: str) -> Any:
+    from openai.types.responses import ResponseOutputMessage, ResponseOutputText
+    return ResponseOutputMessage(id="msg", type="message", role="assistant", status="completed",
+                                 content=[ResponseOutputText(type="output_text", text=text,
+                                                             annotations=[])])
+
+
+def test_an_agents_sdk_handoff_loop_is_stopped_at_the_policys_step() -> None:
+    from agents import Agent, RunConfig, Runner
+
+    from governance_client.integrations.openai_agents import govern_agent
+
+    fake = FakeGovernance(max_steps=6)
+    triage = Agent(name="triage", model=_scripted(
+        [[_call("transfer_to_billing", {}, i)] for i in range(20)]))
+    billing = Agent(name="billing", model=_scripted(
+        [[_call("transfer_to_triage", {}, i)] for i in range(20)]), handoffs=[triage])
+    triage.handoffs = [billing]
+
+    async def main() -> str:
+        async with fake.async_client() as client, client.run("triage") as run:
+            result = await Runner.run(govern_agent(triage, run), "help", max_turns=50,
+                                      run_config=RunConfig(tracing_disabled=True))
+            return str(result.final_output)
+
+    output = asyncio.run(main())
+    assert "max_steps" in output
+    root = next(r for r in fake.runs.values() if not r.ancestors)
+    children = [r for r in fake.runs.values() if r.ancestors == (root.id,)]
+    assert root.steps == 7 and len(children) == 6  # 6 handoffs allowed, the 7th stopped
+    assert all(c.status != rules.RUNNING for c in children)
+
+
+def test_an_agent_as_tool_spends_the_roots_budget() -> None:
+    from agents import Agent, RunConfig, Runner, function_tool
+
+    from governance_client.integrations.openai_agents import govern_agent
+
+    spent: list[int] = []
+
+    @function_tool
+    def research(query: str) -> str:
+        """Research a query."""
+        spent.append(1)
+        return "found"
+
+    fake = FakeGovernance(max_tool_calls=3)
+    researcher = Agent(name="researcher", tools=[research], model=_scripted(
+        [[_call("research", {"query": f"q{i}"}, i)] for i in range(10)] + [[_text("done")]]))
+    planner = Agent(name="planner", tools=[researcher.as_tool("ask_researcher", "Research.")],
+                    model=_scripted([[_call("ask_researcher", {"input": "refunds"}, 0)],
+                                     [_text("all done")]]))
+
+    async def main() -> None:
+        async with fake.async_client() as client, client.run("planner") as run:
+            await Runner.run(govern_agent(planner, run), "plan", max_turns=50,
+                             run_config=RunConfig(tracing_disabled=True))
+
+    asyncio.run(main())
+    root = next(r for r in fake.runs.values() if not r.ancestors)
+    (child,) = [r for r in fake.runs.values() if r.ancestors == (root.id,)]
+    # The planner's call of its tool counts 1: the sub-agent may run 2 of its own.
+    assert len(spent) == 2 and child.stop_reason == "max_tool_calls"
+    assert root.tool_calls == 3
