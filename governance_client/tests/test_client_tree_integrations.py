@@ -103,3 +103,47 @@ def test_an_agent_as_tool_spends_the_roots_budget() -> None:
     # The planner's call of its tool counts 1: the sub-agent may run 2 of its own.
     assert len(spent) == 2 and child.stop_reason == "max_tool_calls"
     assert root.tool_calls == 3
+
+
+def test_a_claude_subagents_checks_appear_as_a_child_run() -> None:
+    pytest.importorskip("claude_agent_sdk")
+    from claude_agent_sdk import ClaudeAgentOptions
+
+    from governance_client.integrations.claude_agent_sdk import governance_hooks
+
+    fake = FakeGovernance(max_steps=4)
+    base = {"session_id": "s", "transcript_path": "/dev/null", "cwd": "."}
+
+    async def main() -> list[Any]:
+        async with fake.async_client() as client, client.run("coder") as run:
+            hooks = ClaudeAgentOptions(hooks=governance_hooks(run)).hooks or {}
+            (pre,), (start,), (stop,) = (hooks[e][0].hooks for e in
+                                         ("PreToolUse", "SubagentStart", "SubagentStop"))
+            answers = [await pre({"hook_event_name": "PreToolUse", "tool_name": "Task",
+                                  "tool_input": {"prompt": "explore"}, "tool_use_id": "t0",
+                                  **base}, "t0", {"signal": None})]
+            await start({"hook_event_name": "SubagentStart", "agent_id": "a1",
+                         "agent_type": "Explore", **base}, None, {"signal": None})
+            for i in range(1, 5):
+                answers.append(await pre({
+                    "hook_event_name": "PreToolUse", "tool_name": "Grep",
+                    "tool_input": {"pattern": f"p{i}"}, "tool_use_id": f"t{i}",
+                    "agent_id": "a1", "agent_type": "Explore", **base}, f"t{i}",
+                    {"signal": None}))
+            await stop({"hook_event_name": "SubagentStop", "agent_id": "a1",
+                        "agent_type": "Explore", "agent_transcript_path": "/dev/null",
+                        "stop_hook_active": False, **base}, None, {"signal": None})
+            return answers
+
+    answers = asyncio.run(main())
+    root = next(r for r in fake.runs.values() if not r.ancestors)
+    (child,) = [r for r in fake.runs.values() if r.ancestors == (root.id,)]
+    assert child.agent == "Explore" and [c["action"]["name"] for c in child.checks] == \
+        ["Grep"] * 4
+    # The Task call and 3 of the subagent's calls fit the root's max_steps 4; the 4th is
+    # denied without ending the main agent (a child's stop does not stop its parent).
+    assert answers[:4] == [{}] * 4
+    denied = answers[4]["hookSpecificOutput"]
+    assert denied["permissionDecision"] == "deny" and "continue_" not in answers[4]
+    assert root.steps == 5 and root.status == rules.COMPLETED  # finished by its block
+    assert child.status == rules.STOPPED and child.finished
