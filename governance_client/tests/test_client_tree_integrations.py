@@ -147,3 +147,51 @@ def test_a_claude_subagents_checks_appear_as_a_child_run() -> None:
     assert denied["permissionDecision"] == "deny" and "continue_" not in answers[4]
     assert root.steps == 5 and root.status == rules.COMPLETED  # finished by its block
     assert child.status == rules.STOPPED and child.finished
+
+
+def test_a_langgraph_subgraph_runs_under_a_child_run() -> None:
+    pytest.importorskip("langgraph")
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    from governance_client.integrations.langgraph import govern_graph
+
+    ran: list[str] = []
+
+    @tool
+    def search(query: str) -> str:
+        """Search the documents."""
+        ran.append(query)
+        return f"result {len(ran)}"
+
+    class Scripted(GenericFakeChatModel):
+        def bind_tools(self, tools: Any, **kwargs: Any) -> Scripted:
+            return self
+
+    turns = [AIMessage(content=f"turn {i}", tool_calls=[
+        {"name": "search", "args": {"query": f"q{i}"}, "id": f"call_{i}"}]) for i in range(8)]
+    model = Scripted(messages=iter([*turns, AIMessage(content="done")]))
+    sub = StateGraph(MessagesState)
+    sub.add_node("agent", lambda s: {"messages": [model.invoke(s["messages"])]})
+    sub.add_node("tools", ToolNode([search], handle_tool_errors=True))
+    sub.add_edge(START, "agent")
+    sub.add_conditional_edges("agent", tools_condition)
+    sub.add_edge("tools", "agent")
+    main = StateGraph(MessagesState)
+    main.add_node("research", sub.compile())
+    main.add_edge(START, "research")
+    main.add_edge("research", END)
+
+    fake = FakeGovernance(max_steps=3)
+    with fake.client().run("planner") as run:
+        app = govern_graph(main, run).compile()
+        state = app.invoke({"messages": [HumanMessage("research refunds")]},
+                           {"recursion_limit": 100})
+    root = next(r for r in fake.runs.values() if not r.ancestors)
+    (child,) = [r for r in fake.runs.values() if r.ancestors == (root.id,)]
+    assert child.agent == "research" and len(ran) == 3
+    assert child.stop_reason == "max_steps" and root.steps == 4
+    assert "max_steps" in str(state["messages"][-1].content)
