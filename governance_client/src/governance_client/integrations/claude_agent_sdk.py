@@ -57,6 +57,7 @@ from claude_agent_sdk import (
 )
 from claude_agent_sdk.types import HookEvent, SyncHookJSONOutput
 
+from .._core import FinishStatus
 from ..aio import AsyncRun
 from ..client import Run
 from ..decision import Decision
@@ -107,7 +108,8 @@ def governance_hooks(
                             context: HookContext) -> HookJSONOutput:
         child = children.get(str(cast(Mapping[str, Any], input_data).get("agent_id")))
         if child is not None and not child.finished:
-            status = "stopped" if child.stop_decision is not None else "completed"
+            status: FinishStatus = "stopped" if child.stop_decision is not None \
+                else "completed"
             if isinstance(child, AsyncRun):
                 await child.finish(status)
             else:

@@ -41,6 +41,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode
 from langgraph.pregel import Pregel
 
+from .._core import FinishStatus
 from ..aio import AsyncRun
 from ._lc import (
     STOP_ARTIFACT,
@@ -155,7 +156,7 @@ def govern_graph(
 _AGENT_CHARS = re.compile(r"[^A-Za-z0-9._-]")  # what a run's agent name may hold (SPEC 5)
 
 
-def _subgraphs(builder: StateGraph[Any]) -> dict[str, Pregel]:
+def _subgraphs(builder: StateGraph[Any]) -> dict[str, Pregel[Any, Any]]:
     """The graph's nodes that are compiled graphs (subgraphs), by node name; a compiled
     graph whose builder governance cannot reach is refused."""
     found = {}
@@ -182,19 +183,19 @@ def _governable(builder: StateGraph[Any]) -> bool:
                for spec in builder.nodes.values())
 
 
-def _subgraph_node(name: str, sub: Pregel, current: _Current,
+def _subgraph_node(name: str, sub: Pregel[Any, Any], current: _Current,
                    partial_response: PartialResponse | None) -> RunnableLambda[Any, Any]:
     """The subgraph ``sub`` as a node: each time it runs, under a new child run of the
     graph's run (SPEC 20), finished when it returns."""
     sub_builder: StateGraph[Any] = sub.builder  # type: ignore[attr-defined]
     agent = _AGENT_CHARS.sub("-", name)[:100] or "subgraph"
-    compile_options = {"checkpointer": getattr(sub, "checkpointer", None)}
+    checkpointer = getattr(sub, "checkpointer", None)
 
-    def compiled(child: GovernedRun) -> Pregel:
+    def compiled(child: GovernedRun) -> Pregel[Any, Any]:
         return govern_graph(sub_builder, child,
-                            partial_response=partial_response).compile(**compile_options)
+                            partial_response=partial_response).compile(checkpointer=checkpointer)
 
-    def finish(child: GovernedRun) -> str:
+    def finish(child: GovernedRun) -> FinishStatus:
         return "stopped" if child.stop_decision is not None else "completed"
 
     def invoke(state: Any, config: RunnableConfig) -> Any:

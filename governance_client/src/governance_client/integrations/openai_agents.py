@@ -68,6 +68,7 @@ from agents.tool import (
 from agents.usage import Usage
 from openai.types.responses import ResponseOutputMessage, ResponseOutputText
 
+from .._core import ActionType, FinishStatus
 from ..aio import AsyncRun
 from ..client import Run
 from ..decision import Decision
@@ -91,9 +92,9 @@ class GovernanceState:
     root: Run | AsyncRun | None = None
 
     async def check(self, name: str, args: dict[str, Any], call_id: str | None,
-                    type: str = "tool") -> Decision:
+                    type: ActionType = "tool") -> Decision:
         if isinstance(self.run, AsyncRun):
-            return await self.run.check(name, args, call_id=call_id, type=type)  # type: ignore[arg-type]
+            return await self.run.check(name, args, call_id=call_id, type=type)
         # The sync client blocks: keep the event loop free while it talks to the service.
         return await asyncio.to_thread(self.run.check, name, args, call_id=call_id,
                                        type=type)
@@ -107,7 +108,8 @@ class GovernanceState:
         """End this state's child run: stopped if a decision stopped it, else completed."""
         if not self.child or self.run.finished:
             return
-        status = "stopped" if self.run.stop_decision is not None else "completed"
+        status: FinishStatus = "stopped" if self.run.stop_decision is not None \
+            else "completed"
         if isinstance(self.run, AsyncRun):
             await self.run.finish(status)
         else:
@@ -273,7 +275,7 @@ def _governed_agent_tool(tool: FunctionTool, state: GovernanceState,
                          options: dict[str, Any]) -> FunctionTool:
     """An agent used as a tool: each call runs that agent governed by a new child run of the
     calling agent's run, finished when the call returns (SPEC 20)."""
-    inner: Agent[Any] = tool._agent_instance  # type: ignore[attr-defined]
+    inner: Agent[Any] = tool._agent_instance
 
     async def invoke(ctx: Any, input_json: str) -> Any:
         child = await state.start_child(inner.name)
