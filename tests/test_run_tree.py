@@ -247,3 +247,24 @@ def test_the_run_pages_show_the_tree_and_the_list_shows_a_childs_parent(api, tea
     assert f'data-parent-run="{root}"' in listed
     confirm = page.get(reverse("runs:killswitch-run", args=[team.slug, root])).content.decode()
     assert 'data-descendants="2"' in confirm
+
+
+def test_a_backtest_replays_a_tree_stop_as_recorded(api, team, tmp_path):
+    from tests.test_backtest import backtest, draft_file
+    set_policy(team, step_limits={"max_steps": 5},
+               budgets={"max_seconds": None, "max_usd": None, "max_tool_calls": None})
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    for run in (root, root, root, child, child):
+        assert check(api, run)["decision"] == "allow"
+    stopped = check(api, child)
+    assert stopped["reason"] == "max_steps" and root in stopped["message"]
+    post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})
+    # The child's own policy under a draft of 50 steps would not stop it: its tree did, and
+    # the tree is replayed as recorded.
+    roomy = backtest(team, "--file", draft_file(tmp_path, team, step_limits={"max_steps": 50}))
+    assert (roomy["runs"], roomy["changed"]) == (2, 0)
+    # A draft that stops the child earlier by its own limit is the draft's change.
+    tight = backtest(team, "--file", draft_file(tmp_path, team, step_limits={"max_steps": 1}))
+    changes = {c["run_id"]: c["draft"] for c in tight["changes"]}
+    assert changes[child] == {"status": "stopped", "stop_reason": "max_steps", "step": 2}
