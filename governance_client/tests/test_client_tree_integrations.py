@@ -195,3 +195,39 @@ def test_a_langgraph_subgraph_runs_under_a_child_run() -> None:
     assert child.agent == "research" and len(ran) == 3
     assert child.stop_reason == "max_steps" and root.steps == 4
     assert "max_steps" in str(state["messages"][-1].content)
+
+
+def test_a_sub_agents_spend_stops_the_tree_at_the_roots_max_usd() -> None:
+    from agents import Agent, RunConfig, Runner, function_tool
+
+    from governance_client.integrations.openai_agents import govern_agent
+
+    ran: list[str] = []
+
+    @function_tool
+    def search(query: str) -> str:
+        """Search."""
+        ran.append(query)
+        return f"result {len(ran)}"
+
+    fake = FakeGovernance(max_usd=0.35)
+    researcher = Agent(name="researcher", tools=[search], model=_scripted(
+        [[_call("search", {"query": f"q{i}"}, i)] for i in range(10)]))
+    planner = Agent(name="planner", handoffs=[researcher],
+                    model=_scripted([[_call("transfer_to_researcher", {}, 0)]]))
+
+    async def main() -> str:
+        async with fake.async_client() as client, client.run("planner") as run:
+            result = await Runner.run(govern_agent(planner, run, llm_cost=lambda _r: 0.1),
+                                      "research", max_turns=50,
+                                      run_config=RunConfig(tracing_disabled=True))
+            return str(result.final_output)
+
+    output = asyncio.run(main())
+    root = next(r for r in fake.runs.values() if not r.ancestors)
+    (child,) = [r for r in fake.runs.values() if r.ancestors == (root.id,)]
+    # 0.1 a model call: the handoff's check carries the planner's 0.1, each search the
+    # researcher's; the third search brings the root to 0.40, past its max_usd 0.35.
+    assert len(ran) == 2 and child.stop_reason == "max_usd"
+    assert root.id in (child.decisions[-1].get("message") or "")
+    assert root.cost_usd == pytest.approx(0.4) and "max_usd" in output

@@ -90,14 +90,21 @@ class GovernanceState:
     child: bool = False
     #: The run whose children the handoffs start (the run given to govern_agent).
     root: Run | AsyncRun | None = None
+    #: What a model call costs (``llm_cost``), and the spend not yet sent with a check.
+    llm_cost: Callable[[Any], float] | None = None
+    unbilled: float = 0.0
 
     async def check(self, name: str, args: dict[str, Any], call_id: str | None,
                     type: ActionType = "tool") -> Decision:
+        # The model's spend since the last check goes with this one (SPEC 5.2 `cost_usd`):
+        # a sub-agent's spend counts on every ancestor too (SPEC 20).
+        cost, self.unbilled = (self.unbilled or None), 0.0
         if isinstance(self.run, AsyncRun):
-            return await self.run.check(name, args, call_id=call_id, type=type)
+            return await self.run.check(name, args, call_id=call_id, type=type,
+                                        cost_usd=cost)
         # The sync client blocks: keep the event loop free while it talks to the service.
         return await asyncio.to_thread(self.run.check, name, args, call_id=call_id,
-                                       type=type)
+                                       type=type, cost_usd=cost)
 
     async def start_child(self, agent: str) -> Run | AsyncRun:
         if isinstance(self.run, AsyncRun):
@@ -133,6 +140,8 @@ class _Hooks(AgentHooks[Any]):
         return object.__getattribute__(self, name)
 
     async def on_llm_end(self, context: Any, agent: Any, response: Any) -> None:
+        if self.state.llm_cost is not None:
+            self.state.unbilled += float(self.state.llm_cost(response))
         texts = []
         for item in getattr(response, "output", []) or []:
             if getattr(item, "type", None) == "message":
@@ -162,10 +171,14 @@ def govern_agent(
     *,
     raise_on_stop: bool = False,
     partial_response: Callable[[GovernanceState], str | None] | None = None,
+    llm_cost: Callable[[Any], float] | None = None,
 ) -> Agent[Any]:
-    """A copy of ``agent`` governed by ``run`` (see the module docstring)."""
-    return _govern(agent, GovernanceState(run), raise_on_stop=raise_on_stop,
-                   partial_response=partial_response)
+    """A copy of ``agent`` governed by ``run`` (see the module docstring). ``llm_cost``:
+    what one model call cost in USD, from its ``ModelResponse`` (e.g. from
+    ``response.usage`` and your model's prices); sent with the next check as ``cost_usd``,
+    so ``max_usd`` bounds the agent and its sub-agents."""
+    return _govern(agent, GovernanceState(run, llm_cost=llm_cost),
+                   raise_on_stop=raise_on_stop, partial_response=partial_response)
 
 
 def _govern(agent: Agent[Any], state: GovernanceState, *, raise_on_stop: bool,
@@ -265,7 +278,7 @@ def _governed_handoff(item: Agent[Any] | Handoff[Any, Any], state: GovernanceSta
         await state.finish_child()  # control moves on: the handing-off agent is done
         root = state.root if state.root is not None else state.run
         child = await GovernanceState(root).start_child(receiving.name)
-        sub = GovernanceState(child, child=True, root=root)
+        sub = GovernanceState(child, child=True, root=root, llm_cost=state.llm_cost)
         return _govern(receiving, sub, **options)
 
     return dataclasses.replace(target, on_invoke_handoff=governed)
@@ -279,7 +292,7 @@ def _governed_agent_tool(tool: FunctionTool, state: GovernanceState,
 
     async def invoke(ctx: Any, input_json: str) -> Any:
         child = await state.start_child(inner.name)
-        sub = GovernanceState(child, child=True, root=state.run)
+        sub = GovernanceState(child, child=True, root=state.run, llm_cost=state.llm_cost)
         governed = _govern(inner, sub, **options).as_tool(tool.name, tool.description)
         try:
             return await governed.on_invoke_tool(ctx, input_json)
