@@ -217,13 +217,13 @@ def test_a_check_locks_the_root_first_then_down_to_its_run(api, team):
 
 
 def test_the_fanout_locks_parents_before_their_children(api, team):
-    from django.db import connection
+    from django.db import connection, transaction
     from django.test.utils import CaptureQueriesContext
 
     from runs.killswitch import fanout
     root = start(api)
     start(api, "helper", parent_run_id=root)
-    with CaptureQueriesContext(connection) as seen:
+    with CaptureQueriesContext(connection) as seen, transaction.atomic():
         fanout._locked_batch(Run.objects.filter(status="running"))
     locking = [q["sql"] for q in seen.captured_queries if "runs_run" in q["sql"]]
     assert locking and '"depth" ASC' in locking[0].split("ORDER BY")[1]
