@@ -268,3 +268,15 @@ def test_a_backtest_replays_a_tree_stop_as_recorded(api, team, tmp_path):
     tight = backtest(team, "--file", draft_file(tmp_path, team, step_limits={"max_steps": 1}))
     changes = {c["run_id"]: c["draft"] for c in tight["changes"]}
     assert changes[child] == {"status": "stopped", "stop_reason": "max_steps", "step": 2}
+
+
+def test_a_childs_uploaded_local_decisions_count_on_its_ancestors(api, team):
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    body = post(api, f"/api/v1/runs/{child}/local-decisions", {"decisions": [
+        {"check_id": f"local-{i}", "action": {"name": "search", "args": {"i": i},
+                                              "type": "tool"},
+         "cost_usd": 0.1, "decision": "allow", "reason": "step_ok"} for i in range(3)]})
+    assert body["http"] == 200 and body["recorded"] == 3
+    row = Run.objects.get(pk=root)
+    assert (row.steps, row.tool_calls, float(row.cost_usd)) == (3, 3, pytest.approx(0.3))
