@@ -50,3 +50,35 @@ def test_the_async_child_spends_the_roots_budget() -> None:
                     for i in range(4)]
 
     assert asyncio.run(scenario()) == [True, True, False, False]
+
+
+def test_the_decision_names_the_ancestor_whose_limit_stopped_it() -> None:
+    from datetime import UTC, datetime
+    from decimal import Decimal
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    policy = rules.Policy(max_steps=3, max_seconds=None, max_usd=Decimal("1"))
+    root = rules.Ancestor(run_id="root-id", policy=policy,
+                          state=rules.RunState(started_at=now, steps=3))
+    check = rules.make_check("search", {"q": 1}, cost_usd=0.1)
+    decision, state = rules.evaluate(policy, rules.RunState(started_at=now), check, now=now,
+                                     tree=[root])
+    assert (decision.reason, decision.scope, state.status) == ("max_steps", "root-id",
+                                                               rules.STOPPED)
+    own, _ = rules.evaluate(policy, rules.RunState(started_at=now, steps=3), check, now=now,
+                            tree=[replace_steps(root, 0)])
+    assert (own.reason, own.scope) == ("max_steps", None)  # the run's own limit first
+    ended = replace_status(root, rules.COMPLETED)
+    parent_over, _ = rules.evaluate(policy, rules.RunState(started_at=now), check, now=now,
+                                    tree=[ended])
+    assert (parent_over.reason, parent_over.scope) == (rules.PARENT_STOPPED, "root-id")
+
+
+def replace_steps(ancestor: rules.Ancestor, steps: int) -> rules.Ancestor:
+    from dataclasses import replace
+    return replace(ancestor, state=replace(ancestor.state, steps=steps))
+
+
+def replace_status(ancestor: rules.Ancestor, status: str) -> rules.Ancestor:
+    from dataclasses import replace
+    return replace(ancestor, state=replace(ancestor.state, status=status))
