@@ -7,6 +7,7 @@ idleness is settled by looking (the read takes the rows as they are).
 from __future__ import annotations
 
 import itertools
+import re
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -15,6 +16,8 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from django.db.models import Case, Value, When
+from django.db.models.fields.json import KT
 from django.http import Http404
 from django.utils import timezone
 
@@ -114,7 +117,15 @@ def runs_to_replay(team: Team, policy: Policy, *, since: timedelta, limit: int,
 
 _DECISION_FIELDS = ("run_id", "outcome", "reason", "step", "action_name", "action_type",
                     "args", "repeat_key", "progress", "last_result", "cost_usd", "elapsed_s",
-                    "at")
+                    "at", "stop_scope", "stop_message")
+# SPEC 20: a stop's scope (SPEC 16's `rule.scope`, where the answer has it) and message, read
+# for stops only (a run has one or a few): whether a sub-agent's run was stopped by its tree.
+_STOP_ONLY = {"stop_scope": Case(When(outcome=rules.STOP, then=KT("answer__rule__scope")),
+                                 default=Value(None)),
+              "stop_message": Case(When(outcome=rules.STOP, then=KT("answer__message")),
+                                   default=Value(None))}
+# The words of a stop by an ancestor's limit (governance_client.rules `_limit_in_tree`).
+_ANCESTOR = re.compile(r"^Ancestor run ([0-9a-f-]{36})'s limit")
 
 
 def recorded_decisions(runs: list[RecordedRun]) -> Iterator[tuple[RecordedRun,
@@ -124,6 +135,7 @@ def recorded_decisions(runs: list[RecordedRun]) -> Iterator[tuple[RecordedRun,
         chunk = runs[start:start + CHUNK_RUNS]
         by_id = {run.id: run for run in chunk}
         rows = (Decision.objects.filter(run_id__in=list(by_id)).order_by("run_id", "id")
+                .annotate(**_STOP_ONLY)
                 .values_list(*_DECISION_FIELDS).iterator(chunk_size=5000))
         found: dict[uuid.UUID, list[replay.Recorded]] = {}
         for run_id, group in itertools.groupby(rows, key=lambda row: row[0]):
@@ -134,7 +146,10 @@ def recorded_decisions(runs: list[RecordedRun]) -> Iterator[tuple[RecordedRun,
 
 def _recorded(row: tuple[Any, ...], started_at: datetime) -> replay.Recorded:
     (_, outcome, reason, step, name, type_, args, key, progress, last_result, cost,
-     elapsed, at) = row
+     elapsed, at, stop_scope, stop_message) = row
+    ancestor = _ANCESTOR.match(stop_message or "")
+    scope = stop_scope if stop_scope and stop_scope != "run" else (
+        ancestor.group(1) if ancestor else None)
     if elapsed is None:
         # Recorded before decisions carried it (runs migration 0003): the wall-clock time
         # since the start, which is what the check counted while nothing paused a run.
@@ -144,7 +159,7 @@ def _recorded(row: tuple[Any, ...], started_at: datetime) -> replay.Recorded:
         args=args, repeat_key=key, progress=progress,
         last_result=replay.last_result_of(last_result),
         cost_usd=cost if isinstance(cost, Decimal) else Decimal(str(cost)), elapsed_s=elapsed,
-        at=at,
+        at=at, scope=scope,
     )
 
 

@@ -5,7 +5,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import models
-from django.db.models import F, Func
+from django.db.models import F, Func, JSONField, Value
 from django.db.models.functions import Cast, Concat
 
 from governance_client import rules
@@ -50,6 +50,16 @@ class Run(models.Model):
     # SPEC 14: the last activity (start, check, wait) + the policy's max_idle_seconds; a
     # running run past it is abandoned. Null: never (no limit, or a run older than the field).
     idle_deadline = models.DateTimeField(null=True, blank=True)
+    # SPEC 20: a child run's place in its tree. Plain ids, not foreign keys: a tree is read by
+    # `root_run_id` (one index), retention deletes runs without following them, and a run's
+    # ancestry never changes once it started. `ancestors` lists the ancestors' ids, the root
+    # first (empty for a root), which is the order the check locks them in (runs/check/tree.py).
+    parent_run_id = models.UUIDField(null=True, blank=True)
+    root_run_id = models.UUIDField(null=True, blank=True)
+    # Database defaults: the previous release, which does not know these columns, still
+    # starts runs while this one migrates (docs/upgrades.md).
+    depth = models.PositiveSmallIntegerField(default=0, db_default=0)
+    ancestors = models.JSONField(default=list, blank=True, db_default=Value([], JSONField()))
 
     class Meta:
         ordering = ["-started_at"]
@@ -69,6 +79,12 @@ class Run(models.Model):
             # check's update of a running run never writes to it.
             models.Index(fields=["team", "ended_at", "id"], name="run_team_ended",
                          condition=models.Q(ended_at__isnull=False)),
+            # SPEC 20: a run's children, and every run of a tree (its descendants are among
+            # them); only child runs are in these indexes.
+            models.Index(fields=["parent_run_id"], name="run_parent",
+                         condition=models.Q(parent_run_id__isnull=False)),
+            models.Index(fields=["root_run_id"], name="run_root",
+                         condition=models.Q(root_run_id__isnull=False)),
         ]
         constraints = [
             models.UniqueConstraint(

@@ -34,6 +34,7 @@ def test_each_value_is_read_from_its_named_column() -> None:
         "run_idle_deadline": None, "switch_scope": "agent", "switch_agent": "bot",
         "switch_reason": "enough", "switch_engaged_by_label": "ops", "earlier_id": "42",
         "earlier_answer": '{"decision": "allow"}', "keyed": '{"abc": 2}',
+        "run_ancestors": '["root-id", "parent-id"]',
     }
     assert set(values) == set(check_store.LOCK_AT)
     row = [None] * len(check_store.LOCK_SELECT)
@@ -51,6 +52,7 @@ def test_each_value_is_read_from_its_named_column() -> None:
                                                    reason="enough", engaged_by_label="ops")
     assert locked.earlier_answer == (42, {"decision": "allow"})
     assert locked.keyed == {"abc": 2}
+    assert locked.run.ancestors == ("root-id", "parent-id")
     assert STATE_COLUMNS[0] == "status" and locked.run.state.status == "running"
 
 

@@ -65,8 +65,8 @@ def lock_sql_switch(run: Run) -> str | None:
             row = cursor.fetchone()
         finally:
             cursor.execute("DEALLOCATE cover_test_lock")
-    assert row is not None and row[5] == run.pk
-    return row[17]
+    assert row is not None and row[check_store.LOCK_AT["run_id"]] == run.pk
+    return row[check_store.LOCK_AT["switch_scope"]]
 
 
 def orm_lock_switch(run: Run) -> KillSwitch | None:

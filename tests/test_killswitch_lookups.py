@@ -213,16 +213,22 @@ def test_the_migration_retires_the_switches_of_ended_runs(team: Team) -> None:
     executor = MigrationExecutor(connection)
     try:
         executor.migrate([("runs", "0011_rate_counters")])
-        ended, running = make_run(team, "a", status="killed"), make_run(team, "b")
+        # The models as they were then: today's have columns added by later migrations.
+        old = executor.loader.project_state(("runs", "0011_rate_counters")).apps
+        old_run, old_switch = old.get_model("runs", "Run"), old.get_model("runs", "KillSwitch")
+        version_id = team.policies.get(name="default").current_id
+        ended, running = (old_run.objects.create(
+            team_id=team.pk, agent=agent, status=status, policy_version_id=version_id,
+            started_at=timezone.now()) for agent, status in (("a", "killed"), ("b", "running")))
         for run in (ended, running):
-            KillSwitch.objects.create(scope=Scope.RUN, team=team, run=run,
+            old_switch.objects.create(scope=Scope.RUN, team_id=team.pk, run_id=run.pk,
                                       target=resolve_target(scope=Scope.RUN, run=run).key,
                                       reason="r", engaged_by_label="ops",
                                       engaged_at=timezone.now())
     finally:
         executor = MigrationExecutor(connection)
         executor.migrate(executor.loader.graph.leaf_nodes())
-    retired = KillSwitch.objects.get(run=ended)
+    retired = KillSwitch.objects.get(run_id=ended.pk)
     assert not retired.active and retired.release_reason == RUN_ENDED
     assert retired.released_at is not None
-    assert KillSwitch.objects.get(run=running).active
+    assert KillSwitch.objects.get(run_id=running.pk).active

@@ -71,7 +71,29 @@ def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
         "policy": policy_json(run.policy_version),
         "task": run.task,
         "output": run.output,
+        "parent_run_id": str(run.parent_run_id) if run.parent_run_id else None,
+        "root_run_id": str(run.root_run_id) if run.root_run_id else None,
     }
+
+
+def children_of(run: Run) -> list[Run]:
+    """A run's children (SPEC 20), the first started first."""
+    return list(Run.objects.filter(team_id=run.team_id, parent_run_id=run.pk)
+                .order_by("started_at", "pk").only("id", "agent", "status", "stop_reason",
+                                                   "steps", "tool_calls", "cost_usd"))
+
+
+def tree_usage(run: Run) -> dict[str, Any]:
+    """The usage of the run and its descendants (SPEC 20): every check of a descendant
+    counts on each ancestor too, so the run's own counters are the tree's below it."""
+    return {"steps": run.steps, "tool_calls": run.tool_calls,
+            "cost_usd": float(run.cost_usd)}
+
+
+def run_tree_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
+    """One run as `GET /api/v1/runs/{id}` shows it: with its children and tree usage."""
+    return {**run_json(run, now), "children": [str(c.pk) for c in children_of(run)],
+            "tree_usage": tree_usage(run)}
 
 
 def runs_json(runs: Iterable[Run], now: datetime | None = None) -> list[dict[str, Any]]:

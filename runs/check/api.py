@@ -191,7 +191,10 @@ _RUN_LINKS = {
 _START_422 = ("`invalid_request`, `fields` naming each field at fault: the body breaks the "
               "schema, or `policy` names no policy of the key's team (`fields.policy`: "
               "\"no policy named 'x' in this team\"), or `agent` is not the agent an "
-              "agent-bound key is limited to (`fields.agent`).")
+              "agent-bound key is limited to (`fields.agent`), or `parent_run_id` names a "
+              "run at the deepest level of its tree (SPEC 20: 5 below the root). A "
+              "`parent_run_id` of no run of the key's team answers 404 naming the field; a "
+              "parent that is over, 409 `parent_finished`.")
 
 
 @api.post("/runs", response={200: s.RunStartOut, 201: s.RunStartOut, **ERRORS},
@@ -206,6 +209,7 @@ def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
         run, created = run_start(
             key=request.auth, agent=payload.agent, policy=payload.policy, task=payload.task,
             metadata=payload.metadata, external_id=payload.external_id,
+            parent_run_id=payload.parent_run_id,
         )
         body = selectors.run_json(run)
         if span is not None:
@@ -228,7 +232,7 @@ def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, A
 @api.get("/runs/{run_id}", response={200: s.RunOut, **ERRORS}, summary="Get a run",
          operation_id="get_run")
 def get_run(request: HttpRequest, run_id: str) -> dict[str, Any]:
-    return selectors.run_json(_looked_at_run(request, run_id))
+    return selectors.run_tree_json(_looked_at_run(request, run_id))
 
 
 def _looked_at_run(request: HttpRequest, run_id: str) -> Any:

@@ -97,6 +97,7 @@ from runs.check.records import (
 from runs.check.states import (
     RUN_COLUMNS,
     STATE_COLUMNS,
+    TREE_FIELDS,
     UPDATE_FIELDS,
     columns_of,
     run_state,
@@ -116,6 +117,8 @@ class RunRow:
     agent: str
     policy_version_id: int
     state: RunState
+    # SPEC 20: the ancestors' ids, the root first (empty for a root run); they never change.
+    ancestors: tuple[str, ...] = ()
 
     @property
     def pk(self) -> uuid.UUID:
@@ -205,6 +208,15 @@ class CheckTransaction(Protocol):
         ...
 
     def read_keyed(self, *, run_id: uuid.UUID, keyed: Sequence[str]) -> dict[str, int]:
+        ...
+
+    def lock_ancestors(self, *, team_id: int, ids: Sequence[str]) -> list[RunRow]:
+        """Lock a child run's ancestors, the root first, before `lock` locks the run
+        (SPEC 20; the lock order is docs/reliability.md's), and read them."""
+        ...
+
+    def write_ancestors(self, rows: Sequence[tuple[uuid.UUID, dict[str, Any]]]) -> None:
+        """The ancestors' changed columns (states.TREE_FIELDS), before `write` commits."""
         ...
 
     def rate_windows(self, *, run: RunRow, rules: Sequence[RateLimit], now: datetime
@@ -371,6 +383,13 @@ PREPARE_SQL = (
 EXECUTE_LOCK = ("BEGIN; SET LOCAL enable_seqscan = off; "
                 "EXECUTE governance_check_lock(%s, %s, %s, %s)")
 EXECUTE_WRITE = "EXECUTE governance_check_write(%s, %s, %s, %s); COMMIT"
+# SPEC 20: a child run's ancestors, locked the root first, one statement each in the order
+# given, in the message that begins the transaction; `lock` then goes on without BEGIN.
+BEGIN_TREE = "BEGIN; SET LOCAL enable_seqscan = off"
+ANCESTOR_LOCK_SQL = (f"SELECT {', '.join(RUN_COLUMNS)} FROM runs_run "
+                     "WHERE id = %s AND team_id = %s FOR UPDATE")
+ANCESTOR_WRITE_SQL = ("UPDATE runs_run SET " + ", ".join(f"{name} = %s" for name in TREE_FIELDS)
+                      + " WHERE id = %s")
 
 
 # --- Behind a pooler in transaction mode ------------------------------------------------------
@@ -441,7 +460,8 @@ def _locked_of(row: Sequence[Any], *, windows: list[RateWindow] | None, keyed: b
         run = RunRow(id=row[at["run_id"]], team_id=row[at["team_id"]],
                      agent=row[at["run_agent"]],
                      policy_version_id=row[at["run_policy_version_id"]],
-                     state=run_state(**state))
+                     state=run_state(**state),
+                     ancestors=tuple(_loaded(row[at["run_ancestors"]]) or ()))
     switch = None
     if row[at["switch_scope"]] is not None:
         switch = SwitchSeen(scope=row[at["switch_scope"]], agent=row[at["switch_agent"]],
@@ -455,6 +475,15 @@ def _locked_of(row: Sequence[Any], *, windows: list[RateWindow] | None, keyed: b
                   team_slug=row[at["team_slug"]], run=run, switch=switch,
                   earlier_answer=earlier, windows=windows,
                   keyed=(_loaded(row[at["keyed"]]) or {}) if keyed else None)
+
+
+def _run_row(values: dict[str, Any]) -> RunRow:
+    """A run read by its RUN_COLUMNS (an ancestor locked by `lock_ancestors`)."""
+    state = {name: values[name] for name in STATE_COLUMNS}
+    state["memory"] = _loaded(state["memory"])
+    return RunRow(id=values["id"], team_id=values["team_id"], agent=values["agent"],
+                  policy_version_id=values["policy_version_id"], state=run_state(**state),
+                  ancestors=tuple(_loaded(values["ancestors"]) or ()))
 
 
 class PostgresCheck:
@@ -473,8 +502,49 @@ class PostgresCheck:
             db._governance_check_cursor = cursor  # type: ignore[attr-defined]
         self.cursor: psycopg.ClientCursor[Any] = cursor
         self.open = False
+        self.begun = False  # BEGIN sent already (a child run's ancestors locked first)
         self.db_seconds = 0.0
         self.prepared = statements_prepared()
+
+    def lock_ancestors(self, *, team_id: int, ids: Sequence[str]) -> list[RunRow]:
+        if not ids:
+            return []
+        sql = "; ".join([BEGIN_TREE, *[ANCESTOR_LOCK_SQL] * len(ids)])
+        params: list[Any] = []
+        for run_id in ids:
+            params += [run_id, team_id]
+        found: list[RunRow] = []
+        started = time.perf_counter()
+        try:
+            with self.errors:
+                self.open = self.begun = True
+                self.cursor.execute(sql, params)
+                self.cursor.nextset()  # past BEGIN's and SET's results
+                for _ in ids:
+                    self.cursor.nextset()
+                    row = self.cursor.fetchone()
+                    if row is not None:
+                        found.append(_run_row(dict(zip(RUN_COLUMNS, row, strict=True))))
+        except (OperationalError, InterfaceError) as exc:
+            if self.raw.broken or self.raw.closed:
+                raise StaleConnection() from exc
+            raise
+        finally:
+            self.db_seconds += time.perf_counter() - started
+        return found
+
+    def write_ancestors(self, rows: Sequence[tuple[uuid.UUID, dict[str, Any]]]) -> None:
+        if not rows:
+            return
+        params: list[Any] = []
+        for run_id, columns in rows:
+            params += [*(columns[name] for name in TREE_FIELDS), run_id]
+        started = time.perf_counter()
+        try:
+            with self.errors:
+                self.cursor.execute("; ".join([ANCESTOR_WRITE_SQL] * len(rows)), params)
+        finally:
+            self.db_seconds += time.perf_counter() - started
 
     def _prepare(self) -> None:
         if self.prepared and self.raw not in _prepared:
@@ -509,7 +579,8 @@ class PostgresCheck:
             raise ValueError(f"{len(keyed)} keyed entries named, at most {KEYED_MAX} are read")
         cursor = self.cursor
         started = time.perf_counter()
-        sql = EXECUTE_LOCK
+        # After a child run's ancestors (`lock_ancestors`) the transaction is open already.
+        sql = EXECUTE_LOCK.split("; ", 2)[2] if self.begun else EXECUTE_LOCK
         params: list[Any] = [run_id, check_id, prefix, _text_array(keyed) if keyed else None]
         if not self.prepared:
             sql, params = SEND_LOCK, [params[i] for i in _LOCK_ORDER]
@@ -534,8 +605,9 @@ class PostgresCheck:
                     params += more
                 self.open = True
                 cursor.execute(sql, params)
-                cursor.nextset()  # past BEGIN's and SET's results, to the SELECT's
-                cursor.nextset()
+                if not self.begun:
+                    cursor.nextset()  # past BEGIN's and SET's results, to the SELECT's
+                    cursor.nextset()
                 row = cursor.fetchone()
                 if rate is not None:
                     rate_locked, windows_rows = _rate_rows(cursor, locking=bool(keys))
@@ -663,7 +735,8 @@ class OrmCheck:
             if run_row is not None:
                 run = RunRow(id=run_row.pk, team_id=run_row.team_id, agent=run_row.agent,
                              policy_version_id=run_row.policy_version_id,
-                             state=state_of(run_row))
+                             state=state_of(run_row),
+                             ancestors=tuple(run_row.ancestors or ()))
                 if run.state.status == RunStatus.RUNNING:
                     switch = cover.covering_switch(team_id=run.team_id, agent=run.agent,
                                                   run_id=run.id)
@@ -677,6 +750,30 @@ class OrmCheck:
                           key_last_used_at=key.last_used_at, team_id=key.team_id,
                           team_slug=key.team.slug, run=run, switch=switch,
                           earlier_answer=earlier, keyed=counts)
+        finally:
+            self.db_seconds += time.perf_counter() - started
+
+    def lock_ancestors(self, *, team_id: int, ids: Sequence[str]) -> list[RunRow]:
+        """One locking read each, in the order given (the root first); on SQLite the
+        transaction's BEGIN IMMEDIATE holds every lock already."""
+        found: list[RunRow] = []
+        started = time.perf_counter()
+        try:
+            for run_id in ids:
+                row = (Run.objects.select_for_update().filter(pk=run_id, team_id=team_id)
+                       .only(*RUN_COLUMNS).first())
+                if row is not None:
+                    found.append(_run_row({name: getattr(row, name)
+                                           for name in RUN_COLUMNS}))
+        finally:
+            self.db_seconds += time.perf_counter() - started
+        return found
+
+    def write_ancestors(self, rows: Sequence[tuple[uuid.UUID, dict[str, Any]]]) -> None:
+        started = time.perf_counter()
+        try:
+            for run_id, columns in rows:
+                Run.objects.filter(pk=run_id).update(**columns)
         finally:
             self.db_seconds += time.perf_counter() - started
 

@@ -17,7 +17,7 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from runs.approvals import services as approvals
-from runs.check import states
+from runs.check import states, tree
 from runs.check.abandon import abandon_if_idle
 from runs.check.policy_cache import rules_for_version
 from runs.check.services import ServiceError, locked_run_of_key, remember_run
@@ -30,8 +30,10 @@ from runs.models import Run
 def run_start(
     *, key: AgentKey, agent: str, policy: str | None, task: str | None,
     metadata: dict[str, Any] | None, external_id: str | None,
+    parent_run_id: Any = None,
 ) -> tuple[Run, bool]:
-    """Start a run, or return the team's run with this external_id. Returns (run, created)."""
+    """Start a run, or return the team's run with this external_id. Returns (run, created).
+    ``parent_run_id``: the run this one is a sub-agent of (SPEC 20)."""
     team = key.team
     if key.agent and agent != key.agent:
         raise ServiceError(422, "invalid_request", "This key may only start runs of its agent.",
@@ -40,6 +42,9 @@ def run_start(
         existing = Run.objects.filter(team=team, external_id=external_id).first()
         if existing is not None:
             return _same_agent(existing, agent), False
+    parent = _parent_of(key, parent_run_id) if parent_run_id is not None else None
+    if parent is not None and policy is None:
+        policy = parent.policy_version.document.get("name")  # the parent's (SPEC 20)
     name = policy or "default"
     # The version comes along: the answer shows it, without a query of its own.
     policy_row = Policy.objects.filter(team=team, name=name).select_related("current").first()
@@ -53,6 +58,11 @@ def run_start(
               started_at=now, task=task or "", metadata=metadata,
               external_id=external_id,
               idle_deadline=rules.next_deadline(limits, rules.RunState(started_at=now), now))
+    if parent is not None:
+        run.parent_run_id = parent.pk
+        run.root_run_id = parent.root_run_id or parent.pk
+        run.depth = parent.depth + 1
+        run.ancestors = [*(parent.ancestors or []), str(parent.pk)]
     try:
         for _ in range(2):
             if _insert_unless_switched(run):
@@ -74,8 +84,44 @@ def run_start(
         if existing is None:
             raise
         return _same_agent(existing, agent), False
+    tree.remember(run.pk, team.pk, run.ancestors)
     publish_run_event(run)
     return run, True
+
+
+PARENT_FIELD = "parent_run_id"
+
+
+def _parent_of(key: AgentKey, parent_run_id: Any) -> Run:
+    """The parent a start names (SPEC 20): a running run of the key's team (another team's
+    or unknown: 404 naming the field; an agent-bound key sees only its agent's runs), not
+    over (409 `parent_finished`), not at the deepest level (422), not under a kill switch
+    (409 `kill_switch_engaged`, for the parent or any of its ancestors)."""
+    runs = Run.objects.select_related("policy_version").filter(team=key.team, pk=parent_run_id)
+    if key.agent:
+        runs = runs.filter(agent=key.agent)
+    parent = runs.first()
+    if parent is None:
+        raise ServiceError(404, "not_found", "No such parent run.",
+                           {PARENT_FIELD: "no run of this key's team with this id"})
+    parent = abandon_if_idle(parent)
+    if parent.status != rules.RUNNING:
+        raise ServiceError(409, "parent_finished",
+                           f"The parent run is {parent.status} (reason: "
+                           f"{parent.stop_reason or parent.status}): no sub-agent may start "
+                           "under it.", {PARENT_FIELD: f"that run is {parent.status}"})
+    if parent.depth + 1 > rules.MAX_DEPTH:
+        raise ServiceError(422, "invalid_request", "The request is not valid.",
+                           {PARENT_FIELD: f"a run tree is at most {rules.MAX_DEPTH} levels "
+                            "deep below its root; that run is at the deepest level"})
+    lineage = [*(parent.ancestors or []), str(parent.pk)]
+    for ancestor in Run.objects.filter(pk__in=lineage).only("id", "team_id", "agent"):
+        switch = cover.covering_switch(team_id=ancestor.team_id, agent=ancestor.agent,
+                                       run_id=ancestor.pk)
+        if switch is not None:
+            raise ServiceError(409, "kill_switch_engaged",
+                               f"No new run may start: {cover.switch_in_words(switch)}.")
+    return parent
 
 
 def _same_agent(existing: Run, agent: str) -> Run:
@@ -170,6 +216,7 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
                               finished_at__isnull=True).update(**changes):
             states.set_columns(run, changes)
             publish_run_event(run)
+            tree.publish_ancestors(run)
             return run
     raise OperationalError("the run kept changing while it was being finished")
 

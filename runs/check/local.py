@@ -14,7 +14,7 @@ from governance_client.keys import repeat_key
 from governance_client import answers, rules
 from policies.models import Team
 from runs.approvals import services as approvals
-from runs.check import records, run_memory, states
+from runs.check import records, run_memory, states, tree
 from runs.check.policy_cache import rules_for_version
 from runs.check.records import DecisionRow
 from runs.check.services import locked_run_of_key
@@ -35,6 +35,8 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
     """
     recorded = 0
     with transaction.atomic():
+        # A child's ancestors first, root first (the tree's lock order): they count it too.
+        lineage = tree.lock_lineage(team_id=team.pk, run_id=run_id)
         run = locked_run_of_key(team=team, run_id=run_id, key_agent=key_agent)
         policy = rules_for_version(run.policy_version_id)
         checks = [_local_check(entry) for entry in entries]
@@ -56,10 +58,13 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             seen.add(entry["check_id"])
             action, last, cost = entry["action"], entry.get("last_result"), check.cost_usd
             allowed = entry["decision"] == rules.ALLOW
+            before = state
             verdict, state = rules.record_outcome(
                 policy, state, check, allowed=allowed,
                 reason=entry["reason"], message=entry.get("message"), now=now,
             )
+            if state.steps > before.steps:  # counted on every ancestor too (SPEC 20)
+                lineage = tree.counted_on(lineage, verdict, check, now=now)
             at = entry.get("at") or now
             # The client's clock, kept within what the service can vouch for.
             at = min(max(at, run.started_at), now)
@@ -82,6 +87,7 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             # final answer audited after the stop that ended it (SPEC 10).
             approvals.settle_on_end(run=run, before=waited, after=state, now=now)
             Run.objects.filter(pk=run.pk).update(**states.columns_of(state, LOCAL_FIELDS))
+            tree.write_counters(lineage, ("steps", "tool_calls", "cost_usd"))
             run_memory.save(run.pk, loaded, state)
         if rows or waited is not loaded:  # recorded, or an expiry settled first
             run.refresh_from_db()

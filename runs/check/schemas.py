@@ -252,6 +252,10 @@ class RunStartIn(Schema):
     metadata: Annotated[JsonObject, AfterValidator(_small_metadata),
                         Field(description="Any JSON object, at most 16 KiB as JSON.")] = None
     external_id: Annotated[StrictStr, Field(min_length=1, max_length=200), Storable] | None = None
+    parent_run_id: UUID | None = Field(
+        default=None, description="SPEC 20: start this run as a sub-agent of a running run "
+        "of the team (404 naming the field if there is none, 409 `parent_finished` if it "
+        "is over, 422 past depth 5). Its policy defaults to the parent's.")
 
 
 class LimitsOut(Schema):
@@ -298,6 +302,12 @@ class RunStartOut(Schema):
     policy: PolicyOut
 
 
+class TreeUsageOut(Schema):
+    steps: int
+    tool_calls: int
+    cost_usd: float
+
+
 class RunOut(Schema):
     run_id: UUID
     agent: str
@@ -312,6 +322,12 @@ class RunOut(Schema):
     policy: PolicyOut
     task: str
     output: str
+    parent_run_id: UUID | None = None
+    root_run_id: UUID | None = None
+    # SPEC 20, on `GET /api/v1/runs/{id}` only: the children's ids and the usage of the run
+    # and its descendants.
+    children: list[UUID] | None = None
+    tree_usage: TreeUsageOut | None = None
 
 
 class RunsOut(Schema):

@@ -21,7 +21,7 @@ from policies.models import Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs import telemetry
 from runs.approvals import services as approvals
-from runs.check import metrics, records, run_memory
+from runs.check import metrics, records, run_memory, tree
 from runs.check.check_store import (
     CheckTransaction,
     DuplicateCheck,
@@ -67,6 +67,10 @@ def run_check(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
         except _Portable:
             # Approvals are involved: decided again, from the start, on the ORM path.
             portable = True
+        except tree.Relock:
+            # A child run whose ancestors this process did not know: again, locking them
+            # first (runs/check/tree.py). At most once: they are known now.
+            pass
         except DuplicateCheck:
             # A retry of this check_id committed while we waited for the run's lock: the
             # second attempt reads its answer (at most once: that answer now exists).
@@ -182,7 +186,10 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
     _Portable (start again on the ORM), DuplicateCheck or StaleConnection for `run_check`
     to retry."""
     with check_transaction(portable=portable) as tx:
+        # A child run's ancestors first, the root first (SPEC 20, runs/check/tree.py).
+        family = tree.lock_ancestors(tx, run_id)
         read = _lock_and_read(tx, claim=claim, run_id=run_id, check=check)
+        tree.check_lineage(read.run, family)
         run, loaded, policy = read.run, read.state, read.policy
         trace_id = _traced(read)
         if isinstance(tx, PostgresCheck) and _involves_approvals(
@@ -190,6 +197,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             raise _Portable()
         now = timezone.now()
         state, rows, kill, first = _settle_first(read, policy, check, now=now)
+        if kill is None and state.status == rules.RUNNING:
+            kill = family.switch()
         replayed, check = _replay_or_refuse(state, rows, first, policy, check, kill=kill)
         if replayed is not None:
             return replayed
@@ -199,7 +208,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             if switch is not None else None
         decision, new_state, answer, check_id = _decide(
             policy, state, check, kill=kill, windows=windows, key=read.keyed.key, now=now,
-            deadline=deadline, kill_rule=kill_rule)
+            deadline=deadline, kill_rule=kill_rule, tree=family.tree)
         if trace_id is not None:  # the audit record keeps the trace its decision is in
             answer = {**answer, "trace_id": trace_id}
         args = rules.redact(check.args, policy.redact_args)
@@ -211,6 +220,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             if counted else None
         # The rules give a new state only when something changed; an abandonment ended it.
         changed = new_state if new_state is not state or rows else None
+        tx.write_ancestors(tree.ancestor_writes(family, decision, check,
+                                                new_state.steps > state.steps, now=now))
         decision_id = tx.write(run_id=run.id, state=changed, rows=rows, hit=hit,
                                keyed=run_memory.rows(rules.keyed_changes(loaded, new_state)))
         if decision.outcome == rules.PENDING:
@@ -219,6 +230,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
                 run=run, pending=new_state.pending, args=args,
                 pattern=rules.approval_pattern(policy, check.name) or "", decision_id=decision_id)
     _after_commit(read, decision, windows, db_seconds=tx.db_seconds)
+    for ancestor in family.rows:  # the run pages of the tree show its usage (SPEC 20)
+        publish_run_event(ancestor)
     return {**answer, "decision_id": decision_id}
 
 
@@ -338,13 +351,16 @@ def _windows(tx: CheckTransaction, read: _Read, state: rules.RunState, *, kill: 
 
 def _decide(policy: rules.Policy, state: rules.RunState, check: rules.Check, *,
             kill: str | None, windows: list[rules.RateWindow], key: str, now: Any,
-            deadline: float | None, kill_rule: dict[str, Any] | None = None
+            deadline: float | None, kill_rule: dict[str, Any] | None = None,
+            tree: list[rules.Ancestor] | None = None
             ) -> tuple[rules.Decision, rules.RunState, dict[str, Any], str | None]:
-    """The rules' decision, the run's new state, the answer and the check_id to record."""
+    """The rules' decision, the run's new state, the answer and the check_id to record.
+    ``tree``: a child run's ancestors, the root first (SPEC 20)."""
     check_id = check.check_id
     decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
                                          rate=windows, key=key,
-                                         approval_id=str(uuid.uuid4()), kill_rule=kill_rule)
+                                         approval_id=str(uuid.uuid4()), kill_rule=kill_rule,
+                                         tree=tree or ())
     answer = answers.answer_of(decision, new_state, policy, now)
     # The agent may have given up on this check (its deadline_ms passed while the check
     # waited, for the run's lock usually): the rules say what then stands.

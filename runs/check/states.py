@@ -25,7 +25,9 @@ from runs.models import Run
 # their column lists from here, and `state_of` is the one translation into a RunState.
 STATE_COLUMNS = ("status", "stop_reason", "steps", "tool_calls", "cost_usd", "started_at",
                  "ended_at", "memory", "idle_deadline")
-RUN_COLUMNS = ("id", "team_id", "agent", "policy_version_id", *STATE_COLUMNS)
+RUN_COLUMNS = ("id", "team_id", "agent", "policy_version_id", *STATE_COLUMNS, "ancestors")
+# What a descendant's check changes on each ancestor (SPEC 20, runs/check/tree.py).
+TREE_FIELDS = ("steps", "tool_calls", "cost_usd", "idle_deadline")
 # What a check may change: everything of the state but its start.
 UPDATE_FIELDS = tuple(name for name in STATE_COLUMNS if name != "started_at")
 # What ending a run changes (a finish, a kill): the counters stay as the last check left them.

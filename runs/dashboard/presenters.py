@@ -257,11 +257,36 @@ def shadow_summary(run: Run) -> ShadowSummary | None:
                          count=min(count, SHADOW_COUNT_CAP), capped=count > SHADOW_COUNT_CAP)
 
 
+@dataclass(frozen=True)
+class RunTree:
+    """SPEC 20 on the run page: the parent, the children with their status, and the tree's
+    usage against the root's limits (the root's counters: every check of a descendant
+    counts on the root too)."""
+
+    parent: Run | None
+    root: Run | None  # None when the run is the root
+    children: list[Run]
+    usage: list[Counter]  # the root's counters, against the root's limits
+
+
+def run_tree(run: Run, now: datetime | None = None) -> RunTree | None:
+    """The run's tree, or None for a run with neither parent nor children."""
+    children = dashboard.children_of(run)
+    if run.parent_run_id is None and not children:
+        return None
+    family = dashboard.runs_by_id(run.team_id, [run.parent_run_id, run.root_run_id])
+    parent = family.get(run.parent_run_id)
+    root = family.get(run.root_run_id) if run.root_run_id else None
+    return RunTree(parent=parent, root=root, children=children,
+                   usage=counters(root or run, now))
+
+
 def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
     """The context of every live partial of the run page except the timeline rows."""
     doc = run.policy_version.document
     return {
         "run": run,
+        "tree": run_tree(run, now),
         "policy_doc": doc,
         "counters": counters(run, now),
         "banner": banner(run),

@@ -501,3 +501,25 @@ def running_on_old_versions(team: Team, policy: Policy) -> int:
         .exclude(policy_version_id=policy.current_id)
         .count()
     )
+
+
+# --- A run's tree (SPEC 20) -------------------------------------------------------------------
+
+# A run page lists at most this many children (a tree is bounded in depth, not in width).
+CHILDREN_SHOWN = 50
+
+
+def children_of(run: Run) -> list[Run]:
+    """A run's children, the first started first (the index of child runs by parent)."""
+    return list(Run.objects.filter(team_id=run.team_id, parent_run_id=run.pk)
+                .select_related("policy_version").order_by("started_at", "pk")
+                [:CHILDREN_SHOWN])
+
+
+def runs_by_id(team_id: int, ids: list[Any]) -> dict[Any, Run]:
+    """The team's runs of these ids (None ids ignored), by id."""
+    wanted = [i for i in ids if i is not None]
+    if not wanted:
+        return {}
+    return {run.pk: run for run in Run.objects.filter(team_id=team_id, pk__in=wanted)
+            .select_related("policy_version")}

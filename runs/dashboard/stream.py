@@ -357,7 +357,8 @@ class RunSource(Source):
                                     request=self.request)
             frames.append(Frame("step", html, id=decision.pk))
             self.after = decision.pk
-        names = ("run-header", "run-controls", "run-counters", "run-banner", "run-approval")
+        names = ("run-header", "run-controls", "run-counters", "run-banner", "run-approval",
+                 "run-tree")
         if run.status != RunStatus.RUNNING:
             names += ("run-confirm-form",)  # only then: it replaces an open confirmation
         frames += self.render(names, {**run_context(run), **run_approval_context(run)})

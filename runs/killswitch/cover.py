@@ -8,6 +8,10 @@ An active switch covers a run when its scope is
     agent   a run of its team by its agent;
     run     that run (so never a run that is only about to start).
 
+and it covers the descendants of every run it covers (SPEC 20): the fan-out kills them too
+(`runs_covered`), and a check of a child run reads the switches over its ancestors
+(runs/check/tree.py) besides its own (`covers_sql`, which stays the rule for one run).
+
 Whether a covered run is stopped (it must still be running) is the caller's business, and so
 is ``active``: the check's SQL reads it with the statement's snapshot, the screens filter on
 it. tests/test_killswitch_cover.py proves that every form here agrees with the table above
@@ -27,9 +31,9 @@ from typing import Any, Protocol
 from django.db import connection
 from django.db.models import Q
 
-from governance_client import answers
+from governance_client import answers, rules
 from policies.models import Team
-from runs.models import KillSwitch, Scope
+from runs.models import KillSwitch, Run, Scope
 
 
 class SwitchFields(Protocol):
@@ -115,14 +119,26 @@ def covering_switch(*, team_id: int, agent: str, run_id: Any | None) -> KillSwit
 
 
 def runs_covered(scope: str, *, team_id: int | None, agent: str, run_id: Any) -> Q:
-    """A filter on Run: the runs a switch of this scope and target covers."""
+    """A filter on Run: the runs a switch of this scope and target covers, their
+    descendants included (SPEC 20: a switch covering a run covers its sub-agents' runs)."""
     if scope == Scope.GLOBAL:
         return Q()
     if scope == Scope.TEAM:
-        return Q(team_id=team_id)
+        return Q(team_id=team_id)  # a run's descendants are of its team
     if scope == Scope.AGENT:
-        return Q(team_id=team_id, agent=agent)
-    return Q(pk=run_id)
+        return with_descendants(Q(team_id=team_id, agent=agent))
+    return with_descendants(Q(pk=run_id))
+
+
+def with_descendants(covered: Q) -> Q:
+    """``covered`` and the runs below them, level by level (a tree is at most
+    rules.MAX_DEPTH deep below its root), by the index of child runs by parent."""
+    level = Run.objects.filter(covered).values("pk")
+    every = covered
+    for _ in range(rules.MAX_DEPTH):
+        every |= Q(parent_run_id__in=level)
+        level = Run.objects.filter(parent_run_id__in=level).values("pk")
+    return every
 
 
 def runs_covered_by(switch: KillSwitch) -> Q:

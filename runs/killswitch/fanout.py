@@ -98,8 +98,9 @@ def _kill_batch(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, i
     """Kill up to FANOUT_BATCH covered running runs in one transaction: one locking read of
     the runs, then one UPDATE of them all and one INSERT of all their audit records.
 
-    The runs are locked in id order, each with the same row lock a check takes before it
-    reads the switches, so a check racing the kill either committed before (the kill then
+    The runs are locked by depth, then in id order (a parent before its children: the
+    tree's lock order, runs/check/tree.py), each with the same row lock a check takes
+    before it reads the switches, so a check racing the kill either committed before (the kill then
     sees its new state) or waits and then finds the run killed. Every fan-out locks in the
     same order, so two of them (a team and a global switch) never deadlock. A run a check or
     another pass ended meanwhile is re-read under the lock (READ COMMITTED) and left out:
@@ -138,7 +139,9 @@ def _settle_pending(switch: KillSwitch, run_ids: list[Any]) -> set[Any]:
 
 def _locked_batch(running: QuerySet[Run]) -> list[tuple[Any, int, int, Any]]:
     """Lock the batch: (id, team id, policy version id, pending approval or None)."""
-    return list(running.select_for_update().order_by("pk")
+    # The lock order of a tree (runs/check/tree.py): a parent before its children, so the
+    # runs by depth first (a check locks the root, then down to its run).
+    return list(running.select_for_update().order_by("depth", "pk")
                 .annotate(pending=KT("memory__pending"))
                 .values_list("pk", "team_id", "policy_version_id", "pending")[:FANOUT_BATCH])
 
@@ -178,7 +181,7 @@ def _kill_batch_orm(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[st
         return []
     settled = _settle_pending(switch, [pk for pk, _, _, pending in locked if pending])
     rows = list(Run.objects.filter(pk__in=[pk for pk, *_ in locked if pk not in settled])
-                .order_by("pk").only(*RUN_COLUMNS))
+                .order_by("depth", "pk").only(*RUN_COLUMNS))
     teams = {pk: team_id for pk, team_id, _, _ in locked}
     now = timezone.now()
     versions = {run.policy_version_id for run in rows}

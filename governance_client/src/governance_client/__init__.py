@@ -15,6 +15,7 @@ from .errors import (
     GovernanceUnavailable,
     InvalidRequest,
     KillSwitchEngaged,
+    ParentFinished,
     RunClosed,
     RunFinished,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "InvalidRequest",
     "KillSwitchEngaged",
     "LocalLimits",
+    "ParentFinished",
     "Run",
     "RunClosed",
     "RunFinished",

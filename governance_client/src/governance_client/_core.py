@@ -256,9 +256,11 @@ def start_body(
     policy: str | None,
     metadata: Mapping[str, Any] | None,
     external_id: str | None,
+    parent_run_id: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"agent": agent}
-    optional = {"task": task, "policy": policy, "metadata": metadata}
+    optional = {"task": task, "policy": policy, "metadata": metadata,
+                "parent_run_id": parent_run_id}
     body.update({k: v for k, v in optional.items() if v is not None})
     # Without the author's own id, one of the client's: the start can then be sent again
     # after any failure within its deadline (the service answers a known external_id with

@@ -155,14 +155,18 @@ class AsyncGovernanceClient:
         policy: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         external_id: str | None = None,
+        parent_run_id: str | None = None,
     ) -> AsyncRun:
         """Start a run (``POST /api/v1/runs``); with a known ``external_id``, resume that run.
+        ``parent_run_id``: start it as a sub-agent's run under that run (SPEC 20; or use
+        ``run.child``).
 
-        Raises ``KillSwitchEngaged`` (409), ``InvalidRequest`` (422, e.g. an unknown policy) and
-        other ``ApiError``; ``GovernanceUnavailable`` only with ``fail_mode="closed"``.
+        Raises ``KillSwitchEngaged`` (409), ``ParentFinished`` (409), ``InvalidRequest`` (422,
+        e.g. an unknown policy) and other ``ApiError``; ``GovernanceUnavailable`` only with
+        ``fail_mode="closed"``.
         """
         body = start_body(agent, task=task, policy=policy, metadata=metadata,
-                          external_id=external_id)
+                          external_id=external_id, parent_run_id=parent_run_id)
         try:
             # Safe to send again: the body has an external_id (the author's or the client's).
             response = await self._send("POST", "/api/v1/runs", lambda _: body)
@@ -506,6 +510,52 @@ class AsyncRun:
             raise
         core.finished_with(status, data)
         return data
+
+    async def start_child(
+        self,
+        agent: str,
+        *,
+        task: str | None = None,
+        policy: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        external_id: str | None = None,
+    ) -> AsyncRun:
+        """Start a sub-agent's run under this one (SPEC 20): its checks count on this run
+        too, and this run's limits bound it. Its policy defaults to this run's. A run that
+        started locally (the service unreachable) starts its children locally too."""
+        if self.local:
+            return AsyncRun(self._client, local_start(agent), local=True)
+        return await self._client.start_run(agent, task=task, policy=policy,
+                                            metadata=metadata, external_id=external_id,
+                                            parent_run_id=self.id)
+
+    @asynccontextmanager
+    async def child(
+        self,
+        agent: str,
+        *,
+        task: str | None = None,
+        policy: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        external_id: str | None = None,
+    ) -> AsyncIterator[AsyncRun]:
+        """``start_child`` as a context manager that always finishes the child run, as
+        ``AsyncGovernanceClient.run`` does::
+
+            async with run.child(agent="researcher") as sub:
+                decision = await sub.check("search.docs", {"q": "refunds"})
+        """
+        child = await self.start_child(agent, task=task, policy=policy, metadata=metadata,
+                                       external_id=external_id)
+        try:
+            yield child
+        except BaseException:
+            try:
+                await child._finish_on_exit(failed=True)
+            except GovernanceError:
+                logger.exception("could not finish run %s", child.id)
+            raise
+        await child._finish_on_exit(failed=False)
 
     async def _finish_on_exit(self, *, failed: bool) -> None:
         core = self._core

@@ -156,14 +156,18 @@ class GovernanceClient:
         policy: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         external_id: str | None = None,
+        parent_run_id: str | None = None,
     ) -> Run:
         """Start a run (``POST /api/v1/runs``); with a known ``external_id``, resume that run.
+        ``parent_run_id``: start it as a sub-agent's run under that run (SPEC 20; or use
+        ``run.child``).
 
-        Raises ``KillSwitchEngaged`` (409), ``InvalidRequest`` (422, e.g. an unknown policy) and
-        other ``ApiError``; ``GovernanceUnavailable`` only with ``fail_mode="closed"``.
+        Raises ``KillSwitchEngaged`` (409), ``ParentFinished`` (409), ``InvalidRequest`` (422,
+        e.g. an unknown policy) and other ``ApiError``; ``GovernanceUnavailable`` only with
+        ``fail_mode="closed"``.
         """
         body = start_body(agent, task=task, policy=policy, metadata=metadata,
-                          external_id=external_id)
+                          external_id=external_id, parent_run_id=parent_run_id)
         try:
             # Safe to send again: the body has an external_id (the author's or the client's).
             response = self._send("POST", "/api/v1/runs", lambda _: body)
@@ -507,6 +511,52 @@ class Run:
             raise
         core.finished_with(status, data)
         return data
+
+    def start_child(
+        self,
+        agent: str,
+        *,
+        task: str | None = None,
+        policy: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        external_id: str | None = None,
+    ) -> Run:
+        """Start a sub-agent's run under this one (SPEC 20): its checks count on this run
+        too, and this run's limits bound it. Its policy defaults to this run's. A run that
+        started locally (the service unreachable) starts its children locally too."""
+        if self.local:
+            return Run(self._client, local_start(agent), local=True)
+        return self._client.start_run(agent, task=task, policy=policy,
+                                            metadata=metadata, external_id=external_id,
+                                            parent_run_id=self.id)
+
+    @contextmanager
+    def child(
+        self,
+        agent: str,
+        *,
+        task: str | None = None,
+        policy: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        external_id: str | None = None,
+    ) -> Iterator[Run]:
+        """``start_child`` as a context manager that always finishes the child run, as
+        ``GovernanceClient.run`` does::
+
+            async with run.child(agent="researcher") as sub:
+                decision = await sub.check("search.docs", {"q": "refunds"})
+        """
+        child = self.start_child(agent, task=task, policy=policy, metadata=metadata,
+                                       external_id=external_id)
+        try:
+            yield child
+        except BaseException:
+            try:
+                child._finish_on_exit(failed=True)
+            except GovernanceError:
+                logger.exception("could not finish run %s", child.id)
+            raise
+        child._finish_on_exit(failed=False)
 
     def _finish_on_exit(self, *, failed: bool) -> None:
         core = self._core

@@ -75,6 +75,10 @@ class RunFinished(ApiError):
     """409 ``run_finished``: the run was already finished."""
 
 
+class ParentFinished(ApiError):
+    """409 ``parent_finished``: the parent a child run was started under is over (SPEC 20)."""
+
+
 class ApprovalPending(ApiError):
     """409 ``approval_pending``: another check of the run is waiting for an operator (SPEC 11);
     ``fields`` or the message name it."""
@@ -90,6 +94,7 @@ _BY_CODE: dict[str, type[ApiError]] = {
     "kill_switch_engaged": KillSwitchEngaged,
     "run_finished": RunFinished,
     "approval_pending": ApprovalPending,
+    "parent_finished": ParentFinished,
 }
 
 

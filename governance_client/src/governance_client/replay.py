@@ -13,7 +13,11 @@ What is not the draft's to decide is replayed as recorded:
 - operators' and the system's decisions: an approval's outcome (approved, denied, expired),
   an abandonment, the sweep's end of a run out of time;
 - recorded waits (rate limits) are skipped: they registered nothing;
-- everything after the recorded run's first stop is skipped: the agent stopped there.
+- everything after the recorded run's first stop is skipped: the agent stopped there;
+- a sub-agent's run stopped by its tree (SPEC 20: ``parent_stopped``, or an ancestor's
+  limit, ``scope`` naming the ancestor) is replayed as its tree recorded it: the draft (the
+  child's policy) decides that check first, and if it would not stop it there, the run ends
+  there with the tree's reason. The ancestors' policies are not the draft's to change.
 
 The draft's own rate limits and approvals are not simulated (`NOT_SIMULATED`): they depend
 on other runs and on people, which a recording of one run cannot tell. `estimate.py` counts
@@ -33,6 +37,7 @@ from .rules import (
     AGENT_STOPPED,
     ALLOW,
     KILLED,
+    PARENT_STOPPED,
     RUN_FINISHED,
     STOP,
     STOPPED,
@@ -80,6 +85,9 @@ class Recorded:
     # When it was decided (the check's clock): the estimate of the draft's rate limits and
     # approvals reads it (estimate.py). None: unknown.
     at: datetime | None = None
+    # SPEC 20: the ancestor whose limit stopped this check (a stop of a sub-agent's run by
+    # its tree), else None.
+    scope: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +221,9 @@ def replay(draft: Policy, steps: Iterable[Recorded], *, started_at: datetime,
             decided.append((rec, decision))
         if state.status in TERMINAL:
             return ended(state.status, decision.reason, decision.step)
+        if rec.outcome == STOP and (rec.reason == PARENT_STOPPED or rec.scope):
+            # The tree stopped it, as recorded: not the draft's to undo (SPEC 20).
+            return ended(STOPPED, rec.reason, decision.step)
         if rec.outcome == PENDING:
             awaiting = rec.step
         elif rec.outcome == STOP:

@@ -53,6 +53,8 @@ RUN_FINISHED = "run_finished"
 AGENT_STOPPED = "agent_stopped"
 RATE_LIMITED = "rate_limited"
 ABANDONED = "abandoned"  # SPEC 14: no activity for budgets.max_idle_seconds
+PARENT_STOPPED = "parent_stopped"  # SPEC 20: an ancestor of the run is over
+MAX_DEPTH = 5  # SPEC 20: a root is depth 0, its deepest descendant depth 5
 SCOPES = ("run", "agent", "team")  # rate_limits[].per
 APPROVAL_REQUIRED = "approval_required"
 APPROVAL_DENIED = "approval_denied"
@@ -90,6 +92,8 @@ NEXT_ACTION = {
     RATE_LIMITED: "Do not run the action yet: wait retry_after_s seconds, then send the same "
     "check again.",
     ABANDONED: "The run was ended for inactivity: start a new run for new work.",
+    PARENT_STOPPED: "Stop now and return the partial response to the parent agent: a run "
+    "this sub-agent belongs to is over.",
     RUN_FINISHED: "The run is over: do not execute the action; start a new run for new work.",
     APPROVAL_REQUIRED: "Do not run the action yet: wait for an operator's decision "
     "(GET /api/v1/approvals/{id}?wait=60, or send this check again with the same check_id), "
@@ -497,6 +501,9 @@ class Decision:
     # SPEC 16: the rule that decided, as the rules know it: {"name", "limit", "observed"}
     # (answers.rule_of adds the policy, its version and the scope); None for a plain allow.
     rule: dict[str, Any] | None = None
+    #: SPEC 20: the id of the ancestor run whose limit or end stopped this check (None: the
+    #: run's own rule). SPEC 16's ``rule.scope`` is this id, or "run" when None.
+    scope: str | None = None
 
     @property
     def answer(self) -> str:
@@ -574,7 +581,9 @@ def check_id_missing(policy: Policy, state: RunState, check: Check, *, kill: str
             "check can be resumed once an operator decides.")
 
 
-Stop = tuple[str, str, dict[str, Any]]  # (reason, message, rule: name, limit, observed)
+# (reason, message, rule: name, limit, observed; scope: None for the run's own rule, else the
+# id of the ancestor whose limit or end stopped it, SPEC 20)
+Stop = tuple[str, str, dict[str, Any], str | None]
 
 
 def rule(name: str, limit: Mapping[str, Any], observed: Mapping[str, Any]) -> dict[str, Any]:
@@ -598,51 +607,135 @@ def _denied_rule(policy: Policy, name: str) -> dict[str, Any]:
     return rule("tool_denied", {"allow": list(policy.allow or ())}, {"action": name})
 
 
+@dataclass(frozen=True, slots=True)
+class Ancestor:
+    """An ancestor of the checked run (SPEC 20), as the caller read it under its lock (the
+    root first): its id, its policy and its state before this check."""
+
+    run_id: str
+    policy: Policy
+    state: RunState
+
+
+def in_tree(tree: Sequence[Ancestor], check: Check) -> list[Ancestor]:
+    """The ancestors as this check counts on them (SPEC 20): a step and the check's cost
+    each, before the rules read their limits."""
+    counted = []
+    for ancestor in tree:
+        state = replace(ancestor.state, steps=ancestor.state.steps + 1,
+                        cost_usd=ancestor.state.cost_usd + check.cost_usd)
+        counted.append(replace(ancestor, state=state))
+    return counted
+
+
+def ended_ancestor(tree: Sequence[Ancestor], now: datetime) -> tuple[Ancestor, str] | None:
+    """The first ancestor (the root first) that is over, or past its idle deadline, with the
+    reason it ended for (SPEC 20, ``parent_stopped``)."""
+    for ancestor in tree:
+        state = ancestor.state
+        if state.status == RUNNING and state.pending is None:
+            over = abandon(state, now=now, policy=ancestor.policy)
+            state = over if over is not None else state
+        if state.status in TERMINAL:
+            return ancestor, state.stop_reason or state.status
+    return None
+
+
+def _parent_stopped(ancestor: Ancestor, reason: str) -> Stop:
+    status = ancestor.state.status
+    message = (f"Ancestor run {ancestor.run_id} is {status} (reason: {reason}): this run "
+               "stops with it; the action was not run."
+               if status != RUNNING else
+               f"Ancestor run {ancestor.run_id} is over (reason: {reason}): this run stops "
+               "with it; the action was not run.")
+    return PARENT_STOPPED, message, rule(PARENT_STOPPED, {"ancestor": ancestor.run_id},
+                                         {"status": status, "reason": reason}), \
+        ancestor.run_id
+
+
+def _tree_limit(name: str, policy: Policy, state: RunState, check: Check, now: datetime
+                ) -> tuple[str, dict[str, Any]] | None:
+    """One of the tree's rules (SPEC 20: 2, 4, 5 and 6) that ``state`` passes under
+    ``policy``, as (message, rule), else None. The words say "the run"; an ancestor's are
+    reworded by the caller. Each message says the value observed, the limit and what happens
+    now (SPEC 16)."""
+    if name == "max_steps" and state.steps > policy.max_steps:
+        return (f"Step {state.steps} is past max_steps={policy.max_steps}: the action was not "
+                "run and the run is stopped."), rule(
+            "max_steps", {"max_steps": policy.max_steps}, {"steps": state.steps})
+    if name == "max_seconds":
+        elapsed = state.elapsed_s(now)
+        if policy.max_seconds is not None and elapsed > policy.max_seconds:
+            return (f"The run has lasted {elapsed:.1f} s, over "
+                    f"max_seconds={_plain(policy.max_seconds)}: the action was not run and "
+                    "the run is stopped."), rule(
+                "max_seconds", {"max_seconds": policy.max_seconds},
+                {"elapsed_s": round(elapsed, 3)})
+    if name == "max_usd" and policy.max_usd is not None and state.cost_usd >= policy.max_usd:
+        return (f"The run has spent ${_plain(state.cost_usd)}, reaching "
+                f"max_usd={_plain(policy.max_usd)}: the action was not run and the run is "
+                "stopped."), rule("max_usd", {"max_usd": _money(policy.max_usd)},
+                                  {"cost_usd": _money(state.cost_usd)})
+    if (name == "max_tool_calls" and policy.max_tool_calls is not None
+            and check.type == "tool" and state.tool_calls >= policy.max_tool_calls):
+        return (f"The run has already made {state.tool_calls} tool calls, all that "
+                f"max_tool_calls={policy.max_tool_calls} allows: this call was not run and "
+                "the run is stopped."), rule(
+            "max_tool_calls", {"max_tool_calls": policy.max_tool_calls},
+            {"tool_calls": state.tool_calls})
+    return None
+
+
+def _limit_in_tree(name: str, policy: Policy, state: RunState, check: Check, now: datetime,
+                   tree: Sequence[Ancestor]) -> Stop | None:
+    """Rule ``name`` for the run itself first, then for each ancestor from the root down
+    (SPEC 21): scope None for the run's own limit, else the ancestor's id."""
+    own = _tree_limit(name, policy, state, check, now)
+    if own is not None:
+        return name, own[0], own[1], None
+    for ancestor in tree:
+        passed = _tree_limit(name, ancestor.policy, ancestor.state, check, now)
+        if passed is not None:
+            words = passed[0].replace("The run has", "The tree has").replace(
+                "Step ", "Tree step ", 1).replace("the run is stopped", "this run is stopped")
+            return name, (f"Ancestor run {ancestor.run_id}'s limit: {words} (an ancestor's "
+                          "budget bounds its sub-agents' runs)"), passed[1], ancestor.run_id
+    return None
+
+
 def _first_stop(
     policy: Policy, state: RunState, check: Check, key: str, now: datetime, kill: str | None,
-    kill_rule: Mapping[str, Any] | None = None,
+    kill_rule: Mapping[str, Any] | None = None, tree: Sequence[Ancestor] = (),
 ) -> Stop | None:
-    """The first rule of SPEC 4.4 that stops this check, as (reason, message, rule). Each
-    message says the value observed, the limit and what happens now (SPEC 16)."""
+    """The first rule of SPEC 4.4 (21 for a run with ancestors) that stops this check, as
+    (reason, message, rule, scope): scope None for the run's own rule, else the ancestor's
+    id. ``tree``: the ancestors as this check counts on them (`in_tree`), the root first."""
     if kill is not None:
         return "killed", f"Stopped by a kill switch: {kill}.", rule(
-            "killed", (kill_rule or {}).get("limit", {}), (kill_rule or {}).get("observed", {}))
-    if state.steps > policy.max_steps:
-        return "max_steps", (
-            f"Step {state.steps} is past max_steps={policy.max_steps}: the action was not "
-            "run and the run is stopped."
-        ), rule("max_steps", {"max_steps": policy.max_steps}, {"steps": state.steps})
+            "killed", (kill_rule or {}).get("limit", {}),
+            (kill_rule or {}).get("observed", {})), None
+    ended = ended_ancestor(tree, now)
+    if ended is not None:
+        return _parent_stopped(*ended)
+    passed = _limit_in_tree("max_steps", policy, state, check, now, tree)
+    if passed is not None:
+        return passed
     denied = _denied(policy, check.name)
     if denied:
         return "tool_denied", (
             f"Tool denied by the policy: {denied} The action was not run and the run is "
-            "stopped."), _denied_rule(policy, check.name)
-    elapsed = state.elapsed_s(now)
-    if policy.max_seconds is not None and elapsed > policy.max_seconds:
-        return "max_seconds", (
-            f"The run has lasted {elapsed:.1f} s, over "
-            f"max_seconds={_plain(policy.max_seconds)}: the action was not run and the run "
-            "is stopped."
-        ), rule("max_seconds", {"max_seconds": policy.max_seconds},
-                {"elapsed_s": round(elapsed, 3)})
-    if policy.max_usd is not None and state.cost_usd >= policy.max_usd:
-        return "max_usd", (
-            f"The run has spent ${_plain(state.cost_usd)}, reaching "
-            f"max_usd={_plain(policy.max_usd)}: the action was not run and the run is "
-            "stopped."
-        ), rule("max_usd", {"max_usd": _money(policy.max_usd)},
-                {"cost_usd": _money(state.cost_usd)})
-    if (
-        policy.max_tool_calls is not None
-        and check.type == "tool"
-        and state.tool_calls >= policy.max_tool_calls
-    ):
-        return "max_tool_calls", (
-            f"The run has already made {state.tool_calls} tool calls, all that "
-            f"max_tool_calls={policy.max_tool_calls} allows: this call was not run and the "
-            "run is stopped."
-        ), rule("max_tool_calls", {"max_tool_calls": policy.max_tool_calls},
-                {"tool_calls": state.tool_calls})
+            "stopped."), _denied_rule(policy, check.name), None
+    for name in ("max_seconds", "max_usd", "max_tool_calls"):
+        passed = _limit_in_tree(name, policy, state, check, now, tree)
+        if passed is not None:
+            return passed
+    stop = _own_stop(policy, state, check, key)
+    return (*stop, None) if stop is not None else None
+
+
+def _own_stop(policy: Policy, state: RunState, check: Check, key: str
+              ) -> tuple[str, str, dict[str, Any]] | None:
+    """Rules 7 to 9 of SPEC 4.4, which stay per run (SPEC 20), as (reason, message, rule)."""
     count = state.repeat_counts.get(key, 0)
     if count >= policy.max_repeat_action:
         return "loop_detected", (
@@ -1018,6 +1111,7 @@ def evaluate(
     policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None,
     rate: Sequence[RateWindow] = (), key: str | None = None,
     approval_id: str = "", kill_rule: Mapping[str, Any] | None = None,
+    tree: Sequence[Ancestor] = (),
 ) -> tuple[Decision, RunState]:
     """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any;
     ``rate`` holds the windows of `rate_limits_matching(policy, check.name)`, read by the
@@ -1032,6 +1126,11 @@ def evaluate(
     answers replays and the 409 of a run already waiting for an approval before calling
     this. The input state is left untouched; the returned state is what must
     be stored.
+
+    ``tree``: the run's ancestors, the root first, as read under their locks (SPEC 20): a
+    killed ancestor is the caller's ``kill``; an ended one stops the run (``parent_stopped``,
+    enforced in shadow mode too, like a kill); their step, time, cost and tool-call limits
+    bound the run after its own (SPEC 21). What the check counts on them is `count_in_tree`.
     """
     if key is None:
         key = repeat_key(check.name, check.args, policy.ignore_args)
@@ -1044,7 +1143,7 @@ def evaluate(
     new = state.copy()
     new.steps += 1
     _register(new, check)
-    stop = _first_stop(policy, new, check, key, now, kill, kill_rule)
+    stop = _first_stop(policy, new, check, key, now, kill, kill_rule, in_tree(tree, check))
     if stop is None:
         if policy.mode == "shadow":
             # Nothing waits in shadow mode: a window the store could not read in time is no
@@ -1066,7 +1165,8 @@ def evaluate(
             if past is not None:
                 stop = ("max_seconds", past, rule(
                     "max_seconds", {"max_seconds": policy.max_seconds},
-                    {"elapsed_s": round(state.elapsed_s(now), 3), "retry_after_s": wait}))
+                    {"elapsed_s": round(state.elapsed_s(now), 3), "retry_after_s": wait}),
+                    None)
             elif policy.mode != "shadow":
                 # A wait registers nothing: the agent sends the same body again. It is
                 # activity all the same (SPEC 14).
@@ -1079,7 +1179,7 @@ def evaluate(
                     rule=limited_rule,
                 ), waited
             else:
-                stop = (RATE_LIMITED, message, limited_rule)
+                stop = (RATE_LIMITED, message, limited_rule, None)
     if stop is None:
         pattern = approval_pattern(policy, check.name)
         if pattern is not None:
@@ -1089,11 +1189,11 @@ def evaluate(
                 return _pending(policy, new, check, key, pattern, now, approval_id), new
             # Shadow mode makes no request: the would-be wait is reported and the action runs.
             stop = (APPROVAL_REQUIRED, _approval_message(check.name, pattern, policy),
-                    _approval_rule(policy, check.name, pattern))
+                    _approval_rule(policy, check.name, pattern), None)
     new.idle_deadline = next_deadline(policy, new, now)
 
-    if stop is not None and (policy.mode != "shadow" or stop[0] == "killed"):
-        reason, message, fired = stop
+    if stop is not None and (policy.mode != "shadow" or stop[0] in ("killed", PARENT_STOPPED)):
+        reason, message, fired, scope = stop
         _end(new, reason, now)
         decision = Decision(
             outcome=STOP,
@@ -1104,6 +1204,7 @@ def evaluate(
             message=message,
             next_action=NEXT_ACTION[reason],
             rule=fired,
+            scope=scope,
         )
         return decision, new
 
@@ -1125,6 +1226,7 @@ def evaluate(
         shadow=None if stop is None else {"reason": stop[0], "message": stop[1]},
         # A shadow would-stop names the rule that would have stopped; else the warning's.
         rule=stop[2] if stop is not None else None if warning is None else warning.rule,
+        scope=None if stop is None else stop[3],
     )
     return decision, new
 
@@ -1132,6 +1234,31 @@ def evaluate(
 def _approval_rule(policy: Policy, name: str, pattern: str) -> dict[str, Any]:
     return rule(APPROVAL_REQUIRED, {"approvals.tools": pattern,
                                     "timeout_s": policy.approval_timeout_s}, {"action": name})
+
+
+def count_in_tree(tree: Sequence[Ancestor], decision: Decision, check: Check, *,
+                  now: datetime) -> list[RunState]:
+    """The ancestors' states after this check of their descendant (SPEC 20), in ``tree``'s
+    order: every check the run counted counts on each ancestor too (a step and its cost;
+    a tool call when the action runs), and is activity for it (its idle deadline moves, so a
+    parent waiting for its sub-agent is not abandoned meanwhile). A check that counted
+    nothing (a terminal run, a wait) leaves them unchanged (the same objects)."""
+    if decision.outcome == WAIT or not tree:
+        return [ancestor.state for ancestor in tree]
+    runs_action = decision.outcome in (ALLOW, WOULD_STOP)
+    counted = []
+    for ancestor in tree:
+        state = ancestor.state
+        if state.status != RUNNING:
+            counted.append(state)
+            continue
+        new = replace(state, steps=state.steps + 1, cost_usd=state.cost_usd + check.cost_usd,
+                      tool_calls=state.tool_calls + (1 if runs_action and check.type == "tool"
+                                                     else 0))
+        new.idle_deadline = next_deadline(ancestor.policy, new, now) \
+            if new.pending is None else new.idle_deadline
+        counted.append(new)
+    return counted
 
 
 def _approval_message(name: str, pattern: str, policy: Policy) -> str:

@@ -89,6 +89,9 @@ class FakeRun:
     decisions: list[dict[str, Any]] = field(default_factory=list, repr=False)
     #: Decisions the client made locally during an outage, as uploaded.
     uploaded: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    #: SPEC 20: the ancestors' ids, the root first (empty for a root run), and the children.
+    ancestors: tuple[str, ...] = ()
+    children: list[str] = field(default_factory=list, repr=False)
 
     @property
     def status(self) -> str:
@@ -122,6 +125,11 @@ class FakeRun:
             "started_at": self.state.started_at.isoformat(),
             "task": self.task,
             "output": self.output,
+            "parent_run_id": self.ancestors[-1] if self.ancestors else None,
+            "root_run_id": self.ancestors[0] if self.ancestors else None,
+            "children": list(self.children),
+            "tree_usage": {"steps": self.steps, "tool_calls": self.tool_calls,
+                           "cost_usd": self.cost_usd},
         }
 
 
@@ -359,12 +367,30 @@ class FakeGovernance:
         kill = self._kill_words()
         if kill is not None:
             return _error(409, "kill_switch_engaged", f"No new run may start: {kill}.")
+        ancestors: tuple[str, ...] = ()
+        parent_id = body.get("parent_run_id")
+        if parent_id is not None:  # SPEC 20, as the service (runs/check/lifecycle.py)
+            parent = self.runs.get(str(parent_id))
+            if parent is None:
+                return _error(404, "not_found", "No such parent run.",
+                              {"parent_run_id": "no run of this key's team with this id"})
+            self._settle_due(parent, ask=False)
+            if parent.status != rules.RUNNING:
+                return _error(409, "parent_finished", f"The parent run is {parent.status}.",
+                              {"parent_run_id": f"that run is {parent.status}"})
+            if len(parent.ancestors) + 1 > rules.MAX_DEPTH:
+                return _error(422, "invalid_request", "The request is not valid.",
+                              {"parent_run_id": "the tree is at its deepest"})
+            ancestors = (*parent.ancestors, parent.id)
         now = self.now()
         run = FakeRun(
             id=str(uuid.uuid4()), agent=agent, task=body.get("task"), external_id=external_id,
             state=rules.RunState(started_at=now, idle_deadline=rules.next_deadline(
                 self.policy, rules.RunState(started_at=now), now)),
+            ancestors=ancestors,
         )
+        if ancestors:
+            self.runs[ancestors[-1]].children.append(run.id)
         self.runs[run.id] = run
         return httpx.Response(201, json=self._run_json(run, policy))
 
@@ -438,9 +464,16 @@ class FakeGovernance:
         now = self.now()
         windows = (self._windows(run, check.name, now)
                    if run.state.status == rules.RUNNING and kill is None else [])
-        decision, run.state = rules.evaluate(
-            self.policy, run.state, check, now=now, kill=kill, rate=windows,
-            approval_id=str(uuid.uuid4()), kill_rule=self._kill_rule())
+        tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
+                for a in run.ancestors]
+        before = run.state
+        decision, run.state = rules.evaluate(self.policy, run.state, check, now=now, kill=kill,
+                                             rate=windows, approval_id=str(uuid.uuid4()),
+                                             kill_rule=self._kill_rule(), tree=tree)
+        if run.state.steps > before.steps:  # counted on every ancestor too (SPEC 20)
+            for ancestor, state in zip(tree, rules.count_in_tree(tree, decision, check,
+                                                                 now=now), strict=True):
+                self.runs[ancestor.run_id].state = state
         if decision.outcome in rules.RATE_COUNTED:
             # A pending answer takes its slot now, not again once approved (SPEC 12, 15).
             self._counted.append((now, run.id, run.agent, check.name))

@@ -12,6 +12,16 @@ then ends through a ``governance_stop`` node whose ``AIMessage`` (``name="govern
 the partial response with the stop's reason and next step. The repeated-error directive is
 appended to the result of the call whose check carried it.
 
+Subgraphs (SPEC 20): a node that is a compiled graph (``add_node("research",
+sub_builder.compile())``) runs as a sub-agent under a child run of the graph's run: each time
+the node runs, a child run starts (its agent: the node's name), the subgraph's ``ToolNode``s
+are governed by it (its checks count on the graph's run too, whose limits bound it), and it
+is finished when the subgraph returns. A child's stop ends the subgraph with its notice; the
+parent graph goes on (a child's stop does not stop its parent). A compiled graph whose
+builder governance cannot reach, or a subgraph invoked from inside a node's own function,
+is not seen: the first is refused (``ValueError`` saying how to wrap it), the second is the
+author's to wrap (``with run.child(agent=...) as child:`` and ``govern_graph(sub, child)``).
+
 ``GovernedToolNode(tools, run)`` is the drop-in ``ToolNode`` alone, for graphs that route out
 of the tools node themselves: end the graph when ``stop_in(state, run)`` is not None (with
 the run, it also says so on a new turn of a run that is over).
@@ -19,13 +29,20 @@ the run, it also says so on a new turn of a run that is over).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import re
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode
+from langgraph.pregel import Pregel
 
+from .._core import FinishStatus
+from ..aio import AsyncRun
 from ._lc import (
     STOP_ARTIFACT,
     STOP_NAME,
@@ -75,6 +92,7 @@ def govern_graph(
     each call: a compiled graph shares the builder's tool nodes, so two runs at once need two
     builders, or ``GovernedToolNode``s of their own).
     """
+    subgraphs = _subgraphs(builder)
     governed = []
     for name, spec in builder.nodes.items():
         node = spec.runnable
@@ -84,7 +102,7 @@ def govern_graph(
                 node._wrap_tool_call = governor.wrap
                 node._awrap_tool_call = governor.awrap
             governed.append(name)
-    if not governed:
+    if not governed and not subgraphs:
         raise ValueError("the graph has no ToolNode to govern")
 
     current = _GOVERNED.get(builder)
@@ -93,6 +111,9 @@ def govern_graph(
         current.run = run
         return builder
     current = _GOVERNED[builder] = _Current(run)
+    for name, sub in subgraphs.items():
+        builder.nodes[name] = dataclasses.replace(
+            builder.nodes[name], runnable=_subgraph_node(name, sub, current, partial_response))
 
     def stop(state: Any) -> dict[str, Any]:
         decision = stop_in(state, current.run)
@@ -130,3 +151,75 @@ def govern_graph(
 
         builder.add_conditional_edges(name, route, [*targets, STOP_NODE])
     return builder
+
+
+_AGENT_CHARS = re.compile(r"[^A-Za-z0-9._-]")  # what a run's agent name may hold (SPEC 5)
+
+
+def _subgraphs(builder: StateGraph[Any]) -> dict[str, Pregel[Any, Any]]:
+    """The graph's nodes that are compiled graphs (subgraphs), by node name; a compiled
+    graph whose builder governance cannot reach is refused."""
+    found = {}
+    for name, spec in builder.nodes.items():
+        node = spec.runnable
+        if isinstance(node, Pregel):
+            if not isinstance(getattr(node, "builder", None), StateGraph):
+                raise ValueError(
+                    f"the node {name!r} is a compiled graph governance cannot look into, so "
+                    "its sub-agent would run ungoverned. Wrap it in a node of your own that "
+                    "starts a child run (with run.child(agent=...) as child:) and invokes "
+                    "govern_graph(sub_builder, child).compile() there.")
+            if _governable(node.builder):  # type: ignore[attr-defined]
+                found[name] = node
+    return found
+
+
+def _governable(builder: StateGraph[Any]) -> bool:
+    """Whether a subgraph runs tools, itself or in a subgraph of its own."""
+    return any(isinstance(spec.runnable, ToolNode)
+               or (isinstance(spec.runnable, Pregel)
+                   and (not isinstance(getattr(spec.runnable, "builder", None), StateGraph)
+                        or _governable(spec.runnable.builder)))  # type: ignore[attr-defined]
+               for spec in builder.nodes.values())
+
+
+def _subgraph_node(name: str, sub: Pregel[Any, Any], current: _Current,
+                   partial_response: PartialResponse | None) -> RunnableLambda[Any, Any]:
+    """The subgraph ``sub`` as a node: each time it runs, under a new child run of the
+    graph's run (SPEC 20), finished when it returns."""
+    sub_builder: StateGraph[Any] = sub.builder  # type: ignore[attr-defined]
+    agent = _AGENT_CHARS.sub("-", name)[:100] or "subgraph"
+    checkpointer = getattr(sub, "checkpointer", None)
+
+    def compiled(child: GovernedRun) -> Pregel[Any, Any]:
+        return govern_graph(sub_builder, child,
+                            partial_response=partial_response).compile(checkpointer=checkpointer)
+
+    def finish(child: GovernedRun) -> FinishStatus:
+        return "stopped" if child.stop_decision is not None else "completed"
+
+    def invoke(state: Any, config: RunnableConfig) -> Any:
+        parent = current.run
+        if isinstance(parent, AsyncRun):
+            raise TypeError("a graph governed by an AsyncRun runs with ainvoke / astream")
+        child = parent.start_child(agent)
+        try:
+            return compiled(child).invoke(state, config)
+        finally:
+            child.finish(finish(child))
+
+    async def ainvoke(state: Any, config: RunnableConfig) -> Any:
+        parent = current.run
+        if isinstance(parent, AsyncRun):
+            child: GovernedRun = await parent.start_child(agent)
+        else:
+            child = await asyncio.to_thread(parent.start_child, agent)
+        try:
+            return await compiled(child).ainvoke(state, config)
+        finally:
+            if isinstance(child, AsyncRun):
+                await child.finish(finish(child))
+            else:
+                await asyncio.to_thread(child.finish, finish(child))
+
+    return RunnableLambda(invoke, afunc=ainvoke, name=name)

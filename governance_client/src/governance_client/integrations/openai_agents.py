@@ -18,6 +18,21 @@ the guardrail raises instead (``ToolInputGuardrailTripwireTriggered``, the decis
 reads for that call. ``run.output`` is set to the final output.
 
 Works with a ``Run`` (sync client, called in a thread) or an ``AsyncRun``.
+
+Sub-agents are governed as child runs (SPEC 20), so that a sub-agent cannot escape the run's
+limits with a fresh budget:
+
+- a **handoff** is checked as an action of the agent that hands off (``handoff:<agent>``,
+  type ``other``); allowed, the receiving agent is governed by a new child run of ``run``
+  (its checks count on ``run`` too, and ``run``'s limits bound it), finished when that agent
+  ends or hands off again. A stopped handoff ends the run cleanly with the stop's notice (or
+  raises with ``raise_on_stop=True``): a handoff loop stops at the policy's step;
+- an **agent used as a tool** (``Agent.as_tool``) is checked as the tool call it is, then
+  runs governed by a child run of the calling agent's run, finished when the tool returns.
+  Only the tool's name and description are carried over to the governed copy (not an
+  ``as_tool`` call's ``custom_output_extractor``, ``run_config`` or ``hooks``); for those,
+  start the child yourself: ``run.child(agent=...)`` inside your own function tool, and
+  ``govern_agent(sub_agent, child)`` there.
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ from agents import (
     Agent,
     AgentHooks,
     FunctionTool,
+    Handoff,
     RunContextWrapper,
     ToolGuardrailFunctionOutput,
     ToolInputGuardrailData,
@@ -40,13 +56,19 @@ from agents import (
     tool_input_guardrail,
     tool_output_guardrail,
 )
+from agents import handoff as make_handoff
 from agents.agent import ToolsToFinalOutputResult
+from agents.items import ModelResponse
+from agents.models.interface import Model
 from agents.tool import (
     FunctionToolResult,
     resolve_function_tool_failure_error_function,
     set_function_tool_failure_error_function,
 )
+from agents.usage import Usage
+from openai.types.responses import ResponseOutputMessage, ResponseOutputText
 
+from .._core import ActionType, FinishStatus
 from ..aio import AsyncRun
 from ..client import Run
 from ..decision import Decision
@@ -64,12 +86,41 @@ class GovernanceState:
     #: Decisions by tool call id, for the output guardrail's nudge.
     decisions: dict[str, Decision] = dataclasses.field(default_factory=dict)
     failed: set[str] = dataclasses.field(default_factory=set)
+    #: A child run this state's agent runs in (SPEC 20): finished when the agent ends.
+    child: bool = False
+    #: The run whose children the handoffs start (the run given to govern_agent).
+    root: Run | AsyncRun | None = None
+    #: What a model call costs (``llm_cost``), and the spend not yet sent with a check.
+    llm_cost: Callable[[Any], float] | None = None
+    unbilled: float = 0.0
 
-    async def check(self, name: str, args: dict[str, Any], call_id: str) -> Decision:
+    async def check(self, name: str, args: dict[str, Any], call_id: str | None,
+                    type: ActionType = "tool") -> Decision:
+        # The model's spend since the last check goes with this one (SPEC 5.2 `cost_usd`):
+        # a sub-agent's spend counts on every ancestor too (SPEC 20).
+        cost, self.unbilled = (self.unbilled or None), 0.0
         if isinstance(self.run, AsyncRun):
-            return await self.run.check(name, args, call_id=call_id)
+            return await self.run.check(name, args, call_id=call_id, type=type,
+                                        cost_usd=cost)
         # The sync client blocks: keep the event loop free while it talks to the service.
-        return await asyncio.to_thread(self.run.check, name, args, call_id=call_id)
+        return await asyncio.to_thread(self.run.check, name, args, call_id=call_id,
+                                       type=type, cost_usd=cost)
+
+    async def start_child(self, agent: str) -> Run | AsyncRun:
+        if isinstance(self.run, AsyncRun):
+            return await self.run.start_child(agent)
+        return await asyncio.to_thread(self.run.start_child, agent)
+
+    async def finish_child(self) -> None:
+        """End this state's child run: stopped if a decision stopped it, else completed."""
+        if not self.child or self.run.finished:
+            return
+        status: FinishStatus = "stopped" if self.run.stop_decision is not None \
+            else "completed"
+        if isinstance(self.run, AsyncRun):
+            await self.run.finish(status)
+        else:
+            await asyncio.to_thread(self.run.finish, status)
 
 
 class _Hooks(AgentHooks[Any]):
@@ -80,14 +131,17 @@ class _Hooks(AgentHooks[Any]):
         self.state, self.inner = state, inner
 
     def __getattribute__(self, name: str) -> Any:
-        # Every hook the agent had keeps running; only on_llm_end is ours as well.
-        if name.startswith("on_") and name != "on_llm_end":
+        # Every hook the agent had keeps running; only on_llm_end, on_end and on_handoff are
+        # ours as well.
+        if name.startswith("on_") and name not in ("on_llm_end", "on_end", "on_handoff"):
             inner = object.__getattribute__(self, "inner")
             if inner is not None:
                 return getattr(inner, name)
         return object.__getattribute__(self, name)
 
     async def on_llm_end(self, context: Any, agent: Any, response: Any) -> None:
+        if self.state.llm_cost is not None:
+            self.state.unbilled += float(self.state.llm_cost(response))
         texts = []
         for item in getattr(response, "output", []) or []:
             if getattr(item, "type", None) == "message":
@@ -100,6 +154,16 @@ class _Hooks(AgentHooks[Any]):
         if self.inner is not None:
             await self.inner.on_llm_end(context, agent, response)
 
+    async def on_end(self, context: Any, agent: Any, output: Any) -> None:
+        # The agent produced the final output: its child run, if it has one, is over.
+        await self.state.finish_child()
+        if self.inner is not None:
+            await self.inner.on_end(context, agent, output)
+
+    async def on_handoff(self, context: Any, agent: Any, source: Any) -> None:
+        if self.inner is not None:
+            await self.inner.on_handoff(context, agent, source)
+
 
 def govern_agent(
     agent: Agent[Any],
@@ -107,9 +171,20 @@ def govern_agent(
     *,
     raise_on_stop: bool = False,
     partial_response: Callable[[GovernanceState], str | None] | None = None,
+    llm_cost: Callable[[Any], float] | None = None,
 ) -> Agent[Any]:
-    """A copy of ``agent`` governed by ``run`` (see the module docstring)."""
-    state = GovernanceState(run)
+    """A copy of ``agent`` governed by ``run`` (see the module docstring). ``llm_cost``:
+    what one model call cost in USD, from its ``ModelResponse`` (e.g. from
+    ``response.usage`` and your model's prices); sent with the next check as ``cost_usd``,
+    so ``max_usd`` bounds the agent and its sub-agents."""
+    return _govern(agent, GovernanceState(run, llm_cost=llm_cost),
+                   raise_on_stop=raise_on_stop, partial_response=partial_response)
+
+
+def _govern(agent: Agent[Any], state: GovernanceState, *, raise_on_stop: bool,
+            partial_response: Callable[[GovernanceState], str | None] | None) -> Agent[Any]:
+    run = state.run
+    options = {"raise_on_stop": raise_on_stop, "partial_response": partial_response}
 
     @tool_input_guardrail(name="governance_check")
     async def check(data: ToolInputGuardrailData) -> ToolGuardrailFunctionOutput:
@@ -145,8 +220,9 @@ def govern_agent(
             return ToolGuardrailFunctionOutput.reject_content(nudged, output_info=decision)
         return ToolGuardrailFunctionOutput.allow()
 
-    tools = [_governed_tool(t, state, check, report) if isinstance(t, FunctionTool) else t
-             for t in agent.tools]
+    tools = [_governed_tool(t, state, check, report, options) if isinstance(t, FunctionTool)
+             else t for t in agent.tools]
+    handoffs = [_governed_handoff(h, state, options) for h in agent.handoffs]
     behaviour = agent.tool_use_behavior
 
     async def use_behavior(context: RunContextWrapper[Any], results: list[FunctionToolResult]
@@ -158,12 +234,78 @@ def govern_agent(
             return ToolsToFinalOutputResult(is_final_output=True, final_output=output)
         return await _delegate(behaviour, context, results)
 
-    return agent.clone(tools=tools, tool_use_behavior=use_behavior,
+    return agent.clone(tools=tools, handoffs=handoffs, tool_use_behavior=use_behavior,
                        hooks=_Hooks(state, agent.hooks))
 
 
-def _governed_tool(tool: FunctionTool, state: GovernanceState, check: Any, report: Any
-                   ) -> FunctionTool:
+class _StopModel(Model):
+    """The model of an agent a stopped handoff would have reached: it answers the stop's
+    notice as its final output, with no tool call, so the run ends there."""
+
+    def __init__(self, notice: str) -> None:
+        self.notice = notice
+
+    async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+        text = ResponseOutputText(type="output_text", text=self.notice, annotations=[])
+        message = ResponseOutputMessage(id="msg_governance_stop", type="message",
+                                        role="assistant", status="completed", content=[text])
+        return ModelResponse(output=[message], usage=Usage(), response_id=None)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a stopped handoff does not stream")
+
+
+def _governed_handoff(item: Agent[Any] | Handoff[Any, Any], state: GovernanceState,
+                      options: dict[str, Any]) -> Handoff[Any, Any]:
+    """A handoff checked on the handing-off agent's run, whose receiving agent runs governed
+    by a new child run of the root of this governance (SPEC 20)."""
+    target = make_handoff(item) if isinstance(item, Agent) else item
+    invoke = target.on_invoke_handoff
+
+    async def governed(ctx: RunContextWrapper[Any], input_json: str) -> Agent[Any]:
+        receiving = await invoke(ctx, input_json)
+        decision = await state.check(f"handoff:{receiving.name}", {}, None, type="other")
+        if not decision.allowed:
+            state.stop = state.stop or decision
+            notice = (state.run.stop_decision or decision).user_notice(state.last_text)
+            state.run.output = notice
+            await state.finish_child()
+            if options["raise_on_stop"]:
+                from ..errors import GovernanceError
+                raise GovernanceError(notice)
+            return receiving.clone(model=_StopModel(notice), tools=[], handoffs=[],
+                                   input_guardrails=[], output_guardrails=[])
+        await state.finish_child()  # control moves on: the handing-off agent is done
+        root = state.root if state.root is not None else state.run
+        child = await GovernanceState(root).start_child(receiving.name)
+        sub = GovernanceState(child, child=True, root=root, llm_cost=state.llm_cost)
+        return _govern(receiving, sub, **options)
+
+    return dataclasses.replace(target, on_invoke_handoff=governed)
+
+
+def _governed_agent_tool(tool: FunctionTool, state: GovernanceState,
+                         options: dict[str, Any]) -> FunctionTool:
+    """An agent used as a tool: each call runs that agent governed by a new child run of the
+    calling agent's run, finished when the call returns (SPEC 20)."""
+    inner: Agent[Any] = tool._agent_instance
+
+    async def invoke(ctx: Any, input_json: str) -> Any:
+        child = await state.start_child(inner.name)
+        sub = GovernanceState(child, child=True, root=state.run, llm_cost=state.llm_cost)
+        governed = _govern(inner, sub, **options).as_tool(tool.name, tool.description)
+        try:
+            return await governed.on_invoke_tool(ctx, input_json)
+        finally:
+            await sub.finish_child()
+
+    return dataclasses.replace(tool, on_invoke_tool=invoke)
+
+
+def _governed_tool(tool: FunctionTool, state: GovernanceState, check: Any, report: Any,
+                   options: dict[str, Any]) -> FunctionTool:
+    if getattr(tool, "_is_agent_tool", False):
+        tool = _governed_agent_tool(tool, state, options)
     copy = dataclasses.replace(
         tool,
         tool_input_guardrails=[*(tool.tool_input_guardrails or []), check],

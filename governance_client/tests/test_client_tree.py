@@ -1,0 +1,84 @@
+"""Sub-agent runs in the client (SPEC 20): ``run.child`` (sync and async) and the fake's
+tree rules, the same as the service's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from governance_client import ParentFinished, rules
+from governance_client.testing import FakeGovernance
+
+
+def test_a_child_counts_on_its_parent_and_the_parents_limit_stops_it() -> None:
+    fake = FakeGovernance(max_steps=3)
+    client = fake.client()
+    with client.run("planner") as parent:
+        assert parent.check("plan", {"n": 0}).allowed
+        with parent.child(agent="researcher") as sub:
+            assert sub.check("search", {"n": 1}).allowed
+            assert sub.check("search", {"n": 2}).allowed
+            stopped = sub.check("search", {"n": 3})
+            assert not stopped.allowed and stopped.reason == "max_steps"
+            assert parent.id in (stopped.message or "")
+    runs = fake.runs
+    assert runs[sub.id].ancestors == (parent.id,) and runs[parent.id].children == [sub.id]
+    assert runs[parent.id].steps == 4 and runs[sub.id].status == rules.STOPPED
+    assert runs[sub.id].as_json()["parent_run_id"] == parent.id
+
+
+def test_a_finished_parent_stops_its_children_and_refuses_new_ones() -> None:
+    fake = FakeGovernance()
+    client = fake.client()
+    parent = client.start_run("planner")
+    sub = parent.start_child("researcher")
+    parent.finish("completed")
+    answer = sub.check("search", {"n": 1})
+    assert (answer.allowed, answer.reason) == (False, rules.PARENT_STOPPED)
+    with pytest.raises(ParentFinished):
+        parent.start_child("other")
+
+
+def test_the_async_child_spends_the_roots_budget() -> None:
+    fake = FakeGovernance(max_usd=0.25)
+
+    async def scenario() -> list[bool]:
+        async with fake.async_client() as client, client.run("planner") as parent, \
+                parent.child(agent="writer") as sub:
+            return [(await sub.check("llm", {"n": i}, type="llm", cost_usd=0.1)).allowed
+                    for i in range(4)]
+
+    assert asyncio.run(scenario()) == [True, True, False, False]
+
+
+def test_the_decision_names_the_ancestor_whose_limit_stopped_it() -> None:
+    from datetime import UTC, datetime
+    from decimal import Decimal
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    policy = rules.Policy(max_steps=3, max_seconds=None, max_usd=Decimal("1"))
+    root = rules.Ancestor(run_id="root-id", policy=policy,
+                          state=rules.RunState(started_at=now, steps=3))
+    check = rules.make_check("search", {"q": 1}, cost_usd=0.1)
+    decision, state = rules.evaluate(policy, rules.RunState(started_at=now), check, now=now,
+                                     tree=[root])
+    assert (decision.reason, decision.scope, state.status) == ("max_steps", "root-id",
+                                                               rules.STOPPED)
+    own, _ = rules.evaluate(policy, rules.RunState(started_at=now, steps=3), check, now=now,
+                            tree=[replace_steps(root, 0)])
+    assert (own.reason, own.scope) == ("max_steps", None)  # the run's own limit first
+    ended = replace_status(root, rules.COMPLETED)
+    parent_over, _ = rules.evaluate(policy, rules.RunState(started_at=now), check, now=now,
+                                    tree=[ended])
+    assert (parent_over.reason, parent_over.scope) == (rules.PARENT_STOPPED, "root-id")
+
+
+def replace_steps(ancestor: rules.Ancestor, steps: int) -> rules.Ancestor:
+    from dataclasses import replace
+    return replace(ancestor, state=replace(ancestor.state, steps=steps))
+
+
+def replace_status(ancestor: rules.Ancestor, status: str) -> rules.Ancestor:
+    from dataclasses import replace
+    return replace(ancestor, state=replace(ancestor.state, status=status))

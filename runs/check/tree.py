@@ -1,0 +1,148 @@
+"""Sub-agent runs (SPEC 20): a child run's check counts on the child and on every ancestor,
+and the ancestors' limits bound the whole tree.
+
+The lock order, the one every writer of a tree follows (docs/reliability.md, "The lock
+order of a tree"): a check of a child run locks its ancestors first, the root first and then
+down the tree, and only then the run itself (runs/check/check_store.py `lock_ancestors`, then
+`lock`). Every check of one tree therefore takes the root's lock first, which serializes the
+tree's checks: N concurrent checks over the children of a parent with `max_steps: 18` give
+exactly 18 allows counted on the parent, in any number of server processes. No writer locks
+a run and then an ancestor of it, so no two checks wait on each other in a circle.
+
+A run's ancestors never change, so the check knows them before it locks anything: this
+process learned them when it started the run or checked it before (`remember`). A check that
+finds, once it holds the run's lock, that the run has ancestors it did not lock first rolls
+back and starts again with them (`Relock`): at most once per run and process.
+
+The decision itself is the pure rules' (`governance_client.rules.evaluate` with ``tree``);
+here: which ancestors to lock, the kill switch over them, and what the check writes to them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from governance_client import rules
+from runs.check.check_store import CheckTransaction, RunRow
+from runs.check.policy_cache import rules_for_version
+from runs.check.states import RUN_COLUMNS, TREE_FIELDS, columns_of, state_of
+from runs.killswitch import cover
+from runs.live.events import publish_run_event
+from runs.models import KillSwitch, Run
+
+# What this process knows of a run's tree: run id -> (team id, ancestors' ids, root first).
+# Bounded (cleared when full); a miss costs one restart of a child run's check.
+_LINEAGE: dict[uuid.UUID, tuple[int, tuple[str, ...]]] = {}
+_LINEAGE_MAX = 20_000
+
+
+class Relock(Exception):
+    """The run has ancestors the check did not lock first: start again, locking them."""
+
+
+def remember(run_id: uuid.UUID, team_id: int, ancestors: Sequence[str]) -> None:
+    """A run's ancestors (root first), kept for this process's next check of it."""
+    if run_id not in _LINEAGE:
+        if len(_LINEAGE) >= _LINEAGE_MAX:
+            _LINEAGE.clear()
+        _LINEAGE[run_id] = (team_id, tuple(str(a) for a in ancestors))
+
+
+@dataclass(slots=True)
+class Family:
+    """A check's ancestors, locked and read (the root first), with their policies."""
+
+    ids: tuple[str, ...] = ()
+    rows: list[RunRow] = field(default_factory=list)
+    tree: list[rules.Ancestor] = field(default_factory=list)
+
+    def switch(self) -> str | None:
+        """The kill switch over an ancestor, in words (SPEC 20: a switch covering a run
+        covers its descendants), read after the ancestors' locks: a switch whose engage
+        returned before this check began is seen (SPEC 4.5)."""
+        if not self.rows:
+            return None
+        targets = [key for row in self.rows for key in cover.covering_targets(
+            team_id=row.team_id, agent=row.agent, run_id=row.id)]
+        found = (KillSwitch.objects.filter(target__in=targets, active=True)
+                 .order_by("engaged_at").first())
+        return cover.switch_in_words(found) if found is not None else None
+
+
+def lock_ancestors(tx: CheckTransaction, run_id: uuid.UUID) -> Family:
+    """Lock the run's known ancestors, the root first (nothing for a root run, or a run this
+    process does not know yet: `check_lineage` finds out)."""
+    known = _LINEAGE.get(run_id)
+    if known is None or not known[1]:
+        return Family()
+    team_id, ids = known
+    rows = tx.lock_ancestors(team_id=team_id, ids=ids)
+    tree = [rules.Ancestor(run_id=str(row.id), policy=rules_for_version(row.policy_version_id),
+                           state=row.state) for row in rows]
+    return Family(ids=ids, rows=rows, tree=tree)
+
+
+def check_lineage(run: RunRow, family: Family) -> None:
+    """Under the run's lock: raise Relock when the run has ancestors not locked first."""
+    remember(run.id, run.team_id, run.ancestors)
+    if tuple(run.ancestors) != family.ids:
+        _LINEAGE[run.id] = (run.team_id, tuple(run.ancestors))
+        raise Relock()
+
+
+def ancestor_writes(family: Family, decision: rules.Decision, check: rules.Check,
+                    counted: bool, *, now: datetime
+                    ) -> list[tuple[uuid.UUID, dict[str, Any]]]:
+    """The ancestors' changed columns after this check (`rules.count_in_tree`), when the
+    check counted on the run (``counted``)."""
+    if not family.tree or not counted:
+        return []
+    after = rules.count_in_tree(family.tree, decision, check, now=now)
+    return [(row.id, columns_of(state, TREE_FIELDS))
+            for row, state in zip(family.rows, after, strict=True) if state is not row.state]
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    pk: str
+    team_id: int
+
+
+def publish_ancestors(run: Any) -> None:
+    """The run pages of a run's ancestors show its status in their tree: wake them."""
+    for ancestor in run.ancestors or ():
+        publish_run_event(_Seen(pk=ancestor, team_id=run.team_id))
+
+
+def lock_lineage(*, team_id: int, run_id: Any) -> list[rules.Ancestor]:
+    """A child run's ancestors locked root first, by the ORM, inside the caller's
+    transaction, before the caller locks the run (the tree's lock order), as the rules read
+    them. For a writer other than the check (an upload of local decisions)."""
+    ids = (Run.objects.filter(team_id=team_id, pk=run_id)
+           .values_list("ancestors", flat=True).first()) or []
+    found = []
+    for ancestor_id in ids:
+        row = (Run.objects.select_for_update().filter(pk=ancestor_id, team_id=team_id)
+               .only(*RUN_COLUMNS).first())
+        if row is not None:
+            found.append(rules.Ancestor(run_id=str(row.pk),
+                                        policy=rules_for_version(row.policy_version_id),
+                                        state=state_of(row)))
+    return found
+
+
+def counted_on(tree: list[rules.Ancestor], decision: rules.Decision, check: rules.Check,
+               *, now: datetime) -> list[rules.Ancestor]:
+    """The ancestors after one more decision of their descendant (`rules.count_in_tree`)."""
+    after = rules.count_in_tree(tree, decision, check, now=now)
+    return [replace(ancestor, state=state) for ancestor, state in zip(tree, after, strict=True)]
+
+
+def write_counters(tree: list[rules.Ancestor], fields: tuple[str, ...]) -> None:
+    """The ancestors' counters ``fields`` as ``tree`` has them (their locks are held)."""
+    for ancestor in tree:
+        Run.objects.filter(pk=ancestor.run_id).update(**columns_of(ancestor.state, fields))

@@ -1,0 +1,282 @@
+"""Sub-agent runs (SPEC 20, 21): the start's parent rules, a tree counted and bounded as one,
+`parent_stopped`, kill switches over descendants, the run's tree on the API."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from django.test import Client
+
+from policies.services import agent_key_create
+from runs.check import tree
+from runs.models import Decision, Run
+from tests.conftest import set_policy
+
+pytestmark = [pytest.mark.django_db, pytest.mark.both_stores]
+
+
+def post(api: Client, path: str, body: dict) -> dict:
+    response = api.post(path, json.dumps(body), content_type="application/json")
+    return {**response.json(), "http": response.status_code}
+
+
+def start(api: Client, agent: str = "bot", **extra: object) -> str:
+    body = post(api, "/api/v1/runs", {"agent": agent, **extra})
+    assert body["http"] == 201, body
+    return body["run_id"]
+
+
+def check(api: Client, run_id: str, name: str = "search", **extra: object) -> dict:
+    return post(api, f"/api/v1/runs/{run_id}/check",
+                {"action": {"name": name, "args": {"n": str(uuid.uuid4())}}, **extra})
+
+
+@pytest.fixture(autouse=True)
+def _forget_lineage() -> None:
+    # Each test's process memory of trees starts empty: the first check of a child run
+    # must find its ancestors itself (the Relock path) as a fresh server process would.
+    tree._LINEAGE.clear()
+
+
+def test_a_child_starts_under_its_parent_with_the_parents_policy(api, team):
+    parent = start(api)
+    child = start(api, "helper", parent_run_id=parent)
+    grandchild = start(api, "helper", parent_run_id=child)
+    run = Run.objects.get(pk=grandchild)
+    assert (str(run.parent_run_id), str(run.root_run_id), run.depth) == (child, parent, 2)
+    assert run.ancestors == [parent, child]
+    assert run.policy_version.document["name"] == "default"
+    body = api.get(f"/api/v1/runs/{parent}").json()
+    assert body["children"] == [child] and body["parent_run_id"] is None
+    assert body["root_run_id"] is None
+    assert api.get(f"/api/v1/runs/{child}").json()["parent_run_id"] == parent
+
+
+def test_the_parent_rules_of_a_start(api, team, other_team):
+    unknown = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": str(uuid.uuid4())})
+    assert unknown["http"] == 404 and "parent_run_id" in unknown["error"]["fields"]
+    other = Client(HTTP_AUTHORIZATION="Bearer "
+                   + agent_key_create(team=other_team, name="k").token)
+    theirs = start(other)
+    refused = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": theirs})
+    assert refused["http"] == 404 and "parent_run_id" in refused["error"]["fields"]
+    bad = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": "nope"})
+    assert bad["http"] == 422 and "parent_run_id" in bad["error"]["fields"]
+    # An agent-bound key names only its agent's runs as parents (SPEC 10).
+    bound = Client(HTTP_AUTHORIZATION="Bearer "
+                   + agent_key_create(team=team, name="b", agent="helper").token)
+    others = start(api, "bot")
+    hidden = post(bound, "/api/v1/runs", {"agent": "helper", "parent_run_id": others})
+    assert hidden["http"] == 404
+    # Depth: the root is 0, at most 5.
+    run = start(api)
+    for _ in range(5):
+        run = start(api, parent_run_id=run)
+    deep = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": run})
+    assert deep["http"] == 422 and "parent_run_id" in deep["error"]["fields"]
+    # A parent that is over: 409 parent_finished.
+    done = start(api)
+    post(api, f"/api/v1/runs/{done}/finish", {"status": "completed"})
+    over = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": done})
+    assert over["http"] == 409 and over["error"]["code"] == "parent_finished"
+
+
+def test_a_childs_checks_count_on_every_ancestor_and_its_limits_bound_the_tree(api, team):
+    set_policy(team, step_limits={"max_steps": 5})
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    allowed = [check(api, run)["decision"] for run in (root, child, grandchild, grandchild,
+                                                         child)]
+    assert allowed == ["allow"] * 5
+    assert [Run.objects.get(pk=r).steps for r in (root, child, grandchild)] == [5, 4, 2]
+    stopped = check(api, grandchild)
+    assert (stopped["decision"], stopped["reason"]) == ("stop", "max_steps")
+    assert root in stopped["message"]
+    # The child ended; its stop does not stop its ancestors.
+    statuses = [Run.objects.get(pk=r).status for r in (root, child, grandchild)]
+    assert statuses == ["running", "running", "stopped"]
+
+
+def test_the_runs_own_limit_comes_before_its_ancestors(api, team):
+    set_policy(team, budgets={"max_usd": 1.0, "max_seconds": 45, "max_tool_calls": None})
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    assert check(api, root, cost_usd=0.5)["decision"] == "allow"
+    own = check(api, child, cost_usd=1.0)
+    assert (own["reason"], root in own["message"]) == ("max_usd", False)
+    other = start(api, "helper", parent_run_id=root)
+    tree_stop = check(api, other, cost_usd=0.6)
+    assert tree_stop["reason"] == "max_usd" and root in tree_stop["message"]
+    assert float(Run.objects.get(pk=root).cost_usd) == pytest.approx(2.1)
+
+
+def test_an_ancestor_that_ends_stops_its_descendants(api, team):
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    assert check(api, grandchild)["decision"] == "allow"
+    post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})
+    answer = check(api, grandchild)
+    assert (answer["decision"], answer["reason"]) == ("stop", "parent_stopped")
+    assert root in answer["message"] and "completed" in answer["message"]
+    assert Run.objects.get(pk=grandchild).status == "stopped"
+    assert Decision.objects.filter(run_id=grandchild, reason="parent_stopped").count() == 1
+
+
+def test_a_kill_switch_over_the_parent_covers_its_children(api, team, users):
+    from unittest import mock
+
+    from runs.killswitch.services import killswitch_engage
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    assert check(api, child)["decision"] == "allow"
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):  # the check's own read
+        killswitch_engage(scope="run", run=Run.objects.get(pk=root), reason="runaway",
+                          actor=users["operator"])
+    answer = check(api, child)
+    assert (answer["decision"], answer["reason"]) == ("stop", "killed")
+    assert Run.objects.get(pk=child).status == "killed"
+
+
+def test_the_fanout_of_a_switch_over_a_parent_kills_its_descendants(api, team, users):
+    from unittest import mock
+
+    from runs.killswitch.fanout import killswitch_fanout
+    from runs.killswitch.services import killswitch_engage
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    sibling_tree = start(api)
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):
+        switch = killswitch_engage(scope="run", run=Run.objects.get(pk=child),
+                                   reason="runaway", actor=users["operator"])
+    result = killswitch_fanout(switch_id=switch.pk)
+    assert result is not None and sorted(result.killed) == sorted([child, grandchild])
+    assert [Run.objects.get(pk=r).status for r in (root, child, grandchild, sibling_tree)] \
+        == ["running", "killed", "killed", "running"]
+    assert killswitch_fanout(switch_id=switch.pk).killed == []
+
+
+def test_an_agent_switch_covers_the_sub_agents_of_that_agent(api, team, users):
+    from unittest import mock
+
+    from runs.killswitch.fanout import killswitch_fanout
+    from runs.killswitch.services import killswitch_engage
+    root = start(api, "planner")
+    child = start(api, "helper", parent_run_id=root)
+    other = start(api, "helper")
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):
+        switch = killswitch_engage(scope="agent", team=team, agent="planner",
+                                   reason="runaway", actor=users["operator"])
+    refused = post(api, "/api/v1/runs", {"agent": "helper", "parent_run_id": root})
+    assert refused["http"] == 409 and refused["error"]["code"] == "kill_switch_engaged"
+    killswitch_fanout(switch_id=switch.pk)
+    assert [Run.objects.get(pk=r).status for r in (root, child, other)] \
+        == ["killed", "killed", "running"]
+
+
+def test_a_check_locks_the_root_first_then_down_to_its_run(api, team):
+    """The lock order of a tree (docs/reliability.md): ancestors root first, then the run;
+    a process that did not know the ancestors starts again rather than lock them late."""
+    from unittest import mock
+
+    from runs.check import check_store
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    tree._LINEAGE.clear()  # as a process that did not start these runs
+    taken: list[tuple[str, list[str]]] = []
+    stores = (check_store.OrmCheck, check_store.PostgresCheck)
+    originals = {(cls, name): getattr(cls, name) for cls in stores
+                 for name in ("lock", "lock_ancestors")}
+
+    def spy(cls, name):
+        def wrapped(self, **kwargs):
+            ids = kwargs.get("ids") or [kwargs.get("run_id")]
+            if ids:
+                taken.append((name, [str(i) for i in ids]))
+            return originals[(cls, name)](self, **kwargs)
+        return wrapped
+
+    with mock.patch.multiple(check_store.OrmCheck, lock=spy(check_store.OrmCheck, "lock"),
+                             lock_ancestors=spy(check_store.OrmCheck, "lock_ancestors")), \
+            mock.patch.multiple(check_store.PostgresCheck,
+                                lock=spy(check_store.PostgresCheck, "lock"),
+                                lock_ancestors=spy(check_store.PostgresCheck,
+                                                   "lock_ancestors")):
+        assert check(api, grandchild)["decision"] == "allow"
+        assert check(api, grandchild)["decision"] == "allow"
+    # First attempt: the run alone (its ancestors unknown), then again root first.
+    assert taken == [("lock", [grandchild]),
+                     ("lock_ancestors", [root, child]), ("lock", [grandchild]),
+                     ("lock_ancestors", [root, child]), ("lock", [grandchild])]
+    assert check_store.ANCESTOR_LOCK_SQL.endswith("FOR UPDATE")
+
+
+def test_the_fanout_locks_parents_before_their_children(api, team):
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from runs.killswitch import fanout
+    root = start(api)
+    start(api, "helper", parent_run_id=root)
+    with CaptureQueriesContext(connection) as seen, transaction.atomic():
+        fanout._locked_batch(Run.objects.filter(status="running"))
+    locking = [q["sql"] for q in seen.captured_queries if "runs_run" in q["sql"]]
+    assert locking and '"depth" ASC' in locking[0].split("ORDER BY")[1]
+
+
+def test_the_run_pages_show_the_tree_and_the_list_shows_a_childs_parent(api, team, users):
+    from django.urls import reverse
+    set_policy(team, step_limits={"max_steps": 5})
+    root = start(api, "planner")
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    check(api, grandchild)
+    page = Client()
+    page.force_login(users["operator"])
+    html = page.get(reverse("runs:run", args=[team.slug, root])).content.decode()
+    assert f'data-child-run="{child}"' in html and "Tree usage" in html
+    assert "1 / 5" in html  # the grandchild's step counted on the root
+    html = page.get(reverse("runs:run", args=[team.slug, grandchild])).content.decode()
+    assert f'data-parent-run="{child}"' in html and "in the tree of" in html
+    listed = page.get(reverse("runs:runs", args=[team.slug])).content.decode()
+    assert f'data-parent-run="{root}"' in listed
+    confirm = page.get(reverse("runs:killswitch-run", args=[team.slug, root])).content.decode()
+    assert 'data-descendants="2"' in confirm
+
+
+def test_a_backtest_replays_a_tree_stop_as_recorded(api, team, tmp_path):
+    from tests.test_backtest import backtest, draft_file
+    set_policy(team, step_limits={"max_steps": 5},
+               budgets={"max_seconds": None, "max_usd": None, "max_tool_calls": None})
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    for run in (root, root, root, child, child):
+        assert check(api, run)["decision"] == "allow"
+    stopped = check(api, child)
+    assert stopped["reason"] == "max_steps" and root in stopped["message"]
+    post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})
+    # The child's own policy under a draft of 50 steps would not stop it: its tree did, and
+    # the tree is replayed as recorded.
+    roomy = backtest(team, "--file", draft_file(tmp_path, team, step_limits={"max_steps": 50}))
+    assert (roomy["runs"], roomy["changed"]) == (2, 0)
+    # A draft that stops the child earlier by its own limit is the draft's change.
+    tight = backtest(team, "--file", draft_file(tmp_path, team, step_limits={"max_steps": 1}))
+    changes = {c["run_id"]: c["draft"] for c in tight["changes"]}
+    assert changes[child] == {"status": "stopped", "stop_reason": "max_steps", "step": 2}
+
+
+def test_a_childs_uploaded_local_decisions_count_on_its_ancestors(api, team):
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    body = post(api, f"/api/v1/runs/{child}/local-decisions", {"decisions": [
+        {"check_id": f"local-{i}", "action": {"name": "search", "args": {"i": i},
+                                              "type": "tool"},
+         "cost_usd": 0.1, "decision": "allow", "reason": "step_ok"} for i in range(3)]})
+    assert body["http"] == 200 and body["recorded"] == 3
+    row = Run.objects.get(pk=root)
+    assert (row.steps, row.tool_calls, float(row.cost_usd)) == (3, 3, pytest.approx(0.3))
