@@ -95,6 +95,11 @@ def test_a_childs_checks_count_on_every_ancestor_and_its_limits_bound_the_tree(a
     stopped = check(api, grandchild)
     assert (stopped["decision"], stopped["reason"]) == ("stop", "max_steps")
     assert root in stopped["message"]
+    # SPEC 16's rule names the ancestor whose limit it is, in the answer and the audit.
+    assert stopped["rule"]["name"] == "max_steps" and stopped["rule"]["scope"] == root
+    assert stopped["rule"]["limit"] == {"max_steps": 5}
+    assert api.get(f"/api/v1/decisions/{stopped['decision_id']}").json()["rule"] == \
+        stopped["rule"]
     # The child ended; its stop does not stop its ancestors.
     statuses = [Run.objects.get(pk=r).status for r in (root, child, grandchild)]
     assert statuses == ["running", "running", "stopped"]

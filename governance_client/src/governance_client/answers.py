@@ -67,7 +67,7 @@ def answer(decision: rules.Decision, *, usage: Any, limits: Any,
         "shadow": decision.shadow,
         "approval": decision.approval,
         "retry_after_s": decision.retry_after_s,
-        "rule": rule_of(decision.rule, policy=policy, scope=scope),
+        "rule": rule_of(decision.rule, policy=policy, scope=decision.scope or scope),
     }
 
 
