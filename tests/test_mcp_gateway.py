@@ -86,6 +86,11 @@ def text(result: Any) -> str:
     return "\n".join(item.text for item in result.content if item.type == "text")
 
 
+def upstream_text(result: Any) -> str:
+    """The upstream's own result, without a warning (SPEC 16) the gateway may append."""
+    return result.content[0].text
+
+
 def run_async(main: Any) -> Any:
     return anyio.run(main)
 
@@ -181,7 +186,11 @@ def test_a_governed_stdio_session(server: Server, agent: Agent, team: Team) -> N
 
     assert text(out["ask"]) == "the model says: HELLO"
     assert out["progress"] == [(1, 2, "asking"), (2, 2, "answered")]
-    assert [text(r) for r in out["counter"]] == ["call 1", "call 2"]
+    # The upstream's result first; the second identical call carries SPEC 16's warning as a
+    # text item of its own, appended.
+    assert [r.content[0].text for r in out["counter"]] == ["call 1", "call 2"]
+    assert len(out["counter"][0].content) == 1
+    assert "max_repeat_action is 3" in out["counter"][1].content[-1].text
     assert out["waited"] >= 0.3  # the second call waited for the rate limit, then ran
     assert (out["publish"].is_error, text(out["publish"])) == (False, "published notes")
     assert all(r.is_error for r in out["broken"])
@@ -233,7 +242,7 @@ def test_a_rate_limit_past_max_wait_then_the_kill_switch(server: Server, agent: 
             return out
 
     first, limited, killed, later = run_async(main)
-    assert (first.is_error, text(first)) == (False, "call 1")
+    assert (first.is_error, upstream_text(first)) == (False, "call 1")
     assert limited.is_error
     assert text(limited).startswith("Blocked by governance (rate_limited): ")
     assert "Try again in" in text(limited)
@@ -423,7 +432,7 @@ def test_the_service_down_refuses_calls_by_default_and_forwards_them_with_fail_o
         refused, ran = run_async(fail_closed)
         assert refused.is_error
         assert text(refused).startswith("Blocked by governance (governance_unavailable): ")
-        assert (ran.is_error, text(ran)) == (False, "call 1")
+        assert (ran.is_error, upstream_text(ran)) == (False, "call 1")
         first = finished_run(agent)
         assert (first["status"], first["steps"]) == ("completed", 1)
         Run.objects.filter(pk=first["run_id"]).update(agent="mcp-agent-before")
@@ -431,7 +440,7 @@ def test_the_service_down_refuses_calls_by_default_and_forwards_them_with_fail_o
         results = run_async(fail_open)
     finally:
         link.close()
-    assert [(r.is_error, text(r)) for r in results] == [
+    assert [(r.is_error, upstream_text(r)) for r in results] == [
         (False, "call 1"), (False, "call 2"), (False, "no match")]
     run = finished_run(agent)
     assert run["status"] == "completed"
@@ -514,7 +523,10 @@ def test_over_streamable_http_both_sides(server: Server, agent: Agent, team: Tea
         direct, governed, denied, forbidden, quiet = anyio.run(main)
 
     assert governed["read"] == direct["read"] and governed["prompt"] == direct["prompt"]
-    assert governed["asked"] == direct["asked"] == "the model says: HI"
+    assert direct["asked"] == "the model says: HI"
+    # Relayed unchanged, with SPEC 16's warning appended (this policy's limit is 2).
+    assert governed["asked"].startswith("the model says: HI\n")
+    assert "max_repeat_action is 2" in governed["asked"]
     assert governed["progress"] == direct["progress"] == [(1, 2, "asking"), (2, 2, "answered")]
     assert "delete_all" in direct["tools"] and "delete_all" not in governed["tools"]
     assert [c.is_error for c in governed["calls"]] == [False, False, True]
@@ -522,7 +534,7 @@ def test_over_streamable_http_both_sides(server: Server, agent: Agent, team: Tea
     assert text(denied).startswith("Blocked by governance (approval_denied): ")
     assert "not today" in text(denied)
     assert text(forbidden).startswith("Blocked by governance (tool_denied): ")
-    assert (quiet.is_error, text(quiet)) == (False, "call 1")
+    assert (quiet.is_error, upstream_text(quiet)) == (False, "call 1")
 
     def ends() -> list[tuple[str, str | None]] | None:
         runs = agent.http.get("/api/v1/runs", params={"agent": AGENT}).json()["runs"]
