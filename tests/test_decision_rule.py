@@ -188,7 +188,7 @@ def test_the_decision_endpoint_never_shows_another_teams_or_agents(
         assert response.json()["error"]["code"] == "not_found"
     assert mine_client.get(f"/api/v1/decisions/{mine}").status_code == 200
     assert api.get(f"/api/v1/decisions/{mine}").status_code == 200  # the team's own key
-    for bad in ("0", "abc", "99999999999999999999", str(mine + 1000)):
+    for bad in ("0", "abc", "99999999999999999999", str(mine + 1000), "%C2%B2", "%D9%A3"):
         assert api.get(f"/api/v1/decisions/{bad}").status_code == 404
     assert Client().get(f"/api/v1/decisions/{mine}").status_code == 401
 

@@ -30,7 +30,15 @@ def test_the_openapi_document_is_public_and_names_every_endpoint(client):
     assert set(doc["paths"]) == {
         "/api/v1/runs", "/api/v1/runs/{run_id}", "/api/v1/runs/{run_id}/decisions",
         "/api/v1/runs/{run_id}/check", "/api/v1/runs/{run_id}/finish",
-        "/api/v1/approvals/{approval_id}", "/api/v1/runs/{run_id}/local-decisions"}
+        "/api/v1/approvals/{approval_id}", "/api/v1/runs/{run_id}/local-decisions",
+        "/api/v1/decisions/{decision_id}",  # SPEC 16
+        # The operator API (SPEC 17)
+        "/api/v1/teams", "/api/v1/teams/{slug}/policies", "/api/v1/teams/{slug}/policies/{name}",
+        "/api/v1/teams/{slug}/policies/{name}/versions",
+        "/api/v1/teams/{slug}/policies/{name}/backtest", "/api/v1/killswitch",
+        "/api/v1/teams/{slug}/approvals", "/api/v1/approvals/{approval_id}/decide",
+        "/api/v1/teams/{slug}/runs", "/api/v1/teams/{slug}/runs/{run_id}",
+        "/api/v1/teams/{slug}/runs/{run_id}/decisions"}
     check = doc["paths"]["/api/v1/runs/{run_id}/check"]["post"]
     assert {"200", "401", "404", "413", "422", "503"} <= set(check["responses"])
     # SPEC 15: every check answer carries the new fields (null where they do not apply).

@@ -121,7 +121,7 @@ def port_from_env(default: int = 8000) -> int:
     raw = os.environ.get("PORT", "").strip()
     if not raw:
         return default
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
+    if not (raw.isascii() and raw.isdigit()) or not 0 < int(raw) < 65536:
         raise CommandError(f"PORT={raw!r} is not a port number (1-65535).")
     return int(raw)
 
