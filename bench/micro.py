@@ -61,6 +61,7 @@ def measure(*, quick: bool) -> dict[str, float]:
         "limits": {"max_steps": 30, "max_repeat_action": 3, "no_progress_window": 4,
                    "max_seconds": 3600, "max_usd": 50.0, "max_tool_calls": None},
         "directive": None, "shadow": None, "approval": None, "retry_after_s": None,
+        "rule": None, "trace_id": None,
     }
 
     def record_metrics() -> None:
