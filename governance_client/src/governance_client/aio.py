@@ -201,16 +201,8 @@ class AsyncGovernanceClient:
         run = await self.start_run(
             agent, task=task, policy=policy, metadata=metadata, external_id=external_id
         )
-        try:
+        async with _finishing(run):
             yield run
-        except BaseException:
-            try:
-                await run._finish_on_exit(failed=True)
-            except GovernanceError:
-                # The agent's own exception is the one worth seeing.
-                logger.exception("could not finish run %s", run.id)
-            raise
-        await run._finish_on_exit(failed=False)
 
     # -- HTTP ---------------------------------------------------------------------------------
 
@@ -547,15 +539,8 @@ class AsyncRun:
         """
         child = await self.start_child(agent, task=task, policy=policy, metadata=metadata,
                                        external_id=external_id)
-        try:
+        async with _finishing(child):
             yield child
-        except BaseException:
-            try:
-                await child._finish_on_exit(failed=True)
-            except GovernanceError:
-                logger.exception("could not finish run %s", child.id)
-            raise
-        await child._finish_on_exit(failed=False)
 
     async def _finish_on_exit(self, *, failed: bool) -> None:
         core = self._core
@@ -569,3 +554,19 @@ class AsyncRun:
             logger.warning("could not finish run %s (%s): %s", self.id, status, exc)
         finally:
             core.closed = True
+
+
+@asynccontextmanager
+async def _finishing(run: AsyncRun) -> AsyncIterator[None]:
+    """Finish ``run`` when the block ends: ``failed`` if it raised (the exception
+    propagates), else as its decisions left it (``AsyncRun._finish_on_exit``)."""
+    try:
+        yield
+    except BaseException:
+        try:
+            await run._finish_on_exit(failed=True)
+        except GovernanceError:
+            # The agent's own exception is the one worth seeing.
+            logger.exception("could not finish run %s", run.id)
+        raise
+    await run._finish_on_exit(failed=False)

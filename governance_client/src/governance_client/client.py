@@ -202,16 +202,8 @@ class GovernanceClient:
         run = self.start_run(
             agent, task=task, policy=policy, metadata=metadata, external_id=external_id
         )
-        try:
+        with _finishing(run):
             yield run
-        except BaseException:
-            try:
-                run._finish_on_exit(failed=True)
-            except GovernanceError:
-                # The agent's own exception is the one worth seeing.
-                logger.exception("could not finish run %s", run.id)
-            raise
-        run._finish_on_exit(failed=False)
 
     # -- HTTP ---------------------------------------------------------------------------------
 
@@ -548,15 +540,8 @@ class Run:
         """
         child = self.start_child(agent, task=task, policy=policy, metadata=metadata,
                                        external_id=external_id)
-        try:
+        with _finishing(child):
             yield child
-        except BaseException:
-            try:
-                child._finish_on_exit(failed=True)
-            except GovernanceError:
-                logger.exception("could not finish run %s", child.id)
-            raise
-        child._finish_on_exit(failed=False)
 
     def _finish_on_exit(self, *, failed: bool) -> None:
         core = self._core
@@ -570,3 +555,19 @@ class Run:
             logger.warning("could not finish run %s (%s): %s", self.id, status, exc)
         finally:
             core.closed = True
+
+
+@contextmanager
+def _finishing(run: Run) -> Iterator[None]:
+    """Finish ``run`` when the block ends: ``failed`` if it raised (the exception
+    propagates), else as its decisions left it (``Run._finish_on_exit``)."""
+    try:
+        yield
+    except BaseException:
+        try:
+            run._finish_on_exit(failed=True)
+        except GovernanceError:
+            # The agent's own exception is the one worth seeing.
+            logger.exception("could not finish run %s", run.id)
+        raise
+    run._finish_on_exit(failed=False)
