@@ -97,6 +97,13 @@ def check_store(request: Any) -> Iterator[str]:
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     skip_pg = pytest.mark.skip(reason="needs DATABASE_URL=postgres://...")
     skip_redis = pytest.mark.skip(reason="needs REDIS_URL (Redis and a Celery worker)")
+    # CI runs the suite once per stack; a test that uses neither the test database nor Redis
+    # would prove the same thing twice, and the slowest of them (a fresh `pip install`, mypy,
+    # import-linter runs) are minutes of CPU the other groups wait for. .ci/run sets this for
+    # the production stack's groups; `make test` alone runs everything.
+    skip_independent = pytest.mark.skip(
+        reason="stack-independent: run by the embedded default's groups (SKIP_STACK_INDEPENDENT)")
+    once = os.environ.get("SKIP_STACK_INDEPENDENT") == "1"
     committed = pytest.mark.django_db(transaction=True)
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -107,6 +114,8 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
             item.add_marker(skip_pg)
         if "redis" in item.keywords and not HAS_REDIS:
             item.add_marker(skip_redis)
+        if once and "stack_independent" in item.keywords:
+            item.add_marker(skip_independent)
 
 
 def free_port() -> int:

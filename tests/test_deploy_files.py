@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.stack_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.stack_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_SRC = ROOT / "governance_client" / "src"
 

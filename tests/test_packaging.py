@@ -22,6 +22,8 @@ from setuptools import find_packages
 
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.stack_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

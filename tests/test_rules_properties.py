@@ -18,6 +18,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
+import pytest
 from governance_client.keys import repeat_key
 from governance_client.rules import (
     ALLOW,
@@ -39,6 +40,8 @@ from governance_client.rules import (
 )
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.stack_independent
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 FAST = settings(max_examples=75, deadline=None)

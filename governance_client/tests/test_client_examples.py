@@ -17,6 +17,8 @@ import pytest
 from governance_client import repeat_key
 from governance_client.testing import FakeGovernance, FakeRun
 
+pytestmark = pytest.mark.stack_independent
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.stack_independent
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PRELUDE = 'URL = "http://127.0.0.1:8000"\nKEY = "agent-key"\nquestion = "How do refunds work?"\n'
