@@ -285,3 +285,35 @@ def test_a_childs_uploaded_local_decisions_count_on_its_ancestors(api, team):
     assert body["http"] == 200 and body["recorded"] == 3
     row = Run.objects.get(pk=root)
     assert (row.steps, row.tool_calls, float(row.cost_usd)) == (3, 3, pytest.approx(0.3))
+
+
+def test_an_approved_childs_tool_call_counts_on_every_ancestor(api, team):
+    from runs.approvals.services import approval_decide
+
+    set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600},
+               budgets={"max_tool_calls": 2})
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    tree._LINEAGE.clear()  # the decision's process knows nothing of the tree: it reads it
+    asked = post(api, f"/api/v1/runs/{grandchild}/check",
+                 {"action": {"name": "payments.refund", "args": {}, "type": "tool"},
+                  "check_id": "refund-1"})
+    assert asked["decision"] == "pending", asked
+    # Asking counted the step on every run of the tree; the tool call waits for the answer.
+    assert [Run.objects.get(pk=r).tool_calls for r in (root, child, grandchild)] == [0, 0, 0]
+    approval_decide(team=team, approval_id=asked["approval"]["id"], decision="approve",
+                    note="")
+    runs = [Run.objects.get(pk=r) for r in (root, child, grandchild)]
+    assert [(r.steps, r.tool_calls) for r in runs] == [(1, 1), (1, 1), (1, 1)]
+    # Counted where the tree's limits look: one more tool call of the tree is its second,
+    # the next its third, past the root's max_tool_calls.
+    allowed = post(api, f"/api/v1/runs/{child}/check",
+                   {"action": {"name": "lookup", "args": {"n": "y"}, "type": "tool"},
+                    "check_id": "lookup-1"})
+    assert allowed["decision"] == "allow", allowed
+    stopped = post(api, f"/api/v1/runs/{grandchild}/check",
+                   {"action": {"name": "lookup", "args": {"n": "x"}, "type": "tool"},
+                    "check_id": "lookup-2"})
+    assert (stopped["decision"], stopped["reason"]) == ("stop", "max_tool_calls"), stopped
+    assert stopped["rule"]["scope"] == root

@@ -45,7 +45,8 @@ def mypy_strict(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     programs = {name: folder / f"{name}_program.py" for name in FRAMEWORKS}
     for name, path in programs.items():
         path.write_text(readme_program(FRAMEWORKS[name][0]))
-    cache = request.config.cache.mkdir("mypy") if request.config.cache else folder / "cache"
+    config_cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    cache = config_cache.mkdir("mypy") if config_cache else folder / "cache"
     found = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(cache),
          *map(str, programs.values())],

@@ -82,3 +82,16 @@ def replace_steps(ancestor: rules.Ancestor, steps: int) -> rules.Ancestor:
 def replace_status(ancestor: rules.Ancestor, status: str) -> rules.Ancestor:
     from dataclasses import replace
     return replace(ancestor, state=replace(ancestor.state, status=status))
+
+
+def test_an_approved_childs_tool_call_counts_on_its_ancestors_as_on_the_service() -> None:
+    fake = FakeGovernance(approvals=["refund.*"], operator=lambda _a: ("approve", "ok"),
+                          max_tool_calls=2)
+    client = fake.client()
+    with client.run("planner") as parent, parent.child(agent="payer") as sub:
+        assert sub.check("refund.issue", {"amount": 1}).allowed  # approved by the operator
+        assert fake.runs[parent.id].tool_calls == 1 == fake.runs[sub.id].tool_calls
+        assert parent.check("search", {"q": 1}).allowed  # the tree's second tool call
+        stopped = sub.check("search", {"q": 2})
+        assert not stopped.allowed and stopped.reason == "max_tool_calls"
+        assert parent.id in (stopped.message or "")

@@ -47,7 +47,7 @@ from policies.models import Team
 from policies.services import audit
 from runs import telemetry
 from runs.approvals.selectors import iso
-from runs.check import metrics, records, run_memory, states
+from runs.check import lineage, metrics, records, run_memory, states
 from runs.check.policy_cache import rules_for_version
 from runs.check.states import state_of
 from runs.killswitch import cover
@@ -98,10 +98,13 @@ class Settled:
 
 def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime,
                   actor: AbstractBaseUser | None = None, label: str = "", note: str = "",
-                  kill: str | None = None) -> Settled | None:
+                  kill: str | None = None, tree: list[rules.Ancestor] | None = None
+                  ) -> Settled | None:
     """Settle the run's pending approval. The caller holds the run's row lock and passes the
-    run's state as read under it. Returns None when the conditional UPDATE finds the request
-    no longer pending (another decision won)."""
+    run's state as read under it; an approval passes the run's ancestors too (``tree``,
+    locked root first before the run), on which the approved tool call counts (SPEC 20).
+    Returns None when the conditional UPDATE finds the request no longer pending (another
+    decision won)."""
     pending = state.pending
     assert pending is not None
     if status == rules.CANCELLED and kill is None:
@@ -121,6 +124,11 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
     if not won:
         return None
     Run.objects.filter(pk=run.id).update(**states.columns_of(new, SETTLED))
+    if status == rules.APPROVED and tree:
+        lineage.write_counters(
+            [replace(ancestor, state=after) for ancestor, after
+             in zip(tree, rules.approved_in_tree(tree, pending), strict=True)],
+            ("tool_calls",))
     run_memory.save(run.id, state, new)
     answer = _final(run, pending, decision, new, now, label)
     _record_final(run, pending, answer, now, decision)
@@ -417,6 +425,9 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
     kill = None
     ended: rules.RunState | None = None
     with transaction.atomic():
+        # The tree's lock order, root first (docs/reliability.md): an approved tool call
+        # counts on the ancestors too.
+        tree = lineage.lock_lineage(team_id=approval.team_id, run_id=approval.run_id)
         run, state = _locked(approval.run_id)
         now = timezone.now()
         current = Approval.objects.get(pk=approval.pk)
@@ -437,7 +448,7 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
                 kill = None
         elif waiting:
             settled = settle_locked(run=run, state=state, status=status, now=now, actor=actor,
-                                    label=label, note=text)
+                                    label=label, note=text, tree=tree)
             if settled is not None:
                 audit(actor=actor, actor_label=audit_label, team=approval.team,
                       action=f"approval.{decision}", target=f"run {str(run.pk)[:8]}",

@@ -14,7 +14,7 @@ from governance_client.keys import repeat_key
 from governance_client import answers, rules
 from policies.models import Team
 from runs.approvals import services as approvals
-from runs.check import records, run_memory, states, tree
+from runs.check import lineage, records, run_memory, states
 from runs.check.policy_cache import rules_for_version
 from runs.check.records import DecisionRow
 from runs.check.services import locked_run_of_key
@@ -36,7 +36,7 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
     recorded = 0
     with transaction.atomic():
         # A child's ancestors first, root first (the tree's lock order): they count it too.
-        lineage = tree.lock_lineage(team_id=team.pk, run_id=run_id)
+        ancestors = lineage.lock_lineage(team_id=team.pk, run_id=run_id)
         run = locked_run_of_key(team=team, run_id=run_id, key_agent=key_agent)
         policy = rules_for_version(run.policy_version_id)
         checks = [_local_check(entry) for entry in entries]
@@ -64,7 +64,7 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
                 reason=entry["reason"], message=entry.get("message"), now=now,
             )
             if state.steps > before.steps:  # counted on every ancestor too (SPEC 20)
-                lineage = tree.counted_on(lineage, verdict, check, now=now)
+                ancestors = lineage.counted_on(ancestors, verdict, check, now=now)
             at = entry.get("at") or now
             # The client's clock, kept within what the service can vouch for.
             at = min(max(at, run.started_at), now)
@@ -87,7 +87,7 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             # final answer audited after the stop that ended it (SPEC 10).
             approvals.settle_on_end(run=run, before=waited, after=state, now=now)
             Run.objects.filter(pk=run.pk).update(**states.columns_of(state, LOCAL_FIELDS))
-            tree.write_counters(lineage, ("steps", "tool_calls", "cost_usd"))
+            lineage.write_counters(ancestors, ("steps", "tool_calls", "cost_usd"))
             run_memory.save(run.pk, loaded, state)
         if rows or waited is not loaded:  # recorded, or an expiry settled first
             run.refresh_from_db()

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from governance_client import rules
 from runs.check.check_store import CheckTransaction, RunRow
 from runs.check.policy_cache import rules_for_version
-from runs.check.states import RUN_COLUMNS, TREE_FIELDS, columns_of, state_of
+from runs.check.states import TREE_FIELDS, columns_of
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
-from runs.models import KillSwitch, Run
+from runs.models import KillSwitch
 
 # What this process knows of a run's tree: run id -> (team id, ancestors' ids, root first).
 # Bounded (cleared when full); a miss costs one restart of a child run's check.
@@ -116,33 +116,3 @@ def publish_ancestors(run: Any) -> None:
     """The run pages of a run's ancestors show its status in their tree: wake them."""
     for ancestor in run.ancestors or ():
         publish_run_event(_Seen(pk=ancestor, team_id=run.team_id))
-
-
-def lock_lineage(*, team_id: int, run_id: Any) -> list[rules.Ancestor]:
-    """A child run's ancestors locked root first, by the ORM, inside the caller's
-    transaction, before the caller locks the run (the tree's lock order), as the rules read
-    them. For a writer other than the check (an upload of local decisions)."""
-    ids = (Run.objects.filter(team_id=team_id, pk=run_id)
-           .values_list("ancestors", flat=True).first()) or []
-    found = []
-    for ancestor_id in ids:
-        row = (Run.objects.select_for_update().filter(pk=ancestor_id, team_id=team_id)
-               .only(*RUN_COLUMNS).first())
-        if row is not None:
-            found.append(rules.Ancestor(run_id=str(row.pk),
-                                        policy=rules_for_version(row.policy_version_id),
-                                        state=state_of(row)))
-    return found
-
-
-def counted_on(tree: list[rules.Ancestor], decision: rules.Decision, check: rules.Check,
-               *, now: datetime) -> list[rules.Ancestor]:
-    """The ancestors after one more decision of their descendant (`rules.count_in_tree`)."""
-    after = rules.count_in_tree(tree, decision, check, now=now)
-    return [replace(ancestor, state=state) for ancestor, state in zip(tree, after, strict=True)]
-
-
-def write_counters(tree: list[rules.Ancestor], fields: tuple[str, ...]) -> None:
-    """The ancestors' counters ``fields`` as ``tree`` has them (their locks are held)."""
-    for ancestor in tree:
-        Run.objects.filter(pk=ancestor.run_id).update(**columns_of(ancestor.state, fields))

@@ -1261,6 +1261,17 @@ def count_in_tree(tree: Sequence[Ancestor], decision: Decision, check: Check, *,
     return counted
 
 
+def approved_in_tree(tree: Sequence[Ancestor], pending: Pending) -> list[RunState]:
+    """The ancestors' states once an operator approves their descendant's waiting action
+    (SPEC 20): the check that asked counted its step and cost on them (`count_in_tree`); the
+    tool call counts now, on each running ancestor as on the run (`settle`). Unchanged
+    objects when the action is not a tool."""
+    if pending.action_type != "tool":
+        return [ancestor.state for ancestor in tree]
+    return [replace(ancestor.state, tool_calls=ancestor.state.tool_calls + 1)
+            if ancestor.state.status == RUNNING else ancestor.state for ancestor in tree]
+
+
 def _approval_message(name: str, pattern: str, policy: Policy) -> str:
     return (f"{name} matches the approvals pattern '{pattern}': an operator must approve it "
             f"(timeout_s={policy.approval_timeout_s}).")

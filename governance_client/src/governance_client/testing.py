@@ -546,9 +546,16 @@ class FakeGovernance:
         of ``expires_at``), its final answer the one a resent check gets (SPEC 11)."""
         run = self.runs[approval.run_id]
         now = self.now()
+        pending = run.state.pending
         decision, run.state = rules.settle(run.state, status, now=now, note=note or "",
                                            kill=self._kill_words(), policy=self.policy,
                                            kill_rule=self._kill_rule())
+        if status == rules.APPROVED and pending is not None:  # the tool call, up the tree too
+            tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
+                    for a in run.ancestors]
+            for ancestor, state in zip(tree, rules.approved_in_tree(tree, pending),
+                                       strict=True):
+                self.runs[ancestor.run_id].state = state
         approval.status, approval.note = status, note
         approval.decided_at = approval.expires_at if status == rules.EXPIRED else self.clock
         answer = self._answer(run, decision, now)
