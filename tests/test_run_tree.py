@@ -317,3 +317,23 @@ def test_an_approved_childs_tool_call_counts_on_every_ancestor(api, team):
                     "check_id": "lookup-2"})
     assert (stopped["decision"], stopped["reason"]) == ("stop", "max_tool_calls"), stopped
     assert stopped["rule"]["scope"] == root
+
+
+def test_an_ancestors_limit_names_the_ancestors_policy_and_version(api, team):
+    from policies.document import parse_policy
+    from policies.services import policy_save
+
+    set_policy(team, step_limits={"max_steps": 2})
+    parent_version = team.policies.get(name="default").current.version
+    document = {**team.policies.get(name="default").current.document, "name": "helpers"}
+    document["step_limits"] = {**document["step_limits"], "max_steps": 50}
+    document.pop("warnings", None)
+    policy_save(team=team, document=parse_policy(document), actor=None, source="test")
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root, policy="helpers")
+    assert [check(api, child)["decision"] for _ in range(2)] == ["allow", "allow"]
+    stopped = check(api, child)
+    assert (stopped["reason"], stopped["rule"]["scope"]) == ("max_steps", root)
+    assert (stopped["rule"]["policy"], stopped["rule"]["version"]) == ("default", parent_version)
+    assert api.get(f"/api/v1/decisions/{stopped['decision_id']}").json()["rule"] == \
+        stopped["rule"]

@@ -31,10 +31,11 @@ def rule_of(fired: dict[str, Any] | None, *, policy: tuple[str, int] | None,
             scope: str = RUN_SCOPE) -> dict[str, Any] | None:
     """An answer's ``rule`` (SPEC 16): null for a plain allow, else the rule that decided
     (``fired``, the rules' name, limit and observed values) with the policy's name and
-    version and the scope whose limit it is."""
+    version and the scope whose limit it is. An ancestor's limit names the ancestor's
+    policy, which the rules put in ``fired``; any other rule names ``policy``."""
     if fired is None:
         return None
-    name, version = policy if policy is not None else (None, None)
+    name, version = fired.get("policy") or policy or (None, None)
     return {"name": fired["name"], "policy": name, "version": version,
             "limit": fired.get("limit") or {}, "observed": fired.get("observed") or {},
             "scope": scope}

@@ -698,8 +698,11 @@ def _limit_in_tree(name: str, policy: Policy, state: RunState, check: Check, now
         if passed is not None:
             words = passed[0].replace("The run has", "The tree has").replace(
                 "Step ", "Tree step ", 1).replace("the run is stopped", "this run is stopped")
+            # The limit is the ancestor's: its rule names the ancestor's policy and version
+            # (answers.rule_of), not the run's.
+            fired = {**passed[1], "policy": (ancestor.policy.name, ancestor.policy.version)}
             return name, (f"Ancestor run {ancestor.run_id}'s limit: {words} (an ancestor's "
-                          "budget bounds its sub-agents' runs)"), passed[1], ancestor.run_id
+                          "budget bounds its sub-agents' runs)"), fired, ancestor.run_id
     return None
 
 
