@@ -126,6 +126,12 @@ def _plus_zero(value: Any) -> Func:
 
 IN_RUN_ORDER = _plus_zero(F("id"))
 
+# What the timeline's "stops and warnings only" keeps (runs/dashboard/selectors.py): stops,
+# shadow would-stops, waits and pendings, nudges (a directive), and uploaded allows that
+# broke the policy. Here because an index holds it (`decision_run_flagged`).
+FLAGGED = (~models.Q(outcome="allow") | models.Q(answer__directive__type__isnull=False)
+           | models.Q(answer__policy_violation=True))
+
 
 class DecisionQuerySet(models.QuerySet):
     def of_run(self, run_id: Any, *, after: Any = None, before: Any = None,
@@ -195,6 +201,11 @@ class Decision(models.Model):
                          condition=models.Q(outcome="stop")),
             models.Index(F("run"), IN_RUN_ORDER, name="decision_run_would_stop",
                          condition=models.Q(outcome="would_stop")),
+            # The timeline's "stops and warnings only" (`flagged`): a page of them is a range
+            # of this index, not a walk through a long run's allows to find a few. Partial
+            # on the filter's own expression, which the planner matches to the read's.
+            models.Index(F("run"), IN_RUN_ORDER, name="decision_run_flagged",
+                         condition=FLAGGED),
         ]
         constraints = [
             # One answer per check_id in a run (SPEC 4.5), on one expression rather than the

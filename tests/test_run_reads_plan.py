@@ -134,6 +134,12 @@ def test_a_runs_pages_read_a_page_of_its_decisions(history: dict[str, Run]) -> N
     assert most_examined(lambda: timeline_page(run, before=middle), "runs_decision") <= bound
     last = Decision.objects.filter(run=run).order_by("-id").values_list("id", flat=True)[0]
     assert most_examined(lambda: timeline(run, after=last - 1), "runs_decision") <= 4
+    # Stops and warnings only: a page of them, not the run's allows between them (the first
+    # half of the run has none: a walk of its allows would examine a thousand rows).
+    assert most_examined(lambda: timeline_page(run, flagged=True), "runs_decision") <= bound
+    assert most_examined(lambda: timeline_page(run, before=middle, flagged=True),
+                         "runs_decision") <= bound
+    assert timeline_page(run, before=middle, flagged=True) == ([], False)
 
 
 @pytest.mark.postgres
@@ -195,6 +201,7 @@ def test_sqlite_searches_the_same_indexes(team: Team) -> None:
         list(decisions_of(run, after=10))
         timeline(run, after=10)
         timeline_page(run, before=10)
+        timeline_page(run, before=10, flagged=True)
         latest_decision_id(run)
         kill_detail(run.pk)
         presenters.banner(run)

@@ -22,7 +22,7 @@ from governance_client.rules import WOULD_STOP
 from policies.models import Policy, Team
 from runs import due
 from runs.killswitch import cover
-from runs.models import Decision, KillSwitch, Run, RunStatus
+from runs.models import FLAGGED, Decision, KillSwitch, Run, RunStatus
 
 RUN_STATUSES = tuple(RunStatus.values)
 TERMINAL_STOPS = (RunStatus.STOPPED, RunStatus.KILLED)
@@ -452,13 +452,6 @@ def switches_covering(team: Team) -> list[KillSwitch]:
 TIMELINE_PAGE = 50
 
 
-def flagged_q() -> Q:
-    """Stops, shadow would-stops, nudges and uploaded allows that broke the policy: what
-    "stops and warnings only" keeps."""
-    return (~Q(outcome="allow") | Q(answer__directive__type__isnull=False)
-            | Q(answer__policy_violation=True))
-
-
 def _timeline_rows(run: Run, *, flagged: bool, after: int | None = None,
                    before: int | None = None, newest_first: bool = False
                    ) -> QuerySet[Decision]:
@@ -466,8 +459,8 @@ def _timeline_rows(run: Run, *, flagged: bool, after: int | None = None,
     # what only the page needs: the filter and each step's previous decision time.
     rows = Decision.objects.of_run(run.pk, after=after, before=before,
                                    newest_first=newest_first)
-    if flagged:
-        rows = rows.filter(flagged_q())
+    if flagged:  # stops and warnings only: a range of the index `decision_run_flagged`
+        rows = rows.filter(FLAGGED)
     # The previous decision of the run (shown or not): a step's duration is the time from it.
     previous = Decision.objects.of_run(OuterRef("run"), before=OuterRef("id"), newest_first=True)
     return rows.annotate(prev_at=Subquery(previous.values("at")[:1]))
