@@ -2,17 +2,22 @@
 HAProxy and PgBouncer against one web node and three, beside one node straight to PostgreSQL,
 and what a check costs PostgreSQL (issue 32, "Throughput per node").
 
-Three configurations, measured in alternating slices of the same run, runs already started
+Four configurations, measured in alternating slices of the same run, runs already started
 (checks only), at a fixed agent count:
 
 - direct-1: one web node (`manage.py serve`, one worker process) straight to PostgreSQL:
   the baseline;
+- unprepared-1: the same, with DATABASE_POOLER=transaction, still straight to PostgreSQL:
+  what the server does differently behind a pooler in transaction mode (the check's
+  statements sent whole, planned by PostgreSQL on every check, instead of prepared once per
+  connection), apart from the pooler itself;
 - proxied-1: one web node of deploy/stack.py: HAProxy in front, PgBouncer in transaction
   mode behind (DATABASE_POOLER=transaction);
 - proxied-3: three web nodes of deploy/stack.py behind the same kind of HAProxy and PgBouncer.
 
 Everything runs on this machine's CPUs, so proxied-1 / direct-1 is what the balancer and the
-pooler cost, and proxied-3 / proxied-1 is not scaling: three nodes share the same cores.
+pooler cost (unprepared-1 splits it: the statements unprepared, then the two hops), and
+proxied-3 / proxied-1 is not scaling: three nodes share the same cores.
 
 What limits scaling is PostgreSQL, the one authority every check writes to: its CPU per
 check is measured from /proc/<pid>/stat of the backends connected to the benchmark's
@@ -43,8 +48,9 @@ from . import agents as ag
 from . import scenarios as sc
 from . import stack
 
-DIRECT_1, PROXIED_1, PROXIED_3 = "direct-1", "proxied-1", "proxied-3"
-CONFIGS = (DIRECT_1, PROXIED_1, PROXIED_3)
+DIRECT_1, UNPREPARED_1, PROXIED_1, PROXIED_3 = "direct-1", "unprepared-1", "proxied-1", \
+    "proxied-3"
+CONFIGS = (DIRECT_1, UNPREPARED_1, PROXIED_1, PROXIED_3)
 
 
 def unavailable() -> str | None:
@@ -125,6 +131,7 @@ class NodesSlice(sc.Slice):
     cpu_balancer: float = 0.0
     cpu_pooler: float = 0.0
     cpu_postgres_all: float = 0.0
+    cpu_by_node: list[float] = field(default_factory=list)
 
 
 def _stack_config(name: str, deployed: Any) -> Config:
@@ -137,18 +144,23 @@ def _stack_config(name: str, deployed: Any) -> Config:
 
 @contextlib.contextmanager
 def configurations(*, threads: int) -> Iterator[dict[str, Config]]:
-    """The three configurations, all running at once (so that their slices can alternate)."""
+    """The four configurations, all running at once (so that their slices can alternate)."""
     from deploy.stack import Stack
 
-    # The nodes log as the benchmark's own server does; the rest is deploy/stack.py's.
+    # The nodes log as the benchmark's own server does; the rest is deploy/stack.py's. Every
+    # configuration serves the product's URLs (urlconf "": no bench endpoints).
     env = {"LOG_LEVEL": "WARNING"}
-    with stack.Server(workers=1, threads=threads) as direct, \
+    with stack.Server(workers=1, threads=threads, urlconf="") as direct, \
+            stack.Server(workers=1, threads=threads, urlconf="",
+                         extra_env={"DATABASE_POOLER": "transaction"}) as unprepared, \
             Stack(stack.database_url(), web_nodes=1, threads=threads, env=env,
                   namespaces=False) as one, \
             Stack(stack.database_url(), web_nodes=3, threads=threads, env=env,
                   namespaces=False) as three:
-        assert direct.process is not None
+        assert direct.process is not None and unprepared.process is not None
         yield {DIRECT_1: Config(name=DIRECT_1, port=direct.port, web=[direct.process.pid]),
+               UNPREPARED_1: Config(name=UNPREPARED_1, port=unprepared.port,
+                                    web=[unprepared.process.pid]),
                PROXIED_1: _stack_config(PROXIED_1, one),
                PROXIED_3: _stack_config(PROXIED_3, three)}
 
@@ -162,15 +174,17 @@ def run_slice(config: Config, team: sc.Team, *, agents: int, seconds: float,
     opts = ag.AgentOptions(host="127.0.0.1", port=config.port, token=team.token,
                            checks_only=True)
     backends = BackendCpu()
-    web0, balancer0, pooler0 = (tree_cpu(config.web), tree_cpu(config.balancer),
-                                tree_cpu(config.pooler))
+    nodes0 = [tree_cpu([pid]) for pid in config.web]
+    balancer0, pooler0 = tree_cpu(config.balancer), tree_cpu(config.pooler)
     client0, postgres_all0 = time.process_time(), stack.postgres_cpu_seconds()
     backends.start()
     stats = asyncio.run(ag.run_load(opts, agents, seconds, warmup))
     postgres = backends.stop()
+    by_node = [tree_cpu([pid]) - cpu0 for pid, cpu0 in zip(config.web, nodes0, strict=True)]
     return NodesSlice(
         stats=stats, rows=sc.decision_rows(after_id=before, team_id=team.team_id),
-        cpu_server=tree_cpu(config.web) - web0, cpu_client=time.process_time() - client0,
+        cpu_server=sum(by_node), cpu_client=time.process_time() - client0,
+        cpu_by_node=by_node,
         cpu_postgres=postgres, cpu_balancer=tree_cpu(config.balancer) - balancer0,
         cpu_pooler=tree_cpu(config.pooler) - pooler0,
         cpu_postgres_all=stack.postgres_cpu_seconds() - postgres_all0)
@@ -183,6 +197,9 @@ def summarize(slices: list[NodesSlice], *, config: str, agents: int) -> dict[str
                       ("postgres_all", "cpu_postgres_all")):
         point[f"{key}_cpu_ms_per_check"] = round(
             sum(getattr(x, attr) for x in slices) * 1000 / checks, 3)
+    # How evenly the balancer spread the checks: each node's share of the nodes' CPU.
+    by_node = [sum(x.cpu_by_node[i] for x in slices) for i in range(len(slices[0].cpu_by_node))]
+    point["node_cpu_shares"] = [round(c / max(1e-9, sum(by_node)), 2) for c in by_node]
     pg = point["postgres_cpu_ms_per_check"]
     # One core's worth of the backends' CPU, spent on nothing but checks.
     point["checks_per_s_per_postgres_core"] = round(1000 / pg) if pg else None
@@ -217,24 +234,33 @@ def headline(points: list[dict[str, Any]]) -> dict[str, Any]:
     """The ratios, and what one PostgreSQL core serves (through the pooler: how production
     runs; and straight)."""
     at = {p["scenario"]: p for p in points}
-    direct, one, three = at.get(DIRECT_1), at.get(PROXIED_1), at.get(PROXIED_3)
+    direct, unprepared, one, three = (at.get(DIRECT_1), at.get(UNPREPARED_1),
+                                      at.get(PROXIED_1), at.get(PROXIED_3))
 
     def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> float | None:
         return round(a[key] / b[key], 2) if a and b and b[key] else None
 
+    # Through PgBouncer: both proxied configurations' checks, weighted by their counts.
+    pooled = [p for p in (one, three) if p and p["checks"]]
+    pg_pooled = round(sum(p["postgres_cpu_ms_per_check"] * p["checks"] for p in pooled)
+                      / sum(p["checks"] for p in pooled), 3) if pooled else None
+
     return {
         "proxied_1_over_direct_1": ratio(one, direct, "checks_per_s"),
+        "unprepared_1_over_direct_1": ratio(unprepared, direct, "checks_per_s"),
+        "proxied_1_over_unprepared_1": ratio(one, unprepared, "checks_per_s"),
         "proxied_3_over_proxied_1": ratio(three, one, "checks_per_s"),
         "p99_proxied_1_over_direct_1": ratio(one, direct, "p99_ms"),
         "p50_proxied_1_over_direct_1": ratio(one, direct, "p50_ms"),
         "postgres_cpu_ms_per_check_direct": direct["postgres_cpu_ms_per_check"]
         if direct else None,
-        "postgres_cpu_ms_per_check_proxied": three["postgres_cpu_ms_per_check"]
-        if three else None,
+        "postgres_cpu_ms_per_check_unprepared": unprepared["postgres_cpu_ms_per_check"]
+        if unprepared else None,
+        "postgres_cpu_ms_per_check_proxied": pg_pooled,
         "checks_per_s_per_postgres_core_direct": direct["checks_per_s_per_postgres_core"]
         if direct else None,
-        "checks_per_s_per_postgres_core_proxied": three["checks_per_s_per_postgres_core"]
-        if three else None,
+        "checks_per_s_per_postgres_core_proxied": round(1000 / pg_pooled)
+        if pg_pooled else None,
     }
 
 
@@ -255,6 +281,8 @@ def lines(result: dict[str, Any]) -> list[str]:
                    f"{p['server_cpu_ms_per_check']:.2f} / {p['balancer_cpu_ms_per_check']:.2f} "
                    f"/ {p['pooler_cpu_ms_per_check']:.2f} / {p['postgres_cpu_ms_per_check']:.2f}"
                    f" ({p['postgres_all_cpu_ms_per_check']:.2f}) -> "
-                   f"{p['checks_per_s_per_postgres_core']}")
+                   f"{p['checks_per_s_per_postgres_core']}"
+                   + (f"; nodes' CPU shares {p['node_cpu_shares']}"
+                      if len(p["node_cpu_shares"]) > 1 else ""))
     out.append("  " + ", ".join(f"{k} {v}" for k, v in result["headline"].items()))
     return out
