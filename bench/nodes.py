@@ -216,13 +216,18 @@ def measure(team: sc.Team, *, threads: int, agents: int, rounds: int, seconds: f
         return {"measured": False, "why": why}
     load_before = os.getloadavg()[0]
     slices: dict[str, list[NodesSlice]] = {c: [] for c in CONFIGS}
-    with configurations(threads=threads) as configs:
-        for config in configs.values():  # imports, connections, the pools filled
-            run_slice(config, team, agents=8, seconds=1.5, warmup=0.5)
-        for _ in range(rounds):
-            for name in CONFIGS:
-                slices[name].append(run_slice(configs[name], team, agents=agents,
-                                              seconds=seconds, warmup=warmup))
+    try:
+        with configurations(threads=threads) as configs:
+            for config in configs.values():  # imports, connections, the pools filled
+                run_slice(config, team, agents=8, seconds=1.5, warmup=0.5)
+            for _ in range(rounds):
+                for name in CONFIGS:
+                    slices[name].append(run_slice(configs[name], team, agents=agents,
+                                                  seconds=seconds, warmup=warmup))
+    except RuntimeError as exc:
+        # A stack that would not start (deploy/stack.py says why): a failure of the run, but
+        # the phases measured before this one keep their results.
+        return {"measured": False, "failed": True, "why": f"failed: {exc}"[:2000]}
     points = [summarize(slices[c], config=c, agents=agents) for c in CONFIGS]
     return {"measured": True, "agents": agents, "rounds": rounds,
             "seconds_per_slice": seconds, "threads_per_node": threads,

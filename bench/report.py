@@ -212,6 +212,9 @@ def correctness(results: dict[str, Any]) -> list[str]:
         failed.append(f"tracing points: errors {traced['errors']}, audit ok "
                       f"{traced['audit_ok']}")
     failed += [f"growth: {f}" for f in (results.get("growth") or {}).get("failures", [])]
+    nodes = results.get("nodes")
+    if nodes and nodes.get("failed"):
+        failed.append(f"nodes: {nodes['why']}")
     live = results.get("stream")
     if live and live.get("measured") and live["errors"]:
         failed.append(f"live stream: errors {live['error_kinds']}")
