@@ -17,7 +17,9 @@ from . import scenarios as sc
 from .report import TARGET_AGENTS
 
 PHASES = ("micro", "backtest", "points", "ladder", "soak", "killswitch", "fanout", "longrun",
-          "stream", "attacks", "metrics", "tracing", "ratelimit", "growth", "retention")
+          "stream", "attacks", "metrics", "tracing", "ratelimit", "growth", "retention", "nodes")
+# Not in quick mode (CI) unless named in --only: it starts two multi-node stacks.
+FULL_ONLY = {"nodes"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -71,7 +73,8 @@ def main(argv: list[str]) -> int:
     soak_seconds = args.soak_seconds or (10.0 if quick else 150.0)
     points = [int(a) for a in args.agents.split(",") if a]
     scenarios = [s for s in args.scenarios.split(",") if s]
-    phases = set(args.only.split(",")) if args.only else set(PHASES)
+    default = set(PHASES) - (FULL_ONLY if quick else set())
+    phases = set(args.only.split(",")) if args.only else default
     started = time.monotonic()
 
     stack.fresh_database()
@@ -88,7 +91,7 @@ def main(argv: list[str]) -> int:
         "mode": "quick" if quick else "full",
         # A partial run (--only) is stored under its own name, never over a whole run's.
         "name": ("quick" if quick else "full") + (
-            "" if phases == set(PHASES) else "-" + "-".join(p for p in PHASES if p in phases)),
+            "" if phases == default else "-" + "-".join(p for p in PHASES if p in phases)),
         "phases": [p for p in PHASES if p in phases],
         "started_at": report.now_iso(),
         "commit": report.commit(),
@@ -208,6 +211,17 @@ def main(argv: list[str]) -> int:
         from . import retention
 
         retention.phase(results, quick=quick)
+
+    if "nodes" in phases:
+        from . import nodes
+
+        # The real check through HAProxy and PgBouncer to one node and three, beside one node
+        # straight to PostgreSQL (issue 32); its own servers and stacks.
+        results["nodes"] = nodes.measure(
+            sc.seed_team("bench-nodes", policy=sc.LONG_POLICY), threads=threads,
+            agents=TARGET_AGENTS, rounds=rounds, seconds=seconds / rounds, warmup=warmup)
+        for line in nodes.lines(results["nodes"]):
+            print(line, flush=True)
 
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     return 0 if report.finish(results, history=not args.no_history) else 1

@@ -157,7 +157,8 @@ def ratios(results: dict[str, Any], mode: str = "mix") -> list[dict[str, Any]]:
 def correctness(results: dict[str, Any]) -> list[str]:
     """Every failed correctness check, in words (empty: all held)."""
     failed = []
-    for p in results["points"] + (results.get("ladder") or {}).get("points", []):
+    for p in results["points"] + (results.get("ladder") or {}).get("points", []) + \
+            (results.get("nodes") or {}).get("points", []):
         if p["errors"]:
             failed.append(f"{p['scenario']} at {p['agents']} agents: {p['errors']} errors "
                           f"{p['error_kinds']}")
@@ -211,6 +212,9 @@ def correctness(results: dict[str, Any]) -> list[str]:
         failed.append(f"tracing points: errors {traced['errors']}, audit ok "
                       f"{traced['audit_ok']}")
     failed += [f"growth: {f}" for f in (results.get("growth") or {}).get("failures", [])]
+    nodes = results.get("nodes")
+    if nodes and nodes.get("failed"):
+        failed.append(f"nodes: {nodes['why']}")
     live = results.get("stream")
     if live and live.get("measured") and live["errors"]:
         failed.append(f"live stream: errors {live['error_kinds']}")
@@ -346,6 +350,11 @@ def summary(results: dict[str, Any]) -> str:
 
         lines.append("")
         lines.extend(ladder_lines(results["ladder"]))
+    if "nodes" in results:
+        from .nodes import lines as nodes_lines
+
+        lines.append("")
+        lines.extend(nodes_lines(results["nodes"]))
     lines.append("")
     lines.append("targets:")
     for name, measured, met in targets(results):
@@ -430,6 +439,7 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
             (r["real_over_min_durable"] for r in ratios(results, "long")
              if r["agents"] == TARGET_AGENTS), None),
         "ladder": (results.get("ladder") or {}).get("headline"),
+        "nodes": (results.get("nodes") or {}).get("headline"),
         "metrics_cost_pct": (results.get("metrics") or {}).get("cost_pct"),
         "tracing_cost_pct": (results.get("tracing") or {}).get("cost_pct"),
         "soak_rss_growth_pct": (results.get("soak") or {}).get("rss_growth_max_pct"),
