@@ -3,8 +3,10 @@ SDK's MCPServer: ``python -m tests.mcp_upstream`` (stdio) or ``... http PORT``."
 
 from __future__ import annotations
 
+import json
 import sys
 
+import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import SamplingMessage, TextContent
@@ -61,6 +63,33 @@ def exit_now() -> str:
     import os
 
     os._exit(3)
+
+
+@server.tool()
+def garbage(ctx: Context) -> str:
+    """Writes a line that is not JSON and an answer to this very call of the wrong shape on
+    the transport's stdout, then answers the call properly (an upstream with a bug)."""
+    import os
+
+    from mcp.server import stdio
+
+    # The SDK serves the wire from a duplicate of fd 1 and points fd 1 at stderr, so that a
+    # stray print cannot corrupt it: a bug that reaches the wire writes to the duplicate.
+    claim = getattr(stdio, "_claims", {}).get(1)
+    wire = claim.private_fd if claim is not None and claim.private_fd is not None else 1
+    os.write(wire, b"this is not json-rpc\n")
+    # The context gives the id as text; the call's id on the wire is the client's (a number).
+    request_id = int(ctx.request_id) if str(ctx.request_id).isdigit() else ctx.request_id
+    os.write(wire, json.dumps({"jsonrpc": "2.0", "id": request_id,
+                               "result": "not an object"}).encode() + b"\n")
+    return "garbage written"
+
+
+@server.tool()
+async def hang() -> str:
+    """Never answers (an upstream stuck in a call)."""
+    await anyio.sleep_forever()
+    return "never"
 
 
 @server.resource("doc://readme", mime_type="text/plain")

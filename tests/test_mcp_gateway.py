@@ -329,6 +329,57 @@ def test_faults_of_the_client_and_of_the_upstream_never_hang_the_session(
     assert decisions[0]["action"]["args"]["oversize_args"]["keys"] == ["query"]
 
 
+def receive_within(process: subprocess.Popen[str], seconds: float) -> dict[str, Any] | None:
+    """The gateway's next message, or None when it sends nothing for ``seconds``."""
+    import select
+
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], seconds)
+    return receive(process) if ready else None
+
+
+def test_an_upstream_that_hangs_or_writes_garbage_never_hangs_the_session(
+        server: Server, agent: Agent) -> None:
+    """An upstream stuck in one call: the other calls are answered meanwhile, the client's
+    cancellation is relayed, and the session's end finishes the run. An upstream that writes
+    a line that is not JSON-RPC, and an answer of the wrong shape to a call: that call gets one
+    JSON-RPC error, never two answers, and the session goes on."""
+    with raw_gateway(server, agent.token) as process:
+        send(process, INITIALIZE)
+        assert receive(process)["result"]["serverInfo"]["name"] == "files"
+        send(process, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        send(process, {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                       "params": {"name": "hang", "arguments": {}}})
+        send(process, {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                       "params": {"name": "search", "arguments": {"query": "meanwhile"}}})
+        answer = receive_within(process, 30)
+        assert answer is not None and answer["id"] == 3, answer
+        assert answer["result"]["content"][0]["text"] == "no match"
+        send(process, {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                       "params": {"requestId": 2, "reason": "the user gave up"}})
+        send(process, {"jsonrpc": "2.0", "id": 4, "method": "tools/call",
+                       "params": {"name": "garbage", "arguments": {}}})
+        broken = receive_within(process, 30)
+        assert broken is not None and broken["id"] == 4, broken
+        assert "malformed" in broken["error"]["message"], broken
+        send(process, {"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+                       "params": {"name": "counter", "arguments": {}}})
+        after = receive_within(process, 30)
+        # The upstream's late proper answer to 4 is not passed on: 5's is the next message.
+        assert after is not None and after["id"] == 5, after
+        assert after["result"]["content"][0]["text"] == "call 1"
+        assert receive_within(process, 1) is None  # nothing more: not 2, not 4 again
+        assert process.stdin is not None
+        process.stdin.close()  # the client leaves; the call to `hang` is still stuck upstream
+        assert process.wait(timeout=30) == 0
+
+    run = finished_run(agent)
+    assert run["status"] == "completed"
+    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
+    assert [d["action"]["name"] for d in decisions] == [
+        "files.hang", "files.search", "files.garbage", "files.counter"]
+
+
 def test_a_client_that_leaves_while_a_call_waits_for_an_operator_ends_the_run(
         server: Server, agent: Agent, team: Team) -> None:
     governed_policy(team)

@@ -276,6 +276,12 @@ class GatewaySession:
             return
         if isinstance(message, JSONRPCResponse | JSONRPCError):
             request_id: Any = message.id
+            if request_id not in self._inflight:
+                # Answered already (a malformed answer to it was answered with an error) or
+                # never asked: a second answer to one id breaks the client's session.
+                logger.warning("the upstream MCP server answered %r, which waits for no "
+                               "answer: dropped", request_id)
+                return
             self._inflight.pop(request_id, None)
             self._metadata.pop(request_id, None)
             for token in [t for t, owner in self._progress.items() if owner == request_id]:
