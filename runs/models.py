@@ -306,6 +306,12 @@ class KillSwitch(models.Model):
             # its approvals' looks read them without the history of released switches.
             models.Index(fields=["team"], name="killswitch_team_engaged",
                          condition=models.Q(active=True)),
+            # The history pages, newest first: a team's switches, and the global ones (the
+            # team page lists both, the global page the global ones), each a range of its
+            # index however long the history.
+            models.Index(fields=["team", "-engaged_at", "-id"], name="killswitch_team_history"),
+            models.Index(fields=["-engaged_at", "-id"], name="killswitch_global_history",
+                         condition=models.Q(scope="global")),
         ]
         constraints = [
             models.UniqueConstraint(

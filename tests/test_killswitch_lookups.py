@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
+from django.db.models import Q
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -32,7 +33,7 @@ from runs.check.lifecycle import _insert_unless_switched
 from runs.dashboard.selectors import switches_covering
 from runs.killswitch import cover
 from runs.killswitch.fanout import RUN_ENDED
-from runs.killswitch.selectors import engaged_for_team
+from runs.killswitch.selectors import engaged_for_team, global_page, history_for_team
 from runs.killswitch.services import resolve_target
 from runs.models import KillSwitch, Run, Scope
 
@@ -204,6 +205,39 @@ def test_the_teams_reads_skip_other_teams_and_the_history(crowded: Run) -> None:
         action_type="tool", requested_at=timezone.now(),
         expires_at=timezone.now() + timedelta(hours=1))
     assert_bounded(lambda: look(team.pk, [str(approval.pk)]))
+
+
+@pytest.mark.postgres
+def test_the_history_pages_read_a_page_of_the_history(crowded: Run) -> None:
+    """The team's history (its switches and the global ones) and the global page's: a range
+    of an index each, newest first, never a sort of the whole history."""
+    team = crowded.team
+    now = timezone.now()
+    KillSwitch.objects.bulk_create(
+        [KillSwitch(scope=Scope.GLOBAL, target="global", reason="r", engaged_by_label="ops",
+                    active=False, engaged_at=now - timedelta(hours=i), released_at=now)
+         for i in range(300)])
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE runs_killswitch")
+    limit = 20
+    for read in (lambda: history_for_team(team, limit=limit),
+                 lambda: global_page(limit=limit)["history"]):
+        with CaptureQueriesContext(connection) as queries:
+            read()
+        statements = [q["sql"] for q in queries.captured_queries
+                      if "runs_killswitch" in q["sql"] and "engaged_at" in q["sql"]
+                      and "DESC" in q["sql"]]
+        assert statements
+        for sql in statements:
+            plan = explain(sql, analyze=True)
+            assert not any(node["Node Type"] == "Sort" for node in _nodes(plan)), sql
+            _reads, examined = switch_reads(plan)
+            assert examined <= limit + 1, (examined, sql)
+    # Merged, the page is what one sort of the whole history would give.
+    whole = sorted(KillSwitch.objects.filter(Q(scope=Scope.GLOBAL) | Q(team=team)),
+                   key=lambda s: (s.engaged_at, s.pk), reverse=True)
+    assert [s.pk for s in history_for_team(team, limit=limit)] == [s.pk for s in whole[:limit]]
+    assert {s.scope for s in whole[:limit]} == {Scope.AGENT, Scope.GLOBAL}  # both kinds
 
 
 # --- Run switches of ended runs, in existing databases ----------------------------------------
