@@ -54,7 +54,8 @@ def stack(django_db_setup: Any) -> Iterator[Stack]:
                     f".ci/run installs them)")
     with Stack(database_url(), env={
             "THROTTLE_API_KEY_FAILURES": "100000",
-            # A task lost with a killed worker comes back after this many seconds.
+            # A task a killed worker had taken (and recorded as taken) comes back after this
+            # many seconds.
             "CELERY_VISIBILITY_TIMEOUT": str(VISIBILITY_S),
             # A fan-out lost with it (taken, not recorded) is started again by beat's sweep.
             "KILLSWITCH_SWEEP_SECONDS": str(SWEEP_S),
@@ -251,7 +252,8 @@ def test_a_kill_switch_engaged_on_one_node_stops_checks_and_shows_on_every_nodes
     """Engaged through web1: the very next check answered by each other node is stopped, and
     the run page open on every node (each node's own stream) shows the switch within a few
     seconds. The stack's streams look at the database only every 30 s on their own
-    (DASHBOARD_STREAM_LOOK_S), so what shows it is the engage's wake-up reaching every node."""
+    (DASHBOARD_STREAM_LOOK_S), so what shows it is a wake-up through Redis (the engage's, or
+    its fan-out's) reaching every node."""
     first, *others = stack.web
     runs = {}
     for node in others:
