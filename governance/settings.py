@@ -291,13 +291,21 @@ CELERY_TASK_ROUTES = {
 # whose task stopped reporting progress still counts as running.
 BACKTEST_MAX_PER_TEAM = env_int("BACKTEST_MAX_PER_TEAM", 2)
 BACKTEST_STALE_SECONDS = env_int("BACKTEST_STALE_SECONDS", 300)
+# How often beat's kill-switch sweep runs, and how long a fan-out may stay unfinished or a
+# delivery unattempted before it restarts them (docs/killswitch.md). It is how a fan-out lost
+# with a worker killed between taking its message and recording it comes back: Redis has
+# already handed that message out, so no visibility timeout ever returns it.
+KILLSWITCH_SWEEP_SECONDS = env_int("KILLSWITCH_SWEEP_SECONDS", 60)
+if KILLSWITCH_SWEEP_SECONDS < 1:
+    raise ImproperlyConfigured("KILLSWITCH_SWEEP_SECONDS must be at least 1")
 # Audit retention (docs/reliability.md): `celery -A governance beat` runs the prune daily,
 # at a quiet hour; exports (JSON lines, one directory per team) go to AUDIT_EXPORT_DIR.
 CELERY_BEAT_SCHEDULE = {
     "prune-audit-daily": {"task": "policies.tasks.prune_audit",
                           "schedule": crontab(hour=3, minute=30)},
     # Restarts kill-switch fan-outs and webhook deliveries that an outage left behind.
-    "killswitch-sweep": {"task": "runs.tasks.killswitch_sweep", "schedule": 60.0},
+    "killswitch-sweep": {"task": "runs.tasks.killswitch_sweep",
+                         "schedule": float(KILLSWITCH_SWEEP_SECONDS)},
     # Ends abandoned runs (SPEC 14) and prunes rate-limit counts older than any window
     # (SPEC 12).
     "idle-sweep": {"task": "runs.tasks.idle_sweep",

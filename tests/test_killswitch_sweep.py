@@ -27,6 +27,15 @@ def test_it_names_only_old_unfinished_fanouts(team, other_team):
     assert stale_work()[0] == [old.pk]
 
 
+def test_how_old_a_fanout_must_be_is_the_sweeps_period(team, other_team, settings):
+    """KILLSWITCH_SWEEP_SECONDS: a deployment that wants a lost fan-out back sooner than in
+    a minute or two sweeps more often, and the sweep restarts what is older than one period."""
+    settings.KILLSWITCH_SWEEP_SECONDS = 5
+    old = make_switch(team, ago=timedelta(seconds=6), done=False)
+    make_switch(other_team, ago=timedelta(seconds=3), done=False)
+    assert stale_work()[0] == [old.pk]
+
+
 def test_it_names_old_pending_deliveries_with_their_next_attempt(team):
     switch = make_switch(team, ago=timedelta(minutes=5), done=True)
     delivery = WebhookDelivery.objects.create(switch=switch, team=team, url="http://x.invalid/",

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from deploy.stack import PgBouncer
-from tests.conftest import Server, server_env, start_server
+from tests.conftest import Server, server_env, set_policy, start_server
 from tests.conftest import test_database_url as database_url
 from tests.test_api_e2e import *  # noqa: F403 (the contract cases, run again through PgBouncer)
 from tests.test_approvals_e2e import (  # noqa: F401 (approvals: the ORM path, Redis wake-ups)
@@ -71,3 +71,19 @@ def test_without_the_setting_prepared_statements_fail_through_the_pooler(
         assert 503 in statuses, statuses
     finally:
         srv.stop()
+
+
+def test_a_child_runs_checks_count_on_its_parent_through_the_pooler(
+        agent: Any, team: Any) -> None:
+    """SPEC 20 behind the pooler: a child's check locks its ancestors in the message that
+    begins the transaction, then its own run without BEGIN. Sent whole (not prepared), the
+    lock went with its BEGIN again and its answer was read from BEGIN's empty result: every
+    check of a child run answered 503."""
+    set_policy(team, step_limits={"max_steps": 3, "max_repeat_action": 100,
+                                  "no_progress_window": 100})
+    parent = agent.start("planner")["run_id"]
+    first, second = (agent.start("helper", parent_run_id=parent)["run_id"] for _ in range(2))
+    answers = [agent.check(run_id, "search", {"i": i})
+               for i, run_id in enumerate([first, first, second, second])]
+    assert [a["decision"] for a in answers] == ["allow", "allow", "allow", "stop"], answers
+    assert answers[-1]["reason"] == "max_steps" and parent in answers[-1]["message"]

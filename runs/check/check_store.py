@@ -579,11 +579,15 @@ class PostgresCheck:
             raise ValueError(f"{len(keyed)} keyed entries named, at most {KEYED_MAX} are read")
         cursor = self.cursor
         started = time.perf_counter()
-        # After a child run's ancestors (`lock_ancestors`) the transaction is open already.
-        sql = EXECUTE_LOCK.split("; ", 2)[2] if self.begun else EXECUTE_LOCK
+        sql = EXECUTE_LOCK
         params: list[Any] = [run_id, check_id, prefix, _text_array(keyed) if keyed else None]
         if not self.prepared:
             sql, params = SEND_LOCK, [params[i] for i in _LOCK_ORDER]
+        if self.begun:
+            # After a child run's ancestors (`lock_ancestors`) the transaction is open already:
+            # without its BEGIN and SET, prepared or sent whole (the first result read is then
+            # the lock's, not BEGIN's empty one).
+            sql = sql.split("; ", 2)[2]
         keys: list[int] = []
         if rate is not None:
             # After the run's lock, in the same message: the rules' locks (a bounded wait),

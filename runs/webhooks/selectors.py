@@ -12,7 +12,7 @@ from runs.models import WebhookAttempt, WebhookDelivery
 from runs.webhooks.delivery import IN_FLIGHT, PENDING
 
 # A delivery nobody attempted for this long has no worker taking it (the sweep's own
-# threshold, runs/killswitch/sweep.py STALE_AFTER, is the same minute).
+# threshold, KILLSWITCH_SWEEP_SECONDS, is a minute by default too).
 UNTAKEN_AFTER = timedelta(minutes=1)
 
 
