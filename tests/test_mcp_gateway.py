@@ -332,7 +332,8 @@ def test_faults_of_the_client_and_of_the_upstream_never_hang_the_session(
 def test_arguments_that_are_not_json_are_refused_and_the_session_goes_on(
         server: Server, agent: Agent) -> None:
     """The SDK reads NaN and Infinity, JSON has neither: such a call used to end the whole
-    session (the run finished `failed`, as if the upstream had died)."""
+    session (the run finished `failed`, as if the upstream had died). Arguments the service
+    refuses are refused with its reason."""
     with raw_gateway(server, agent.token) as process:
         send(process, INITIALIZE)
         assert receive(process)["result"]["serverInfo"]["name"] == "files"
@@ -343,6 +344,13 @@ def test_arguments_that_are_not_json_are_refused_and_the_session_goes_on(
             send(process, json.dumps(call).replace('"VALUE"', value))
             refused = receive(process)
             assert refused["id"] == i and refused["error"]["code"] == -32602, refused
+        # Arguments the service refuses (a NUL): the model is told what, not to try later.
+        send(process, {"jsonrpc": "2.0", "id": 8, "method": "tools/call",
+                       "params": {"name": "search", "arguments": {"query": "a\u0000b"}}})
+        refused = receive(process)["result"]
+        assert refused["isError"] is True
+        assert "action.args: must not contain NUL" in refused["content"][0]["text"]
+        assert "try again later" not in refused["content"][0]["text"]
         send(process, {"jsonrpc": "2.0", "id": 9, "method": "tools/call",
                        "params": {"name": "search", "arguments": {"query": "x"}}})
         assert receive(process)["result"]["content"][0]["text"] == "no match"

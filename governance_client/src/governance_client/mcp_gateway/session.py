@@ -482,6 +482,13 @@ class GatewaySession:
             reason = exc.code if isinstance(exc, ApiError) else exc.reason
             text = exc.message if isinstance(exc, ApiError) else str(exc)
             logger.warning("check of %s refused: %s", tool, exc)
+            if isinstance(exc, ApiError) and exc.status == 422:
+                # The call itself is refused (a name over 200 characters, a NUL in its
+                # arguments): the same call will never pass, so the model is told what to
+                # change rather than to try again.
+                named = "; ".join(f"{field}: {problem}" for field, problem in exc.fields.items())
+                return blocked(reason, f"{text} ({named})." if named else text,
+                               "Do not send this call again as it is: change what is named.")
             return blocked(reason, text, "Do not run this tool now; try again later.")
         if decision.allowed:
             directive = decision.directive
