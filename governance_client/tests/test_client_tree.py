@@ -82,3 +82,19 @@ def replace_steps(ancestor: rules.Ancestor, steps: int) -> rules.Ancestor:
 def replace_status(ancestor: rules.Ancestor, status: str) -> rules.Ancestor:
     from dataclasses import replace
     return replace(ancestor, state=replace(ancestor.state, status=status))
+
+
+def test_the_fake_hands_a_child_start_only_a_child_of_that_parent() -> None:
+    # As the service (tests/test_run_tree.py): an external_id of a run outside the parent
+    # is a conflict, not that run with a budget of its own.
+    from governance_client import ApiError
+
+    fake = FakeGovernance()
+    client = fake.client()
+    parent = client.start_run("planner")
+    client.start_run("researcher", external_id="job-1")
+    with pytest.raises(ApiError) as refused:
+        parent.start_child("researcher", external_id="job-1")
+    assert refused.value.code == "external_id_conflict"
+    child = parent.start_child("researcher", external_id="job-2")
+    assert parent.start_child("researcher", external_id="job-2").id == child.id
