@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import re
 import uuid
 from collections.abc import Callable
 from functools import wraps
@@ -39,7 +40,7 @@ from governance.text import text_problem
 from policies import impact
 from policies import selectors as policy_reads
 from policies.access import can
-from policies.document import DocumentError, parse_policy
+from policies.document import POLICY_NAME, SLUG, DocumentError, parse_policy
 from policies.models import Policy, PolicyVersion, Role, Team
 from policies.services import agent_key_claim, audit, policy_save
 from policies.tokens import (
@@ -126,7 +127,9 @@ def _team(request: HttpRequest, slug: str, needed: Role = Role.VIEWER) -> tuple[
     """The team and the token's role in it: 404 for a team it does not see (another team is
     as absent as a missing one), 403 for a role below ``needed``."""
     token = request.auth  # type: ignore[attr-defined]
-    team = Team.objects.filter(slug=slug).first()
+    # A path segment no slug can be (a NUL, which PostgreSQL refuses in a query: a 503
+    # otherwise) is as absent as a missing team, and costs no query.
+    team = Team.objects.filter(slug=slug).first() if re.fullmatch(SLUG, slug) else None
     role = token_role(token, team) if team is not None else None
     if team is None or role is None:
         raise AppError(404, "not_found", "No such team.")
@@ -198,6 +201,8 @@ def version_json(name: str, version: PolicyVersion) -> dict[str, Any]:
 
 
 def _policy(team: Team, name: str) -> Policy:
+    if not re.fullmatch(POLICY_NAME, name):  # as `_team`: no query for what no name can be
+        raise AppError(404, "not_found", "No such policy.")
     policy = Policy.objects.filter(team=team, name=name).select_related(
         "current__created_by").first()
     if policy is None or policy.current is None:
@@ -395,6 +400,12 @@ def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
         if not payload.team:
             raise AppError(422, "invalid_request", f"A {payload.scope} switch needs the team.",
                            {"team": f"required for the {payload.scope} scope"})
+        if payload.run:
+            # Never dropped without a word: a run meant for a run switch would otherwise
+            # engage the switch of its whole team (or agent).
+            raise AppError(422, "invalid_request", f"A {payload.scope} switch takes no run.",
+                           {"run": f"not taken by the {payload.scope} scope: use the run "
+                                   "scope to stop one run"})
         team, role = _team(request, payload.team, Role.OPERATOR)
     target = resolve_target(scope=payload.scope, team=None if run else team,
                             agent=payload.agent or "", run=run)

@@ -190,6 +190,17 @@ def test_big_integers_are_kept_exactly_up_to_what_json_parsing_allows(
     assert Decision.objects.count() == 2
 
 
+def test_a_body_nested_too_deeply_to_read_says_so(api: Client, run_id: str) -> None:
+    # Valid JSON the parser gives up on: the answer said "not valid JSON" (the operator
+    # API's bodies go through the same handler).
+    deep = "[" * 5000 + "]" * 5000
+    for path in (f"/api/v1/runs/{run_id}/check", "/api/v1/runs"):
+        answer = api.post(path, deep, content_type="application/json")
+        refused(answer, 400)
+        assert answer.json()["error"]["message"] == \
+            "The request body nests too deeply to be read.", path
+
+
 # --- Unicode -----------------------------------------------------------------------------------
 
 @pytest.mark.both_stores

@@ -380,6 +380,40 @@ def test_an_upstream_that_hangs_or_writes_garbage_never_hangs_the_session(
         "files.hang", "files.search", "files.garbage", "files.counter"]
 
 
+def test_arguments_that_are_not_json_are_refused_and_the_session_goes_on(
+        server: Server, agent: Agent) -> None:
+    """The SDK reads NaN and Infinity, JSON has neither: such a call used to end the whole
+    session (the run finished `failed`, as if the upstream had died). Arguments the service
+    refuses are refused with its reason."""
+    with raw_gateway(server, agent.token) as process:
+        send(process, INITIALIZE)
+        assert receive(process)["result"]["serverInfo"]["name"] == "files"
+        send(process, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        for i, value in enumerate(("NaN", "Infinity", "-Infinity"), start=2):
+            call = {"jsonrpc": "2.0", "id": i, "method": "tools/call",
+                    "params": {"name": "search", "arguments": {"query": "VALUE"}}}
+            send(process, json.dumps(call).replace('"VALUE"', value))
+            refused = receive(process)
+            assert refused["id"] == i and refused["error"]["code"] == -32602, refused
+        # Arguments the service refuses (a NUL): the model is told what, not to try later.
+        send(process, {"jsonrpc": "2.0", "id": 8, "method": "tools/call",
+                       "params": {"name": "search", "arguments": {"query": "a\u0000b"}}})
+        refused = receive(process)["result"]
+        assert refused["isError"] is True
+        assert "action.args: must not contain NUL" in refused["content"][0]["text"]
+        assert "try again later" not in refused["content"][0]["text"]
+        send(process, {"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+                       "params": {"name": "search", "arguments": {"query": "x"}}})
+        assert receive(process)["result"]["content"][0]["text"] == "no match"
+        assert process.poll() is None
+        process.stdin.close()  # the client leaves: the session ends, its run completed
+        assert process.wait(timeout=20) == 0
+    run = finished_run(agent)
+    assert run["status"] == "completed"
+    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
+    assert [d["action"]["args"] for d in decisions] == [{"query": "x"}]  # nothing else checked
+
+
 def test_a_client_that_leaves_while_a_call_waits_for_an_operator_ends_the_run(
         server: Server, agent: Agent, team: Team) -> None:
     governed_policy(team)

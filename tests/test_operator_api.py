@@ -293,6 +293,30 @@ def test_killswitch_engage_release_and_who_may_release(world):
     assert unknown.status_code == 422 and "action" in unknown.json()["error"]["fields"]
 
 
+def test_a_run_given_to_a_team_or_agent_switch_is_refused_not_dropped(world):
+    # Dropped, it engaged the switch of the whole team for a caller who meant one run.
+    for scope, extra in (("team", {}), ("agent", {"agent": "support-bot"})):
+        refused = call(world, "operator", "POST", "/api/v1/killswitch",
+                       {"action": "engage", "scope": scope, "team": "support",
+                        "run": world["run_id"], "reason": "this run loops", **extra})
+        assert refused.status_code == 422, refused.content
+        assert "run" in refused.json()["error"]["fields"]
+    assert not KillSwitch.objects.exists()
+
+
+@pytest.mark.parametrize("path", [
+    "/api/v1/teams/%00/policies", "/api/v1/teams/sup%00port/runs",
+    "/api/v1/teams/%00/approvals", "/api/v1/teams/support/policies/%00",
+    "/api/v1/teams/support/policies/de%00fault/versions",
+])
+def test_a_path_no_team_or_policy_can_have_is_not_found(world, path):
+    # A NUL reached PostgreSQL, which refuses it in a query: a 503 "store refused" for a
+    # caller's typo (or probe) instead of the 404 of any other missing team or policy.
+    response = call(world, "admin", "GET", path)
+    assert response.status_code == 404, response.content
+    assert response.json()["error"]["code"] == "not_found"
+
+
 def test_decide_lists_and_answers_409_as_section_11(world):
     pending = call(world, "viewer", "GET",
                    "/api/v1/teams/support/approvals?status=pending").json()["approvals"]

@@ -83,6 +83,27 @@ def test_the_parent_rules_of_a_start(api, team, other_team):
     assert over["http"] == 409 and over["error"]["code"] == "parent_finished"
 
 
+def test_an_external_id_hands_a_child_start_only_a_child_of_that_parent(api, team):
+    # Given back as it was, a root run with a budget of its own answered a start that named
+    # a parent: the "sub-agent" then ran outside the tree its parent's limits bound.
+    parent = start(api)
+    root = start(api, "helper", external_id="job-1")
+    escaped = post(api, "/api/v1/runs", {"agent": "helper", "external_id": "job-1",
+                                         "parent_run_id": parent})
+    assert escaped["http"] == 409 and escaped["error"]["code"] == "external_id_conflict"
+    assert "external_id" in escaped["error"]["fields"]
+    child = start(api, "helper", external_id="job-2", parent_run_id=parent)
+    again = post(api, "/api/v1/runs", {"agent": "helper", "external_id": "job-2",
+                                       "parent_run_id": parent})
+    assert (again["http"], again["run_id"]) == (200, child)  # a retry of that start
+    elsewhere = post(api, "/api/v1/runs", {"agent": "helper", "external_id": "job-2",
+                                           "parent_run_id": root})
+    assert elsewhere["http"] == 409
+    # A start that names no parent gets the run as before, whatever its place in a tree.
+    assert post(api, "/api/v1/runs", {"agent": "helper", "external_id": "job-2"}
+                )["run_id"] == child
+
+
 def test_a_childs_checks_count_on_every_ancestor_and_its_limits_bound_the_tree(api, team):
     set_policy(team, step_limits={"max_steps": 5})
     root = start(api)

@@ -95,3 +95,19 @@ def test_an_approved_childs_tool_call_counts_on_its_ancestors_as_on_the_service(
         stopped = sub.check("search", {"q": 2})
         assert not stopped.allowed and stopped.reason == "max_tool_calls"
         assert parent.id in (stopped.message or "")
+
+
+def test_the_fake_hands_a_child_start_only_a_child_of_that_parent() -> None:
+    # As the service (tests/test_run_tree.py): an external_id of a run outside the parent
+    # is a conflict, not that run with a budget of its own.
+    from governance_client import ApiError
+
+    fake = FakeGovernance()
+    client = fake.client()
+    parent = client.start_run("planner")
+    client.start_run("researcher", external_id="job-1")
+    with pytest.raises(ApiError) as refused:
+        parent.start_child("researcher", external_id="job-1")
+    assert refused.value.code == "external_id_conflict"
+    child = parent.start_child("researcher", external_id="job-2")
+    assert parent.start_child("researcher", external_id="job-2").id == child.id

@@ -131,6 +131,9 @@ def _on_http(request: HttpRequest, exc: HttpError) -> HttpResponse:
             # (a guard against quadratic-time parsing), so the body cannot be taken.
             return error(400, "invalid_json", "A number in the request body has more than "
                          f"{sys.get_int_max_str_digits()} digits.")
+        if isinstance(cause, RecursionError):
+            # Valid JSON too, nested past what the parser reads: said so, not "not JSON".
+            return error(400, "invalid_json", "The request body nests too deeply to be read.")
         return error(400, "invalid_json", "The request body is not valid JSON.")
     return error(exc.status_code, "error", str(exc))
 

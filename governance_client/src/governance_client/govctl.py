@@ -27,6 +27,7 @@ import argparse
 import difflib
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,13 @@ from typing import Any, NoReturn
 import httpx
 
 TIMEOUT_S = 60.0  # a backtest reads up to 1,000 runs inside the request
+
+# A policy file's bounds, the server's own (SPEC 10; docs/policies.md, "Bounds of a
+# document"): what the server would refuse is refused here before this process walks it or
+# encodes it as JSON, where nine aliases of nine aliases would be billions of values.
+MAX_FILE_BYTES = 256 * 1024
+MAX_DEPTH = 16
+MAX_VALUES = 50_000
 
 
 class Refused(Exception):
@@ -51,20 +59,77 @@ def _yaml() -> Any:
 
 
 def _load(path: str) -> Any:
+    """The file's data, read within the server's bounds; a refusal names the file."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            raw = file.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise Refused(f"cannot read {path}: {exc.strerror or exc}") from None
-    if path.endswith(".json"):
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise Refused(f"{path} is not valid JSON: {exc}") from None
-    yaml = _yaml()
+    if len(raw) > MAX_FILE_BYTES:
+        raise Refused(f"{path} is over {MAX_FILE_BYTES // 1024} KiB, the most a policy "
+                      "document may be")
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise Refused(f"{path} is not valid YAML: {exc}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Refused(f"{path} is not UTF-8 text") from None
+    kind = "JSON" if path.endswith(".json") else "YAML"
+    try:
+        if kind == "JSON":
+            data = json.loads(text)
+        else:
+            yaml = _yaml()
+            try:
+                data = yaml.load(text, Loader=_loader(yaml))  # safe: no tag runs code
+            except yaml.YAMLError as exc:
+                raise Refused(f"{path} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise Refused(f"{path} nests more than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # JSON's errors, and a value YAML cannot build (2024-02-30)
+        raise Refused(f"{path} is not valid {kind}: {exc}") from None
+    _bounded(data, path)
+    return data
+
+
+def _loader(yaml: Any) -> Any:
+    class Loader(yaml.SafeLoader):  # type: ignore[misc, name-defined]
+        """Refuses a key written twice in one mapping, as the server's reader does: YAML
+        keeps the last one without a word, so the file would apply what its reader did not
+        see (`mode: shadow` above `mode: enforce` applied as enforce)."""
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode) and \
+                        key_node.tag != "tag:yaml.org,2002:merge":
+                    key = self.construct_object(key_node)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"found the key {key!r} twice in one mapping",
+                            key_node.start_mark)
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
+def _bounded(data: Any, path: str) -> None:
+    """Counts the values (a pair is two) and levels without recursion, stopping at the first
+    one past the bounds: an alias is counted as often as it is used, and one inside its own
+    value (an endless value) ends at the depth bound."""
+    pending: list[tuple[Any, int]] = [(data, 1)]
+    values = 1
+    while pending:
+        value, depth = pending.pop()
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_DEPTH:
+            raise Refused(f"{path} nests more than {MAX_DEPTH} levels")
+        values += 2 * len(value) if isinstance(value, dict) else len(value)
+        if values > MAX_VALUES:
+            raise Refused(f"{path} holds more than {MAX_VALUES} values (an alias counts as "
+                          "the values it repeats)")
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        pending.extend((item, depth + 1) for item in items)
 
 
 def _dump(data: Any) -> str:
@@ -74,6 +139,20 @@ def _dump(data: Any) -> str:
         return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
     return str(yaml.safe_dump(data, sort_keys=False, default_flow_style=False,
                               allow_unicode=True))
+
+
+# What may stand in a path segment of the API: a team's slug, a policy's name, an
+# approval's id. Anything else (`..`, `/`, `?`, `#`, `%`) would make a file's name into
+# another endpoint's path: `name: "../../../approvals/ID/decide?"` turned a dry run's
+# backtest into an approval decided with the CI job's token.
+_SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+
+
+def _segment(value: str, what: str) -> str:
+    if not _SEGMENT.fullmatch(value):
+        raise Refused(f"{what} {value!r} is not a name the API has (letters, digits, "
+                      "'-', '_', '.')")
+    return value
 
 
 class Api:
@@ -118,9 +197,11 @@ def _teams_of(document: Any) -> list[dict[str, Any]]:
         if not isinstance(team, dict) or not isinstance(team.get("slug"), str) \
                 or not isinstance(team.get("policies", []), list):
             raise Refused(f"teams[{i}] needs a 'slug' and a 'policies' list")
+        _segment(team["slug"], f"teams[{i}].slug")
         for j, policy in enumerate(team.get("policies", [])):
             if not isinstance(policy, dict) or not isinstance(policy.get("name"), str):
                 raise Refused(f"teams[{i}].policies[{j}] needs a 'name'")
+            _segment(policy["name"], f"teams[{i}].policies[{j}].name")
     return teams
 
 
@@ -180,7 +261,7 @@ def _dry_run(api: Api, out: Any, slug: str, name: str, policy: dict[str, Any],
 
 
 def policies_export(api: Api, args: argparse.Namespace, out: Any) -> None:
-    _, listing = api.call("GET", f"/teams/{args.team}/policies")
+    _, listing = api.call("GET", f"/teams/{_segment(args.team, '--team')}/policies")
     team = listing["team"]
     document = {"teams": [{"slug": team["slug"], "name": team["name"],
                            "webhook_url": team.get("webhook_url"),
@@ -203,7 +284,8 @@ def killswitch(api: Api, args: argparse.Namespace, out: Any) -> None:
 
 def approvals_list(api: Api, args: argparse.Namespace, out: Any) -> None:
     params = {"status": args.status} if args.status != "all" else {}
-    _, data = api.call("GET", f"/teams/{args.team}/approvals", params=params)
+    _, data = api.call("GET", f"/teams/{_segment(args.team, '--team')}/approvals",
+                       params=params)
     if args.json:
         print(json.dumps(data["approvals"], indent=2), file=out)
         return
@@ -218,7 +300,7 @@ def approvals_list(api: Api, args: argparse.Namespace, out: Any) -> None:
 
 
 def approvals_decide(api: Api, args: argparse.Namespace, out: Any) -> None:
-    _, approval = api.call("POST", f"/approvals/{args.id}/decide",
+    _, approval = api.call("POST", f"/approvals/{_segment(args.id, 'the approval id')}/decide",
                            {"decision": args.decision, "note": args.note or ""})
     print(f"{approval['id']}: {approval['status']}", file=out)
 

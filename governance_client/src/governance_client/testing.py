@@ -363,6 +363,13 @@ class FakeGovernance:
         external_id = body.get("external_id")
         for run in self.runs.values():
             if external_id is not None and run.external_id == external_id:
+                named = body.get("parent_run_id")
+                if named is not None and run.ancestors[-1:] != (str(named),):
+                    # As the service: a child's start is never handed a run outside its
+                    # parent (runs/check/lifecycle.py, `_same_start`).
+                    return _error(409, "external_id_conflict", "This external_id belongs "
+                                  "to a run that is not a child of this parent_run_id.",
+                                  {"external_id": "already used by a run outside this parent"})
                 return httpx.Response(200, json=self._run_json(run, policy))
         kill = self._kill_words()
         if kill is not None:

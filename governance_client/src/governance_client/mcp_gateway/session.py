@@ -11,6 +11,7 @@ the gateway originates no request of its own, and answers only the calls it does
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -102,6 +103,14 @@ def _id_in(exc: Exception) -> Any:
     except Exception:
         return None
     return None
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return True
 
 
 class UpstreamGone(Exception):
@@ -222,6 +231,13 @@ class GatewaySession:
                     (args is not None and not isinstance(args, Mapping)):
                 await self._reply_error(message.id, INVALID_PARAMS,
                                         "tools/call needs a name and an arguments object")
+                return
+            if not _is_json(args):
+                # The SDK reads NaN and Infinity, JSON has neither: the check could not be
+                # sent, and its error ended the whole session as an upstream failure.
+                await self._reply_error(message.id, INVALID_PARAMS,
+                                        "tools/call arguments must be JSON (no NaN or "
+                                        "Infinity)")
                 return
             assert self._tg is not None
             scope = anyio.CancelScope()
@@ -428,6 +444,12 @@ class GatewaySession:
             try:
                 answer = await self._decide(message.id, params["name"],
                                             params.get("arguments") or {})
+            except Exception:
+                # One call that could not be checked is refused (fail closed); raised, it
+                # would end the whole session, reported as the upstream's failure.
+                logger.exception("the check of %s failed", params["name"])
+                answer = blocked("gateway_error", "The gateway could not check this call, "
+                                 "so it was not run.")
             finally:
                 self._held.pop(message.id, None)
         if scope.cancelled_caught:
@@ -466,6 +488,13 @@ class GatewaySession:
             reason = exc.code if isinstance(exc, ApiError) else exc.reason
             text = exc.message if isinstance(exc, ApiError) else str(exc)
             logger.warning("check of %s refused: %s", tool, exc)
+            if isinstance(exc, ApiError) and exc.status == 422:
+                # The call itself is refused (a name over 200 characters, a NUL in its
+                # arguments): the same call will never pass, so the model is told what to
+                # change rather than to try again.
+                named = "; ".join(f"{field}: {problem}" for field, problem in exc.fields.items())
+                return blocked(reason, f"{text} ({named})." if named else text,
+                               "Do not send this call again as it is: change what is named.")
             return blocked(reason, text, "Do not run this tool now; try again later.")
         if decision.allowed:
             directive = decision.directive

@@ -1,0 +1,102 @@
+"""`govctl` with a bad or hostile policy file (SPEC 10, 17): every one exits 1 with a reason
+naming the file or the field, sends nothing, and costs what the file's size says. The
+server's own answers are tests/test_govctl_e2e.py's; here a mock transport records what
+would have been sent."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import httpx
+import pytest
+
+from governance_client.govctl import main
+
+GOOD = """\
+teams:
+  - slug: support
+    policies:
+      - name: default
+        step_limits: {max_steps: 5, max_repeat_action: 3, no_progress_window: 4}
+"""
+
+
+def laughs() -> str:
+    """Nine aliases of nine aliases...: a few hundred bytes, 3.4 billion values once walked."""
+    text = "x0: &a0 [x, x, x, x, x, x, x, x, x]\n"
+    for i in range(1, 10):
+        text += f"x{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]\n"
+    return text + GOOD.replace("step_limits:", "tools: {deny: *a9}\n        step_limits:")
+
+
+def govctl(tmp_path: Path, content: str | bytes, *args: str, name: str = "p.yaml"
+           ) -> tuple[int, str, list[httpx.Request]]:
+    sent: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        if request.method == "GET":
+            return httpx.Response(200, json={"team": {"slug": "support"}, "policies": []})
+        return httpx.Response(200, json={"changed": True, "version": 2})
+
+    path = tmp_path / name
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["--url", "http://governance.test", "--token", "gov_op_x_y", "policies",
+                     "apply", str(path), *args], out=io.StringIO(),
+                    transport=httpx.MockTransport(answer))
+    return code, err.getvalue(), sent
+
+
+def test_a_good_file_is_sent_to_its_policys_path(tmp_path):
+    code, err, sent = govctl(tmp_path, GOOD)
+    assert code == 0, err
+    assert [(r.method, r.url.path) for r in sent] == [
+        ("GET", "/api/v1/teams/support/policies"),
+        ("PUT", "/api/v1/teams/support/policies/default")]
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    # A name that is a path: `support/../other` saved team other's policy.
+    (GOOD.replace("slug: support", 'slug: "support/../other"'), "teams[0].slug"),
+    (GOOD.replace("name: default", 'name: "../../../approvals/x/decide?"'),
+     "teams[0].policies[0].name"),
+    (GOOD.replace("name: default", 'name: "a#b"'), "teams[0].policies[0].name"),
+    (GOOD.replace("name: default", 'name: ".."'), "teams[0].policies[0].name"),
+    # What the server's reader refuses (docs/policies.md, "Bounds of a document"), refused
+    # before this process walks it or encodes it as JSON.
+    (laughs(), "holds more than 50000 values"),
+    ("teams: &t\n  - slug: support\n    policies:\n      - name: default\n        x: *t\n",
+     "nests more than 16 levels"),
+    ("teams: " + "[" * 3000 + "]" * 3000 + "\n", "nests more than 16 levels"),
+    (GOOD + "        mode: shadow\n        mode: enforce\n", "found the key 'mode' twice"),
+    (GOOD.replace("max_steps: 5", "max_steps: 2024-02-30"), "is not valid YAML"),
+    (b"teams: \xff\xfe\n", "is not UTF-8 text"),
+    (GOOD + "#" * (256 * 1024), "is over 256 KiB"),
+])
+def test_a_bad_file_exits_1_with_the_reason_and_sends_nothing(tmp_path, content, says):
+    code, err, sent = govctl(tmp_path, content)
+    assert code == 1 and says in err, err
+    assert "Traceback" not in err
+    assert sent == []
+
+
+def test_a_json_file_too_deep_is_refused_without_a_traceback(tmp_path):
+    deep = '{"teams": ' + "[" * 5000 + "]" * 5000 + "}"
+    code, err, sent = govctl(tmp_path, deep, name="p.json")
+    assert code == 1 and "nests more than 16 levels" in err and sent == []
+
+
+def test_an_approval_id_or_team_that_is_a_path_is_refused(tmp_path):
+    for args in (["approvals", "decide", "../../killswitch", "approve"],
+                 ["approvals", "list", "--team", "support/../other"],
+                 ["policies", "export", "--team", "x?y"]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["--url", "http://governance.test", "--token", "gov_op_x_y", *args],
+                        out=io.StringIO(), transport=httpx.MockTransport(
+                            lambda request: pytest.fail(f"sent {request.url}")))
+        assert code == 1 and "is not a name the API has" in err.getvalue()
