@@ -42,6 +42,8 @@ PARTS: list[tuple[str, str, str]] = [
     ("ASGI: the answer sent as messages", "django/core/handlers/asgi.py", "send_response"),
     ("Django: request_started, request_finished", "django/dispatch/dispatcher.py", "send"),
     ("Django: URL resolution", "django/urls/resolvers.py", "resolve"),
+    ("the direct path, all of it (governance/direct.py)", "governance/direct.py", "respond"),
+    ("  of which the API chain's response hooks", "governance/direct.py", "after"),
     ("check view: body parsed and validated (CheckIn)", "runs/check/api.py",
      "_check_payload"),
     ("check view: run_check (lock, rules, write)", "runs/check/services.py", "run_check"),
@@ -225,7 +227,10 @@ def middleware_layers(stats: pstats.Stats) -> list[tuple[str, float]]:
     from django.utils.module_loading import import_string
 
     rows: dict[tuple[str, int, str], Any] = stats.stats  # type: ignore[attr-defined]
-    inner_key = next(k for k in rows if k[0] == exception.__file__ and k[2] == "inner")
+    inner_key = next((k for k in rows if k[0] == exception.__file__ and k[2] == "inner"),
+                     None)
+    if inner_key is None:  # the check took the direct path (governance/direct.py): no chain
+        return []
     inner_callers = rows[inner_key][4]
     found = []
     configured = [*settings.MIDDLEWARE, *getattr(settings, "API_MIDDLEWARE", [])]
