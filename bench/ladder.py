@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import itertools
 import sys
+from pathlib import Path
 from typing import Any
 
 from . import report, stack
@@ -44,13 +45,17 @@ from . import scenarios as sc
 RUNGS = ("wsgi-min", "asgi-min", "asgi-pool", "django-cycle", "api-middleware", "auth",
          "validation", "real", "real-metrics")
 OLD = "min-durable"
+# `--other`: the real check served by another checkout (the tree before a change), measured
+# in the same alternating rounds as this tree's: a change's before and after beside the floor.
+OTHER = "real-other"
+sc.CHECK_PATHS.setdefault(OTHER, sc.CHECK_PATHS["real"])
 
 
 def measure(team: sc.Team, *, workers: int, threads: int, agents: list[int], rounds: int,
             seconds: float, warmup: float, server: stack.Server | None = None,
-            rungs: tuple[str, ...] = RUNGS) -> dict[str, Any]:
-    """Every rung (and the old baseline) at each concurrency of `agents`, `rounds` slices
-    each, alternating."""
+            rungs: tuple[str, ...] = RUNGS, other: Path | None = None) -> dict[str, Any]:
+    """Every rung (and the old baseline, and with `other` the real check of that checkout)
+    at each concurrency of `agents`, `rounds` slices each, alternating."""
     shape = {"workers": workers, "threads": threads}
     with contextlib.ExitStack() as stack_:
         product = server or stack_.enter_context(stack.Server(**shape))
@@ -67,6 +72,10 @@ def measure(team: sc.Team, *, workers: int, threads: int, agents: list[int], rou
             servers["real-metrics"] = stack_.enter_context(
                 stack.Server(metrics=True, **shape))
         plan = [r for r in rungs] + [OLD]
+        if other is not None:
+            servers[OTHER] = stack_.enter_context(stack.Server(
+                root=other, python=str(other / ".venv" / "bin" / "python"), **shape))
+            plan.append(OTHER)
         for rung in plan:  # imports, connections, prepared statements
             sc.run_slice(product, team, scenario=rung, agents=8, seconds=1.5, warmup=0.5,
                          minimal=minimal, mode=sc.CHECKS, check_servers=servers)
@@ -136,6 +145,15 @@ def headline(points: list[dict[str, Any]]) -> dict[str, Any]:
         if old:
             out[f"real_over_min_durable_{n}"] = round(real["checks_per_s"]
                                                       / old["checks_per_s"], 2)
+        before = _at(points, OTHER, n)
+        if before and fastest:
+            out[f"other_over_wsgi_min_{n}"] = round(before["checks_per_s"]
+                                                    / fastest["checks_per_s"], 2)
+            out[f"p50_other_over_wsgi_min_{n}"] = round(before["p50_ms"] / fastest["p50_ms"],
+                                                        2)
+        if before:
+            out[f"real_over_other_{n}"] = round(real["checks_per_s"]
+                                                / before["checks_per_s"], 2)
     return out
 
 
@@ -217,6 +235,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--rungs", default=",".join(RUNGS))
+    parser.add_argument("--other", type=Path,
+                        help="another checkout (with its own .venv): its real check is "
+                             "measured as the rung real-other, in the same rounds")
     parser.add_argument("--attacks", action="store_true",
                         help="instead of the ladder: the wsgi-min rung under the slow-body "
                              "and unfinished-header attacks (SPEC 10), alternating slices")
@@ -238,7 +259,8 @@ def main(argv: list[str]) -> int:
                         for r in held.values()) else 1
     result = measure(team, workers=args.workers, threads=args.threads,
                      agents=[int(a) for a in args.agents.split(",") if a],
-                     rounds=args.rounds, seconds=args.seconds, warmup=1.0, rungs=rungs)
+                     rounds=args.rounds, seconds=args.seconds, warmup=1.0, rungs=rungs,
+                     other=args.other.resolve() if args.other else None)
     for line in lines(result):
         print(line)
     ok = all(p["errors"] == 0 and p["audit_ok"] for p in result["points"])

@@ -29,7 +29,7 @@ import io
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import django
 
@@ -48,8 +48,11 @@ from runs import telemetry  # noqa: E402
 from runs.check import edge  # noqa: E402
 
 from . import connections, pools  # noqa: E402
-from .handlers import ResolvedOnce  # noqa: E402
+from .handlers import Answer, ResolvedOnce  # noqa: E402
 from .pools import pool_name  # noqa: E402
+
+if TYPE_CHECKING:
+    from .direct import DirectApi
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,12 @@ class Application(ResolvedOnce, ASGIHandler):
         super().__init__()
         self.sync_handler = SyncHandler()
         self.any_async_view = _has_async_views(get_resolver().url_patterns)
+        # Loading the URLconf (above) registered the API's direct views, if it has the API.
+        self.direct: DirectApi | None = None
+        if edge.direct_views:
+            from .direct import DirectApi
+
+            self.direct = DirectApi()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -189,12 +198,21 @@ class Application(ResolvedOnce, ASGIHandler):
             await self.send_response(refused, send)
             return
         loop = asyncio.get_running_loop()
-        if self.any_async_view and self.resolves_to_async_view(request):
+        view = self.direct_view(request)
+        if view is None and self.any_async_view and self.resolves_to_async_view(request):
             executor = pools.pool("api")
             response = await self.serve(receive, send, self.get_response_async(request))
         else:
             executor = pools.pool(pool_name(path))
-            made = await loop.run_in_executor(executor, self.respond_sync, request)
+            if view is not None:
+                # The check: on the same pool with the same housekeeping, without Django's
+                # handler (governance/direct.py).
+                made = await loop.run_in_executor(executor, self.respond_direct, request, view)
+                if isinstance(made, Answer):
+                    await self.send_answer(made, send)
+                    return
+            else:
+                made = await loop.run_in_executor(executor, self.respond_sync, request)
             if not made.streaming:
                 # Whole, and closed on its thread already (respond_sync): nothing is left
                 # to stop if the client goes away, so no race with a disconnect listener
@@ -206,6 +224,41 @@ class Application(ResolvedOnce, ASGIHandler):
             # Django's request_finished (connection housekeeping) belongs on a thread of the
             # pool that used the connection.
             await loop.run_in_executor(executor, response.close)
+
+    def direct_view(self, request: ASGIRequest) -> Callable[..., HttpResponseBase] | None:
+        """The view the API serves without Django's handler for this request, if any (a POST
+        to the check: runs/check/edge.py `serve_directly`). The URL's match is kept on the
+        request, as `resolves_to_async_view` keeps it."""
+        if self.direct is None or request.method != "POST" or not edge.direct_views:
+            return None
+        match = _resolved(get_resolver(), request.path_info)
+        if match is None:
+            return None
+        request.resolver_match = match
+        return edge.direct_views.get(match.view_name)
+
+    def respond_direct(self, request: ASGIRequest, view: Callable[..., HttpResponseBase]
+                       ) -> Answer | HttpResponseBase:
+        """The direct view's answer on this (API pool) thread, with the connection
+        housekeeping of every API request (`pools.run_request`); Django's handler answers
+        what the direct path hands back (governance/direct.py)."""
+        assert self.direct is not None and request.resolver_match is not None
+        direct, kwargs = self.direct, request.resolver_match.kwargs
+
+        def answer() -> Answer | HttpResponseBase:
+            made = direct.respond(request, view, kwargs)
+            return made if made is not None else self.sync_handler.get_response(request)
+
+        return pools.run_request(answer)
+
+    async def send_answer(self, answer: Answer, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": answer.status,
+                        "headers": answer.headers})
+            await send({"type": "http.response.body", "body": answer.body})
+        except Exception as exc:
+            # Nearly always the client went away mid-answer (granian raises then).
+            log.info("a response was not sent whole: %r", exc)
 
     def respond_sync(self, request: ASGIRequest) -> HttpResponseBase:
         """The request on this pool thread, from request_started to request_finished (for a

@@ -6,6 +6,7 @@ Nothing here imports the project's apps: the benchmark's minimal application
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
@@ -14,6 +15,15 @@ from django.core.handlers.base import BaseHandler
 from django.core.handlers.exception import convert_exception_to_response
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole answer, ready to send as ASGI messages (governance/direct.py makes them)."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
 
 
 class ResolvedOnce:

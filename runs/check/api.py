@@ -41,7 +41,7 @@ from runs.approvals.waits import (
     off_the_api_pool,
 )
 from runs.audit import selectors
-from runs.check import metrics
+from runs.check import edge, metrics
 from runs.check import schemas as s
 from runs.check.edge import bearer_token, error
 from runs.check.lifecycle import run_finish, run_start
@@ -320,19 +320,26 @@ def _without_ninja_validation(run: Any) -> Any:
     CheckIn, CheckOut, the errors and the bearer scheme from the schemas.
     """
     def run_check_operation(request: HttpRequest, **path: Any) -> HttpResponseBase:
-        started = time.perf_counter()
-        received = time.monotonic()
-        with telemetry.check_span(request.META) as trace:
-            try:
-                response = _serve_check(request, path["run_id"], received)
-            except Exception as exc:
-                response = api.on_exception(request, exc)
-            if trace is not None:
-                _traced_answer(request, trace, response)
-        metrics.check_answered(time.perf_counter() - started)
-        return response
+        return check_operation(request, path["run_id"])
 
     return run_check_operation
+
+
+def check_operation(request: HttpRequest, run_id: str) -> HttpResponseBase:
+    """The check, answered: called by ninja (above) or, under `manage.py serve`, by the ASGI
+    application without Django's handler (governance/direct.py, registered below). Every
+    error becomes its answer here."""
+    started = time.perf_counter()
+    received = time.monotonic()
+    with telemetry.check_span(request.META) as trace:
+        try:
+            response = _serve_check(request, run_id, received)
+        except Exception as exc:
+            response = api.on_exception(request, exc)
+        if trace is not None:
+            _traced_answer(request, trace, response)
+    metrics.check_answered(time.perf_counter() - started)
+    return response
 
 
 def _traced_answer(request: HttpRequest, trace: telemetry.CheckTrace,
@@ -355,6 +362,9 @@ def _traced_answer(request: HttpRequest, trace: telemetry.CheckTrace,
 def check(request: HttpRequest, run_id: str, payload: s.CheckIn) -> HttpResponse:
     # Declared for the schema; _serve_check, which replaces ninja's handling, calls _check.
     return _check(request, _run_uuid(run_id), payload)
+
+
+edge.serve_directly("api:check", check_operation)
 
 
 def _check(request: HttpRequest, run_id: uuid.UUID, payload: s.CheckIn) -> HttpResponse:

@@ -11,9 +11,23 @@ API's views, schemas and services.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 from django.conf import settings
 from django.http import HttpResponse
+from django.http.response import HttpResponseBase
+
+# The API's views `manage.py serve` calls without Django's handler, by URL name
+# (governance/direct.py): filled by the views' module when the URLconf loads it.
+direct_views: dict[str, Callable[..., HttpResponseBase]] = {}
+
+
+def serve_directly(view_name: str, view: Callable[..., Any]) -> None:
+    """Have the ASGI application serve ``POST`` to the URL named `view_name` (namespaced, as
+    ``reverse`` takes it) by calling `view` with the request and the URL's arguments, without
+    Django's handler (governance/direct.py). The view must answer every error itself."""
+    direct_views[view_name] = view
 
 
 def error(status: int, code: str, message: str, fields: dict[str, str] | None = None
