@@ -376,7 +376,11 @@ class RunSource(Source):
         self._finished = False
         self._full_due = True  # the first look is a full one
         self._full_at = 0.0
-        self._status = ""
+        self._state: tuple[str, bool] = ("", False)  # status, waiting: at the last look
+        self._family = False  # the run had a parent or children at the last full look
+        # Whether a wake-up for this run came since the last look (None under WSGI, where
+        # the loop is not told: every look counts as woken).
+        self._woken: bool | None = None
 
     def step_look_due(self) -> bool:
         """Whether the next look is a step look (that `_step_looks` can serve)."""
@@ -410,14 +414,21 @@ class RunSource(Source):
         """The step look's frames, given the run, its decisions after ``after`` and the
         team's count of pending approvals (the navigation's); None when a full look is due
         after all."""
-        if (run.status != self._status or run.status != RunStatus.RUNNING
-                or (run.memory or {}).get("pending")):
+        woken, self._woken = self._woken, (None if self._woken is None else False)
+        state = _state(run)
+        if state != self._state or state != (RunStatus.RUNNING, False):
+            return None  # it ended, waits for an approval, or an approval was answered
+        if woken is not False and not rows:
+            # Woken, yet none of its own steps: a descendant's check or a child's start
+            # (SPEC 20 wakes every ancestor's page), which its tree shows.
             return None
         names: tuple[str, ...] = ("run-counters",)
         if run.policy_version.document.get("mode") == "shadow":
             names += ("run-header",)
-        frames = self._rows(run, rows) + self.render(names, run_context(run, tree=False),
-                                                     chrome=False)
+        if self._family:
+            names += ("run-tree",)
+        frames = self._rows(run, rows) + self.render(
+            names, run_context(run, tree=self._family), chrome=False)
         return frames + self.partials.changed({"approvals-count": render_to_string(
             "runs/_approvals_count.html", {"approvals_pending": approvals_pending},
             request=self.request)})
@@ -431,14 +442,16 @@ class RunSource(Source):
                  "run-tree")
         if run.status != RunStatus.RUNNING:
             names += ("run-confirm-form",)  # only then: it replaces an open confirmation
-        frames += self.render(names, {**run_context(run), **run_approval_context(run)})
+        context = run_context(run)
+        frames += self.render(names, {**context, **run_approval_context(run)})
+        self._family, self._state, self._woken = context["tree"] is not None, _state(run), (
+            None if self._woken is None else False)
         # The next full look of each page at its own time: pages opened together (a browser
         # restoring its tabs, the stream's reconnects) do not all take their full looks at
         # once again.
         self._full_due = False
         self._full_at = time.monotonic() - random.uniform(
             0, settings.DASHBOARD_STREAM_FULL_LOOK_S / 2)
-        self._status = run.status
         self._finished = run.finished_at is not None
         return frames
 
@@ -460,7 +473,10 @@ class RunSource(Source):
         # checks leave this page as it is.
         if changes is None:
             self._full_due = True
-        return changes is None or str(self.run_id) in changes
+        mine = changes is None or str(self.run_id) in changes
+        if mine or self._woken is None:
+            self._woken = mine
+        return mine
 
     def watched_run(self) -> str:
         return str(self.run_id)
@@ -499,6 +515,12 @@ def _step_looks(sources: list[RunSource]) -> list[str]:
             texts.append(_look(source, partial(_step_or_full, source, run, mine,
                                                pending[source.team_id])))
         return texts
+
+
+def _state(run: Run) -> tuple[str, bool]:
+    """What decides whether a step look will do: the run's status, and whether it waits for
+    an approval."""
+    return run.status, bool((run.memory or {}).get("pending"))
 
 
 def _step_or_full(source: RunSource, run: Run, rows: list[Decision], approvals_pending: int
