@@ -149,3 +149,33 @@ def test_a_step_look_of_a_run_that_ended_is_a_full_one(team, users):
     banner = [e for e in sent if e["event"] == "run-banner"]
     assert banner and "the answer" in banner[0]["data"]
     assert p.finished()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_look_to_be_served_together_waits_behind_one_other_look_at_most() -> None:
+    lane = looks.LookLane()
+    served: list[str] = []
+
+    def alone(name: str) -> Any:
+        def look() -> str:
+            served.append(name)
+            time.sleep(0.05 if name == "hold" else 0)
+            return name
+        return look
+
+    def together(names: list[str]) -> list[str]:
+        served.extend(names)
+        return names
+
+    async def crowd() -> None:
+        held = asyncio.ensure_future(lane.run(alone("hold"), "x"))
+        await asyncio.sleep(0.02)  # the lane is busy: the rest queue in this order
+        fulls = [asyncio.ensure_future(lane.run(alone(f"full-{i}"), "x")) for i in range(4)]
+        step = asyncio.ensure_future(lane.run("step", "x", together=together))
+        await asyncio.gather(held, *fulls, step)
+
+    try:
+        asyncio.run(crowd())
+    finally:
+        lane.stop(timeout=5)
+    assert served.index("step") <= 2  # not behind the four full looks queued before it

@@ -45,6 +45,7 @@ class LookLane(BackgroundThread):
         self._queues: OrderedDict[Hashable, deque[_Look[Any]]] = OrderedDict()
         self._budget = 0.0
         self._filled_at = time.monotonic()
+        self._batch_turn = True
 
     async def run(self, look: Any, viewer: Hashable,
                   together: Callable[[list[Any]], list[Any]] | None = None) -> Any:
@@ -70,6 +71,17 @@ class LookLane(BackgroundThread):
             del self._queues[viewer]
         return item
 
+    def _first_together(self) -> _Look[Any] | None:
+        # Under _cond: the first queued look to be served together, taken off its queue.
+        for viewer, queue in self._queues.items():
+            for item in queue:
+                if item.together is not None:
+                    queue.remove(item)
+                    if not queue:
+                        del self._queues[viewer]
+                    return item
+        return None
+
     def _next(self) -> list[_Look[Any]] | None:
         """The next look, in its viewer's turn, with the queued looks to be served together
         with it, taken from the viewers in turn (one each per round, up to ``BATCH_MAX``);
@@ -77,7 +89,11 @@ class LookLane(BackgroundThread):
         with self._cond:
             if not self._wait_for(lambda: bool(self._queues)):
                 return None
-            batch = [self._pop(next(iter(self._queues)))]
+            # Turns alternate between a batch and any look: a step look (a decision on its
+            # way to a page) never waits behind more than one full look, however many queue.
+            first = self._first_together() if self._batch_turn else None
+            self._batch_turn = not self._batch_turn
+            batch = [self._pop(next(iter(self._queues)))] if first is None else [first]
             together = batch[0].together
             if together is None:
                 return batch
