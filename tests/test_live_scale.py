@@ -152,7 +152,7 @@ def test_a_step_look_of_a_run_that_ended_is_a_full_one(team, users):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_look_to_be_served_together_waits_behind_one_other_look_at_most() -> None:
+def test_a_look_to_be_served_together_goes_before_the_other_looks_queued() -> None:
     lane = looks.LookLane()
     served: list[str] = []
 

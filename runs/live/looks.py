@@ -38,6 +38,7 @@ class LookLane(BackgroundThread):
     # many per turn, taken from the viewers in turn: a hundred run pages' step looks cost two
     # queries instead of two hundred (runs/dashboard/stream.py).
     BATCH_MAX = 100
+    BATCH_EVERY_S = 0.1
     name = "stream-look"
 
     def _reset(self) -> None:
@@ -45,7 +46,7 @@ class LookLane(BackgroundThread):
         self._queues: OrderedDict[Hashable, deque[_Look[Any]]] = OrderedDict()
         self._budget = 0.0
         self._filled_at = time.monotonic()
-        self._batch_turn = True
+        self._batch_at = 0.0  # when the last batch was served
 
     async def run(self, look: Any, viewer: Hashable,
                   together: Callable[[list[Any]], list[Any]] | None = None) -> Any:
@@ -77,7 +78,9 @@ class LookLane(BackgroundThread):
             for item in queue:
                 if item.together is not None:
                     queue.remove(item)
-                    if not queue:
+                    if queue:
+                        self._queues.move_to_end(viewer)  # the next viewer's turn
+                    else:
                         del self._queues[viewer]
                     return item
         return None
@@ -89,14 +92,16 @@ class LookLane(BackgroundThread):
         with self._cond:
             if not self._wait_for(lambda: bool(self._queues)):
                 return None
-            # Turns alternate between a batch and any look: a step look (a decision on its
-            # way to a page) never waits behind more than one full look, however many queue.
-            first = self._first_together() if self._batch_turn else None
-            self._batch_turn = not self._batch_turn
+            # A batch goes first when the last one was BATCH_EVERY_S ago: a step look (a
+            # decision on its way to a page) does not wait behind every full look queued
+            # before it, and the full looks (pages opening) still get most turns.
+            due = time.monotonic() - self._batch_at >= self.BATCH_EVERY_S
+            first = self._first_together() if due else None
             batch = [self._pop(next(iter(self._queues)))] if first is None else [first]
             together = batch[0].together
             if together is None:
                 return batch
+            self._batch_at = time.monotonic()
             mine = {viewer: deque(item for item in queue if item.together is together)
                     for viewer, queue in self._queues.items()}
             taken: set[int] = set()
