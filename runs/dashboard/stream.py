@@ -377,10 +377,9 @@ class RunSource(Source):
         self._full_due = True  # the first look is a full one
         self._full_at = 0.0
         self._state: tuple[str, bool] = ("", False)  # status, waiting: at the last look
-        self._family = False  # the run had a parent or children at the last full look
-        # Whether a wake-up for this run came since the last look (None under WSGI, where
-        # the loop is not told: every look counts as woken).
-        self._woken: bool | None = None
+        # The run had a parent or children at the last full look: its step looks render its
+        # tree too (a descendant's check or stop wakes every ancestor's page, SPEC 20).
+        self._family = False
 
     def step_look_due(self) -> bool:
         """Whether the next look is a step look (that `_step_looks` can serve)."""
@@ -414,14 +413,9 @@ class RunSource(Source):
         """The step look's frames, given the run, its decisions after ``after`` and the
         team's count of pending approvals (the navigation's); None when a full look is due
         after all."""
-        woken, self._woken = self._woken, (None if self._woken is None else False)
         state = _state(run)
         if state != self._state or state != (RunStatus.RUNNING, False):
             return None  # it ended, waits for an approval, or an approval was answered
-        if woken is not False and not rows:
-            # Woken, yet none of its own steps: a descendant's check or a child's start
-            # (SPEC 20 wakes every ancestor's page), which its tree shows.
-            return None
         names: tuple[str, ...] = ("run-counters",)
         if run.policy_version.document.get("mode") == "shadow":
             names += ("run-header",)
@@ -444,8 +438,7 @@ class RunSource(Source):
             names += ("run-confirm-form",)  # only then: it replaces an open confirmation
         context = run_context(run)
         frames += self.render(names, {**context, **run_approval_context(run)})
-        self._family, self._state, self._woken = context["tree"] is not None, _state(run), (
-            None if self._woken is None else False)
+        self._family, self._state = context["tree"] is not None, _state(run)
         # The next full look of each page at its own time: pages opened together (a browser
         # restoring its tabs, the stream's reconnects) do not all take their full looks at
         # once again.
@@ -473,10 +466,7 @@ class RunSource(Source):
         # checks leave this page as it is.
         if changes is None:
             self._full_due = True
-        mine = changes is None or str(self.run_id) in changes
-        if mine or self._woken is None:
-            self._woken = mine
-        return mine
+        return changes is None or str(self.run_id) in changes
 
     def watched_run(self) -> str:
         return str(self.run_id)
