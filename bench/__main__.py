@@ -58,6 +58,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "one in bench/attacks.py ATTACKS)")
     parser.add_argument("--tracing-sampling", type=float, default=None,
                         help="the tracing phase's head sampling ratio (default: every trace)")
+    parser.add_argument("--stream-runs", default="",
+                        help="comma-separated running-run counts of the stream phase, each "
+                             "with a page open on every run unless --stream-watched (default "
+                             "200,1000; quick 200)")
+    parser.add_argument("--stream-watched", type=int, default=0,
+                        help="run pages the stream phase watches (default 0: every run's)")
+    parser.add_argument("--stream-interval", type=float, default=1.0,
+                        help="seconds between two checks of one run in the stream phase "
+                             "(default 1)")
     parser.add_argument("--no-history", action="store_true",
                         help="do not append this run to bench/history.jsonl")
     return parser.parse_args(argv)
@@ -169,7 +178,11 @@ def main(argv: list[str]) -> int:
                 steps=args.longrun_steps or (400 if quick else 5050))
             print(report.longrun_line(results["longrun"]), flush=True)
         if "stream" in phases:
-            results["stream"] = live_stream(server, team, quick=quick)
+            counts = [int(n) for n in args.stream_runs.split(",") if n] or (
+                [200] if quick else [200, 1000])
+            results["stream"] = live_stream(server, team, quick=quick, counts=counts,
+                                            watched=args.stream_watched,
+                                            interval=args.stream_interval)
             print(report.live_line(results["stream"]), flush=True)
         if "attacks" in phases:
             from .attacks import ATTACKS
@@ -269,7 +282,10 @@ def points_phase(results: dict[str, Any], server: stack.Server, team: sc.Team,
         print(report.point_line(point), flush=True)
 
 
-def live_stream(server: stack.Server, team: sc.Team, *, quick: bool) -> dict[str, Any]:
+def live_stream(server: stack.Server, team: sc.Team, *, quick: bool, counts: list[int],
+                watched: int, interval: float) -> dict[str, Any]:
+    """One point per running-run count, a page open on each run (or on `watched` of them);
+    the phase's own fields are its largest point's."""
     from django.urls import NoReverseMatch, reverse
 
     from . import live
@@ -278,8 +294,11 @@ def live_stream(server: stack.Server, team: sc.Team, *, quick: bool) -> dict[str
         reverse("runs:run_stream", args=["x", "00000000-0000-0000-0000-000000000000"])
     except NoReverseMatch:
         return {"measured": False, "why": "no dashboard run stream in this build"}
-    return live.measure(server, team_slug=team.slug, team_id=team.team_id, token=team.token,
-                        runs=200, watched=8, agents=20, seconds=5.0 if quick else 15.0)
+    points = [live.measure(server, team_slug=team.slug, team_id=team.team_id, token=team.token,
+                           runs=n, watched=min(n, watched or n), agents=max(20, n // 10),
+                           per_run_interval=interval, seconds=5.0 if quick else 15.0)
+              for n in counts]
+    return {**points[-1], "points": points}
 
 
 def metrics_cost(team: sc.Team, workers: int, threads: int, seconds: float, warmup: float,

@@ -98,8 +98,14 @@ def tracing_line(t: dict[str, Any]) -> str:
 def live_line(s: dict[str, Any]) -> str:
     if not s.get("measured"):
         return f"  live stream: not measured ({s.get('why')})"
-    return (f"  live stream ({s['running_runs']} running runs, {s['watched_runs']} watched, "
-            f"{s['checks_per_s']} checks/s): decision to event p50 {s['p50_ms']} ms, p95 "
+    return "\n".join(_live_point(p) for p in s.get("points") or [s])
+
+
+def _live_point(s: dict[str, Any]) -> str:
+    return (f"  live stream ({s['running_runs']} running runs, {s['watched_runs']} pages open "
+            f"in {s.get('pages_open_s', '?')} s ({s.get('pages_not_open_in_120_s', 0)} not "
+            f"yet), {s['checks_per_s']} checks/s, load "
+            f"{s.get('load_average_1m', '?')}): decision to event p50 {s['p50_ms']} ms, p95 "
             f"{s['p95_ms']} ms, p99 {s['p99_ms']} ms over {s['events']} events "
             f"({s['events_missing']} missing), errors {s['errors']}")
 
@@ -216,8 +222,10 @@ def correctness(results: dict[str, Any]) -> list[str]:
     if nodes and nodes.get("failed"):
         failed.append(f"nodes: {nodes['why']}")
     live = results.get("stream")
-    if live and live.get("measured") and live["errors"]:
-        failed.append(f"live stream: errors {live['error_kinds']}")
+    for point in (live or {}).get("points") or ([live] if live else []):
+        if point.get("measured") and point["errors"]:
+            failed.append(f"live stream at {point['running_runs']} runs: errors "
+                          f"{point['error_kinds']}")
     for name, r in (results.get("attacks") or {}).get("attacks", {}).items():
         if r["errors"] or not r["audit_ok"] or r["agents_starved"]:
             failed.append(f"under {name}: errors {r['error_kinds']}, audit ok "
@@ -338,7 +346,7 @@ def summary(results: dict[str, Any]) -> str:
                      ("stream", live_line), ("metrics", metrics_line),
                      ("tracing", tracing_line)):
         if key in results:
-            lines.append(fmt(results[key]).strip())
+            lines.extend(line.strip() for line in fmt(results[key]).splitlines())
     if "attacks" in results:
         lines.extend(line.strip() for line in attack_lines(results["attacks"]))
     if "retention" in results:
@@ -449,6 +457,7 @@ def history_line(results: dict[str, Any]) -> dict[str, Any]:
         "fanout_all_killed_s": (results.get("fanout") or {}).get("all_covered_killed_s"),
         "longrun_last_over_first": (results.get("longrun") or {}).get("last_over_first"),
         "live_p99_ms": (results.get("stream") or {}).get("p99_ms"),
+        "live_running_runs": (results.get("stream") or {}).get("running_runs"),
         "backtest_decisions_per_s": ((results.get("backtest") or {}).get("recomputed_keys")
                                      or {}).get("decisions_per_s"),
         "attack_p99_ratios": {name: r["p99_ratio"] for name, r in

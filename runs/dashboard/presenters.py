@@ -281,12 +281,14 @@ def run_tree(run: Run, now: datetime | None = None) -> RunTree | None:
                    usage=counters(root or run, now))
 
 
-def run_context(run: Run, now: datetime | None = None) -> dict[str, Any]:
-    """The context of every live partial of the run page except the timeline rows."""
+def run_context(run: Run, now: datetime | None = None, *, tree: bool = True
+                ) -> dict[str, Any]:
+    """The context of every live partial of the run page except the timeline rows (without
+    the run's tree, which costs queries, when ``tree`` is False)."""
     doc = run.policy_version.document
     return {
         "run": run,
-        "tree": run_tree(run, now),
+        "tree": run_tree(run, now) if tree else None,
         "policy_doc": doc,
         "counters": counters(run, now),
         "banner": banner(run),

@@ -22,7 +22,7 @@ from governance_client.rules import WOULD_STOP
 from policies.models import Policy, Team
 from runs import due
 from runs.killswitch import cover
-from runs.models import FLAGGED, Decision, KillSwitch, Run, RunStatus
+from runs.models import FLAGGED, IN_RUN_ORDER, Decision, KillSwitch, Run, RunStatus
 
 RUN_STATUSES = tuple(RunStatus.values)
 TERMINAL_STOPS = (RunStatus.STOPPED, RunStatus.KILLED)
@@ -470,6 +470,26 @@ def timeline(run: Run, *, after: int = 0, limit: int = 2000, flagged: bool = Fal
              ) -> list[Decision]:
     """Decisions after ``after``, oldest first (the stream's new rows)."""
     return list(_timeline_rows(run, flagged=flagged, after=after)[:limit])
+
+
+def timelines(afters: dict[Any, int], *, limit: int = 2000) -> dict[Any, list[Decision]]:
+    """`timeline` of many runs in one query: each run's decisions after its ``after``, oldest
+    first, at most ``limit`` in all (a run cut short gets the rest on its page's next look).
+    The step looks of many run pages' streams share it (runs/dashboard/stream.py)."""
+    if not afters:
+        return {}
+    wanted = Q()
+    for run_id, after in afters.items():
+        # Each term is a range of `decision_run`, as in `Decision.objects.of_run`.
+        wanted |= Q(run_id=run_id, in_run__gt=after)
+    previous = Decision.objects.of_run(OuterRef("run"), before=OuterRef("id"), newest_first=True)
+    rows = (Decision.objects.alias(in_run=IN_RUN_ORDER).filter(wanted)
+            .annotate(prev_at=Subquery(previous.values("at")[:1]))
+            .order_by("run_id", IN_RUN_ORDER.asc())[:limit])
+    found: dict[Any, list[Decision]] = {run_id: [] for run_id in afters}
+    for row in rows:
+        found.setdefault(row.run_id, []).append(row)
+    return found
 
 
 def timeline_page(run: Run, *, before: int | None = None, flagged: bool = False,

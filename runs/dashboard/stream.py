@@ -26,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -56,10 +57,10 @@ from runs.dashboard.presenters import (
     runs_list_context,
     step_row,
 )
-from runs.dashboard.selectors import DEFAULT_RANGE, RunFilters, timeline
+from runs.dashboard.selectors import DEFAULT_RANGE, RunFilters, timeline, timelines
 from runs.live import looks
 from runs.live.events import Changes, awakeups, wakeups
-from runs.models import Run, RunStatus
+from runs.models import Decision, Run, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -127,15 +128,18 @@ class Source(ABC):
         return {"team": self.team, "role": role, **controls(role), "page_path": self.page_path,
                 "live": True, "csrf_token": self._csrf_token}
 
-    def render(self, names: tuple[str, ...], context: dict[str, Any]) -> list[Frame]:
+    def render(self, names: tuple[str, ...], context: dict[str, Any], *, chrome: bool = True
+               ) -> list[Frame]:
         """The changed ones of these live partials (``run-header`` is runs/_run_header.html),
-        plus the layout's chrome."""
+        plus the layout's chrome (unless ``chrome`` is False)."""
         context = {**context, **self.layout()}
         rendered = {
             name: render_to_string(f"runs/_{name.replace('-', '_')}.html", context,
                                    request=self.request)
             for name in names
         }
+        if not chrome:
+            return self.partials.changed(rendered)
         rendered["chrome"] = render_to_string("runs/_killswitch_banner.html",
                                               {**context, "oob": True}, request=self.request)
         # The navigation's count of pending approvals (SPEC 11), an out-of-band swap too.
@@ -152,6 +156,11 @@ class Source(ABC):
         """Whether a change of the team (the runs that changed, or None for anything) can
         change this screen: a look is spent only then (or on the periodic look)."""
         return changes is None or bool(changes)
+
+    def watched_run(self) -> str | None:
+        """The one run whose changes (and the team-wide ones) this screen waits for, or None
+        for every change of the team (`runs.live.events.awakeups`)."""
+        return None
 
 
 class _Look:
@@ -228,12 +237,13 @@ def pump(source: Source, *, lifetime: float | None = None, stop: threading.Event
             yield str(step)
 
 
-def _look(source: Source) -> str:
+def _look(source: Source, frames: Callable[[], list[Frame]] | None = None) -> str:
+    """The text of a look at ``source`` (``frames`` if given, else its `frames`)."""
     try:
         # Within the dashboard's read deadline (governance/deadlines.py): on the look lane
         # it is the lane's; under WSGI, this thread's.
         with read_deadline():
-            return "".join(encode(f) for f in source.frames())
+            return "".join(encode(f) for f in (frames or source.frames)())
     except DatabaseError:
         # The database blinked, or a read took longer than its deadline: keep the stream,
         # say nothing, look again next time.
@@ -250,7 +260,10 @@ class LookLane:
         self.lane = lane if lane is not None else looks.LookLane()
 
     async def look(self, source: Source, viewer: Any) -> str:
-        return await self.lane.run(partial(_look, source), viewer)
+        if isinstance(source, RunSource) and source.step_look_due():
+            # Served with the other run pages' step looks waiting then (`_step_looks`).
+            return str(await self.lane.run(source, viewer, together=_step_looks))
+        return str(await self.lane.run(partial(_look, source), viewer))
 
 
 look_lane = LookLane(looks.look_lane)
@@ -273,26 +286,38 @@ async def apump(source: Source, *, viewer: Any = None, lifetime: float | None = 
         except TimeoutError:
             return None
 
-    wakes: AsyncIterator[Changes] | None = None
+    wakes: AsyncGenerator[Changes, None] | None = None
     loop = _loop(source)
     reply: str | bool | None = None
-    while True:
-        try:
-            step = loop.send(reply)
-        except StopIteration:
-            return
-        reply = None
-        if step is LOOK:
-            reply = await look()
-        elif step is WAKE:
-            if wakes is None:  # listens from the first wait on, for what is left of the lifetime
-                wakes = awakeups(source.team_id, poll=poll, lifetime=end_at - time.monotonic())
-            # One wake-up (None is one too: "anything changed"); none left leaves reply None.
-            async for changes in wakes:
-                reply = source.concerned(changes)
-                break
-        else:
-            yield str(step)
+    try:
+        while True:
+            try:
+                step = loop.send(reply)
+            except StopIteration:
+                return
+            reply = None
+            if step is LOOK:
+                reply = await look()
+            elif step is WAKE:
+                # Listens from the first wait on, for what is left of the lifetime.
+                if wakes is None:
+                    wakes = awakeups(source.team_id, poll=poll, lifetime=end_at - time.monotonic(),
+                                     run_id=_watched_run(source))
+                # One wake-up (None is one too: "anything changed"); none left leaves reply None.
+                async for changes in wakes:
+                    reply = source.concerned(changes)
+                    break
+            else:
+                yield str(step)
+    finally:
+        if wakes is not None:
+            await wakes.aclose()  # the stream's watch ends with it, not at a garbage collection
+
+
+def _watched_run(source: Any) -> str | None:
+    # A source that does not say (a test's) waits for every change of its team.
+    watched = getattr(source, "watched_run", None)
+    return watched() if watched is not None else None
 
 
 def sse_response(request: HttpRequest, source: Source) -> HttpResponseBase:
@@ -330,7 +355,17 @@ def last_event_id(request: HttpRequest) -> int:
 
 class RunSource(Source):
     """The run page: new timeline rows (with their decision id as the event id) and the
-    header, counters and stop banner whenever they change."""
+    header, counters and stop banner whenever they change.
+
+    Most looks are *step looks*: the run's new rows and its counters (and its header in
+    shadow mode, which counts would-stops), all a check of a running run changes. Those of
+    many pages are served together (`_step_looks`: two queries for up to a hundred pages).
+    A *full look* also settles what is due and renders the run's tree, controls, approval
+    banner and the layout's team-wide parts: the first look, the one after a team-wide
+    change (a kill switch), whenever the run is not running, its status changed or it waits
+    for an approval, and at least every ``DASHBOARD_STREAM_FULL_LOOK_S`` seconds (a deadline
+    that passed, a lost team-wide wake-up). The periodic look of every
+    ``DASHBOARD_STREAM_LOOK_S`` seconds is a step look otherwise."""
 
     def __init__(self, request: HttpRequest, team: Team, run_id: Any, after: int, *,
                  flagged: bool = False):
@@ -339,30 +374,88 @@ class RunSource(Source):
         self.page_path = reverse("runs:run", args=[team.slug, run_id])
         self.partials = Partials()
         self._finished = False
+        self._full_due = True  # the first look is a full one
+        self._full_at = 0.0
+        self._state: tuple[str, bool] = ("", False)  # status, waiting: at the last look
+        # The run had a parent or children at the last full look: its step looks render its
+        # tree too (a descendant's check or stop wakes every ancestor's page, SPEC 20).
+        self._family = False
+
+    def step_look_due(self) -> bool:
+        """Whether the next look is a step look (that `_step_looks` can serve)."""
+        return not (self._full_due or self.flagged or time.monotonic() - self._full_at
+                    >= settings.DASHBOARD_STREAM_FULL_LOOK_S)
 
     def frames(self) -> list[Frame]:
+        run = self._run()
+        if run is None:
+            return []
+        if self.step_look_due():
+            frames = self.step_frames(run, timeline(run, after=self.after, flagged=self.flagged),
+                                      approvals_pending=pending_count(self.team))
+            if frames is not None:
+                return frames
+        return self.full_frames(run)
+
+    def _run(self) -> Run | None:
         run = Run.objects.select_related("policy_version__policy").filter(
             team=self.team, pk=self.run_id
         ).first()
+        self.seen(run)
+        return run
+
+    def seen(self, run: Run | None) -> None:
         if run is None:  # deleted by retention while watched
             self._finished = True
-            return []
+
+    def step_frames(self, run: Run, rows: list[Decision], *, approvals_pending: int
+                    ) -> list[Frame] | None:
+        """The step look's frames, given the run, its decisions after ``after`` and the
+        team's count of pending approvals (the navigation's); None when a full look is due
+        after all."""
+        state = _state(run)
+        if state != self._state or state != (RunStatus.RUNNING, False):
+            return None  # it ended, waits for an approval, or an approval was answered
+        names: tuple[str, ...] = ("run-counters",)
+        if run.policy_version.document.get("mode") == "shadow":
+            names += ("run-header",)
+        if self._family:
+            names += ("run-tree",)
+        frames = self._rows(run, rows) + self.render(
+            names, run_context(run, tree=self._family), chrome=False)
+        return frames + self.partials.changed({"approvals-count": render_to_string(
+            "runs/_approvals_count.html", {"approvals_pending": approvals_pending},
+            request=self.request)})
+
+    def full_frames(self, run: Run) -> list[Frame]:
         # Whoever looks first settles (SPEC 11, 14): a watched run past its deadline, or its
         # request past its expiry, ends on screen.
         run = first_look.look_at_run_page(run)
+        frames = self._rows(run, timeline(run, after=self.after, flagged=self.flagged))
+        names = ("run-header", "run-controls", "run-counters", "run-banner", "run-approval",
+                 "run-tree")
+        if run.status != RunStatus.RUNNING:
+            names += ("run-confirm-form",)  # only then: it replaces an open confirmation
+        context = run_context(run)
+        frames += self.render(names, {**context, **run_approval_context(run)})
+        self._family, self._state = context["tree"] is not None, _state(run)
+        # The next full look of each page at its own time: pages opened together (a browser
+        # restoring its tabs, the stream's reconnects) do not all take their full looks at
+        # once again.
+        self._full_due = False
+        self._full_at = time.monotonic() - random.uniform(
+            0, settings.DASHBOARD_STREAM_FULL_LOOK_S / 2)
+        self._finished = run.finished_at is not None
+        return frames
+
+    def _rows(self, run: Run, rows: list[Decision]) -> list[Frame]:
         frames = []
-        for decision in timeline(run, after=self.after, flagged=self.flagged):
+        for decision in rows:
             html = render_to_string("runs/_step_row.html",
                                     {"row": step_row(decision, run.started_at)},
                                     request=self.request)
             frames.append(Frame("step", html, id=decision.pk))
             self.after = decision.pk
-        names = ("run-header", "run-controls", "run-counters", "run-banner", "run-approval",
-                 "run-tree")
-        if run.status != RunStatus.RUNNING:
-            names += ("run-confirm-form",)  # only then: it replaces an open confirmation
-        frames += self.render(names, {**run_context(run), **run_approval_context(run)})
-        self._finished = run.finished_at is not None
         return frames
 
     def finished(self) -> bool:
@@ -371,7 +464,59 @@ class RunSource(Source):
     def concerned(self, changes: Changes) -> bool:
         # Only this run's changes, or a team-wide one (a kill switch): the other runs'
         # checks leave this page as it is.
+        if changes is None:
+            self._full_due = True
         return changes is None or str(self.run_id) in changes
+
+    def watched_run(self) -> str:
+        return str(self.run_id)
+
+
+def _step_looks(sources: list[RunSource]) -> list[str]:
+    """The step looks of many run pages at once, on the look lane: their runs in one query,
+    their new rows in another (`timelines`), then each page's frames as `_look` would send
+    them (a page whose look turns out to be a full one gets it, alone). One read deadline
+    for all (the lane's)."""
+    with read_deadline():
+        try:
+            by_id = {run.pk: run for run in Run.objects.select_related(
+                "policy_version__policy").filter(pk__in={source.run_id for source in sources})}
+            afters: dict[Any, int] = {}
+            for source in sources:
+                run = by_id.get(source.run_id)
+                if run is not None and run.team_id == source.team_id:
+                    afters[run.pk] = min(afters.get(run.pk, source.after), source.after)
+            rows = timelines(afters)
+            # The navigation's count of pending approvals, once per team.
+            teams = {source.team_id: source.team for source in sources}
+            pending = {team_id: pending_count(team) for team_id, team in teams.items()}
+        except DatabaseError:
+            log.warning("live streams could not read the database", exc_info=True)
+            close_old_connections()
+            return [""] * len(sources)
+        texts = []
+        for source in sources:
+            run = by_id.get(source.run_id)
+            if run is None or run.team_id != source.team_id:
+                source.seen(None)
+                texts.append("")
+                continue
+            mine = [row for row in rows.get(run.pk, []) if row.pk > source.after]
+            texts.append(_look(source, partial(_step_or_full, source, run, mine,
+                                               pending[source.team_id])))
+        return texts
+
+
+def _state(run: Run) -> tuple[str, bool]:
+    """What decides whether a step look will do: the run's status, and whether it waits for
+    an approval."""
+    return run.status, bool((run.memory or {}).get("pending"))
+
+
+def _step_or_full(source: RunSource, run: Run, rows: list[Decision], approvals_pending: int
+                  ) -> list[Frame]:
+    frames = source.step_frames(run, rows, approvals_pending=approvals_pending)
+    return frames if frames is not None else source.full_frames(run)
 
 
 class OverviewSource(Source):

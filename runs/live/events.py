@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
+import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +30,19 @@ log = logging.getLogger(__name__)
 
 CHANNEL_PREFIX = "governance:team:"
 RUNS_PREFIX = b"runs:"  # a message naming the runs that changed; anything else: the whole team
+# A message may start with the process it comes from, `from:<origin> `, so that process's
+# listener skips it: its own streams heard of the change already (`local_broker`), and a second
+# wake-up would cost each of them a second look at the database.
+FROM_PREFIX = b"from:"
+ORIGIN = uuid.uuid4().hex.encode()  # this process's; a forked child draws its own
+
+
+def _new_origin() -> None:
+    global ORIGIN
+    ORIGIN = uuid.uuid4().hex.encode()
+
+
+os.register_at_fork(after_in_child=_new_origin)
 
 # What changed in a team: the ids of the runs that did, or None for anything.
 Changes: TypeAlias = frozenset[str] | None
@@ -42,9 +58,41 @@ class _LoopWaiters:
     count: int = 0
 
 
+class RunWatch:
+    """One async stream's interest in one run, for the stream's life (`LocalBroker.watch_run`).
+
+    A publish naming the run, or a team-wide one, marks the watch and wakes it; a publish of
+    the team's other runs costs it nothing. With a thousand run pages open in a team, a check
+    wakes the one page of its run instead of all thousand (each of which then found the run
+    was not its own), and what changed is kept on the watch itself, so however many of the
+    team's other runs change meanwhile, the stream is never told "anything may have changed"
+    (which cost a full look) because a shared log overflowed."""
+
+    def __init__(self, broker: LocalBroker, team_id: int, run_id: str,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.broker, self.team_id, self.run_id, self.loop = broker, team_id, run_id, loop
+        self.event = asyncio.Event()
+        self.pending: Changes = frozenset()  # what changed since the last `next`
+
+    async def next(self, timeout: float) -> Changes:
+        """What changed since the last call (this run, None for anything, or an empty set
+        when ``timeout`` passed quietly)."""
+        if not self.pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.event.wait(), timeout)
+        with self.broker._cond:
+            self.event.clear()
+            changes, self.pending = self.pending, frozenset()
+        return changes
+
+    def close(self) -> None:
+        self.broker._unwatch(self)
+
+
 class LocalBroker:
     """In-process wake-ups: a sequence number per team, one condition variable for blocking
-    waiters and, for async ones (live streams under ASGI), one event per team and loop."""
+    waiters and, for async ones (live streams under ASGI), one event per team and loop, or a
+    `RunWatch` per stream of a run page."""
 
     LOG_SIZE = 256
 
@@ -55,6 +103,9 @@ class LocalBroker:
         # stream can tell whether its own run changed (`changes_since`).
         self._log: dict[int, deque[tuple[int, frozenset[str] | None]]] = {}
         self._loops: dict[int, dict[asyncio.AbstractEventLoop, _LoopWaiters]] = {}
+        self._watches: dict[int, dict[str, set[RunWatch]]] = {}  # by team, then run
+        # The watches to wake on each loop, handed over in one call per loop and publish burst.
+        self._to_wake: dict[asyncio.AbstractEventLoop, list[RunWatch]] = {}
 
     def publish(self, team_id: int, runs: frozenset[str] | None = None) -> None:
         """Team `team_id` changed: only the runs `runs`, or anything (None)."""
@@ -72,6 +123,56 @@ class LocalBroker:
                         loop.call_soon_threadsafe(self._wake, waiters)
                     except RuntimeError:  # that loop is closed: its waiters are gone
                         waiters.scheduled = False
+            self._mark_watches(team_id, runs)
+
+    def _mark_watches(self, team_id: int, runs: frozenset[str] | None) -> None:
+        # Under _cond. Only the watches of the runs named (all of the team's for None).
+        by_run = self._watches.get(team_id)
+        if not by_run:
+            return
+        if runs is None:
+            marked = [w for watches in by_run.values() for w in watches]
+        else:
+            marked = [w for run in runs for w in by_run.get(run, ())]
+        for watch in marked:
+            if runs is None or watch.pending is None:
+                watch.pending = None
+            else:
+                watch.pending = watch.pending | {watch.run_id}
+            queue = self._to_wake.get(watch.loop)
+            if queue is None:
+                queue = self._to_wake[watch.loop] = []
+                try:
+                    watch.loop.call_soon_threadsafe(self._wake_watches, watch.loop)
+                except RuntimeError:  # that loop is closed: its watches are gone
+                    del self._to_wake[watch.loop]
+                    continue
+            queue.append(watch)
+
+    def _wake_watches(self, loop: asyncio.AbstractEventLoop) -> None:
+        # On that loop: every watch marked there since the last hand-over.
+        with self._cond:
+            queue = self._to_wake.pop(loop, [])
+        for watch in queue:
+            watch.event.set()
+
+    def watch_run(self, team_id: int, run_id: str) -> RunWatch:
+        """A `RunWatch` of this run on the running loop; `close()` it when the stream ends."""
+        watch = RunWatch(self, team_id, run_id, asyncio.get_running_loop())
+        with self._cond:
+            self._watches.setdefault(team_id, {}).setdefault(run_id, set()).add(watch)
+        return watch
+
+    def _unwatch(self, watch: RunWatch) -> None:
+        with self._cond:
+            by_run = self._watches.get(watch.team_id, {})
+            watches = by_run.get(watch.run_id)
+            if watches is not None:
+                watches.discard(watch)
+                if not watches:
+                    del by_run[watch.run_id]
+                    if not by_run:
+                        self._watches.pop(watch.team_id, None)
 
     def _wake(self, waiters: _LoopWaiters) -> None:
         # On the waiters' loop: wake them all and give the next wait a fresh event.
@@ -223,8 +324,8 @@ class RedisPublisher(BackgroundThread):
         try:
             pipe = client.pipeline(transaction=False)
             for team_id, runs in teams.items():
-                data = b"changed" if runs is None else RUNS_PREFIX + ",".join(
-                    sorted(runs)).encode()
+                data = FROM_PREFIX + ORIGIN + b" " + (b"changed" if runs is None else (
+                    RUNS_PREFIX + ",".join(sorted(runs)).encode()))
                 pipe.publish(f"{CHANNEL_PREFIX}{team_id}", data)
             pipe.execute()
         except Exception:  # Redis is never the authority: a lost wake-up only delays a screen
@@ -339,6 +440,10 @@ class RedisListener(BackgroundThread):
                 except (IndexError, ValueError):
                     continue
                 data = message.get("data", b"")
+                if isinstance(data, bytes) and data.startswith(FROM_PREFIX):
+                    origin, _, data = data[len(FROM_PREFIX):].partition(b" ")
+                    if origin == ORIGIN:
+                        continue  # published by this process: its streams know already
                 runs = None
                 if isinstance(data, bytes) and data.startswith(RUNS_PREFIX):
                     runs = frozenset(r for r in data[len(RUNS_PREFIX):].decode(
@@ -351,13 +456,22 @@ class RedisListener(BackgroundThread):
 redis_listener = RedisListener()
 
 
-async def awakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0
-                   ) -> AsyncIterator[Changes]:
+async def awakeups(team_id: int, *, poll: float = 1.0, lifetime: float = 300.0,
+                   run_id: str | None = None) -> AsyncIterator[Changes]:
     """`wakeups` for a coroutine, holding no thread: yields what changed in the team (here
     or, via Redis, in another process) since the last yield: the runs that did, None for
-    anything, an empty set on a quiet ``poll`` interval."""
+    anything, an empty set on a quiet ``poll`` interval. With ``run_id``, only that run's
+    changes and the team-wide ones wake it (a `RunWatch`)."""
     redis_listener.ensure_running()
     deadline = time.monotonic() + lifetime
+    if run_id is not None:
+        watch = local_broker.watch_run(team_id, run_id)
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                yield await watch.next(min(poll, left))
+        finally:
+            watch.close()
+        return
     seen = local_broker.seq(team_id)
     while (left := deadline - time.monotonic()) > 0:
         # The last wait ends at the deadline: a long poll answers when its wait is up.
