@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import yaml
 from governance_client.rules import DEFAULT_REDACT, default_warning
+from governance_client.yaml_keys import unique_keys
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -279,29 +280,7 @@ def _errors(exc: ValidationError, prefix: str = "") -> dict[str, str]:
 # libyaml when installed: the scan and the load below then read the text at C speed.
 _PARSER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
-
-class _Loader(_PARSER):  # type: ignore[misc, valid-type]
-    """The safe loader, refusing a key written twice in one mapping: YAML's loaders keep the
-    last one without a word, so `mode: shadow` above `mode: enforce` would be applied as
-    enforce while its reader believed the first. A merge (`<<`) may still be overridden by
-    the mapping's own keys, as YAML says."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: set[Any] = set()
-        for key_node, _value in getattr(node, "value", ()):
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
-                continue
-            key = self.construct_object(key_node)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"found the key {key!r} twice in one mapping",
-                    key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-_LOADER: Any = _Loader
-_MERGE_TAG = "tag:yaml.org,2002:merge"
+_LOADER: Any = unique_keys(_PARSER)  # a key written twice is refused (yaml_keys says why)
 _NUMBER_TAGS = frozenset({"tag:yaml.org,2002:int", "tag:yaml.org,2002:float"})
 
 

@@ -78,8 +78,11 @@ def _load(path: str) -> Any:
             data = json.loads(text)
         else:
             yaml = _yaml()
+            from .yaml_keys import unique_keys  # PyYAML's, installed with the cli extra
+
             try:
-                data = yaml.load(text, Loader=_loader(yaml))  # safe: no tag runs code
+                # Safe (no tag runs code), a key written twice refused, as the server reads it.
+                data = yaml.load(text, Loader=unique_keys(yaml.SafeLoader))
             except yaml.YAMLError as exc:
                 raise Refused(f"{path} is not valid YAML: {exc}") from None
     except RecursionError:
@@ -88,28 +91,6 @@ def _load(path: str) -> Any:
         raise Refused(f"{path} is not valid {kind}: {exc}") from None
     _bounded(data, path)
     return data
-
-
-def _loader(yaml: Any) -> Any:
-    class Loader(yaml.SafeLoader):  # type: ignore[misc, name-defined]
-        """Refuses a key written twice in one mapping, as the server's reader does: YAML
-        keeps the last one without a word, so the file would apply what its reader did not
-        see (`mode: shadow` above `mode: enforce` applied as enforce)."""
-
-        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                if isinstance(key_node, yaml.ScalarNode) and \
-                        key_node.tag != "tag:yaml.org,2002:merge":
-                    key = self.construct_object(key_node)
-                    if key in seen:
-                        raise yaml.constructor.ConstructorError(
-                            None, None, f"found the key {key!r} twice in one mapping",
-                            key_node.start_mark)
-                    seen.add(key)
-            return super().construct_mapping(node, deep=deep)
-
-    return Loader
 
 
 def _bounded(data: Any, path: str) -> None:
