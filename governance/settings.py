@@ -466,11 +466,13 @@ DASHBOARD_STREAM_SECONDS = env_int("DASHBOARD_STREAM_SECONDS", 60)
 # How often a stream looks at the database even without a wake-up (lost Redis messages,
 # another process's change without Redis, elapsed-time counters).
 DASHBOARD_STREAM_LOOK_S = env_int("DASHBOARD_STREAM_LOOK_S", 2)
-# How often a run page's stream takes a full look even when nothing says it should: the
-# settling of what is due, the run's tree and the layout's team-wide parts (the kill switch
-# banner after a lost wake-up). Its other looks read only the run's new rows, its counters
-# and the approvals count, many pages in one query (docs/dashboard.md "How live updates work").
-DASHBOARD_STREAM_FULL_LOOK_S = env_int("DASHBOARD_STREAM_FULL_LOOK_S", 30)
+# A backstop: how often a run page's stream reads the whole page again (the settling of what
+# is due, the run's tree, the layout's team-wide parts) even when its step looks found nothing
+# that calls for it. Those read the run's new rows, its counters, the approvals count, the
+# team's engaged switches and whether the run has a child, many pages in a few queries, and
+# take a full look themselves when the run's state, deadline, tree or the banner's switches
+# changed (docs/dashboard.md "How live updates work").
+DASHBOARD_STREAM_FULL_LOOK_S = env_int("DASHBOARD_STREAM_FULL_LOOK_S", 300)
 if DASHBOARD_STREAM_FULL_LOOK_S < DASHBOARD_STREAM_LOOK_S:
     raise ImproperlyConfigured("DASHBOARD_STREAM_FULL_LOOK_S must be at least "
                                "DASHBOARD_STREAM_LOOK_S")

@@ -7,17 +7,21 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
-from django.test import RequestFactory
+from django.test import Client, RequestFactory
+from django.utils import timezone
 
 from policies.models import Role, Team
 from runs.dashboard.stream import RunSource, _step_looks, encode
+from runs.killswitch.services import killswitch_engage
 from runs.live import events, looks
 from runs.live.events import CHANNEL_PREFIX, LocalBroker
+from runs.models import Run
 from tests.test_dashboard_runs import check, run_finish, start
 from tests.test_dashboard_runs import events as parse_events
 from tests.test_events import unused_team_id
@@ -129,8 +133,9 @@ def test_run_pages_step_looks_are_served_in_a_constant_number_of_queries(
         assert {"run-header", "run-controls", "chrome"} <= {e["event"] for e in first}
     seconds = [check(team, run, "crm.lookup", {"id": i})["decision_id"]
                for i, run in enumerate(runs)]
-    # The runs, their new rows, the approvals count; and the read deadline set and reset.
-    with django_assert_max_num_queries(5):
+    # The runs, their new rows, the approvals count, the team's engaged switches, which runs
+    # have a child; and the read deadline set and reset.
+    with django_assert_max_num_queries(7):
         texts = _step_looks(pages)
     for text, second in zip(texts, seconds, strict=True):
         sent = parse_events(text)
@@ -149,6 +154,47 @@ def test_a_step_look_of_a_run_that_ended_is_a_full_one(team, users):
     banner = [e for e in sent if e["event"] == "run-banner"]
     assert banner and "the answer" in banner[0]["data"]
     assert p.finished()
+
+
+@pytest.mark.django_db(transaction=True)  # killswitch_engage commits on its own
+def test_a_step_look_takes_a_full_look_when_the_banner_is_not_the_team_s(team, users):
+    """A kill switch whose wake-up was lost (the page never heard it: `concerned` is not
+    called here) is on the page at its next step look, not at the backstop's."""
+    start(team, agent="other-bot")
+    watched = start(team)
+    p = page(team, watched.pk, check(team, watched)["decision_id"])
+    p.frames()
+    killswitch_engage(scope="agent", team=team, agent="other-bot", reason="looping")
+    [text] = _step_looks([p])
+    chrome = [e for e in parse_events(text) if e["event"] == "chrome"]
+    assert chrome and "other-bot" in chrome[0]["data"]
+    # Told once: the next step look is a step look again.
+    assert "chrome" not in {e["event"] for e in parse_events(_step_looks([p])[0])}
+
+
+def test_a_run_s_first_child_shows_in_its_tree_at_the_next_step_look(team, users):
+    parent = start(team)
+    p = page(team, parent.pk, check(team, parent)["decision_id"])
+    p.frames()
+    assert "run-tree" not in {e["event"] for e in parse_events(_step_looks([p])[0])}
+    response = Client().post("/api/v1/runs", {"agent": "helper", "parent_run_id": str(parent.pk)},
+                             content_type="application/json",
+                             HTTP_AUTHORIZATION=f"Bearer {parent.token}")  # type: ignore[attr-defined]
+    assert response.status_code == 201, response.content
+    [text] = _step_looks([p])
+    tree = [e for e in parse_events(text) if e["event"] == "run-tree"]
+    assert tree and "helper" in tree[0]["data"]
+
+
+def test_a_step_look_of_a_run_past_its_deadline_ends_it_on_the_page(team, users):
+    run = start(team)
+    p = page(team, run.pk, check(team, run)["decision_id"])
+    p.frames()
+    Run.objects.filter(pk=run.pk).update(idle_deadline=timezone.now() - timedelta(seconds=1))
+    [text] = _step_looks([p])
+    banner = [e for e in parse_events(text) if e["event"] == "run-banner"]
+    stopped = Run.objects.get(pk=run.pk)
+    assert stopped.status == "stopped" and banner and stopped.stop_reason in banner[0]["data"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -490,6 +491,16 @@ def timelines(afters: dict[Any, int], *, limit: int = 2000) -> dict[Any, list[De
     for row in rows:
         found.setdefault(row.run_id, []).append(row)
     return found
+
+
+def with_children(runs: Collection[Run]) -> set[str]:
+    """Which of these runs have a child run (SPEC 20), in one read of `run_parent` (each
+    within its own team): a run page that showed no tree learns of its run's first child."""
+    if not runs:
+        return set()
+    return {str(parent) for parent in Run.objects.filter(
+        team_id__in={run.team_id for run in runs}, parent_run_id__in=[run.pk for run in runs])
+        .order_by().values_list("parent_run_id", flat=True).distinct()}
 
 
 def timeline_page(run: Run, *, before: int | None = None, flagged: bool = False,

@@ -42,6 +42,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHt
 from django.middleware.csrf import get_token
 from django.template.loader import render_to_string
 from django.urls import reverse
+from django.utils import timezone
 
 from governance.deadlines import read_deadline
 from policies.access import controls
@@ -57,7 +58,14 @@ from runs.dashboard.presenters import (
     runs_list_context,
     step_row,
 )
-from runs.dashboard.selectors import DEFAULT_RANGE, RunFilters, timeline, timelines
+from runs.dashboard.selectors import (
+    DEFAULT_RANGE,
+    RunFilters,
+    timeline,
+    timelines,
+    with_children,
+)
+from runs.killswitch.selectors import engaged_ids_for_team
 from runs.live import looks
 from runs.live.events import Changes, awakeups, wakeups
 from runs.models import Decision, Run, RunStatus
@@ -359,13 +367,15 @@ class RunSource(Source):
 
     Most looks are *step looks*: the run's new rows and its counters (and its header in
     shadow mode, which counts would-stops), all a check of a running run changes. Those of
-    many pages are served together (`_step_looks`: two queries for up to a hundred pages).
+    many pages are served together (`_step_looks`: a few queries for up to a hundred pages).
     A *full look* also settles what is due and renders the run's tree, controls, approval
-    banner and the layout's team-wide parts: the first look, the one after a team-wide
-    change (a kill switch), whenever the run is not running, its status changed or it waits
-    for an approval, and at least every ``DASHBOARD_STREAM_FULL_LOOK_S`` seconds (a deadline
-    that passed, a lost team-wide wake-up). The periodic look of every
-    ``DASHBOARD_STREAM_LOOK_S`` seconds is a step look otherwise."""
+    banner and the layout's team-wide parts. It is taken when a step look finds it due: the
+    first look, the one after a team-wide change (a kill switch), whenever the run is not
+    running, its status changed, it waits for an approval, its deadline passed, its first
+    child started, or the team's engaged switches are not those its banner shows (a lost
+    team-wide wake-up); and, as a backstop, every ``DASHBOARD_STREAM_FULL_LOOK_S`` seconds.
+    The periodic look of every ``DASHBOARD_STREAM_LOOK_S`` seconds is a step look
+    otherwise."""
 
     def __init__(self, request: HttpRequest, team: Team, run_id: Any, after: int, *,
                  flagged: bool = False):
@@ -380,6 +390,8 @@ class RunSource(Source):
         # The run had a parent or children at the last full look: its step looks render its
         # tree too (a descendant's check or stop wakes every ancestor's page, SPEC 20).
         self._family = False
+        # The team's engaged switches that the banner sent at the last full look showed.
+        self._switches: frozenset[int] | None = None
 
     def step_look_due(self) -> bool:
         """Whether the next look is a step look (that `_step_looks` can serve)."""
@@ -392,7 +404,9 @@ class RunSource(Source):
             return []
         if self.step_look_due():
             frames = self.step_frames(run, timeline(run, after=self.after, flagged=self.flagged),
-                                      approvals_pending=pending_count(self.team))
+                                      approvals_pending=pending_count(self.team),
+                                      switches=engaged_ids_for_team(self.team_id),
+                                      has_children=bool(with_children([run])))
             if frames is not None:
                 return frames
         return self.full_frames(run)
@@ -408,14 +422,19 @@ class RunSource(Source):
         if run is None:  # deleted by retention while watched
             self._finished = True
 
-    def step_frames(self, run: Run, rows: list[Decision], *, approvals_pending: int
-                    ) -> list[Frame] | None:
-        """The step look's frames, given the run, its decisions after ``after`` and the
-        team's count of pending approvals (the navigation's); None when a full look is due
-        after all."""
+    def step_frames(self, run: Run, rows: list[Decision], *, approvals_pending: int,
+                    switches: frozenset[int], has_children: bool) -> list[Frame] | None:
+        """The step look's frames, given the run, its decisions after ``after``, the team's
+        count of pending approvals (the navigation's), its engaged switches' ids
+        (`engaged_ids_for_team`) and whether the run has a child; None when a full look is
+        due after all."""
         state = _state(run)
         if state != self._state or state != (RunStatus.RUNNING, False):
             return None  # it ended, waits for an approval, or an approval was answered
+        if switches != self._switches or (has_children and not self._family):
+            return None  # the banner is not the team's, or the run's tree just began
+        if run.idle_deadline is not None and run.idle_deadline <= timezone.now():
+            return None  # the full look's settling ends the run (SPEC 14)
         names: tuple[str, ...] = ("run-counters",)
         if run.policy_version.document.get("mode") == "shadow":
             names += ("run-header",)
@@ -431,6 +450,9 @@ class RunSource(Source):
         # Whoever looks first settles (SPEC 11, 14): a watched run past its deadline, or its
         # request past its expiry, ends on screen.
         run = first_look.look_at_run_page(run)
+        # Read before the banner is rendered: a switch engaged in between costs one more
+        # full look, never a banner that the step looks take for current.
+        self._switches = engaged_ids_for_team(self.team_id)
         frames = self._rows(run, timeline(run, after=self.after, flagged=self.flagged))
         names = ("run-header", "run-controls", "run-counters", "run-banner", "run-approval",
                  "run-tree")
@@ -487,9 +509,14 @@ def _step_looks(sources: list[RunSource]) -> list[str]:
                 if run is not None and run.team_id == source.team_id:
                     afters[run.pk] = min(afters.get(run.pk, source.after), source.after)
             rows = timelines(afters)
-            # The navigation's count of pending approvals, once per team.
+            # The navigation's count of pending approvals and the banner's switches, once
+            # per team; which runs of pages without a tree have a child, in one read.
             teams = {source.team_id: source.team for source in sources}
             pending = {team_id: pending_count(team) for team_id, team in teams.items()}
+            switches = {team_id: engaged_ids_for_team(team_id) for team_id in teams}
+            parents = with_children({source.run_id: by_id[source.run_id] for source in sources
+                                     if not source._family and source.run_id in afters
+                                     }.values())
         except DatabaseError:
             log.warning("live streams could not read the database", exc_info=True)
             close_old_connections()
@@ -502,8 +529,9 @@ def _step_looks(sources: list[RunSource]) -> list[str]:
                 texts.append("")
                 continue
             mine = [row for row in rows.get(run.pk, []) if row.pk > source.after]
-            texts.append(_look(source, partial(_step_or_full, source, run, mine,
-                                               pending[source.team_id])))
+            texts.append(_look(source, partial(
+                _step_or_full, source, run, mine, approvals_pending=pending[source.team_id],
+                switches=switches[source.team_id], has_children=str(run.pk) in parents)))
         return texts
 
 
@@ -513,9 +541,9 @@ def _state(run: Run) -> tuple[str, bool]:
     return run.status, bool((run.memory or {}).get("pending"))
 
 
-def _step_or_full(source: RunSource, run: Run, rows: list[Decision], approvals_pending: int
+def _step_or_full(source: RunSource, run: Run, rows: list[Decision], **found: Any
                   ) -> list[Frame]:
-    frames = source.step_frames(run, rows, approvals_pending=approvals_pending)
+    frames = source.step_frames(run, rows, **found)
     return frames if frames is not None else source.full_frames(run)
 
 

@@ -70,13 +70,20 @@ def engaged_for_team(team: Team) -> list[KillSwitch]:
     """Engaged switches covering the team, for its banner and kill switch page. A run switch
     is listed only while its run is running: once the run is killed (and a killed run stays
     killed) it has nothing left to guard."""
-    return list(
-        KillSwitch.objects.filter(cover.engaged_over_team(team.pk))
-        .filter(cover.team_switches(team.pk)
-                | Q(scope=Scope.RUN, team=team, run__status=RunStatus.RUNNING))
-        .select_related("team", "run")
-        .order_by("engaged_at", "pk")
-    )
+    return list(_banner_switches(team.pk).select_related("team", "run")
+                .order_by("engaged_at", "pk"))
+
+
+def _banner_switches(team_id: int) -> QuerySet[KillSwitch]:
+    return (KillSwitch.objects.filter(cover.engaged_over_team(team_id))
+            .filter(cover.team_switches(team_id)
+                    | Q(scope=Scope.RUN, team_id=team_id, run__status=RunStatus.RUNNING)))
+
+
+def engaged_ids_for_team(team_id: int) -> frozenset[int]:
+    """The ids of `engaged_for_team`'s switches: what the team's banner shows, in one small
+    read, so that a live page can tell whether its banner is still the one it sent."""
+    return frozenset(_banner_switches(team_id).order_by().values_list("pk", flat=True))
 
 
 NEWEST_FIRST = ("-engaged_at", "-pk")
