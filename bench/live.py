@@ -77,10 +77,12 @@ async def _watch(port: int, path: str, cookie: str, seen: dict[int, float],
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     if line.startswith(b"id:"):
-                        value = line[3:].strip().decode()
+                        # Kept whatever it is, as a browser keeps it: a run page's looks end
+                        # with `<decision id>~<page state>`, which lets a reconnect resume
+                        # without a full look; only a step's id is a decision's.
+                        last_id = value = line[3:].strip().decode()
                         if value.isdigit():
                             seen.setdefault(int(value), now)
-                            last_id = value
         finally:
             writer.close()
 

@@ -85,10 +85,17 @@ def events(text: str) -> list[dict[str, str]]:
                 data.append(value)
             elif field in ("event", "id"):
                 event[field] = value
-        if event:
+        if "event" in event or data:  # an id alone sets the last event id, no event
             event["data"] = "\n".join(data)
             out.append(event)
     return out
+
+
+def resume_id(text: str) -> str:
+    """The last event id a browser keeps after reading this stream (what it sends back as
+    Last-Event-ID when it reconnects)."""
+    ids = [line[4:] for line in text.splitlines() if line.startswith("id: ")]
+    return ids[-1] if ids else ""
 
 
 def read_all(response: Any) -> str:
@@ -258,6 +265,31 @@ def test_a_reconnect_resumes_after_last_event_id(team, users):
     # The browser sends Last-Event-ID when it reconnects; it wins over the page's `after`.
     resumed = events(read_all(client.get(url, {"after": 0}, HTTP_LAST_EVENT_ID=str(ids[1]))))
     assert [int(e["id"]) for e in resumed if e["event"] == "step"] == ids[2:]
+
+
+def test_a_reconnect_that_says_what_its_page_shows_resumes_with_a_step_look(team, users):
+    run = start(team)
+    first = check(team, run)["decision_id"]
+    client = as_user(users)
+    url = reverse("runs:run_stream", kwargs={"slug": team.slug, "run_id": run.pk})
+    whole = {"run-header", "run-controls", "run-banner", "chrome"}
+    text = read_all(client.get(url))
+    assert whole <= {e["event"] for e in events(text)}  # a page's first stream: a full look
+    kept = resume_id(text)
+    assert kept.startswith(f"{first}~")
+    second = check(team, run, "crm.lookup")["decision_id"]
+    # The browser sends the id back (live.js also puts it in `after`, for a new EventSource).
+    for resumed in (client.get(url, HTTP_LAST_EVENT_ID=kept), client.get(url, {"after": kept})):
+        text = read_all(resumed)
+        sent = events(text)
+        assert [int(e["id"]) for e in sent if e["event"] == "step"] == [second]
+        assert "run-counters" in {e["event"] for e in sent}
+        assert not whole & {e["event"] for e in sent}  # the page has them: a step look
+        assert resume_id(text) == f"{second}~{kept.partition('~')[2]}"
+    # A state the page cannot be showing (made up, or of another time): a full look.
+    text = read_all(client.get(url, HTTP_LAST_EVENT_ID=f"{second}~0123456789abcdef"))
+    assert whole <= {e["event"] for e in events(text)}
+    assert not [e for e in events(text) if e["event"] == "step"]
 
 
 def test_the_stop_banner_arrives_over_the_stream_and_a_finished_run_ends_it(team, users,

@@ -17,7 +17,7 @@ from django.test import Client, RequestFactory
 from django.utils import timezone
 
 from policies.models import Role, Team
-from runs.dashboard.stream import RunSource, _step_looks, encode
+from runs.dashboard.stream import RunSource, _look, _step_looks, encode
 from runs.killswitch.services import killswitch_engage
 from runs.live import events, looks
 from runs.live.events import CHANNEL_PREFIX, LocalBroker
@@ -116,11 +116,12 @@ def test_looks_to_be_served_together_are_one_call_taking_the_viewers_in_turn() -
     assert calls == [["a0", "b0", "a1", "b1", "a2", "a3"]]  # one turn, viewers in turn
 
 
-def page(team: Team, run_id: Any, after: int) -> RunSource:
+def page(team: Team, run_id: Any, after: int, *, seen: str = "", role: Role = Role.VIEWER
+         ) -> RunSource:
     request = RequestFactory().get("/")
-    request.user = User.objects.get(username="viewer")
-    request.team, request.role, request.session = team, Role.VIEWER, {}  # type: ignore[attr-defined]
-    return RunSource(request, team, run_id, after)
+    request.user = User.objects.get(username=role.value)
+    request.team, request.role, request.session = team, role, {}  # type: ignore[attr-defined]
+    return RunSource(request, team, run_id, after, seen=seen)
 
 
 def test_run_pages_step_looks_are_served_in_a_constant_number_of_queries(
@@ -195,6 +196,27 @@ def test_a_step_look_of_a_run_past_its_deadline_ends_it_on_the_page(team, users)
     banner = [e for e in parse_events(text) if e["event"] == "run-banner"]
     stopped = Run.objects.get(pk=run.pk)
     assert stopped.status == "stopped" and banner and stopped.stop_reason in banner[0]["data"]
+
+
+WHOLE = {"run-header", "run-controls", "run-banner", "chrome"}
+
+
+@pytest.mark.django_db(transaction=True)  # killswitch_engage commits on its own
+def test_a_resumed_stream_takes_a_step_look_only_while_its_page_state_holds(team, users):
+    run = start(team)
+    after = check(team, run)["decision_id"]
+    first = page(team, run.pk, after)
+    assert {e["event"] for e in parse_events(_look(first))} >= WHOLE
+    seen = first.resume_id().partition("~")[2]
+
+    def resumed_look(**kw: Any) -> set[str]:
+        [text] = _step_looks([page(team, run.pk, after, seen=seen, **kw)])
+        return {e["event"] for e in parse_events(text)}
+
+    assert resumed_look() == {"run-counters", "approvals-count"}
+    assert resumed_look(role=Role.ADMIN) >= WHOLE  # another role's controls
+    killswitch_engage(scope="agent", team=team, agent="other-bot", reason="looping")
+    assert resumed_look() >= WHOLE  # the banner the page shows is not the team's any more
 
 
 @pytest.mark.django_db(transaction=True)

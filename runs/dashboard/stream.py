@@ -160,6 +160,11 @@ class Source(ABC):
         """True when nothing on the screen can change any more: the stream says "end"."""
         return False
 
+    def resume_id(self) -> str | None:
+        """The event id a look that sent something ends with (an id-only message: the browser
+        keeps it as its last event id and sends it back when it reconnects), or None."""
+        return None
+
     def concerned(self, changes: Changes) -> bool:
         """Whether a change of the team (the runs that changed, or None for anything) can
         change this screen: a look is spent only then (or on the periodic look)."""
@@ -251,13 +256,15 @@ def _look(source: Source, frames: Callable[[], list[Frame]] | None = None) -> st
         # Within the dashboard's read deadline (governance/deadlines.py): on the look lane
         # it is the lane's; under WSGI, this thread's.
         with read_deadline():
-            return "".join(encode(f) for f in (frames or source.frames)())
+            text = "".join(encode(f) for f in (frames or source.frames)())
     except DatabaseError:
         # The database blinked, or a read took longer than its deadline: keep the stream,
         # say nothing, look again next time.
         log.warning("live stream could not read the database", exc_info=True)
         close_old_connections()
         return ""
+    resume = source.resume_id() if text else None
+    return text + f"id: {resume}\n\n" if resume else text
 
 
 class LookLane:
@@ -347,19 +354,25 @@ def sse_response(request: HttpRequest, source: Source) -> HttpResponseBase:
     return stream
 
 
-def last_event_id(request: HttpRequest) -> int:
+def resume_point(request: HttpRequest) -> tuple[int, str]:
     """Where a stream resumes: the browser's ``Last-Event-ID`` on a reconnect, else the
-    ``after`` the page was rendered with."""
+    ``after`` the page was rendered with (live.js keeps it up to date). Either is a decision
+    id, or ``<decision id>~<page state>`` (`RunSource.resume_id`): the decision id and the
+    state the page showed, or "" when it does not say."""
     for raw in (request.headers.get("Last-Event-ID"), request.GET.get("after")):
         if raw:
+            after, _, seen = raw.partition("~")
             try:
-                return max(0, int(raw))
+                return max(0, int(after)), seen[:PAGE_STATE_CHARS]
             except ValueError:
                 continue
-    return 0
+    return 0, ""
 
 
 # --- The live screens ---------------------------------------------------------------------------
+
+PAGE_STATE_CHARS = 16
+
 
 class RunSource(Source):
     """The run page: new timeline rows (with their decision id as the event id) and the
@@ -375,10 +388,19 @@ class RunSource(Source):
     child started, or the team's engaged switches are not those its banner shows (a lost
     team-wide wake-up); and, as a backstop, every ``DASHBOARD_STREAM_FULL_LOOK_S`` seconds.
     The periodic look of every ``DASHBOARD_STREAM_LOOK_S`` seconds is a step look
-    otherwise."""
+    otherwise.
+
+    A stream's first look is a full one, unless the stream resumes one that ended: each
+    look that sent something ends with the event id ``<after>~<page state>`` (`resume_id`),
+    a digest of what the full looks' parts were rendered from, which the browser sends back
+    on its reconnect. When the run's state read then has the same digest, the page already
+    shows those parts and the first look is a step look: a page's reconnect, once every
+    ``DASHBOARD_STREAM_SECONDS``, no longer costs a full look. A digest that does not match
+    (or a made-up one) costs a full look, as before; it can only ever skip re-sending what
+    this viewer's page was already sent."""
 
     def __init__(self, request: HttpRequest, team: Team, run_id: Any, after: int, *,
-                 flagged: bool = False):
+                 flagged: bool = False, seen: str = ""):
         self.request, self.team, self.team_id = request, team, team.pk
         self.run_id, self.after, self.flagged = run_id, after, flagged
         self.page_path = reverse("runs:run", args=[team.slug, run_id])
@@ -392,6 +414,14 @@ class RunSource(Source):
         self._family = False
         # The team's engaged switches that the banner sent at the last full look showed.
         self._switches: frozenset[int] | None = None
+        self._page_state = ""  # `_digest` of what the last full look rendered
+        # The page state the browser says its page shows (a resumed stream), until the first
+        # look compares it.
+        self._seen = "" if flagged else seen
+        if self._seen:
+            self._full_due = False
+            self._full_at = time.monotonic() - random.uniform(
+                0, settings.DASHBOARD_STREAM_FULL_LOOK_S / 2)
 
     def step_look_due(self) -> bool:
         """Whether the next look is a step look (that `_step_looks` can serve)."""
@@ -429,6 +459,13 @@ class RunSource(Source):
         (`engaged_ids_for_team`) and whether the run has a child; None when a full look is
         due after all."""
         state = _state(run)
+        if self._seen:
+            # A resumed stream's first look: the page shows what its digest says.
+            seen, self._seen = self._seen, ""
+            family = run.parent_run_id is not None or has_children
+            if seen == self._digest(state, switches, family):
+                self._state, self._switches, self._family = state, switches, family
+                self._page_state = seen
         if state != self._state or state != (RunStatus.RUNNING, False):
             return None  # it ended, waits for an approval, or an approval was answered
         if switches != self._switches or (has_children and not self._family):
@@ -461,6 +498,7 @@ class RunSource(Source):
         context = run_context(run)
         frames += self.render(names, {**context, **run_approval_context(run)})
         self._family, self._state = context["tree"] is not None, _state(run)
+        self._page_state = self._digest(self._state, self._switches, self._family)
         # The next full look of each page at its own time: pages opened together (a browser
         # restoring its tabs, the stream's reconnects) do not all take their full looks at
         # once again.
@@ -482,6 +520,18 @@ class RunSource(Source):
 
     def finished(self) -> bool:
         return self._finished
+
+    def resume_id(self) -> str | None:
+        return f"{self.after}~{self._page_state}" if self._page_state else None
+
+    def _digest(self, state: tuple[str, bool], switches: frozenset[int] | None, family: bool
+                ) -> str:
+        """What a full look's parts are rendered from, besides the run's rows and counters:
+        the run's status, whether it waits for an approval, the banner's switches, whether
+        it is in a tree, and the viewer's role (the controls and forms offered)."""
+        role = getattr(self.request, "role", None)
+        text = repr((state, sorted(switches or ()), family, str(role), self.page_path))
+        return hashlib.sha256(text.encode()).hexdigest()[:PAGE_STATE_CHARS]
 
     def concerned(self, changes: Changes) -> bool:
         # Only this run's changes, or a team-wide one (a kill switch): the other runs'

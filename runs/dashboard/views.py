@@ -23,7 +23,7 @@ from runs.dashboard.stream import (
     RunsListSource,
     RunSource,
     TeamSource,
-    last_event_id,
+    resume_point,
     sse_response,
 )
 
@@ -123,8 +123,8 @@ def run_timeline(request: HttpRequest, slug: str, run_id: str) -> HttpResponse:
 def run_stream(request: HttpRequest, slug: str, run_id: str) -> StreamingHttpResponse:
     # Only the run's team is checked here (404 else): each look of the stream settles first.
     run = selectors.run_for_team(request.team, run_id)
-    return sse_response(request, RunSource(request, request.team, run.pk,
-                                           last_event_id(request),
+    after, seen = resume_point(request)
+    return sse_response(request, RunSource(request, request.team, run.pk, after, seen=seen,
                                            flagged=request.GET.get("only") == "flagged"))
 
 
