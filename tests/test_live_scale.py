@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client, RequestFactory
+from django.test.signals import template_rendered
 from django.utils import timezone
 
 from policies.models import Role, Team
@@ -143,6 +144,40 @@ def test_run_pages_step_looks_are_served_in_a_constant_number_of_queries(
         assert [int(e["id"]) for e in sent if e["event"] == "step"] == [second]
         assert any(e["event"] == "run-counters" and "2 / 18" in e["data"] for e in sent)
         assert "chrome" not in {e["event"] for e in sent}  # the team-wide parts: full looks
+
+
+def test_a_look_without_a_check_renders_nothing_the_time_counter_ticks_in_the_browser(
+        team, users):
+    """Most of a page's looks are the periodic ones (every DASHBOARD_STREAM_LOOK_S) of a run
+    that had no check since: they render no template, and the counters they would have sent
+    again only because a second passed say where the browser ticks the time from."""
+    run = start(team)
+    p = page(team, run.pk, check(team, run)["decision_id"])
+    first = parse_events("".join(encode(f) for f in p.frames()))
+    [counters] = [e["data"] for e in first if e["event"] == "run-counters"]
+    assert 'data-counter="time" data-ticks-from="' in counters
+    _step_looks([p])  # the navigation's approvals count, once
+    rendered: list[str] = []
+
+    def seen(sender: Any, template: Any, **kw: Any) -> None:
+        rendered.append(template.name)
+
+    template_rendered.connect(seen)
+    try:
+        assert _step_looks([p]) == [""]
+        assert rendered == []
+        second = check(team, run, "crm.lookup")["decision_id"]
+        [text] = _step_looks([p])
+    finally:
+        template_rendered.disconnect(seen)
+    sent = parse_events(text)
+    assert [int(e["id"]) for e in sent if e["event"] == "step"] == [second]
+    assert any(e["event"] == "run-counters" and "2 / 18" in e["data"] for e in sent)
+    assert "runs/_approvals_count.html" not in rendered  # the count did not change
+    run_finish(run, status="completed", output="done")
+    [text] = _step_looks([p])
+    [counters] = [e["data"] for e in parse_events(text) if e["event"] == "run-counters"]
+    assert "data-ticks-from" not in counters  # an ended run's time stands still
 
 
 def test_a_step_look_of_a_run_that_ended_is_a_full_one(team, users):

@@ -93,6 +93,37 @@
   document.addEventListener("htmx:afterSwap", tick);
 })();
 
+// A running run's Time counter ticks here, from the seconds the server rendered it with (not
+// the server's clock: the browser's may differ), so its page's stream sends the counters only
+// when a check changed them, not every look because a second passed.
+(function () {
+  "use strict";
+  var shownAt = new WeakMap();  // each rendering of a counter: when this page first saw it
+  function tick() {
+    var now = performance.now();
+    document.querySelectorAll("[data-ticks-from]").forEach(function (el) {
+      var from = parseFloat(el.dataset.ticksFrom);
+      if (isNaN(from)) return;
+      if (!shownAt.has(el)) shownAt.set(el, now);
+      var seconds = from + (now - shownAt.get(el)) / 1000;
+      var value = el.querySelector(".counter-head strong");
+      var limitText = el.dataset.limitText;
+      if (value) value.textContent = Math.round(seconds) + " s" + (limitText ? " / " + limitText : "");
+      var limit = parseFloat(el.dataset.ticksLimit);
+      if (!(limit > 0)) return;
+      var ratio = seconds / limit;
+      var bar = el.querySelector(".bar-fg");
+      if (bar) bar.setAttribute("width", String(Math.round(Math.min(ratio, 1) * 1000) / 10));
+      el.classList.remove("level-ok", "level-warn", "level-over");
+      el.classList.add("level-" + (ratio >= 1 ? "over" : ratio >= 0.75 ? "warn" : "ok"));
+    });
+  }
+  tick();
+  setInterval(tick, 1000);
+  document.addEventListener("htmx:afterSwap", tick);
+  document.addEventListener("htmx:sseMessage", tick);
+})();
+
 // A refused decision (409: another decision won or the request expired; 422: a denial
 // without a note) comes back as the card's region (or the card) with the reason on the
 // card: show it in place. htmx leaves 4xx answers unswapped by default.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -168,6 +168,11 @@ class Counter:
     limit: str  # empty when the policy sets no limit
     percent: float  # 0..100, for the bar
     level: str  # ok | warn | over
+    # The Time counter of a run whose time runs (running, not waiting for an approval): its
+    # seconds and limit as numbers, from which the browser ticks it on (live.js), so the
+    # page's stream need not look again only because a second passed.
+    ticks_from: float | None = None
+    ticks_limit: float | None = None
 
 
 def _counter(label: str, value: float, limit: float | None,
@@ -180,6 +185,14 @@ def _counter(label: str, value: float, limit: float | None,
     return Counter(label, show(value), show(limit), round(min(ratio, 1.0) * 100, 1), level)
 
 
+def _time_counter(run: Run, seconds: float, limit: float | None) -> Counter:
+    counter = _counter("Time", seconds, limit, "{:.0f} s")
+    if run.status != RunStatus.RUNNING or (run.memory or {}).get("pending"):
+        return counter  # its time stands still (SPEC 15: an approval's wait is not counted)
+    return replace(counter, ticks_from=seconds,
+                   ticks_limit=None if limit is None or limit <= 0 else float(limit))
+
+
 def counters(run: Run, now: datetime | None = None) -> list[Counter]:
     doc = run.policy_version.document
     steps, budgets = doc["step_limits"], doc["budgets"]
@@ -189,8 +202,7 @@ def counters(run: Run, now: datetime | None = None) -> list[Counter]:
         # The one money format of every page: $0.0090 is not rounded up to "$0.01" here
         # while the timeline beside it says "$0.0090".
         _counter("Cost", run.cost_usd, None if max_usd is None else max_usd, money),
-        _counter("Time", elapsed_s(run, now or timezone.now()), budgets.get("max_seconds"),
-                 "{:.0f} s"),
+        _time_counter(run, elapsed_s(run, now or timezone.now()), budgets.get("max_seconds")),
         _counter("Tool calls", run.tool_calls, budgets.get("max_tool_calls"), "{:g}"),
     ]
 

@@ -415,6 +415,10 @@ class RunSource(Source):
         # The team's engaged switches that the banner sent at the last full look showed.
         self._switches: frozenset[int] | None = None
         self._page_state = ""  # `_digest` of what the last full look rendered
+        # What the counters were last rendered from (`_counted`), and the approvals count
+        # last sent: a step look renders them again only when they changed.
+        self._counted: tuple[Any, ...] | None = None
+        self._approvals_pending: int | None = None
         # The page state the browser says its page shows (a resumed stream), until the first
         # look compares it.
         self._seen = "" if flagged else seen
@@ -472,16 +476,28 @@ class RunSource(Source):
             return None  # the banner is not the team's, or the run's tree just began
         if run.idle_deadline is not None and run.idle_deadline <= timezone.now():
             return None  # the full look's settling ends the run (SPEC 14)
-        names: tuple[str, ...] = ("run-counters",)
-        if run.policy_version.document.get("mode") == "shadow":
-            names += ("run-header",)
+        names: tuple[str, ...] = ()
+        # The counters (and a shadow run's header) change with a check or the run's policy
+        # version, not with time: their Time counter ticks in the browser (live.js). So a
+        # look that finds neither, most of a page's looks every DASHBOARD_STREAM_LOOK_S,
+        # renders nothing (at 1,000 open pages that was most of the look lane's work).
+        counted = _counted(run)
+        if rows or counted != self._counted:
+            names += ("run-counters",)
+            if run.policy_version.document.get("mode") == "shadow":
+                names += ("run-header",)
+            self._counted = counted
         if self._family:
             names += ("run-tree",)
-        frames = self._rows(run, rows) + self.render(
-            names, run_context(run, tree=self._family), chrome=False)
-        return frames + self.partials.changed({"approvals-count": render_to_string(
-            "runs/_approvals_count.html", {"approvals_pending": approvals_pending},
-            request=self.request)})
+        frames = self._rows(run, rows)
+        if names:
+            frames += self.render(names, run_context(run, tree=self._family), chrome=False)
+        if approvals_pending != self._approvals_pending:
+            self._approvals_pending = approvals_pending
+            frames += self.partials.changed({"approvals-count": render_to_string(
+                "runs/_approvals_count.html", {"approvals_pending": approvals_pending},
+                request=self.request)})
+        return frames
 
     def full_frames(self, run: Run) -> list[Frame]:
         # Whoever looks first settles (SPEC 11, 14): a watched run past its deadline, or its
@@ -498,6 +514,7 @@ class RunSource(Source):
         context = run_context(run)
         frames += self.render(names, {**context, **run_approval_context(run)})
         self._family, self._state = context["tree"] is not None, _state(run)
+        self._counted, self._approvals_pending = _counted(run), None
         self._page_state = self._digest(self._state, self._switches, self._family)
         # The next full look of each page at its own time: pages opened together (a browser
         # restoring its tabs, the stream's reconnects) do not all take their full looks at
@@ -589,6 +606,11 @@ def _state(run: Run) -> tuple[str, bool]:
     """What decides whether a step look will do: the run's status, and whether it waits for
     an approval."""
     return run.status, bool((run.memory or {}).get("pending"))
+
+
+def _counted(run: Run) -> tuple[Any, ...]:
+    """What a running run's counters are rendered from, besides the time."""
+    return run.steps, run.tool_calls, run.cost_usd, run.policy_version_id
 
 
 def _step_or_full(source: RunSource, run: Run, rows: list[Decision], **found: Any

@@ -212,6 +212,23 @@ def test_the_timeline_survives_a_dropped_stream_and_says_it_was_disconnected(
     assert first["decision_id"] < live["decision_id"]
 
 
+def test_a_running_run_s_time_counter_ticks_without_its_stream(
+        page: Page, server: Server, agent: Agent, team: Team, users: Any):
+    """The stream sends the counters when a check changes them, not every second: the
+    browser ticks the Time counter on from what the server rendered."""
+    agent.http.base_url = server.url
+    sign_in(page, server, "viewer", "pw-viewer-123")
+    run_id = agent.start()["run_id"]
+    agent.check(run_id, "step.one", {})
+    page.route("**/stream*", lambda route: route.abort())  # nothing comes from the server
+    page.goto(f"{server.url}/teams/{team.slug}/runs/{run_id}/")
+    time = page.locator("[data-counter=time] .counter-head strong")
+    shown = int(time.inner_text().split(" s")[0])
+    page.wait_for_timeout(3_000)
+    assert int(time.inner_text().split(" s")[0]) >= shown + 2
+    page.unroute("**/stream*")
+
+
 def test_screenshot_of_the_overview(page: Page, server: Server, agent: Agent, team: Team,
                                    users: Any):
     """Fills the last 24 hours with history so the chart has something to show."""
