@@ -105,7 +105,8 @@ def _live_point(s: dict[str, Any]) -> str:
     return (f"  live stream ({s['running_runs']} running runs, {s['watched_runs']} pages open "
             f"in {s.get('pages_open_s', '?')} s ({s.get('pages_not_open_in_120_s', 0)} not "
             f"yet), {s['checks_per_s']} checks/s, load "
-            f"{s.get('load_average_1m', '?')}): decision to event p50 {s['p50_ms']} ms, p95 "
+            f"{s.get('load_average_1m', '?')}, clients' CPU {s.get('client_cpu_s', '?')} s in "
+            f"{s.get('phase_s', '?')} s): decision to event p50 {s['p50_ms']} ms, p95 "
             f"{s['p95_ms']} ms, p99 {s['p99_ms']} ms over {s['events']} events "
             f"({s['events_missing']} missing), errors {s['errors']}")
 
