@@ -19,6 +19,7 @@ from typing import Any
 
 from . import agents as ag
 from .client import Connection, HttpError
+from .nodes import tree_cpu
 from .stack import Server
 
 
@@ -156,8 +157,13 @@ def measure(server: Server, *, team_slug: str, team_id: int, token: str, runs: i
         not_open = sum(1 for r in ready if not r.is_set())
         deadline = time.monotonic() + seconds
         share = [run_ids[i::agents] for i in range(agents)]
+        # The server's CPU while the agents check (its processes: `serve` and its workers):
+        # what the checks and the open pages' streams cost it together.
+        server_pids = [server.process.pid] if server.process is not None else []
+        server_cpu = tree_cpu(server_pids)
         await asyncio.gather(*(_agent(server.port, token, mine, per_run_interval, deadline,
                                       answered, errors) for mine in share))
+        server_cpu = tree_cpu(server_pids) - server_cpu
         await asyncio.sleep(3.0)  # the last events arrive
         stop.set()
         for stream in streams:
@@ -181,6 +187,7 @@ def measure(server: Server, *, team_slug: str, team_id: int, token: str, runs: i
             # The clients' own CPU (the pages' readers and the agents, this process), taken
             # from the cores the server is measured on.
             "client_cpu_s": round(client_cpu_s, 1),
+            "server_cpu_per_s": round(server_cpu / seconds, 2),
             "phase_s": round(time.monotonic() - opened, 1),
             "events": len(latencies),
             "events_expected": expected,

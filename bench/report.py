@@ -106,7 +106,8 @@ def _live_point(s: dict[str, Any]) -> str:
             f"in {s.get('pages_open_s', '?')} s ({s.get('pages_not_open_in_120_s', 0)} not "
             f"yet), {s['checks_per_s']} checks/s, load "
             f"{s.get('load_average_1m', '?')}, clients' CPU {s.get('client_cpu_s', '?')} s in "
-            f"{s.get('phase_s', '?')} s): decision to event p50 {s['p50_ms']} ms, p95 "
+            f"{s.get('phase_s', '?')} s, server's CPU {s.get('server_cpu_per_s', '?')} s a "
+            f"second while checked): decision to event p50 {s['p50_ms']} ms, p95 "
             f"{s['p95_ms']} ms, p99 {s['p99_ms']} ms over {s['events']} events "
             f"({s['events_missing']} missing), errors {s['errors']}")
 
