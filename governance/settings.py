@@ -464,7 +464,8 @@ WEBHOOK_ALLOWED_HOSTS = env_list("WEBHOOK_ALLOWED_HOSTS", [])
 # browser reconnects (resuming with Last-Event-ID).
 DASHBOARD_STREAM_SECONDS = env_int("DASHBOARD_STREAM_SECONDS", 60)
 # How often a stream looks at the database even without a wake-up (lost Redis messages,
-# another process's change without Redis, elapsed-time counters).
+# another process's change without Redis, the runs list's durations; a run page's Time
+# counter ticks in the browser between its looks).
 DASHBOARD_STREAM_LOOK_S = env_int("DASHBOARD_STREAM_LOOK_S", 2)
 # A backstop: how often a run page's stream reads the whole page again (the settling of what
 # is due, the run's tree, the layout's team-wide parts) even when its step looks found nothing
