@@ -165,8 +165,9 @@ def test_runs_followed_through_their_links_answer_within_the_schema(
         def get_call_kwargs(self, case: Any) -> dict[str, Any]:
             return {"headers": auth}
 
+    scenarios = settings(QUIET, max_examples=SCENARIOS, stateful_step_count=6)
     try:
-        Workflow.run(settings=settings(QUIET, max_examples=SCENARIOS, stateful_step_count=6))
+        Workflow.run(settings=scenarios)
     except FlakyStrategyDefinition:
         # Hypothesis met one prefix of draws with two sets of enabled links: an answer that
         # decided which links a scenario may follow differed between two tries of the same
@@ -174,7 +175,7 @@ def test_runs_followed_through_their_links_answer_within_the_schema(
         # not printed, so the cause is not known). That says nothing of the API: 5xx and
         # answers outside the schema fail the test as check failures, never as this. One
         # more run with fresh draws, which must pass.
-        Workflow.run(settings=settings(QUIET, max_examples=SCENARIOS, stateful_step_count=6))
+        Workflow.run(settings=scenarios)
 
 
 @contextmanager
