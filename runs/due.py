@@ -67,8 +67,8 @@ def _due(run: Run, now: datetime) -> bool:
     """Whether anything is due on a running row, from its columns (no query)."""
     if run.idle_deadline is not None and now >= run.idle_deadline:
         return True
-    pending = (run.memory or {}).get("pending") if isinstance(run.memory, dict) else None
-    if not isinstance(pending, dict):
+    pending = run.awaited_approval
+    if pending is None:
         return False
     try:
         return now >= datetime.fromisoformat(pending["expires_at"])

@@ -97,7 +97,7 @@ def look_at_request(run: Run, *, now: datetime | None = None) -> bool:
     cancellation included (from the switch's commit on the run's answer is stop / killed,
     SPEC 4.5: the page does not wait for the fan-out to say so). The run's memory says
     whether it waits, so a run that does not costs no query. True when it was settled."""
-    if run.status != rules.RUNNING or not (run.memory or {}).get("pending"):
+    if run.status != rules.RUNNING or run.awaited_approval is None:
         return False
     pending = pending_for_run(run)
     return pending is not None and settle_if_due(pending, now=now)

@@ -94,6 +94,16 @@ class Run(models.Model):
             )
         ]
 
+    @property
+    def awaited_approval(self) -> dict[str, Any] | None:
+        """The approval request the run waits for (SPEC 11), as its memory names it (rules.Pending's
+        fields: approval_id, check_id, since, expires_at...), read from the row, no query. None
+        when it waits for none, or when the memory holds there what no version of the check
+        writes. Every reader of "does this run wait" asks here."""
+        memory = self.memory
+        pending = memory.get("pending") if isinstance(memory, dict) else None
+        return pending if isinstance(pending, dict) and pending else None
+
 
 class RunMemory(models.Model):
     """One entry of a run's keyed memory (SPEC 4.1; governance_client.rules `keyed`): the

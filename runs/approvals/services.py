@@ -337,8 +337,8 @@ def settle_if_due_for_run(run: Run, *, now: datetime | None = None) -> bool:
     """A read of one run is a look too: the run's request, past its expiry, is settled
     before the run is shown (else it would read as running and waiting). The run's memory
     says whether it waits and until when, so a run with nothing due costs no query."""
-    pending = (run.memory or {}).get("pending")
-    if not pending:
+    pending = run.awaited_approval
+    if pending is None:
         return False
     now = now or timezone.now()
     if run.status != rules.RUNNING:

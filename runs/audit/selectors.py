@@ -41,8 +41,8 @@ def policy_json(version: PolicyVersion) -> dict[str, Any]:
 def elapsed_s(run: Run, now: datetime | None = None) -> float:
     """The rules' elapsed time (the one max_seconds is checked against), to the millisecond:
     active time (SPEC 15), without the time spent waiting for approvals."""
-    memory = run.memory or {}
-    pending = memory.get("pending")
+    memory = run.memory if isinstance(run.memory, dict) else {}
+    pending = run.awaited_approval
     try:
         paused = float(memory.get("paused_s", 0.0))
         since = datetime.fromisoformat(pending["since"]) if pending else None

@@ -199,7 +199,7 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
         run = runs.first()
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
-        if (run.memory or {}).get("pending"):
+        if run.awaited_approval is not None:
             return _finish_waiting(team=team, run_id=run.pk, status=status, output=output,
                                    key_agent=key_agent)
         now = timezone.now()

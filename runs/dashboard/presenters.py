@@ -187,7 +187,7 @@ def _counter(label: str, value: float, limit: float | None,
 
 def _time_counter(run: Run, seconds: float, limit: float | None) -> Counter:
     counter = _counter("Time", seconds, limit, "{:.0f} s")
-    if run.status != RunStatus.RUNNING or (run.memory or {}).get("pending"):
+    if run.status != RunStatus.RUNNING or run.awaited_approval is not None:
         return counter  # its time stands still (SPEC 15: an approval's wait is not counted)
     return replace(counter, ticks_from=seconds,
                    ticks_limit=None if limit is None or limit <= 0 else float(limit))

@@ -605,7 +605,7 @@ def _step_looks(sources: list[RunSource]) -> list[str]:
 def _state(run: Run) -> tuple[str, bool]:
     """What decides whether a step look will do: the run's status, and whether it waits for
     an approval."""
-    return run.status, bool((run.memory or {}).get("pending"))
+    return run.status, run.awaited_approval is not None
 
 
 def _counted(run: Run) -> tuple[Any, ...]:
