@@ -1,10 +1,12 @@
-"""Writes of the dashboard's backtests: start one (bounded per team) and run it (the Celery
-task's body). The backtest itself only reads (selectors.py); what is written here is the
-job's own row: its progress for the page to poll, then its result."""
+"""Writes of the dashboard's and the operator API's backtests: start one (bounded per team)
+and run it (the Celery task's body, on the workers' bulk queue). The backtest itself only
+reads (selectors.py); what is written here is the job's own row: its progress for the page
+to poll, then its result."""
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from datetime import datetime, timedelta
 from typing import Any
@@ -131,7 +133,8 @@ def backtest_run(*, job_id: uuid.UUID | str) -> None:
             report = selectors.replay_runs(
                 runs, rules.Policy.from_document(draft["document"]),
                 policy=draft["policy"], progress=progress)
-            results.append({"report": report.as_json(), "decisions": report.decisions,
+            results.append({"report": report.as_json(), "summary": report.summary,
+                            "decisions": report.decisions,
                             "key_fallbacks": report.key_fallbacks})
             offset += len(runs)
         Backtest.objects.filter(pk=job.pk).update(
@@ -142,3 +145,20 @@ def backtest_run(*, job_id: uuid.UUID | str) -> None:
         Backtest.objects.filter(pk=job.pk).update(
             status=Status.FAILED, error=f"{type(exc).__name__}: {exc}"[:2000],
             finished_at=timezone.now())
+
+
+def backtest_wait(job: Backtest, *, seconds: float, poll_s: float = 0.25) -> Backtest:
+    """The job once it is over (done or failed), or as it stands after ``seconds``. The
+    operator API's backtest waits here, on a thread of its own pool, while a worker replays:
+    the web process spends no CPU on the replay (SPEC 10: no tenant slows another).
+    A caller inside a transaction of its own (a test's) cannot have sent the task yet, and
+    no worker could read the uncommitted job: it is run here (the task, sent at the commit,
+    then finds it done and leaves it)."""
+    if transaction.get_connection().in_atomic_block and job.status == Status.QUEUED:
+        backtest_run(job_id=job.pk)
+        job.refresh_from_db(fields=["status", "done", "total", "results", "error"])
+    deadline = time.monotonic() + seconds
+    while job.status in ACTIVE and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        job.refresh_from_db(fields=["status", "done", "total", "results", "error"])
+    return job

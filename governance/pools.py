@@ -25,6 +25,7 @@ from django.conf import settings
 from django.db import close_old_connections, reset_queries
 
 from operator_api.paths import serves as operator_path
+from operator_api.paths import waits_for_backtest
 
 # Paths served by the API's pool; everything else is the dashboard's, but the operator API's
 # (SPEC 17), which has a pool of its own: an operator call never takes a check's thread nor
@@ -49,12 +50,13 @@ os.register_at_fork(after_in_child=_reset)
 
 
 def pool(name: str) -> ThreadPoolExecutor:
-    """The process's pool `api`, `operator` or `dashboard`, made on first use."""
+    """The process's pool `api`, `operator`, `backtest` or `dashboard`, made on first use."""
     try:
         return _pools[name]
     except KeyError:
         pass
     size = {"api": settings.API_THREADS, "operator": settings.OPERATOR_THREADS,
+            "backtest": settings.BACKTEST_API_THREADS,
             "dashboard": settings.DASHBOARD_THREADS}[name]
     with _lock:
         if name not in _pools:
@@ -64,7 +66,9 @@ def pool(name: str) -> ThreadPoolExecutor:
 
 def pool_name(path: str) -> str:
     if path.startswith(API_PREFIXES):
-        return "operator" if operator_path(path) else "api"
+        if not operator_path(path):
+            return "api"
+        return "backtest" if waits_for_backtest(path) else "operator"
     return "dashboard"
 
 

@@ -430,6 +430,13 @@ API_THREADS = env_int("WEB_THREADS", 4)
 DASHBOARD_THREADS = env_int("WEB_DASHBOARD_THREADS", 4)
 # The operator API's own pool (SPEC 17, 21: an operator call never takes a check's thread).
 OPERATOR_THREADS = env_int("WEB_OPERATOR_THREADS", 2)
+# The operator API's backtests wait for their job on a pool of their own (the replay itself
+# runs on the workers' bulk queue, as the dashboard's does): a backtest never holds a thread
+# a kill switch or a policy save needs, and never spends a web process's CPU on the replay.
+BACKTEST_API_THREADS = env_int("WEB_BACKTEST_THREADS", 2)
+# How long an operator API backtest waits for its job before answering 503 (the job goes on;
+# its page in the dashboard shows the result).
+BACKTEST_API_WAIT_SECONDS = env_int("BACKTEST_API_WAIT_SECONDS", 120)
 # A request body must have arrived whole within this many seconds (it is read on the event
 # loop, holding no thread): later, the request is answered 408 and its connection closed.
 REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
@@ -450,10 +457,12 @@ DASHBOARD_STREAM_SHARE = env_float("DASHBOARD_STREAM_SHARE", 0.2)
 if not 0 < DASHBOARD_STREAM_SHARE <= 1:
     raise ImproperlyConfigured("DASHBOARD_STREAM_SHARE must be in (0, 1]")
 if (REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1
-        or OPERATOR_THREADS < 1 or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1):
+        or OPERATOR_THREADS < 1 or BACKTEST_API_THREADS < 1 or BACKTEST_API_WAIT_SECONDS < 1
+        or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1):
     raise ImproperlyConfigured(
-        "REQUEST_BODY_SECONDS, WEB_THREADS, WEB_DASHBOARD_THREADS, WEB_OPERATOR_THREADS and "
-        "MAX_IDLE_CONNECTIONS_PER_ADDRESS must be at least 1")
+        "REQUEST_BODY_SECONDS, WEB_THREADS, WEB_DASHBOARD_THREADS, WEB_OPERATOR_THREADS, "
+        "WEB_BACKTEST_THREADS, BACKTEST_API_WAIT_SECONDS and MAX_IDLE_CONNECTIONS_PER_ADDRESS "
+        "must be at least 1")
 # --- Kill-switch webhooks (runs/webhooks/delivery.py, policies/egress.py) ------------------
 # Webhooks go to public addresses only; a receiver on an internal network must be listed here
 # (host names as written in the URL, or addresses and CIDRs its name resolves to).

@@ -5,17 +5,19 @@ Every view is thin: it finds the team the token may see (404 for any other, as t
 `team_view`), checks the role of SPEC 7 the dashboard's view of the same action asks for
 (403 ``forbidden``), and calls the very service or selector that view calls: policies
 (`policies.services.policy_save`, the save's confirmation `policies.impact`), the backtest
-(`backtests.selectors.backtest`), the kill switch (`runs.killswitch.services`, who may release
-from `runs.killswitch.selectors.may_release`), approvals (`runs.approvals.services
-.approval_decide`) and the runs' reads (`runs.audit.selectors`, after the look of
-`runs.first_look`). No rule is written twice here: the refusals (422, 409) are the services'.
+(`backtests.services.backtest_start`: a worker replays, as for the editor), the kill switch
+(`runs.killswitch.services`, who may release from `runs.killswitch.selectors.may_release`),
+approvals (`runs.approvals.services.approval_decide`) and the runs' reads
+(`runs.audit.selectors`, after the look of `runs.first_look`). No rule is written twice
+here: the refusals (422, 409) are the services'.
 
 Each request runs in its own copy of the context, in which the token is the acting one
 (`policies.tokens.acting`): every audit event the services write names it, and a read writes
 one event of its own (``token.read``), so every use of a token is in the audit log.
 
 Serving: these paths run on the server's operator pool, never on the agents' API pool
-(`governance.pools.pool_name`), so an operator call never takes a check's thread (SPEC 21).
+(`governance.pools.pool_name`), so an operator call never takes a check's thread (SPEC 21);
+a backtest waits for its replay on a pool of its own, so it never takes a kill switch's.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Annotated, Any, Literal
 
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
 from ninja import NinjaAPI, Query, Router, Schema
 from ninja.security import HttpBearer
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from backtests import selectors as backtests
 from backtests.inputs import MAX_LIMIT, InputError, parse_since
+from backtests.models import Status as BacktestStatus
+from backtests.services import Busy, backtest_start, backtest_wait
 from governance.errors import AppError
 from governance.text import text_problem
 from policies import impact
@@ -329,10 +334,31 @@ def backtest_policy(request: HttpRequest, slug: str, name: str, payload: Backtes
         since = parse_since(payload.since)
     except InputError as exc:
         raise AppError(422, "invalid_request", str(exc), {"since": str(exc)}) from None
-    report = backtests.backtest(team, policy, document, since=since, limit=payload.limit)
+    # Replayed by a worker on the bulk queue, as the dashboard's backtests are (eagerly, in
+    # this thread, on the embedded default); this thread, of the backtest pool, only waits.
+    try:
+        job = backtest_start(team=team, user=request.auth.user,
+                             drafts=[{"policy": policy.name, "document": document}],
+                             source="api", since=since, limit=payload.limit)
+    except Busy:
+        raise AppError(429, "too_many_backtests",
+                       f"This team already runs {settings.BACKTEST_MAX_PER_TEAM} backtests, "
+                       "as many as it may: try again when one has finished.",
+                       retry_after_s=5) from None
+    job = backtest_wait(job, seconds=settings.BACKTEST_API_WAIT_SECONDS)
+    if job.status != BacktestStatus.DONE or not job.results:
+        if job.status == BacktestStatus.FAILED:
+            why = f"The backtest failed: {job.error}"
+        else:
+            why = (f"The backtest did not finish within {settings.BACKTEST_API_WAIT_SECONDS} "
+                   f"s ({job.done} of {job.total} runs replayed); it goes on, and its page "
+                   f"shows the result: {reverse('backtest', args=[team.slug, job.pk])}. A "
+                   "smaller limit or since answers sooner.")
+        raise AppError(503, "unavailable", why, retry_after_s=30)
     _read(request, team)
+    result = job.results[0]
     # The draft as it would be saved (defaults filled): what `govctl --dry-run` diffs.
-    return {**report.as_json(), "summary": report.summary, "draft": document}
+    return {**result["report"], "summary": result["summary"], "draft": document}
 
 
 # --- Kill switch -------------------------------------------------------------------------------

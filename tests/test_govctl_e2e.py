@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import settings
 from governance_client.govctl import main
 
 from policies.models import OperatorEvent, PolicyVersion, Team
 from policies.tokens import operator_token_create
 from runs.models import KillSwitch
 from tests.conftest import Agent, Server, set_policy
+from tests.workers import Worker, new_worker, workers_fixture  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -46,7 +48,10 @@ def admin_token(users: dict[str, Any]) -> str:
 
 
 def test_apply_twice_and_a_dry_run_with_its_backtest(server: Server, agent: Agent, team: Team,
-                                                     admin_token: str, tmp_path: Path):
+                                                     admin_token: str, tmp_path: Path,
+                                                     workers: list[Worker]):
+    if not settings.CELERY_TASK_ALWAYS_EAGER:
+        new_worker(workers)  # the backtest is replayed on the workers' bulk queue
     # Recorded runs for the backtest: three steps each, completed.
     for _ in range(2):
         run = agent.start()

@@ -386,6 +386,10 @@ def test_operator_paths_run_on_their_own_pool_never_the_checks():
     for path in ("/api/v1/teams", "/api/v1/teams/a/policies/b", "/api/v1/killswitch",
                  "/api/v1/approvals/abc/decide"):
         assert pool_name(path) == "operator"
+    # A backtest waits for its replay on a pool of its own: it never holds a kill switch's
+    # thread (tests/test_operator_backtest_isolation.py).
+    assert pool_name("/api/v1/teams/a/policies/b/backtest") == "backtest"
+    assert pool_name("/api/v1/teams/a/policies/backtest") == "operator"
 
 
 def test_the_matrix_covers_every_operator_operation(client):
