@@ -67,6 +67,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stream-interval", type=float, default=1.0,
                         help="seconds between two checks of one run in the stream phase "
                              "(default 1)")
+    parser.add_argument("--stream-nodes", type=int, default=1,
+                        help="web nodes the stream phase's pages are spread over (default 1: "
+                             "the benchmark's server; more: deploy/stack.py's nodes behind "
+                             "HAProxy and PgBouncer, which need haproxy and pgbouncer)")
     parser.add_argument("--no-history", action="store_true",
                         help="do not append this run to bench/history.jsonl")
     return parser.parse_args(argv)
@@ -182,7 +186,8 @@ def main(argv: list[str]) -> int:
                 [200] if quick else [200, 1000])
             results["stream"] = live_stream(server, team, quick=quick, counts=counts,
                                             watched=args.stream_watched,
-                                            interval=args.stream_interval)
+                                            interval=args.stream_interval,
+                                            nodes=args.stream_nodes)
             print(report.live_line(results["stream"]), flush=True)
         if "attacks" in phases:
             from .attacks import ATTACKS
@@ -283,9 +288,10 @@ def points_phase(results: dict[str, Any], server: stack.Server, team: sc.Team,
 
 
 def live_stream(server: stack.Server, team: sc.Team, *, quick: bool, counts: list[int],
-                watched: int, interval: float) -> dict[str, Any]:
+                watched: int, interval: float, nodes: int = 1) -> dict[str, Any]:
     """One point per running-run count, a page open on each run (or on `watched` of them);
-    the phase's own fields are its largest point's."""
+    the phase's own fields are its largest point's. With ``nodes`` above 1, on that many web
+    nodes of deploy/stack.py (loopback addresses, one `serve` worker process a node)."""
     from django.urls import NoReverseMatch, reverse
 
     from . import live
@@ -294,7 +300,31 @@ def live_stream(server: stack.Server, team: sc.Team, *, quick: bool, counts: lis
         reverse("runs:run_stream", args=["x", "00000000-0000-0000-0000-000000000000"])
     except NoReverseMatch:
         return {"measured": False, "why": "no dashboard run stream in this build"}
-    points = [live.measure(server, team_slug=team.slug, team_id=team.team_id, token=team.token,
+    if nodes > 1:
+        from deploy.stack import Stack
+
+        from .nodes import unavailable
+
+        why = unavailable()
+        if why:
+            return {"measured": False, "why": why}
+        with Stack(stack.database_url(), web_nodes=nodes, env={"LOG_LEVEL": "WARNING"},
+                   namespaces=False) as deployed:
+            target = live.Target(
+                agents=("127.0.0.1", deployed.http_port),
+                pages=[(node.address, deployed.web_port) for node in deployed.web],
+                pids=[p.pid for node in deployed.web for p in node.processes])
+            return _live_points(target, team, quick=quick, counts=counts, watched=watched,
+                                interval=interval)
+    return _live_points(live.Target.of_server(server), team, quick=quick, counts=counts,
+                        watched=watched, interval=interval)
+
+
+def _live_points(target: Any, team: sc.Team, *, quick: bool, counts: list[int], watched: int,
+                 interval: float) -> dict[str, Any]:
+    from . import live
+
+    points = [live.measure(target, team_slug=team.slug, team_id=team.team_id, token=team.token,
                            runs=n, watched=min(n, watched or n), agents=max(20, n // 10),
                            per_run_interval=interval, seconds=5.0 if quick else 15.0)
               for n in counts]

@@ -6,6 +6,10 @@ clients with a logged-in session, watch `watched` of the run pages (by default o
 `teams/<slug>/runs/<id>/stream`, the dashboard's timeline stream). For every decision on a
 watched run, the latency is the time from the agent receiving the answer to the stream
 delivering the `step` event with that decision's id.
+
+On one server (`Target.of_server`), or on the web nodes of deploy/stack.py (`--stream-nodes
+3`): the agents check through its HAProxy, and the pages are spread over the nodes, each
+page on one node's own address, as a browser's stream stays on the node that took it.
 """
 
 from __future__ import annotations
@@ -15,12 +19,29 @@ import contextlib
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from . import agents as ag
 from .client import Connection, HttpError
 from .nodes import tree_cpu
 from .stack import Server
+
+
+@dataclass
+class Target:
+    """Where the agents check, where the pages are read from, and whose CPU is the
+    server's."""
+
+    agents: tuple[str, int]
+    pages: list[tuple[str, int]]
+    pids: list[int]
+
+    @classmethod
+    def of_server(cls, server: Server) -> Target:
+        at = ("127.0.0.1", server.port)
+        return cls(agents=at, pages=[at],
+                   pids=[server.process.pid] if server.process is not None else [])
 
 
 def session_cookie(team_id: int) -> str:
@@ -38,7 +59,7 @@ def session_cookie(team_id: int) -> str:
     return str(client.cookies["sessionid"].value)
 
 
-async def _watch(port: int, path: str, cookie: str, seen: dict[int, float],
+async def _watch(at: tuple[str, int], path: str, cookie: str, seen: dict[int, float],
                  stop: asyncio.Event, errors: list[str], ready: asyncio.Event) -> None:
     """Read one SSE stream, noting when each event id arrives; reconnects when the server
     ends the stream (streams have a bounded lifetime). ``ready`` is set at its first event
@@ -46,11 +67,11 @@ async def _watch(port: int, path: str, cookie: str, seen: dict[int, float],
     last_id = ""
     while not stop.is_set():
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            reader, writer = await asyncio.open_connection(*at)
         except OSError as exc:
             errors.append(f"sse connect: {exc}")
             return
-        head = (f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: text/event-stream\r\n"
+        head = (f"GET {path} HTTP/1.1\r\nHost: {at[0]}:{at[1]}\r\nAccept: text/event-stream\r\n"
                 f"Cookie: sessionid={cookie}\r\n")
         if last_id:
             head += f"Last-Event-ID: {last_id}\r\n"
@@ -89,10 +110,10 @@ async def _watch(port: int, path: str, cookie: str, seen: dict[int, float],
             writer.close()
 
 
-async def _agent(port: int, token: str, runs: list[str], per_run_interval: float,
+async def _agent(at: tuple[str, int], token: str, runs: list[str], per_run_interval: float,
                  deadline: float, answered: dict[int, tuple[str, float]],
                  errors: list[str]) -> None:
-    conn = Connection("127.0.0.1", port, token=token)
+    conn = Connection(*at, token=token)
     step = 0
     try:
         while time.monotonic() < deadline:
@@ -114,7 +135,7 @@ async def _agent(port: int, token: str, runs: list[str], per_run_interval: float
         await conn.close()
 
 
-def measure(server: Server, *, team_slug: str, team_id: int, token: str, runs: int = 200,
+def measure(target: Target, *, team_slug: str, team_id: int, token: str, runs: int = 200,
             watched: int = 200, agents: int = 20, per_run_interval: float = 1.0,
             seconds: float = 15.0) -> dict[str, Any]:
     from django.urls import reverse
@@ -125,7 +146,7 @@ def measure(server: Server, *, team_slug: str, team_id: int, token: str, runs: i
     cookie = session_cookie(team_id)
 
     async def drive() -> dict[str, Any]:
-        conn = Connection("127.0.0.1", server.port, token=token)
+        conn = Connection(*target.agents, token=token)
         run_ids = []
         for i in range(runs):
             status, body = await conn.post_json("/api/v1/runs", {"agent": f"bench-agent-{i % 16}"})
@@ -143,8 +164,9 @@ def measure(server: Server, *, team_slug: str, team_id: int, token: str, runs: i
         cpu_at_start = time.process_time()
         streams = [
             asyncio.ensure_future(_watch(
-                server.port, reverse("runs:run_stream", args=[team_slug, run_id]), cookie, seen,
-                stop, errors, ready[i]))
+                target.pages[i % len(target.pages)],
+                reverse("runs:run_stream", args=[team_slug, run_id]), cookie, seen, stop,
+                errors, ready[i]))
             for i, run_id in enumerate(watched_ids)
         ]
         # The pages are open: every stream has sent its first look (the page's state), as a
@@ -157,13 +179,12 @@ def measure(server: Server, *, team_slug: str, team_id: int, token: str, runs: i
         not_open = sum(1 for r in ready if not r.is_set())
         deadline = time.monotonic() + seconds
         share = [run_ids[i::agents] for i in range(agents)]
-        # The server's CPU while the agents check (its processes: `serve` and its workers):
-        # what the checks and the open pages' streams cost it together.
-        server_pids = [server.process.pid] if server.process is not None else []
-        server_cpu = tree_cpu(server_pids)
-        await asyncio.gather(*(_agent(server.port, token, mine, per_run_interval, deadline,
+        # The server's CPU while the agents check (its processes: `serve` and its workers,
+        # on every node): what the checks and the open pages' streams cost it together.
+        server_cpu = tree_cpu(target.pids)
+        await asyncio.gather(*(_agent(target.agents, token, mine, per_run_interval, deadline,
                                       answered, errors) for mine in share))
-        server_cpu = tree_cpu(server_pids) - server_cpu
+        server_cpu = tree_cpu(target.pids) - server_cpu
         await asyncio.sleep(3.0)  # the last events arrive
         stop.set()
         for stream in streams:
@@ -177,6 +198,7 @@ def measure(server: Server, *, team_slug: str, team_id: int, token: str, runs: i
         return {
             "measured": True,
             "running_runs": runs,
+            "web_nodes": len(target.pages),
             "watched_runs": watched,
             "pages_open_s": round(all_open_s, 2),  # from opening them to every first look
             "pages_not_open_in_120_s": not_open,

@@ -102,9 +102,11 @@ def live_line(s: dict[str, Any]) -> str:
 
 
 def _live_point(s: dict[str, Any]) -> str:
-    return (f"  live stream ({s['running_runs']} running runs, {s['watched_runs']} pages open "
-            f"in {s.get('pages_open_s', '?')} s ({s.get('pages_not_open_in_120_s', 0)} not "
-            f"yet), {s['checks_per_s']} checks/s, load "
+    nodes = s.get("web_nodes", 1)
+    where = f" over {nodes} web nodes" if nodes > 1 else ""
+    return (f"  live stream ({s['running_runs']} running runs, {s['watched_runs']} pages "
+            f"open{where} in {s.get('pages_open_s', '?')} s "
+            f"({s.get('pages_not_open_in_120_s', 0)} not yet), {s['checks_per_s']} checks/s, load "
             f"{s.get('load_average_1m', '?')}, clients' CPU {s.get('client_cpu_s', '?')} s in "
             f"{s.get('phase_s', '?')} s, server's CPU {s.get('server_cpu_per_s', '?')} s a "
             f"second while checked): decision to event p50 {s['p50_ms']} ms, p95 "
