@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
+from django.utils import timezone
 from ninja import NinjaAPI, Query, Router, Schema
 from ninja.security import HttpBearer
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -45,7 +46,13 @@ from governance.text import text_problem
 from policies import impact
 from policies import selectors as policy_reads
 from policies.access import can
-from policies.document import POLICY_NAME, SLUG, DocumentError, parse_policy
+from policies.document import (
+    MAX_POLICIES_PER_TEAM,
+    POLICY_NAME,
+    SLUG,
+    DocumentError,
+    parse_policy,
+)
 from policies.models import Policy, PolicyVersion, Role, Team
 from policies.services import agent_key_claim, audit, policy_save
 from policies.tokens import (
@@ -187,6 +194,7 @@ class PolicyVersionOut(Schema):
 
 class PolicySavedOut(PolicyVersionOut):
     changed: bool | None = None
+    dry_run: bool = False
 
 
 class PoliciesOut(Schema):
@@ -258,12 +266,15 @@ def list_versions(request: HttpRequest, slug: str, name: str) -> dict[str, Any]:
 class PolicyPutIn(BaseModel):  # pydantic's own: ninja's Schema drops the extra fields
     """One policy as the YAML document's policy object (its `name` may be left out, and must
     equal the URL's when given), with the change's `note`; `confirm_stops: true` confirms a
-    change that would stop most recent runs at once (docs/policies.md)."""
+    change that would stop most recent runs at once (docs/policies.md); `dry_run: true`
+    answers what the save would (the version it would make, or a refusal) and saves nothing:
+    `govctl policies apply` checks every policy of a file so before it saves any."""
 
     model_config = ConfigDict(extra="allow")
     note: Annotated[str, Field(min_length=1, max_length=500, json_schema_extra=_NO_NUL),
                     Storable]
     confirm_stops: bool = False
+    dry_run: bool = False
 
 
 def _draft(name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -303,6 +314,8 @@ def put_policy(request: HttpRequest, slug: str, name: str, payload: PolicyPutIn)
         impacts = impact.impacts_to_confirm(team, [document])
         if impacts:
             return _confirmation_required(impacts)
+    if payload.dry_run:
+        return _would_save(request, team, document, payload.note)
     try:
         version = policy_save(team=team, document=document, actor=request.auth.user,
                               source="api", note=payload.note)
@@ -313,6 +326,27 @@ def put_policy(request: HttpRequest, slug: str, name: str, payload: PolicyPutIn)
     if version is None:
         _read(request, team, "token.unchanged")
     return {**version_json(policy.name, policy.current), "changed": version is not None}
+
+
+def _would_save(request: HttpRequest, team: Team, document: dict[str, Any], note: str
+                ) -> dict[str, Any]:
+    """A PUT's answer without the save: the version it would make (or the current one,
+    unchanged), refused as the save would be past the team's cap on policies."""
+    policy = Policy.objects.filter(team=team, name=document["name"]).select_related(
+        "current").first()
+    current = policy.current if policy is not None else None
+    if current is None and Policy.objects.filter(team=team).count() >= MAX_POLICIES_PER_TEAM:
+        raise AppError(422, "invalid_request", "The policy cannot be saved.",
+                       {"name": f"a team has at most {MAX_POLICIES_PER_TEAM} policies: change "
+                                "or reuse one"})
+    _read(request, team, "token.dry_run")
+    if current is not None and current.document == document:
+        return {**version_json(document["name"], current), "changed": False, "dry_run": True}
+    return {"name": document["name"], "version": current.version + 1 if current else 1,
+            "created_at": approval_reads.iso(timezone.now()),
+            "created_by": request.auth.user.get_username(),  # type: ignore[attr-defined]
+            "source": "api", "note": note, "document": document, "changed": True,
+            "dry_run": True}
 
 
 class BacktestIn(PolicyPutIn):

@@ -104,6 +104,47 @@ def test_refusals_exit_1_with_the_reason(server: Server, team: Team, users: dict
     assert code == 1 and "not_found (404)" in err
 
 
+def test_a_file_with_one_refused_policy_saves_none_of_it(server: Server, team: Team,
+                                                          admin_token: str, tmp_path: Path):
+    """All or nothing: the valid `default` before the invalid `strict` is not saved either,
+    and a dry run says the apply would be refused (a new policy is validated too)."""
+    before = PolicyVersion.objects.filter(policy__team=team, policy__name="default").count()
+    bad = tmp_path / "half.yaml"
+    bad.write_text(FILE.replace("max_steps: 5", "max_steps: -5"))
+    code, out, err = govctl(server, admin_token, "policies", "apply", str(bad))
+    assert code == 1, out
+    assert "policy support/strict: invalid_request (422)" in err and "step_limits" in err
+    assert "nothing saved: 1 of 2 policies refused" in err
+    assert PolicyVersion.objects.filter(policy__team=team, policy__name="default").count() \
+        == before
+    assert not PolicyVersion.objects.filter(policy__name="strict").exists()
+    # The dry run shows the valid change, then the refusal, and fails as the apply would.
+    code, out, err = govctl(server, admin_token, "policies", "apply", str(bad), "--dry-run")
+    assert code == 1 and "policy support/default: would change" in out
+    assert "policy support/strict: invalid_request (422)" in err
+    assert PolicyVersion.objects.filter(policy__team=team, policy__name="default").count() \
+        == before
+
+
+def test_a_change_to_confirm_names_the_flag_and_a_dry_run_fails_on_it(
+        server: Server, agent: Agent, team: Team, admin_token: str, tmp_path: Path):
+    for _ in range(3):  # recent runs that a deny-all would stop at their first step
+        run = agent.start()
+        agent.check(run["run_id"], name="search.docs")
+        agent.http.post(f"/api/v1/runs/{run['run_id']}/finish", json={"status": "completed"})
+    deny_all = tmp_path / "deny.yaml"
+    deny_all.write_text("teams:\n  - slug: support\n    policies:\n      - name: default\n"
+                        "        step_limits: {max_steps: 50, max_repeat_action: 3, "
+                        "no_progress_window: 4}\n        tools: {deny: ['*']}\n")
+    for extra in ((), ("--dry-run",)):
+        code, _, err = govctl(server, admin_token, "policies", "apply", str(deny_all), *extra)
+        assert code == 1 and "confirmation_required (409)" in err, err
+        assert "--confirm-stops" in err and "(tool_denied 3)" in err, err
+    code, out, err = govctl(server, admin_token, "policies", "apply", str(deny_all),
+                            "--confirm-stops")
+    assert code == 0 and "policy support/default: version" in out, err
+
+
 def test_killswitch_engage_and_release(server: Server, agent: Agent, team: Team,
                                        admin_token: str):
     args = ["--scope", "agent", "--team", "support", "--agent", "support-bot"]

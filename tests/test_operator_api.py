@@ -221,6 +221,27 @@ def test_put_validates_saves_and_says_when_nothing_changed(world, users):
     assert call(world, "admin", "GET", path + "/../nope").status_code == 404
 
 
+def test_a_dry_run_put_answers_what_the_save_would_and_saves_nothing(world):
+    path = "/api/v1/teams/support/policies/default"
+    current = call(world, "admin", "GET", path).json()
+    would = call(world, "admin", "PUT", path, {**DRAFT, "note": "try", "dry_run": True}).json()
+    assert would["dry_run"] is True and would["changed"] is True, would
+    assert would["version"] == current["version"] + 1
+    assert would["document"]["step_limits"]["max_steps"] == 40
+    assert call(world, "admin", "GET", path).json()["version"] == current["version"]
+    new = call(world, "admin", "PUT", "/api/v1/teams/support/policies/fresh",
+               {**DRAFT, "note": "try", "dry_run": True}).json()
+    assert new["version"] == 1 and new["changed"] is True
+    assert call(world, "admin", "GET", "/api/v1/teams/support/policies/fresh").status_code == 404
+    bad = call(world, "admin", "PUT", path, {"step_limits": {"max_steps": -1}, "note": "x",
+                                              "dry_run": True})
+    assert bad.status_code == 422 and "step_limits.max_steps" in bad.json()["error"]["fields"]
+    # A dry run asks what the save asks: the admin role.
+    assert call(world, "viewer", "PUT", path, {**DRAFT, "note": "x", "dry_run": True}
+                ).status_code == 403
+    assert OperatorEvent.objects.filter(action="token.dry_run").exists()
+
+
 def test_a_change_that_stops_most_recent_runs_needs_confirm_stops(world):
     agent = world["agent"]
     for _ in range(3):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from pathlib import Path
 
 import httpx
@@ -54,9 +55,12 @@ def govctl(tmp_path: Path, content: str | bytes, *args: str, name: str = "p.yaml
 def test_a_good_file_is_sent_to_its_policys_path(tmp_path):
     code, err, sent = govctl(tmp_path, GOOD)
     assert code == 0, err
+    # Checked first (a dry run), then saved: a file is applied all or nothing.
     assert [(r.method, r.url.path) for r in sent] == [
-        ("GET", "/api/v1/teams/support/policies"),
+        ("PUT", "/api/v1/teams/support/policies/default"),
         ("PUT", "/api/v1/teams/support/policies/default")]
+    assert [json.loads(r.content)["dry_run"] for r in sent if "dry_run" in
+            json.loads(r.content)] == [True]
 
 
 @pytest.mark.parametrize(("content", "says"), [

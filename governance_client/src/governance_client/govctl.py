@@ -113,12 +113,12 @@ def _bounded(data: Any, path: str) -> None:
         pending.extend((item, depth + 1) for item in items)
 
 
-def _dump(data: Any) -> str:
+def _dump(data: Any, *, sort_keys: bool = False) -> str:
     try:
         yaml = _yaml()
     except Refused:
-        return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
-    return str(yaml.safe_dump(data, sort_keys=False, default_flow_style=False,
+        return json.dumps(data, indent=2, ensure_ascii=False, sort_keys=sort_keys) + "\n"
+    return str(yaml.safe_dump(data, sort_keys=sort_keys, default_flow_style=False,
                               allow_unicode=True))
 
 
@@ -165,8 +165,13 @@ def _reason(status: int, data: Any) -> str:
     for field, problem in (error.get("fields") or {}).items():
         text += f"\n  {field}: {problem}"
     for item in error.get("impacts") or []:
+        reasons = item.get("by_reason") or {}
+        listed = ", ".join(f"{k} {v}" for k, v in reasons.items()) \
+            if isinstance(reasons, dict) else str(reasons)
         text += (f"\n  {item.get('policy')}: would stop {item.get('stopped_at_once')} of "
-                 f"{item.get('runs')} recent runs at once {item.get('by_reason')}")
+                 f"{item.get('runs')} recent runs at once ({listed})")
+    if error.get("code") == "confirmation_required":
+        text += "\n  govctl: run it again with --confirm-stops to save it"
     return text
 
 
@@ -187,58 +192,87 @@ def _teams_of(document: Any) -> list[dict[str, Any]]:
 
 
 def _diff(before: Any, after: Any, *, label: str) -> str:
-    lines = difflib.unified_diff(_dump(before).splitlines() if before else [],
-                                 _dump(after).splitlines(), fromfile=f"{label} (current)",
-                                 tofile=f"{label} (file)", lineterm="")
+    # Keys sorted on both sides: the server's documents and a file order them differently,
+    # and an unchanged field must not show as removed and added again.
+    lines = difflib.unified_diff(_dump(before, sort_keys=True).splitlines() if before else [],
+                                 _dump(after, sort_keys=True).splitlines(),
+                                 fromfile=f"{label} (current)", tofile=f"{label} (file)",
+                                 lineterm="")
     return "\n".join(lines)
 
 
 def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
+    """All or nothing: every policy of the file is first sent as a dry run (validated, its
+    confirmation asked for, saved nowhere); any refusal is printed, with every other, and
+    nothing is saved. Only then are they saved, one by one. With --dry-run the changes are
+    shown, and the refusals after them (exit 1: the real apply would be refused)."""
     teams = _teams_of(_load(args.file))
     note = args.note or f"govctl policies apply {Path(args.file).name}"
-    changed = 0
+    planned: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = []
+    refusals: list[str] = []
     for team in teams:
         slug = team["slug"]
-        _, listing = api.call("GET", f"/teams/{slug}/policies")
-        current = {p["name"]: p for p in listing["policies"]}
         for policy in team.get("policies", []):
             name = policy["name"]
-            label = f"{slug}/{name}"
-            if args.dry_run:
-                changed += _dry_run(api, out, slug, name, policy, current.get(name), label)
+            body = {**policy, "note": note, "confirm_stops": bool(args.confirm_stops)}
+            try:
+                _, would = api.call("PUT", f"/teams/{slug}/policies/{name}",
+                                    {**body, "dry_run": True})
+            except Refused as refused:
+                refusals.append(f"policy {slug}/{name}: {refused}")
                 continue
-            body = {**policy, "note": note}
-            if args.confirm_stops:
-                body["confirm_stops"] = True
-            _, saved = api.call("PUT", f"/teams/{slug}/policies/{name}", body)
-            if saved["changed"]:
-                changed += 1
-                print(f"policy {label}: version {saved['version']}", file=out)
+            planned.append((slug, name, body, would))
+    if args.dry_run:
+        _dry_run(api, out, planned)
+    if refusals:
+        raise Refused("\n".join(refusals) + f"\nnothing saved: {len(refusals)} of "
+                      f"{len(refusals) + len(planned)} policies refused")
+    if args.dry_run:
+        return
+    changed = 0
+    for slug, name, body, would in planned:
+        if not would["changed"]:
+            continue
+        _, saved = api.call("PUT", f"/teams/{slug}/policies/{name}", body)
+        if saved["changed"]:
+            changed += 1
+            print(f"policy {slug}/{name}: version {saved['version']}", file=out)
     if not changed:
-        print("nothing changed" + (" (dry run)" if args.dry_run else ""), file=out)
-    elif args.dry_run:
+        print("nothing changed", file=out)
+
+
+def _dry_run(api: Api, out: Any,
+             planned: list[tuple[str, str, dict[str, Any], dict[str, Any]]]) -> None:
+    changed = 0
+    for slug, name, body, would in planned:
+        if not would["changed"]:
+            continue
+        changed += 1
+        _show_change(api, out, slug, name, body, would)
+    if not changed:
+        print("nothing changed (dry run)", file=out)
+    else:
         print(f"{changed} polic{'y' if changed == 1 else 'ies'} would change (dry run: "
               "nothing saved)", file=out)
 
 
-def _dry_run(api: Api, out: Any, slug: str, name: str, policy: dict[str, Any],
-             current: dict[str, Any] | None, label: str) -> int:
-    if current is None:
-        print(f"policy {label}: new\n{_dump(policy)}", file=out)
-        return 1
+def _show_change(api: Api, out: Any, slug: str, name: str, body: dict[str, Any],
+                 would: dict[str, Any]) -> None:
+    label = f"{slug}/{name}"
+    if would["version"] == 1:
+        print(f"policy {label}: new (version 1)\n{_dump(would['document'])}", file=out)
+        return
+    _, current = api.call("GET", f"/teams/{slug}/policies/{name}")
+    policy = {k: v for k, v in body.items() if k not in ("note", "confirm_stops")}
     _, report = api.call("POST", f"/teams/{slug}/policies/{name}/backtest", policy)
-    draft = report.get("draft", policy)
-    if draft == current["document"]:
-        return 0
     print(f"policy {label}: would change (version {current['version']} -> "
-          f"{current['version'] + 1})", file=out)
-    print(_diff(current["document"], draft, label=label), file=out)
+          f"{would['version']})", file=out)
+    print(_diff(current["document"], would["document"], label=label), file=out)
     reasons = ", ".join(f"{k} {v}" for k, v in report.get("by_reason", {}).items())
     print(f"backtest: {report['runs']} recorded runs replayed, {report['changed']} would "
           f"change" + (f" ({reasons})" if reasons else "") + ".", file=out)
     if report.get("summary"):
         print(f"backtest: {report['summary']}", file=out)
-    return 1
 
 
 def policies_export(api: Api, args: argparse.Namespace, out: Any) -> None:
