@@ -9,7 +9,8 @@ The run is stopped with ``loop_detected`` at the 4th identical ``edit_file`` cal
 answers with its partial response and the stop's reason and next action.
 
 Run it: ``python governance_client/examples/langgraph_agent.py`` (against a real service with
-GOVERNANCE_URL and GOVERNANCE_API_KEY set, else against an in-process fake).
+GOVERNANCE_URL and GOVERNANCE_API_KEY (or GOVERNANCE_KEY) set, else against an
+in-process fake).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ OpenAI call, no API key) replaying the seed article's rename loop: the run is st
 ``loop_detected`` at the 4th identical ``edit_file`` call.
 
 Run it: ``python governance_client/examples/openai_agents_agent.py`` (against a real service with
-GOVERNANCE_URL and GOVERNANCE_API_KEY set, else against an in-process fake).
+GOVERNANCE_URL and GOVERNANCE_API_KEY (or GOVERNANCE_KEY) set, else against an
+in-process fake).
 """
 
 from __future__ import annotations

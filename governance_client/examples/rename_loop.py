@@ -8,6 +8,7 @@ narration ("I'll now" → "Let me" → "I need to"), each repeat failing with "n
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 from governance_client import GovernanceClient
@@ -57,9 +58,15 @@ class Workspace:
 
 
 def governance_client(fake: FakeGovernance | None = None) -> GovernanceClient:
-    """The real service if GOVERNANCE_URL and GOVERNANCE_API_KEY are set, else an in-process fake
-    (max_repeat_action=3, like a new policy), so the example runs with nothing else."""
-    url, key = os.environ.get("GOVERNANCE_URL"), os.environ.get("GOVERNANCE_API_KEY")
+    """The real service if GOVERNANCE_URL and an agent key (GOVERNANCE_API_KEY, or
+    GOVERNANCE_KEY as the MCP gateway names it) are set, else an in-process fake
+    (max_repeat_action=3, like a new policy), so the example runs with nothing else. A URL
+    without a key says so: the example would otherwise run on the fake unnoticed."""
+    url = os.environ.get("GOVERNANCE_URL")
+    key = os.environ.get("GOVERNANCE_API_KEY") or os.environ.get("GOVERNANCE_KEY")
     if url and key:
         return GovernanceClient(url, key)
+    if url:
+        print(f"GOVERNANCE_URL is {url}, but neither GOVERNANCE_API_KEY nor GOVERNANCE_KEY is "
+              "set: running against an in-process fake, not the service.", file=sys.stderr)
     return (fake or FakeGovernance(max_repeat_action=3)).client()

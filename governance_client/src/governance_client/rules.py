@@ -643,7 +643,9 @@ def ended_ancestor(tree: Sequence[Ancestor], now: datetime) -> tuple[Ancestor, s
 
 def _parent_stopped(ancestor: Ancestor, reason: str) -> Stop:
     status = ancestor.state.status
-    message = (f"Ancestor run {ancestor.run_id} is {status} (reason: {reason}): this run "
+    # "is completed", not "is completed (reason: completed)": a finish's reason is its status.
+    why = f" (reason: {reason})" if reason != status else ""
+    message = (f"Ancestor run {ancestor.run_id} is {status}{why}: this run "
                "stops with it; the action was not run."
                if status != RUNNING else
                f"Ancestor run {ancestor.run_id} is over (reason: {reason}): this run stops "
