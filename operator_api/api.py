@@ -204,6 +204,8 @@ class PoliciesOut(Schema):
 
 class VersionsOut(Schema):
     versions: list[PolicyVersionOut]
+    # Older versions remain: ask again with `?before=<the last one's version>`.
+    more: bool = False
 
 
 def version_json(name: str, version: PolicyVersion) -> dict[str, Any]:
@@ -237,6 +239,11 @@ class VersionQuery(Schema):
     version: int | None = Field(default=None, ge=1)
 
 
+class VersionsQuery(Schema):
+    before: int | None = Field(default=None, ge=1)
+    limit: int = Field(default=50, ge=1, le=200)
+
+
 @router.get("/teams/{slug}/policies/{name}", response={200: PolicyVersionOut, **ERRORS},
             summary="A policy: its current version, or `?version=N`",
             operation_id="operator_get_policy")
@@ -255,12 +262,15 @@ def get_policy(request: HttpRequest, slug: str, name: str, query: Query[VersionQ
 
 
 @router.get("/teams/{slug}/policies/{name}/versions", response={200: VersionsOut, **ERRORS},
-            summary="A policy's versions, newest first", operation_id="operator_list_versions")
-def list_versions(request: HttpRequest, slug: str, name: str) -> dict[str, Any]:
+            summary="A policy's versions, newest first (`?limit=`, `?before=N`: older pages)",
+            operation_id="operator_list_versions")
+def list_versions(request: HttpRequest, slug: str, name: str, query: Query[VersionsQuery]
+                  ) -> dict[str, Any]:
     team, _ = _team(request, slug)
     policy = _policy(team, name)
+    versions, more = policy_reads.versions_of(policy, before=query.before, limit=query.limit)
     _read(request, team)
-    return {"versions": [version_json(policy.name, v) for v in policy_reads.versions_of(policy)]}
+    return {"versions": [version_json(policy.name, v) for v in versions], "more": more}
 
 
 class PolicyPutIn(BaseModel):  # pydantic's own: ninja's Schema drops the extra fields

@@ -38,8 +38,23 @@ def policy_of(team: Team, name: str) -> Policy:
     return policy
 
 
-def versions_of(policy: Policy) -> list[PolicyVersion]:
-    return list(policy.versions.select_related("created_by").order_by("-version"))
+def versions_of(policy: Policy, *, before: int | None = None, limit: int = 100,
+                documents: bool = True) -> tuple[list[PolicyVersion], bool]:
+    """A policy's newest ``limit`` versions (older than version ``before`` when given),
+    newest first, and whether older ones remain: a policy saved every minute by a CI job has
+    thousands, each with its whole document, and a read must not grow with them (SPEC 10).
+    ``documents=False`` leaves the documents unread (the history page lists the others)."""
+    versions = policy.versions.select_related("created_by").order_by("-version")
+    if before is not None:
+        versions = versions.filter(version__lt=before)
+    if not documents:
+        versions = versions.defer("document")
+    page = list(versions[:limit + 1])
+    return page[:limit], len(page) > limit
+
+
+def version_before(policy: Policy, version: PolicyVersion) -> PolicyVersion | None:
+    return policy.versions.filter(version__lt=version.version).order_by("-version").first()
 
 
 def version_of(policy: Policy, number: Any) -> PolicyVersion | None:

@@ -62,6 +62,9 @@ from .services import (
 NEW_TOKEN_SESSION_KEY = "dashboard:new-agent-token"
 NEW_SECRET_SESSION_KEY = "dashboard:new-webhook-secret"
 INVITATION_SESSION_KEY = "dashboard:new-invitation"
+# A policy's history page lists its newest versions (without their documents); any two can
+# still be compared by number. A CI job saving often makes thousands.
+HISTORY_LISTED = 100
 
 
 def permission_denied(request: HttpRequest, exception: Exception | None = None
@@ -196,18 +199,18 @@ def policy_validate(request: HttpRequest, slug: str, name: str) -> HttpResponse:
 @require_safe
 def policy_history(request: HttpRequest, slug: str, name: str) -> HttpResponse:
     policy = selectors.policy_of(request.team, name)
-    versions = selectors.versions_of(policy)
-    newest = versions[0]
-    b = selectors.version_of(policy, request.GET.get("b")) or newest
-    default_a = next((v for v in versions if v.version < b.version), None)
-    a = selectors.version_of(policy, request.GET.get("a")) if request.GET.get("a") else default_a
+    versions, more = selectors.versions_of(policy, limit=HISTORY_LISTED, documents=False)
+    b = selectors.version_of(policy, request.GET.get("b")) or policy.current
+    a = (selectors.version_of(policy, request.GET.get("a")) if request.GET.get("a")
+         else selectors.version_before(policy, b))
     diff = selectors.yaml_diff(
         a.document if a else None, b.document,
         before_label=f"version {a.version}" if a else "(nothing)",
         after_label=f"version {b.version}",
     )
     return page(request, "policies/history.html", {
-        "policy": policy, "versions": versions, "a": a, "b": b, "diff": diff,
+        "policy": policy, "versions": versions, "more": more, "listed": HISTORY_LISTED,
+        "a": a, "b": b, "diff": diff,
     })
 
 

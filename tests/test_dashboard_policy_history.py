@@ -101,3 +101,35 @@ def test_restoring_a_deny_every_tool_version_must_say_so(team, admin):  # noqa: 
     assert policy(team).current.version == 3
     assert admin.post(restore, {"note": "lock it", "deny_every_tool": "on"}).status_code == 302
     assert policy(team).current.document["tools"]["allow"] == []
+
+
+def test_a_long_history_lists_its_newest_versions_and_compares_any(team, admin, monkeypatch,
+                                                                  client):  # noqa: F811
+    """A policy saved by a CI job every few minutes has thousands of versions: the page and
+    the operator API list the newest, without reading every document (SPEC 10)."""
+    from policies import views
+    from policies.services import policy_save
+    from policies.tokens import operator_token_create
+
+    monkeypatch.setattr(views, "HISTORY_LISTED", 3)
+    document = policy(team).current.document
+    for steps in range(20, 26):  # versions 2 to 7
+        policy_save(team=team, document={**document, "step_limits": {
+            **document["step_limits"], "max_steps": steps}}, actor=None, source="test")
+    url = reverse("policy_history", kwargs={"slug": team.slug, "name": "default"})
+    html = admin.get(url).content.decode()
+    assert 'data-version="7"' in html and 'data-version="5"' in html
+    assert 'data-version="4"' not in html and "The newest 3 versions are listed" in html
+    older = admin.get(url, {"a": 1, "b": 2}).content.decode()
+    assert "v1 → v2" in older and "+  max_steps: 20" in older
+
+    from policies.models import Membership
+    user = Membership.objects.filter(team=team, role="admin").first().user
+    token = operator_token_create(user=user, name="ci", role="viewer").secret
+    path = "/api/v1/teams/support/policies/default/versions"
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {token}"}
+    first = client.get(path, {"limit": 4}, **auth).json()
+    assert [v["version"] for v in first["versions"]] == [7, 6, 5, 4] and first["more"] is True
+    rest = client.get(path, {"limit": 4, "before": 4}, **auth).json()
+    assert [v["version"] for v in rest["versions"]] == [3, 2, 1] and rest["more"] is False
+    assert client.get(path, {"limit": 201}, **auth).status_code == 422

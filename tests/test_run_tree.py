@@ -54,6 +54,19 @@ def test_a_child_starts_under_its_parent_with_the_parents_policy(api, team):
     assert api.get(f"/api/v1/runs/{child}").json()["parent_run_id"] == parent
 
 
+def test_a_run_lists_its_first_children_and_says_it_has_more(api, team, monkeypatch):
+    from runs.audit import selectors
+
+    monkeypatch.setattr(selectors, "CHILDREN_LISTED", 3)
+    parent = start(api, "planner")
+    children = [start(api, "helper", parent_run_id=parent) for _ in range(4)]
+    body = api.get(f"/api/v1/runs/{parent}").json()
+    # (Children started within one clock tick have no order between them.)
+    assert len(body["children"]) == 3 and set(body["children"]) < set(children)
+    assert body["children_more"] is True
+    assert api.get(f"/api/v1/runs/{children[0]}").json()["children_more"] is False
+
+
 def test_the_parent_rules_of_a_start(api, team, other_team):
     unknown = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": str(uuid.uuid4())})
     assert unknown["http"] == 404 and "parent_run_id" in unknown["error"]["fields"]

@@ -76,11 +76,19 @@ def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
     }
 
 
-def children_of(run: Run) -> list[Run]:
-    """A run's children (SPEC 20), the first started first."""
-    return list(Run.objects.filter(team_id=run.team_id, parent_run_id=run.pk)
-                .order_by("started_at", "pk").only("id", "agent", "status", "stop_reason",
-                                                   "steps", "tool_calls", "cost_usd"))
+# `GET /api/v1/runs/{id}` lists at most this many of a run's children, the first started
+# first, and says when it has more (`children_more`): a tree is bounded in depth, not in
+# width, and a read's work must not grow with what agents recorded (SPEC 10).
+CHILDREN_LISTED = 1000
+
+
+def children_ids(run: Run) -> tuple[list[str], bool]:
+    """The ids of a run's first CHILDREN_LISTED children (SPEC 20), and whether it has
+    more (one range of the index of child runs by parent)."""
+    ids = list(Run.objects.filter(team_id=run.team_id, parent_run_id=run.pk)
+               .order_by("started_at", "pk").values_list("pk", flat=True)
+               [:CHILDREN_LISTED + 1])
+    return [str(i) for i in ids[:CHILDREN_LISTED]], len(ids) > CHILDREN_LISTED
 
 
 def tree_usage(run: Run) -> dict[str, Any]:
@@ -92,7 +100,8 @@ def tree_usage(run: Run) -> dict[str, Any]:
 
 def run_tree_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
     """One run as `GET /api/v1/runs/{id}` shows it: with its children and tree usage."""
-    return {**run_json(run, now), "children": [str(c.pk) for c in children_of(run)],
+    children, more = children_ids(run)
+    return {**run_json(run, now), "children": children, "children_more": more,
             "tree_usage": tree_usage(run)}
 
 

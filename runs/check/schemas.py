@@ -327,6 +327,8 @@ class RunOut(Schema):
     # SPEC 20, on `GET /api/v1/runs/{id}` only: the children's ids and the usage of the run
     # and its descendants.
     children: list[UUID] | None = None
+    # True when the run has more children than `children` lists (the first 1,000).
+    children_more: bool | None = None
     tree_usage: TreeUsageOut | None = None
 
 

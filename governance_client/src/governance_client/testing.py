@@ -128,6 +128,7 @@ class FakeRun:
             "parent_run_id": self.ancestors[-1] if self.ancestors else None,
             "root_run_id": self.ancestors[0] if self.ancestors else None,
             "children": list(self.children),
+            "children_more": False,
             "tree_usage": {"steps": self.steps, "tool_calls": self.tool_calls,
                            "cost_usd": self.cost_usd},
         }
