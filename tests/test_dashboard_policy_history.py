@@ -103,8 +103,8 @@ def test_restoring_a_deny_every_tool_version_must_say_so(team, admin):  # noqa: 
     assert policy(team).current.document["tools"]["allow"] == []
 
 
-def test_a_long_history_lists_its_newest_versions_and_compares_any(team, admin, monkeypatch,
-                                                                  client):  # noqa: F811
+def test_a_long_history_lists_its_newest_versions_and_compares_any(
+        team, admin, monkeypatch, client):  # noqa: F811
     """A policy saved by a CI job every few minutes has thousands of versions: the page and
     the operator API list the newest, without reading every document (SPEC 10)."""
     from policies import views

@@ -314,6 +314,19 @@ def test_killswitch_engage_release_and_who_may_release(world):
     assert unknown.status_code == 422 and "action" in unknown.json()["error"]["fields"]
 
 
+def test_a_switch_missing_an_option_names_it_in_fields(world):
+    for body, field in [
+        ({"scope": "agent", "team": "support"}, "agent"),
+        ({"scope": "team", "team": "support", "agent": "bot"}, "agent"),
+        ({"scope": "team", "team": "support", "reason": "  "}, "reason"),
+    ]:
+        refused = call(world, "admin", "POST", "/api/v1/killswitch",
+                       {"action": "engage", "reason": "incident", **body})
+        assert refused.status_code == 422, refused.content
+        assert field in refused.json()["error"]["fields"], refused.json()
+    assert not KillSwitch.objects.exists()
+
+
 def test_a_run_given_to_a_team_or_agent_switch_is_refused_not_dropped(world):
     # Dropped, it engaged the switch of the whole team for a caller who meant one run.
     for scope, extra in (("team", {}), ("agent", {"agent": "support-bot"})):

@@ -39,10 +39,12 @@ MAX_REASON = 1000
 
 class KillSwitchError(AppError):
     """A switch the services refuse (its scope and options do not fit, no reason): the
-    application's one error as 422 invalid_request, the message meant for the operator."""
+    application's one error as 422 invalid_request, the message meant for the operator;
+    ``field`` names the option at fault in the error's ``fields`` (SPEC 5.3)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(422, "invalid_request", message)
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(422, "invalid_request", message,
+                         {field: message} if field is not None else None)
 
 
 @dataclass(frozen=True)
@@ -77,40 +79,43 @@ def resolve_target(*, scope: str, team: Team | None = None, agent: str = "",
         kind = Scope(scope)
     except ValueError:
         raise KillSwitchError(
-            f"Unknown scope {scope!r}: use one of {', '.join(Scope.values)}."
+            f"Unknown scope {scope!r}: use one of {', '.join(Scope.values)}.", "scope"
         ) from None
     agent = (agent or "").strip()
     if kind == Scope.GLOBAL:
         if team is not None or agent or run is not None:
-            raise KillSwitchError("A global switch takes no team, agent or run.")
+            extra = "team" if team is not None else "agent" if agent else "run"
+            raise KillSwitchError("A global switch takes no team, agent or run.", extra)
         return Target(kind, None, "", None)
     if kind == Scope.RUN:
         if run is None:
-            raise KillSwitchError("A run switch needs the run.")
+            raise KillSwitchError("A run switch needs the run.", "run")
         if agent:
-            raise KillSwitchError("A run switch takes no agent: it covers one run.")
+            raise KillSwitchError("A run switch takes no agent: it covers one run.", "agent")
         if team is not None and team.pk != run.team_id:
-            raise KillSwitchError("This run belongs to another team.")
+            raise KillSwitchError("This run belongs to another team.", "run")
         return Target(kind, run.team, "", run)
     if team is None:
-        raise KillSwitchError(f"A {kind.value} switch needs the team.")
+        raise KillSwitchError(f"A {kind.value} switch needs the team.", "team")
     if run is not None:
-        raise KillSwitchError(f"A {kind.value} switch takes no run.")
+        raise KillSwitchError(f"A {kind.value} switch takes no run.", "run")
     if kind == Scope.TEAM:
         if agent:
-            raise KillSwitchError("A team switch takes no agent: use the agent scope.")
+            raise KillSwitchError("A team switch takes no agent: use the agent scope.",
+                                  "agent")
         return Target(kind, team, "", None)
     if not rules.AGENT_NAME.fullmatch(agent):
-        raise KillSwitchError("An agent switch needs the agent name ([A-Za-z0-9._-], 1 to 100).")
+        raise KillSwitchError("An agent switch needs the agent name ([A-Za-z0-9._-], 1 to 100).",
+                              "agent")
     return Target(kind, team, agent, None)
 
 
 def _clean_reason(reason: str | None) -> str:
     text = (reason or "").strip()
     if not text:
-        raise KillSwitchError("A reason is required.")
+        raise KillSwitchError("A reason is required.", "reason")
     if len(text) > MAX_REASON:
-        raise KillSwitchError(f"The reason is limited to {MAX_REASON} characters.")
+        raise KillSwitchError(f"The reason is limited to {MAX_REASON} characters.", "reason")
     return text
 
 

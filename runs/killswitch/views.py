@@ -211,7 +211,8 @@ def _team_target(request: HttpRequest, data: Any) -> Target:
         raise Http404("Unknown scope.")
     agent = (data.get("agent") or "").strip() if scope == Scope.AGENT else ""
     if scope == Scope.AGENT and not rules.AGENT_NAME.fullmatch(agent):
-        raise KillSwitchError("Name the agent: letters, digits, '.', '_' or '-', 1 to 100.")
+        raise KillSwitchError("Name the agent: letters, digits, '.', '_' or '-', 1 to 100.",
+                              "agent")
     return resolve_target(scope=scope, team=request.team, agent=agent)  # type: ignore[attr-defined]
 
 
