@@ -22,6 +22,8 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from governance.text import text_problem
+
 from .models import ROLE_RANK, Membership, Role, SsoIdentity, Team
 from .services import audit
 
@@ -130,6 +132,12 @@ def sign_in(*, issuer: str, subject: str, claims: dict[str, Any]) -> SignIn:
     Refusals are returned, not raised, so that their audit events (and a known person's
     revoked memberships) are committed: no mapped group refuses with 403, and makes no
     account for a new person."""
+    if text_problem(issuer) or text_problem(subject):
+        return SignIn(None, SignInRefused(
+            "The identity provider sent a subject (sub) that no account can be kept under "
+            "(a NUL character or broken Unicode). Ask an administrator to check the provider.",
+            400))
+    claims = _storable(claims)
     try:
         entries = parse_role_map(settings.OIDC_ROLE_MAP)  # the system check refuses a bad one
     except RoleMapError as exc:  # a server started with --skip-checks
@@ -139,6 +147,23 @@ def sign_in(*, issuer: str, subject: str, claims: dict[str, Any]) -> SignIn:
     except IntegrityError:
         # The same person's first sign-in in two tabs at once: the other made the account.
         return _sign_in(issuer, subject, claims, entries)
+
+
+def _storable(claims: dict[str, Any]) -> dict[str, Any]:
+    """The claims with what the sign-in keeps (names, e-mail, groups) storable: a value
+    PostgreSQL cannot hold (a NUL, a lone surrogate) is left out, a group of that kind too,
+    so a provider's odd claim is a name not shown, never a 500."""
+    kept = dict(claims)
+    for name in ("preferred_username", "email", "given_name", "family_name"):
+        if isinstance(kept.get(name), str) and text_problem(kept[name]):
+            kept.pop(name)
+    groups = kept.get(settings.OIDC_GROUPS_CLAIM)
+    if isinstance(groups, str) and text_problem(groups):
+        kept.pop(settings.OIDC_GROUPS_CLAIM)
+    elif isinstance(groups, list):
+        kept[settings.OIDC_GROUPS_CLAIM] = [
+            g for g in groups if not (isinstance(g, str) and text_problem(g))]
+    return kept
 
 
 def _sign_in(issuer: str, subject: str, claims: dict[str, Any],

@@ -147,6 +147,29 @@ def test_identity_is_issuer_and_sub_never_email_or_username(sso: Provider):
     assert SsoIdentity.objects.get(subject="carol-1").user == first
 
 
+def test_claims_no_account_can_hold_are_left_out_never_a_500(sso: Provider):
+    """A NUL or a lone surrogate in a provider's claims (PostgreSQL holds neither): the
+    names and groups of that kind are left out and the person signs in; a subject of that
+    kind is refused with a page, no account made."""
+    sso.set_user("odd-sub", preferred_username="bo\x00b", email="b\x00@example.com",
+                 given_name="B\x00", groups=["support-ops", "x\x00"])
+    response = sign_in(Client(), "odd-sub")
+    assert response.status_code == 302, response.content
+    user = SsoIdentity.objects.get(subject="odd-sub").user
+    assert (user.username, user.email, user.first_name, user.last_name) == ("sso", "", "", "")
+    assert roles(user)["support"] == (Role.OPERATOR, True)
+    from policies.sso import sign_in as sso_sign_in
+
+    # A lone surrogate (which the test provider cannot even put in a token) alike.
+    odd = sso_sign_in(issuer=sso.issuer, subject="odd-2", claims={
+        "family_name": "\ud800", "groups": ["staff", "\udfff"]})
+    assert odd.user is not None and odd.user.last_name == ""
+    refused = sso_sign_in(issuer=sso.issuer, subject="a\x00b", claims={"groups": ["staff"]})
+    assert refused.user is None and refused.refusal is not None
+    assert refused.refusal.status == 400
+    assert not SsoIdentity.objects.filter(subject__startswith="a").exists()
+
+
 def test_no_mapped_group_is_a_403_page_an_event_and_no_user(sso: Provider):
     sso.set_user("dave-sub", preferred_username="dave", groups=["marketing"])
     users = User.objects.count()
