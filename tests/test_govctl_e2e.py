@@ -105,9 +105,12 @@ def test_refusals_exit_1_with_the_reason(server: Server, team: Team, users: dict
 
 
 def test_a_file_with_one_refused_policy_saves_none_of_it(server: Server, team: Team,
-                                                          admin_token: str, tmp_path: Path):
+                                                          admin_token: str, tmp_path: Path,
+                                                          workers: list[Worker]):
     """All or nothing: the valid `default` before the invalid `strict` is not saved either,
     and a dry run says the apply would be refused (a new policy is validated too)."""
+    if not settings.CELERY_TASK_ALWAYS_EAGER:
+        new_worker(workers)  # the dry run's backtest is replayed on the workers' bulk queue
     before = PolicyVersion.objects.filter(policy__team=team, policy__name="default").count()
     bad = tmp_path / "half.yaml"
     bad.write_text(FILE.replace("max_steps: 5", "max_steps: -5"))

@@ -284,6 +284,22 @@ def test_backtest_answers_the_output_of_section_13(world):
     assert bad.status_code == 422 and "since" in bad.json()["error"]["fields"]
 
 
+def test_a_backtest_past_the_teams_bound_or_its_wait_says_so(world, settings, monkeypatch):
+    from operator_api import api as operator_api
+
+    path = "/api/v1/teams/support/policies/default/backtest"
+    settings.BACKTEST_MAX_PER_TEAM = 0
+    busy = call(world, "viewer", "POST", path, {})
+    assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_backtests"
+    assert busy["Retry-After"]
+    settings.BACKTEST_MAX_PER_TEAM = 2
+    # No worker took it within the wait: 503, naming the page where it finishes.
+    monkeypatch.setattr(operator_api, "backtest_wait", lambda job, seconds: job)
+    waited = call(world, "viewer", "POST", path, {})
+    assert waited.status_code == 503, waited.content
+    assert "/teams/support/backtests/" in waited.json()["error"]["message"]
+
+
 def test_killswitch_engage_release_and_who_may_release(world):
     engage = {"action": "engage", "scope": "team", "team": "support", "reason": "incident"}
     first = call(world, "admin", "POST", "/api/v1/killswitch", engage).json()

@@ -35,7 +35,10 @@ from typing import Any, NoReturn
 
 import httpx
 
-TIMEOUT_S = 60.0  # a backtest reads up to 1,000 runs inside the request
+TIMEOUT_S = 30.0
+# A backtest's request waits for a worker's replay, up to the server's
+# BACKTEST_API_WAIT_SECONDS (120 by default; then it answers 503 saying so): longer than that.
+BACKTEST_TIMEOUT_S = 150.0
 
 # A policy file's bounds, the server's own (SPEC 10; docs/policies.md, "Bounds of a
 # document"): what the server would refuse is refused here before this process walks it or
@@ -143,9 +146,10 @@ class Api:
                                  transport=transport)
 
     def call(self, method: str, path: str, body: Any = None, *, params: Any = None,
-             allow: Sequence[int] = ()) -> tuple[int, Any]:
+             allow: Sequence[int] = (), timeout: float = TIMEOUT_S) -> tuple[int, Any]:
         try:
-            response = self.http.request(method, f"/api/v1{path}", json=body, params=params)
+            response = self.http.request(method, f"/api/v1{path}", json=body, params=params,
+                                         timeout=timeout)
         except httpx.HTTPError as exc:
             raise Refused(f"cannot reach {self.http.base_url}: {exc}") from None
         try:
@@ -223,7 +227,7 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
                 continue
             planned.append((slug, name, body, would))
     if args.dry_run:
-        _dry_run(api, out, planned)
+        _dry_run(api, out, planned, refused=bool(refusals))
     if refusals:
         raise Refused("\n".join(refusals) + f"\nnothing saved: {len(refusals)} of "
                       f"{len(refusals) + len(planned)} policies refused")
@@ -241,8 +245,8 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
         print("nothing changed", file=out)
 
 
-def _dry_run(api: Api, out: Any,
-             planned: list[tuple[str, str, dict[str, Any], dict[str, Any]]]) -> None:
+def _dry_run(api: Api, out: Any, planned: list[tuple[str, str, dict[str, Any], dict[str, Any]]],
+             *, refused: bool) -> None:
     changed = 0
     for slug, name, body, would in planned:
         if not would["changed"]:
@@ -250,7 +254,8 @@ def _dry_run(api: Api, out: Any,
         changed += 1
         _show_change(api, out, slug, name, body, would)
     if not changed:
-        print("nothing changed (dry run)", file=out)
+        if not refused:  # else the refusals say what the apply would do
+            print("nothing changed (dry run)", file=out)
     else:
         print(f"{changed} polic{'y' if changed == 1 else 'ies'} would change (dry run: "
               "nothing saved)", file=out)
@@ -264,7 +269,8 @@ def _show_change(api: Api, out: Any, slug: str, name: str, body: dict[str, Any],
         return
     _, current = api.call("GET", f"/teams/{slug}/policies/{name}")
     policy = {k: v for k, v in body.items() if k not in ("note", "confirm_stops")}
-    _, report = api.call("POST", f"/teams/{slug}/policies/{name}/backtest", policy)
+    _, report = api.call("POST", f"/teams/{slug}/policies/{name}/backtest", policy,
+                         timeout=BACKTEST_TIMEOUT_S)
     print(f"policy {label}: would change (version {current['version']} -> "
           f"{would['version']})", file=out)
     print(_diff(current["document"], would["document"], label=label), file=out)
