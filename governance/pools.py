@@ -55,9 +55,11 @@ def pool(name: str) -> ThreadPoolExecutor:
         return _pools[name]
     except KeyError:
         pass
-    size = {"api": settings.API_THREADS, "operator": settings.OPERATOR_THREADS,
-            "backtest": settings.BACKTEST_API_THREADS,
-            "dashboard": settings.DASHBOARD_THREADS}[name]
+    # Only this pool's setting is read: a settings module that serves fewer pools (the
+    # benchmark's minimal server) need not name the others.
+    size = getattr(settings, {"api": "API_THREADS", "operator": "OPERATOR_THREADS",
+                              "backtest": "BACKTEST_API_THREADS",
+                              "dashboard": "DASHBOARD_THREADS"}[name])
     with _lock:
         if name not in _pools:
             _pools[name] = ThreadPoolExecutor(max_workers=size, thread_name_prefix=name)

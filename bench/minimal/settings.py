@@ -33,5 +33,6 @@ DATABASES = {"default": _db}
 API_THREADS = int(os.environ.get("WEB_THREADS", "4"))
 DASHBOARD_THREADS = int(os.environ.get("WEB_DASHBOARD_THREADS", "4"))
 OPERATOR_THREADS = int(os.environ.get("WEB_OPERATOR_THREADS", "2"))
+BACKTEST_API_THREADS = int(os.environ.get("WEB_BACKTEST_THREADS", "2"))
 REQUEST_BODY_SECONDS = int(os.environ.get("REQUEST_BODY_SECONDS", "10"))
 CHECK_MAX_BODY_BYTES = 64 * 1024
