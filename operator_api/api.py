@@ -46,15 +46,9 @@ from governance.text import text_problem
 from policies import impact
 from policies import selectors as policy_reads
 from policies.access import can
-from policies.document import (
-    MAX_POLICIES_PER_TEAM,
-    POLICY_NAME,
-    SLUG,
-    DocumentError,
-    parse_policy,
-)
+from policies.document import POLICY_NAME, SLUG, DocumentError, parse_policy
 from policies.models import Policy, PolicyVersion, Role, Team
-from policies.services import agent_key_claim, audit, policy_save
+from policies.services import agent_key_claim, audit, policy_save, policy_would_save
 from policies.tokens import (
     acting_token,
     is_operator_token,
@@ -324,9 +318,9 @@ def put_policy(request: HttpRequest, slug: str, name: str, payload: PolicyPutIn)
         impacts = impact.impacts_to_confirm(team, [document])
         if impacts:
             return _confirmation_required(impacts)
-    if payload.dry_run:
-        return _would_save(request, team, document, payload.note)
     try:
+        if payload.dry_run:
+            return _would_save(request, team, document, payload.note)
         version = policy_save(team=team, document=document, actor=request.auth.user,
                               source="api", note=payload.note)
     except DocumentError as exc:  # the team's cap on policies
@@ -340,17 +334,11 @@ def put_policy(request: HttpRequest, slug: str, name: str, payload: PolicyPutIn)
 
 def _would_save(request: HttpRequest, team: Team, document: dict[str, Any], note: str
                 ) -> dict[str, Any]:
-    """A PUT's answer without the save: the version it would make (or the current one,
-    unchanged), refused as the save would be past the team's cap on policies."""
-    policy = Policy.objects.filter(team=team, name=document["name"]).select_related(
-        "current").first()
-    current = policy.current if policy is not None else None
-    if current is None and Policy.objects.filter(team=team).count() >= MAX_POLICIES_PER_TEAM:
-        raise AppError(422, "invalid_request", "The policy cannot be saved.",
-                       {"name": f"a team has at most {MAX_POLICIES_PER_TEAM} policies: change "
-                                "or reuse one"})
+    """A PUT's answer without the save (`policy_would_save`): the version it would make, or
+    the current one, unchanged."""
+    current, changed = policy_would_save(team=team, document=document)
     _read(request, team, "token.dry_run")
-    if current is not None and current.document == document:
+    if current is not None and not changed:
         return {**version_json(document["name"], current), "changed": False, "dry_run": True}
     return {"name": document["name"], "version": current.version + 1 if current else 1,
             "created_at": approval_reads.iso(timezone.now()),

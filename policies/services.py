@@ -70,6 +70,26 @@ def _new_version(
     return version
 
 
+def _has_room(team: Team) -> None:
+    """The team's cap on policies, for a new one (DocumentError past it)."""
+    if Policy.objects.filter(team=team).count() >= MAX_POLICIES_PER_TEAM:
+        raise DocumentError({"name": f"a team has at most {MAX_POLICIES_PER_TEAM} "
+                                     "policies: change or reuse one"})
+
+
+def policy_would_save(*, team: Team, document: dict[str, Any]
+                      ) -> tuple[PolicyVersion | None, bool]:
+    """What `policy_save` would do, saving nothing (a dry run): the current version (None
+    for a new policy) and whether a new version would be made; refused as the save would
+    be (DocumentError past the team's cap on policies)."""
+    policy = Policy.objects.filter(team=team, name=document["name"]).select_related(
+        "current__created_by").first()
+    if policy is None:
+        _has_room(team)
+    current = policy.current if policy is not None and policy.current_id else None
+    return current, current is None or current.document != document
+
+
 @transaction.atomic
 def policy_save(
     *, team: Team, document: dict[str, Any], actor: AbstractBaseUser | None, source: str,
@@ -81,9 +101,7 @@ def policy_save(
     if policy is None:
         # The team's row lock: two new policies cannot both pass the count.
         Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list("pk").first()
-        if Policy.objects.filter(team=team).count() >= MAX_POLICIES_PER_TEAM:
-            raise DocumentError({"name": f"a team has at most {MAX_POLICIES_PER_TEAM} "
-                                         "policies: change or reuse one"})
+        _has_room(team)
         policy = Policy.objects.create(team=team, name=document["name"])
     if policy.current_id:
         previous = policy.current.document
