@@ -79,9 +79,11 @@ class Run(models.Model):
             # check's update of a running run never writes to it.
             models.Index(fields=["team", "ended_at", "id"], name="run_team_ended",
                          condition=models.Q(ended_at__isnull=False)),
-            # SPEC 20: a run's children, and every run of a tree (its descendants are among
-            # them); only child runs are in these indexes.
-            models.Index(fields=["parent_run_id"], name="run_parent",
+            # SPEC 20: a run's children in the order they started (the first ones a run's
+            # answer and page list are one range of it, not a sort of every child: a tree is
+            # bounded in depth, not in width), and every run of a tree (its descendants are
+            # among them); only child runs are in these indexes.
+            models.Index(fields=["parent_run_id", "started_at", "id"], name="run_children",
                          condition=models.Q(parent_run_id__isnull=False)),
             models.Index(fields=["root_run_id"], name="run_root",
                          condition=models.Q(root_run_id__isnull=False)),
