@@ -176,3 +176,36 @@ def test_the_warning_sent_is_the_nearest_to_its_limit(policy: Policy,
             chosen = next(w for w in found if w.rule == decision.rule)
             assert chosen.nearness == best
         state = new
+
+
+def test_a_child_is_warned_of_its_ancestors_budget_once_with_its_scope() -> None:
+    # SPEC 20: the ancestors' budgets bound a child and are what stop it, so the child is
+    # warned of them as of its own (found by trying sub-agents: a parent at 10 of 18 steps
+    # stopped its child at the child's step 8 without a word).
+    from governance_client.rules import Ancestor
+
+    own = Policy(**{**LOOSE, **OFF, "max_steps": 100})
+    parent_policy = replace(Policy(**{**LOOSE, "max_steps": 18, "warn_budget_fraction": 0.8}),
+                            name="parent-policy", version=3)
+    parent = RunState(started_at=T0, steps=13)
+    state, sent = RunState(started_at=T0), []
+    for i in range(3):
+        tree = [Ancestor("root-id", parent_policy, replace(parent, steps=13 + i))]
+        decision, state = evaluate(own, state, Check(name="search", args={"n": i}), now=T0,
+                                   tree=tree)
+        sent.append(decision)
+    # The parent counts this check too: 14 steps then 15 (0.8 of 18 is 14.4): the warning
+    # comes at the second check, once, naming the ancestor, its policy and its limit.
+    assert [d.directive is not None for d in sent] == [False, True, False]
+    warned = sent[1]
+    assert warned.answer == ALLOW and warned.scope == "root-id"
+    assert warned.rule["limit"] == {"max_steps": 18, "warnings.budget_fraction": 0.8}
+    assert warned.rule["observed"] == {"steps": 15}
+    assert warned.rule["policy"] == ("parent-policy", 3)
+    assert warned.directive["content"].startswith(
+        "Ancestor run root-id's tree is at step 15 of max_steps=18: an action past step 18 "
+        "is not run and stops this run.")
+    assert state.budget_warned == frozenset({"root-id:max_steps"})
+    # The run's own budget is still warned of on its own, once.
+    assert warnings_of(replace(own, max_steps=2, warn_budget_fraction=0.5), state,
+                       Check(name="x"), "k", T0)[0].scope is None

@@ -371,3 +371,32 @@ def test_an_ancestors_limit_names_the_ancestors_policy_and_version(api, team):
     assert (stopped["rule"]["policy"], stopped["rule"]["version"]) == ("default", parent_version)
     assert api.get(f"/api/v1/decisions/{stopped['decision_id']}").json()["rule"] == \
         stopped["rule"]
+
+
+def test_a_child_is_warned_before_its_ancestors_budget_stops_it(api, team):
+    # SPEC 16 with 20: the step that stops a child may be its parent's; the child's model is
+    # warned of that budget as of its own, once, the rule naming the ancestor (scope) and its
+    # policy. Before, a parent at 10 of 18 steps stopped its child at the child's step 8
+    # without a word.
+    set_policy(team, step_limits={"max_steps": 10}, warnings={"budget_fraction": 0.8})
+    version = team.policies.get(name="default").current.version
+    root = start(api)
+    for _ in range(5):
+        check(api, root)
+    child = start(api, "helper", parent_run_id=root)  # its own budget: 10 steps too
+    answers = [check(api, child) for _ in range(5)]
+    # The root counts the child's checks: 6, 7, 8 (warned: 0.8 of 10), 9, 10, then stopped.
+    assert [a["directive"] and a["directive"]["code"] for a in answers] == \
+        [None, None, "budget", None, None]
+    warned = answers[2]
+    assert warned["decision"] == "allow"
+    assert warned["rule"] == {"name": "budget", "policy": "default", "version": version,
+                              "limit": {"max_steps": 10, "warnings.budget_fraction": 0.8},
+                              "observed": {"steps": 8}, "scope": root}
+    assert f"Ancestor run {root}'s tree is at step 8 of max_steps=10" in \
+        warned["directive"]["content"]
+    assert api.get(f"/api/v1/decisions/{warned['decision_id']}").json()["rule"] == \
+        warned["rule"]
+    stopped = check(api, child)
+    assert (stopped["decision"], stopped["reason"], stopped["rule"]["scope"]) == \
+        ("stop", "max_steps", root)

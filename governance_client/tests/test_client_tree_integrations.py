@@ -141,8 +141,11 @@ def test_a_claude_subagents_checks_appear_as_a_child_run() -> None:
     assert child.agent == "Explore" and [c["action"]["name"] for c in child.checks] == \
         ["Grep"] * 4
     # The Task call and 3 of the subagent's calls fit the root's max_steps 4; the 4th is
-    # denied without ending the main agent (a child's stop does not stop its parent).
-    assert answers[:4] == [{}] * 4
+    # denied without ending the main agent (a child's stop does not stop its parent). The
+    # 3rd brings the root to step 4 of 4: the subagent is warned of its parent's budget.
+    assert answers[:3] == [{}] * 3
+    assert answers[3]["hookSpecificOutput"]["additionalContext"].startswith(
+        f"Ancestor run {root.id}'s tree is at step 4 of max_steps=4")
     denied = answers[4]["hookSpecificOutput"]
     assert denied["permissionDecision"] == "deny" and "continue_" not in answers[4]
     assert root.steps == 5 and root.status == rules.COMPLETED  # finished by its block

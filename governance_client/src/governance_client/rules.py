@@ -805,6 +805,8 @@ def nudge(error: str, count: int) -> dict[str, str]:
 # Chosen last, on an allow only (a shadow would-stop included: the action runs), from the
 # state after the allow was counted. Choosing one changes no counter: only `budget_warned`,
 # the budgets already warned about, since a budget warning is sent once per budget per run.
+# A child run is warned of its ancestors' budgets too (SPEC 20: they bound it, and they are
+# what stops it): an ancestor's budget is remembered as "<ancestor id>:<budget>".
 
 REPEAT_ACTION = "repeat_action"
 NO_PROGRESS = "no_progress"
@@ -834,55 +836,69 @@ def _directive(code: str, content: str) -> dict[str, str]:
 @dataclass(frozen=True, slots=True)
 class WarningFound:
     """One warning that applies: how near its limit (observed / limit: the highest is
-    sent), its directive, its rule, and the budget it warns about (None: not a budget)."""
+    sent), its directive, its rule, the budget it warns about as `budget_warned` remembers
+    it (None: not a budget), and whose limit it is (None: the run's own, else the ancestor's
+    id, SPEC 16's ``rule.scope``)."""
 
     nearness: float
     directive: dict[str, str]
     rule: dict[str, Any]
     budget: str | None = None
+    scope: str | None = None
 
 
 def _budget_warning(policy: Policy, state: RunState, now: datetime, budget: str,
-                    fraction: float) -> WarningFound | None:
+                    fraction: float, ancestor: str | None = None) -> WarningFound | None:
+    """The warning of one budget of ``policy`` that ``state`` is past ``fraction`` of:
+    the run's own (``ancestor`` None), or an ancestor's, whose counters are its tree's."""
+    who = "This run" if ancestor is None else f"Ancestor run {ancestor}'s tree"
+    its = "its" if ancestor is None else "this run's"
     if budget == "max_steps":
         limit: Any = policy.max_steps
         observed: Any = state.steps
         counter, words = "steps", (
-            f"This run is at step {observed} of max_steps={limit}: an action past step "
+            f"{who} is at step {observed} of max_steps={limit}: an action past step "
             f"{limit} is not run and stops this run.")
     elif budget == "max_seconds":
         if policy.max_seconds is None:
             return None
         limit, observed = policy.max_seconds, round(state.elapsed_s(now), 3)
         counter, words = "elapsed_s", (
-            f"This run has lasted {observed:.1f} s of max_seconds={_plain(limit)}: past "
-            f"{_plain(limit)} s its next action is not run and the run is stopped.")
+            f"{who} has lasted {observed:.1f} s of max_seconds={_plain(limit)}: past "
+            f"{_plain(limit)} s {its} next action is not run and this run is stopped.")
     elif budget == "max_usd":
         if policy.max_usd is None:
             return None
         limit, observed = float(policy.max_usd), float(state.cost_usd)
         counter, words = "cost_usd", (
-            f"This run has spent ${_plain(state.cost_usd)} of max_usd="
-            f"{_plain(policy.max_usd)}: once it reaches ${_plain(policy.max_usd)} its next "
-            "action is not run and the run is stopped.")
+            f"{who} has spent ${_plain(state.cost_usd)} of max_usd="
+            f"{_plain(policy.max_usd)}: once it reaches ${_plain(policy.max_usd)} {its} next "
+            "action is not run and this run is stopped.")
     else:
         if policy.max_tool_calls is None:
             return None
         limit, observed = policy.max_tool_calls, state.tool_calls
         counter, words = "tool_calls", (
-            f"This run has made {observed} tool calls of max_tool_calls={limit}: once it has "
-            f"made {limit}, its next tool call is not run and the run is stopped.")
+            f"{who} has made {observed} tool calls of max_tool_calls={limit}: once it has "
+            f"made {limit}, {its} next tool call is not run and this run is stopped.")
     if limit <= 0 or observed < fraction * float(limit):
         return None
+    fired = rule(BUDGET, {budget: limit, "warnings.budget_fraction": fraction},
+                 {counter: observed})
+    if ancestor is not None:
+        # The limit is the ancestor's: its rule names the ancestor's policy (answers.rule_of).
+        fired["policy"] = (policy.name, policy.version)
     return WarningFound(observed / float(limit), _directive(BUDGET, f"{words} {_WRAP_UP}"),
-                   rule(BUDGET, {budget: limit, "warnings.budget_fraction": fraction},
-                        {counter: observed}), budget)
+                        fired, budget if ancestor is None else f"{ancestor}:{budget}",
+                        ancestor)
 
 
-def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: datetime
-                ) -> list[WarningFound]:
+def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: datetime,
+                tree: Sequence[Ancestor] = ()) -> list[WarningFound]:
     """Every warning that applies to an allowed check, ``state`` the run's state after it
-    was counted (SPEC 16), in the order that breaks a tie of nearness."""
+    was counted (SPEC 16), in the order that breaks a tie of nearness. ``tree``: the
+    ancestors as this allow counts on them (`in_tree`, and its tool call), the root first:
+    their budgets bound the run (SPEC 20), each under its own policy's fraction."""
     found: list[WarningFound] = []
     error = check.last_result.error_text if check.last_result else None
     if error is not None and policy.error_action == "nudge":
@@ -920,6 +936,17 @@ def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: da
                 continue
             warned = _budget_warning(policy, state, now, budget,
                                      float(policy.warn_budget_fraction))
+            if warned is not None:
+                found.append(warned)
+    for ancestor in tree:
+        fraction = ancestor.policy.warn_budget_fraction
+        if fraction is None or ancestor.state.status != RUNNING:
+            continue
+        for budget in BUDGETS:
+            if f"{ancestor.run_id}:{budget}" in state.budget_warned:
+                continue
+            warned = _budget_warning(ancestor.policy, ancestor.state, now, budget,
+                                     float(fraction), ancestor=ancestor.run_id)
             if warned is not None:
                 found.append(warned)
     return found
@@ -1148,7 +1175,8 @@ def evaluate(
     new = state.copy()
     new.steps += 1
     _register(new, check)
-    stop = _first_stop(policy, new, check, key, now, kill, kill_rule, in_tree(tree, check))
+    counted = in_tree(tree, check)
+    stop = _first_stop(policy, new, check, key, now, kill, kill_rule, counted)
     if stop is None:
         if policy.mode == "shadow":
             # Nothing waits in shadow mode: a window the store could not read in time is no
@@ -1218,7 +1246,11 @@ def evaluate(
     if check.type == "tool":
         new.tool_calls += 1
     # The warning, chosen last (SPEC 16, 21): nearest to its limit; a budget's only once.
-    warning = choose_warning(warnings_of(policy, new, check, key, now))
+    # The ancestors count this allow's tool call too (`count_in_tree`).
+    if check.type == "tool":
+        counted = [replace(a, state=replace(a.state, tool_calls=a.state.tool_calls + 1))
+                   for a in counted]
+    warning = choose_warning(warnings_of(policy, new, check, key, now, counted))
     if warning is not None and warning.budget is not None:
         new.budget_warned = new.budget_warned | {warning.budget}
     decision = Decision(
@@ -1231,7 +1263,7 @@ def evaluate(
         shadow=None if stop is None else {"reason": stop[0], "message": stop[1]},
         # A shadow would-stop names the rule that would have stopped; else the warning's.
         rule=stop[2] if stop is not None else None if warning is None else warning.rule,
-        scope=None if stop is None else stop[3],
+        scope=stop[3] if stop is not None else None if warning is None else warning.scope,
     )
     return decision, new
 
