@@ -277,3 +277,19 @@ def test_checks_racing_the_sweep_abandon_each_run_once(server: Any, agent: Agent
     assert len(swept) == len(set(swept))
     for rid in runs:
         assert_abandoned(rid, deadlines[rid], steps=1)
+
+
+@pytest.mark.django_db
+def test_a_run_tells_its_agent_how_long_it_may_stay_silent(api: Any, team: Any) -> None:
+    # SPEC 3 and 14: max_idle_seconds is one of the policy's budgets, and the run's policy in
+    # the start and the run's answers shows them all (the answer's schema left it out).
+    set_policy(team, budgets={"max_idle_seconds": 2})
+    response = api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json")
+    budgets = response.json()["policy"]["budgets"]
+    assert budgets == {"max_seconds": 45.0, "max_usd": 1.0, "max_tool_calls": None,
+                       "max_idle_seconds": 2}
+    rid = response.json()["run_id"]
+    assert api.get(f"/api/v1/runs/{rid}").json()["policy"]["budgets"]["max_idle_seconds"] == 2
+    set_policy(team, budgets={"max_idle_seconds": None})
+    assert api.post("/api/v1/runs", {"agent": "bot"}, content_type="application/json"
+                    ).json()["policy"]["budgets"]["max_idle_seconds"] is None

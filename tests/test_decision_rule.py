@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from policies.services import agent_key_create
 from runs.approvals.services import approval_decide
-from runs.killswitch.services import killswitch_engage
+from runs.killswitch.services import killswitch_engage, killswitch_release
 from runs.models import Decision, Run
 from tests.conftest import set_policy
 
@@ -136,6 +136,14 @@ def test_a_kill_by_the_check_and_by_the_fan_out_name_the_switch(
     assert fanned.rule == {"name": "killed", "policy": "default", "version": 2,
                            "limit": kill, "observed": seen, "scope": "run"}
     assert fanned.answer["rule"] == fanned.rule
+    # Every later check of a killed run names the switch too, whether the check or the
+    # fan-out killed it, and after the switch is released (it answered a generic
+    # "status: killed" rule once the fan-out had been there first).
+    killswitch_release(scope="team", team=team, reason="calm", actor_label="ops")
+    for rid in (idle, checked):
+        later = check(api, rid, name="z")
+        assert (later["reason"], later["rule"]["name"]) == ("killed", "killed")
+        assert later["rule"]["limit"] == kill and later["rule"]["observed"] == seen
 
 
 def test_an_abandonment_a_replay_and_a_shadow_would_stop(api: Client, team: Any) -> None:

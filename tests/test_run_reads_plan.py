@@ -28,7 +28,7 @@ from governance_client import rules
 from policies.models import Team
 from policies.services import agent_key_create
 from runs.audit.selectors import decisions_of, runs_for_team
-from runs.check.services import kill_detail
+from runs.check.records import kill_detail
 from runs.dashboard import presenters
 from runs.dashboard.selectors import (
     TIMELINE_PAGE,

@@ -142,7 +142,7 @@ def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
     now = now or timezone.now()
     state = run_memory.load(state_of(run), run.pk, [(rules.REPEAT, key)])
     if state.status == rules.KILLED:
-        state.stop_detail = kill_detail(run.pk)
+        explain_kill(state, run.pk)
     answer = answers.answer_of(rules.terminal_decision(state, key), state,
                                rules_for_version(run.policy_version_id), now)
     records = Decision.objects.filter(run_id=run.pk).order_by("-id").values_list("id", flat=True)
@@ -150,13 +150,22 @@ def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
     return {**answer, "decision_id": last}
 
 
-def kill_detail(run_id: Any) -> str | None:
-    """The words of the kill that ended a run (the switch and the operator's reason), from its
-    audit record, for the stop answered to every later check (SPEC 6): the run's first stop,
-    since a stop ends a run (`decision_run_stop`: one probe, however many checks of the
-    killed run were answered since)."""
+def kill_detail(run_id: Any) -> tuple[str | None, dict[str, Any] | None]:
+    """The words and the rule of the kill that ended a run (the switch, who engaged it and
+    why), from its audit record, for the stop answered to every later check (SPEC 6, 16: a
+    kill's rule names the switch, whether the check or the fan-out killed the run, and
+    whether the switch is still engaged): the run's first stop, since a stop ends a run
+    (`decision_run_stop`: one probe, however many checks of the killed run were answered
+    since)."""
     first = (Decision.objects.of_run(run_id).filter(outcome=rules.STOP)
              .values_list("reason", "answer").first())
     answer = first[1] if first is not None and first[0] == "killed" else None
-    message = (answer or {}).get("message") if isinstance(answer, dict) else None
-    return message or None
+    if not isinstance(answer, dict):
+        return None, None
+    fired = answer.get("rule")
+    return answer.get("message") or None, fired if isinstance(fired, dict) else None
+
+
+def explain_kill(state: rules.RunState, run_id: Any) -> None:
+    """A killed run's state as its later checks answer it: the kill's words and rule."""
+    state.stop_detail, state.stop_rule = kill_detail(run_id)

@@ -277,6 +277,9 @@ class BudgetsOut(Schema):
     max_seconds: float | None
     max_usd: float | None
     max_tool_calls: int | None
+    # SPEC 14's budget: the agent learns how long it may stay silent before its run is
+    # abandoned (null: never). A version stored before it existed reads null.
+    max_idle_seconds: float | None = None
 
 
 class PolicyOut(Schema):

@@ -399,9 +399,11 @@ class RunState:
     # SPEC 16: the budgets the run was already warned about (a budget warning is sent once
     # per budget per run); kept in the fixed memory, so the check's one write stores it.
     budget_warned: frozenset[str] = frozenset()
-    #: What ended a killed run, in words (the switch and the operator's reason); not part of
-    #: the memory: the caller fills it from the kill's audit record when it answers the stop.
+    #: What ended a killed run, in words (the switch and the operator's reason), and as the
+    #: kill's rule (SPEC 16: it names the switch); not part of the memory: the caller fills
+    #: them from the kill's audit record when it answers the stop.
     stop_detail: str | None = None
+    stop_rule: Mapping[str, Any] | None = None
 
     def copy(self) -> RunState:
         return replace(
@@ -1433,8 +1435,12 @@ def terminal_decision(state: RunState, key: str) -> Decision:
         repeat_count=state.repeat_counts.get(key, 0),
         message=message,
         next_action=NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED]),
-        rule=rule(reason, {"status": RUNNING}, {"status": state.status,
-                                                 "stop_reason": state.stop_reason}),
+        # A kill's rule names the switch as the kill's own answer did (SPEC 16).
+        rule=rule(KILLED, state.stop_rule.get("limit") or {},
+                  state.stop_rule.get("observed") or {})
+        if reason == KILLED and state.stop_rule else
+        rule(reason, {"status": RUNNING}, {"status": state.status,
+                                           "stop_reason": state.stop_reason}),
     )
 
 

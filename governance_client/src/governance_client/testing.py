@@ -412,7 +412,9 @@ class FakeGovernance:
                 "mode": p.mode,
                 "step_limits": {k: limits[k] for k in
                                 ("max_steps", "max_repeat_action", "no_progress_window")},
-                "budgets": {k: limits[k] for k in ("max_seconds", "max_usd", "max_tool_calls")},
+                "budgets": {**{k: limits[k] for k in ("max_seconds", "max_usd",
+                                                      "max_tool_calls")},
+                            "max_idle_seconds": p.max_idle_seconds},
                 "tools": {"allow": None if p.allow is None else list(p.allow),
                           "deny": list(p.deny)},
                 "repeat_key": {"ignore_args": list(p.ignore_args)},
