@@ -7,6 +7,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -326,6 +330,29 @@ def test_a_bad_role_map_is_a_system_check_error_naming_the_entry(db: Any):
         errors = sso_role_map_teams(databases=["default"])
         assert [e.msg for e in errors] == [
             "OIDC_ROLE_MAP entry 1 names the team 'nowhere', which does not exist."]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_serve_refuses_to_start_with_a_role_map_naming_an_unknown_team() -> None:
+    # SPEC 17: a bad OIDC_ROLE_MAP makes the server refuse to start. The team part needs the
+    # database, which Django's checks before a command leave out: `serve` started and
+    # answered /healthz with a map naming a team that does not exist.
+    from tests.conftest import free_port, server_env
+
+    env = server_env(OIDC_ISSUER="http://127.0.0.1:9", OIDC_CLIENT_ID="a",
+                     OIDC_CLIENT_SECRET="b", OIDC_ROLE_MAP=json.dumps(
+                         [{"group": "g", "team": "no-such-team", "role": "viewer"}]))
+    process = subprocess.Popen([sys.executable, "manage.py", "serve", "--port",
+                                str(free_port())], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        pytest.fail("serve started with a role map naming a team that does not exist")
+    assert process.returncode != 0
+    assert b"governance.E004" in out and b"'no-such-team', which does not exist" in out
 
 
 def test_an_sso_role_changed_by_an_admin_is_kept_from_then_on(sso: Provider):

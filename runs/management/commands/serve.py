@@ -11,8 +11,10 @@ import tempfile
 from typing import Any
 
 from django.conf import settings
+from django.core.checks import Tags
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DEFAULT_DB_ALIAS
 
 
 class Command(BaseCommand):
@@ -48,6 +50,10 @@ class Command(BaseCommand):
         if not os.path.exists(granian):
             raise CommandError("granian is not installed (pip install -e .)")
         host = listen_address(host, port)
+        # The checks that need the database (an OIDC_ROLE_MAP naming a team that does not
+        # exist, SPEC 17) stop this start too, not only `migrate` and `check --database`:
+        # Django runs a command's own checks without the database.
+        self.check(tags=[Tags.database], databases=[DEFAULT_DB_ALIAS])
         # The dashboard's CSS/JS (and htmx from django-htmx) are served by granian itself from
         # STATIC_ROOT, so they cost no Python thread; collecting first keeps them current.
         call_command("collectstatic", interactive=False, verbosity=0)
