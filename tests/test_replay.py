@@ -4,6 +4,7 @@ approval outcomes, `abandoned`) are written here as SPEC 11, 12 and 14 record th
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -178,3 +179,25 @@ def test_keys_are_recomputed_only_where_no_redacted_value_is_part_of_them():
     both = replay(Policy(ignore_args=("rid", "token"), max_repeat_action=3, max_seconds=None),
                   steps, started_at=T0, recorded=recorded)
     assert both.stop == ("loop_detected", 4) and both.key_fallbacks == 0
+
+
+def test_a_parents_steps_counted_by_its_sub_agents_are_replayed_where_they_fell():
+    # SPEC 20: a parent's recorded steps include its descendants' checks (here 2 between its
+    # own first and second check), then its tree stopped it. An unchanged draft is no change
+    # (it reported "would stop 1 run earlier" at step 2 against the recorded 4).
+    steps = [call(1), call(4, outcome="stop", reason="parent_stopped")]
+    outcome = replay(LOOSE, steps, started_at=T0, recorded=LOOSE)
+    assert (outcome.stop_reason, outcome.step) == ("parent_stopped", 4)
+    assert not changed(recorded_stop(steps), outcome)
+    # The draft's step limit counts them too: max_steps 3 stops the check at step 4.
+    limited = replay(replace(LOOSE, max_steps=3), [call(1), call(4), call(5)],
+                     started_at=T0, recorded=LOOSE)
+    assert (limited.stop_reason, limited.step) == ("max_steps", 4)
+
+
+def test_a_check_that_expired_before_it_was_decided_counts_nothing():
+    steps = [call(1), call(1, outcome="expired", reason="deadline_expired"), call(2),
+             call(3, outcome="stop", reason="max_steps")]
+    outcome = replay(replace(LOOSE, max_steps=2), steps, started_at=T0, recorded=LOOSE)
+    assert (outcome.stop_reason, outcome.step) == ("max_steps", 3)
+    assert not changed(recorded_stop(steps), outcome)

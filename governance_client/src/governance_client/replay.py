@@ -12,7 +12,12 @@ What is not the draft's to decide is replayed as recorded:
   kill without an action (the fan-out) ends the replay where it happened;
 - operators' and the system's decisions: an approval's outcome (approved, denied, expired),
   an abandonment, the sweep's end of a run out of time;
-- recorded waits (rate limits) are skipped: they registered nothing;
+- recorded waits (rate limits) and checks that expired before they were decided (a
+  ``deadline_ms`` past) are skipped: they registered nothing;
+- steps the run counted that are not its own checks, its sub-agents' (SPEC 20: a
+  descendant's check counts on each ancestor), are counted where they were: a recorded
+  check whose step is past the replay's next one brings the replay's steps up to it, so a
+  parent's step limit and its stops fall at the steps they fell at;
 - everything after the recorded run's first stop is skipped: the agent stopped there;
 - a sub-agent's run stopped by its tree (SPEC 20: ``parent_stopped``, or an ancestor's
   limit, ``scope`` naming the ancestor) is replayed as its tree recorded it: the draft (the
@@ -27,7 +32,7 @@ them instead, over all the replayed runs' recorded times.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -36,6 +41,7 @@ from .keys import repeat_key
 from .rules import (
     AGENT_STOPPED,
     ALLOW,
+    EXPIRED,
     KILLED,
     PARENT_STOPPED,
     RUN_FINISHED,
@@ -187,7 +193,7 @@ def replay(draft: Policy, steps: Iterable[Recorded], *, started_at: datetime,
                        key_fallbacks=keys.fallbacks)
 
     for rec in steps:
-        if rec.outcome == WAIT:
+        if rec.outcome in (WAIT, EXPIRED):
             continue
         if awaiting is not None:
             waited, awaiting = awaiting, None
@@ -209,6 +215,9 @@ def replay(draft: Policy, steps: Iterable[Recorded], *, started_at: datetime,
             # approval outcome seen on its own: no check was decided, the step does not move.
             return ended(KILLED if rec.reason == "killed" else STOPPED, rec.reason,
                          state.steps)
+        if rec.step - 1 > state.steps:
+            # Its sub-agents' checks, counted on this run between its own (SPEC 20).
+            state = replace(state, steps=rec.step - 1)
         check = Check(name=rec.name, type=rec.type, args=rec.args or {},
                       progress=rec.progress, last_result=rec.last_result,
                       cost_usd=rec.cost_usd)
