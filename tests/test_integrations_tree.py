@@ -112,3 +112,36 @@ def test_a_claude_subagents_checks_appear_as_a_child_run(server: Server, agent: 
         == ["Grep", "Grep"]
     assert Run.objects.get(pk=root_id).steps == 3
     assert json.loads(json.dumps(str(child.root_run_id))) == root_id
+
+
+def test_a_subagent_under_an_agent_bound_key_runs_as_a_child_of_that_agent(
+        server: Server, team: Team):
+    # The client's README makes the key with `--agent`; such a key may start runs of that
+    # agent only (SPEC 5), and the integrations' child run for a sub-agent named otherwise
+    # was refused (422): the exception ended the agent's run as failed. The sub-agent now
+    # runs as a child of the key's agent, its own name in the child's metadata.
+    from claude_agent_sdk import ClaudeAgentOptions
+    from governance_client.integrations.claude_agent_sdk import governance_hooks
+
+    from policies.services import agent_key_create
+
+    token = agent_key_create(team=team, name="bound", agent="coder").token
+    base = {"session_id": "s", "transcript_path": "/dev/null", "cwd": "."}
+
+    async def main() -> str:
+        async with AsyncGovernanceClient(server.url, token, deadline=10) as client, \
+                client.run("coder") as run:
+            hooks = ClaudeAgentOptions(hooks=governance_hooks(run)).hooks or {}
+            (pre,), (start,) = (hooks[e][0].hooks for e in ("PreToolUse", "SubagentStart"))
+            await start({"hook_event_name": "SubagentStart", "agent_id": "a1",
+                         "agent_type": "Explore", **base}, None, {"signal": None})
+            assert await pre({"hook_event_name": "PreToolUse", "tool_name": "Grep",
+                              "tool_input": {"pattern": "p"}, "tool_use_id": "t1",
+                              "agent_id": "a1", "agent_type": "Explore", **base},
+                             "t1", {"signal": None}) == {}
+            return run.id
+
+    root_id = asyncio.run(main())
+    child = Run.objects.get(parent_run_id=root_id)
+    assert (child.agent, child.metadata, child.steps) == ("coder", {"subagent": "Explore"}, 1)
+    assert Run.objects.get(pk=root_id).status == "completed"

@@ -26,7 +26,14 @@ import tenacity
 
 from . import rules
 from .decision import GOVERNANCE_UNAVAILABLE, Decision
-from .errors import ApiError, GovernanceError, GovernanceUnavailable, RunClosed, api_error
+from .errors import (
+    ApiError,
+    GovernanceError,
+    GovernanceUnavailable,
+    InvalidRequest,
+    RunClosed,
+    api_error,
+)
 from .keys import canonical_args, normalize_text
 from .local import LocalLedger, LocalLimits, make_check
 
@@ -268,6 +275,27 @@ def start_body(
     body["external_id"] = external_id if external_id is not None \
         else f"{AUTO_EXTERNAL_ID}{uuid.uuid4().hex}"
     return body
+
+
+_WARNED_BOUND: set[str] = set()
+
+
+def subagent_fallback(exc: ApiError, *, parent_agent: str | None, name: str
+                      ) -> dict[str, Any] | None:
+    """A framework's sub-agent whose child run the service refused because the key may only
+    start runs of one agent (SPEC 5: an agent-bound key, so an agent kill switch cannot be
+    dodged by renaming): the metadata of the child to start instead, under the parent's
+    agent, which the key may start, with the sub-agent's name. None for any other refusal.
+    Said once per process and agent, so a log says why the sub-agent's runs are named so."""
+    if not (isinstance(exc, InvalidRequest) and "agent" in exc.fields and parent_agent
+            and name != parent_agent):
+        return None
+    if parent_agent not in _WARNED_BOUND:
+        _WARNED_BOUND.add(parent_agent)
+        logger.warning("this key may only start runs of agent %r: sub-agent %r (and any "
+                       "other) runs as a child run of agent %r, its name in the run's "
+                       "metadata ('subagent')", parent_agent, name, parent_agent)
+    return {"subagent": name}
 
 
 def local_start(agent: str) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from ._core import (
     result_digest,
     retry_policy,
     start_body,
+    subagent_fallback,
     traced_headers,
 )
 from ._transport import AsyncSleep, asend_once, async_sleep
@@ -520,6 +521,19 @@ class AsyncRun:
         return await self._client.start_run(agent, task=task, policy=policy,
                                             metadata=metadata, external_id=external_id,
                                             parent_run_id=self.id)
+
+    async def start_subagent(self, name: str) -> AsyncRun:
+        """A framework's sub-agent as a child run (what the shipped integrations call):
+        ``start_child(name)``, except that with a key bound to one agent (which may start
+        runs of that agent only, SPEC 5) the child runs under this run's agent, the
+        sub-agent's name in its metadata (``subagent``), rather than running ungoverned."""
+        try:
+            return await self.start_child(name)
+        except ApiError as exc:
+            metadata = subagent_fallback(exc, parent_agent=self.agent, name=name)
+            if metadata is None or self.agent is None:
+                raise
+            return await self.start_child(self.agent, metadata=metadata)
 
     @asynccontextmanager
     async def child(

@@ -50,6 +50,7 @@ from ._core import (
     result_digest,
     retry_policy,
     start_body,
+    subagent_fallback,
     traced_headers,
 )
 from ._transport import Sleep, send_once, sync_sleep
@@ -521,6 +522,19 @@ class Run:
         return self._client.start_run(agent, task=task, policy=policy,
                                             metadata=metadata, external_id=external_id,
                                             parent_run_id=self.id)
+
+    def start_subagent(self, name: str) -> Run:
+        """A framework's sub-agent as a child run (what the shipped integrations call):
+        ``start_child(name)``, except that with a key bound to one agent (which may start
+        runs of that agent only, SPEC 5) the child runs under this run's agent, the
+        sub-agent's name in its metadata (``subagent``), rather than running ungoverned."""
+        try:
+            return self.start_child(name)
+        except ApiError as exc:
+            metadata = subagent_fallback(exc, parent_agent=self.agent, name=name)
+            if metadata is None or self.agent is None:
+                raise
+            return self.start_child(self.agent, metadata=metadata)
 
     @contextmanager
     def child(

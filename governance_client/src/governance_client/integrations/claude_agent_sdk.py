@@ -87,9 +87,9 @@ def governance_hooks(
         if agent_id not in children:
             name = _AGENT_CHARS.sub("-", str(data.get("agent_type") or "subagent"))[:100]
             if isinstance(run, AsyncRun):
-                children[agent_id] = await run.start_child(name or "subagent")
+                children[agent_id] = await run.start_subagent(name or "subagent")
             else:
-                children[agent_id] = await asyncio.to_thread(run.start_child,
+                children[agent_id] = await asyncio.to_thread(run.start_subagent,
                                                              name or "subagent")
         return children[agent_id]
 

@@ -202,7 +202,7 @@ def _subgraph_node(name: str, sub: Pregel[Any, Any], current: _Current,
         parent = current.run
         if isinstance(parent, AsyncRun):
             raise TypeError("a graph governed by an AsyncRun runs with ainvoke / astream")
-        child = parent.start_child(agent)
+        child = parent.start_subagent(agent)
         try:
             return compiled(child).invoke(state, config)
         finally:
@@ -211,9 +211,9 @@ def _subgraph_node(name: str, sub: Pregel[Any, Any], current: _Current,
     async def ainvoke(state: Any, config: RunnableConfig) -> Any:
         parent = current.run
         if isinstance(parent, AsyncRun):
-            child: GovernedRun = await parent.start_child(agent)
+            child: GovernedRun = await parent.start_subagent(agent)
         else:
-            child = await asyncio.to_thread(parent.start_child, agent)
+            child = await asyncio.to_thread(parent.start_subagent, agent)
         try:
             return await compiled(child).ainvoke(state, config)
         finally:

@@ -108,8 +108,8 @@ class GovernanceState:
 
     async def start_child(self, agent: str) -> Run | AsyncRun:
         if isinstance(self.run, AsyncRun):
-            return await self.run.start_child(agent)
-        return await asyncio.to_thread(self.run.start_child, agent)
+            return await self.run.start_subagent(agent)
+        return await asyncio.to_thread(self.run.start_subagent, agent)
 
     async def finish_child(self) -> None:
         """End this state's child run: stopped if a decision stopped it, else completed."""
