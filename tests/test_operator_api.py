@@ -393,6 +393,18 @@ def test_create_operator_token_prints_the_token_alone_on_the_last_line(world, us
     with pytest.raises(Exception, match="not a member"):
         call_command("create_operator_token", "--user", "viewer", "--team", "billing",
                      "--role", "viewer", stdout=io.StringIO())
+    # A role above the owner's is allowed (the token acts with the lesser) and said at once,
+    # not at the automation's first 403; the token is still alone on the last line.
+    out, err = io.StringIO(), io.StringIO()
+    call_command("create_operator_token", "--user", "operator", "--team", "support",
+                 "--role", "admin", stdout=out, stderr=err)
+    assert err.getvalue().strip() == ("Note: operator is an operator of team support, so "
+                                      "this token acts there as an operator, not as an admin.")
+    assert out.getvalue().strip().splitlines()[-1].startswith("gov_op_")
+    quiet = io.StringIO()
+    call_command("create_operator_token", "--user", "operator", "--team", "support",
+                 "--role", "viewer", stdout=io.StringIO(), stderr=quiet)
+    assert quiet.getvalue() == ""
 
 
 def test_the_account_page_creates_shows_once_lists_and_revokes(world, users):

@@ -7,7 +7,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from governance.errors import AppError
 from policies.models import Role, Team
-from policies.tokens import operator_token_create
+from policies.tokens import operator_token_create, token_role
 
 
 class Command(BaseCommand):
@@ -41,4 +41,17 @@ class Command(BaseCommand):
                   if new.token.expires_at else "")
         self.stdout.write(f"Created operator token {new.token.name!r} (prefix "
                           f"{new.token.prefix}) for {user}, role {role}, {where}{expiry}.")
+        if team_row is not None:
+            acts = token_role(new.token, team_row)
+            if acts != role:
+                # The token acts with the lesser of the two roles: say so now, not at the
+                # first 403 of the automation it was made for.
+                self.stderr.write(
+                    f"Note: {user} is {'not a member' if acts is None else _a(acts)} of "
+                    f"team {team}, so this token acts there as "
+                    f"{'nobody (404)' if acts is None else _a(acts)}, not as {_a(role)}.")
         self.stdout.write(new.secret)
+
+
+def _a(role: str) -> str:
+    return f"an {role}" if role[0] in "aeiou" else f"a {role}"
