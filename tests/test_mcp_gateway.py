@@ -632,3 +632,43 @@ def test_over_streamable_http_both_sides(server: Server, agent: Agent, team: Tea
         ("stopped", "tool_denied"), ("completed", None)]
     # Each run's external_id is its MCP session id, made by the gateway.
     assert len({r.external_id for r in Run.objects.filter(agent=AGENT)}) == 4
+
+
+def test_the_http_gateway_says_where_it_listens_and_why_it_cannot(server: Server,
+                                                                  agent: Agent) -> None:
+    """Found by a newcomer: `--listen` printed nothing at its start, a port in use was a
+    51-line traceback, and an upstream that could not be reached cut the client's request off
+    ("SSE stream ended without a response") with a traceback in the gateway's log."""
+    gw_port, nowhere = free_port(), free_port()
+    args = [sys.executable, *gateway_args(server, agent.token), "--upstream-url",
+            f"http://127.0.0.1:{nowhere}/mcp", "--listen", f"127.0.0.1:{gw_port}"]
+    first = subprocess.Popen(args, env=child_env(), cwd=str(ROOT), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        line = first.stderr.readline() if first.stderr else ""
+        assert line.startswith(f"governance-mcp: listening on http://127.0.0.1:{gw_port}/")
+        assert f"upstream http://127.0.0.1:{nowhere}/mcp" in line
+        taken = subprocess.run(args, env=child_env(), cwd=str(ROOT), capture_output=True,
+                               text=True, timeout=30)
+        assert taken.returncode == 2
+        assert taken.stderr.strip().splitlines() == [
+            f"governance-mcp: cannot listen on 127.0.0.1:{gw_port}: Address already in use"]
+
+        async def main() -> BaseException | None:
+            try:
+                with anyio.fail_after(20):
+                    async with Client(f"http://127.0.0.1:{gw_port}/mcp") as client:
+                        await client.list_tools()
+            except BaseException as exc:  # the SDK raises it in its own task group
+                return exc
+            return None
+
+        failed = anyio.run(main)
+        while isinstance(failed, BaseExceptionGroup) and len(failed.exceptions) == 1:
+            failed = failed.exceptions[0]
+        assert failed is not None and "cannot be reached" in str(failed), repr(failed)
+        assert f"http://127.0.0.1:{nowhere}/mcp" in str(failed)
+    finally:
+        first.terminate()
+        _, log = first.communicate(timeout=10)
+    assert "Traceback" not in log, log

@@ -151,7 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command:
         status = anyio.run(serve_stdio, config, args.command)
         return 1 if status == "failed" else 0
-    anyio.run(serve_http, config, args.upstream_url, args.host, args.port)
+    from .http import ListenError
+
+    try:
+        anyio.run(serve_http, config, args.upstream_url, args.host, args.port)
+    except ListenError as exc:
+        print(f"governance-mcp: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

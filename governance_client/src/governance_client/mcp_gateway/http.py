@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import sys
 from typing import Any
 from uuid import uuid4
 
@@ -27,6 +29,7 @@ logger = logging.getLogger("governance_client.mcp")
 
 IDLE_TIMEOUT = 30 * 60.0
 MAX_OPENING_BODY = 4 * 1024 * 1024
+UPSTREAM_FAILED_LINGER_S = 0.5
 
 
 async def _json_error(send: Send, status: int, code: int, text: str,
@@ -52,6 +55,33 @@ def _replaying(body: bytes) -> Receive:
         raise AssertionError("unreachable")
 
     return receive
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error inside the SDK's task groups (each wraps it in a group of one)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+class ListenError(Exception):
+    """The address to listen on cannot be had (in use, not this host's)."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound before anything else starts, so a port in use is
+    one line naming it (uvicorn's own bind failed with a traceback of its task group)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
 
 
 class HttpGateway:
@@ -134,12 +164,16 @@ class HttpGateway:
     async def serve(self, host: str, port: int) -> None:
         import uvicorn
 
+        sock = listening_socket(host, port)
         server = uvicorn.Server(uvicorn.Config(self, host=host, port=port, log_level="warning",
                                                lifespan="on"))
+        # Said whatever the log level: the one line that tells the gateway is up, and where.
+        print(f"governance-mcp: listening on http://{host}:{port}/ (any path), upstream "
+              f"{self.upstream_url}, agent {self.config.agent}", file=sys.stderr, flush=True)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             try:
-                await server.serve()
+                await server.serve(sockets=[sock])
             finally:
                 tg.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):
@@ -173,9 +207,13 @@ class HttpGateway:
                             await session.serve(read, write, up_read, up_write)
                     except Exception as exc:
                         logger.warning("session %s: upstream %s failed: %s", session_id,
-                                       self.upstream_url, exc)
+                                       self.upstream_url, _cause(exc))
                         await session.upstream_failed(
                             f"the upstream MCP server at {self.upstream_url} cannot be reached")
+                        # The transport's router delivers those errors to the client's open
+                        # requests; leaving `connect` at once closed its stream first, and
+                        # the client saw its request cut off instead of the reason.
+                        await anyio.sleep(UPSTREAM_FAILED_LINGER_S)
                 if idle.cancelled_caught:
                     logger.info("session %s expired (idle)", session_id)
         finally:
