@@ -681,7 +681,9 @@ def _with_ids(decision: Decision, prepared: PreparedCheck) -> Decision:
 
 
 def _seconds(value: float) -> str:
-    return f"{value:.0f}" if value >= 10 else f"{value:g}"
+    """Seconds as a person reads them: whole from 10 on, else to a tenth ("1.1", not the
+    "1.06416" of a measured wait)."""
+    return f"{value:.0f}" if value >= 10 else f"{round(value, 1):g}"
 
 
 def _joined(decision: Decision) -> str | None:

@@ -1333,7 +1333,8 @@ def _pending(policy: Policy, new: RunState, check: Check, key: str, pattern: str
         repeat_key=key,
         repeat_count=new.repeat_counts.get(key, 0),
         message=_approval_message(check.name, pattern, policy),
-        next_action=NEXT_ACTION[APPROVAL_REQUIRED],
+        # The request's own poll, not a template the agent must fill in.
+        next_action=NEXT_ACTION[APPROVAL_REQUIRED].replace("{id}", approval_id),
         approval=new.pending.summary(),
         rule=_approval_rule(policy, check.name, pattern),
     )
