@@ -90,6 +90,26 @@ def test_a_bad_cursor_is_ignored_and_the_list_answers(team, users):
         assert response.status_code == 200 and listed(response.content.decode()) == [str(run.pk)]
 
 
+def test_a_cursor_value_its_column_cannot_hold_is_the_first_page(team, users):
+    # Found by an attacker: each of these was a 500 from the database (NaN and huge numbers
+    # for the cost column, offsets that put a date past year 9999 or before year 1).
+    run = start(team)
+    cases = {"cost": ["NaN", "Infinity", "-Infinity", "sNaN", "1e999999999", "1e-999999999"],
+             "steps": ["99999999999999999999", "-5"],
+             "newest": ["9999-12-31T23:59:59-23:59", "2026-01-01T00:00:00"],
+             "oldest": ["0001-01-01T00:00:00+23:59"]}
+    client = as_user(users)
+    for sort, values in cases.items():
+        for value in values:
+            for direction in ("after", "before"):
+                response = client.get(url_of(team), {"sort": sort,
+                                                      direction: f"{value}~{run.pk}"})
+                # (A value the column can hold is a cursor like any other: the run itself,
+                # its id in the cursor, may be on either side of it.)
+                assert response.status_code == 200, (sort, value, direction)
+                assert set(listed(response.content.decode())) <= {str(run.pk)}
+
+
 def test_the_list_of_another_team_shows_nothing_of_it(team, other_team, users):
     theirs = start(other_team, "their-bot", task="secret task")
     client = as_user(users)

@@ -10,7 +10,7 @@ import re
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from urllib.parse import urlencode
@@ -151,15 +151,39 @@ def _cursor(run: Run, column: str) -> str:
     return f"{raw}~{run.pk}"
 
 
+# A cursor comes from the address bar: a value its column cannot hold (NaN, 1e999999999, a
+# date whose offset puts it past year 9999) was a 500 from the database, not a first page.
+_MAX_COST = Decimal(10) ** 12  # runs_run.cost_usd: 18 digits, 6 after the point
+_COST_STEP = Decimal("0.000001")
+_MAX_STEPS = 2**31 - 1
+
+
+def _cursor_value(column: str, raw: str) -> Any:
+    """The sort column's value of a cursor, or None when the column cannot hold it."""
+    if column == "started_at":
+        at = datetime.fromisoformat(raw)
+        if at.tzinfo is None:
+            return None
+        return at.astimezone(UTC)  # OverflowError past year 9999 or before year 1
+    if column == "steps":
+        steps = int(raw)
+        return steps if 0 <= steps <= _MAX_STEPS else None
+    cost = Decimal(raw)
+    if not cost.is_finite() or abs(cost) >= _MAX_COST:
+        return None
+    return cost.quantize(_COST_STEP)  # the column's 6 places (1e-999999999 overflowed too)
+
+
 def _after(column: str, descending: bool, cursor: str) -> Q | None:
     """Rows strictly after the cursor's (value, id) in the sort order; None if unreadable.
     (Rows strictly before it are the rows after it in the opposite order.)"""
     raw, _, pk = cursor.rpartition("~")
     try:
         run_id = uuid.UUID(pk)
-        value: Any = (datetime.fromisoformat(raw) if column == "started_at"
-                      else int(raw) if column == "steps" else Decimal(raw))
-    except (ValueError, ArithmeticError):
+        value = _cursor_value(column, raw)
+    except (ValueError, ArithmeticError, OverflowError):
+        return None
+    if value is None:
         return None
     op = "lt" if descending else "gt"
     # "value <= v AND (value < v OR id < pk)": the first half is a plain range on the
