@@ -47,6 +47,7 @@ from policies import impact
 from policies import selectors as policy_reads
 from policies.access import can
 from policies.document import POLICY_NAME, SLUG, DocumentError, parse_policy
+from policies.egress import masked_url
 from policies.models import Policy, PolicyVersion, Role, Team
 from policies.services import agent_key_claim, audit, policy_save, policy_would_save
 from policies.tokens import (
@@ -222,9 +223,13 @@ def _policy(team: Team, name: str) -> Policy:
 @router.get("/teams/{slug}/policies", response={200: PoliciesOut, **ERRORS},
             summary="A team's policies, current versions", operation_id="operator_list_policies")
 def list_policies(request: HttpRequest, slug: str) -> dict[str, Any]:
-    team, _ = _team(request, slug)
+    team, role = _team(request, slug)
     _read(request, team)
-    return {"team": {"slug": team.slug, "name": team.name, "webhook_url": team.webhook_url},
+    # Whole for an admin only, as every page shows it (docs/killswitch.md): a Slack or
+    # Discord URL is a credential.
+    url = team.webhook_url if can(role, Role.ADMIN) or not team.webhook_url \
+        else masked_url(team.webhook_url)
+    return {"team": {"slug": team.slug, "name": team.name, "webhook_url": url},
             "policies": [version_json(p.name, p.current) for p in policy_reads.policies_of(team)
                          if p.current is not None]}
 

@@ -12,6 +12,7 @@ from django.core.paginator import Page, Paginator
 from django.db.models import Exists, OuterRef, Q
 from django.http import Http404
 
+from .egress import masked_url
 from .models import (
     AgentKey,
     Invitation,
@@ -99,20 +100,25 @@ def yaml_diff(before: dict[str, Any] | None, after: dict[str, Any] | None, *,
     return out
 
 
-def team_document(team: Team) -> dict[str, Any]:
-    """The team in the `apply_policies` format (SPEC 3): applying it back changes nothing."""
+def team_document(team: Team, *, reveal: bool) -> dict[str, Any]:
+    """The team in the `apply_policies` format (SPEC 3): applying it back changes nothing.
+    ``reveal``: the webhook URL whole (its reader is a team admin), else masked as every page
+    shows it to the others (a Slack or Discord URL is a credential); applying the masked
+    URL back keeps the stored one (`policy_apply`)."""
     return {
         "teams": [{
             "slug": team.slug,
             "name": team.name,
-            "webhook_url": team.webhook_url,
+            "webhook_url": team.webhook_url if reveal or not team.webhook_url
+            else masked_url(team.webhook_url),
             "policies": [p.current.document for p in policies_of(team) if p.current],
         }]
     }
 
 
-def team_yaml(team: Team) -> str:
-    return yaml.safe_dump(team_document(team), sort_keys=False, allow_unicode=True)
+def team_yaml(team: Team, *, reveal: bool) -> str:
+    return yaml.safe_dump(team_document(team, reveal=reveal), sort_keys=False,
+                          allow_unicode=True)
 
 
 def keys_of(team: Team) -> list[AgentKey]:

@@ -20,7 +20,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from .document import MAX_POLICIES_PER_TEAM, DocumentError, default_policy, parse_document
-from .egress import ascii_url
+from .egress import MASK, ascii_url, masked_url
 from .models import (
     AgentKey,
     Invitation,
@@ -149,6 +149,11 @@ def policy_apply(
         name = doc["name"] or doc["slug"]
         # The document's validation refused a host with no IDNA form already.
         webhook_url = ascii_url(doc["webhook_url"]) if doc["webhook_url"] else None
+        if team.webhook_url and doc["webhook_url"] and MASK in doc["webhook_url"] \
+                and doc["webhook_url"] == masked_url(team.webhook_url):
+            # A file exported by someone who may not see the URL whole: it names the
+            # stored one, masked (selectors.team_document), and keeps it.
+            webhook_url = team.webhook_url
         if (team.name, team.webhook_url) != (name, webhook_url):
             before = {"name": team.name, "webhook_url": team.webhook_url}
             team.name, team.webhook_url = name, webhook_url

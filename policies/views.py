@@ -266,7 +266,8 @@ def policy_restore(request: HttpRequest, slug: str, name: str, version: int) -> 
 @team_view(Role.VIEWER)
 @require_safe
 def policies_export(request: HttpRequest, slug: str) -> HttpResponse:
-    response = HttpResponse(selectors.team_yaml(request.team),
+    response = HttpResponse(selectors.team_yaml(request.team,
+                                                reveal=can(request.role, Role.ADMIN)),
                             content_type="application/yaml; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{slugify(slug)}-policies.yaml"'
     return response
@@ -317,7 +318,7 @@ def policies_import(request: HttpRequest, slug: str) -> HttpResponse:
     status = 422 if request.method == "POST" else 200
     return page(request, "policies/import.html", {
         "form": form, "errors": sorted(errors.items()),
-        "example": selectors.team_yaml(request.team),
+        "example": selectors.team_yaml(request.team, reveal=can(request.role, Role.ADMIN)),
         "impacts": impacts, "confirm_token": token, "confirm_field": impact.CONFIRM_FIELD,
         # A file is not sent again by the browser: the confirmation needs it chosen again.
         "uploaded": bool(request.FILES.get("file")),

@@ -240,6 +240,35 @@ def test_the_webhook_url_is_masked_for_viewers_and_operators_not_admins(team, us
     assert "hunter2" in admin.get(reverse("audit", args=[team.slug])).content.decode()
 
 
+def test_the_policies_export_and_api_mask_the_webhook_url_for_all_but_admins(
+        team, users, settings):
+    # Found by an attacker: the kill switch page masked it, but a viewer's YAML export and
+    # the operator API's policy list gave the URL whole.
+    from policies.services import policy_apply
+    from policies.tokens import operator_token_create
+
+    settings.WEBHOOK_ALLOWED_HOSTS = ["hooks.example.com"]
+    team_update_webhook(team=team, webhook_url=SECRET_URL, actor=users["admin"])
+    export = reverse("policies_export", args=[team.slug])
+    shown = {}
+    for role in ("viewer", "operator", "admin"):
+        yaml_text = signed_in(users[role]).get(export).content.decode()
+        token = operator_token_create(user=users[role], name="t", role=role, team=team).secret
+        listed = Client(HTTP_AUTHORIZATION=f"Bearer {token}").get(
+            f"/api/v1/teams/{team.slug}/policies").json()["team"]["webhook_url"]
+        shown[role] = ("hunter2" in yaml_text, "hunter2" in listed)
+    assert shown == {"viewer": (False, False), "operator": (False, False),
+                     "admin": (True, True)}
+    # A viewer's file, applied back by an admin, keeps the stored URL, not its mask.
+    import yaml
+
+    viewer_file = yaml.safe_load(signed_in(users["viewer"]).get(export).content)
+    assert viewer_file["teams"][0]["webhook_url"] == masked_url(SECRET_URL)
+    policy_apply(data=viewer_file, actor=users["admin"])
+    team.refresh_from_db()
+    assert team.webhook_url == ascii_url(SECRET_URL)
+
+
 def test_the_audit_log_shows_details_as_json_not_python_repr(team, users, settings):
     from policies.services import policy_apply
 
