@@ -9,8 +9,11 @@ from typing import Any
 import yaml
 from django.contrib.auth import get_user_model
 from django.core.paginator import Page, Paginator
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Exists, OuterRef, Q, TextField
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast, Length
 from django.http import Http404
+from django.utils.functional import cached_property
 
 from .egress import masked_url
 from .models import (
@@ -195,23 +198,62 @@ def admins_besides(team: Team, membership: Membership) -> int:
             .exclude(_invited(team)).count())
 
 
+# Events without a team that concern every team: the global kill switch. Other events
+# without a team (a token for all of its owner's teams read something, SSO's account events)
+# are a person's, not every team's: listed on every team's page they told each team who
+# else works where, and how often (found by an attacker: a viewer's token read 200 times a
+# second into every team's log).
+GLOBAL_ACTIONS = ("killswitch.engage", "killswitch.release")
+# A page's work is bounded whatever the log's size (SPEC 10): its count stops here (the
+# pager says "200+" pages), the filter's choices come from the newest events, and an event's
+# detail larger than AUDIT_DETAIL_SHOWN characters is summarised, not read (a policy
+# version's before and after may be hundreds of KB each: 50 of them made a viewer's page
+# take 18 s of a dashboard thread).
+AUDIT_COUNT_CAP = 10_000
+AUDIT_CHOICES_FROM = 5_000
+AUDIT_DETAIL_SHOWN = 20_000
+
+
 def _audit_events(team: Team) -> Any:
-    # Global events (team NULL, e.g. the global kill switch) concern every team.
-    return OperatorEvent.objects.filter(Q(team=team) | Q(team__isnull=True))
+    return OperatorEvent.objects.filter(
+        Q(team=team) | Q(team__isnull=True, action__in=GLOBAL_ACTIONS))
+
+
+class _CappedPaginator(Paginator):
+    @cached_property
+    def count(self) -> int:
+        return self.object_list[:AUDIT_COUNT_CAP].count()
+
+    @property
+    def capped(self) -> bool:
+        return self.count >= AUDIT_COUNT_CAP
 
 
 def audit_page(team: Team, *, action: str = "", actor: str = "", page: Any = 1) -> Page:
-    events = _audit_events(team).select_related("team")
+    """One page of the team's operator audit log, newest first. Each event's ``detail`` is
+    read only when it is at most AUDIT_DETAIL_SHOWN characters, else it is None and
+    ``detail_chars``, ``detail_version`` and ``detail_source`` say what it was."""
+    events = _audit_events(team).select_related("team").defer("detail").annotate(
+        detail_chars=Length(Cast("detail", output_field=TextField())),
+        detail_version=KT("detail__version"), detail_source=KT("detail__source"))
     if action:
         events = events.filter(action=action)
     if actor:
         events = events.filter(actor_label=actor)
-    return Paginator(events.order_by("-at", "-id"), AUDIT_PER_PAGE).get_page(page)
+    found = _CappedPaginator(events.order_by("-at", "-id"), AUDIT_PER_PAGE).get_page(page)
+    found.object_list = rows = list(found.object_list)
+    shown = [e.pk for e in rows if (e.detail_chars or 0) <= AUDIT_DETAIL_SHOWN]
+    details = dict(OperatorEvent.objects.filter(pk__in=shown).values_list("pk", "detail"))
+    for event in rows:
+        event.detail = details.get(event.pk)
+    return found
 
 
 def audit_choices(team: Team) -> dict[str, list[str]]:
-    events = _audit_events(team)
+    """The filter's actions and people: those of the newest AUDIT_CHOICES_FROM events."""
+    recent = list(_audit_events(team).order_by("-at", "-id")
+                  .values_list("action", "actor_label")[:AUDIT_CHOICES_FROM])
     return {
-        "actions": sorted(set(events.values_list("action", flat=True))),
-        "actors": sorted(set(events.values_list("actor_label", flat=True))),
+        "actions": sorted({action for action, _ in recent}),
+        "actors": sorted({actor for _, actor in recent}),
     }

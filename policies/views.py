@@ -628,6 +628,13 @@ def _detail_items(action: str, detail: Any, admin: bool) -> list[tuple[str, str]
             for key, value in detail.items()]
 
 
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 @team_view(Role.VIEWER)
 @require_safe
 def audit_log(request: HttpRequest, slug: str) -> HttpResponse:
@@ -637,7 +644,13 @@ def audit_log(request: HttpRequest, slug: str) -> HttpResponse:
                                   page=request.GET.get("page") or 1)
     rows = []
     for event in events.object_list:
-        diff = None
+        diff = history = None
+        if event.action == "policy.version" and event.detail is None and event.target:
+            # Too large to diff on this page: the policy's history diffs that version alone.
+            version = _int_or_none(event.detail_version)
+            if version is not None:
+                history = reverse("policy_history", kwargs={"slug": slug, "name": event.target})
+                history += f"?b={version}" + (f"&a={version - 1}" if version > 1 else "")
         if event.action == "policy.version" and isinstance(event.detail, dict):
             version = event.detail.get("version")
             diff = selectors.yaml_diff(
@@ -646,7 +659,7 @@ def audit_log(request: HttpRequest, slug: str) -> HttpResponse:
                 version > 1 else "(nothing)",
                 after_label=f"version {version}",
             )
-        rows.append({"event": event, "diff": diff,
+        rows.append({"event": event, "diff": diff, "history": history,
                      "detail": _detail_items(event.action, event.detail,
                                              can(request.role, Role.ADMIN))})
     query = {k: v for k, v in (("action", action), ("actor", actor)) if v}
