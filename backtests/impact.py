@@ -18,6 +18,14 @@ from . import inputs, selectors
 # inputs.DEFAULT_LIMIT (the dashboard backtest's own bound) between the policies it changes.
 IMPACT_RUNS = 200
 IMPACT_SINCE = inputs.DEFAULT_SINCE
+# ...and of each, its first IMPACT_DECISIONS decisions: a stop at the first step is decided
+# there (a run that waited longer than that before its first step is not one). The whole
+# runs were read and replayed: 200 runs of 1,000 steps made a save, or a dry run, take 6 to
+# 8 s of an operator thread, and four at once slowed every team's checks (SPEC 10). So a
+# replay in a request reads at most IMPACT_RUNS x IMPACT_DECISIONS decisions, each run one
+# range of its index. (The rate-limit waits at once, estimated across the runs, then see
+# the runs' first decisions only: an estimate from fewer of the recorded actions.)
+IMPACT_DECISIONS = 50
 
 
 def stopped_at_once(report: selectors.Report) -> tuple[int, dict[str, int]]:
@@ -52,7 +60,8 @@ def recent_impacts(team: Team, documents: list[dict[str, Any]]) -> list[Impact]:
     limit = runs_per_draft(len(changed))
     impacts = []
     for policy, document in changed:
-        report = selectors.backtest(team, policy, document, since=since, limit=limit)
+        report = selectors.backtest(team, policy, document, since=since, limit=limit,
+                                    per_run=IMPACT_DECISIONS)
         count, by_reason = stopped_at_once(report)
         impacts.append(Impact(policy=policy.name, runs=report.runs, stopped_at_once=count,
                               by_reason=by_reason, since_days=since.days))

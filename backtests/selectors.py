@@ -128,9 +128,16 @@ _STOP_ONLY = {"stop_scope": Case(When(outcome=rules.STOP, then=KT("answer__rule_
 _ANCESTOR = re.compile(r"^Ancestor run ([0-9a-f-]{36})'s limit")
 
 
-def recorded_decisions(runs: list[RecordedRun]) -> Iterator[tuple[RecordedRun,
-                                                                  list[replay.Recorded]]]:
-    """Each run with its decisions in decision order, CHUNK_RUNS runs per query."""
+def recorded_decisions(runs: list[RecordedRun], *, per_run: int | None = None
+                       ) -> Iterator[tuple[RecordedRun, list[replay.Recorded]]]:
+    """Each run with its decisions in decision order, CHUNK_RUNS runs per query; or, with
+    ``per_run``, each run's first ``per_run`` decisions, one bounded index range per run."""
+    if per_run is not None:
+        for run in runs:
+            rows = (Decision.objects.filter(run_id=run.id).order_by("id").annotate(**_STOP_ONLY)
+                    .values_list(*_DECISION_FIELDS)[:per_run])
+            yield run, [_recorded(row, run.started_at) for row in rows]
+        return
     for start in range(0, len(runs), CHUNK_RUNS):
         chunk = runs[start:start + CHUNK_RUNS]
         by_id = {run.id: run for run in chunk}
@@ -164,13 +171,14 @@ def _recorded(row: tuple[Any, ...], started_at: datetime) -> replay.Recorded:
 
 
 def replay_runs(runs: list[RecordedRun], draft: rules.Policy, *, policy: str,
-                progress: Progress | None = None) -> Report:
+                progress: Progress | None = None, per_run: int | None = None) -> Report:
     """Replay ``runs`` under ``draft`` (pure, in process) and report what would change, with
-    the draft's effect and its estimated waits and approval requests (`Report.estimate`)."""
+    the draft's effect and its estimated waits and approval requests (`Report.estimate`).
+    ``per_run``: replay each run's first decisions only (`recorded_decisions`)."""
     report = Report(policy=policy, runs=len(runs))
     estimator = estimates.Estimator(draft)
     done = 0
-    for run, steps in recorded_decisions(runs):
+    for run, steps in recorded_decisions(runs, per_run=per_run):
         recorded = rules_for_version(run.policy_version_id)
         # Traced when the estimate reads what the draft decided at each check.
         outcome = replay.replay(draft, steps, started_at=run.started_at, recorded=recorded,
@@ -204,12 +212,13 @@ def replay_runs(runs: list[RecordedRun], draft: rules.Policy, *, policy: str,
 
 
 def backtest(team: Team, policy: Policy, document: dict[str, Any], *, since: timedelta,
-             limit: int, progress: Progress | None = None) -> Report:
+             limit: int, progress: Progress | None = None, per_run: int | None = None
+             ) -> Report:
     """SPEC 13: replay the team's ended runs of ``policy`` through the draft ``document``
-    (a normalized policy document)."""
+    (a normalized policy document). ``per_run``: each run's first decisions only."""
     runs = runs_to_replay(team, policy, since=since, limit=limit)
     return replay_runs(runs, rules.Policy.from_document(document), policy=policy.name,
-                       progress=progress)
+                       progress=progress, per_run=per_run)
 
 
 def backtest_of(team: Team, job_id: Any) -> Backtest:

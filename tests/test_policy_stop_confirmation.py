@@ -103,6 +103,32 @@ def test_an_import_of_many_policies_shares_the_backtests_bound():
     assert backtest_impact.runs_per_draft(100) * 100 <= 1000
 
 
+def test_the_replay_inside_a_save_reads_each_runs_first_decisions_only(
+        api, team, monkeypatch):
+    # Found by an attacker: 200 runs of 1,000 steps made a dry-run PUT take 6 to 8 s of an
+    # operator thread (the whole runs read and replayed); a stop at once is decided at the
+    # first step, so the save's replay reads each run's first decisions.
+    from backtests import selectors as backtest_reads
+
+    set_policy(team, step_limits={"max_steps": 100, "max_repeat_action": 100,
+                                  "no_progress_window": 100})
+    record(api, [f"search.docs{i}" for i in range(12)])
+    monkeypatch.setattr(backtest_impact, "IMPACT_DECISIONS", 5)
+    read: list[int] = []
+    real = backtest_reads.replay_runs
+
+    def counted(*args: Any, **kwargs: Any) -> Report:
+        report = real(*args, **kwargs)
+        read.append(report.decisions)
+        return report
+
+    monkeypatch.setattr(backtest_reads, "replay_runs", counted)
+    draft = {**current(team), "tools": {"allow": None, "deny": ["search.*"]}}
+    (found,) = backtest_impact.recent_impacts(team, [draft])
+    assert read == [5]
+    assert (found.runs, found.stopped_at_once) == (1, 1)
+
+
 # --- Save -------------------------------------------------------------------------------------
 
 def test_a_save_that_stops_most_runs_at_once_asks_with_the_numbers(team, admin, recorded):
