@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import io
 import logging
 import os
@@ -94,6 +95,17 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(parts)
 
 
+def _credential(scope: Scope) -> str:
+    """Who an operator API request is from, before it is authenticated: its bearer token's
+    digest (a token is a caller, whether valid or not: an invalid one is answered 401 in a
+    moment), else the client's address."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            return "token:" + hashlib.sha256(value).hexdigest()
+    client = scope.get("client")
+    return f"address:{client[0] if client else ''}"
+
+
 def _declared_length(scope: Scope) -> int:
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
@@ -148,6 +160,9 @@ class Application(ResolvedOnce, ASGIHandler):
         super().__init__()
         self.sync_handler = SyncHandler()
         self.any_async_view = _has_async_views(get_resolver().url_patterns)
+        # Operator API requests in progress in this process, by credential (the event loop
+        # alone reads and writes it).
+        self.operator_held: dict[str, int] = {}
         # Loading the URLconf (above) registered the API's direct views, if it has the API.
         self.direct: DirectApi | None = None
         if edge.direct_views:
@@ -203,7 +218,11 @@ class Application(ResolvedOnce, ASGIHandler):
             executor = pools.pool("api")
             response = await self.serve(receive, send, self.get_response_async(request))
         else:
-            executor = pools.pool(pool_name(path))
+            name = pool_name(path)
+            executor = pools.pool(name)
+            if name in ("operator", "killswitch"):
+                await self.operator_request(scope, receive, send, request, executor)
+                return
             if view is not None:
                 # The check: on the same pool with the same housekeeping, without Django's
                 # handler (governance/direct.py).
@@ -224,6 +243,38 @@ class Application(ResolvedOnce, ASGIHandler):
             # Django's request_finished (connection housekeeping) belongs on a thread of the
             # pool that used the connection.
             await loop.run_in_executor(executor, response.close)
+
+    async def operator_request(self, scope: Scope, receive: Receive, send: Send,
+                               request: ASGIRequest, executor: Any) -> None:
+        """An operator API call (SPEC 17) on the operator or kill switch pool, every team's:
+        one credential may hold OPERATOR_THREADS_PER_CREDENTIAL of a pool's threads at once
+        (found by an attacker: one viewer's 64 concurrent heavy reads queued every other
+        team's operator calls for seconds). Past it, 429 at once, before any thread or
+        query. (The count is per credential, whichever of the two pools it uses.)"""
+        key = _credential(scope)
+        if self.operator_held.get(key, 0) >= settings.OPERATOR_THREADS_PER_CREDENTIAL:
+            refused = edge.error(
+                429, "too_many_requests",
+                f"This credential already has {settings.OPERATOR_THREADS_PER_CREDENTIAL} "
+                "operator API request(s) in progress on this server process: wait for an "
+                "answer before sending the next.")
+            refused["Retry-After"] = "1"
+            await self.send_response(refused, send)
+            return
+        self.operator_held[key] = self.operator_held.get(key, 0) + 1
+        try:
+            made = await asyncio.get_running_loop().run_in_executor(
+                executor, self.respond_sync, request)
+        finally:
+            left = self.operator_held.pop(key) - 1
+            if left:
+                self.operator_held[key] = left
+        if made.streaming:  # no operator API answer streams; served as any other would be
+            response = await self.serve(receive, send, _ready(made))
+            if response is not None:
+                await asyncio.get_running_loop().run_in_executor(executor, response.close)
+            return
+        await self.send_whole(made, send)
 
     def direct_view(self, request: ASGIRequest) -> Callable[..., HttpResponseBase] | None:
         """The view the API serves without Django's handler for this request, if any (a POST

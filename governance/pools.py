@@ -24,8 +24,8 @@ from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, reset_queries
 
+from operator_api.paths import engages_a_switch, waits_for_backtest
 from operator_api.paths import serves as operator_path
-from operator_api.paths import waits_for_backtest
 
 # Paths served by the API's pool; everything else is the dashboard's, but the operator API's
 # (SPEC 17), which has a pool of its own: an operator call never takes a check's thread nor
@@ -50,7 +50,8 @@ os.register_at_fork(after_in_child=_reset)
 
 
 def pool(name: str) -> ThreadPoolExecutor:
-    """The process's pool `api`, `operator`, `backtest` or `dashboard`, made on first use."""
+    """The process's pool `api`, `operator`, `backtest`, `killswitch` or `dashboard`, made on
+    first use."""
     try:
         return _pools[name]
     except KeyError:
@@ -59,6 +60,7 @@ def pool(name: str) -> ThreadPoolExecutor:
     # benchmark's minimal server) need not name the others.
     size = getattr(settings, {"api": "API_THREADS", "operator": "OPERATOR_THREADS",
                               "backtest": "BACKTEST_API_THREADS",
+                              "killswitch": "KILLSWITCH_API_THREADS",
                               "dashboard": "DASHBOARD_THREADS"}[name])
     with _lock:
         if name not in _pools:
@@ -70,7 +72,9 @@ def pool_name(path: str) -> str:
     if path.startswith(API_PREFIXES):
         if not operator_path(path):
             return "api"
-        return "backtest" if waits_for_backtest(path) else "operator"
+        if waits_for_backtest(path):
+            return "backtest"
+        return "killswitch" if engages_a_switch(path) else "operator"
     return "dashboard"
 
 

@@ -434,6 +434,15 @@ OPERATOR_THREADS = env_int("WEB_OPERATOR_THREADS", 2)
 # runs on the workers' bulk queue, as the dashboard's does): a backtest never holds a thread
 # a kill switch or a policy save needs, and never spends a web process's CPU on the replay.
 BACKTEST_API_THREADS = env_int("WEB_BACKTEST_THREADS", 2)
+# The operator API's kill switch (engage, release) has a pool of its own too: no read, however
+# many or slow, stands between an on-call and a switch (found by an attacker: 64 concurrent
+# heavy reads of one viewer made another team's engage wait 2 to 4 s).
+KILLSWITCH_API_THREADS = env_int("WEB_KILLSWITCH_THREADS", 2)
+# One credential (an operator token, or a client without one) may hold at most this many of a
+# process's operator threads at once; past it, 429 `too_many_requests`: the pool is shared by
+# every team, so no one caller may take all of it.
+OPERATOR_THREADS_PER_CREDENTIAL = env_int("WEB_OPERATOR_THREADS_PER_CREDENTIAL",
+                                          max(1, OPERATOR_THREADS - 1))
 # How long an operator API backtest waits for its job before answering 503 (the job goes on;
 # its page in the dashboard shows the result).
 BACKTEST_API_WAIT_SECONDS = env_int("BACKTEST_API_WAIT_SECONDS", 120)
@@ -457,7 +466,8 @@ DASHBOARD_STREAM_SHARE = env_float("DASHBOARD_STREAM_SHARE", 0.2)
 if not 0 < DASHBOARD_STREAM_SHARE <= 1:
     raise ImproperlyConfigured("DASHBOARD_STREAM_SHARE must be in (0, 1]")
 if (REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1
-        or OPERATOR_THREADS < 1 or BACKTEST_API_THREADS < 1 or BACKTEST_API_WAIT_SECONDS < 1
+        or OPERATOR_THREADS < 1 or BACKTEST_API_THREADS < 1 or KILLSWITCH_API_THREADS < 1
+        or OPERATOR_THREADS_PER_CREDENTIAL < 1 or BACKTEST_API_WAIT_SECONDS < 1
         or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1):
     raise ImproperlyConfigured(
         "REQUEST_BODY_SECONDS, WEB_THREADS, WEB_DASHBOARD_THREADS, WEB_OPERATOR_THREADS, "

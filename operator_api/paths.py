@@ -21,3 +21,8 @@ def serves(path: str) -> bool:
 
 def waits_for_backtest(path: str) -> bool:
     return BACKTEST.fullmatch(path) is not None
+
+
+def engages_a_switch(path: str) -> bool:
+    """``POST /api/v1/killswitch``: served on a pool of its own (governance/pools.py)."""
+    return path.rstrip("/") == "/api/v1/killswitch"

@@ -445,9 +445,12 @@ def test_operator_paths_run_on_their_own_pool_never_the_checks():
 
     assert pool_name("/api/v1/runs/x/check") == "api"
     assert pool_name("/api/v1/approvals/abc") == "api"
-    for path in ("/api/v1/teams", "/api/v1/teams/a/policies/b", "/api/v1/killswitch",
+    for path in ("/api/v1/teams", "/api/v1/teams/a/policies/b",
                  "/api/v1/approvals/abc/decide"):
         assert pool_name(path) == "operator"
+    # A kill switch has a pool of its own: no read stands before it
+    # (tests/test_operator_fair_share.py).
+    assert pool_name("/api/v1/killswitch") == pool_name("/api/v1/killswitch/") == "killswitch"
     # A backtest waits for its replay on a pool of its own: it never holds a kill switch's
     # thread (tests/test_operator_backtest_isolation.py).
     assert pool_name("/api/v1/teams/a/policies/b/backtest") == "backtest"
