@@ -482,6 +482,9 @@ WEBHOOK_ALLOWED_HOSTS = env_list("WEBHOOK_ALLOWED_HOSTS", [])
 # A stream holds a server thread under WSGI, so it ends after this many seconds and the
 # browser reconnects (resuming with Last-Event-ID).
 DASHBOARD_STREAM_SECONDS = env_int("DASHBOARD_STREAM_SECONDS", 60)
+# Live streams one signed-in person may hold open per server process (a page holds one or
+# two); past it a stream ends at once and its browser retries a minute later.
+DASHBOARD_STREAMS_PER_VIEWER = env_int("DASHBOARD_STREAMS_PER_VIEWER", 24)
 # How often a stream looks at the database even without a wake-up (lost Redis messages,
 # another process's change without Redis, the runs list's durations; a run page's Time
 # counter ticks in the browser between its looks).

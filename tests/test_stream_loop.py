@@ -113,3 +113,30 @@ def test_pump_and_apump_send_the_same(monkeypatch: pytest.MonkeyPatch, clock: Cl
         return [chunk async for chunk in stream.apump(Screen(), lifetime=60)]  # type: ignore[arg-type]
 
     assert sent == asyncio.run(drain()) == ["retry: 1000\n\n", "a", ": keep-alive\n\n", "b"]
+
+
+def test_one_viewer_holds_at_most_its_share_of_streams(settings: Any) -> None:
+    # Found by an attacker: one viewer's 250 streams took the connections another team's
+    # agents needed. Past the share, a stream ends at once and its browser waits a minute.
+    settings.DASHBOARD_STREAMS_PER_VIEWER = 3
+
+    async def main() -> tuple[list[str], list[str], dict[Any, int]]:
+        held = [stream.apump(Screen(), viewer="ann", lifetime=60) for _ in range(3)]  # type: ignore[arg-type]
+        for one in held:
+            assert await one.__anext__() == "retry: 1000\n\n"  # open, waiting
+        refused = [chunk async for chunk in stream.apump(Screen(), viewer="ann")]  # type: ignore[arg-type]
+        others = stream.apump(Screen(), viewer="bob", lifetime=60)  # type: ignore[arg-type]
+        other = [await others.__anext__()]
+        await others.aclose()
+        await held[0].aclose()
+        reopened = stream.apump(Screen(), viewer="ann", lifetime=60)  # type: ignore[arg-type]
+        other.append(await reopened.__anext__())
+        for one in (*held[1:], reopened):
+            await one.aclose()
+        return refused, other, dict(stream._open_streams)
+
+    refused, other, left = asyncio.run(main())
+    assert refused == [f"retry: {stream.REFUSED_RETRY_MS}\nevent: refused\ndata: too many live "
+                       "views are open for this account: this one is paused\n\n"]
+    assert other == ["retry: 1000\n\n", "retry: 1000\n\n"]
+    assert left == {}

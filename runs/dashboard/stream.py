@@ -284,10 +284,38 @@ class LookLane:
 look_lane = LookLane(looks.look_lane)
 
 
+# The streams one viewer holds open in this process (SPEC 10: a connection is every team's;
+# found by an attacker, one viewer's 250 streams at a lowered connection cap left another
+# team's agents with no answer). Past DASHBOARD_STREAMS_PER_VIEWER a stream ends at once,
+# telling the browser to come back in a minute. Only the event loop touches it.
+_open_streams: dict[Any, int] = {}
+REFUSED_RETRY_MS = 60_000
+
+
 async def apump(source: Source, *, viewer: Any = None, lifetime: float | None = None
                 ) -> AsyncIterator[str]:
     """`pump` for ASGI: waits on the event loop (no thread) and looks at the database through
-    the process's `look_lane`, in `viewer`'s turn."""
+    the process's `look_lane`, in `viewer`'s turn; at most DASHBOARD_STREAMS_PER_VIEWER of a
+    viewer's at once (`_open_streams`)."""
+    if viewer is not None and \
+            _open_streams.get(viewer, 0) >= settings.DASHBOARD_STREAMS_PER_VIEWER:
+        yield (f"retry: {REFUSED_RETRY_MS}\nevent: refused\ndata: too many live views are "
+               "open for this account: this one is paused\n\n")
+        return
+    if viewer is not None:
+        _open_streams[viewer] = _open_streams.get(viewer, 0) + 1
+    try:
+        async for event in _apump(source, viewer=viewer, lifetime=lifetime):
+            yield event
+    finally:
+        if viewer is not None:
+            left = _open_streams.pop(viewer, 1) - 1
+            if left > 0:
+                _open_streams[viewer] = left
+
+
+async def _apump(source: Source, *, viewer: Any, lifetime: float | None
+                 ) -> AsyncIterator[str]:
     lifetime = settings.DASHBOARD_STREAM_SECONDS if lifetime is None else lifetime
     end_at = time.monotonic() + lifetime
     poll = min(1.0, settings.DASHBOARD_STREAM_LOOK_S)
