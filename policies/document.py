@@ -106,6 +106,12 @@ Patterns = Annotated[list[Pattern], Field(max_length=MAX_PATTERNS)]
 # A team's policies: every policy's rate-limit rules count each action of the team (SPEC 12),
 # so their number bounds a check's rate-limit write.
 MAX_POLICIES_PER_TEAM = 100
+# ...and the rules themselves, across the team's current policies (distinct by match, per,
+# max and window): every counted action of the team is matched against each registered
+# rule and bumps the count of each it matches, so a team's rules are a check's write (found
+# by an attacker: 40 policies of 50 rules made the team's checks take 1 to 5 s and another
+# team's p99 rise 15x). 50 a policy times 100 policies was 5,000.
+MAX_RATE_RULES_PER_TEAM = 200
 
 
 class Tools(_Strict):

@@ -19,7 +19,13 @@ from django.db.models import Q
 from django.urls import reverse
 from django.utils import timezone
 
-from .document import MAX_POLICIES_PER_TEAM, DocumentError, default_policy, parse_document
+from .document import (
+    MAX_POLICIES_PER_TEAM,
+    MAX_RATE_RULES_PER_TEAM,
+    DocumentError,
+    default_policy,
+    parse_document,
+)
 from .egress import MASK, ascii_url, masked_url
 from .models import (
     AgentKey,
@@ -77,6 +83,28 @@ def _has_room(team: Team) -> None:
                                      "policies: change or reuse one"})
 
 
+def _rules_fit(team: Team, document: dict[str, Any]) -> None:
+    """The team's cap on rate-limit rules across its current policies, with this document
+    in its policy's place (DocumentError past it, naming ``rate_limits``)."""
+    mine = document.get("rate_limits") or []
+    if not mine:
+        return
+    others = (Policy.objects.filter(team=team).exclude(name=document["name"])
+              .values_list("current__document__rate_limits", flat=True))
+    rules = {_rule_identity(rule) for listed in [mine, *others] if isinstance(listed, list)
+             for rule in listed if isinstance(rule, dict)}
+    if len(rules) > MAX_RATE_RULES_PER_TEAM:
+        raise DocumentError({"rate_limits": (
+            f"a team's policies have at most {MAX_RATE_RULES_PER_TEAM} distinct rate-limit "
+            f"rules in all; with this one they would have {len(rules)}: reuse the rules of "
+            "the team's other policies (the same match, per, max and window_s) or remove "
+            "some")})
+
+
+def _rule_identity(rule: dict[str, Any]) -> tuple[Any, ...]:
+    return (rule.get("match"), rule.get("per"), rule.get("max"), rule.get("window_s"))
+
+
 def policy_would_save(*, team: Team, document: dict[str, Any]
                       ) -> tuple[PolicyVersion | None, bool]:
     """What `policy_save` would do, saving nothing (a dry run): the current version (None
@@ -86,6 +114,7 @@ def policy_would_save(*, team: Team, document: dict[str, Any]
         "current__created_by").first()
     if policy is None:
         _has_room(team)
+    _rules_fit(team, document)
     current = policy.current if policy is not None and policy.current_id else None
     return current, current is None or current.document != document
 
@@ -109,6 +138,10 @@ def policy_save(
             return None
     else:
         previous = None
+    if document.get("rate_limits"):
+        # The team's row lock: two saves cannot both pass the team's cap on rules.
+        Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list("pk").first()
+        _rules_fit(team, document)
     version = _new_version(policy, document, actor=actor, source=source, note=note)
     audit(
         actor=actor, action="policy.version", team=team, target=policy.name,

@@ -340,3 +340,42 @@ def test_a_team_has_a_bounded_number_of_policies(team, users, settings, monkeypa
     response = admin.post(f"/teams/{team.slug}/policies-new", data)
     assert response.status_code == 422
     assert b"at most 3 policies" in response.content
+
+
+def test_a_teams_policies_have_a_bounded_number_of_rate_limit_rules(team, users, monkeypatch):
+    # Found by an attacker: 40 policies of 50 rules each (2,000 rules, each matched and
+    # counted by every action of the team) made the team's checks take seconds and another
+    # team's p99 rise 15x.
+    from policies import services
+    from policies.document import default_policy as default
+    from policies.forms import PolicyForm
+
+    monkeypatch.setattr(services, "MAX_RATE_RULES_PER_TEAM", 4)
+
+    def with_rules(name: str, maxes: list[int]) -> dict[str, Any]:
+        return parse_policy({**default(name), "rate_limits": [
+            {"match": "http.*", "per": "team", "max": m, "window_s": 60} for m in maxes]})
+
+    services.policy_save(team=team, document=with_rules("a", [1, 2]), actor=None,
+                         source="test")
+    services.policy_save(team=team, document=with_rules("b", [2, 3, 4]), actor=None,
+                         source="test")  # 4 distinct rules in all: the cap
+    with pytest.raises(DocumentError) as refused:
+        services.policy_save(team=team, document=with_rules("c", [5]), actor=None,
+                             source="test")
+    assert "at most 4 distinct rate-limit rules" in str(refused.value)
+    with pytest.raises(DocumentError):
+        services.policy_would_save(team=team, document=with_rules("c", [5]))
+    # Reusing rules, or replacing a policy's own, fits.
+    services.policy_save(team=team, document=with_rules("c", [1, 4]), actor=None,
+                         source="test")
+    services.policy_save(team=team, document=with_rules("a", [1, 3]), actor=None,
+                         source="test")
+    # The editor says so on its field.
+    admin = Client()
+    admin.force_login(users["admin"])
+    data = {**PolicyForm.initial_from(with_rules("d", [9])), "name": "d", "note": "n"}
+    data = {k: v for k, v in data.items() if v is not None}
+    response = admin.post(f"/teams/{team.slug}/policies-new", data)
+    assert response.status_code == 422
+    assert b"distinct rate-limit rules" in response.content
