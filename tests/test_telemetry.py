@@ -214,6 +214,15 @@ def test_an_approval_decision_has_a_span_and_a_pending_is_not_an_error(
     assert decided.attributes["governance.approval.status"] == "approved"
     assert decided.attributes["governance.run.id"] == run_id
     assert decided.attributes["gen_ai.tool.name"] == "payments.refund"
+    # The final answer is the same check's: it carries the pending answer's trace (SPEC 18),
+    # on the approval and on the check sent again (it was null).
+    assert answer["trace_id"]
+    again = api.post(f"/api/v1/runs/{run_id}/check",
+                     {"action": {"name": "payments.refund"}, "check_id": "pay-1"},
+                     content_type="application/json").json()
+    assert (again["decision"], again["trace_id"]) == ("allow", answer["trace_id"])
+    polled = api.get(f"/api/v1/approvals/{answer['approval']['id']}").json()
+    assert polled["decision"]["trace_id"] == answer["trace_id"]
 
 
 @pytest.mark.django_db(transaction=True)

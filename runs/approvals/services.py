@@ -39,6 +39,7 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Q, QuerySet
+from django.db.models.fields.json import KT
 from django.utils import timezone
 
 from governance.errors import AppError
@@ -55,6 +56,7 @@ from runs.live.events import publish_team_event
 from runs.models import (
     Approval,
     ApprovalStatus,
+    Decision,
     Run,
     WebhookDelivery,
 )
@@ -239,8 +241,15 @@ def _final(run: Any, pending: rules.Pending, decision: rules.Decision, new: rule
 
 def _record_final(run: Any, pending: rules.Pending, answer: dict[str, Any], now: datetime,
                   decision: rules.Decision) -> None:
-    """The second audit record, at the approval's step, and the final answer on the request."""
-    approval = Approval.objects.only("args").get(pk=pending.approval_id)
+    """The second audit record, at the approval's step, and the final answer on the request.
+    The final answer is the same check's, so it carries the pending answer's ``trace_id``
+    (SPEC 18: the trace the agent's action is in; null when it was not traced)."""
+    approval = Approval.objects.only("args", "requested_decision_id").get(
+        pk=pending.approval_id)
+    if approval.requested_decision_id is not None and answer.get("trace_id") is None:
+        answer["trace_id"] = Decision.objects.filter(
+            pk=approval.requested_decision_id, run_id=run.id).values_list(
+                KT("answer__trace_id"), flat=True).first()
     pk = records.insert(run.id, [records.final_row(pending, decision, answer, approval.args,
                                                    now)])
     answer["decision_id"] = pk
