@@ -209,3 +209,10 @@ def test_a_child_is_warned_of_its_ancestors_budget_once_with_its_scope() -> None
     # The run's own budget is still warned of on its own, once.
     assert warnings_of(replace(own, max_steps=2, warn_budget_fraction=0.5), state,
                        Check(name="x"), "k", T0)[0].scope is None
+
+
+def test_a_budget_fraction_is_reached_exactly_whatever_its_floating_point() -> None:
+    # 0.07 x 100 is 7.000000000000001: the warning came at step 8 instead of 7.
+    policy = Policy(**{**LOOSE, **OFF, "max_steps": 100, "warn_budget_fraction": 0.07})
+    decisions, _ = drive(policy, [replace(SAME, args={"i": i}) for i in range(8)])
+    assert [d.directive is not None for d in decisions] == [False] * 6 + [True, False]

@@ -883,7 +883,8 @@ def _budget_warning(policy: Policy, state: RunState, now: datetime, budget: str,
         counter, words = "tool_calls", (
             f"{who} has made {observed} tool calls of max_tool_calls={limit}: once it has "
             f"made {limit}, {its} next tool call is not run and this run is stopped.")
-    if limit <= 0 or observed < fraction * float(limit):
+    # Rounded: 0.07 x 100 is 7.000000000000001 in floating point, which 7 steps never reach.
+    if limit <= 0 or observed < round(fraction * float(limit), 9):
         return None
     fired = rule(BUDGET, {budget: limit, "warnings.budget_fraction": fraction},
                  {counter: observed})
