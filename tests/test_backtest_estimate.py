@@ -429,7 +429,8 @@ def test_the_effect_counts_the_steps_and_cost_a_stricter_draft_removes(team, rec
                           step_limits={**document["step_limits"], "max_steps": 2})
     # Stopped at step 3 of 4: one step and its $0.25 less per run.
     assert result["effect"] == {"runs": 2, "stopped_earlier": 2, "let_on": 0,
-                                "steps_removed": 2, "cost_removed_usd": "0.500000"}
+                                "stopped_otherwise": 0, "steps_removed": 2,
+                                "cost_removed_usd": "0.500000"}
     assert result["summary"].startswith(
         "This draft would stop 2 of 2 runs earlier, removing 2 steps and $0.50 of cost; ")
     assert Decision.objects.filter(outcome="pending").count() == 0  # nothing written

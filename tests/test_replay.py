@@ -201,3 +201,18 @@ def test_a_check_that_expired_before_it_was_decided_counts_nothing():
     outcome = replay(replace(LOOSE, max_steps=2), steps, started_at=T0, recorded=LOOSE)
     assert (outcome.stop_reason, outcome.step) == ("max_steps", 3)
     assert not changed(recorded_stop(steps), outcome)
+
+
+def test_a_draft_that_stops_a_run_later_says_so_in_its_summary():
+    # Found by a newcomer: "5 would change" then "would stop 2 of 30 runs earlier", the 3
+    # others unexplained: runs the draft stops later (or for another reason at that step).
+    from governance_client.estimate import Estimator
+
+    steps = [call(1), call(2), call(3, outcome="stop", reason="max_steps")]
+    draft = replace(LOOSE, max_steps=3)
+    outcome = replay(draft, [*steps[:2], call(3), call(4)], started_at=T0, recorded=LOOSE)
+    estimator = Estimator(draft)
+    effect = estimator.add_run(run="r", agent="a", started_at=T0, steps=steps,
+                               outcome=outcome, recorded_steps=3, recorded_cost=Decimal(0))
+    assert effect.stopped_otherwise and not effect.stopped_earlier
+    assert "stop 1 run later or for another reason" in estimator.result().summary()

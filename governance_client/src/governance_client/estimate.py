@@ -91,6 +91,9 @@ class RunEffect:
 
     stopped_earlier: bool = False
     let_on: bool = False
+    # Stopped no earlier than recorded but otherwise: later, or at the same step for another
+    # reason (a change too, SPEC 13; its steps and cost are the recorded run's).
+    stopped_otherwise: bool = False
     steps_removed: int = 0
     cost_removed: Decimal = Decimal(0)
 
@@ -137,7 +140,7 @@ def effect_of(steps: Sequence[Recorded], outcome: Outcome, *, recorded_steps: in
     if outcome.step is None:
         return RunEffect(let_on=before is not None)
     if before is not None and outcome.step >= before[1]:
-        return RunEffect()
+        return RunEffect(stopped_otherwise=outcome.stop != before)
     kept = sum((rec.cost_usd for rec in steps if rec.step <= outcome.step
                 and rec.outcome != WAIT), Decimal(0))
     return RunEffect(stopped_earlier=True,
@@ -261,6 +264,7 @@ class Estimate:
     runs: int = 0
     effect_stopped_earlier: int = 0
     effect_let_on: int = 0
+    effect_stopped_otherwise: int = 0
     steps_removed: int = 0
     cost_removed: Decimal = Decimal(0)
     recorded_waits: int = 0
@@ -287,7 +291,9 @@ class Estimate:
     def as_json(self) -> dict[str, Any]:
         return {
             "effect": {"runs": self.runs, "stopped_earlier": self.effect_stopped_earlier,
-                       "let_on": self.effect_let_on, "steps_removed": self.steps_removed,
+                       "let_on": self.effect_let_on,
+                       "stopped_otherwise": self.effect_stopped_otherwise,
+                       "steps_removed": self.steps_removed,
                        "cost_removed_usd": str(self.cost_removed.quantize(MICRO_USD))},
             "estimate": {
                 "shadow": self.shadow, "complete": self.complete,
@@ -312,6 +318,9 @@ class Estimate:
                  if stopped else f"stop none of the {_count(self.runs, 'run')} earlier"]
         if self.effect_let_on:
             parts.append(f"let {_count(self.effect_let_on, 'stopped run')} go on")
+        if self.effect_stopped_otherwise:
+            parts.append(f"stop {_count(self.effect_stopped_otherwise, 'run')} later or for "
+                         "another reason")
         about = "~" if self.complete else "at least "
         if self.out_of_time_stops:
             parts.append(f"stop {about}{_count(self.out_of_time_stops, 'run')} out of time "
@@ -359,6 +368,7 @@ class Estimator:
                            recorded_cost=recorded_cost)
         est.effect_stopped_earlier += effect.stopped_earlier
         est.effect_let_on += effect.let_on
+        est.effect_stopped_otherwise += effect.stopped_otherwise
         est.steps_removed += effect.steps_removed
         est.cost_removed += effect.cost_removed
         est.recorded_waits += sum(rec.outcome == WAIT for rec in steps)
