@@ -136,12 +136,26 @@ def port_problem(host: str, port: int) -> str | None:
         probe.bind((host, port))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
+            free = next((p for p in range(port + 1, min(port + 50, 65536))
+                         if _bindable(host, p)), None)
+            suggestion = f"PORT={free} make demo" if free else "another PORT=... make demo"
             return (f"Port {port} is already in use (another demo or server?). Stop it, or "
-                    f"choose another port: PORT={port + 1} make demo")
+                    f"choose another port: {suggestion}")
         return f"Cannot listen on {host}:{port}: {exc.strerror}."
     finally:
         probe.close()
     return None
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether a port is free now: the one the message suggests was taken too, once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class QuietAgentTraffic(logging.Filter):
