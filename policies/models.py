@@ -160,6 +160,13 @@ class PolicyVersion(models.Model):
         ]
 
 
+# Events without a team that concern every team: the global kill switch's. Every other event
+# without a team (a token for all of its owner's teams reading, SSO's account events) is a
+# person's: shown on no team's page (policies/selectors.py), pruned after the longest
+# retention of any team (runs/audit/retention.py); these are shown everywhere and kept.
+GLOBAL_EVENT_ACTIONS = ("killswitch.engage", "killswitch.release")
+
+
 class OperatorEvent(models.Model):
     """The operator audit log: who changed what, and when. Append-only."""
 

@@ -17,6 +17,7 @@ from django.utils.functional import cached_property
 
 from .egress import masked_url
 from .models import (
+    GLOBAL_EVENT_ACTIONS,
     AgentKey,
     Invitation,
     Membership,
@@ -198,12 +199,10 @@ def admins_besides(team: Team, membership: Membership) -> int:
             .exclude(_invited(team)).count())
 
 
-# Events without a team that concern every team: the global kill switch. Other events
-# without a team (a token for all of its owner's teams read something, SSO's account events)
-# are a person's, not every team's: listed on every team's page they told each team who
-# else works where, and how often (found by an attacker: a viewer's token read 200 times a
-# second into every team's log).
-GLOBAL_ACTIONS = ("killswitch.engage", "killswitch.release")
+# Events without a team show on every team's page only when they concern every team
+# (GLOBAL_EVENT_ACTIONS): a person's (a token for all of its owner's teams reading) told each
+# team who else works where, and how often (found by an attacker: a viewer's token read 200
+# times a second into every team's log).
 # A page's work is bounded whatever the log's size (SPEC 10): its count stops here (the
 # pager says "200+" pages), the filter's choices come from the newest events, and an event's
 # detail larger than AUDIT_DETAIL_SHOWN characters is summarised, not read (a policy
@@ -216,7 +215,7 @@ AUDIT_DETAIL_SHOWN = 20_000
 
 def _audit_events(team: Team) -> Any:
     return OperatorEvent.objects.filter(
-        Q(team=team) | Q(team__isnull=True, action__in=GLOBAL_ACTIONS))
+        Q(team=team) | Q(team__isnull=True, action__in=GLOBAL_EVENT_ACTIONS))
 
 
 class _CappedPaginator(Paginator):

@@ -78,6 +78,7 @@ def world() -> dict[str, Any]:
             a.post(f"/api/v1/runs/{stopped}/check", {"action": {"name": "same"}})
         ids["old_stopped"] = stopped
         audit(actor=None, action="global.thing", team=None, target="everyone")
+        audit(actor=None, action="killswitch.engage", team=None, target="global")
         # Runs that stay running for weeks: as under a policy with max_idle_seconds null,
         # else SPEC 14 would end them abandoned an hour after their last check.
         Run.objects.filter(pk__in=[ids["old_running"], ids["ended_recently"]]).update(
@@ -168,9 +169,22 @@ def test_a_running_run_is_never_pruned_however_old(world: dict[str, Any], tmp_pa
     assert (answer["reason"], answer["step"]) == ("max_seconds", 3)
 
 
-def test_events_without_a_team_are_kept(world: dict[str, Any], tmp_path: Path) -> None:
-    prune_audit(export_dir=tmp_path, now=NOW + timedelta(days=1000))
+def test_a_persons_events_without_a_team_go_after_the_longest_retention(
+        world: dict[str, Any], tmp_path: Path) -> None:
+    # A token for all of its owner's teams writes an event without a team at each read:
+    # they were kept for ever. Past the longest retention of any team (archive's 365 days)
+    # they go, exported; the global kill switch's are every team's history and stay.
+    results = {r.team: r for r in prune_audit(export_dir=tmp_path, now=NOW)}
+    assert results["(no team)"].operator_events == 0  # 40 days old: archive keeps 365
     assert OperatorEvent.objects.filter(team=None, action="global.thing").exists()
+    later = {r.team: r for r in prune_audit(export_dir=tmp_path,
+                                            now=NOW + timedelta(days=1000))}
+    assert later["(no team)"].operator_events == 1
+    assert not OperatorEvent.objects.filter(team=None, action="global.thing").exists()
+    assert OperatorEvent.objects.filter(team=None, action="killswitch.engage").exists()
+    exported = lines(later["(no team)"].export)
+    assert [r["action"] for r in exported] == ["global.thing"]
+    assert later["(no team)"].export.parent == tmp_path / "_no-team"
 
 
 def test_pruning_twice_changes_nothing_the_second_time(

@@ -30,7 +30,7 @@ from django.db import connections, transaction
 from django.utils import timezone
 from governance_client.rules import TERMINAL
 
-from policies.models import OperatorEvent, Team
+from policies.models import GLOBAL_EVENT_ACTIONS, OperatorEvent, Team
 from runs.models import Decision, Run
 
 MAINTENANCE_SETTING = "governance.audit_maintenance"
@@ -172,16 +172,49 @@ def prune_team(*, team: Team, export_dir: Path, now: datetime, dry_run: bool = F
                 Decision.objects.filter(run_id__in=ids).delete()
                 Run.objects.filter(pk__in=ids).delete()
                 result.runs += len(ids)
-        while True:
-            with audit_maintenance():
-                rows = list(events.order_by("id")[:batch])
-                if not rows:
-                    break
-                for event in rows:
-                    export.write("operator_event", _event_record(event))
-                export.sync()
-                OperatorEvent.objects.filter(pk__in=[e.pk for e in rows]).delete()
-                result.operator_events += len(rows)
+        result.operator_events += _prune_events(events, export, batch)
+    finally:
+        export.close()
+    result.export = export.path
+    return result
+
+
+def _prune_events(events: Any, export: _Export, batch: int) -> int:
+    """Export, then delete, these operator events, ``batch`` at a time; how many."""
+    pruned = 0
+    while True:
+        with audit_maintenance():
+            rows = list(events.order_by("id")[:batch])
+            if not rows:
+                return pruned
+            for event in rows:
+                export.write("operator_event", _event_record(event))
+            export.sync()
+            OperatorEvent.objects.filter(pk__in=[e.pk for e in rows]).delete()
+            pruned += len(rows)
+
+
+NO_TEAM = "(no team)"
+NO_TEAM_DIR = "_no-team"
+
+
+def prune_without_team(*, export_dir: Path, now: datetime, dry_run: bool = False,
+                       batch: int = BATCH) -> PruneResult:
+    """The operator events without a team that are a person's, not every team's (a token for
+    all of its owner's teams reading, SSO's account events), past the longest retention of
+    any team (90 days without a team): they grew without end, a row a read. The global kill
+    switch's events (GLOBAL_EVENT_ACTIONS) are every team's history and stay."""
+    days = max(Team.objects.values_list("retention_days", flat=True), default=90)
+    cutoff = now - timedelta(days=days)
+    result = PruneResult(team=NO_TEAM, cutoff=cutoff)
+    events = OperatorEvent.objects.filter(team__isnull=True, at__lt=cutoff).exclude(
+        action__in=GLOBAL_EVENT_ACTIONS)
+    if dry_run:
+        result.operator_events = events.count()
+        return result
+    export = _Export(directory=export_dir / NO_TEAM_DIR, stamp=now.strftime("%Y%m%dT%H%M%SZ"))
+    try:
+        result.operator_events += _prune_events(events, export, batch)
     finally:
         export.close()
     result.export = export.path
@@ -190,10 +223,14 @@ def prune_team(*, team: Team, export_dir: Path, now: datetime, dry_run: bool = F
 
 def prune_audit(*, export_dir: Path, now: datetime | None = None,
                 teams: Iterable[str] | None = None, dry_run: bool = False) -> list[PruneResult]:
-    """Prune every team (or the named ones), each by its own retention_days."""
+    """Prune every team (or the named ones), each by its own retention_days; with every
+    team, the events without a team that are a person's too (`prune_without_team`)."""
     now = now or timezone.now()
     selected = Team.objects.order_by("slug")
     if teams is not None:
         selected = selected.filter(slug__in=list(teams))
-    return [prune_team(team=team, export_dir=export_dir, now=now, dry_run=dry_run)
-            for team in selected]
+    results = [prune_team(team=team, export_dir=export_dir, now=now, dry_run=dry_run)
+               for team in selected]
+    if teams is None:
+        results.append(prune_without_team(export_dir=export_dir, now=now, dry_run=dry_run))
+    return results
