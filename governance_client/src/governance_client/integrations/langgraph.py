@@ -192,6 +192,10 @@ def _subgraph_node(name: str, sub: Pregel[Any, Any], current: _Current,
     checkpointer = getattr(sub, "checkpointer", None)
 
     def compiled(child: GovernedRun) -> Pregel[Any, Any]:
+        # The author compiled this subgraph; what runs is its builder compiled again here,
+        # under each child run, so LangGraph's warning that the earlier compile misses the
+        # governance's nodes (printed once per node and edge added) does not apply.
+        sub_builder.compiled = False
         return govern_graph(sub_builder, child,
                             partial_response=partial_response).compile(checkpointer=checkpointer)
 
