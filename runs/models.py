@@ -251,7 +251,9 @@ class RateRule(models.Model):
 
     class Meta:
         indexes = [
-            models.Index(fields=["team_id"], name="raterule_team"),
+            # A team's most recently read rules first: the ones an action is counted for
+            # (rate_limits.COUNTED_RULES), one range of it.
+            models.Index(fields=["team_id", "-read_at", "key"], name="raterule_team_read"),
             models.Index(fields=["read_at"], name="raterule_read"),
         ]
 

@@ -420,3 +420,34 @@ def test_the_window_read_and_the_count_use_the_keys_indexes(team: Any) -> None:
     rate_tables = {"runs_raterule", "runs_ratecount", "runs_rateslot"}
     assert not [n for n in plans if n[0] == "Seq Scan" and n[1] in rate_tables], plans
     assert {relation for _, relation in plans} >= rate_tables
+
+
+@pytest.mark.django_db
+def test_an_action_is_counted_for_the_teams_most_recently_read_rules_only(
+        team: Any, monkeypatch: Any) -> None:
+    # Found by an attacker: a team that kept replacing its rules registered 2,200 of them
+    # (each stays a day after its last read), and each of its actions bumped every one. Past
+    # COUNTED_RULES the oldest registrations stop counting, on both stores.
+    from runs.check import rate_limits
+
+    monkeypatch.setattr(rate_limits, "COUNTED_RULES", 3)
+    now = timezone.now()
+    for i in range(5):  # rule i last read i hours ago: 0, 1, 2 are the newest
+        windows_in_python([RateLimit(match="http.*", per="team", max=10 + i, window_s=60)],
+                          team_id=team.pk, agent="bot", run_id=uuid.uuid4(),
+                          now=now - timedelta(hours=i))
+    assert RateRule.objects.filter(team_id=team.pk).count() == 5
+    counted = count_in_python(team_id=team.pk, agent="bot", run_id=uuid.uuid4(),
+                              action_name="http.get", at=now)
+    newest = set(RateRule.objects.filter(team_id=team.pk, max__lt=13).values_list("key",
+                                                                                   flat=True))
+    assert counted == 3 and set(RateCount.objects.values_list("rule_key", flat=True)) == newest
+    if connection.vendor == "postgresql":
+        hit = json.dumps([{"team_id": team.pk, "agent": "bot", "run_id": str(uuid.uuid4()),
+                           "action_name": "http.get"}])
+        with connection.cursor() as cursor:
+            # COUNT_SQL as the module makes it, with this test's COUNTED_RULES.
+            sql = f"WITH {rate_limits.count_ctes('%s::jsonb')} SELECT count(*) FROM counted"
+            cursor.execute(sql, [hit])
+            assert cursor.fetchone()[0] == 3
+        assert dict(RateCount.objects.values_list("rule_key", "n")) == {k: 2 for k in newest}

@@ -312,6 +312,15 @@ def windows_from_rows(rules: Sequence[RateLimit], rows: Sequence[Sequence[Any]],
 
 # --- Counting (PostgreSQL) ---------------------------------------------------------------------
 
+# An action is counted for at most this many of its team's registered rules, the most
+# recently read (a policy save caps a team's current rules at MAX_RATE_RULES_PER_TEAM, but a
+# rule stays registered a day after its last read: a team that keeps replacing its rules
+# registered 2,200, and every action of it bumped each, so its checks took seconds and
+# another team's p99 rose 19x). Past it, a team's oldest registrations stop counting: its
+# own rate limits' exactness is what it spends, never another team's time.
+COUNTED_RULES = 200
+
+
 def count_ctes(hits: str) -> str:
     """The data-modifying CTEs that count the actions in `hits` (a jsonb array of {team_id,
     agent, run_id, action_name}, empty: nothing counted) for every registered rule of their
@@ -324,7 +333,9 @@ def count_ctes(hits: str) -> str:
                   ELSE '' END, 1, clock_timestamp()
     FROM jsonb_to_recordset({hits}) AS h(team_id bigint, agent text, run_id uuid,
                                          action_name text)
-    JOIN runs_raterule r ON r.team_id = h.team_id AND h.action_name ~ r.regex
+    JOIN LATERAL (SELECT key, per, regex FROM runs_raterule WHERE team_id = h.team_id
+                  ORDER BY read_at DESC, key LIMIT {COUNTED_RULES}) r
+      ON h.action_name ~ r.regex
     ORDER BY 1, 2
     ON CONFLICT (rule_key, scope) DO UPDATE SET n = k.n + 1, last_at = clock_timestamp()
     RETURNING k.rule_key, k.scope, k.n, k.last_at
@@ -384,8 +395,9 @@ def count_in_python(*, team_id: int, agent: str, run_id: Any, action_name: str,
     from runs.models import RateCount, RateRule, RateSlot
 
     counted = 0
-    for key, per, match, size in (RateRule.objects.filter(team_id=team_id).order_by("key")
-                                  .values_list("key", "per", "match", "max")):
+    newest = (RateRule.objects.filter(team_id=team_id).order_by("-read_at", "key")
+              .values_list("key", "per", "match", "max")[:COUNTED_RULES])
+    for key, per, match, size in sorted(newest):  # in key order, as the write locks them
         rule = RateLimit(match=match, per=per, max=size, window_s=1)
         if not rule.matches(action_name):
             continue
