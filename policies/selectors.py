@@ -219,9 +219,17 @@ def _audit_events(team: Team) -> Any:
 
 
 class _CappedPaginator(Paginator):
+    """Counts at most AUDIT_COUNT_CAP rows of ``counted``, the page's rows without their
+    annotations (which a count of the annotated rows computed for each row counted: the
+    length of every detail, up to 10,000 of them a page view)."""
+
+    def __init__(self, object_list: Any, per_page: int, *, counted: Any) -> None:
+        super().__init__(object_list, per_page)
+        self.counted = counted
+
     @cached_property
     def count(self) -> int:
-        return self.object_list[:AUDIT_COUNT_CAP].count()
+        return self.counted.order_by()[:AUDIT_COUNT_CAP].count()
 
     @property
     def capped(self) -> bool:
@@ -232,17 +240,23 @@ def audit_page(team: Team, *, action: str = "", actor: str = "", page: Any = 1) 
     """One page of the team's operator audit log, newest first. Each event's ``detail`` is
     read only when it is at most AUDIT_DETAIL_SHOWN characters, else it is None and
     ``detail_chars``, ``detail_version`` and ``detail_source`` say what it was."""
-    events = _audit_events(team).select_related("team").defer("detail").annotate(
-        detail_chars=Length(Cast("detail", output_field=TextField())),
-        detail_version=KT("detail__version"), detail_source=KT("detail__source"))
+    events = _audit_events(team)
     if action:
         events = events.filter(action=action)
     if actor:
         events = events.filter(actor_label=actor)
-    found = _CappedPaginator(events.order_by("-at", "-id"), AUDIT_PER_PAGE).get_page(page)
-    found.object_list = rows = list(found.object_list)
-    shown = [e.pk for e in rows if (e.detail_chars or 0) <= AUDIT_DETAIL_SHOWN]
-    details = dict(OperatorEvent.objects.filter(pk__in=shown).values_list("pk", "detail"))
+    # The page's ids first, then its rows: an offset skips rows of the bare index order,
+    # not rows whose detail was measured.
+    found = _CappedPaginator(events.order_by("-at", "-id").values_list("pk", flat=True),
+                             AUDIT_PER_PAGE, counted=events).get_page(page)
+    rows = list(OperatorEvent.objects.filter(pk__in=list(found.object_list))
+                .select_related("team").defer("detail").annotate(
+                    detail_chars=Length(Cast("detail", output_field=TextField())),
+                    detail_version=KT("detail__version"), detail_source=KT("detail__source"))
+                .order_by("-at", "-id"))
+    found.object_list = rows
+    small = [e.pk for e in rows if (e.detail_chars or 0) <= AUDIT_DETAIL_SHOWN]
+    details = dict(OperatorEvent.objects.filter(pk__in=small).values_list("pk", "detail"))
     for event in rows:
         event.detail = details.get(event.pk)
     return found
