@@ -18,8 +18,10 @@ from . import inputs, selectors
 # inputs.DEFAULT_LIMIT (the dashboard backtest's own bound) between the policies it changes.
 IMPACT_RUNS = 200
 IMPACT_SINCE = inputs.DEFAULT_SINCE
-# ...and of each, its first IMPACT_DECISIONS decisions: a stop at the first step is decided
-# there (a run that waited longer than that before its first step is not one). The whole
+# ...and of each, its first IMPACT_DECISIONS decisions, without their args and results (up
+# to 64 KiB each, and nothing at the first step depends on them): a stop at the first step
+# is decided there (a run that waited longer than that before its first step is not one;
+# 200 runs of 50 checks with 20 KB of args each made a dry run read 200 MB). The whole
 # runs were read and replayed: 200 runs of 1,000 steps made a save, or a dry run, take 6 to
 # 8 s of an operator thread, and four at once slowed every team's checks (SPEC 10). So a
 # replay in a request reads at most IMPACT_RUNS x IMPACT_DECISIONS decisions, each run one

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import Case, Value, When
+from django.db.models import Case, JSONField, Value, When
 from django.db.models.fields.json import KT
 from django.http import Http404
 from django.utils import timezone
@@ -128,14 +128,24 @@ _STOP_ONLY = {"stop_scope": Case(When(outcome=rules.STOP, then=KT("answer__rule_
 _ANCESTOR = re.compile(r"^Ancestor run ([0-9a-f-]{36})'s limit")
 
 
+# A replay of the first step only (`recorded_decisions`' per_run): a check's args and the
+# result it reports decide nothing there (no repeat, no progress, no error can have been
+# counted before it), and are up to 64 KiB each, so they are not read.
+_FIRST_STEP_FIELDS = tuple("no_args" if f == "args" else "no_result" if f == "last_result"
+                           else f for f in _DECISION_FIELDS)
+
+
 def recorded_decisions(runs: list[RecordedRun], *, per_run: int | None = None
                        ) -> Iterator[tuple[RecordedRun, list[replay.Recorded]]]:
     """Each run with its decisions in decision order, CHUNK_RUNS runs per query; or, with
-    ``per_run``, each run's first ``per_run`` decisions, one bounded index range per run."""
+    ``per_run``, each run's first ``per_run`` decisions without their args and results (for
+    what a draft decides at the first step), one bounded index range per run."""
     if per_run is not None:
         for run in runs:
-            rows = (Decision.objects.filter(run_id=run.id).order_by("id").annotate(**_STOP_ONLY)
-                    .values_list(*_DECISION_FIELDS)[:per_run])
+            rows = (Decision.objects.filter(run_id=run.id).order_by("id").annotate(
+                **_STOP_ONLY, no_args=Value(None, output_field=JSONField()),
+                no_result=Value(None, output_field=JSONField()))
+                .values_list(*_FIRST_STEP_FIELDS)[:per_run])
             yield run, [_recorded(row, run.started_at) for row in rows]
         return
     for start in range(0, len(runs), CHUNK_RUNS):

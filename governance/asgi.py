@@ -51,6 +51,7 @@ from runs.check import edge  # noqa: E402
 from . import connections, pools  # noqa: E402
 from .handlers import Answer, ResolvedOnce  # noqa: E402
 from .pools import pool_name  # noqa: E402
+from .throttle import source_of  # noqa: E402
 
 if TYPE_CHECKING:
     from .direct import DirectApi
@@ -97,13 +98,15 @@ async def read_body(receive: Receive, limit: int) -> bytes:
 
 def _credential(scope: Scope) -> str:
     """Who an operator API request is from, before it is authenticated: its bearer token's
-    digest (a token is a caller, whether valid or not: an invalid one is answered 401 in a
-    moment), else the client's address."""
+    digest, the token as the authentication reads it (any case of "Bearer", spaces around),
+    so that one token is one caller however its header is spelled; else no credential."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
-            return "token:" + hashlib.sha256(value).hexdigest()
-    client = scope.get("client")
-    return f"address:{client[0] if client else ''}"
+            scheme, _, token = value.decode("latin-1").strip().partition(" ")
+            if scheme.lower() == "bearer":
+                return "token:" + hashlib.sha256(token.strip().encode("latin-1")).hexdigest()
+            return "header:" + hashlib.sha256(value).hexdigest()
+    return "token:"
 
 
 def _declared_length(scope: Scope) -> int:
@@ -247,28 +250,34 @@ class Application(ResolvedOnce, ASGIHandler):
     async def operator_request(self, scope: Scope, receive: Receive, send: Send,
                                request: ASGIRequest, executor: Any) -> None:
         """An operator API call (SPEC 17) on the operator or kill switch pool, every team's:
-        one credential may hold OPERATOR_THREADS_PER_CREDENTIAL of a pool's threads at once
-        (found by an attacker: one viewer's 64 concurrent heavy reads queued every other
-        team's operator calls for seconds). Past it, 429 at once, before any thread or
-        query. (The count is per credential, whichever of the two pools it uses.)"""
-        key = _credential(scope)
-        if self.operator_held.get(key, 0) >= settings.OPERATOR_THREADS_PER_CREDENTIAL:
+        one credential may hold OPERATOR_THREADS_PER_CREDENTIAL of a pool's threads at once,
+        and one client address OPERATOR_CALLS_PER_ADDRESS calls (running or queued), so
+        neither one token nor many tokens (a viewer may make many, and an invalid one is a
+        caller too until its 401) from one client can take a pool (found by an attacker:
+        one viewer's 64 concurrent heavy reads queued every other team's operator calls for
+        seconds). Past either, 429 at once, before any thread or query."""
+        held = (_credential(scope), "address:" + source_of(request))
+        limits = (settings.OPERATOR_THREADS_PER_CREDENTIAL, settings.OPERATOR_CALLS_PER_ADDRESS)
+        if any(self.operator_held.get(key, 0) >= limit for key, limit in zip(held, limits,
+                                                                            strict=True)):
             refused = edge.error(
                 429, "too_many_requests",
-                f"This credential already has {settings.OPERATOR_THREADS_PER_CREDENTIAL} "
-                "operator API request(s) in progress on this server process: wait for an "
-                "answer before sending the next.")
+                "This credential or this client already has as many operator API requests in "
+                "progress on this server process as it may: wait for an answer before "
+                "sending the next.")
             refused["Retry-After"] = "1"
             await self.send_response(refused, send)
             return
-        self.operator_held[key] = self.operator_held.get(key, 0) + 1
+        for key in held:
+            self.operator_held[key] = self.operator_held.get(key, 0) + 1
         try:
             made = await asyncio.get_running_loop().run_in_executor(
                 executor, self.respond_sync, request)
         finally:
-            left = self.operator_held.pop(key) - 1
-            if left:
-                self.operator_held[key] = left
+            for key in held:
+                left = self.operator_held.pop(key) - 1
+                if left:
+                    self.operator_held[key] = left
         if made.streaming:  # no operator API answer streams; served as any other would be
             response = await self.serve(receive, send, _ready(made))
             if response is not None:

@@ -443,6 +443,10 @@ KILLSWITCH_API_THREADS = env_int("WEB_KILLSWITCH_THREADS", 2)
 # every team, so no one caller may take all of it.
 OPERATOR_THREADS_PER_CREDENTIAL = env_int("WEB_OPERATOR_THREADS_PER_CREDENTIAL",
                                           max(1, OPERATOR_THREADS - 1))
+# ...and one client address (TRUSTED_PROXIES applied) this many calls, running or queued, on
+# those pools: many tokens of one client (or invalid ones, each a caller until its 401) hold
+# no more than one busy automation needs.
+OPERATOR_CALLS_PER_ADDRESS = env_int("WEB_OPERATOR_CALLS_PER_ADDRESS", 8)
 # How long an operator API backtest waits for its job before answering 503 (the job goes on;
 # its page in the dashboard shows the result).
 BACKTEST_API_WAIT_SECONDS = env_int("BACKTEST_API_WAIT_SECONDS", 120)
@@ -467,7 +471,8 @@ if not 0 < DASHBOARD_STREAM_SHARE <= 1:
     raise ImproperlyConfigured("DASHBOARD_STREAM_SHARE must be in (0, 1]")
 if (REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1
         or OPERATOR_THREADS < 1 or BACKTEST_API_THREADS < 1 or KILLSWITCH_API_THREADS < 1
-        or OPERATOR_THREADS_PER_CREDENTIAL < 1 or BACKTEST_API_WAIT_SECONDS < 1
+        or OPERATOR_THREADS_PER_CREDENTIAL < 1 or OPERATOR_CALLS_PER_ADDRESS < 1
+        or BACKTEST_API_WAIT_SECONDS < 1
         or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1):
     raise ImproperlyConfigured(
         "REQUEST_BODY_SECONDS, WEB_THREADS, WEB_DASHBOARD_THREADS, WEB_OPERATOR_THREADS, "

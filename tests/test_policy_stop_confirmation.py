@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import yaml
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from backtests import impact as backtest_impact
@@ -124,8 +126,12 @@ def test_the_replay_inside_a_save_reads_each_runs_first_decisions_only(
 
     monkeypatch.setattr(backtest_reads, "replay_runs", counted)
     draft = {**current(team), "tools": {"allow": None, "deny": ["search.*"]}}
-    (found,) = backtest_impact.recent_impacts(team, [draft])
+    with CaptureQueriesContext(connection) as queries:
+        (found,) = backtest_impact.recent_impacts(team, [draft])
     assert read == [5]
+    # ...without their args and results (up to 64 KiB each; 200 MB for 200 runs).
+    assert not [q for q in queries if '"runs_decision"."args"' in q["sql"]
+                or '"runs_decision"."last_result"' in q["sql"]]
     assert (found.runs, found.stopped_at_once) == (1, 1)
 
 
