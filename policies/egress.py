@@ -22,6 +22,7 @@ unmaintained or new; this is the standard library's classification and one httpc
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 import ssl
 import threading
@@ -210,12 +211,16 @@ def check_webhook_url(url: str) -> None:
 MASK = "•••"
 
 
+# A path segment shown as it is: a plain lowercase word ("services", "hooks", "catch",
+# "governance"). Everything else may be a credential: Slack's /services/T0/B0/XXXX, Discord's
+# /api/webhooks/ID/TOKEN, Zapier's /hooks/catch/1234567/abcd123/, a key like sk_live_...,
+# a path an admin made up. (Masking only the segments that looked like tokens showed
+# Zapier's and short or uppercase secrets whole.)
+_PLAIN_WORD = re.compile(r"[a-z][a-z-]{0,15}")
+
+
 def _secret_looking(segment: str) -> bool:
-    # Slack's /services/T0/B0/XXXX, Discord's /api/webhooks/ID/TOKEN, random path tokens:
-    # long, or mixing letters and digits over a length no word has.
-    has_digit = any(c.isdigit() for c in segment)
-    has_alpha = any(c.isalpha() for c in segment)
-    return len(segment) >= 24 or (len(segment) >= 12 and has_digit and has_alpha)
+    return bool(segment) and _PLAIN_WORD.fullmatch(segment) is None
 
 
 def masked_url(url: str | None) -> str:

@@ -221,6 +221,14 @@ def test_masked_url_hides_credentials_tokens_and_query_values() -> None:
     assert masked_url("https://hooks.example.com/governance") == \
         "https://hooks.example.com/governance"
     assert masked_url(None) == ""
+    # Found by an attacker: secrets that did not look like tokens were shown whole.
+    for url, secret in (("https://hooks.zapier.com/hooks/catch/1234567/abcd123/", "abcd123"),
+                        ("https://example.com/h/sk_live_abcdefgh", "sk_live"),
+                        ("https://example.com/secret/ALPHA-SECRET-PATH", "ALPHA")):
+        shown = masked_url(url)
+        assert secret not in shown and "•••" in shown, shown
+    assert masked_url("https://hooks.zapier.com/hooks/catch/1234567/abcd123/") == \
+        "https://hooks.zapier.com/hooks/catch/•••/•••/"
 
 
 def test_the_webhook_url_is_masked_for_viewers_and_operators_not_admins(team, users,
