@@ -224,7 +224,7 @@ class Application(ResolvedOnce, ASGIHandler):
             name = pool_name(path)
             executor = pools.pool(name)
             if name in ("operator", "killswitch"):
-                await self.operator_request(scope, receive, send, request, executor)
+                await self.operator_request(scope, receive, send, request, name, executor)
                 return
             if view is not None:
                 # The check: on the same pool with the same housekeeping, without Django's
@@ -248,15 +248,16 @@ class Application(ResolvedOnce, ASGIHandler):
             await loop.run_in_executor(executor, response.close)
 
     async def operator_request(self, scope: Scope, receive: Receive, send: Send,
-                               request: ASGIRequest, executor: Any) -> None:
+                               request: ASGIRequest, pool: str, executor: Any) -> None:
         """An operator API call (SPEC 17) on the operator or kill switch pool, every team's:
         one credential may hold OPERATOR_THREADS_PER_CREDENTIAL of a pool's threads at once,
         and one client address OPERATOR_CALLS_PER_ADDRESS calls (running or queued), so
         neither one token nor many tokens (a viewer may make many, and an invalid one is a
         caller too until its 401) from one client can take a pool (found by an attacker:
         one viewer's 64 concurrent heavy reads queued every other team's operator calls for
-        seconds). Past either, 429 at once, before any thread or query."""
-        held = (_credential(scope), "address:" + source_of(request))
+        seconds). Past either, 429 at once, before any thread or query. Each pool counts
+        apart: a token's slow read never makes its own kill switch wait or refused."""
+        held = (f"{pool}:{_credential(scope)}", f"{pool}:address:{source_of(request)}")
         limits = (settings.OPERATOR_THREADS_PER_CREDENTIAL, settings.OPERATOR_CALLS_PER_ADDRESS)
         if any(self.operator_held.get(key, 0) >= limit for key, limit in zip(held, limits,
                                                                             strict=True)):
