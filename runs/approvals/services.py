@@ -39,7 +39,6 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Q, QuerySet
-from django.db.models.fields.json import KT
 from django.utils import timezone
 
 from governance.errors import AppError
@@ -247,9 +246,10 @@ def _record_final(run: Any, pending: rules.Pending, answer: dict[str, Any], now:
     approval = Approval.objects.only("args", "requested_decision_id").get(
         pk=pending.approval_id)
     if approval.requested_decision_id is not None and answer.get("trace_id") is None:
+        # The key as JSON (a JSON null is None on every store; KT's text gave "null").
         answer["trace_id"] = Decision.objects.filter(
             pk=approval.requested_decision_id, run_id=run.id).values_list(
-                KT("answer__trace_id"), flat=True).first()
+                "answer__trace_id", flat=True).first()
     pk = records.insert(run.id, [records.final_row(pending, decision, answer, approval.args,
                                                    now)])
     answer["decision_id"] = pk

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from policies.models import Membership, Role, SsoIdentity, Team
+from policies.services import team_ensure
 from tests.browser.test_dashboard_browser import (  # noqa: F401 (fixtures)
     SCREENSHOTS,
     Page,
@@ -36,6 +37,10 @@ def sso_server(provider: Provider, django_db_setup: Any, django_db_blocker: Any
                ) -> Iterator[Server]:
     """The production server with single sign-on at the provider."""
     role_map = [{"group": "support-ops", "team": "support", "role": "operator"}]
+    # `serve` refuses a map naming a team that does not exist (SPEC 17): the team is there
+    # when it starts (the test's transactional database is flushed after it, as always).
+    with django_db_blocker.unblock():
+        team_ensure(slug="support")
     srv = start_server(workers=1, env=server_env(
         OIDC_ISSUER=provider.issuer, OIDC_CLIENT_ID="governance",
         OIDC_CLIENT_SECRET="not-a-secret", OIDC_ROLE_MAP=json.dumps(role_map)))
