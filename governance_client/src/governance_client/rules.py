@@ -849,6 +849,11 @@ class WarningFound:
     scope: str | None = None
 
 
+def _warned_key(budget: str, ancestor: str | None) -> str:
+    """How `budget_warned` remembers a budget: its name, or "<ancestor id>:<name>"."""
+    return budget if ancestor is None else f"{ancestor}:{budget}"
+
+
 def _budget_warning(policy: Policy, state: RunState, now: datetime, budget: str,
                     fraction: float, ancestor: str | None = None) -> WarningFound | None:
     """The warning of one budget of ``policy`` that ``state`` is past ``fraction`` of:
@@ -892,8 +897,7 @@ def _budget_warning(policy: Policy, state: RunState, now: datetime, budget: str,
         # The limit is the ancestor's: its rule names the ancestor's policy (answers.rule_of).
         fired["policy"] = (policy.name, policy.version)
     return WarningFound(observed / float(limit), _directive(BUDGET, f"{words} {_WRAP_UP}"),
-                        fired, budget if ancestor is None else f"{ancestor}:{budget}",
-                        ancestor)
+                        fired, _warned_key(budget, ancestor), ancestor)
 
 
 def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: datetime,
@@ -933,23 +937,17 @@ def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: da
                 NO_PROGRESS, {"no_progress_window": window,
                               "warnings.no_progress": policy.warn_no_progress},
                 {"no_progress_streak": streak})))
-    if policy.warn_budget_fraction is not None:
-        for budget in BUDGETS:
-            if budget in state.budget_warned:
-                continue
-            warned = _budget_warning(policy, state, now, budget,
-                                     float(policy.warn_budget_fraction))
-            if warned is not None:
-                found.append(warned)
-    for ancestor in tree:
-        fraction = ancestor.policy.warn_budget_fraction
-        if fraction is None or ancestor.state.status != RUNNING:
+    # The run's own budgets, then each running ancestor's (whose counters are its tree's).
+    budgeted = [(None, policy, state), *((a.run_id, a.policy, a.state) for a in tree
+                                          if a.state.status == RUNNING)]
+    for ancestor, owner, counters in budgeted:
+        if owner.warn_budget_fraction is None:
             continue
         for budget in BUDGETS:
-            if f"{ancestor.run_id}:{budget}" in state.budget_warned:
+            if _warned_key(budget, ancestor) in state.budget_warned:
                 continue
-            warned = _budget_warning(ancestor.policy, ancestor.state, now, budget,
-                                     float(fraction), ancestor=ancestor.run_id)
+            warned = _budget_warning(owner, counters, now, budget,
+                                     float(owner.warn_budget_fraction), ancestor=ancestor)
             if warned is not None:
                 found.append(warned)
     return found
