@@ -286,10 +286,16 @@ look_lane = LookLane(looks.look_lane)
 
 # The streams one viewer holds open in this process (SPEC 10: a connection is every team's;
 # found by an attacker, one viewer's 250 streams at a lowered connection cap left another
-# team's agents with no answer). Past DASHBOARD_STREAMS_PER_VIEWER a stream ends at once,
+# team's agents with no answer). Past DASHBOARD_STREAMS_PER_VIEWER a stream is refused,
 # telling the browser to come back in a minute. Only the event loop touches it.
 _open_streams: dict[Any, int] = {}
 REFUSED_RETRY_MS = 60_000
+# A refused stream is held this long, looking at nothing, before it ends: a client that
+# ignores `retry` and reconnects at once (the benchmark's open_streams attack, 100 streams of
+# one viewer) made 300 sign-ins a second when it ended at once, each a session read on the
+# dashboard's pool, and another team's checks' p99 went 3.6x. Held, such a client costs one
+# request per connection every REFUSED_HOLD_S; a browser waits its minute either way.
+REFUSED_HOLD_S = 10.0
 
 
 async def apump(source: Source, *, viewer: Any = None, lifetime: float | None = None
@@ -301,6 +307,7 @@ async def apump(source: Source, *, viewer: Any = None, lifetime: float | None = 
             _open_streams.get(viewer, 0) >= settings.DASHBOARD_STREAMS_PER_VIEWER:
         yield (f"retry: {REFUSED_RETRY_MS}\nevent: refused\ndata: too many live views are "
                "open for this account: this one is paused\n\n")
+        await asyncio.sleep(REFUSED_HOLD_S)
         return
     if viewer is not None:
         _open_streams[viewer] = _open_streams.get(viewer, 0) + 1
