@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-import os
-import sys
+from governance.__main__ import main
 
 if __name__ == "__main__":
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "governance.settings")
-    from django.core.management import execute_from_command_line
-
-    execute_from_command_line(sys.argv)
+    main()

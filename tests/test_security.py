@@ -47,7 +47,9 @@ def test_production_refuses_to_start_without_a_secret_key(debug):
         result = subprocess.run([sys.executable, "manage.py", *command], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode != 0
-        assert "SECRET_KEY must be set" in result.stderr
+        # One line naming the setting, not a traceback (found by a newcomer).
+        assert result.stderr.startswith("manage.py: SECRET_KEY must be set"), result.stderr
+        assert result.stderr.count("\n") == 1, result.stderr
 
 
 # --- The embedded default's secret key ------------------------------------------------------
