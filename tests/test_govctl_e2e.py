@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def test_apply_twice_and_a_dry_run_with_its_backtest(server: Server, agent: Agen
     assert code == 0, err
     assert "policy support/default: would change" in out
     assert "+  max_steps: 2" in out or "max_steps: 2" in out
-    assert "backtest: 2 recorded runs replayed, 2 would change (max_steps 2)." in out
+    assert "backtest: 2 recorded runs replayed, 2 would change (stopped by max_steps 2)." in out
     assert "policy support/strict: new" in out
     assert not PolicyVersion.objects.filter(policy__name="strict").exists()
 
@@ -181,3 +182,22 @@ def test_approvals_list_and_decide(server: Server, agent: Agent, team: Team, adm
     assert code == 1 and "approval_decided (409)" in err
     assert govctl(server, admin_token, "approvals", "list", "--team", "support")[1].strip() \
         == "no pending approvals"
+
+
+def test_runs_list(server: Server, agent: Agent, team: Team, admin_token: str):
+    # Found by a newcomer: the operator API lists runs, govctl had no command for it.
+    done = agent.start()["run_id"]
+    agent.http.post(f"/api/v1/runs/{done}/finish", json={"status": "completed"})
+    running = agent.start()["run_id"]
+    code, out, err = govctl(server, admin_token, "runs", "list", "--team", "support")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines] == [running, done]
+    assert lines[0].split()[1] == "running" and lines[1].split()[1] == "completed"
+    code, out, err = govctl(server, admin_token, "runs", "list", "--team", "support",
+                            "--status", "running", "--json")
+    assert code == 0, err
+    assert [r["run_id"] for r in json.loads(out)] == [running]
+    code, _, err = govctl(server, admin_token, "runs", "list", "--team", "support",
+                          "--limit", "0")
+    assert code == 1 and "invalid_request (422)" in err and "limit" in err

@@ -104,3 +104,44 @@ def test_an_approval_id_or_team_that_is_a_path_is_refused(tmp_path):
                         out=io.StringIO(), transport=httpx.MockTransport(
                             lambda request: pytest.fail(f"sent {request.url}")))
         assert code == 1 and "is not a name the API has" in err.getvalue()
+
+
+def test_a_dry_run_says_in_words_which_runs_the_draft_stops_and_which_it_no_longer_does(
+        tmp_path):
+    # Found by a newcomer: the backtest's `by_reason` key `none` (runs the draft does not
+    # stop) was printed as "(none 3)".
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/backtest"):
+            return httpx.Response(200, json={"runs": 9, "changed": 5, "by_reason": {
+                "max_steps": 2, "none": 3}})
+        if request.method == "GET":
+            return httpx.Response(200, json={"version": 1, "document": {"name": "default"}})
+        return httpx.Response(200, json={"changed": True, "version": 2,
+                                         "document": {"name": "default", "mode": "shadow"}})
+
+    path = tmp_path / "p.yaml"
+    path.write_text(GOOD)
+    out = io.StringIO()
+    code = main(["--url", "http://governance.test", "--token", "gov_op_x_y", "policies",
+                 "apply", str(path), "--dry-run"], out=out,
+                transport=httpx.MockTransport(answer))
+    assert code == 0
+    assert ("backtest: 9 recorded runs replayed, 5 would change (stopped by max_steps 2, "
+            "no longer stopped 3).") in out.getvalue()
+
+
+@pytest.mark.parametrize("url", ["http://governance.test", "http://governance.test/",
+                                 "http://governance.test/api/v1", "http://governance.test/api/v1/"])
+def test_the_url_may_be_given_with_the_apis_prefix(tmp_path, url):
+    # Found by a newcomer: --url .../api/v1 answered "not_found (404): Not Found".
+    sent: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200, json={"team": {"slug": "support", "name": "S"},
+                                         "policies": []})
+
+    code = main(["--url", url, "--token", "gov_op_x_y", "policies", "export", "--team",
+                 "support"], out=io.StringIO(), transport=httpx.MockTransport(answer))
+    assert code == 0
+    assert [r.url.path for r in sent] == ["/api/v1/teams/support/policies"]

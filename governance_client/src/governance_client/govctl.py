@@ -5,6 +5,7 @@
     govctl policies export --team SLUG
     govctl killswitch engage|release --scope global|team|agent|run [--team SLUG]
                                      [--agent NAME] [--run UUID] --reason TEXT
+    govctl runs list --team SLUG [--status running] [--agent NAME] [--limit N] [--json]
     govctl approvals list --team SLUG [--status pending]
     govctl approvals decide ID approve|deny [--note TEXT]
 
@@ -139,16 +140,24 @@ def _segment(value: str, what: str) -> str:
     return value
 
 
+API_PREFIX = "/api/v1"
+
+
 class Api:
     def __init__(self, url: str, token: str, *, transport: httpx.BaseTransport | None = None):
-        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=TIMEOUT_S,
+        base = url.rstrip("/")
+        # The API's own prefix given with the server's address (a newcomer's first try) is
+        # the same server: each call adds the prefix.
+        if base.endswith(API_PREFIX):
+            base = base[:-len(API_PREFIX)]
+        self.http = httpx.Client(base_url=base, timeout=TIMEOUT_S,
                                  headers={"Authorization": f"Bearer {token}"},
                                  transport=transport)
 
     def call(self, method: str, path: str, body: Any = None, *, params: Any = None,
              allow: Sequence[int] = (), timeout: float = TIMEOUT_S) -> tuple[int, Any]:
         try:
-            response = self.http.request(method, f"/api/v1{path}", json=body, params=params,
+            response = self.http.request(method, f"{API_PREFIX}{path}", json=body, params=params,
                                          timeout=timeout)
         except httpx.HTTPError as exc:
             raise Refused(f"cannot reach {self.http.base_url}: {exc}") from None
@@ -274,7 +283,10 @@ def _show_change(api: Api, out: Any, slug: str, name: str, body: dict[str, Any],
     print(f"policy {label}: would change (version {current['version']} -> "
           f"{would['version']})", file=out)
     print(_diff(current["document"], would["document"], label=label), file=out)
-    reasons = ", ".join(f"{k} {v}" for k, v in report.get("by_reason", {}).items())
+    # by_reason counts the changed runs by the draft's stop; `none`: the draft does not stop
+    # them (SPEC 15), said in words here (a newcomer read "(none 3)" as nothing).
+    reasons = ", ".join(f"{'no longer stopped' if k == 'none' else 'stopped by ' + k} {v}"
+                        for k, v in report.get("by_reason", {}).items())
     print(f"backtest: {report['runs']} recorded runs replayed, {report['changed']} would "
           f"change" + (f" ({reasons})" if reasons else "") + ".", file=out)
     if report.get("summary"):
@@ -301,6 +313,23 @@ def killswitch(api: Api, args: argparse.Namespace, out: Any) -> None:
     else:
         print(f"{what}: {'released' if state['changed'] else 'not engaged, nothing to release'}",
               file=out)
+
+
+def runs_list(api: Api, args: argparse.Namespace, out: Any) -> None:
+    params = {k: v for k, v in (("status", args.status), ("agent", args.agent),
+                                ("limit", args.limit)) if v is not None}
+    _, data = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs", params=params)
+    if args.json:
+        print(json.dumps(data["runs"], indent=2), file=out)
+        return
+    if not data["runs"]:
+        print("no runs", file=out)
+    for run in data["runs"]:
+        why = f" ({run['stop_reason']})" if run.get("stop_reason") else ""
+        parent = f"  child of {run['parent_run_id']}" if run.get("parent_run_id") else ""
+        print(f"{run['run_id']}  {run['status'] + why:<24} {run['agent']}  "
+              f"steps {run['steps']}  ${run['cost_usd']:g}  started {run['started_at']}"
+              f"{parent}", file=out)
 
 
 def approvals_list(api: Api, args: argparse.Namespace, out: Any) -> None:
@@ -330,7 +359,7 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="govctl", description=(
         "Operate the agent governance control plane with an operator token (SPEC 17)."))
     top.add_argument("--url", default=os.environ.get("GOVERNANCE_URL"),
-                     help="the server (default: $GOVERNANCE_URL)")
+                     help="the server's address, http://host:port (default: $GOVERNANCE_URL)")
     top.add_argument("--token", default=os.environ.get("GOVERNANCE_OPERATOR_TOKEN"),
                      help="an operator token gov_op_... (default: $GOVERNANCE_OPERATOR_TOKEN)")
     groups = top.add_subparsers(dest="group", required=True)
@@ -356,6 +385,17 @@ def parser() -> argparse.ArgumentParser:
     switch.add_argument("--run", help="the run's id (run scope)")
     switch.add_argument("--reason", required=True)
     switch.set_defaults(handler=killswitch)
+
+    runs = groups.add_parser("runs").add_subparsers(dest="command", required=True)
+    runs_listing = runs.add_parser("list", help="a team's newest runs")
+    runs_listing.add_argument("--team", required=True)
+    runs_listing.add_argument("--status", choices=["running", "completed", "stopped", "killed",
+                                                   "failed"])
+    runs_listing.add_argument("--agent")
+    runs_listing.add_argument("--limit", type=int, help="at most this many (default 50, "
+                              "at most 500)")
+    runs_listing.add_argument("--json", action="store_true")
+    runs_listing.set_defaults(handler=runs_list)
 
     approvals = groups.add_parser("approvals").add_subparsers(dest="command", required=True)
     listing = approvals.add_parser("list", help="a team's approval requests")
