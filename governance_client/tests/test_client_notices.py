@@ -88,3 +88,18 @@ def test_a_check_that_failed_with_a_timeout_tells_the_developer_alone() -> None:
 
     assert_for_a_user(decision.user_notice())
     assert "ReadTimeout" in (decision.detail or "")
+
+
+@pytest.mark.parametrize(("status", "code", "again"), [
+    (422, "invalid_request", False), (401, "unauthorized", False), (403, "forbidden", False),
+    (409, "run_finished", True), (429, "too_many_requests", True), (503, "unavailable", True),
+])
+def test_a_refusal_a_retry_would_get_again_does_not_say_try_again(
+        status: int, code: str, again: bool) -> None:
+    # Found by a newcomer: an agent-bound key starting a child under another agent's name
+    # (422) told the user "Try again later".
+    from governance_client.errors import api_error
+
+    notice = api_error(status, {"error": {"code": code, "message": "m"}}).user_notice()
+    assert ("Try again" in notice) is again, notice
+    assert ("Trying again will not help" in notice) is not again, notice

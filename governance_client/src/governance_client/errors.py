@@ -35,6 +35,13 @@ class GovernanceUnavailable(GovernanceError):
     user_next = "Try again in a few minutes."
 
 
+# Answers that a retry would get again: a bad or revoked key, a key not allowed this, a run
+# that is not the key's, a request the service refused as invalid.
+_NOT_AGAIN = frozenset({400, 401, 403, 404, 413, 422})
+_FIX_IT = ("Trying again will not help: tell the agent's developer (the service did not "
+           "accept the agent's key or request; the error says why).")
+
+
 class ApiError(GovernanceError):
     """The service answered with an error body ``{"error": {"code", "message", "fields"}}``."""
 
@@ -52,6 +59,10 @@ class ApiError(GovernanceError):
         self.code = code
         self.message = message
         self.fields: dict[str, Any] = dict(fields or {})
+        if status in _NOT_AGAIN:
+            # The agent's key or request was refused as such: trying again would get the same
+            # answer (found by a newcomer: a bad sub-agent name said "Try again later").
+            self.user_next = _FIX_IT
 
 
 class InvalidRequest(ApiError):
