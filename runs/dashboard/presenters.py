@@ -90,6 +90,10 @@ def rule_in_words(rule: Any) -> str:
     if name == rules.KILLED:
         text = f"killed: the {limit or 'kill switch'}" + (f" switch, {observed}" if observed
                                                         else " switch")
+    elif observed and limit and name in rules.WARNING_CODES:
+        # A warning's counter has not reached the limit (found by a newcomer: "steps 15
+        # reached max_steps 18"): it is on its way, past the warning's own threshold.
+        text = f"{name} warning: {observed} of {limit}"
     elif observed and limit:
         text = f"{name}: {observed} reached {limit}"
     else:
@@ -108,6 +112,11 @@ def rule_sentence(rule: Any, reason: str) -> str:
     if not isinstance(rule, dict) or not rule.get("name"):
         return ""
     policy = f" of policy {rule['policy']} v{rule.get('version')}" if rule.get("policy") else ""
+    scope = rule.get("scope")
+    if scope not in (None, "run"):
+        # A sub-agent stopped by its ancestor's limit (SPEC 20): the counter is the tree's,
+        # not this run's own (found by a newcomer: "steps 19" on a run of 9 steps).
+        policy += f" (the limit of ancestor run {scope}, counted over its tree)"
     observed, limit = _pairs(rule.get("observed")), _pairs(rule.get("limit"))
     detail = f": {observed} reached {limit}" if observed and limit else \
         f": {observed or limit}" if observed or limit else ""

@@ -37,7 +37,7 @@ def test_the_run_page_says_why_a_loop_was_stopped(page: Page, server: Server, ag
     expect(warned.first.locator("[data-directive]")).to_contain_text(
         "search.docs was called 2 times with the same arguments")
     expect(warned.first.locator("[data-why]")).to_contain_text(
-        "repeat_action: repeat_count 2 reached max_repeat_action 3, warnings.repeat_action 2")
+        "repeat_action warning: repeat_count 2 of max_repeat_action 3, warnings.repeat_action 2")
     expect(page.locator(".banner [data-rule]")).to_have_text(
         "The rule loop_detected of policy default v1 stopped this run: repeat_count 3 "
         "reached max_repeat_action 3.")

@@ -1,0 +1,35 @@
+"""A decision's rule in words (SPEC 16: the timeline's "why" and the stop banner's sentence),
+as a newcomer read them: a warning is not a limit reached, and a sub-agent stopped by its
+ancestor's limit is told so."""
+
+from __future__ import annotations
+
+import pytest
+
+from runs.dashboard.presenters import rule_in_words, rule_sentence
+
+pytestmark = pytest.mark.stack_independent
+
+CHILD_STOP = {"name": "max_steps", "policy": "default", "version": 1,
+              "limit": {"max_steps": 18}, "observed": {"steps": 19},
+              "scope": "8d3c6f9e-0000-4000-8000-000000000001"}
+
+def test_a_budget_warning_is_on_its_way_to_the_limit_not_at_it() -> None:
+    warning = {"name": "budget", "policy": "default", "version": 1,
+               "limit": {"max_steps": 18, "warnings.budget_fraction": 0.8},
+               "observed": {"steps": 15}, "scope": "run"}
+    assert rule_in_words(warning) == ("budget warning: steps 15 of max_steps 18, "
+                                      "warnings.budget_fraction 0.8 (policy default v1)")
+
+def test_a_stop_still_says_its_limit_was_reached() -> None:
+    stop = {**CHILD_STOP, "scope": "run", "observed": {"steps": 19}}
+    assert rule_in_words(stop) == "max_steps: steps 19 reached max_steps 18 (policy default v1)"
+    assert rule_sentence(stop, "max_steps") == (
+        "The rule max_steps of policy default v1 stopped this run: steps 19 reached "
+        "max_steps 18.")
+
+def test_a_sub_agent_stopped_by_its_ancestors_limit_is_told_whose_it_is() -> None:
+    assert rule_sentence(CHILD_STOP, "max_steps") == (
+        "The rule max_steps of policy default v1 (the limit of ancestor run "
+        f"{CHILD_STOP['scope']}, counted over its tree) stopped this run: steps 19 reached "
+        "max_steps 18.")
