@@ -1,10 +1,12 @@
 """A local OTLP/HTTP receiver for the benchmark's tracing phase (bench/tracing.py), in its own
 process so that decoding what the server exports takes no time from the load generator.
 
-    python -m bench.otlp_sink PORT
+    python -m bench.otlp_sink PORT [--print]
 
 It decodes each protobuf request (ExportTraceServiceRequest, ExportMetricsServiceRequest),
-counts the spans and the metric requests, and answers GET /count with them as JSON.
+counts the spans and the metric requests, and answers GET /count with them as JSON. With
+``--print`` it also prints each span (its name, trace id and attributes) on stdout: the
+receiver docs/telemetry.md suggests for a first look, with no collector installed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+PRINT = "--print" in sys.argv[2:]
+
+
+def _value(value: Any) -> Any:
+    """An OTLP AnyValue as the plain value it holds."""
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind in ("string_value", "bool_value", "int_value",
+                                            "double_value") else str(value)
+
+
 counts = {"spans": 0, "span_requests": 0, "metric_requests": 0, "check_spans": 0}
 lock = threading.Lock()
 
@@ -34,6 +46,11 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/traces":
             request = ExportTraceServiceRequest.FromString(body)
             spans = [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+            if PRINT:
+                for span in spans:
+                    attributes = {a.key: _value(a.value) for a in span.attributes}
+                    print(f"span {span.name}  trace {span.trace_id.hex()}  "
+                          f"{json.dumps(attributes, sort_keys=True)}", flush=True)
             with lock:
                 counts["spans"] += len(spans)
                 counts["check_spans"] += sum(s.name.startswith("governance.check") for s in spans)
