@@ -95,8 +95,20 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(parts)
 
 
+# The pools every team shares, with the settings naming a credential's share of its threads
+# and a client address's calls, and what its calls are in a refusal (`shared_request`).
+SHARED_POOLS = {
+    "operator": ("OPERATOR_THREADS_PER_CREDENTIAL", "OPERATOR_CALLS_PER_ADDRESS",
+                 "operator API requests"),
+    "killswitch": ("OPERATOR_THREADS_PER_CREDENTIAL", "OPERATOR_CALLS_PER_ADDRESS",
+                   "operator API requests"),
+    "agent-bulk": ("AGENT_BULK_THREADS_PER_CREDENTIAL", "AGENT_BULK_CALLS_PER_ADDRESS",
+                   "bulk requests (a run's decisions, local decisions, the runs list)"),
+}
+
+
 def _credential(scope: Scope) -> str:
-    """Who an operator API request is from, before it is authenticated: its bearer token's
+    """Who a shared pool's request is from, before it is authenticated: its bearer token's
     digest, the token as the authentication reads it (any case of "Bearer", spaces around),
     so that one token is one caller however its header is spelled; else no credential."""
     for name, value in scope.get("headers", ()):
@@ -162,9 +174,10 @@ class Application(ResolvedOnce, ASGIHandler):
         super().__init__()
         self.sync_handler = SyncHandler()
         self.any_async_view = _has_async_views(get_resolver().url_patterns)
-        # Operator API requests in progress in this process, by credential (the event loop
-        # alone reads and writes it).
-        self.operator_held: dict[str, int] = {}
+        # Requests in progress in this process on the shared pools (operator, kill switch,
+        # agents' bulk calls), by pool and credential or address (the event loop alone reads
+        # and writes it).
+        self.held: dict[str, int] = {}
         # Loading the URLconf (above) registered the API's direct views, if it has the API.
         self.direct: DirectApi | None = None
         if edge.direct_views:
@@ -220,10 +233,10 @@ class Application(ResolvedOnce, ASGIHandler):
             executor = pools.pool("api")
             response = await self.serve(receive, send, self.get_response_async(request))
         else:
-            name = pool_name(path)
+            name = pool_name(path, scope["method"])
             executor = pools.pool(name)
-            if name in ("operator", "killswitch"):
-                await self.operator_request(scope, receive, send, request, name, executor)
+            if name in SHARED_POOLS:
+                await self.shared_request(scope, receive, send, request, name, executor)
                 return
             if view is not None:
                 # The check: on the same pool with the same housekeeping, without Django's
@@ -246,42 +259,43 @@ class Application(ResolvedOnce, ASGIHandler):
             # pool that used the connection.
             await loop.run_in_executor(executor, response.close)
 
-    async def operator_request(self, scope: Scope, receive: Receive, send: Send,
-                               request: ASGIRequest, pool: str, executor: Any) -> None:
-        """An operator API call (SPEC 17) on the operator or kill switch pool, every team's:
-        one credential may hold OPERATOR_THREADS_PER_CREDENTIAL of a pool's threads at once,
-        and one client address OPERATOR_CALLS_PER_ADDRESS calls (running or queued), so
-        neither one token nor many tokens (a viewer may make many, and an invalid one is a
-        caller too until its 401) from one client can take a pool (found by an attacker:
-        one viewer's 64 concurrent heavy reads queued every other team's operator calls for
-        seconds). Past either, 429 at once, before any thread or query. Each pool counts
+    async def shared_request(self, scope: Scope, receive: Receive, send: Send,
+                             request: ASGIRequest, pool: str, executor: Any) -> None:
+        """A call on a pool every team shares: the operator API (SPEC 17) on the operator or
+        kill switch pool, an agent's bulk call on the agents' bulk pool. One credential may
+        hold a share of the pool's threads at once, and one client address a number of calls
+        (running or queued), so neither one token or key nor many (a viewer may make many
+        tokens, and an invalid one is a caller too until its 401) from one client can take
+        a pool (found by attackers: one viewer's 64 concurrent heavy reads queued every
+        other team's operator calls for seconds; one team's agent key did the same to the
+        bulk calls). Past either, 429 at once, before any thread or query. Each pool counts
         apart: a token's slow read never makes its own kill switch wait or refused."""
         # Imported here: the benchmark's minimal server serves this module without the apps
         # whose models the throttle's module reads.
         from .throttle import source_of
 
         held = (f"{pool}:{_credential(scope)}", f"{pool}:address:{source_of(request)}")
-        limits = (settings.OPERATOR_THREADS_PER_CREDENTIAL, settings.OPERATOR_CALLS_PER_ADDRESS)
-        if any(self.operator_held.get(key, 0) >= limit for key, limit in zip(held, limits,
-                                                                            strict=True)):
+        per_credential, per_address, calls = SHARED_POOLS[pool]
+        limits = (getattr(settings, per_credential), getattr(settings, per_address))
+        if any(self.held.get(key, 0) >= limit for key, limit in zip(held, limits,
+                                                                   strict=True)):
             refused = edge.error(
                 429, "too_many_requests",
-                "This credential or this client already has as many operator API requests in "
-                "progress on this server process as it may: wait for an answer before "
-                "sending the next.")
+                f"This credential or this client already has as many {calls} in progress on "
+                "this server process as it may: wait for an answer before sending the next.")
             refused["Retry-After"] = "1"
             await self.send_response(refused, send)
             return
         for key in held:
-            self.operator_held[key] = self.operator_held.get(key, 0) + 1
+            self.held[key] = self.held.get(key, 0) + 1
         try:
             made = await asyncio.get_running_loop().run_in_executor(
                 executor, self.respond_sync, request)
         finally:
             for key in held:
-                left = self.operator_held.pop(key) - 1
+                left = self.held.pop(key) - 1
                 if left:
-                    self.operator_held[key] = left
+                    self.held[key] = left
         if made.streaming:  # no operator API answer streams; served as any other would be
             response = await self.serve(receive, send, _ready(made))
             if response is not None:
@@ -339,7 +353,7 @@ class Application(ResolvedOnce, ASGIHandler):
         sent, sends request_finished as for a page."""
         from django.core import signals
 
-        if pool_name(request.path) == "api":
+        if pool_name(request.path, request.method) in ("api", "agent-bulk"):
             return pools.run_request(self.sync_handler.get_response, request)
         signals.request_started.send(sender=self.__class__, environ=request.META)
         response = self.sync_handler.get_response(request)

@@ -15,6 +15,7 @@ thread while it waits; it runs its database work on the API pool with `api_threa
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +30,15 @@ from operator_api.paths import serves as operator_path
 
 # Paths served by the API's pool; everything else is the dashboard's, but the operator API's
 # (SPEC 17), which has a pool of its own: an operator call never takes a check's thread nor
-# queues behind the pages (SPEC 21).
+# queues behind the pages (SPEC 21); and the agents' bulk calls, below.
 API_PREFIXES = ("/api/", "/healthz", "/readyz")
+# The agents' bulk calls have a pool of their own: a run's decisions (up to 1,000, each up to
+# 64 KiB of arguments), an upload of up to 1,000 local decisions, the team's runs (up to 500).
+# Each can hold a thread for a second or more, and on the API's pool eight of them, from one
+# team's key, queued every team's checks for seconds (found by an attacker: another team's
+# check p99 2.5 to 6 s, its kill switch answered 4.6 s late).
+AGENT_BULK = re.compile(r"/api/v1/runs/[^/]+/(decisions|local-decisions)/?")
+AGENT_RUNS = "/api/v1/runs"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -50,15 +58,16 @@ os.register_at_fork(after_in_child=_reset)
 
 
 def pool(name: str) -> ThreadPoolExecutor:
-    """The process's pool `api`, `operator`, `backtest`, `killswitch` or `dashboard`, made on
-    first use."""
+    """The process's pool `api`, `agent-bulk`, `operator`, `backtest`, `killswitch` or
+    `dashboard`, made on first use."""
     try:
         return _pools[name]
     except KeyError:
         pass
     # Only this pool's setting is read: a settings module that serves fewer pools (the
     # benchmark's minimal server) need not name the others.
-    size = getattr(settings, {"api": "API_THREADS", "operator": "OPERATOR_THREADS",
+    size = getattr(settings, {"api": "API_THREADS", "agent-bulk": "AGENT_BULK_THREADS",
+                              "operator": "OPERATOR_THREADS",
                               "backtest": "BACKTEST_API_THREADS",
                               "killswitch": "KILLSWITCH_API_THREADS",
                               "dashboard": "DASHBOARD_THREADS"}[name])
@@ -68,9 +77,12 @@ def pool(name: str) -> ThreadPoolExecutor:
         return _pools[name]
 
 
-def pool_name(path: str) -> str:
+def pool_name(path: str, method: str = "GET") -> str:
     if path.startswith(API_PREFIXES):
         if not operator_path(path):
+            if AGENT_BULK.fullmatch(path) or (method == "GET"
+                                              and path.rstrip("/") == AGENT_RUNS):
+                return "agent-bulk"
             return "api"
         if waits_for_backtest(path):
             return "backtest"

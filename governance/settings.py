@@ -428,6 +428,14 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 # `manage.py serve --threads / --dashboard-threads` set these for the workers it starts.
 API_THREADS = env_int("WEB_THREADS", 4)
 DASHBOARD_THREADS = env_int("WEB_DASHBOARD_THREADS", 4)
+# The agents' bulk calls (a run's decisions, local-decision uploads, the runs list) on a pool
+# of their own, never a check's thread (governance/pools.py); one agent key holds at most
+# AGENT_BULK_THREADS_PER_CREDENTIAL of its threads and one client address
+# AGENT_BULK_CALLS_PER_ADDRESS calls, running or queued, past which 429 (the client retries).
+AGENT_BULK_THREADS = env_int("WEB_AGENT_BULK_THREADS", 2)
+AGENT_BULK_THREADS_PER_CREDENTIAL = env_int("WEB_AGENT_BULK_THREADS_PER_CREDENTIAL",
+                                            max(1, AGENT_BULK_THREADS - 1))
+AGENT_BULK_CALLS_PER_ADDRESS = env_int("WEB_AGENT_BULK_CALLS_PER_ADDRESS", 8)
 # The operator API's own pool (SPEC 17, 21: an operator call never takes a check's thread).
 OPERATOR_THREADS = env_int("WEB_OPERATOR_THREADS", 2)
 # The operator API's backtests wait for their job on a pool of their own (the replay itself
@@ -472,12 +480,13 @@ if not 0 < DASHBOARD_STREAM_SHARE <= 1:
 if (REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1
         or OPERATOR_THREADS < 1 or BACKTEST_API_THREADS < 1 or KILLSWITCH_API_THREADS < 1
         or OPERATOR_THREADS_PER_CREDENTIAL < 1 or OPERATOR_CALLS_PER_ADDRESS < 1
+        or AGENT_BULK_THREADS < 1 or AGENT_BULK_THREADS_PER_CREDENTIAL < 1
+        or AGENT_BULK_CALLS_PER_ADDRESS < 1
         or BACKTEST_API_WAIT_SECONDS < 1
         or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1):
     raise ImproperlyConfigured(
-        "REQUEST_BODY_SECONDS, WEB_THREADS, WEB_DASHBOARD_THREADS, WEB_OPERATOR_THREADS, "
-        "WEB_BACKTEST_THREADS, BACKTEST_API_WAIT_SECONDS and MAX_IDLE_CONNECTIONS_PER_ADDRESS "
-        "must be at least 1")
+        "REQUEST_BODY_SECONDS, the WEB_..._THREADS and WEB_..._PER_... settings, "
+        "BACKTEST_API_WAIT_SECONDS and MAX_IDLE_CONNECTIONS_PER_ADDRESS must be at least 1")
 # --- Kill-switch webhooks (runs/webhooks/delivery.py, policies/egress.py) ------------------
 # Webhooks go to public addresses only; a receiver on an internal network must be listed here
 # (host names as written in the URL, or addresses and CIDRs its name resolves to).

@@ -1,0 +1,97 @@
+"""The agents' bulk calls never take a check's thread (SPEC 10: no tenant slows another).
+
+Found by an attacker: with one team's agent key, 16 concurrent uploads of 1,000 local
+decisions (or 8 reads of a run's 1,000 largest decisions) took every thread of the API's pool,
+and another team's checks waited 1 to 6 s, its kill switch answered 4.6 s late. The bulk
+calls now have a pool of their own (governance/pools.py), of which one key holds at most its
+share: past it, 429 with Retry-After at once, which the client retries."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from governance.pools import pool_name
+from policies.models import Team
+from policies.services import agent_key_create
+from tests.conftest import Server
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+UPLOADERS = 16
+# SPEC 10: a valid check is answered within 2 s whatever another team does.
+DEADLINE_S = 2.0
+
+
+def test_bulk_paths_have_their_own_pool() -> None:
+    assert pool_name("/api/v1/runs/x/decisions") == "agent-bulk"
+    assert pool_name("/api/v1/runs/x/local-decisions/", "POST") == "agent-bulk"
+    assert pool_name("/api/v1/runs", "GET") == pool_name("/api/v1/runs/") == "agent-bulk"
+    assert pool_name("/api/v1/runs", "POST") == "api"  # a run's start is an agent's step
+    assert pool_name("/api/v1/runs/x/check", "POST") == pool_name("/api/v1/runs/x") == "api"
+
+
+def upload_body() -> dict[str, Any]:
+    return {"decisions": [{"check_id": f"local-{uuid.uuid4().hex}",
+                           "action": {"name": "search.docs", "args": {"i": i}},
+                           "decision": "allow", "reason": "step_ok", "progress": i}
+                          for i in range(1000)]}
+
+
+def test_one_teams_bulk_uploads_do_not_delay_another_teams_checks(
+        server: Server, team: Team, other_team: Team, agent_token: str,
+        attack_turn: None) -> None:
+    theirs = agent_key_create(team=other_team, name="billing-key").token
+    statuses: list[int] = []
+    refusals: list[httpx.Response] = []
+    stop = threading.Event()
+    with httpx.Client(base_url=server.url, timeout=30,
+                      headers={"Authorization": f"Bearer {agent_token}"}) as http:
+        run_id = http.post("/api/v1/runs", json={"agent": "support-bot"}).json()["run_id"]
+
+    def upload() -> None:
+        with httpx.Client(base_url=server.url, timeout=60,
+                          headers={"Authorization": f"Bearer {agent_token}"},
+                          transport=httpx.HTTPTransport(local_address="127.0.0.2")) as http:
+            while not stop.is_set():
+                answer = http.post(f"/api/v1/runs/{run_id}/local-decisions",
+                                   json=upload_body())
+                statuses.append(answer.status_code)
+                if answer.status_code == 429:
+                    refusals.append(answer)
+
+    uploaders = [threading.Thread(target=upload) for _ in range(UPLOADERS)]
+    for thread in uploaders:
+        thread.start()
+    took: list[float] = []
+    try:
+        time.sleep(1.0)  # the uploads are on
+        with httpx.Client(base_url=server.url, timeout=30,
+                          headers={"Authorization": f"Bearer {theirs}"}) as http:
+            ended = time.monotonic() + 4.0
+            while time.monotonic() < ended:
+                began = time.monotonic()
+                run = http.post("/api/v1/runs", json={"agent": "billing-bot"})
+                took.append(time.monotonic() - began)
+                assert run.status_code == 201, run.text
+                for _ in range(3):
+                    began = time.monotonic()
+                    answer = http.post(f"/api/v1/runs/{run.json()['run_id']}/check",
+                                       json={"action": {"name": "search.docs",
+                                                        "args": {"q": str(uuid.uuid4())}}})
+                    took.append(time.monotonic() - began)
+                    assert answer.status_code == 200, answer.text
+    finally:
+        stop.set()
+        for thread in uploaders:
+            thread.join()
+    assert max(took) < DEADLINE_S, f"another team's call took {max(took):.2f} s"
+    # The uploads were served, those past the key's share refused at once, saying why.
+    assert 200 in statuses and refusals, statuses
+    body = refusals[0].json()["error"]
+    assert body["code"] == "too_many_requests" and refusals[0].headers["Retry-After"] == "1"
