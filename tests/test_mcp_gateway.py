@@ -414,6 +414,33 @@ def test_arguments_that_are_not_json_are_refused_and_the_session_goes_on(
     assert [d["action"]["args"] for d in decisions] == [{"query": "x"}]  # nothing else checked
 
 
+def test_ids_and_progress_tokens_that_are_not_strings_or_numbers_leave_the_session_alone(
+        server: Server, agent: Agent) -> None:
+    """MCP's request ids and progress tokens are strings or integers; the SDK leaves a
+    notification's params untyped, and a list or an object there ended the whole session
+    (found by an attacker: over stdio the gateway exited, over HTTP the session was dropped
+    and the run finished `failed`, blamed on the upstream)."""
+    with raw_gateway(server, agent.token) as process:
+        send(process, INITIALIZE)
+        assert receive(process)["result"]["serverInfo"]["name"] == "files"
+        send(process, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        for odd in ([1], {"a": 1}):
+            send(process, {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                           "params": {"requestId": odd}})
+        send(process, {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                       "params": {"name": "search", "arguments": {"query": "x"},
+                                  "_meta": {"progressToken": {"a": 1}}}})
+        answer = receive(process)
+        assert answer["id"] == 2, answer
+        send(process, {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                       "params": {"name": "search", "arguments": {"query": "y"}}})
+        assert receive(process)["result"]["content"][0]["text"] == "no match"
+        assert process.poll() is None
+        process.stdin.close()  # the client leaves: the session ends, its run completed
+        assert process.wait(timeout=20) == 0
+    assert finished_run(agent)["status"] == "completed"
+
+
 def test_a_client_that_leaves_while_a_call_waits_for_an_operator_ends_the_run(
         server: Server, agent: Agent, team: Team) -> None:
     governed_policy(team)

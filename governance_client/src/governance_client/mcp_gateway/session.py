@@ -113,6 +113,13 @@ def _is_json(value: Any) -> bool:
     return True
 
 
+def _id_or_token(value: Any) -> str | int | None:
+    """A request id or progress token as MCP defines them (a string or an integer), else
+    None: the SDK leaves a notification's params untyped, and a list or an object there,
+    looked up in the session's tables, ended the whole session (found by an attacker)."""
+    return value if isinstance(value, str | int) and not isinstance(value, bool) else None
+
+
 class UpstreamGone(Exception):
     """The upstream MCP server exited or cannot be reached."""
 
@@ -190,7 +197,7 @@ class GatewaySession:
                 await self._client_request(item)
             elif isinstance(message, JSONRPCNotification):
                 if message.method == "notifications/cancelled":
-                    cancelled = (message.params or {}).get("requestId")
+                    cancelled = _id_or_token((message.params or {}).get("requestId"))
                     held = self._held.get(cancelled)
                     if held is not None:
                         held[0].cancel()  # never forwarded: the upstream does not know it
@@ -248,7 +255,7 @@ class GatewaySession:
             self._lists.add(message.id)
             if self.initialized:
                 await self._started.wait()  # the policy's deny list is the run's
-        token = (params.get("_meta") or {}).get("progressToken") \
+        token = _id_or_token((params.get("_meta") or {}).get("progressToken")) \
             if isinstance(params.get("_meta"), Mapping) else None
         if token is not None:
             self._progress[token] = message.id
@@ -318,7 +325,7 @@ class GatewaySession:
         related = None
         params = message.params or {}
         if isinstance(message, JSONRPCNotification) and message.method == "notifications/progress":
-            related = self._progress.get(params.get("progressToken"))
+            related = self._progress.get(_id_or_token(params.get("progressToken")))
         elif self._calls:
             related = next(reversed(self._calls))
         if related is not None and related not in self._inflight:
@@ -465,7 +472,7 @@ class GatewaySession:
         self._calls[message.id] = params["name"]
         self._inflight[message.id] = "tools/call"
         self._metadata[message.id] = item.metadata
-        token = (params.get("_meta") or {}).get("progressToken") \
+        token = _id_or_token((params.get("_meta") or {}).get("progressToken")) \
             if isinstance(params.get("_meta"), Mapping) else None
         if token is not None:
             self._progress[token] = message.id
