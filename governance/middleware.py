@@ -237,6 +237,12 @@ class StorableInputMiddleware(_SyncAndAsync):
 
     @staticmethod
     def refused(request: HttpRequest) -> HttpResponse | None:
+        # The path too: a view's free-text segment (an invitation's key) reached PostgreSQL
+        # with a NUL as a 500 (found by an attacker: /accounts/reset/%00/abc/).
+        problem = text_problem(request.path)
+        if problem is not None:
+            return HttpResponseBadRequest(f"The address {problem}: nothing was changed.",
+                                          content_type="text/plain; charset=utf-8")
         sources = [request.GET]
         if request.method == "POST":
             sources.append(request.POST)

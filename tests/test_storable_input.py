@@ -40,6 +40,16 @@ def test_a_page_filter_that_cannot_be_stored_is_a_400(team, users, path):
     assert viewer.get(f"/teams/{team.slug}/runs/?q=ok").status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/accounts/reset/%00/abc/",
+                                  "/accounts/reset/a%00b/set-password/"])
+def test_a_path_that_cannot_be_stored_is_a_400_without_signing_in(db, path):
+    # Found by an attacker: an invitation's key is a free-text path segment, and a NUL in it
+    # reached PostgreSQL as a 500 for anyone.
+    response = Client().get(path)
+    assert response.status_code == 400
+    assert b"nothing was changed" in response.content
+
+
 def test_a_decision_note_with_nul_is_refused_and_the_approval_stays_pending(
         api, approving, users):
     run_id = start(api)
