@@ -84,6 +84,9 @@ def test_one_time_format_and_one_money_format():
     now = timezone.now()
     html = str(when(now - timedelta(minutes=3), now))
     assert ">3\xa0minutes ago</time>" in html and " UTC\"" in html and "datetime=" in html
+    # A time to come (a token's expiry), and a clock a moment ahead of this one.
+    assert ">in 1\xa0week</time>" in str(when(now + timedelta(days=7, seconds=5), now))
+    assert ">just now</time>" in str(when(now + timedelta(seconds=2), now))
     assert money(Decimal("1234.5")) == "$1,234.50" and money(0.004) == "$0.004"
     assert money(Decimal("0.1234"), 4) == "$0.1234" and money(None) == "—"
     assert (duration(0.25), duration(12.34), duration(75), duration(7300)) == (

@@ -8,7 +8,7 @@ in, text out: nothing here reads a model."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
@@ -16,7 +16,7 @@ from django import template
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
-from django.utils.timesince import timesince
+from django.utils.timesince import timesince, timeuntil
 
 register = template.Library()
 
@@ -28,8 +28,12 @@ def when(value: datetime | None, now: datetime | None = None) -> SafeString | st
         return "—"
     now = now or timezone.now()
     utc = value.astimezone(UTC) if timezone.is_aware(value) else value
-    if value > now:
-        label = "just now"
+    if value > now + timedelta(minutes=1):
+        # A time to come (a token's expiry): "in 1 week" (found by a newcomer: it read "just
+        # now", as if the token had expired).
+        label = f"in {timeuntil(value, now).split(',')[0]}"
+    elif value > now:
+        label = "just now"  # a clock a moment ahead of this one
     else:
         label = f"{timesince(value, now).split(',')[0]} ago"
         if label.startswith("0\xa0minutes"):
