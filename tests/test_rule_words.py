@@ -33,3 +33,41 @@ def test_a_sub_agent_stopped_by_its_ancestors_limit_is_told_whose_it_is() -> Non
         "The rule max_steps of policy default v1 (the limit of ancestor run "
         f"{CHILD_STOP['scope']}, counted over its tree) stopped this run: steps 19 reached "
         "max_steps 18.")
+
+
+# Each kind in words that fit it (found by a newcomer: every kind read "{observed} reached
+# {limit}", e.g. "decided_by operator, note too large reached approvals required").
+KINDS = [
+    ({"name": "killed", "limit": {"scope": "agent", "team": "support", "agent": "ks-bot"},
+      "observed": {"engaged_by": "operator", "reason": "looping, INC-7"}},
+     "killed: the agent kill switch (team support, agent ks-bot), engaged by operator: "
+     "looping, INC-7",
+     "The rule killed stopped this run: the agent kill switch (team support, agent ks-bot), "
+     "engaged by operator: looping, INC-7."),
+    ({"name": "approval_denied", "policy": "default", "version": 2,
+      "limit": {"approvals": "required"},
+      "observed": {"decided_by": "operator", "note": "amount too large"}},
+     "approval_denied: operator denied the action it had to approve (note: amount too large) "
+     "(policy default v2)",
+     "The rule approval_denied of policy default v2 stopped this run: operator denied the "
+     "action it had to approve (note: amount too large)."),
+    ({"name": "approval_expired", "limit": {"timeout_s": 8.0},
+      "observed": {"expires_at": "2026-12-04T22:32:46Z"}},
+     "approval_expired: nobody decided on the action it had to approve within 8 s (it "
+     "expired at 2026-12-04T22:32:46Z)", None),
+    ({"name": "tool_denied", "limit": {"deny": "shell.*"}, "observed": {"action": "shell.exec"}},
+     "tool_denied: action shell.exec matches deny shell.*", None),
+    ({"name": "tool_denied", "limit": {"allow": ["search.*", "kb.read"]},
+      "observed": {"action": "shell.exec"}},
+     "tool_denied: action shell.exec is not in allow [search.*, kb.read]", None),
+    ({"name": "approval_required", "limit": {"approvals.tools": "payments.*", "timeout_s": 600},
+      "observed": {"action": "payments.refund"}},
+     "approval_required: action payments.refund matches approvals.tools payments.*", None),
+]
+
+
+@pytest.mark.parametrize(("rule", "why", "sentence"), KINDS)
+def test_each_kind_of_rule_reads_as_what_happened(rule, why, sentence) -> None:
+    assert rule_in_words(rule) == why
+    if sentence is not None:
+        assert rule_sentence(rule, rule["name"]) == sentence

@@ -80,24 +80,56 @@ def _pairs(values: Any) -> str:
     return ", ".join(f"{k} {_value(v)}" for k, v in values.items())
 
 
+def _detail(rule: dict[str, Any]) -> str:
+    """What a rule observed against its limit, in words that fit its kind: a limit is
+    "reached", a pattern "matched", a switch "engaged", an approval "denied" or "not decided"
+    (found by a newcomer: every kind read "{observed} reached {limit}", e.g. "decided_by
+    operator, note ... reached approvals required")."""
+    name = rule["name"]
+    limit = rule.get("limit") if isinstance(rule.get("limit"), dict) else {}
+    observed = rule.get("observed") if isinstance(rule.get("observed"), dict) else {}
+    if name == rules.KILLED:
+        where = _pairs({k: v for k, v in limit.items() if k != "scope"})
+        switch = f"the {limit.get('scope', '')} kill switch".replace("the  ", "the ")
+        by, why = observed.get("engaged_by"), observed.get("reason")
+        return (switch + (f" ({where})" if where else "")
+                + (f", engaged by {by}" if by else "") + (f": {why}" if why else ""))
+    if name == rules.APPROVAL_DENIED:
+        by, note = observed.get("decided_by"), observed.get("note")
+        return (f"{by or 'an operator'} denied the action it had to approve"
+                + (f" (note: {note})" if note else ""))
+    if name == rules.APPROVAL_EXPIRED:
+        return (f"nobody decided on the action it had to approve within "
+                f"{_value(limit.get('timeout_s'))} s (it expired at "
+                f"{observed.get('expires_at')})")
+    if name == rules.PARENT_STOPPED:
+        return (f"its ancestor run {limit.get('ancestor')} is {observed.get('status')} "
+                f"({observed.get('reason')})")
+    action = observed.get("action")
+    if action is not None and name in ("tool_denied", rules.APPROVAL_REQUIRED):
+        pattern = _pairs({k: v for k, v in limit.items() if k != "timeout_s"})
+        if "allow" in limit:
+            return f"action {action} is not in allow {_value(limit['allow'])}"
+        return f"action {action} matches {pattern}"
+    text_observed, text_limit = _pairs(observed), _pairs(limit)
+    if text_observed and text_limit:
+        if name in rules.WARNING_CODES:
+            # A warning's counter has not reached the limit (found by a newcomer: "steps 15
+            # reached max_steps 18"): it is on its way, past the warning's own threshold.
+            return f"{text_observed} of {text_limit}"
+        return f"{text_observed} reached {text_limit}"
+    return text_observed or text_limit
+
+
 def rule_in_words(rule: Any) -> str:
     """A decision's rule (SPEC 16), readable: "loop_detected: repeat_count 3 reached
     max_repeat_action 3 (policy default v4)". The same JSON the API's decision shows."""
     if not isinstance(rule, dict) or not rule.get("name"):
         return ""
     name = rule["name"]
-    observed, limit = _pairs(rule.get("observed")), _pairs(rule.get("limit"))
-    if name == rules.KILLED:
-        text = f"killed: the {limit or 'kill switch'}" + (f" switch, {observed}" if observed
-                                                        else " switch")
-    elif observed and limit and name in rules.WARNING_CODES:
-        # A warning's counter has not reached the limit (found by a newcomer: "steps 15
-        # reached max_steps 18"): it is on its way, past the warning's own threshold.
-        text = f"{name} warning: {observed} of {limit}"
-    elif observed and limit:
-        text = f"{name}: {observed} reached {limit}"
-    else:
-        text = f"{name}: {observed or limit}" if observed or limit else name
+    detail = _detail(rule)
+    kind = f"{name} warning" if name in rules.WARNING_CODES else name
+    text = f"{kind}: {detail}" if detail else kind
     where = ""
     if rule.get("policy"):
         where = f" (policy {rule['policy']} v{rule.get('version')}"
@@ -117,10 +149,9 @@ def rule_sentence(rule: Any, reason: str) -> str:
         # A sub-agent stopped by its ancestor's limit (SPEC 20): the counter is the tree's,
         # not this run's own (found by a newcomer: "steps 19" on a run of 9 steps).
         policy += f" (the limit of ancestor run {scope}, counted over its tree)"
-    observed, limit = _pairs(rule.get("observed")), _pairs(rule.get("limit"))
-    detail = f": {observed} reached {limit}" if observed and limit else \
-        f": {observed or limit}" if observed or limit else ""
-    return f"The rule {rule['name']}{policy} stopped this run{detail}."
+    detail = _detail(rule)
+    return f"The rule {rule['name']}{policy} stopped this run" + (
+        f": {detail}." if detail else ".")
 
 
 def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
