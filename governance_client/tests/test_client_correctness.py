@@ -388,6 +388,8 @@ def test_a_denied_approval_is_a_stop_with_the_note() -> None:
     run = fake.client().start_run("bot")
     decision = run.check("refund.issue", {"order": 7})
     assert decision.reason == "approval_denied" and "not over 100 EUR" in (decision.message or "")
+    # The note ends its sentence before the next one (it read "...100 EUR The action").
+    assert "not over 100 EUR. The action was not run" in (decision.message or "")
 
 
 def test_an_approval_nobody_decides_expires_into_a_stop() -> None:

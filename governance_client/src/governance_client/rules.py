@@ -1374,7 +1374,10 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
     if status == DENIED:
         reason = APPROVAL_DENIED
         who = f" ({by})" if by else ""
-        message = (f"An operator{who} denied {pending.action_name}: {note} The action was not "
+        # The note ends its sentence (found by a newcomer: "...ask a human The action").
+        said = note.rstrip()
+        said += "" if not said or said.endswith((".", "!", "?")) else "."
+        message = (f"An operator{who} denied {pending.action_name}: {said} The action was not "
                    "run and the run is stopped.")
         fired = rule(reason, {"approvals": "required"}, {"decided_by": by, "note": note})
     elif status == EXPIRED:
