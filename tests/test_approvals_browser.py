@@ -107,3 +107,62 @@ def test_an_operator_approves_and_denies_live_and_the_agents_get_the_answers(
     assert Approval.objects.get(pk=approval_a).decided_by_label == "operator"
     run = Run.objects.get(pk=run_b)
     assert (run.status, run.stop_reason) == ("stopped", "approval_denied")
+
+
+def test_the_list_does_not_move_under_the_operators_hand(server, agent, team, users):
+    """Found by a newcomer: the request under the mouse was decided by someone else, the list
+    redrew, the next request moved up under the pointer and the click approved it. While the
+    pointer is over a card, the live list is held; it catches up once the pointer leaves."""
+    import httpx
+    from playwright.sync_api import expect, sync_playwright
+
+    from policies.tokens import operator_token_create
+
+    set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600},
+               budgets={"max_seconds": None})
+    cookie = session_cookie(users["operator"])
+    other = operator_token_create(user=users["admin"], name="other", role="admin").secret
+    pending = []
+    for bot in ("support-bot", "billing-bot"):
+        run_id = agent.start(agent=bot)["run_id"]
+        pending.append(agent.check(run_id, action=PAY, check_id=f"pay-{bot}")["approval"]["id"])
+    first, second = pending
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(base_url=server.url)
+            context.add_cookies([{"name": settings.SESSION_COOKIE_NAME, "value": cookie,
+                                  "url": server.url}])
+            page = context.new_page()
+            page.goto(f"/teams/{team.slug}/approvals/")
+            expect(page.locator("[data-live-status]")).to_have_text("Live", timeout=15_000)
+            cards = page.locator("#approvals-list .approval")
+            expect(cards.first).to_have_attribute("id", f"approval-{first}")
+            page.hover(f"#approval-{first} button[value=approve]")
+            # Someone else denies the request under the operator's pointer.
+            denied = httpx.post(f"{server.url}/api/v1/approvals/{first}/decide",
+                                json={"decision": "deny", "note": "not today"},
+                                headers={"Authorization": f"Bearer {other}"}, timeout=30)
+            assert denied.status_code == 200, denied.text
+            list_region = page.locator("#approvals-list")
+            box = page.locator(f"#approval-{first} button[value=approve]").bounding_box()
+            for i in range(60):  # the operator's hand moves over the card, about to click
+                page.mouse.move(box["x"] + 2 + i % 5, box["y"] + box["height"] / 2)
+                if list_region.get_attribute("data-held") == "true":
+                    break
+                page.wait_for_timeout(250)
+            expect(list_region).to_have_attribute("data-held", "true")
+            # Held: the card under the pointer is still the one the operator aimed at.
+            expect(cards.first).to_have_attribute("id", f"approval-{first}")
+            expect(page.locator(f"#approval-{first}")).to_have_attribute("data-status",
+                                                                          "pending")
+            page.mouse.move(0, 0)  # the hand leaves: the list catches up
+            expect(page.locator(f"#approval-{first}")).to_have_attribute(
+                "data-status", "denied", timeout=15_000)
+            expect(list_region).not_to_have_attribute("data-held", "true")
+            expect(page.locator(f"#approval-{second}")).to_have_attribute("data-status",
+                                                                           "pending")
+        finally:
+            browser.close()
+    assert Approval.objects.get(pk=second).status == "pending"

@@ -136,3 +136,57 @@ document.addEventListener("htmx:beforeSwap", function (evt) {
     evt.detail.isError = false;
   }
 });
+
+// A decision region (the approvals list, a run's approval card) does not change under the
+// operator's hand (found by a newcomer: a request decided elsewhere left the list, the next
+// one moved up under the mouse, and the click approved that one instead). While the pointer
+// moves over one of its cards (and for HOLD_MS after it last moved there), or a note is being
+// typed in it, a live update of the region is held; the latest one is applied as soon as the
+// hand is gone. A pointer left resting on a card (after a click, or a walk away) no longer
+// holds it after HOLD_MS, so the list never stays stale. A decision sent meanwhile redraws the
+// region with its own, newer answer: what was held is then dropped.
+(function () {
+  "use strict";
+  var HOLD_MS = 5000;
+  var held = new Map();  // region -> the latest update held for it
+  var lastMove = 0, lastTyping = 0;
+  document.addEventListener("pointermove", function (evt) {
+    if (evt.target.closest && evt.target.closest("[data-decide-region] .approval")) {
+      lastMove = Date.now();
+    }
+  });
+  document.addEventListener("input", function (evt) {
+    if (evt.target.closest && evt.target.closest("[data-decide-region]")) lastTyping = Date.now();
+  });
+  function busy(region) {
+    var now = Date.now();
+    if (now - lastMove < HOLD_MS && region.querySelector(".approval:hover")) return true;
+    var active = document.activeElement;
+    return Boolean(now - lastTyping < HOLD_MS && active && active.matches("textarea, input") &&
+                   region.contains(active));
+  }
+  document.addEventListener("htmx:sseBeforeMessage", function (evt) {
+    var region = evt.target;
+    if (!region.matches || !region.matches("[data-decide-region]") || !busy(region)) return;
+    evt.preventDefault();
+    held.set(region, evt.detail.data);
+    region.dataset.held = "true";
+  });
+  function release() {
+    held.forEach(function (content, region) {
+      if (busy(region) && document.body.contains(region)) return;
+      held.delete(region);
+      delete region.dataset.held;
+      if (document.body.contains(region)) htmx.swap(region, content, {swapStyle: "innerHTML"});
+    });
+  }
+  setInterval(release, 250);
+  document.addEventListener("htmx:beforeRequest", function (evt) {
+    held.forEach(function (_, region) {
+      if (region.contains(evt.target)) {
+        held.delete(region);
+        delete region.dataset.held;
+      }
+    });
+  });
+})();
