@@ -469,6 +469,13 @@ MAX_IDLE_CONNECTIONS_PER_ADDRESS = env_int("MAX_IDLE_CONNECTIONS_PER_ADDRESS", 1
 # its checks expire early (README "Deadlines"). Larger trusts poorly synced clocks more, and
 # lets a check read that much past the agent's deadline still be decided.
 CHECK_CLOCK_SKEW_MS = env_int("CHECK_CLOCK_SKEW_MS", 500)
+# How long a check waits on PostgreSQL for its run's lock (and its ancestors'), held by
+# another request of the run (a check, an upload of local decisions, a finish); past it the
+# check answers 503 with Retry-After, nothing decided (SPEC 10: a lock wait on the check's
+# path is bounded, never a thread held for seconds).
+CHECK_LOCK_WAIT_MS = env_int("CHECK_LOCK_WAIT_MS", 1000)
+if not 1 <= CHECK_LOCK_WAIT_MS <= 60_000:
+    raise ImproperlyConfigured("CHECK_LOCK_WAIT_MS must be from 1 to 60000")
 if not 0 <= CHECK_CLOCK_SKEW_MS <= 60_000:
     raise ImproperlyConfigured("CHECK_CLOCK_SKEW_MS must be from 0 to 60000")
 # The most of one process's time the database looks of the live streams and of the approvals'

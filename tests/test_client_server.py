@@ -24,7 +24,7 @@ from governance_client import AsyncGovernanceClient, GovernanceClient
 from policies.models import Team
 from runs.killswitch.services import killswitch_engage
 from runs.models import Decision, Run
-from tests.conftest import Agent, Server, set_policy, start_server
+from tests.conftest import Agent, Server, server_env, set_policy, start_server
 
 
 def decisions(agent: Agent, run_id: str) -> list[dict[str, Any]]:
@@ -72,16 +72,22 @@ def hold_run_lock(run_id: str, seconds: float) -> None:
 def test_a_check_answered_after_its_deadline_is_audited_expired_and_counts_nothing(
     agent: Agent, server: Server
 ) -> None:
-    with GovernanceClient(server.url, agent.token, deadline=0.6) as client:
-        run = client.start_run("support-bot")
-        run_id = run.id
-        holder = threading.Thread(target=hold_run_lock, args=(run_id, 2.0))
-        holder.start()
-        time.sleep(0.3)  # the lock is taken
-        started = time.monotonic()
-        decision = run.check("refund.issue", {"order": 1})
-        elapsed = time.monotonic() - started
-    holder.join()
+    # A server whose checks wait for their run's lock longer than the agent's deadline
+    # (CHECK_LOCK_WAIT_MS), so the check is still waiting when the deadline passes.
+    patient = start_server(workers=1, env=server_env(CHECK_LOCK_WAIT_MS="5000"))
+    try:
+        with GovernanceClient(patient.url, agent.token, deadline=0.6) as client:
+            run = client.start_run("support-bot")
+            run_id = run.id
+            holder = threading.Thread(target=hold_run_lock, args=(run_id, 2.0))
+            holder.start()
+            time.sleep(0.3)  # the lock is taken
+            started = time.monotonic()
+            decision = run.check("refund.issue", {"order": 1})
+            elapsed = time.monotonic() - started
+        holder.join()
+    finally:
+        patient.stop()
 
     assert decision.reason == "governance_unavailable" and not decision.allowed
     assert elapsed < 2.0
@@ -94,6 +100,34 @@ def test_a_check_answered_after_its_deadline_is_audited_expired_and_counts_nothi
 
     # The run goes on: the next check is decided and counted as usual.
     answer = agent.check(run_id, "refund.issue", {"order": 1}, deadline_ms=5000)
+    assert (answer["decision"], answer["step"]) == ("allow", 1)
+
+
+@pytest.mark.postgres
+def test_a_check_waits_for_its_runs_lock_a_bounded_time_then_answers_503(
+    agent: Agent, server: Server
+) -> None:
+    """SPEC 10: a lock wait on the check's path is bounded. Found by an attacker: uploads of
+    local decisions held a run's lock for seconds, and the checks of the run waiting behind
+    them held the API pool's threads, so another team's checks waited 3 to 5 s. Past
+    CHECK_LOCK_WAIT_MS (1 s) the check answers 503 with Retry-After, nothing decided."""
+    run_id = agent.start()["run_id"]
+    holder = threading.Thread(target=hold_run_lock, args=(run_id, 3.0))
+    holder.start()
+    time.sleep(0.3)  # the lock is taken
+    started = time.monotonic()
+    body = {"action": {"name": "refund.issue", "args": {"order": 1}}, "check_id": "c-1",
+            "deadline_ms": 10_000}
+    busy = agent.http.post(f"/api/v1/runs/{run_id}/check", json=body)
+    waited = time.monotonic() - started
+    holder.join()
+    assert busy.status_code == 503 and busy.headers["Retry-After"] == "1", busy.text
+    assert busy.json()["error"]["code"] == "unavailable"
+    assert "busy" in busy.json()["error"]["message"]
+    assert waited < 2.5  # 1 s of lock wait, on a loaded machine
+    assert decisions(agent, run_id) == []
+    # Sent again once the run is free, the same check is decided and counted once.
+    answer = agent.check(run_id, "refund.issue", {"order": 1}, check_id="c-1")
     assert (answer["decision"], answer["step"]) == ("allow", 1)
 
 

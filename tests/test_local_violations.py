@@ -119,3 +119,25 @@ def test_the_openapi_document_says_so(client):
     assert "policy" in decision["policy_violation"]["description"]
     check = document["components"]["schemas"]["CheckOut"]["properties"]
     assert "policy_violation" in check
+
+
+def test_a_long_upload_is_recorded_whole_in_chunks_with_its_stop_where_it_fell(api, team,
+                                                                          monkeypatch):
+    # An upload is recorded CHUNK entries a transaction, so that the run's lock is never held
+    # for a whole upload (found by an attacker): the result is the one transaction's.
+    from runs.check import local
+
+    monkeypatch.setattr(local, "CHUNK", 7)
+    set_policy(team, step_limits={"max_steps": 100, "max_repeat_action": 100,
+                                  "no_progress_window": 100})
+    run_id = start(api)
+    entries = [entry(f"c-{i}", f"search.docs{i}") for i in range(20)]
+    entries.append(entry("c-stop", "search.docs", decision="stop", reason="max_steps"))
+    response = api.post(f"/api/v1/runs/{run_id}/local-decisions",
+                        json.dumps({"decisions": entries + entries[:3]}),
+                        content_type="application/json")
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert (body["recorded"], body["skipped"]) == (21, 3)
+    assert (body["run"]["steps"], body["run"]["status"]) == (21, "stopped")  # as whole
+    assert Decision.objects.filter(run_id=run_id).count() == 21

@@ -138,6 +138,10 @@ def _on_http(request: HttpRequest, exc: HttpError) -> HttpResponse:
     return error(exc.status_code, "error", str(exc))
 
 
+# PostgreSQL's lock_not_available: a lock wait past lock_timeout.
+LOCK_NOT_AVAILABLE = "55P03"
+
+
 @api.exception_handler(Http404)
 def _on_404(request: HttpRequest, exc: Exception) -> HttpResponse:
     return error(404, "not_found", "Not found.")
@@ -154,6 +158,14 @@ def _on_refusal(request: HttpRequest, exc: AppError) -> HttpResponse:
 
 @api.exception_handler(Exception)
 def _on_exception(request: HttpRequest, exc: Exception) -> HttpResponse:
+    if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+        # The check's bounded wait for its run's lock ran out (check_store.BEGIN_CHECK):
+        # another request of the run holds it. Nothing was decided; the client retries.
+        busy = error(503, "unavailable",
+                     "The run is busy: another request of it holds it longer than a check "
+                     f"waits ({settings.CHECK_LOCK_WAIT_MS} ms). Nothing decided; retry.")
+        busy["Retry-After"] = "1"
+        return busy
     if isinstance(exc, OperationalError | InterfaceError):
         log.warning("store unavailable: %s", exc)
         return error(503, "unavailable", "A store is unavailable; retry later. Nothing decided.")

@@ -372,7 +372,8 @@ PREPARE_SQL = (
     f"PREPARE governance_check_lock(uuid, text, text, text[]) AS {LOCK_SQL};"
     f"PREPARE governance_check_write(jsonb, jsonb, jsonb, jsonb) AS {WRITE_SQL};"
 )
-# Sequential scans off for the check's transaction (SET LOCAL ends with it): every table the
+# Sequential scans off for the check's transaction (a local setting: it ends with the
+# transaction): every table the
 # check reads it reads by a key, and a plan made when a table was a page or two (a new
 # database, a truncated table, statistics from then) would otherwise keep scanning it
 # whole as it grows, until an ANALYZE replans: measured in one benchmark run, 17,257
@@ -380,12 +381,20 @@ PREPARE_SQL = (
 # instead of 0.7 to 0.9 (docs/performance.md "A plan that grew too"). The setting is read
 # whenever PostgreSQL plans the statements (the first executions, and every replan), so
 # their plans take the keys' indexes at any size and with any statistics.
-EXECUTE_LOCK = ("BEGIN; SET LOCAL enable_seqscan = off; "
-                "EXECUTE governance_check_lock(%s, %s, %s, %s)")
+#
+# And a bound on every lock wait of the check's transaction (SPEC 10): a run held by another
+# request longer than CHECK_LOCK_WAIT_MS answers 503 (runs/check/api.py), instead of holding
+# the API pool's thread while it waits (found by an attacker: uploads of local decisions
+# holding a run's lock for seconds, and 32 checks of it waiting, put another team's checks
+# 3 to 5 s behind). One statement for both settings: the transaction's first message keeps
+# one result before the lock's.
+BEGIN_CHECK = ("BEGIN; SELECT set_config('enable_seqscan', 'off', true), "
+               f"set_config('lock_timeout', '{int(settings.CHECK_LOCK_WAIT_MS)}ms', true)")
+EXECUTE_LOCK = BEGIN_CHECK + "; EXECUTE governance_check_lock(%s, %s, %s, %s)"
 EXECUTE_WRITE = "EXECUTE governance_check_write(%s, %s, %s, %s); COMMIT"
 # SPEC 20: a child run's ancestors, locked the root first, one statement each in the order
 # given, in the message that begins the transaction; `lock` then goes on without BEGIN.
-BEGIN_TREE = "BEGIN; SET LOCAL enable_seqscan = off"
+BEGIN_TREE = BEGIN_CHECK
 ANCESTOR_LOCK_SQL = (f"SELECT {', '.join(RUN_COLUMNS)} FROM runs_run "
                      "WHERE id = %s AND team_id = %s FOR UPDATE")
 ANCESTOR_WRITE_SQL = ("UPDATE runs_run SET " + ", ".join(f"{name} = %s" for name in TREE_FIELDS)
@@ -419,7 +428,7 @@ def inlined(body: str, types: Sequence[str]) -> tuple[str, list[int]]:
 
 _LOCK_INLINE, _LOCK_ORDER = inlined(LOCK_SQL, ["uuid", "text", "text", "text[]"])
 _WRITE_INLINE, _WRITE_ORDER = inlined(WRITE_SQL, ["jsonb"] * 4)
-SEND_LOCK = "BEGIN; SET LOCAL enable_seqscan = off; " + _LOCK_INLINE
+SEND_LOCK = BEGIN_CHECK + "; " + _LOCK_INLINE
 SEND_WRITE = _WRITE_INLINE + "\n; COMMIT"
 # The window read sent whole, by number of rules.
 _windows_inline: dict[int, tuple[str, list[int]]] = {}

@@ -22,6 +22,11 @@ from runs.check.states import state_of
 from runs.live.events import publish_run_event
 from runs.models import Decision, Run
 
+# Entries recorded per transaction: the run's lock (and its ancestors') is held for one
+# chunk, not for a whole upload of up to 1,000 (found by an attacker: an upload held a run
+# for 1 to 3 s, and the checks of the run waiting for it took the API pool's threads).
+CHUNK = 100
+
 
 def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]],
                         key_agent: str = "") -> tuple[Run, int, int]:
@@ -31,8 +36,26 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
     the run with its reason), with `rules.record_outcome`, and audited with its outcome and
     `"local": true` in its answer. Entries whose check_id the run already has are skipped
     (the upload was retried, or the service did decide that check): the counters then agree
-    with what ran. One transaction, under the run's lock, like a check.
+    with what ran. CHUNK entries a transaction, each under the run's lock like a check, in
+    the upload's order: an upload cut short by an error is sent again, and what was recorded
+    is skipped then.
     """
+    recorded, changed, run = 0, False, None
+    for start in range(0, max(1, len(entries)), CHUNK):
+        run, count, moved = _record(team=team, run_id=run_id, key_agent=key_agent,
+                                    entries=entries[start:start + CHUNK])
+        recorded += count
+        changed = changed or moved
+    assert run is not None  # one chunk at least
+    if changed:
+        publish_run_event(run)
+    return run, recorded, len(entries) - recorded
+
+
+def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent: str
+            ) -> tuple[Run, int, bool]:
+    """One chunk of an upload, in one transaction: the run, the entries recorded, and
+    whether the run changed (recorded, or an expiry settled first)."""
     recorded = 0
     with transaction.atomic():
         # A child's ancestors first, root first (the tree's lock order): they count it too.
@@ -89,11 +112,10 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
             Run.objects.filter(pk=run.pk).update(**states.columns_of(state, LOCAL_FIELDS))
             lineage.write_counters(ancestors, ("steps", "tool_calls", "cost_usd"))
             run_memory.save(run.pk, loaded, state)
-        if rows or waited is not loaded:  # recorded, or an expiry settled first
+        changed = bool(rows) or waited is not loaded  # recorded, or an expiry settled first
+        if changed:
             run.refresh_from_db()
-    if rows or waited is not loaded:
-        publish_run_event(run)
-    return run, recorded, len(entries) - recorded
+    return run, recorded, changed
 
 
 # What an upload of local decisions changes: what a check does but the idle deadline, which
