@@ -24,12 +24,13 @@ here like any other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import io
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import django
@@ -107,6 +108,45 @@ SHARED_POOLS = {
 }
 
 
+class RunBusy(Exception):
+    """A check waited CHECK_LOCK_WAIT_MS for its turn on its run (`RunTurns`)."""
+
+
+class RunTurns:
+    """One check of a run at a time on this process's API pool; the others of the same run
+    wait their turn on the event loop, holding no thread, at most CHECK_LOCK_WAIT_MS (then
+    503, as a wait for the run's lock in PostgreSQL is). A run's checks take its lock one
+    after the other anyway: waiting for it on pool threads only took them from every other
+    run (found by an attacker: 32 concurrent checks of one run, behind an upload holding it,
+    held every API thread, and another team's checks waited 0.3 to 5 s). Only the event loop
+    reads and writes it."""
+
+    def __init__(self) -> None:
+        self._turns: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def turn(self, run_id: Any) -> AsyncIterator[None]:
+        key = str(run_id).lower()
+        lock, waiting = self._turns.get(key) or (asyncio.Lock(), 0)
+        self._turns[key] = (lock, waiting + 1)
+        try:
+            try:
+                async with asyncio.timeout(settings.CHECK_LOCK_WAIT_MS / 1000):
+                    await lock.acquire()
+            except TimeoutError:
+                raise RunBusy() from None
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            lock, waiting = self._turns[key]
+            if waiting > 1:
+                self._turns[key] = (lock, waiting - 1)
+            else:
+                del self._turns[key]
+
+
 def _credential(scope: Scope) -> str:
     """Who a shared pool's request is from, before it is authenticated: its bearer token's
     digest, the token as the authentication reads it (any case of "Bearer", spaces around),
@@ -178,6 +218,7 @@ class Application(ResolvedOnce, ASGIHandler):
         # agents' bulk calls), by pool and credential or address (the event loop alone reads
         # and writes it).
         self.held: dict[str, int] = {}
+        self.run_turns = RunTurns()
         # Loading the URLconf (above) registered the API's direct views, if it has the API.
         self.direct: DirectApi | None = None
         if edge.direct_views:
@@ -240,8 +281,15 @@ class Application(ResolvedOnce, ASGIHandler):
                 return
             if view is not None:
                 # The check: on the same pool with the same housekeeping, without Django's
-                # handler (governance/direct.py).
-                made = await loop.run_in_executor(executor, self.respond_direct, request, view)
+                # handler (governance/direct.py); one of a run's checks at a time on the pool.
+                assert request.resolver_match is not None
+                try:
+                    async with self.run_turns.turn(request.resolver_match.kwargs.get("run_id")):
+                        made = await loop.run_in_executor(executor, self.respond_direct,
+                                                          request, view)
+                except RunBusy:
+                    await self.send_response(edge.run_busy(), send)
+                    return
                 if isinstance(made, Answer):
                     await self.send_answer(made, send)
                     return

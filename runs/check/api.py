@@ -43,7 +43,7 @@ from runs.approvals.waits import (
 from runs.audit import selectors
 from runs.check import edge, metrics
 from runs.check import schemas as s
-from runs.check.edge import bearer_token, error
+from runs.check.edge import bearer_token, error, run_busy
 from runs.check.lifecycle import run_finish, run_start
 from runs.check.local import run_local_decisions
 from runs.check.services import run_check
@@ -161,11 +161,7 @@ def _on_exception(request: HttpRequest, exc: Exception) -> HttpResponse:
     if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
         # The check's bounded wait for its run's lock ran out (check_store.BEGIN_CHECK):
         # another request of the run holds it. Nothing was decided; the client retries.
-        busy = error(503, "unavailable",
-                     "The run is busy: another request of it holds it longer than a check "
-                     f"waits ({settings.CHECK_LOCK_WAIT_MS} ms). Nothing decided; retry.")
-        busy["Retry-After"] = "1"
-        return busy
+        return run_busy()
     if isinstance(exc, OperationalError | InterfaceError):
         log.warning("store unavailable: %s", exc)
         return error(503, "unavailable", "A store is unavailable; retry later. Nothing decided.")

@@ -37,6 +37,16 @@ def error(status: int, code: str, message: str, fields: dict[str, str] | None = 
     return HttpResponse(json.dumps(body), status=status, content_type="application/json")
 
 
+def run_busy() -> HttpResponse:
+    """503 for a check that waited CHECK_LOCK_WAIT_MS for its run, held by another request of
+    it (SPEC 10: a lock wait on the check's path is bounded): nothing decided, retry."""
+    busy = error(503, "unavailable",
+                 "The run is busy: another request of it holds it longer than a check waits "
+                 f"({settings.CHECK_LOCK_WAIT_MS} ms). Nothing decided; retry.")
+    busy["Retry-After"] = "1"
+    return busy
+
+
 def body_limit(path: str) -> int:
     """The most an API request's body may be: SPEC 5.3's 64 KiB for a check; other bodies (a
     finish carries up to 100,000 characters of output) only Django's own upload limit."""
