@@ -108,18 +108,16 @@ SHARED_POOLS = {
 }
 
 
-class RunBusy(Exception):
-    """A check waited CHECK_LOCK_WAIT_MS for its turn on its run (`RunTurns`)."""
-
-
 class RunTurns:
     """One check of a run at a time on this process's API pool; the others of the same run
-    wait their turn on the event loop, holding no thread, at most CHECK_LOCK_WAIT_MS (then
-    503, as a wait for the run's lock in PostgreSQL is). A run's checks take its lock one
+    wait their turn on the event loop, holding no thread. A run's checks take its lock one
     after the other anyway: waiting for it on pool threads only took them from every other
     run (found by an attacker: 32 concurrent checks of one run, behind an upload holding it,
-    held every API thread, and another team's checks waited 0.3 to 5 s). Only the event loop
-    reads and writes it."""
+    held every API thread, and another team's checks waited 0.3 to 5 s). The wait for the
+    turn holds nothing but the request, so it is not cut short: a check whose agent gave up
+    meanwhile is audited expired when its turn comes (README "Deadlines"), and the wait for
+    the run's lock in PostgreSQL, on a thread, is bounded (CHECK_LOCK_WAIT_MS). Only the
+    event loop reads and writes it."""
 
     def __init__(self) -> None:
         self._turns: dict[str, tuple[asyncio.Lock, int]] = {}
@@ -130,15 +128,8 @@ class RunTurns:
         lock, waiting = self._turns.get(key) or (asyncio.Lock(), 0)
         self._turns[key] = (lock, waiting + 1)
         try:
-            try:
-                async with asyncio.timeout(settings.CHECK_LOCK_WAIT_MS / 1000):
-                    await lock.acquire()
-            except TimeoutError:
-                raise RunBusy() from None
-            try:
+            async with lock:
                 yield
-            finally:
-                lock.release()
         finally:
             lock, waiting = self._turns[key]
             if waiting > 1:
@@ -283,13 +274,9 @@ class Application(ResolvedOnce, ASGIHandler):
                 # The check: on the same pool with the same housekeeping, without Django's
                 # handler (governance/direct.py); one of a run's checks at a time on the pool.
                 assert request.resolver_match is not None
-                try:
-                    async with self.run_turns.turn(request.resolver_match.kwargs.get("run_id")):
-                        made = await loop.run_in_executor(executor, self.respond_direct,
-                                                          request, view)
-                except RunBusy:
-                    await self.send_response(edge.run_busy(), send)
-                    return
+                async with self.run_turns.turn(request.resolver_match.kwargs.get("run_id")):
+                    made = await loop.run_in_executor(executor, self.respond_direct, request,
+                                                      view)
                 if isinstance(made, Answer):
                     await self.send_answer(made, send)
                     return
