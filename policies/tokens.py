@@ -175,7 +175,14 @@ def token_teams(token: OperatorToken) -> list[Team]:
 
 
 def tokens_of(user: AbstractBaseUser) -> list[OperatorToken]:
-    return list(OperatorToken.objects.filter(user=user).select_related("team"))
+    """The person's tokens, each with ``acts_as``: the role a team-bound token acts with now
+    (the lesser of its own and its owner's in the team; None for a token of every team, whose
+    role is the owner's at most in each), so that the list never shows a role the token does
+    not have (found by a newcomer: an operator's "admin" token was refused as an operator)."""
+    made = list(OperatorToken.objects.filter(user=user).select_related("team", "user"))
+    for token in made:
+        token.acts_as = token_role(token, token.team) if token.team is not None else None
+    return made
 
 
 def token_of(user: AbstractBaseUser, token_id: Any) -> OperatorToken | None:

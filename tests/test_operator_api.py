@@ -418,6 +418,11 @@ def test_the_account_page_creates_shows_once_lists_and_revokes(world, users):
     text = made.content.decode()
     assert "gov_op_" in text and "chatops" in text
     assert "data-new-token" not in browser.get("/accounts/tokens/").content.decode()
+    # An operator's admin token acts as an operator: the list says so (found by a newcomer).
+    browser.post("/accounts/tokens/", {"name": "ci-bot", "role": "admin", "team": "support"})
+    listed = browser.get("/accounts/tokens/").content.decode()
+    assert 'data-acts-as="operator">(acts as operator, your role)' in listed
+    assert listed.count("data-acts-as=") == 1  # the operator token acts as itself
     token = OperatorToken.objects.get(name="chatops")
     assert token.team.slug == "support" and token.expires_at is not None
     refused = browser.post("/accounts/tokens/", {"name": "x", "role": "admin",
