@@ -52,6 +52,8 @@ def test_a_run_killed_elsewhere_loses_its_kill_button_on_the_stream(
     operator = as_user(users, "operator")
     page = operator.get(reverse("runs:run", kwargs={"slug": team.slug, "run_id": run.pk}))
     assert 'id="kill-run"' in page.content.decode()
+    confirm_box = operator.get(reverse("runs:killswitch-run", kwargs={
+        "slug": team.slug, "run_id": run.pk}), HTTP_HX_REQUEST="true").content.decode()
     response = operator.get(reverse("runs:run_stream",
                                     kwargs={"slug": team.slug, "run_id": run.pk}))
     chunks = iter(response.streaming_content)
@@ -69,7 +71,10 @@ def test_a_run_killed_elsewhere_loses_its_kill_button_on_the_stream(
     # htmx:oobErrorNoTarget on every page without one open).
     assert "hx-swap-oob" not in controls["data"]
     confirm = [e for e in later if e["event"] == "run-confirm-form"][-1]
-    assert "nothing left to kill" in confirm["data"]
+    assert "nothing left to kill" in confirm["data"] and ">Close</a>" in confirm["data"]
+    # The region it replaces holds what would stop as well as the form (found by a newcomer:
+    # "1 running run will stop" stayed above "nothing left to kill").
+    assert "killswitch-confirm__effect" in confirm_box.split('id="killswitch-confirm-form"')[1]
 
 
 def test_a_viewer_never_gets_a_kill_button_from_the_stream(team, users):
