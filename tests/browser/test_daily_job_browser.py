@@ -65,6 +65,9 @@ def test_a_shadow_run_shows_where_it_would_have_stopped_live(page: Page, server:
         agent.check(run_id, "search.docs", {"q": "same"})
     summary = page.locator(".shadow-summary")
     expect(summary).to_contain_text("would have stopped at step 3: loop_detected")
+    # The enforce message is said as what would have been said (found by a newcomer: "this
+    # call was not run and the run is stopped" read as what happened).
+    expect(summary).to_contain_text("In shadow mode the call ran and the run went on.")
 
     page.goto(f"{server.url}/teams/{team.slug}/runs/")
     other = agent.start(agent="plain-bot")["run_id"]
