@@ -278,8 +278,9 @@ def test_the_run_pages_show_the_tree_and_the_list_shows_a_childs_parent(api, tea
     page = Client()
     page.force_login(users["operator"])
     html = page.get(reverse("runs:run", args=[team.slug, root])).content.decode()
-    assert f'data-child-run="{child}"' in html and "Tree usage" in html
+    assert f'data-child-run="{child}"' in html and "data-tree-counted" in html
     assert "1 / 5" in html  # the grandchild's step counted on the root
+    assert "Tree usage" not in html  # the root's counters are the tree's: shown once
     html = page.get(reverse("runs:run", args=[team.slug, grandchild])).content.decode()
     assert f'data-parent-run="{child}"' in html and "in the tree of" in html
     listed = page.get(reverse("runs:runs", args=[team.slug])).content.decode()

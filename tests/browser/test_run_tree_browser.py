@@ -31,7 +31,10 @@ def test_the_tree_on_the_run_page_updates_live_when_a_child_stops(
 
     for i in range(3):
         assert agent.check(child, "search", {"q": i})["decision"] == "allow"
-    expect(page.locator("[data-counter=tree-steps]")).to_contain_text("3 / 3")
+    # The root's own counters are its tree's, shown once (not again as "Tree usage").
+    expect(page.locator("#run-counters [data-counter=steps]")).to_contain_text("3 / 3")
+    expect(page.locator("[data-counter=tree-steps]")).to_have_count(0)
+    expect(page.locator("[data-tree-counted]")).to_be_visible()
     stop = agent.check(child, "search", {"q": "one more"})
     assert (stop["decision"], stop["reason"]) == ("stop", "max_steps")
     expect(row).to_have_attribute("data-status", "stopped")
