@@ -120,11 +120,12 @@ class RunTurns:
     event loop reads and writes it."""
 
     def __init__(self) -> None:
-        self._turns: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._turns: dict[str, tuple[asyncio.Lock, int]] = {}  # by credential and run
 
     @contextlib.asynccontextmanager
-    async def turn(self, run_id: Any) -> AsyncIterator[None]:
-        key = str(run_id).lower()
+    async def turn(self, whose: tuple[str, Any]) -> AsyncIterator[None]:
+        """The turn of a check of run ``whose[1]`` sent with credential ``whose[0]``."""
+        key = f"{whose[0]}:{str(whose[1]).lower()}"
         lock, waiting = self._turns.get(key) or (asyncio.Lock(), 0)
         self._turns[key] = (lock, waiting + 1)
         try:
@@ -139,7 +140,8 @@ class RunTurns:
 
 
 def _credential(scope: Scope) -> str:
-    """Who a shared pool's request is from, before it is authenticated: its bearer token's
+    """Who a request is from, before it is authenticated (a shared pool's caller, a check's
+    turn on its run): its bearer token's
     digest, the token as the authentication reads it (any case of "Bearer", spaces around),
     so that one token is one caller however its header is spelled; else no credential."""
     for name, value in scope.get("headers", ()):
@@ -274,7 +276,10 @@ class Application(ResolvedOnce, ASGIHandler):
                 # The check: on the same pool with the same housekeeping, without Django's
                 # handler (governance/direct.py); one of a run's checks at a time on the pool.
                 assert request.resolver_match is not None
-                async with self.run_turns.turn(request.resolver_match.kwargs.get("run_id")):
+                # The turn is the key's on the run: another key's checks (another team's,
+                # one that guessed the run's id) never queue in front of the run's own.
+                async with self.run_turns.turn(
+                        (_credential(scope), request.resolver_match.kwargs.get("run_id"))):
                     made = await loop.run_in_executor(executor, self.respond_direct, request,
                                                       view)
                 if isinstance(made, Answer):
