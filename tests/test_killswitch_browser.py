@@ -4,6 +4,8 @@ downloaded browser."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,27 @@ def session_cookie(user: Any) -> str:
     return client.cookies[settings.SESSION_COOKIE_NAME].value
 
 
+@contextmanager
+def signed_in_page(server: Any, cookie: str) -> Iterator[Any]:
+    """A page of Debian's chromium on `server`, signed in with a session cookie
+    (`session_cookie`). No ORM while it is open: Playwright's event loop runs in this
+    thread."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(base_url=server.url)
+            context.add_cookies([{"name": settings.SESSION_COOKIE_NAME, "value": cookie,
+                                  "url": server.url}])
+            yield context.new_page()
+        finally:
+            browser.close()
+
+
 def test_an_operator_kills_a_run_from_its_page_and_the_timeline_shows_it_live(
         server, agent, team, users, workers: list[Worker]):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     if HAS_REDIS:
         new_worker(workers)  # the fan-out that marks the run killed runs on Celery
@@ -45,33 +65,25 @@ def test_an_operator_kills_a_run_from_its_page_and_the_timeline_shows_it_live(
     cookie = session_cookie(users["operator"])
 
     # No ORM below while Playwright's event loop runs in this thread.
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            context = browser.new_context(base_url=server.url)
-            context.add_cookies([{"name": settings.SESSION_COOKIE_NAME, "value": cookie,
-                                  "url": server.url}])
-            page = context.new_page()
-            page.goto(f"/teams/{team.slug}/runs/{run_id}/")
-            expect(page.locator("#timeline tr")).to_have_count(2)
-            page.evaluate("window.__sameDocument = true")  # gone if the page reloads
+    with signed_in_page(server, cookie) as page:
+        page.goto(f"/teams/{team.slug}/runs/{run_id}/")
+        expect(page.locator("#timeline tr")).to_have_count(2)
+        page.evaluate("window.__sameDocument = true")  # gone if the page reloads
 
-            page.click("#kill-run")
-            confirm = page.locator("#killswitch-confirm")
-            expect(confirm).to_contain_text(f"run {run_id[:8]} of team {team.slug}")
-            expect(confirm).to_contain_text("1 running run")
-            confirm.locator("textarea[name=reason]").fill("stuck in a loop")
-            confirm.locator("button[type=submit]").click()
-            expect(page.locator(".killswitch-done")).to_contain_text("Kill switch engaged")
-            expect(page.locator("#kill-run")).to_have_count(0)  # HX-Trigger: killswitch-changed
+        page.click("#kill-run")
+        confirm = page.locator("#killswitch-confirm")
+        expect(confirm).to_contain_text(f"run {run_id[:8]} of team {team.slug}")
+        expect(confirm).to_contain_text("1 running run")
+        confirm.locator("textarea[name=reason]").fill("stuck in a loop")
+        confirm.locator("button[type=submit]").click()
+        expect(page.locator(".killswitch-done")).to_contain_text("Kill switch engaged")
+        expect(page.locator("#kill-run")).to_have_count(0)  # HX-Trigger: killswitch-changed
 
-            kill_row = page.locator("#timeline tr.outcome-stop")
-            expect(kill_row).to_have_count(1, timeout=15_000)
-            expect(kill_row).to_contain_text("killed")
-            expect(kill_row).to_contain_text("stuck in a loop")
-            assert page.evaluate("window.__sameDocument") is True
-        finally:
-            browser.close()
+        kill_row = page.locator("#timeline tr.outcome-stop")
+        expect(kill_row).to_have_count(1, timeout=15_000)
+        expect(kill_row).to_contain_text("killed")
+        expect(kill_row).to_contain_text("stuck in a loop")
+        assert page.evaluate("window.__sameDocument") is True
 
     run = Run.objects.get(pk=run_id)
     assert (run.status, run.stop_reason) == ("killed", "killed")

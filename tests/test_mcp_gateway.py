@@ -380,6 +380,18 @@ def test_an_upstream_that_hangs_or_writes_garbage_never_hangs_the_session(
         "files.hang", "files.search", "files.garbage", "files.counter"]
 
 
+def still_serves_then_ends(process: subprocess.Popen[str], call_id: int, query: str) -> None:
+    """The session goes on (a call is answered as usual), then the client leaves: the
+    gateway ends the session, its run completed, and exits 0."""
+    send(process, {"jsonrpc": "2.0", "id": call_id, "method": "tools/call",
+                   "params": {"name": "search", "arguments": {"query": query}}})
+    assert receive(process)["result"]["content"][0]["text"] == "no match"
+    assert process.poll() is None
+    assert process.stdin is not None
+    process.stdin.close()
+    assert process.wait(timeout=20) == 0
+
+
 def test_arguments_that_are_not_json_are_refused_and_the_session_goes_on(
         server: Server, agent: Agent) -> None:
     """The SDK reads NaN and Infinity, JSON has neither: such a call used to end the whole
@@ -402,12 +414,7 @@ def test_arguments_that_are_not_json_are_refused_and_the_session_goes_on(
         assert refused["isError"] is True
         assert "action.args: must not contain NUL" in refused["content"][0]["text"]
         assert "try again later" not in refused["content"][0]["text"]
-        send(process, {"jsonrpc": "2.0", "id": 9, "method": "tools/call",
-                       "params": {"name": "search", "arguments": {"query": "x"}}})
-        assert receive(process)["result"]["content"][0]["text"] == "no match"
-        assert process.poll() is None
-        process.stdin.close()  # the client leaves: the session ends, its run completed
-        assert process.wait(timeout=20) == 0
+        still_serves_then_ends(process, 9, "x")
     run = finished_run(agent)
     assert run["status"] == "completed"
     decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
@@ -432,12 +439,7 @@ def test_ids_and_progress_tokens_that_are_not_strings_or_numbers_leave_the_sessi
                                   "_meta": {"progressToken": {"a": 1}}}})
         answer = receive(process)
         assert answer["id"] == 2, answer
-        send(process, {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
-                       "params": {"name": "search", "arguments": {"query": "y"}}})
-        assert receive(process)["result"]["content"][0]["text"] == "no match"
-        assert process.poll() is None
-        process.stdin.close()  # the client leaves: the session ends, its run completed
-        assert process.wait(timeout=20) == 0
+        still_serves_then_ends(process, 3, "y")
     assert finished_run(agent)["status"] == "completed"
 
 

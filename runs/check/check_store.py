@@ -373,14 +373,14 @@ PREPARE_SQL = (
     f"PREPARE governance_check_write(jsonb, jsonb, jsonb, jsonb) AS {WRITE_SQL};"
 )
 # Sequential scans off for the check's transaction (a local setting: it ends with the
-# transaction): every table the
-# check reads it reads by a key, and a plan made when a table was a page or two (a new
-# database, a truncated table, statistics from then) would otherwise keep scanning it
-# whole as it grows, until an ANALYZE replans: measured in one benchmark run, 17,257
-# sequential scans of runs_runmemory reading 43.7 M rows, PostgreSQL's CPU per check 1.18 ms
-# instead of 0.7 to 0.9 (docs/performance.md "A plan that grew too"). The setting is read
-# whenever PostgreSQL plans the statements (the first executions, and every replan), so
-# their plans take the keys' indexes at any size and with any statistics.
+# transaction): every table the check reads it reads by a key, and a plan made when a table
+# was a page or two (a new database, a truncated table, statistics from then) would
+# otherwise keep scanning it whole as it grows, until an ANALYZE replans: measured in one
+# benchmark run, 17,257 sequential scans of runs_runmemory reading 43.7 M rows,
+# PostgreSQL's CPU per check 1.18 ms instead of 0.7 to 0.9 (docs/performance.md "A plan that
+# grew too"). The setting is read whenever PostgreSQL plans the statements (the first
+# executions, and every replan), so their plans take the keys' indexes at any size and with
+# any statistics.
 #
 # And a bound on every lock wait of the check's transaction (SPEC 10): a run held by another
 # request longer than CHECK_LOCK_WAIT_MS answers 503 (runs/check/api.py), instead of holding

@@ -90,7 +90,8 @@ def _detail(rule: dict[str, Any]) -> str:
     observed = rule.get("observed") if isinstance(rule.get("observed"), dict) else {}
     if name == rules.KILLED:
         where = _pairs({k: v for k, v in limit.items() if k != "scope"})
-        switch = f"the {limit.get('scope', '')} kill switch".replace("the  ", "the ")
+        scope = limit.get("scope")
+        switch = f"the {scope} kill switch" if scope else "the kill switch"
         by, why = observed.get("engaged_by"), observed.get("reason")
         return (switch + (f" ({where})" if where else "")
                 + (f", engaged by {by}" if by else "") + (f": {why}" if why else ""))
