@@ -38,6 +38,7 @@ LONG_POLL_WAIT_S = 30
 IDLE_CONNECTIONS = 2000  # from IDLE_SOURCES loopback addresses, 100 each
 IDLE_SOURCES = 20
 HEAVY_RATE_AGENTS = 8  # another team's agents checking under 50 rate-limit rules
+HEAVY_READERS = 4  # another team's keys each reading its run's largest decisions, in turn
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Target:
     # and, for the long polls, the approvals they wait on.
     other_tokens: list[str] = field(default_factory=list)
     approval_ids: list[str] = field(default_factory=list)
+    # The other team's run whose decisions `heavy_reads` reads.
+    other_run_id: str = ""
 
     def __post_init__(self) -> None:
         if not ipaddress.ip_address(self.host).is_loopback:
@@ -425,6 +428,49 @@ async def heavy_rate_limits(target: Target, stop: asyncio.Event, stats: AttackSt
                            for n in range(agents)))
 
 
+async def _reader(target: Target, stop: asyncio.Event, stats: AttackStats, token: str
+                  ) -> None:
+    """One key reading its run's decisions, a page of the most the API gives after another,
+    on one kept-alive connection; a refused read (429) waits its Retry-After, as the client."""
+    path = f"/api/v1/runs/{target.other_run_id}/decisions?limit=1000"
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(target.host, target.port,
+                                                           limit=2**20)
+        except OSError as exc:
+            stats.errors[f"connect: {type(exc).__name__}"] += 1
+            if await _wait(stop, 0.5):
+                return
+            continue
+        stats.opening()
+        try:
+            while not stop.is_set():
+                status, _ = await _exchange(reader, writer,
+                                            _request(target, "GET", path, token), 30)
+                stats.answers[status] += 1
+                if " 200 " not in status and await _wait(stop, 1.0):
+                    return
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            stats.errors[f"read: {type(exc).__name__}"] += 1
+        finally:
+            stats.closing()
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def heavy_reads(target: Target, stop: asyncio.Event, stats: AttackStats,
+                      readers: int = HEAVY_READERS) -> None:
+    """Another team's keys reading, over and over, the most decisions a page gives of its run
+    whose every decision carries the most arguments a check may (SPEC 10: no tenant's reads
+    raise another team's check p99 beyond 2x)."""
+    if not target.other_tokens or not target.other_run_id:
+        raise ValueError("heavy_reads needs another team's keys and its run")
+    await asyncio.gather(*(_reader(target, stop, stats,
+                                   target.other_tokens[i % len(target.other_tokens)])
+                           for i in range(readers)))
+
+
 async def together(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
     """Every attack above at once."""
     await asyncio.gather(slow_bodies(target, stop, stats),
@@ -448,6 +494,7 @@ ATTACKS: dict[str, Attack] = {
     "long_polls": long_polls,
     "idle_connections": idle_connections,
     "heavy_rate_limits": heavy_rate_limits,
+    "heavy_reads": heavy_reads,
     "redis_refused": _no_clients,
     "redis_hung": _no_clients,
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import subprocess
 import sys
 import threading
@@ -701,6 +702,10 @@ HEAVY_RATE_POLICY: dict[str, Any] = {
                      "max": 100_000, "window_s": 3600} for i in range(50)],
 }
 POLLED_APPROVALS = 50
+# `heavy_reads`: the other team's run of 1,000 decisions (the most a page gives), each with
+# about 60 KB of arguments (a check's body may be 64 KiB), uploaded as local decisions.
+HEAVY_READ_DECISIONS = 1000
+HEAVY_READ_ARGS_BYTES = 60_000
 
 
 def neighbour_state(server: Server, name: str) -> dict[str, Any]:
@@ -713,6 +718,8 @@ def neighbour_state(server: Server, name: str) -> dict[str, Any]:
 
     if name == "heavy_rate_limits":
         return {"other_tokens": [seed_team("bench-heavy-rl", policy=HEAVY_RATE_POLICY).token]}
+    if name == "heavy_reads":
+        return _heavy_read_state(server)
     if name != "long_polls":
         return {}
     neighbour = seed_team("bench-polls", policy={
@@ -733,6 +740,35 @@ def neighbour_state(server: Server, name: str) -> dict[str, Any]:
             answer.raise_for_status()
             approvals.append(answer.json()["approval"]["id"])
     return {"other_tokens": tokens, "approval_ids": approvals}
+
+
+def _heavy_read_state(server: Server) -> dict[str, Any]:
+    import httpx
+
+    from policies.models import Team as TeamModel
+    from policies.services import agent_key_create
+
+    neighbour = seed_team("bench-heavy-reads", policy=HEAVY_RATE_POLICY)
+    model = TeamModel.objects.get(pk=neighbour.team_id)
+    tokens = [neighbour.token] + [
+        agent_key_create(team=model, name=f"bench-reader-{uuid.uuid4().hex[:6]}").token
+        for _ in range(3)]
+    auth = {"Authorization": f"Bearer {neighbour.token}"}
+    per_upload = 16  # 16 entries of 60 KB: under an upload's 1 MiB
+    with httpx.Client(base_url=server.url, timeout=30, headers=auth) as http:
+        run = http.post("/api/v1/runs", json={"agent": "bench-heavy-reader"})
+        run.raise_for_status()
+        run_id = run.json()["run_id"]
+        for first in range(0, HEAVY_READ_DECISIONS, per_upload):
+            entries = [{"check_id": f"heavy-{i}", "decision": "allow", "reason": "step_ok",
+                        "action": {"name": f"tool{i % 50}.call", "args": {
+                            "blob": os.urandom(HEAVY_READ_ARGS_BYTES // 2).hex()}}}
+                       for i in range(first, min(first + per_upload, HEAVY_READ_DECISIONS))]
+            while (answer := http.post(f"/api/v1/runs/{run_id}/local-decisions",
+                                       json={"decisions": entries})).status_code == 429:
+                time.sleep(float(answer.headers.get("Retry-After", "1")))
+            answer.raise_for_status()
+    return {"other_tokens": tokens, "other_run_id": run_id}
 
 
 @contextlib.contextmanager

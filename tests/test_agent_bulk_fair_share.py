@@ -4,7 +4,10 @@ Found by an attacker: with one team's agent key, 16 concurrent uploads of 1,000 
 decisions (or 8 reads of a run's 1,000 largest decisions) took every thread of the API's pool,
 and another team's checks waited 1 to 6 s, its kill switch answered 4.6 s late. The bulk
 calls now have a pool of their own (governance/pools.py), of which one key holds at most its
-share: past it, 429 with Retry-After at once, which the client retries."""
+share: past it, 429 with Retry-After at once, which the client retries. And together they
+take at most a share of the process's time (`WEB_AGENT_BULK_SHARE`): found by an attacker
+after that, four keys reading a run's 1,000 decisions of 60 KB over and over still made
+another team's check p99 12x (the benchmark's `heavy_reads` attack)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import pytest
 from governance.pools import pool_name
 from policies.models import Team
 from policies.services import agent_key_create
-from tests.conftest import Server
+from tests.conftest import Server, server_env, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -34,6 +37,38 @@ def test_bulk_paths_have_their_own_pool() -> None:
     assert pool_name("/api/v1/runs", "GET") == pool_name("/api/v1/runs/") == "agent-bulk"
     assert pool_name("/api/v1/runs", "POST") == "api"  # a run's start is an agent's step
     assert pool_name("/api/v1/runs/x/check", "POST") == pool_name("/api/v1/runs/x") == "api"
+
+
+def test_bulk_calls_take_turns_within_their_share_of_the_process(team: Team,
+                                                                 agent_token: str) -> None:
+    """A bulk call waits until what the last ones took is paid back at the pool's share of
+    the process's time; a wait longer than 10 s is refused at once with it as Retry-After.
+    The checks never wait for that turn. One worker: each process has its own share."""
+    server = start_server(workers=1, env=server_env(WEB_AGENT_BULK_SHARE="0.01"))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60,
+                          headers={"Authorization": f"Bearer {agent_token}"}) as http:
+            run_id = http.post("/api/v1/runs", json={"agent": "support-bot"}).json()["run_id"]
+            assert http.get("/api/v1/runs").status_code == 200
+            # Any call takes more than a millisecond: at a hundredth, 0.1 s to pay back.
+            began = time.monotonic()
+            assert http.get("/api/v1/runs").status_code == 200
+            assert time.monotonic() - began >= 0.1
+            answer = http.post(f"/api/v1/runs/{run_id}/local-decisions", json=upload_body())
+            assert answer.status_code == 200, answer.text
+            # 1,000 entries take far more than 0.1 s: over 10 s to pay back at a hundredth.
+            refused = http.get(f"/api/v1/runs/{run_id}/decisions")
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "too_many_requests"
+            assert "share of its time" in refused.json()["error"]["message"]
+            assert int(refused.headers["Retry-After"]) > 10
+            began = time.monotonic()
+            check = http.post(f"/api/v1/runs/{run_id}/check",
+                              json={"action": {"name": "search.docs", "args": {"q": "x"}}})
+            assert check.status_code == 200, check.text
+            assert time.monotonic() - began < DEADLINE_S
+    finally:
+        server.stop()
 
 
 def other_teams_calls(server: Server, token: str, seconds: float) -> list[float]:

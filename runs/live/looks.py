@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import close_old_connections, connections
 
 from governance.deadlines import read_deadline
+from governance.shares import TimeShare
 from runs.background import BackgroundThread
 
 T = TypeVar("T")
@@ -44,8 +45,7 @@ class LookLane(BackgroundThread):
     def _reset(self) -> None:
         super()._reset()
         self._queues: OrderedDict[Hashable, deque[_Look[Any]]] = OrderedDict()
-        self._budget = 0.0
-        self._filled_at = time.monotonic()
+        self._share = TimeShare(self.BURST_S)
         self._batch_at = 0.0  # when the last batch was served
 
     async def run(self, look: Any, viewer: Hashable,
@@ -124,17 +124,12 @@ class LookLane(BackgroundThread):
             batch = [item for item in batch if not item.future.cancelled()]  # waiters gone
             if not batch:
                 continue
-            # A token bucket of look time: it fills at `share` seconds per second, up to a
-            # short burst, so a quiet process's looks start at once and a crowded one's
-            # wait their turn; a look spends the CPU time it took.
-            share = min(1.0, max(0.01, settings.DASHBOARD_STREAM_SHARE))
-            now = time.monotonic()
-            self._budget = min(self.BURST_S, self._budget + (now - self._filled_at) * share)
-            self._filled_at = now
-            if self._budget < 0:
+            # A quiet process's looks start at once and a crowded one's wait their turn; a
+            # look spends the CPU time it took (governance/shares.py).
+            if wait := self._share.wait_s(settings.DASHBOARD_STREAM_SHARE):
                 # A stop cuts the rest short; the look in hand is served all the same.
-                self._rest(min(5.0, -self._budget / share))
-                self._budget, self._filled_at = 0.0, time.monotonic()
+                self._rest(min(5.0, wait))
+                self._share.forgive()
             spent = time.thread_time()
             results: list[Any] = [None] * len(batch)
             failure: BaseException | None = None
@@ -151,7 +146,7 @@ class LookLane(BackgroundThread):
             # What the look took from the process is this thread's CPU time: on a loaded
             # machine its wall time was mostly waiting, for a core, the GIL or PostgreSQL,
             # which charged the lane several times what it took and starved the screens.
-            self._budget -= time.thread_time() - spent
+            self._share.spend(time.thread_time() - spent)
             for item, result in zip(batch, results, strict=True):
                 with contextlib.suppress(RuntimeError):  # RuntimeError: that loop is closed
                     item.loop.call_soon_threadsafe(_settle, item.future, result, failure)

@@ -1,0 +1,40 @@
+"""A bounded share of a process's time for work that is not the checks' (docs/serving.md).
+
+Work that can be heavy and that a client may ask for again and again (the live screens'
+database looks, the agents' bulk reads and uploads) takes turns
+under a `TimeShare`: a token bucket of seconds that fills at ``share`` seconds a second, up
+to a short burst. A quiet process starts such work at once; a busy one makes the next wait
+until what the last took is paid back, so however many ask, together they take at most that
+share of the process's time and the checks keep the rest.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class TimeShare:
+    """Not thread-safe: one thread (or the event loop) spends and asks."""
+
+    def __init__(self, burst_s: float) -> None:
+        self.burst_s = burst_s
+        self._budget = 0.0
+        self._filled_at = time.monotonic()
+
+    def wait_s(self, share: float) -> float:
+        """How long the next piece of work must wait (0: it may start now), the bucket
+        filled at `share` (a fraction of a second per second) since it was last asked."""
+        share = min(1.0, max(0.01, share))
+        now = time.monotonic()
+        self._budget = min(self.burst_s, self._budget + (now - self._filled_at) * share)
+        self._filled_at = now
+        return max(0.0, -self._budget / share)
+
+    def forgive(self) -> None:
+        """Whatever is still owed is written off (after the longest rest its owner allows):
+        one piece of work that took far more than its share delays the next ones once."""
+        self._budget, self._filled_at = max(0.0, self._budget), time.monotonic()
+
+    def spend(self, seconds: float) -> None:
+        """Work done: what it took comes off the bucket."""
+        self._budget -= seconds
