@@ -32,7 +32,8 @@ def test_each_value_is_read_from_its_named_column() -> None:
         "run_steps": 4, "run_tool_calls": 2, "run_cost_usd": Decimal("0.5"),
         "run_started_at": NOW, "run_ended_at": None, "run_memory": '{"last": []}',
         "run_idle_deadline": None, "switch_scope": "agent", "switch_agent": "bot",
-        "switch_reason": "enough", "switch_engaged_by_label": "ops", "earlier_id": "42",
+        "switch_reason": "enough", "switch_engaged_by_label": "ops", "switch_run_id": None,
+        "earlier_id": "42",
         "earlier_answer": '{"decision": "allow"}', "keyed": '{"abc": 2}',
         "run_ancestors": '["root-id", "parent-id"]',
     }
@@ -49,7 +50,8 @@ def test_each_value_is_read_from_its_named_column() -> None:
     assert (locked.run.state.steps, locked.run.state.tool_calls,
             locked.run.state.cost_usd, locked.run.state.started_at) == (4, 2, Decimal("0.5"), NOW)
     assert locked.switch == check_store.SwitchSeen(scope="agent", agent="bot",
-                                                   reason="enough", engaged_by_label="ops")
+                                                   reason="enough", engaged_by_label="ops",
+                                                   run_id=None)
     assert locked.earlier_answer == (42, {"decision": "allow"})
     assert locked.keyed == {"abc": 2}
     assert locked.run.ancestors == ("root-id", "parent-id")

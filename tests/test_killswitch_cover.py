@@ -158,7 +158,8 @@ def test_each_scope_has_its_words(team: Team) -> None:
         scope: (cover.scope_in_words(scope, team=team, agent="bot", run_id=run.pk),
                 cover.covered_in_words(scope, team=team, agent="bot"),
                 cover.switch_in_words(KillSwitch(scope=scope, agent="bot", reason="why",
-                                                 engaged_by_label="ops")))
+                                                 engaged_by_label="ops",
+                                                 run=run if scope == Scope.RUN else None)))
         for scope in Scope.values
     }
     assert words[Scope.GLOBAL] == ("global (every run of every team)", "of every team",
@@ -168,4 +169,4 @@ def test_each_scope_has_its_words(team: Team) -> None:
     assert words[Scope.AGENT] == ("agent bot of team support", "of agent bot in team support",
                                   "the kill switch of agent bot, engaged by ops: why")
     assert words[Scope.RUN] == (f"run {str(run.pk)[:8]} of team support", "(this run)",
-                                "the kill switch of this run, engaged by ops: why")
+                                f"the kill switch of run {run.pk}, engaged by ops: why")

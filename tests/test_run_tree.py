@@ -178,6 +178,8 @@ def test_a_kill_switch_over_the_parent_covers_its_children(api, team, users):
     answer = check(api, child)
     assert (answer["decision"], answer["reason"]) == ("stop", "killed")
     assert Run.objects.get(pk=child).status == "killed"
+    # The switch is named by its run, the parent's: not "this run" (found by a newcomer).
+    assert f"the kill switch of run {root}, engaged by" in answer["message"]
 
 
 def test_the_fanout_of_a_switch_over_a_parent_kills_its_descendants(api, team, users):
@@ -196,6 +198,8 @@ def test_the_fanout_of_a_switch_over_a_parent_kills_its_descendants(api, team, u
     assert result is not None and sorted(result.killed) == sorted([child, grandchild])
     assert [Run.objects.get(pk=r).status for r in (root, child, grandchild, sibling_tree)] \
         == ["running", "killed", "killed", "running"]
+    killed = Decision.objects.get(run_id=grandchild, reason="killed")
+    assert f"the kill switch of run {child}, engaged by" in killed.answer["message"]
     assert killswitch_fanout(switch_id=switch.pk).killed == []
 
 

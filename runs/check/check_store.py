@@ -170,6 +170,7 @@ class SwitchSeen:
     agent: str
     reason: str
     engaged_by_label: str
+    run_id: Any  # a run switch's run: the checked run or one of its ancestors (SPEC 20)
 
 
 def _rate_rows(cursor: Any, *, locking: bool) -> tuple[bool, list[Any]]:
@@ -294,7 +295,7 @@ LOCK_SELECT: tuple[tuple[str, str], ...] = (
     ("team_id", "k.team_id"), ("team_slug", "t.slug"),
     *((f"run_{name}", f"r.{name}") for name in RUN_COLUMNS if name != "team_id"),
     ("switch_scope", "s.scope"), ("switch_agent", "s.agent"), ("switch_reason", "s.reason"),
-    ("switch_engaged_by_label", "s.engaged_by_label"),
+    ("switch_engaged_by_label", "s.engaged_by_label"), ("switch_run_id", "s.run_id"),
     ("earlier_id", "d.id"), ("earlier_answer", "d.answer"), ("keyed", "m.counts"),
 )
 LOCK_AT = {name: i for i, (name, _) in enumerate(LOCK_SELECT)}
@@ -311,7 +312,7 @@ LEFT JOIN LATERAL (
     FOR UPDATE
 ) r ON true
 LEFT JOIN LATERAL (
-    SELECT ks.scope, ks.agent, ks.reason, ks.engaged_by_label
+    SELECT ks.scope, ks.agent, ks.reason, ks.engaged_by_label, ks.run_id
     FROM runs_killswitch ks
     WHERE ks.active AND r.status = '{RunStatus.RUNNING.value}' AND (
         {cover.covers_sql(switch="ks", team="r.team_id", agent="r.agent", run="$1")})
@@ -475,7 +476,8 @@ def _locked_of(row: Sequence[Any], *, windows: list[RateWindow] | None, keyed: b
     if row[at["switch_scope"]] is not None:
         switch = SwitchSeen(scope=row[at["switch_scope"]], agent=row[at["switch_agent"]],
                             reason=row[at["switch_reason"]],
-                            engaged_by_label=row[at["switch_engaged_by_label"]])
+                            engaged_by_label=row[at["switch_engaged_by_label"]],
+                            run_id=row[at["switch_run_id"]])
     earlier_id = row[at["earlier_id"]]
     earlier = (int(earlier_id), _loaded(row[at["earlier_answer"]])) \
         if earlier_id is not None else None

@@ -43,6 +43,7 @@ class SwitchFields(Protocol):
     agent: str
     reason: str
     engaged_by_label: str
+    run_id: Any  # a run switch's run (None for the other scopes)
 
 
 # --- The target key -------------------------------------------------------------------------
@@ -239,4 +240,5 @@ def switch_in_words(switch: SwitchFields) -> str:
     """A switch for the agent it stops: the message of a refused start or a killed check
     (the words are `answers.switch_in_words`, which the client's fake says too)."""
     return answers.switch_in_words(Scope(switch.scope).value, agent=switch.agent,
-                                   by=switch.engaged_by_label, reason=switch.reason)
+                                   by=switch.engaged_by_label, reason=switch.reason,
+                                   run=switch.run_id)

@@ -103,8 +103,10 @@ def abandon_answer(state: rules.RunState, policy: rules.Policy, now: datetime
     return answer_of(abandon_decision(state, policy), state, policy, now)
 
 
+# A run switch is named by its run: it stops the run's sub-agents too (SPEC 20), whose agents
+# "this run" would tell the switch is on their own run (found by a newcomer).
 SWITCH_SCOPES = {"global": "the global kill switch", "team": "the team kill switch",
-                 "agent": "the kill switch of agent {agent}", "run": "the kill switch of this run"}
+                 "agent": "the kill switch of agent {agent}", "run": "the kill switch of run {run}"}
 
 
 def kill_rule(scope: str, *, team: str | None, by: str, reason: str,
@@ -121,10 +123,11 @@ def kill_rule(scope: str, *, team: str | None, by: str, reason: str,
     return rules.rule(rules.KILLED, limit, {"engaged_by": by, "reason": reason})
 
 
-def switch_in_words(scope: str, *, by: str, reason: str, agent: str | None = None) -> str:
+def switch_in_words(scope: str, *, by: str, reason: str, agent: str | None = None,
+                    run: Any = None) -> str:
     """A switch for the agent it stops (SPEC 6): the message of a refused start or a killed
     check names the switch, who engaged it and why."""
-    return f"{SWITCH_SCOPES[scope].format(agent=agent)}, engaged by {by}: {reason}"
+    return f"{SWITCH_SCOPES[scope].format(agent=agent, run=run)}, engaged by {by}: {reason}"
 
 
 def kill_decision(words: str, *, step: int, fired: dict[str, Any] | None = None
