@@ -342,7 +342,16 @@ def sso_callback(request: HttpRequest) -> HttpResponse:
 class PasswordSignInForm(AuthenticationForm):
     """The password form under OIDC_PASSWORD_LOGIN: ``all`` signs in anyone, ``superusers``
     only superusers (everyone else through SSO), ``off`` nobody. A refused account gets the
-    same words as a wrong password: the form never tells whose password was right."""
+    same words as a wrong password: the form never tells whose password was right. Under
+    ``superusers`` those words say who may sign in here, whatever went wrong (found by a
+    newcomer: an operator's right password read as a wrong one)."""
+
+    def get_invalid_login_error(self) -> ValidationError:
+        if settings.OIDC_PASSWORD_LOGIN != "superusers":
+            return super().get_invalid_login_error()
+        return ValidationError(
+            "Please enter a correct username and password. Only a superuser signs in with a "
+            "password here; everyone else signs in with SSO.", code="invalid_login")
 
     def clean(self) -> dict[str, Any]:
         mode = settings.OIDC_PASSWORD_LOGIN

@@ -281,8 +281,12 @@ def test_the_login_page_and_the_password_policy(sso: Provider, db: Any):
     client = Client()
     page = client.get("/accounts/login/")
     assert b"Sign in with SSO" in page.content and b"superusers only" in page.content
-    answer = client.post("/accounts/login/", {"username": "frank", "password": "pw-frank-123"})
-    assert answer.status_code == 200 and b"Please enter a correct username" in answer.content
+    # A right password of an account that is not a superuser reads as a wrong one (the form
+    # never tells whose password was right), and both say who signs in here.
+    for password in ("pw-frank-123", "wrong"):
+        answer = client.post("/accounts/login/", {"username": "frank", "password": password})
+        assert answer.status_code == 200 and b"Please enter a correct username" in answer.content
+        assert b"Only a superuser signs in with a password here" in answer.content
     assert client.post("/accounts/login/", {"username": "root",
                                             "password": "pw-root-123"}).status_code == 302
     with override_settings(OIDC_PASSWORD_LOGIN="off"):

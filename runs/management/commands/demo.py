@@ -205,6 +205,12 @@ class Command(BaseCommand):
             f"Dashboard: {base}/  sign in as admin / demo-admin (superuser),",
             "           operator / demo-operator, or viewer / demo-viewer.",
         ]
+        if settings.OIDC_PASSWORD_LOGIN != "all":
+            # With SSO on, the password form signs in superusers only (docs/sso.md): the
+            # other two logins would be refused (found by a newcomer).
+            logins[1:] = [f"           SSO is on: password sign-in is "
+                          f"{settings.OIDC_PASSWORD_LOGIN} (OIDC_PASSWORD_LOGIN), so operator "
+                          "and viewer sign in with SSO."]
         if setup.kept_passwords:
             logins.append("           (" + ", ".join(setup.kept_passwords) + " already "
                           "existed: their passwords were left as they are.)")
