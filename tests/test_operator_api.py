@@ -405,6 +405,12 @@ def test_create_operator_token_prints_the_token_alone_on_the_last_line(world, us
     call_command("create_operator_token", "--user", "operator", "--team", "support",
                  "--role", "viewer", stdout=io.StringIO(), stderr=quiet)
     assert quiet.getvalue() == ""
+    # For every team of the owner, the same note names each team where it acts with less.
+    err = io.StringIO()
+    call_command("create_operator_token", "--user", "operator", "--role", "admin",
+                 stdout=io.StringIO(), stderr=err)
+    assert err.getvalue().strip() == ("Note: operator is an operator of team support, so "
+                                      "this token acts there with that role, not as an admin.")
 
 
 def test_the_account_page_creates_shows_once_lists_and_revokes(world, users):

@@ -7,7 +7,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from governance.errors import AppError
 from policies.models import Role, Team
-from policies.tokens import operator_token_create, token_role
+from policies.tokens import operator_token_create, token_role, token_teams
 
 
 class Command(BaseCommand):
@@ -41,15 +41,24 @@ class Command(BaseCommand):
                   if new.token.expires_at else "")
         self.stdout.write(f"Created operator token {new.token.name!r} (prefix "
                           f"{new.token.prefix}) for {user}, role {role}, {where}{expiry}.")
+        # The token acts with the lesser of the two roles: say so now, not at the first 403
+        # of the automation it was made for (for every team of the owner too: found by a
+        # newcomer, whose token for every team said nothing).
         if team_row is not None:
             acts = token_role(new.token, team_row)
             if acts != role:
-                # The token acts with the lesser of the two roles: say so now, not at the
-                # first 403 of the automation it was made for.
                 self.stderr.write(
                     f"Note: {user} is {'not a member' if acts is None else _a(acts)} of "
                     f"team {team}, so this token acts there as "
                     f"{'nobody (404)' if acts is None else _a(acts)}, not as {_a(role)}.")
+        elif not (teams := token_teams(new.token)):
+            self.stderr.write(f"Note: {user} is a member of no team, so this token sees "
+                              "nothing until they join one.")
+        elif lesser := [(t.slug, acts) for t in teams
+                        if (acts := token_role(new.token, t)) not in (None, role)]:
+            roles = ", ".join(f"{_a(acts)} of team {slug}" for slug, acts in lesser)
+            self.stderr.write(f"Note: {user} is {roles}, so this token acts there with that "
+                              f"role, not as {_a(role)}.")
         self.stdout.write(new.secret)
 
 
