@@ -129,3 +129,32 @@ def test_no_child_allow_after_the_kill_of_the_parent_returned(two_servers, agent
     late = [answer for sent, answer in seen if sent > engaged[0]]
     assert late, "no check started after the engage: the timing proves nothing"
     assert all((a["decision"], a["reason"]) == ("stop", "killed") for a in late)
+
+
+def test_a_start_under_a_parent_whose_finish_is_committing_waits_for_it_and_is_refused(
+        server, agent):
+    """Found by an attacker: a sub-agent's start and its parent's finish sent at the same
+    moment made a running child of a completed parent 13 times in 40. The start reads its
+    parent in its own statement, locked: a finish in progress is waited for, then read."""
+    import psycopg
+
+    from tests.conftest import test_database_url
+
+    parent = agent.start("planner")["run_id"]
+    answers: list[httpx.Response] = []
+    with psycopg.connect(test_database_url()) as finishing:
+        finishing.execute("UPDATE runs_run SET status = 'completed', ended_at = now() "
+                          "WHERE id = %s", [parent])  # not committed yet
+        starting = ThreadPoolExecutor(max_workers=1)
+        started = starting.submit(lambda: answers.append(httpx.post(
+            f"{server.url}/api/v1/runs", timeout=30,
+            headers={"Authorization": f"Bearer {agent.token}"},
+            json={"agent": "helper", "parent_run_id": parent})))
+        time.sleep(1.0)
+        assert not started.done(), "the start did not wait for the parent's finish"
+        finishing.commit()
+    started.result(timeout=30)
+    starting.shutdown()
+    assert answers[0].status_code == 409, answers[0].text
+    assert answers[0].json()["error"]["code"] == "parent_finished"
+    assert not Run.objects.filter(parent_run_id=parent).exists()

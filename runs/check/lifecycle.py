@@ -67,6 +67,8 @@ def run_start(
         for _ in range(2):
             if _insert_unless_switched(run):
                 break
+            if parent is not None:
+                _refuse_if_over(Run.objects.only("status", "stop_reason").get(pk=parent.pk))
             switch = cover.covering_switch(team_id=team.pk, agent=agent, run_id=None)
             if switch is not None:
                 raise ServiceError(409, "kill_switch_engaged",
@@ -105,11 +107,7 @@ def _parent_of(key: AgentKey, parent_run_id: Any) -> Run:
         raise ServiceError(404, "not_found", "No such parent run.",
                            {PARENT_FIELD: "no run of this key's team with this id"})
     parent = abandon_if_idle(parent)
-    if parent.status != rules.RUNNING:
-        raise ServiceError(409, "parent_finished",
-                           f"The parent run is {parent.status} (reason: "
-                           f"{parent.stop_reason or parent.status}): no sub-agent may start "
-                           "under it.", {PARENT_FIELD: f"that run is {parent.status}"})
+    _refuse_if_over(parent)
     if parent.depth + 1 > rules.MAX_DEPTH:
         raise ServiceError(422, "invalid_request", "The request is not valid.",
                            {PARENT_FIELD: f"a run tree is at most {rules.MAX_DEPTH} levels "
@@ -122,6 +120,14 @@ def _parent_of(key: AgentKey, parent_run_id: Any) -> Run:
             raise ServiceError(409, "kill_switch_engaged",
                                f"No new run may start: {cover.switch_in_words(switch)}.")
     return parent
+
+
+def _refuse_if_over(parent: Run) -> None:
+    if parent.status != rules.RUNNING:
+        raise ServiceError(409, "parent_finished",
+                           f"The parent run is {parent.status} (reason: "
+                           f"{parent.stop_reason or parent.status}): no sub-agent may start "
+                           "under it.", {PARENT_FIELD: f"that run is {parent.status}"})
 
 
 def _same_start(existing: Run, agent: str, parent_run_id: Any) -> Run:
@@ -151,17 +157,30 @@ WHERE NOT EXISTS (
 """
 
 
+# A sub-agent's start inserts only under a parent still running, read in the same statement,
+# locked (PostgreSQL: FOR SHARE, so a finish committing meanwhile is waited for and read;
+# SQLite writes one statement at a time): a start and its parent's finish at the same moment
+# made a running child of a completed parent (found by an attacker, 13 times in 40).
+_PARENT_RUNNING = f"""
+AND EXISTS (
+    SELECT 1 FROM runs_run p WHERE p.id = %s AND p.status = '{rules.RUNNING}' {{lock}})
+"""
+
+
 @functools.cache
-def _start_sql(vendor: str) -> str:
+def _start_sql(vendor: str, *, with_parent: bool) -> str:
     """The start's INSERT, built once per database backend (the quoting is the backend's)."""
     fields = Run._meta.concrete_fields
     columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
+    parent = _PARENT_RUNNING.format(lock="FOR SHARE" if vendor == "postgresql" else "") \
+        if with_parent else ""
     return (f"INSERT INTO {connection.ops.quote_name(Run._meta.db_table)} ({columns}) "
-            f"SELECT {', '.join(['%s'] * len(fields))} {_NOT_SWITCHED}")
+            f"SELECT {', '.join(['%s'] * len(fields))} {_NOT_SWITCHED}{parent}")
 
 
 def _insert_unless_switched(run: Run) -> bool:
-    """Insert a new run unless an engaged kill switch covers it; False when one does.
+    """Insert a new run unless an engaged kill switch covers it, or its parent has ended;
+    False when either happened.
 
     One statement, so the switch is read with the snapshot of the insert itself (a switch
     committed before the start began is always seen, SPEC 4.5) and no transaction has to be
@@ -171,12 +190,16 @@ def _insert_unless_switched(run: Run) -> bool:
     """
     fields = Run._meta.concrete_fields
     values = [f.get_db_prep_save(getattr(run, f.attname), connection) for f in fields]
-    sql = _start_sql(connection.vendor)
+    with_parent = run.parent_run_id is not None
+    sql = _start_sql(connection.vendor, with_parent=with_parent)
+    params = [*values, run.team_id, run.team_id, run.agent]
+    if with_parent:
+        params.append(Run._meta.pk.get_db_prep_value(run.parent_run_id, connection))
     # Inside a caller's transaction (tests, scripts) a savepoint keeps that transaction usable
     # after a refused insert (a duplicate external_id); on its own the statement is atomic.
     guard = transaction.atomic() if connection.in_atomic_block else nullcontext()
     with guard, connection.cursor() as cursor:
-        cursor.execute(sql, [*values, run.team_id, run.team_id, run.agent])
+        cursor.execute(sql, params)
         inserted = cursor.rowcount == 1
     if inserted:
         run._state.adding, run._state.db = False, connection.alias
