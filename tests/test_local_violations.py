@@ -141,3 +141,39 @@ def test_a_long_upload_is_recorded_whole_in_chunks_with_its_stop_where_it_fell(a
     assert (body["recorded"], body["skipped"]) == (21, 3)
     assert (body["run"]["steps"], body["run"]["status"]) == (21, "stopped")  # as whole
     assert Decision.objects.filter(run_id=run_id).count() == 21
+
+
+def test_allows_past_the_runs_limits_or_an_ancestors_are_flagged(api, team):
+    """Found by an attacker: 40 uploaded allows on a run whose max_steps is 18 were all
+    recorded unflagged (a client whose local rules were looser than the policy), and a
+    child's the same past its parent's limit. Each allow the service would have stopped is
+    flagged, saying by which limit; the actions ran, so every one is still counted."""
+    set_policy(team, step_limits={"max_steps": 3, "max_repeat_action": 100,
+                                  "no_progress_window": 100})
+    run_id = start(api)
+    upload(api, run_id, *(entry(f"own-{i}", f"search.docs{i}") for i in range(5)))
+    assert [flag for _, _, flag in flags(api, run_id)] == [False, False, False, True, True]
+    fourth = Decision.objects.get(run_id=run_id, check_id="own-3")
+    assert fourth.answer["violation"].startswith(
+        "max_steps: the run's policy would have stopped this action (steps 4; max_steps 3)")
+    assert Run.objects.get(pk=run_id).steps == 5
+
+    # The parent's max_steps bounds its tree (SPEC 20); the child's own policy is roomier.
+    from policies.document import parse_policy
+    from policies.services import policy_save
+
+    set_policy(team, step_limits={"max_steps": 2, "max_repeat_action": 100,
+                                  "no_progress_window": 100})
+    document = {**team.policies.get(name="default").current.document, "name": "helpers"}
+    document["step_limits"] = {**document["step_limits"], "max_steps": 50}
+    document.pop("warnings", None)
+    policy_save(team=team, document=parse_policy(document), actor=None, source="test")
+    parent = start(api)
+    made = api.post("/api/v1/runs", {"agent": "helper", "parent_run_id": parent,
+                                     "policy": "helpers"}, content_type="application/json")
+    assert made.status_code == 201, made.content
+    child = made.json()["run_id"]
+    upload(api, child, *(entry(f"kid-{i}", f"search.docs{i}") for i in range(3)))
+    assert [flag for _, _, flag in flags(api, child)] == [False, False, True]
+    third = Decision.objects.get(run_id=child, check_id="kid-2")
+    assert f"ancestor run {parent}'s policy would have stopped" in third.answer["violation"]

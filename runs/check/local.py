@@ -81,7 +81,7 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
             seen.add(entry["check_id"])
             action, last, cost = entry["action"], entry.get("last_result"), check.cost_usd
             allowed = entry["decision"] == rules.ALLOW
-            before = state
+            before, tree = state, ancestors
             verdict, state = rules.record_outcome(
                 policy, state, check, allowed=allowed,
                 reason=entry["reason"], message=entry.get("message"), now=now,
@@ -91,8 +91,10 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
             at = entry.get("at") or now
             # The client's clock, kept within what the service can vouch for.
             at = min(max(at, run.started_at), now)
-            # Kept (the action ran), but an allow the policy forbids is flagged (SPEC 10).
-            violation = rules.policy_violation(policy, check.name) if allowed else None
+            # Kept (the action ran), but an allow the policy forbids is flagged (SPEC 10),
+            # its time limits judged at the moment the client says it decided.
+            violation = rules.local_violation(policy, before, check, now=at,
+                                              tree=tree) if allowed else None
             answer = answers.local_answer(verdict, state, policy, now,
                                           decided_at=at.isoformat(), violation=violation)
             rows.append((run.pk, DecisionRow(

@@ -559,6 +559,32 @@ def policy_violation(policy: Policy, name: str) -> str | None:
     return None
 
 
+def local_violation(policy: Policy, state: RunState, check: Check, *, now: datetime,
+                    tree: Sequence[Ancestor] = ()) -> str | None:
+    """Why an uploaded local allow broke the run's policy, ``state`` being the run's before
+    it: a denied tool or an action needing approval (`policy_violation`), else the first of
+    the run's limits, or its ancestors' (SPEC 4.4, 21), that the service would have stopped
+    it by: a client whose local rules were looser than the policy (an old policy, or none)
+    ran 40 steps of a run whose max_steps is 18, and nothing said so (found by an attacker).
+    None when it broke nothing; a shadow policy enforces nothing, so breaks nothing."""
+    broke = policy_violation(policy, check.name)
+    if broke is not None or policy.mode == "shadow":
+        return broke
+    new = state.copy()
+    new.steps += 1
+    _register(new, check)
+    key = repeat_key(check.name, check.args, policy.ignore_args)
+    stop = _first_stop(policy, new, check, key, now, None, tree=in_tree(tree, check))
+    if stop is None:
+        return None
+    reason, _, fired, scope = stop
+    whose = "the run's" if scope is None else f"ancestor run {scope}'s"
+    observed = ", ".join(f"{name} {value}" for name, value in fired["observed"].items())
+    limit = ", ".join(f"{name} {value}" for name, value in fired["limit"].items())
+    return (f"{reason}: {whose} policy would have stopped this action ({observed}; "
+            f"{limit}), but it ran")
+
+
 def approval_pending(pending: Pending) -> tuple[str, dict[str, str]]:
     """The 409 ``approval_pending`` of a check sent while the run waits for an approval
     (SPEC 11): its message and fields, naming the request and the check to resend."""

@@ -646,13 +646,15 @@ class FakeGovernance:
                                      cost_usd=entry.get("cost_usd"))
             now = self.now()
             allowed = entry["decision"] == rules.ALLOW
+            before = run.state
             verdict, run.state = rules.record_outcome(
                 self.policy, run.state, check, allowed=allowed,
                 reason=entry.get("reason") or rules.STEP_OK, now=now,
                 message=entry.get("message"),
             )
             # As on the service: kept, and flagged when it broke the policy (SPEC 10).
-            violation = rules.policy_violation(self.policy, check.name) if allowed else None
+            violation = rules.local_violation(self.policy, before, check,
+                                              now=now) if allowed else None
             self._decisions += 1
             answer = {**answers.local_answer(verdict, run.state, self.policy, now,
                                              decided_at=entry.get("at") or now.isoformat(),
