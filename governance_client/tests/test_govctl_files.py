@@ -70,6 +70,12 @@ def test_a_good_file_is_sent_to_its_policys_path(tmp_path):
      "teams[0].policies[0].name"),
     (GOOD.replace("name: default", 'name: "a#b"'), "teams[0].policies[0].name"),
     (GOOD.replace("name: default", 'name: ".."'), "teams[0].policies[0].name"),
+    # The document's own rules, as `manage.py apply_policies` reads them (found by an
+    # attacker: govctl saved what it refuses).
+    (GOOD.replace("slug: support", "slug: SUPPORT"), "teams[0].slug 'SUPPORT' is not a team"),
+    (GOOD + GOOD[len("teams:\n"):], "teams[1].slug 'support': team slugs must be unique"),
+    (GOOD + GOOD[GOOD.index("      - name"):],
+     "teams[0].policies[1].name 'default': policy names must be unique in a team"),
     # What the server's reader refuses (docs/policies.md, "Bounds of a document"), refused
     # before this process walks it or encodes it as JSON.
     (laughs(), "holds more than 50000 values"),

@@ -131,6 +131,7 @@ def _dump(data: Any, *, sort_keys: bool = False) -> str:
 # another endpoint's path: `name: "../../../approvals/ID/decide?"` turned a dry run's
 # backtest into an approval decided with the CI job's token.
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+_SLUG = re.compile(r"[a-z0-9-]{1,50}")  # a team's slug (SPEC 3), as policies/document.py
 
 
 def _segment(value: str, what: str) -> str:
@@ -192,15 +193,31 @@ def _teams_of(document: Any) -> list[dict[str, Any]]:
     teams = document.get("teams") if isinstance(document, dict) else None
     if not isinstance(teams, list) or not teams:
         raise Refused("the file must be a policy document: a mapping with a 'teams' list")
+    # The document's own rules (SPEC 3, `manage.py apply_policies`), which no one PUT of a
+    # policy can see: a slug as teams have them, each team once, each of its policies once
+    # (found by an attacker: a file that apply_policies refuses was saved, the last of three
+    # policies of one name winning, and a bad slug was "nothing changed").
+    slugs: set[str] = set()
     for i, team in enumerate(teams):
         if not isinstance(team, dict) or not isinstance(team.get("slug"), str) \
                 or not isinstance(team.get("policies", []), list):
             raise Refused(f"teams[{i}] needs a 'slug' and a 'policies' list")
-        _segment(team["slug"], f"teams[{i}].slug")
+        if not _SLUG.fullmatch(team["slug"]):
+            raise Refused(f"teams[{i}].slug {team['slug']!r} is not a team slug (1 to 50 "
+                          "lowercase letters, digits and '-')")
+        if team["slug"] in slugs:
+            raise Refused(f"teams[{i}].slug {team['slug']!r}: team slugs must be unique in "
+                          "the file")
+        slugs.add(team["slug"])
+        names: set[str] = set()
         for j, policy in enumerate(team.get("policies", [])):
             if not isinstance(policy, dict) or not isinstance(policy.get("name"), str):
                 raise Refused(f"teams[{i}].policies[{j}] needs a 'name'")
             _segment(policy["name"], f"teams[{i}].policies[{j}].name")
+            if policy["name"] in names:
+                raise Refused(f"teams[{i}].policies[{j}].name {policy['name']!r}: policy "
+                              "names must be unique in a team")
+            names.add(policy["name"])
     return teams
 
 
