@@ -701,3 +701,27 @@ def test_the_http_gateway_says_where_it_listens_and_why_it_cannot(server: Server
         first.terminate()
         _, log = first.communicate(timeout=10)
     assert "Traceback" not in log, log
+
+
+def test_the_http_gateway_holds_at_most_max_sessions(server: Server, agent: Agent) -> None:
+    """Found by an attacker: 300 initialize requests of 200 bytes held 300 sessions (270 MB of
+    the gateway, 300 runs) for 30 minutes each. Past --max-sessions an initialize is refused
+    503 with Retry-After, saying how to free one; a deleted session makes room."""
+    up_port, gw_port = free_port(), free_port()
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "many", "version": "1"}}}
+    accept = {"Accept": "application/json, text/event-stream"}
+    with process("-m", "tests.mcp_upstream", "http", str(up_port), port=up_port) as upstream, \
+            process(*gateway_args(server, agent.token), "--upstream-url", upstream,
+                    "--listen", f"127.0.0.1:{gw_port}", "--max-sessions", "2",
+                    port=gw_port) as gateway, httpx.Client(timeout=30, headers=accept) as http:
+        opened = [http.post(gateway, json=initialize) for _ in range(2)]
+        assert [answer.status_code for answer in opened] == [200, 200]
+        refused = http.post(gateway, json=initialize)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "30"
+        assert "2 sessions are open, the most this gateway holds (--max-sessions)" \
+            in refused.json()["error"]["message"]
+        session = opened[0].headers["mcp-session-id"]
+        assert http.delete(gateway, headers={"Mcp-Session-Id": session}).status_code == 200
+        assert http.post(gateway, json=initialize).status_code == 200

@@ -23,22 +23,25 @@ from mcp_types import INVALID_REQUEST, METHOD_NOT_FOUND
 from starlette.types import Message, Receive, Scope, Send
 
 from ..aio import AsyncGovernanceClient
+from .cli import MAX_SESSIONS
 from .session import GatewayConfig, GatewaySession
 
 logger = logging.getLogger("governance_client.mcp")
 
 IDLE_TIMEOUT = 30 * 60.0
+RETRY_AFTER_S = 30  # a refused initialize's (MAX_SESSIONS)
 MAX_OPENING_BODY = 4 * 1024 * 1024
 UPSTREAM_FAILED_LINGER_S = 0.5
 
 
 async def _json_error(send: Send, status: int, code: int, text: str,
-                      request_id: Any = None) -> None:
+                      request_id: Any = None, headers: tuple[tuple[bytes, bytes], ...] = ()
+                      ) -> None:
     body = json.dumps({"jsonrpc": "2.0", "id": request_id,
                        "error": {"code": code, "message": text}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -88,8 +91,10 @@ class HttpGateway:
     """An ASGI application: the gateway's streamable HTTP endpoint (any path)."""
 
     def __init__(self, config: GatewayConfig, client: AsyncGovernanceClient, upstream_url: str,
-                 *, idle_timeout: float | None = IDLE_TIMEOUT) -> None:
+                 *, idle_timeout: float | None = IDLE_TIMEOUT,
+                 max_sessions: int = MAX_SESSIONS) -> None:
         self.config = config
+        self.max_sessions = max_sessions
         self.client = client
         self.upstream_url = upstream_url
         self.idle_timeout = idle_timeout
@@ -133,6 +138,14 @@ class HttpGateway:
                 and message.get("method") == "server/discover" else INVALID_REQUEST
             await _json_error(send, 400 if code == INVALID_REQUEST else 404, code,
                               "governance-mcp: a session starts with initialize", request_id)
+            return
+        if len(self.sessions) >= self.max_sessions:
+            await _json_error(
+                send, 503, INVALID_REQUEST,
+                f"governance-mcp: {len(self.sessions)} sessions are open, the most this "
+                "gateway holds (--max-sessions): close one (DELETE with its Mcp-Session-Id) "
+                "or try again later", request_id,
+                headers=((b"retry-after", str(RETRY_AFTER_S).encode()),))
             return
         await self._open(scope, _replaying(body), send)
 
