@@ -50,6 +50,7 @@ from django.urls.exceptions import Resolver404  # noqa: E402
 
 from runs import telemetry  # noqa: E402
 from runs.check import edge  # noqa: E402
+from runs.check.lineages import turn_run  # noqa: E402
 
 from . import connections, pools  # noqa: E402
 from .handlers import Answer, ResolvedOnce  # noqa: E402
@@ -289,9 +290,10 @@ class Application(ResolvedOnce, ASGIHandler):
                 # handler (governance/direct.py); one of a run's checks at a time on the pool.
                 assert request.resolver_match is not None
                 # The turn is the key's on the run: another key's checks (another team's,
-                # one that guessed the run's id) never queue in front of the run's own.
-                async with self.run_turns.turn(
-                        (_credential(scope), request.resolver_match.kwargs.get("run_id"))):
+                # one that guessed the run's id) never queue in front of the run's own. A
+                # child run's check takes its tree's root's turn: it locks the root first.
+                run_id = str(request.resolver_match.kwargs.get("run_id"))
+                async with self.run_turns.turn((_credential(scope), turn_run(run_id))):
                     made = await loop.run_in_executor(executor, self.respond_direct, request,
                                                       view)
                 if isinstance(made, Answer):

@@ -10,7 +10,7 @@ import pytest
 from django.test import Client
 
 from policies.services import agent_key_create
-from runs.check import tree
+from runs.check import lineages
 from runs.models import Decision, Run
 from tests.conftest import set_policy
 
@@ -37,7 +37,7 @@ def check(api: Client, run_id: str, name: str = "search", **extra: object) -> di
 def _forget_lineage() -> None:
     # Each test's process memory of trees starts empty: the first check of a child run
     # must find its ancestors itself (the Relock path) as a fresh server process would.
-    tree._LINEAGE.clear()
+    lineages._LINEAGE.clear()
 
 
 def test_a_child_starts_under_its_parent_with_the_parents_policy(api, team):
@@ -230,7 +230,7 @@ def test_a_check_locks_the_root_first_then_down_to_its_run(api, team):
     root = start(api)
     child = start(api, "helper", parent_run_id=root)
     grandchild = start(api, "helper", parent_run_id=child)
-    tree._LINEAGE.clear()  # as a process that did not start these runs
+    lineages._LINEAGE.clear()  # as a process that did not start these runs
     taken: list[tuple[str, list[str]]] = []
     stores = (check_store.OrmCheck, check_store.PostgresCheck)
     originals = {(cls, name): getattr(cls, name) for cls in stores
@@ -334,7 +334,7 @@ def test_an_approved_childs_tool_call_counts_on_every_ancestor(api, team):
     root = start(api)
     child = start(api, "helper", parent_run_id=root)
     grandchild = start(api, "helper", parent_run_id=child)
-    tree._LINEAGE.clear()  # the decision's process knows nothing of the tree: it reads it
+    lineages._LINEAGE.clear()  # the decision's process knows nothing of the tree: it reads it
     asked = post(api, f"/api/v1/runs/{grandchild}/check",
                  {"action": {"name": "payments.refund", "args": {}, "type": "tool"},
                   "check_id": "refund-1"})
@@ -405,3 +405,21 @@ def test_a_child_is_warned_before_its_ancestors_budget_stops_it(api, team):
     stopped = check(api, child)
     assert (stopped["decision"], stopped["reason"], stopped["rule"]["scope"]) == \
         ("stop", "max_steps", root)
+
+
+def test_a_childs_check_waits_for_its_roots_turn_once_the_process_knows_the_tree(api, team):
+    """Found by an attacker: every check of a tree locks its root first, and the checks of
+    one tree's children each waited for that lock on a thread of the API pool. The ASGI
+    application gives a check its tree's root's turn (governance/asgi.py `RunTurns`) once
+    this process knows the tree (it started the run, or checked it once)."""
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    assert lineages.turn_run(grandchild) == lineages.turn_run(child) == root
+    assert lineages.turn_run(root) == root
+    assert lineages.turn_run(root.upper()) == root  # one run however its id is spelled
+    assert lineages.turn_run("not-a-run") == "not-a-run"
+    lineages._LINEAGE.clear()  # a process that did not start them: each its own turn, ...
+    assert lineages.turn_run(grandchild) == grandchild
+    check(api, grandchild)  # ... until it has checked the run once
+    assert lineages.turn_run(grandchild) == root

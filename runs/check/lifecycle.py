@@ -17,7 +17,7 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from runs.approvals import services as approvals
-from runs.check import states, tree
+from runs.check import lineages, states, tree
 from runs.check.abandon import abandon_if_idle
 from runs.check.policy_cache import rules_for_version
 from runs.check.services import ServiceError, locked_run_of_key, remember_run
@@ -86,7 +86,7 @@ def run_start(
         if existing is None:
             raise
         return _same_start(existing, agent, parent_run_id), False
-    tree.remember(run.pk, team.pk, run.ancestors)
+    lineages.remember(run.pk, team.pk, run.ancestors)
     publish_run_event(run)
     return run, True
 

@@ -21,12 +21,12 @@ here: which ancestors to lock, the kill switch over them, and what the check wri
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from governance_client import rules
+from runs.check import lineages
 from runs.check.check_store import CheckTransaction, RunRow
 from runs.check.policy_cache import rules_for_version
 from runs.check.states import TREE_FIELDS, columns_of
@@ -34,22 +34,9 @@ from runs.killswitch import cover
 from runs.live.events import publish_run_event
 from runs.models import KillSwitch
 
-# What this process knows of a run's tree: run id -> (team id, ancestors' ids, root first).
-# Bounded (cleared when full); a miss costs one restart of a child run's check.
-_LINEAGE: dict[uuid.UUID, tuple[int, tuple[str, ...]]] = {}
-_LINEAGE_MAX = 20_000
-
 
 class Relock(Exception):
     """The run has ancestors the check did not lock first: start again, locking them."""
-
-
-def remember(run_id: uuid.UUID, team_id: int, ancestors: Sequence[str]) -> None:
-    """A run's ancestors (root first), kept for this process's next check of it."""
-    if run_id not in _LINEAGE:
-        if len(_LINEAGE) >= _LINEAGE_MAX:
-            _LINEAGE.clear()
-        _LINEAGE[run_id] = (team_id, tuple(str(a) for a in ancestors))
 
 
 @dataclass(slots=True)
@@ -76,10 +63,10 @@ class Family:
 def lock_ancestors(tx: CheckTransaction, run_id: uuid.UUID) -> Family:
     """Lock the run's known ancestors, the root first (nothing for a root run, or a run this
     process does not know yet: `check_lineage` finds out)."""
-    known = _LINEAGE.get(run_id)
-    if known is None or not known[1]:
+    found = lineages.known(run_id)
+    if found is None or not found[1]:
         return Family()
-    team_id, ids = known
+    team_id, ids = found
     rows = tx.lock_ancestors(team_id=team_id, ids=ids)
     tree = [rules.Ancestor(run_id=str(row.id), policy=rules_for_version(row.policy_version_id),
                            state=row.state) for row in rows]
@@ -88,9 +75,9 @@ def lock_ancestors(tx: CheckTransaction, run_id: uuid.UUID) -> Family:
 
 def check_lineage(run: RunRow, family: Family) -> None:
     """Under the run's lock: raise Relock when the run has ancestors not locked first."""
-    remember(run.id, run.team_id, run.ancestors)
+    lineages.remember(run.id, run.team_id, run.ancestors)
     if tuple(run.ancestors) != family.ids:
-        _LINEAGE[run.id] = (run.team_id, tuple(run.ancestors))
+        lineages.relearn(run.id, run.team_id, run.ancestors)
         raise Relock()
 
 
