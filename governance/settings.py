@@ -284,6 +284,10 @@ CELERY_TASK_ROUTES = {
     "runs.tasks.killswitch_sweep": {"queue": "killswitch"},
     "runs.tasks.approvals_expire": {"queue": "killswitch"},
     "runs.tasks.webhook_deliver": {"queue": "webhooks"},
+    # The same queue, a lower priority (the Redis transport keeps one list per step of
+    # priority and a worker takes from the first that is not empty): an approval's or a
+    # test's delivery never goes before a kill switch's (runs/webhooks/tasks.py).
+    "runs.tasks.webhook_deliver_routine": {"queue": "webhooks", "priority": 6},
     "backtests.tasks.backtest_run": {"queue": "bulk"},
     "policies.tasks.prune_audit": {"queue": "bulk"},
 }

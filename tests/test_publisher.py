@@ -53,6 +53,10 @@ def broker() -> Iterator[Any]:
     fresh_pools()
 
 
+# The Redis transport's list of the `webhooks` queue at priority 6: approvals' and tests'.
+ROUTINE = "webhooks\x06\x166"
+
+
 def queued(client: Any, queue: str) -> list[tuple[str, list[Any]]]:
     """(task name, args) of every message waiting in ``queue``."""
     out = []
@@ -95,10 +99,11 @@ def test_a_check_that_opens_an_approval_never_waits_for_a_hung_broker(api, team,
             import redis
 
             client = redis.Redis.from_url(redis_server.url)
-            wait_for(lambda: queued(client, "webhooks"), timeout=20,
+            # An approval's delivery: the webhooks queue's list of priority 6 (settings).
+            wait_for(lambda: queued(client, ROUTINE), timeout=20,
                      what="the delivery published once the broker answers")
-            assert queued(client, "webhooks") == [("runs.tasks.webhook_deliver",
-                                                   [delivery.pk, 1])]
+            assert queued(client, ROUTINE) == [("runs.tasks.webhook_deliver_routine",
+                                                [delivery.pk, 1])]
             assert publisher.flush(timeout=10)
 
 
@@ -115,10 +120,10 @@ def test_a_send_test_returns_at_once_with_a_hung_broker(team, broker):
             import redis
 
             client = redis.Redis.from_url(redis_server.url)
-            wait_for(lambda: queued(client, "webhooks"), timeout=20,
+            wait_for(lambda: queued(client, ROUTINE), timeout=20,
                      what="the test delivery published once the broker answers")
-            assert queued(client, "webhooks") == [("runs.tasks.webhook_deliver",
-                                                   [delivery.pk, 1])]
+            assert queued(client, ROUTINE) == [("runs.tasks.webhook_deliver_routine",
+                                                [delivery.pk, 1])]
             assert publisher.flush(timeout=10)
 
 

@@ -31,7 +31,7 @@ from tests.workers import POOLS, Receiver, Worker, new_worker, wait_for, workers
 PROMPT = {"runs.tasks.killswitch_fanout", "runs.tasks.killswitch_sweep",
           "runs.tasks.approvals_expire"}
 # What waits on other people's servers: the webhooks (kill switches', approvals', tests).
-WEBHOOKS = {"runs.tasks.webhook_deliver"}
+WEBHOOKS = {"runs.tasks.webhook_deliver", "runs.tasks.webhook_deliver_routine"}
 BULK = {"backtests.tasks.backtest_run", "policies.tasks.prune_audit"}
 
 # SPEC 10's fairness test: a team B kill switch fans out within 1 s (of the engage's return).

@@ -127,7 +127,9 @@ def purge_broker() -> None:
 
     client = redis_client()
     if client is not None:
-        client.delete(*QUEUES, "unacked", "unacked_index", "unacked_mutex")
+        # Each queue is a list per step of priority (governance/settings.py routes).
+        lists = [f"{queue}\x06\x16{step}" for queue in QUEUES for step in (3, 6, 9)]
+        client.delete(*QUEUES, *lists, "unacked", "unacked_index", "unacked_mutex")
 
 
 @pytest.fixture(name="workers")

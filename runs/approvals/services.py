@@ -284,7 +284,7 @@ def _notify(approval: Approval, event: str) -> None:
                   "payload": approval_payload(approval, event)},
     )
     if created:
-        start_delivery(delivery.pk)
+        start_delivery(delivery.pk, urgent=False)
 
 
 def _locked(run_id: Any) -> tuple[Run, rules.RunState]:

@@ -37,7 +37,7 @@ def killswitch_fanout_task(switch_id: int, sweep: bool = False) -> None:
     if result is None:
         return
     for delivery_id in result.deliveries:
-        webhooks.schedule_delivery(delivery_id, 1, 0)
+        webhooks.schedule_delivery(delivery_id, 1, 0, urgent=True)
     fanout.killswitch_fanout_done(switch_id=switch_id)
     if sweep or killswitch_fanout_task.app.conf.task_always_eager:
         return  # eager runs in one process with the engage: nothing can slip in between

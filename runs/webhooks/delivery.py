@@ -147,7 +147,7 @@ def send_test(*, team: Team, sent_by: str) -> WebhookDelivery:
             team=team, event=TEST_EVENT, url=team.webhook_url,
             payload={"event": TEST_EVENT, "team": team.slug, "sent_by": sent_by,
                      "sent_at": now.isoformat().replace("+00:00", "Z")})
-        transaction.on_commit(partial(start_delivery, delivery.pk))
+        transaction.on_commit(partial(start_delivery, delivery.pk, urgent=False))
     return delivery
 
 
@@ -318,12 +318,23 @@ def _deliver_in_thread(delivery_id: int, number: int) -> None:
         connections.close_all()  # this thread's own connections
 
 
-def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
+def _task(delivery_id: int, urgent: bool | None) -> Any:
+    """The delivery's task: a kill switch's is urgent, an approval's or a test's routine
+    (runs/webhooks/tasks.py); None: as the delivery is (one query)."""
+    from runs.webhooks.tasks import webhook_deliver_routine_task, webhook_deliver_task
+
+    if urgent is None:
+        urgent = WebhookDelivery.objects.filter(pk=delivery_id, switch__isnull=False).exists()
+    return webhook_deliver_task if urgent else webhook_deliver_routine_task
+
+
+def schedule_delivery(delivery_id: int, number: int, delay: float, *,
+                      urgent: bool | None = None) -> None:
     """Start attempt ``number`` after ``delay`` seconds: a Celery task on the ``webhooks``
     queue, published here (a worker's follow-up; the broker's socket timeouts bound it), or,
     in the embedded default (no Redis, eager tasks), a background thread, since an eager task
     would run the whole backoff inside the engaging request. From a request, use
-    ``start_delivery``."""
+    ``start_delivery``. ``urgent``: a kill switch's delivery (None: looked up)."""
     from runs.webhooks.tasks import webhook_deliver_task
 
     # The task's own app (the project's Celery app once it is loaded), not an import of it.
@@ -332,10 +343,10 @@ def schedule_delivery(delivery_id: int, number: int, delay: float) -> None:
         timer.daemon = True
         timer.start()
         return
-    webhook_deliver_task.apply_async((delivery_id, number), countdown=delay)
+    _task(delivery_id, urgent).apply_async((delivery_id, number), countdown=delay)
 
 
-def start_delivery(delivery_id: int) -> None:
+def start_delivery(delivery_id: int, *, urgent: bool | None = None) -> None:
     """Start a delivery from a request, after the commit that created it: its first attempt
     is published by the process's publisher thread (runs/publisher.py), so the request never
     waits for the broker (SPEC 10). A publish that is lost (the broker down for long, the
@@ -345,4 +356,4 @@ def start_delivery(delivery_id: int) -> None:
     if webhook_deliver_task.app.conf.task_always_eager:
         schedule_delivery(delivery_id, 1, 0)
         return
-    publisher.submit(webhook_deliver_task.name, delivery_id, 1)
+    publisher.submit(_task(delivery_id, urgent).name, delivery_id, 1)

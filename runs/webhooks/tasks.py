@@ -28,9 +28,23 @@ _retry = {"autoretry_for": (DatabaseError, InterfaceError, BrokerError), "retry_
 @shared_task(name="runs.tasks.webhook_deliver", acks_late=True,
              reject_on_worker_lost=True, **_retry)
 def webhook_deliver_task(delivery_id: int, number: int = 1) -> None:
+    """A kill switch's delivery: first in the queue (governance/settings.py routes)."""
     step = webhooks.attempt_delivery(delivery_id=delivery_id, number=number)
     if step is not None:
-        webhooks.schedule_delivery(delivery_id, step.number, step.delay)
+        webhooks.schedule_delivery(delivery_id, step.number, step.delay, urgent=True)
+
+
+@shared_task(name="runs.tasks.webhook_deliver_routine", acks_late=True,
+             reject_on_worker_lost=True, **_retry)
+def webhook_deliver_routine_task(delivery_id: int, number: int = 1) -> None:
+    """An approval's or a test's delivery: the same attempt, on the same queue at a lower
+    priority, so that no team's approvals, however many and however slow its receiver, are
+    ever taken before a kill switch's delivery (found by an attacker: 130 approval
+    deliveries to a receiver that never answered held another team's kill-switch webhook
+    for 100 s)."""
+    step = webhooks.attempt_delivery(delivery_id=delivery_id, number=number)
+    if step is not None:
+        webhooks.schedule_delivery(delivery_id, step.number, step.delay, urgent=False)
 
 
 @worker_process_init.connect

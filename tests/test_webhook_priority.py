@@ -1,0 +1,55 @@
+"""A kill switch's webhook is never queued behind approvals' (SPEC 10: no tenant delays any
+kill switch's fan-out). Found by an attacker: a team whose receiver never answered opened 130
+approvals, and another team's kill-switch webhook reached its receiver 100 s after the
+engage, in line behind them on the one `webhooks` queue. Approvals' and tests' deliveries now
+go on that queue at a lower priority: a worker takes a kill switch's first. On the production
+stack, with a real worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from runs.models import KillSwitch, WebhookDelivery
+from runs.webhooks import delivery as webhooks
+from tests.workers import Receiver, start_worker, wait_for, workers_fixture  # noqa: F401
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow,
+              pytest.mark.postgres]
+
+QUEUED = 5
+
+
+def test_a_kill_switchs_delivery_goes_before_every_queued_approval_delivery(
+        team: Any, other_team: Any, workers: list[Any]) -> None:
+    slow = Receiver(secrets={other_team.slug: other_team.webhook_secret}, delay=1.5).start()
+    quick = Receiver(secrets={team.slug: team.webhook_secret}).start()
+    try:
+        # One process takes the webhooks, as the Makefile's worker with its processes busy.
+        workers.append(start_worker(pools={"webhooks": "webhooks"}))
+        for n in range(QUEUED):
+            approval = WebhookDelivery.objects.create(
+                team=other_team, url=f"{slow.url}/{other_team.slug}",
+                event="approval.requested", payload={"event": "approval.requested", "n": n})
+            webhooks.schedule_delivery(approval.pk, 1, 0, urgent=False)
+        assert slow.first_request.wait(30), "no approval delivery was attempted"
+        switch = KillSwitch.objects.create(scope="team", team=team, target=f"team:{team.pk}",
+                                           reason="runaway", engaged_by_label="ops",
+                                           engaged_at=timezone.now())
+        kill = WebhookDelivery.objects.create(switch=switch, team=team,
+                                              url=f"{quick.url}/{team.slug}",
+                                              payload={"event": "killswitch.engaged"})
+        webhooks.schedule_delivery(kill.pk, 1, 0)  # urgent: looked up, a switch's
+        wait_for(lambda: quick.valid[team.slug] == 1, timeout=30,
+                 what="the kill switch's delivery")
+        # The one at work when the switch was engaged (and at most one more taken meanwhile)
+        # went before it; the rest waited.
+        assert sum(slow.valid.values()) <= 2, slow.valid
+        wait_for(lambda: set(WebhookDelivery.objects.values_list("status", flat=True))
+                 == {"delivered"}, timeout=60, what="the approvals' deliveries, after it")
+        assert sum(slow.valid.values()) == QUEUED
+    finally:
+        slow.stop()
+        quick.stop()
