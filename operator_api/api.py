@@ -570,7 +570,9 @@ def get_run(request: HttpRequest, slug: str, run_id: str) -> dict[str, Any]:
     team, _ = _team(request, slug)
     run = _run(team, run_id)
     _read(request, team)
-    return run_reads.run_json(run)
+    # As the agent's `GET /api/v1/runs/{id}` (SPEC 17 "as 5.1", 20): with its children and
+    # its tree's usage, so automation can walk a tree (found by a newcomer: they were left out).
+    return run_reads.run_tree_json(run)
 
 
 @router.get("/teams/{slug}/runs/{run_id}/decisions", response={200: dict, **ERRORS},

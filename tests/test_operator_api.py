@@ -478,3 +478,18 @@ def test_the_matrix_covers_every_operator_operation(client):
                 .replace("{approval}", "{approval_id}"))
                for method, path, *_ in ENDPOINTS}
     assert documented == covered
+
+
+def test_a_run_read_by_an_operator_is_the_run_the_agent_reads_with_its_tree(world):
+    """SPEC 17's runs are "as 5.1": with SPEC 20's children and tree usage, as the agent's
+    own read has them (found by a newcomer: automation could not walk a tree)."""
+    agent = world["agent"]
+    child = agent.post("/api/v1/runs", {"agent": "helper", "parent_run_id": world["run_id"]},
+                       content_type="application/json")
+    assert child.status_code == 201, child.content
+    read = call(world, "viewer", "GET", "/api/v1/teams/support/runs/{run}")
+    assert read.status_code == 200, read.content
+    theirs = agent.get(f"/api/v1/runs/{world['run_id']}").json()
+    assert read.json()["children"] == theirs["children"] == [child.json()["run_id"]]
+    assert read.json()["tree_usage"] == theirs["tree_usage"]
+    assert set(read.json()) == set(theirs)
