@@ -21,17 +21,17 @@ def test_a_budget_warning_is_on_its_way_to_the_limit_not_at_it() -> None:
     assert rule_in_words(warning) == ("budget warning: steps 15 of max_steps 18, "
                                       "warnings.budget_fraction 0.8 (policy default v1)")
 
-def test_a_stop_still_says_its_limit_was_reached() -> None:
+def test_a_stop_says_its_count_went_past_the_limit() -> None:
     stop = {**CHILD_STOP, "scope": "run", "observed": {"steps": 19}}
-    assert rule_in_words(stop) == "max_steps: steps 19 reached max_steps 18 (policy default v1)"
+    assert rule_in_words(stop) == "max_steps: steps 19 past max_steps 18 (policy default v1)"
     assert rule_sentence(stop, "max_steps") == (
-        "The rule max_steps of policy default v1 stopped this run: steps 19 reached "
+        "The rule max_steps of policy default v1 stopped this run: steps 19 past "
         "max_steps 18.")
 
 def test_a_sub_agent_stopped_by_its_ancestors_limit_is_told_whose_it_is() -> None:
     assert rule_sentence(CHILD_STOP, "max_steps") == (
         "The rule max_steps of policy default v1 (the limit of ancestor run "
-        f"{CHILD_STOP['scope']}, counted over its tree) stopped this run: steps 19 reached "
+        f"{CHILD_STOP['scope']}, counted over its tree) stopped this run: steps 19 past "
         "max_steps 18.")
 
 

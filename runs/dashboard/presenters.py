@@ -80,6 +80,11 @@ def _pairs(values: Any) -> str:
     return ", ".join(f"{k} {_value(v)}" for k, v in values.items())
 
 
+# The rules that stop a count past their limit (SPEC 4.4: steps > max_steps, elapsed >
+# max_seconds); the others stop one that reaches it (repeats, cost, tool calls, no progress).
+PAST_RULES = ("max_steps", "max_seconds")
+
+
 def _detail(rule: dict[str, Any]) -> str:
     """What a rule observed against its limit, in words that fit its kind: a limit is
     "reached", a pattern "matched", a switch "engaged", an approval "denied" or "not decided"
@@ -118,6 +123,10 @@ def _detail(rule: dict[str, Any]) -> str:
             # A warning's counter has not reached the limit (found by a newcomer: "steps 15
             # reached max_steps 18"): it is on its way, past the warning's own threshold.
             return f"{text_observed} of {text_limit}"
+        if name in PAST_RULES:
+            # These stop a count beyond the limit, not at it (found by a newcomer: "steps 8
+            # reached max_steps 6" beside a message saying step 8 is past max_steps=6).
+            return f"{text_observed} past {text_limit}"
         return f"{text_observed} reached {text_limit}"
     return text_observed or text_limit
 
