@@ -293,12 +293,17 @@ class Application(ResolvedOnce, ASGIHandler):
                 # one that guessed the run's id) never queue in front of the run's own. A
                 # child run's check takes its tree's root's turn: it locks the root first.
                 run_id = str(request.resolver_match.kwargs.get("run_id"))
-                async with self.run_turns.turn((_credential(scope), turn_run(run_id))):
-                    made = await loop.run_in_executor(executor, self.respond_direct, request,
-                                                      view)
+                caller = _credential(scope)
+                async with self.run_turns.turn((caller, turn_run(run_id))):
+                    made = await asyncio.wrap_future(pools.fair(name).submit(
+                        caller, functools.partial(self.respond_direct, request, view)))
                 if isinstance(made, Answer):
                     await self.send_answer(made, send)
                     return
+            elif name == "api":
+                # The API's threads are taken by its callers in turn (pools.FairPool).
+                made = await asyncio.wrap_future(pools.fair(name).submit(
+                    _credential(scope), functools.partial(self.respond_sync, request)))
             else:
                 made = await loop.run_in_executor(executor, self.respond_sync, request)
             if not made.streaming:
