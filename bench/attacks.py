@@ -280,13 +280,15 @@ def _request(target: Target, method: str, path: str, token: str, body: bytes = b
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-async def _poller(target: Target, stop: asyncio.Event, stats: AttackStats, token: str,
-                  approval_id: str) -> None:
-    """An agent waiting on its approval: one long poll after another on one connection."""
-    path = f"/api/v1/approvals/{approval_id}?wait={LONG_POLL_WAIT_S}"
+async def _get_again(target: Target, stop: asyncio.Event, stats: AttackStats, token: str,
+                     path: str, timeout: float, what: str) -> None:
+    """One client sending GET `path` again as soon as each answer comes, on one kept-alive
+    connection (opened again when the server ends it); a refusal (429) backs off a second,
+    as the client does. `stop` ends a request in progress too (a long poll's 30 s)."""
     while not stop.is_set():
         try:
-            reader, writer = await asyncio.open_connection(target.host, target.port)
+            reader, writer = await asyncio.open_connection(target.host, target.port,
+                                                           limit=2**20)
         except OSError as exc:
             stats.errors[f"connect: {type(exc).__name__}"] += 1
             if await _wait(stop, 0.5):
@@ -295,22 +297,22 @@ async def _poller(target: Target, stop: asyncio.Event, stats: AttackStats, token
         stats.opening()
         try:
             while not stop.is_set():
-                poll = asyncio.ensure_future(_exchange(reader, writer,
-                                                       _request(target, "GET", path, token),
-                                                       LONG_POLL_WAIT_S + 10))
+                ask = asyncio.ensure_future(_exchange(reader, writer,
+                                                      _request(target, "GET", path, token),
+                                                      timeout))
                 stopping = asyncio.ensure_future(stop.wait())
-                done, _ = await asyncio.wait({poll, stopping},
+                done, _ = await asyncio.wait({ask, stopping},
                                              return_when=asyncio.FIRST_COMPLETED)
                 stopping.cancel()
-                if poll not in done:
-                    poll.cancel()
+                if ask not in done:
+                    ask.cancel()
                     return
-                status, _ = poll.result()
+                status, _ = ask.result()
                 stats.answers[status] += 1
                 if " 200 " not in status and await _wait(stop, 1.0):
-                    return  # a capped poll (429) backs off, as the client does
+                    return
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
-            stats.errors[f"poll: {type(exc).__name__}"] += 1
+            stats.errors[f"{what}: {type(exc).__name__}"] += 1
             stats.closed_by_server += 1
         finally:
             stats.closing()
@@ -326,8 +328,10 @@ async def long_polls(target: Target, stop: asyncio.Event, stats: AttackStats,
     if not target.other_tokens or not target.approval_ids:
         raise ValueError("long_polls needs another team's keys and pending approvals")
     await asyncio.gather(*(
-        _poller(target, stop, stats, target.other_tokens[i % len(target.other_tokens)],
-                target.approval_ids[i % len(target.approval_ids)]) for i in range(polls)))
+        _get_again(target, stop, stats, target.other_tokens[i % len(target.other_tokens)],
+                   f"/api/v1/approvals/{target.approval_ids[i % len(target.approval_ids)]}"
+                   f"?wait={LONG_POLL_WAIT_S}", LONG_POLL_WAIT_S + 10, "poll")
+        for i in range(polls)))
 
 
 async def _silent(target: Target, stop: asyncio.Event, stats: AttackStats, source: str
@@ -428,37 +432,6 @@ async def heavy_rate_limits(target: Target, stop: asyncio.Event, stats: AttackSt
                            for n in range(agents)))
 
 
-async def _reader(target: Target, stop: asyncio.Event, stats: AttackStats, token: str
-                  ) -> None:
-    """One key reading its run's decisions, a page of the most the API gives after another,
-    on one kept-alive connection; a refused read (429) waits its Retry-After, as the client."""
-    path = f"/api/v1/runs/{target.other_run_id}/decisions?limit=1000"
-    while not stop.is_set():
-        try:
-            reader, writer = await asyncio.open_connection(target.host, target.port,
-                                                           limit=2**20)
-        except OSError as exc:
-            stats.errors[f"connect: {type(exc).__name__}"] += 1
-            if await _wait(stop, 0.5):
-                return
-            continue
-        stats.opening()
-        try:
-            while not stop.is_set():
-                status, _ = await _exchange(reader, writer,
-                                            _request(target, "GET", path, token), 30)
-                stats.answers[status] += 1
-                if " 200 " not in status and await _wait(stop, 1.0):
-                    return
-        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
-            stats.errors[f"read: {type(exc).__name__}"] += 1
-        finally:
-            stats.closing()
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-
-
 async def heavy_reads(target: Target, stop: asyncio.Event, stats: AttackStats,
                       readers: int = HEAVY_READERS) -> None:
     """Another team's keys reading, over and over, the most decisions a page gives of its run
@@ -466,8 +439,10 @@ async def heavy_reads(target: Target, stop: asyncio.Event, stats: AttackStats,
     raise another team's check p99 beyond 2x)."""
     if not target.other_tokens or not target.other_run_id:
         raise ValueError("heavy_reads needs another team's keys and its run")
-    await asyncio.gather(*(_reader(target, stop, stats,
-                                   target.other_tokens[i % len(target.other_tokens)])
+    path = f"/api/v1/runs/{target.other_run_id}/decisions?limit=1000"
+    await asyncio.gather(*(_get_again(target, stop, stats,
+                                      target.other_tokens[i % len(target.other_tokens)],
+                                      path, 30, "read")
                            for i in range(readers)))
 
 

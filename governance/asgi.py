@@ -301,7 +301,7 @@ class Application(ResolvedOnce, ASGIHandler):
                     await self.send_answer(made, send)
                     return
             elif name == "api":
-                # The API's threads are taken by its callers in turn (pools.FairPool).
+                # No caller holds every API thread (pools.FairPool).
                 made = await asyncio.wrap_future(pools.fair(name).submit(
                     _credential(scope), functools.partial(self.respond_sync, request)))
             else:
