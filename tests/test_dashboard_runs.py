@@ -393,3 +393,18 @@ def test_elapsed_time_counts_against_max_seconds(team, users):
     html = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug, "run_id": run.pk})
                               ).content.decode()
     assert "40 s / 45 s" in html and "level-warn" in html
+
+
+def test_a_finished_runs_banner_says_it_ended_without_a_response(team, users):
+    """Found by a newcomer: a run the agent completed without an output read "The agent has
+    not reported its response yet", as if more were coming. A stopped run's agent may still
+    send its partial response (SPEC 5.1), so there the words stay."""
+    done, stopped = start(team), start(team)
+    run_finish(done, "completed", "")
+    run_finish(stopped, "stopped", "")
+    page = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug,
+                                                          "run_id": done.pk}))
+    assert "The agent finished the run without a response." in page.content.decode()
+    page = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug,
+                                                          "run_id": stopped.pk}))
+    assert "finished the run without a response" not in page.content.decode()
