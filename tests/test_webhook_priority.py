@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow,
               pytest.mark.postgres]
 
 QUEUED = 5
+SLOW_TEAMS_QUEUED = 3  # each waits for the one before it: a lease (7 s) a look
 
 
 def test_a_kill_switchs_delivery_goes_before_every_queued_approval_delivery(
@@ -50,6 +51,35 @@ def test_a_kill_switchs_delivery_goes_before_every_queued_approval_delivery(
         wait_for(lambda: set(WebhookDelivery.objects.values_list("status", flat=True))
                  == {"delivered"}, timeout=60, what="the approvals' deliveries, after it")
         assert sum(slow.valid.values()) == QUEUED
+    finally:
+        slow.stop()
+        quick.stop()
+
+
+def test_a_team_whose_receiver_is_slow_holds_one_webhook_process_not_all(
+        team: Any, other_team: Any, workers: list[Any]) -> None:
+    """One routine attempt of a team at a time: another team's approval notification goes
+    on the worker's other process instead of waiting for every one of the slow team's."""
+    slow = Receiver(secrets={other_team.slug: other_team.webhook_secret}, delay=2.0).start()
+    quick = Receiver(secrets={team.slug: team.webhook_secret}).start()
+    try:
+        workers.append(start_worker(pools={"webhooks": "webhooks"}, concurrency=2))
+        for n in range(SLOW_TEAMS_QUEUED):
+            theirs = WebhookDelivery.objects.create(
+                team=other_team, url=f"{slow.url}/{other_team.slug}",
+                event="approval.requested", payload={"event": "approval.requested", "n": n})
+            webhooks.schedule_delivery(theirs.pk, 1, 0, urgent=False)
+        assert slow.first_request.wait(30), "no approval delivery was attempted"
+        mine = WebhookDelivery.objects.create(team=team, url=f"{quick.url}/{team.slug}",
+                                              event="approval.requested",
+                                              payload={"event": "approval.requested"})
+        webhooks.schedule_delivery(mine.pk, 1, 0, urgent=False)
+        wait_for(lambda: quick.valid[team.slug] == 1, timeout=30,
+                 what="the other team's approval delivery")
+        # The slow team had one attempt at a time: at most its first and a second.
+        assert sum(slow.valid.values()) <= 2, slow.valid
+        wait_for(lambda: set(WebhookDelivery.objects.values_list("status", flat=True))
+                 == {"delivered"}, timeout=90, what="the slow team's deliveries, one by one")
     finally:
         slow.stop()
         quick.stop()

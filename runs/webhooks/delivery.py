@@ -25,6 +25,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
@@ -211,11 +212,25 @@ def _claim(delivery_id: int, number: int) -> tuple[WebhookDelivery, WebhookAttem
             delivery.status = FAILED
             delivery.save(update_fields=["status"])
             return None
+        if delivery.switch_id is None and _team_busy(delivery, now):
+            # One routine attempt of a team at a time: a team whose receiver hangs holds one
+            # of the webhook worker's processes, not all of them (found by an attacker: 130
+            # approvals towards a receiver that never answered held every process, and every
+            # other team's notifications waited minutes). Look again once its lease is over.
+            return Next(number, LEASE_S)
         delivery.attempts = number
         delivery.save(update_fields=["attempts"])
         attempt = WebhookAttempt.objects.create(delivery=delivery, number=number, at=now,
                                                 error=IN_FLIGHT)
     return delivery, attempt
+
+
+def _team_busy(delivery: WebhookDelivery, now: datetime) -> bool:
+    """Whether another routine delivery (an approval's, a test's) of the delivery's team has
+    an attempt in flight, within its lease."""
+    return WebhookAttempt.objects.filter(
+        delivery__team_id=delivery.team_id, delivery__switch__isnull=True, error=IN_FLIGHT,
+        at__gt=now - timedelta(seconds=LEASE_S)).exclude(delivery_id=delivery.pk).exists()
 
 
 @functools.cache
