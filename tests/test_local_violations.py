@@ -177,3 +177,24 @@ def test_allows_past_the_runs_limits_or_an_ancestors_are_flagged(api, team):
     assert [flag for _, _, flag in flags(api, child)] == [False, False, True]
     third = Decision.objects.get(run_id=child, check_id="kid-2")
     assert f"ancestor run {parent}'s policy would have stopped" in third.answer["violation"]
+
+
+def test_an_ancestor_that_ended_after_the_client_decided_did_not_stop_it(api, team):
+    """Found by an attacker: an allow decided 0.5 s before its parent's finish, uploaded
+    after it, was flagged parent_stopped. An ancestor is read as it was at the entry's `at`;
+    one that had ended by then is a violation still."""
+    parent = start(api)
+    made = api.post("/api/v1/runs", {"agent": "helper", "parent_run_id": parent},
+                    content_type="application/json")
+    assert made.status_code == 201, made.content
+    child = made.json()["run_id"]
+    before = timezone.now().isoformat()
+    finished = api.post(f"/api/v1/runs/{parent}/finish", {"status": "completed"},
+                        content_type="application/json")
+    assert finished.status_code == 200, finished.content
+    after = timezone.now().isoformat()
+    upload(api, child, {**entry("then", "search.docs1"), "at": before},
+           {**entry("later", "search.docs2"), "at": after})
+    assert [flag for _, _, flag in flags(api, child)] == [False, True]
+    later = Decision.objects.get(run_id=child, check_id="later")
+    assert later.answer["violation"].startswith("parent_stopped: ")

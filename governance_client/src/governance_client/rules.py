@@ -574,7 +574,12 @@ def local_violation(policy: Policy, state: RunState, check: Check, *, now: datet
     new.steps += 1
     _register(new, check)
     key = repeat_key(check.name, check.args, policy.ignore_args)
-    stop = _first_stop(policy, new, check, key, now, None, tree=in_tree(tree, check))
+    # An ancestor is read as it was at `now`: one that ended after the client decided did
+    # not stop this action (found by an attacker: an allow decided 0.5 s before its parent's
+    # finish was flagged parent_stopped).
+    then = [replace(a, state=replace(a.state, status=RUNNING, stop_reason=None, ended_at=None))
+            if a.state.ended_at is not None and a.state.ended_at > now else a for a in tree]
+    stop = _first_stop(policy, new, check, key, now, None, tree=in_tree(then, check))
     if stop is None:
         return None
     reason, _, fired, scope = stop
