@@ -50,6 +50,7 @@ from django.urls.exceptions import Resolver404  # noqa: E402
 
 from runs import telemetry  # noqa: E402
 from runs.check import edge  # noqa: E402
+from runs.check.callers import caller_of  # noqa: E402
 from runs.check.lineages import turn_run  # noqa: E402
 
 from . import connections, pools  # noqa: E402
@@ -293,17 +294,18 @@ class Application(ResolvedOnce, ASGIHandler):
                 # one that guessed the run's id) never queue in front of the run's own. A
                 # child run's check takes its tree's root's turn: it locks the root first.
                 run_id = str(request.resolver_match.kwargs.get("run_id"))
-                caller = _credential(scope)
-                async with self.run_turns.turn((caller, turn_run(run_id))):
+                credential = _credential(scope)
+                async with self.run_turns.turn((credential, turn_run(run_id))):
                     made = await asyncio.wrap_future(pools.fair(name).submit(
-                        caller, functools.partial(self.respond_direct, request, view)))
+                        caller_of(credential),
+                        functools.partial(self.respond_direct, request, view)))
                 if isinstance(made, Answer):
                     await self.send_answer(made, send)
                     return
             elif name == "api":
                 # No caller holds every API thread (pools.FairPool).
                 made = await asyncio.wrap_future(pools.fair(name).submit(
-                    _credential(scope), functools.partial(self.respond_sync, request)))
+                    caller_of(_credential(scope)), functools.partial(self.respond_sync, request)))
             else:
                 made = await loop.run_in_executor(executor, self.respond_sync, request)
             if not made.streaming:

@@ -41,7 +41,7 @@ from runs.approvals.waits import (
     off_the_api_pool,
 )
 from runs.audit import selectors
-from runs.check import edge, metrics
+from runs.check import callers, edge, metrics
 from runs.check import schemas as s
 from runs.check.edge import bearer_token, error, run_busy
 from runs.check.lifecycle import run_finish, run_start
@@ -74,6 +74,9 @@ class AgentKeyAuth(HttpBearer):
         key = agent_key_authenticate(token)
         if key is not None:
             agent_key_touch(key.pk, key.last_used_at)
+            claim = agent_key_claim(token)
+            if claim is not None:  # its team's share of the API's threads (runs/check/callers.py)
+                callers.remember(claim.digest, key.team_id)
         return key
 
 

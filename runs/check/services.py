@@ -21,7 +21,7 @@ from policies.models import Team
 from policies.services import KeyClaim, agent_key_matches, agent_key_touch
 from runs import telemetry
 from runs.approvals import services as approvals
-from runs.check import metrics, records, run_memory, tree
+from runs.check import callers, metrics, records, run_memory, tree
 from runs.check.check_store import (
     CheckTransaction,
     DuplicateCheck,
@@ -262,6 +262,7 @@ def _lock_and_read(tx: CheckTransaction, *, claim: KeyClaim, run_id: uuid.UUID,
                      rate=rate, keyed=list(guess.wanted) if guess is not None else None)
     if locked is None or not agent_key_matches(claim, locked.key_hash):
         raise ServiceError(401, "unauthorized", UNAUTHORIZED)
+    callers.remember(claim.digest, locked.team_id)  # its team's share of the API's threads
     run = locked.run
     if run is None:
         raise ServiceError(404, "not_found", "No such run.")
