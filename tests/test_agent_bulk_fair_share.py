@@ -39,11 +39,13 @@ def test_bulk_paths_have_their_own_pool() -> None:
     assert pool_name("/api/v1/runs/x/check", "POST") == pool_name("/api/v1/runs/x") == "api"
 
 
-def test_bulk_calls_take_turns_within_their_share_of_the_process(team: Team,
-                                                                 agent_token: str) -> None:
-    """A bulk call waits until what the last ones took is paid back at the pool's share of
-    the process's time; a wait longer than 10 s is refused at once with it as Retry-After.
-    The checks never wait for that turn. One worker: each process has its own share."""
+def test_bulk_calls_take_turns_within_their_share_of_the_process(
+        team: Team, other_team: Team, agent_token: str) -> None:
+    """A team's bulk call waits until what its last ones took is paid back at the pool's
+    share of the process's time; a wait longer than 10 s is refused at once with it as
+    Retry-After. The checks never wait for that turn, nor another team's bulk calls (found
+    by an attacker: one bucket for the whole process made every team repay one team's
+    reads). One worker: each process has its own shares."""
     server = start_server(workers=1, env=server_env(WEB_AGENT_BULK_SHARE="0.01"))
     try:
         with httpx.Client(base_url=server.url, timeout=60,
@@ -60,8 +62,13 @@ def test_bulk_calls_take_turns_within_their_share_of_the_process(team: Team,
             refused = http.get(f"/api/v1/runs/{run_id}/decisions")
             assert refused.status_code == 429, refused.text
             assert refused.json()["error"]["code"] == "too_many_requests"
-            assert "share of its time" in refused.json()["error"]["message"]
+            assert "share of this server process's time" in refused.json()["error"]["message"]
             assert int(refused.headers["Retry-After"]) > 10
+            theirs = agent_key_create(team=other_team, name="billing-reader").token
+            began = time.monotonic()
+            listed = http.get("/api/v1/runs", headers={"Authorization": f"Bearer {theirs}"})
+            assert listed.status_code == 200, listed.text
+            assert time.monotonic() - began < DEADLINE_S
             began = time.monotonic()
             check = http.post(f"/api/v1/runs/{run_id}/check",
                               json={"action": {"name": "search.docs", "args": {"q": "x"}}})
