@@ -168,7 +168,7 @@ def _credential(scope: Scope) -> str:
 
 
 def _paced_caller(credential: str) -> str:
-    """Whose turn and time a paced call is (`Application.paced`): its key's team once this
+    """Whose turn and time a paced call is (`Application.pace_of`): its key's team once this
     process knows it (runs/check/callers.py); every credential not known yet (a key's first
     call in this process, a wrong one) is one caller together, so that neither many new keys
     nor many wrong ones get a turn each (found measuring it: four new keys' first reads of
@@ -235,7 +235,7 @@ class Application(ResolvedOnce, ASGIHandler):
         # agents' bulk calls), by pool and credential or address (the event loop alone reads
         # and writes it).
         self.held: dict[str, int] = {}
-        # The paced shared pools' turns and time, by pool and caller (`paced`).
+        # The paced shared pools' turns and time, by pool and caller (`pace_of`).
         self.shares: dict[str, tuple[asyncio.Lock, TimeShare]] = {}
         self.run_turns = RunTurns()
         # Loading the URLconf (above) registered the API's direct views, if it has the API.
@@ -347,7 +347,8 @@ class Application(ResolvedOnce, ASGIHandler):
         # whose models the throttle's module reads.
         from .throttle import source_of
 
-        held = (f"{pool}:{_credential(scope)}", f"{pool}:address:{source_of(request)}")
+        credential = _credential(scope)
+        held = (f"{pool}:{credential}", f"{pool}:address:{source_of(request)}")
         per_credential, per_address, share, calls = SHARED_POOLS[pool]
         limits = (getattr(settings, per_credential), getattr(settings, per_address))
         if any(self.held.get(key, 0) >= limit for key, limit in zip(held, limits,
@@ -366,9 +367,9 @@ class Application(ResolvedOnce, ASGIHandler):
                 made = await asyncio.get_running_loop().run_in_executor(
                     executor, self.respond_sync, request)
             else:
-                credential = _credential(scope)
                 caller = _paced_caller(credential)
-                async with self.paced(pool, caller) as bucket:
+                turns, bucket = self.pace_of(pool, caller)
+                async with turns:
                     wait = bucket.wait_s(getattr(settings, share))
                     if wait > SHARE_MOST_WAIT_S:
                         refused = edge.error(
@@ -399,10 +400,10 @@ class Application(ResolvedOnce, ASGIHandler):
             return
         await self.send_whole(made, send)
 
-    @contextlib.asynccontextmanager
-    async def paced(self, pool: str, caller: str) -> AsyncIterator[TimeShare]:
-        """A paced pool's turn for ``caller`` (its team once known, runs/check/callers.py):
-        the caller's calls wait their turn one after the other, until what its last ones
+    def pace_of(self, pool: str, caller: str) -> tuple[asyncio.Lock, TimeShare]:
+        """A paced pool's turns and time for ``caller`` (its team once known, runs/check/
+        callers.py), made on first use: the caller's calls wait their turn (holding the
+        lock) one after the other, until what its last ones
         took is paid back at the pool's share of the process's time (governance/shares.py),
         then run (the turn ends as the call starts: calls run one at a time spread a team's
         reads over more of the others' checks, p99 2.4 to 3.6x against 1.6 to 2.2x). So one
@@ -412,12 +413,6 @@ class Application(ResolvedOnce, ASGIHandler):
         calls nothing but the threads: a bucket the whole process shared made every team
         repay one team's reads (found by an attacker after it: another team's runs list
         refused for 25 s)."""
-        turns, bucket = self.pace_of(pool, caller)
-        async with turns:
-            yield bucket
-
-    def pace_of(self, pool: str, caller: str) -> tuple[asyncio.Lock, TimeShare]:
-        """A paced pool's turns and time for ``caller``, made on first use."""
         key = f"{pool}:{caller}"
         if key not in self.shares:
             if len(self.shares) >= PACED_CALLERS_MAX:

@@ -23,6 +23,15 @@ QUEUED = 5
 SLOW_TEAMS_QUEUED = 3  # each waits for the one before it: a lease (7 s) a look
 
 
+def queue_approvals(team: Any, receiver: Receiver, count: int) -> None:
+    """`count` approval notifications of `team` to `receiver`, queued as the service does."""
+    for n in range(count):
+        approval = WebhookDelivery.objects.create(
+            team=team, url=f"{receiver.url}/{team.slug}", event="approval.requested",
+            payload={"event": "approval.requested", "n": n})
+        webhooks.schedule_delivery(approval.pk, 1, 0, urgent=False)
+
+
 def test_a_kill_switchs_delivery_goes_before_every_queued_approval_delivery(
         team: Any, other_team: Any, workers: list[Any]) -> None:
     slow = Receiver(secrets={other_team.slug: other_team.webhook_secret}, delay=1.5).start()
@@ -30,11 +39,7 @@ def test_a_kill_switchs_delivery_goes_before_every_queued_approval_delivery(
     try:
         # One process takes the webhooks, as the Makefile's worker with its processes busy.
         workers.append(start_worker(pools={"webhooks": "webhooks"}))
-        for n in range(QUEUED):
-            approval = WebhookDelivery.objects.create(
-                team=other_team, url=f"{slow.url}/{other_team.slug}",
-                event="approval.requested", payload={"event": "approval.requested", "n": n})
-            webhooks.schedule_delivery(approval.pk, 1, 0, urgent=False)
+        queue_approvals(other_team, slow, QUEUED)
         assert slow.first_request.wait(30), "no approval delivery was attempted"
         switch = KillSwitch.objects.create(scope="team", team=team, target=f"team:{team.pk}",
                                            reason="runaway", engaged_by_label="ops",
@@ -64,11 +69,7 @@ def test_a_team_whose_receiver_is_slow_holds_one_webhook_process_not_all(
     quick = Receiver(secrets={team.slug: team.webhook_secret}).start()
     try:
         workers.append(start_worker(pools={"webhooks": "webhooks"}, concurrency=2))
-        for n in range(SLOW_TEAMS_QUEUED):
-            theirs = WebhookDelivery.objects.create(
-                team=other_team, url=f"{slow.url}/{other_team.slug}",
-                event="approval.requested", payload={"event": "approval.requested", "n": n})
-            webhooks.schedule_delivery(theirs.pk, 1, 0, urgent=False)
+        queue_approvals(other_team, slow, SLOW_TEAMS_QUEUED)
         assert slow.first_request.wait(30), "no approval delivery was attempted"
         mine = WebhookDelivery.objects.create(team=team, url=f"{quick.url}/{team.slug}",
                                               event="approval.requested",

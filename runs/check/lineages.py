@@ -40,9 +40,8 @@ def turn_run(run_id: str) -> str:
     a thread of the API pool (found by an attacker: 8 to 40 checks over one tree's children
     made another team's check p99 2 to 3 times what the same checks of separate runs did)."""
     try:
-        found = _LINEAGE.get(uuid.UUID(run_id))
+        run = uuid.UUID(run_id)
     except (ValueError, TypeError, AttributeError):
         return str(run_id)
-    if found is None or not found[1]:
-        return str(uuid.UUID(run_id))
-    return found[1][0]
+    found = _LINEAGE.get(run)
+    return found[1][0] if found is not None and found[1] else str(run)
