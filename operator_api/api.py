@@ -578,12 +578,12 @@ def get_run(request: HttpRequest, slug: str, run_id: str) -> dict[str, Any]:
 @router.get("/teams/{slug}/runs/{run_id}/decisions", response={200: dict, **ERRORS},
             summary="A team's run's decisions, in order", operation_id="operator_list_decisions")
 def list_decisions(request: HttpRequest, slug: str, run_id: str,
-                   filters: Query[DecisionsFilter]) -> dict[str, Any]:
+                   filters: Query[DecisionsFilter]) -> HttpResponse:
     team, _ = _team(request, slug)
     run = _run(team, run_id)
-    rows = run_reads.decisions_of(run, after=filters.after, limit=filters.limit)
+    page = run_reads.decisions_page(run, after=filters.after, limit=filters.limit)
     _read(request, team)
-    return {"decisions": [run_reads.decision_json(d) for d in rows]}
+    return HttpResponse(page, content_type="application/json")
 
 
 _mounted: list[NinjaAPI] = []

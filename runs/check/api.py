@@ -258,10 +258,10 @@ def _looked_at_run(request: HttpRequest, run_id: str) -> Any:
 @api.get("/runs/{run_id}/decisions", response={200: s.DecisionsOut, **ERRORS},
          summary="A run's decisions, in order", operation_id="list_decisions")
 def list_decisions(request: HttpRequest, run_id: str, filters: Query[s.DecisionsFilter]
-                   ) -> dict[str, Any]:
+                   ) -> HttpResponse:
     run = _looked_at_run(request, run_id)
-    rows = selectors.decisions_of(run, after=filters.after, limit=filters.limit)
-    return {"decisions": [selectors.decision_json(d) for d in rows]}
+    return HttpResponse(selectors.decisions_page(run, after=filters.after, limit=filters.limit),
+                        content_type="application/json")
 
 
 @api.get("/decisions/{decision_id}", response={200: s.DecisionDetailOut, **ERRORS},
