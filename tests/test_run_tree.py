@@ -378,6 +378,45 @@ def test_an_ancestors_limit_names_the_ancestors_policy_and_version(api, team):
         stopped["rule"]
 
 
+def _second_policy(team, name: str, **document_changes: object) -> None:
+    from policies.document import parse_policy
+    from policies.services import policy_save
+
+    document = {**team.policies.get(name="default").current.document, "name": name}
+    for key, value in document_changes.items():
+        document[key] = {**document[key], **value} if isinstance(value, dict) else value
+    document.pop("warnings", None)
+    policy_save(team=team, document=parse_policy(document), actor=None, source="test")
+
+
+def test_an_ancestors_limit_is_enforced_as_its_own_policy_says_not_the_childs(api, team):
+    """Found by an attacker: a child started on a shadow policy under an enforcing parent
+    was only told 'would stop' at the parent's limits, and the tree ran past them."""
+    set_policy(team, step_limits={"max_steps": 3})
+    _second_policy(team, "observe", mode="shadow", step_limits={"max_steps": 1000})
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root, policy="observe")
+    assert [check(api, child)["decision"] for _ in range(3)] == ["allow"] * 3
+    stopped = check(api, child)
+    assert (stopped["decision"], stopped["reason"]) == ("stop", "max_steps")
+    assert stopped["rule"]["scope"] == root
+    assert Run.objects.get(pk=child).status == "stopped"
+    other = start(api, "helper", parent_run_id=root, policy="observe")
+    assert check(api, other)["decision"] == "stop"  # the tree is full: the parent's limit
+
+    # And the other way round: a shadow parent's limit is a would-stop for an enforcing child.
+    set_policy(team, mode="shadow", step_limits={"max_steps": 2})
+    _second_policy(team, "strict", mode="enforce", step_limits={"max_steps": 1000})
+    observed = start(api)
+    strict = start(api, "helper", parent_run_id=observed, policy="strict")
+    answers = [check(api, strict) for _ in range(4)]
+    assert [a["decision"] for a in answers] == ["allow"] * 4  # a would-stop runs
+    assert [(a.get("shadow") or {}).get("reason") for a in answers] == [
+        None, None, "max_steps", "max_steps"]
+    assert answers[2]["rule"]["scope"] == observed
+    assert Run.objects.get(pk=strict).status == "running"
+
+
 def test_a_child_is_warned_before_its_ancestors_budget_stops_it(api, team):
     # SPEC 16 with 20: the step that stops a child may be its parent's; the child's model is
     # warned of that budget as of its own, once, the rule naming the ancestor (scope) and its

@@ -741,6 +741,22 @@ def _limit_in_tree(name: str, policy: Policy, state: RunState, check: Check, now
     return None
 
 
+def _enforced(stop: Stop, policy: Policy, tree: Sequence[Ancestor]) -> bool:
+    """Whether ``stop`` stops the run, or is a shadow would-stop: a kill and an ended
+    ancestor always stop; an ancestor's limit is enforced as the ancestor's policy says,
+    the run's own rules as its own does. (Found by an attacker: a child started on a
+    shadow policy under an enforcing parent ran past the parent's max_steps, max_usd and
+    max_tool_calls, each only a would-stop.)"""
+    reason, _, _, scope = stop
+    if reason in ("killed", PARENT_STOPPED):
+        return True
+    if scope is not None:
+        for ancestor in tree:
+            if ancestor.run_id == scope:
+                return ancestor.policy.mode != "shadow"
+    return policy.mode != "shadow"
+
+
 def _first_stop(
     policy: Policy, state: RunState, check: Check, key: str, now: datetime, kill: str | None,
     kill_rule: Mapping[str, Any] | None = None, tree: Sequence[Ancestor] = (),
@@ -1257,7 +1273,7 @@ def evaluate(
                     _approval_rule(policy, check.name, pattern), None)
     new.idle_deadline = next_deadline(policy, new, now)
 
-    if stop is not None and (policy.mode != "shadow" or stop[0] in ("killed", PARENT_STOPPED)):
+    if stop is not None and _enforced(stop, policy, tree):
         reason, message, fired, scope = stop
         _end(new, reason, now)
         decision = Decision(
