@@ -220,6 +220,29 @@ def test_listing_validates_its_query(api, query):
     assert_error(api.get(f"/api/v1/runs?{query}"), 422, "invalid_request")
 
 
+def test_too_many_query_parameters_are_refused_naming_the_query(api, run_id, team, users):
+    """Found by an attacker: past Django's DATA_UPLOAD_MAX_NUMBER_FIELDS (1,000) every
+    endpoint that reads a query answered 500, on the agent's and the operator's API."""
+    from policies.tokens import operator_token_create
+
+    many = "&".join(f"a{i}=1" for i in range(1001))
+    for path in (f"/api/v1/runs?{many}", f"/api/v1/runs/{run_id}/decisions?{many}"):
+        error = assert_error(api.get(path), 422, "invalid_request")
+        assert error["fields"] == {"query": "at most 1000 parameters"}
+    token = operator_token_create(user=users["viewer"], name="many", role="viewer").secret
+    operator = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert_error(operator.get(f"/api/v1/teams/{team.slug}/runs?{many}"), 422,
+                 "invalid_request")
+    assert api.get(f"/api/v1/runs?{'&'.join(f'a{i}=1' for i in range(999))}").status_code == 200
+
+
+def test_a_404_says_what_was_not_found(api, run_id):
+    assert api.get("/api/v1/decisions/99999999").json()["error"]["message"] == \
+        "No such decision."
+    assert api.get("/api/v1/runs/00000000-0000-0000-0000-000000000000").json()[
+        "error"]["message"] == "No such run."
+
+
 def test_decisions_listing_validates_its_query(api, run_id):
     assert_error(api.get(f"/api/v1/runs/{run_id}/decisions?limit=1001"), 422, "invalid_request")
     assert_error(api.get(f"/api/v1/runs/{run_id}/decisions?after=-1"), 422, "invalid_request")
