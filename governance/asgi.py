@@ -31,6 +31,7 @@ import io
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -106,7 +107,7 @@ async def read_body(receive: Receive, limit: int) -> bytes:
 # what its calls are in a refusal (`shared_request`).
 SHARED_POOLS = {
     "operator": ("OPERATOR_THREADS_PER_CREDENTIAL", "OPERATOR_CALLS_PER_ADDRESS",
-                 None, "operator API requests"),
+                 "OPERATOR_SHARE", "operator API requests"),
     "killswitch": ("OPERATOR_THREADS_PER_CREDENTIAL", "OPERATOR_CALLS_PER_ADDRESS",
                    None, "operator API requests"),
     "agent-bulk": ("AGENT_BULK_THREADS_PER_CREDENTIAL", "AGENT_BULK_CALLS_PER_ADDRESS",
@@ -167,12 +168,24 @@ def _credential(scope: Scope) -> str:
     return "token:"
 
 
-def _paced_caller(credential: str) -> str:
-    """Whose turn and time a paced call is (`Application.pace_of`): its key's team once this
-    process knows it (runs/check/callers.py); every credential not known yet (a key's first
-    call in this process, a wrong one) is one caller together, so that neither many new keys
-    nor many wrong ones get a turn each (found measuring it: four new keys' first reads of
-    60 MB, one per key and process, made the attack 2.5 to 3x again)."""
+# An operator API call's team, from its path (SPEC 17: /api/v1/teams/{slug}/...).
+_OPERATOR_TEAM = re.compile(r"/api/v1/teams/([^/]+)/")
+
+
+def _paced_caller(pool: str, path: str, credential: str) -> str:
+    """Whose turn and time a paced call is (`Application.pace_of`). An agent's bulk call:
+    its key's team once this process knows it (runs/check/callers.py); every credential not
+    known yet (a key's first call in this process, a wrong one) is one caller together, so
+    that neither many new keys nor many wrong ones get a turn each (found measuring it: four
+    new keys' first reads of 60 MB, one per key and process, made the attack 2.5 to 3x
+    again). An operator call: the team its path names (a token may serve many teams, and a
+    team's viewers many tokens: found by an attacker, 16 viewer tokens reading a run's
+    1,000 decisions of 55 MB over and over from 16 addresses made another team's check p99
+    10 to 50x); a call that names none (the teams list, an approval's decision) is its
+    token's."""
+    if pool == "operator":
+        team = _OPERATOR_TEAM.match(path)
+        return f"slug:{team[1].lower()}" if team else credential
     caller = caller_of(credential)
     return caller if caller.startswith("team:") else "not known yet"
 
@@ -367,7 +380,7 @@ class Application(ResolvedOnce, ASGIHandler):
                 made = await asyncio.get_running_loop().run_in_executor(
                     executor, self.respond_sync, request)
             else:
-                caller = _paced_caller(credential)
+                caller = _paced_caller(pool, request.path, credential)
                 turns, bucket = self.pace_of(pool, caller)
                 async with turns:
                     wait = bucket.wait_s(getattr(settings, share))
@@ -386,7 +399,7 @@ class Application(ResolvedOnce, ASGIHandler):
                 bucket.spend(took)
                 # A key found right by this call is its team's from now on, and its team
                 # owes what the call took too.
-                if (payer := _paced_caller(credential)) != caller:
+                if (payer := _paced_caller(pool, request.path, credential)) != caller:
                     self.pace_of(pool, payer)[1].spend(took)
         finally:
             for key in held:

@@ -131,7 +131,10 @@ def test_a_file_with_one_refused_policy_saves_none_of_it(server: Server, team: T
 
 
 def test_a_change_to_confirm_names_the_flag_and_a_dry_run_fails_on_it(
-        server: Server, agent: Agent, team: Team, admin_token: str, tmp_path: Path):
+        server: Server, agent: Agent, team: Team, admin_token: str, tmp_path: Path,
+        workers: list[Worker]):
+    if not settings.CELERY_TASK_ALWAYS_EAGER:
+        new_worker(workers)  # the dry run's backtest is replayed on the workers' bulk queue
     for _ in range(3):  # recent runs that a deny-all would stop at their first step
         run = agent.start()
         agent.check(run["run_id"], name="search.docs")
@@ -141,9 +144,16 @@ def test_a_change_to_confirm_names_the_flag_and_a_dry_run_fails_on_it(
                         "        step_limits: {max_steps: 50, max_repeat_action: 3, "
                         "no_progress_window: 4}\n        tools: {deny: ['*']}\n")
     for extra in ((), ("--dry-run",)):
-        code, _, err = govctl(server, admin_token, "policies", "apply", str(deny_all), *extra)
+        code, out, err = govctl(server, admin_token, "policies", "apply", str(deny_all),
+                                *extra)
         assert code == 1 and "confirmation_required (409)" in err, err
         assert "--confirm-stops" in err and "(tool_denied 3)" in err, err
+        # One instruction, govctl's (found by a newcomer: the API's JSON field was named too).
+        assert "confirm_stops" not in err, err
+    # The dry run shows the change it could not make without the flag: its diff and backtest
+    # (found by a newcomer: it showed the refusal alone).
+    assert "policy support/default: would change" in out and "+  - '*'" in out, out
+    assert "backtest: " in out, out
     code, out, err = govctl(server, admin_token, "policies", "apply", str(deny_all),
                             "--confirm-stops")
     assert code == 0 and "policy support/default: version" in out, err

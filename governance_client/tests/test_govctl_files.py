@@ -151,3 +151,31 @@ def test_the_url_may_be_given_with_the_apis_prefix(tmp_path, url):
                  "support"], out=io.StringIO(), transport=httpx.MockTransport(answer))
     assert code == 0
     assert [r.url.path for r in sent] == ["/api/v1/teams/support/policies"]
+
+
+def test_a_busy_servers_429_is_sent_again_after_its_retry_after() -> None:
+    """A team's share of the server's time used up answers 429 with Retry-After
+    (docs/serving.md): govctl waits and sends the call again, a few times at most."""
+    from governance_client.govctl import RETRIES_429, Api
+
+    sent: list[str] = []
+
+    def busy_then_answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        if len(sent) < 3:
+            return httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {
+                "code": "too_many_requests", "message": "busy", "fields": {}}})
+        return httpx.Response(200, json={"teams": []})
+
+    api = Api("http://127.0.0.1:1", "gov_op_x", transport=httpx.MockTransport(busy_then_answer))
+    assert api.call("GET", "/teams") == (200, {"teams": []})
+    assert sent == ["/api/v1/teams"] * 3
+
+    sent.clear()
+    always = Api("http://127.0.0.1:1", "gov_op_x", transport=httpx.MockTransport(
+        lambda request: sent.append(request.url.path) or httpx.Response(
+            429, headers={"Retry-After": "0"}, json={"error": {
+                "code": "too_many_requests", "message": "busy", "fields": {}}})))
+    with pytest.raises(Exception, match="too_many_requests"):
+        always.call("GET", "/teams")
+    assert len(sent) == RETRIES_429 + 1

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -142,6 +143,9 @@ def _segment(value: str, what: str) -> str:
 
 
 API_PREFIX = "/api/v1"
+# A 429 is sent again this many times at most, after its Retry-After if that is this short.
+RETRIES_429 = 3
+MOST_RETRY_AFTER_S = 60
 
 
 class Api:
@@ -157,11 +161,20 @@ class Api:
 
     def call(self, method: str, path: str, body: Any = None, *, params: Any = None,
              allow: Sequence[int] = (), timeout: float = TIMEOUT_S) -> tuple[int, Any]:
-        try:
-            response = self.http.request(method, f"{API_PREFIX}{path}", json=body, params=params,
-                                         timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise Refused(f"cannot reach {self.http.base_url}: {exc}") from None
+        for attempt in range(RETRIES_429 + 1):
+            try:
+                response = self.http.request(method, f"{API_PREFIX}{path}", json=body,
+                                             params=params, timeout=timeout)
+            except httpx.HTTPError as exc:
+                raise Refused(f"cannot reach {self.http.base_url}: {exc}") from None
+            # A busy server's 429 (a team's share of its time, a token's calls in progress:
+            # docs/serving.md) says when to come back; nothing was done, so the call is sent
+            # again, as the agents' client does.
+            wait = response.headers.get("Retry-After", "")
+            if (response.status_code != 429 or attempt == RETRIES_429 or not wait.isdigit()
+                    or int(wait) > MOST_RETRY_AFTER_S):
+                break
+            time.sleep(int(wait))
         try:
             data = response.json()
         except ValueError:
@@ -175,7 +188,11 @@ def _reason(status: int, data: Any) -> str:
     error = data.get("error") if isinstance(data, dict) else None
     if not isinstance(error, dict):
         return f"HTTP {status}"
-    text = f"{error.get('code', 'error')} ({status}): {error.get('message', '')}"
+    message = str(error.get("message", ""))
+    if error.get("code") == "confirmation_required":
+        # The API's own instruction names its JSON field; govctl's flag is said below.
+        message = message.replace(' Send it again with "confirm_stops": true to save it.', "")
+    text = f"{error.get('code', 'error')} ({status}): {message}"
     for field, problem in (error.get("fields") or {}).items():
         text += f"\n  {field}: {problem}"
     for item in error.get("impacts") or []:
@@ -246,8 +263,19 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
             name = policy["name"]
             body = {**policy, "note": note, "confirm_stops": bool(args.confirm_stops)}
             try:
-                _, would = api.call("PUT", f"/teams/{slug}/policies/{name}",
-                                    {**body, "dry_run": True})
+                status, would = api.call("PUT", f"/teams/{slug}/policies/{name}",
+                                         {**body, "dry_run": True}, allow=(409,))
+                if status == 409:
+                    refusal = _reason(status, would)
+                    if args.dry_run and (would or {}).get("error", {}).get("code") == \
+                            "confirmation_required":
+                        # A dry run shows the change all the same, then what the apply
+                        # needs (found by a newcomer: it showed the refusal alone).
+                        _, would = api.call("PUT", f"/teams/{slug}/policies/{name}",
+                                            {**body, "dry_run": True, "confirm_stops": True})
+                        planned.append((slug, name, body, would))
+                    refusals.append(f"policy {slug}/{name}: {refusal}")
+                    continue
             except Refused as refused:
                 refusals.append(f"policy {slug}/{name}: {refused}")
                 continue
