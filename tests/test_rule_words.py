@@ -38,11 +38,14 @@ def test_a_sub_agent_stopped_by_its_ancestors_limit_is_told_whose_it_is() -> Non
 # Each kind in words that fit it (found by a newcomer: every kind read "{observed} reached
 # {limit}", e.g. "decided_by operator, note too large reached approvals required").
 KINDS = [
-    ({"name": "killed", "limit": {"scope": "agent", "team": "support", "agent": "ks-bot"},
+    # A switch, not a rule of the run's policy, even where the rule names the policy
+    # (found by a newcomer: "The rule killed of policy default v2 stopped this run").
+    ({"name": "killed", "policy": "default", "version": 2,
+      "limit": {"scope": "agent", "team": "support", "agent": "ks-bot"},
       "observed": {"engaged_by": "operator", "reason": "looping, INC-7"}},
      "killed: the agent kill switch (team support, agent ks-bot), engaged by operator: "
      "looping, INC-7",
-     "The rule killed stopped this run: the agent kill switch (team support, agent ks-bot), "
+     "A kill switch stopped this run: the agent kill switch (team support, agent ks-bot), "
      "engaged by operator: looping, INC-7."),
     ({"name": "approval_denied", "policy": "default", "version": 2,
       "limit": {"approvals": "required"},

@@ -9,15 +9,27 @@
     live: "Live",
     down: "Disconnected, reconnecting…",
     ended: "Finished",
+    // A run that stopped but was not finished: its page stays live for the response the
+    // agent may still report (found by a newcomer: a stopped run read "Live").
+    waiting: "Ended, no response yet",
   };
   var downTimer = null;
+  var current = null;
 
   function show(state) {
     var el = document.querySelector("[data-live-status]");
     if (!el) return;
+    current = state;
+    var status = document.querySelector("#run-header [data-run-status]");
+    if (state === "live" && status && status.dataset.runStatus !== "running") state = "waiting";
     el.dataset.state = state;
     el.textContent = LABELS[state];
   }
+
+  // The run's header may say it ended since: the badge follows it.
+  document.addEventListener("htmx:sseMessage", function () {
+    if (current === "live") show("live");
+  });
 
   document.addEventListener("htmx:sseOpen", function () {
     clearTimeout(downTimer);

@@ -141,7 +141,7 @@ def rule_in_words(rule: Any) -> str:
     kind = f"{name} warning" if name in rules.WARNING_CODES else name
     text = f"{kind}: {detail}" if detail else kind
     where = ""
-    if rule.get("policy"):
+    if rule.get("policy") and name != "killed":  # a switch is no rule of the policy
         where = f" (policy {rule['policy']} v{rule.get('version')}"
         scope = rule.get("scope")
         where += ")" if scope in (None, "run") else f", the limit of run {scope})"
@@ -153,13 +153,17 @@ def rule_sentence(rule: Any, reason: str) -> str:
     with the value observed and the limit."""
     if not isinstance(rule, dict) or not rule.get("name"):
         return ""
+    detail = _detail(rule)
+    if rule["name"] == "killed":
+        # A switch, not a rule of the run's policy (found by a newcomer: "The rule killed of
+        # policy default v2 stopped this run").
+        return "A kill switch stopped this run" + (f": {detail}." if detail else ".")
     policy = f" of policy {rule['policy']} v{rule.get('version')}" if rule.get("policy") else ""
     scope = rule.get("scope")
     if scope not in (None, "run"):
         # A sub-agent stopped by its ancestor's limit (SPEC 20): the counter is the tree's,
         # not this run's own (found by a newcomer: "steps 19" on a run of 9 steps).
         policy += f" (the limit of ancestor run {scope}, counted over its tree)"
-    detail = _detail(rule)
     return f"The rule {rule['name']}{policy} stopped this run" + (
         f": {detail}." if detail else ".")
 

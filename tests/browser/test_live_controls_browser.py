@@ -50,6 +50,12 @@ def test_a_run_killed_elsewhere_loses_its_kill_button_live(page: Page, server: S
     expect(page.locator("#kill-run")).to_have_count(0)
     expect(page.locator("#killswitch-confirm")).to_contain_text("no longer running")
     expect(page.locator("#killswitch-confirm button[name=confirm]")).to_have_count(0)
+    # Stopped, not finished: still live for the response the agent may report, but not
+    # "Live" (found by a newcomer); its finish ends the stream.
+    expect(page.locator("[data-live-status]")).to_have_text("Ended, no response yet")
+    agent.http.post(f"/api/v1/runs/{run_id}/finish",
+                    json={"status": "stopped", "output": "partial"})
+    expect(page.locator("[data-live-status]")).to_have_text("Finished", timeout=15_000)
     assert page.evaluate("window.__noReload") is True
 
 
