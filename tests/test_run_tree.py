@@ -358,6 +358,55 @@ def test_an_approved_childs_tool_call_counts_on_every_ancestor(api, team):
     assert stopped["rule"]["scope"] == root
 
 
+def test_an_approval_is_no_allow_once_the_tree_cannot_take_it(api, team):
+    """Found by an attacker: a child's request approved after its parent finished answered
+    allow; one approved after its siblings used the parent's tool calls put the tree past
+    max_tool_calls. Either way the request is now cancelled, the child stopped with the
+    ancestor's reason, and the decision refused saying so."""
+    from governance.errors import AppError
+    from runs.approvals.services import approval_decide
+
+    set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600},
+               budgets={"max_tool_calls": 2})
+
+    def ask(run_id: str, check_id: str) -> dict:
+        asked = post(api, f"/api/v1/runs/{run_id}/check",
+                     {"action": {"name": "payments.refund", "args": {}, "type": "tool"},
+                      "check_id": check_id})
+        assert asked["decision"] == "pending", asked
+        return asked
+
+    # Siblings used the parent's tool calls while the request waited.
+    root = start(api)
+    waiting, sibling = (start(api, "helper", parent_run_id=root) for _ in range(2))
+    asked = ask(waiting, "refund-1")
+    assert [check(api, sibling)["decision"] for _ in range(3)] == ["allow", "allow", "stop"]
+    with pytest.raises(AppError) as refused:
+        approval_decide(team=team, approval_id=asked["approval"]["id"], decision="approve",
+                        note="")
+    assert refused.value.status == 409 and "max_tool_calls=2" in refused.value.message
+    assert Run.objects.get(pk=root).tool_calls == 2
+    replay = post(api, f"/api/v1/runs/{waiting}/check",
+                  {"action": {"name": "payments.refund", "args": {}, "type": "tool"},
+                   "check_id": "refund-1"})
+    assert (replay["decision"], replay["reason"]) == ("stop", "max_tool_calls"), replay
+    assert replay["rule"]["scope"] == root and replay["approval"]["status"] == "cancelled"
+    assert Run.objects.get(pk=waiting).status == "stopped"
+
+    # The parent finished while its child's request waited.
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    asked = ask(child, "refund-2")
+    assert post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})["http"] == 200
+    with pytest.raises(AppError) as refused:
+        approval_decide(team=team, approval_id=asked["approval"]["id"], decision="approve",
+                        note="")
+    assert refused.value.status == 409 and root in refused.value.message
+    child_run = Run.objects.get(pk=child)
+    assert (child_run.status, child_run.stop_reason) == ("stopped", "parent_stopped")
+    assert child_run.awaited_approval is None
+
+
 def test_an_ancestors_limit_names_the_ancestors_policy_and_version(api, team):
     from policies.document import parse_policy
     from policies.services import policy_save

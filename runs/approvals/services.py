@@ -116,7 +116,12 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
     # The policy restarts an approved run's idle deadline: time pending is not idle (SPEC 14).
     decision, new = rules.settle(state, status, now=now, by=label or None, note=note, kill=kill,
                                  policy=rules_for_version(run.policy_version_id),
-                                 kill_rule=_kill_rule(run) if kill is not None else None)
+                                 kill_rule=_kill_rule(run) if kill is not None else None,
+                                 tree=tree or ())
+    if status == rules.APPROVED and decision.outcome == rules.STOP:
+        # The run's ancestors stop it (an ancestor over, or its tool calls used up): the
+        # request is cancelled, the run stopped; nothing counts on them.
+        status, tree = rules.CANCELLED, None
     decided_at = pending.expires_at if status == rules.EXPIRED else now
     won = Approval.objects.filter(pk=pending.approval_id, status=ApprovalStatus.PENDING).update(
         status=status, decided_at=decided_at, decided_by=actor, decided_by_label=label,
@@ -433,6 +438,7 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
     expired = False
     kill = None
     ended: rules.RunState | None = None
+    stopped: Settled | None = None
     with transaction.atomic():
         # The tree's lock order, root first (docs/reliability.md): an approved tool call
         # counts on the ancestors too.
@@ -458,7 +464,9 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
         elif waiting:
             settled = settle_locked(run=run, state=state, status=status, now=now, actor=actor,
                                     label=label, note=text, tree=tree)
-            if settled is not None:
+            if settled is not None and settled.status != status:
+                stopped = settled  # the run's ancestors stopped it instead (SPEC 20)
+            elif settled is not None:
                 audit(actor=actor, actor_label=audit_label, team=approval.team,
                       action=f"approval.{decision}", target=f"run {str(run.pk)[:8]}",
                       detail={"approval": str(approval.pk), "run": str(run.pk),
@@ -471,6 +479,10 @@ def approval_decide(*, team: Team | None, approval_id: Any, decision: str, note:
         raise ApprovalError(409, "run_finished",
                             f"The run is over ({ended.status}{why}): the request was "
                             "cancelled, and an approval could not run anything now.")
+    if stopped is not None:
+        raise ApprovalError(409, "run_finished",
+                            f"{stopped.answer.get('message', 'The run is over.')} The request "
+                            "was cancelled: an approval could not run anything now.")
     if kill is not None:
         raise ApprovalError(409, "kill_switch_engaged",
                             f"A kill switch covers the run ({kill}): the request was "

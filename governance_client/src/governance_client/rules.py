@@ -1386,12 +1386,44 @@ def _pending(policy: Policy, new: RunState, check: Check, key: str, pattern: str
     )
 
 
+def tree_stop_of_approval(tree: Sequence[Ancestor], pending: Pending, now: datetime
+                          ) -> Stop | None:
+    """What stops a descendant's action an operator approves (SPEC 20), as the ancestors
+    are now (``tree``, read under their locks): an ancestor that is over (``parent_stopped``)
+    or, for a tool, an ancestor's max_tool_calls its other descendants used up while the
+    request waited (enforced as that ancestor's policy says). The request's own check counted
+    its step and cost on them already (found by an attacker: an approval on a child after its
+    parent finished answered allow, and one after its siblings used the parent's tool calls
+    put the tree past max_tool_calls)."""
+    ended = ended_ancestor(tree, now)
+    if ended is not None:
+        return _parent_stopped(*ended)
+    if pending.action_type != "tool":
+        return None
+    check = Check(name=pending.action_name, type="tool")
+    for ancestor in tree:
+        if ancestor.policy.mode == "shadow":
+            continue
+        passed = _tree_limit("max_tool_calls", ancestor.policy, ancestor.state, check, now)
+        if passed is not None:
+            words = passed[0].replace("The run has", "The tree has").replace(
+                "the run is stopped", "this run is stopped")
+            return "max_tool_calls", (f"Ancestor run {ancestor.run_id}'s limit: {words} (an "
+                                      "ancestor's budget bounds its sub-agents' runs)"), \
+                {**passed[1], "policy": (ancestor.policy.name, ancestor.policy.version)}, \
+                ancestor.run_id
+    return None
+
+
 def settle(state: RunState, status: str, *, now: datetime, by: str | None = None,
            note: str = "", kill: str | None = None, policy: Policy | None = None,
-           kill_rule: Mapping[str, Any] | None = None) -> tuple[Decision, RunState]:
+           kill_rule: Mapping[str, Any] | None = None, tree: Sequence[Ancestor] = ()
+           ) -> tuple[Decision, RunState]:
     """The final answer of the run's pending approval (SPEC 11), for the same step:
 
     - ``approved``: allow / step_ok; the repeat count and (for a tool) ``tool_calls`` go up now;
+      unless the run's ancestors (``tree``) stop it (`tree_stop_of_approval`): then the
+      request is ``cancelled`` and the run stopped with that reason;
     - ``denied``: stop / approval_denied, the run stopped, the operator's note in the message;
     - ``expired``: stop / approval_expired, the run stopped as of ``expires_at``;
     - ``cancelled`` by a kill switch (``kill`` describes it): stop / killed, the run killed.
@@ -1408,6 +1440,16 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
     new.pending = None
     new.paused_s += max(0.0, (end - pending.since).total_seconds())
     key = pending.repeat_key
+    stopped_by_tree = tree_stop_of_approval(tree, pending, now) if status == APPROVED else None
+    if stopped_by_tree is not None:
+        reason, message, fired, scope = stopped_by_tree
+        _end(new, reason, now)
+        return Decision(
+            outcome=STOP, reason=reason, step=pending.step, repeat_key=key,
+            repeat_count=new.repeat_counts.get(key, 0), message=message,
+            next_action=NEXT_ACTION[reason], approval=pending.summary(CANCELLED), rule=fired,
+            scope=scope,
+        ), new
     if status == APPROVED:
         if policy is not None:
             new.idle_deadline = next_deadline(policy, new, now)
