@@ -180,6 +180,10 @@ def test_a_kill_switch_over_the_parent_covers_its_children(api, team, users):
     assert Run.objects.get(pk=child).status == "killed"
     # The switch is named by its run, the parent's: not "this run" (found by a newcomer).
     assert f"the kill switch of run {root}, engaged by" in answer["message"]
+    # And by the stop's rule, as the fan-out's kill names it (found by an attacker: empty).
+    assert answer["rule"]["limit"] == {"scope": "run", "team": team.slug, "run": root}
+    assert answer["rule"]["observed"] == {"engaged_by": "operator", "reason": "runaway"}
+    assert check(api, child)["rule"] == answer["rule"]  # the replayed stop names it too
 
 
 def test_the_fanout_of_a_switch_over_a_parent_kills_its_descendants(api, team, users):

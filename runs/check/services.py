@@ -197,14 +197,18 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             raise _Portable()
         now = timezone.now()
         state, rows, kill, first = _settle_first(read, policy, check, now=now)
-        if kill is None and state.status == rules.RUNNING:
-            kill = family.switch()
+        switch: cover.SwitchFields | None = read.locked.switch
+        if kill is None and state.status == rules.RUNNING and (over := family.switch()):
+            # An ancestor's switch: the stop's rule names it as the fan-out's kill does
+            # (found by an attacker: a descendant's check before the fan-out recorded an
+            # empty rule, which every later answer replayed).
+            switch, kill = over, cover.switch_in_words(over)
         replayed, check = _replay_or_refuse(state, rows, first, policy, check, kill=kill)
         if replayed is not None:
             return replayed
         windows = _windows(tx, read, state, kill=kill, now=now)
-        switch = read.locked.switch
-        kill_rule = cover.switch_rule(switch, team=read.locked.team_slug, run=run.id) \
+        kill_rule = cover.switch_rule(switch, team=read.locked.team_slug,
+                                      run=switch.run_id or run.id) \
             if switch is not None else None
         decision, new_state, answer, check_id = _decide(
             policy, state, check, kill=kill, windows=windows, key=read.keyed.key, now=now,

@@ -47,17 +47,16 @@ class Family:
     rows: list[RunRow] = field(default_factory=list)
     tree: list[rules.Ancestor] = field(default_factory=list)
 
-    def switch(self) -> str | None:
-        """The kill switch over an ancestor, in words (SPEC 20: a switch covering a run
-        covers its descendants), read after the ancestors' locks: a switch whose engage
-        returned before this check began is seen (SPEC 4.5)."""
+    def switch(self) -> KillSwitch | None:
+        """The kill switch over an ancestor (SPEC 20: a switch covering a run covers its
+        descendants), read after the ancestors' locks: a switch whose engage returned
+        before this check began is seen (SPEC 4.5)."""
         if not self.rows:
             return None
         targets = [key for row in self.rows for key in cover.covering_targets(
             team_id=row.team_id, agent=row.agent, run_id=row.id)]
-        found = (KillSwitch.objects.filter(target__in=targets, active=True)
-                 .order_by("engaged_at").first())
-        return cover.switch_in_words(found) if found is not None else None
+        return (KillSwitch.objects.filter(target__in=targets, active=True)
+                .order_by("engaged_at").first())
 
 
 def lock_ancestors(tx: CheckTransaction, run_id: uuid.UUID) -> Family:
