@@ -190,6 +190,7 @@ class PolicyForm(forms.Form):
         rate_limits, self.rate_line_errors = _rate_rules(data.get("rate_limits") or "")
         timeout = data.get("approval_timeout_s") or ""
         warnings = {key: number(field) for field, key in WARNING_FIELDS.items()}
+        allowed = _lines(data.get("tools_allow") or "")
         return {
             "name": self.fixed_name if self.fixed_name is not None else (data.get("name") or ""),
             "mode": data.get("mode") or "enforce",
@@ -200,8 +201,10 @@ class PolicyForm(forms.Form):
             },
             "budgets": {f: number(f) for f in sorted(OPTIONAL_NUMBERS)},
             "tools": {
-                "allow": _lines(data.get("tools_allow") or "")
-                if data.get("restrict_tools") else None,
+                # "Deny every tool" means it on its own (found by a newcomer: ticked alone it
+                # saved nothing, "Nothing changed"); with tools listed it is a form error.
+                "allow": [] if data.get("deny_every_tool") and not allowed
+                else allowed if data.get("restrict_tools") else None,
                 "deny": _lines(data.get("tools_deny") or ""),
             },
             "repeat_key": {"ignore_args": _lines(data.get("ignore_args") or "")},
@@ -234,6 +237,8 @@ class PolicyForm(forms.Form):
         for message in self.rate_line_errors:
             self.add_error("rate_limits", message)
         tools = (self.normalized or {}).get("tools") or {}
+        if cleaned.get("deny_every_tool") and _lines(cleaned.get("tools_allow") or ""):
+            self.add_error("tools_allow", DENY_ALL_WITH_TOOLS)
         if tools.get("allow") == [] and not cleaned.get("deny_every_tool"):
             # "Only allow the tools listed below" ticked over an empty list saved a policy
             # that stopped 246 of 259 recorded runs at their first step, without a word.
@@ -241,6 +246,8 @@ class PolicyForm(forms.Form):
         return cleaned
 
 
+DENY_ALL_WITH_TOOLS = ("\"Deny every tool\" is ticked: empty this list, or untick it to allow "
+                       "only the tools listed.")
 DENY_ALL = ("The list is empty: every tool of every run would be denied. List the tools to "
             "allow, untick \"Only allow\", or tick \"Deny every tool\" to mean it.")
 

@@ -41,6 +41,20 @@ def test_an_empty_allow_list_is_refused_unless_deny_every_tool_is_ticked(team, u
     assert re.search(r'<input[^>]*name="deny_every_tool"[^>]*checked', page)
 
 
+def test_deny_every_tool_ticked_alone_denies_every_tool(team, users):
+    """Found by a newcomer: ticked without "Only allow" it saved nothing ("Nothing
+    changed"); ticked over a list of tools it would contradict it."""
+    admin = Client()
+    admin.force_login(users["admin"])
+    assert save(admin, team, deny_every_tool="on").status_code == 302
+    assert allow_list(team) == []
+    refused = save(admin, team, restrict_tools="on", tools_allow="search.*",
+                   deny_every_tool="on")
+    assert refused.status_code == 422
+    assert "empty this list, or untick it" in refused.content.decode().replace("&quot;", '"')
+    assert allow_list(team) == []  # nothing saved
+
+
 def test_a_listed_tool_needs_no_confirmation(team, users):
     admin = Client()
     admin.force_login(users["admin"])
