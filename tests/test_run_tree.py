@@ -289,8 +289,12 @@ def test_the_run_pages_show_the_tree_and_the_list_shows_a_childs_parent(api, tea
     assert f'data-child-run="{child}"' in html and "data-tree-counted" in html
     assert "1 / 5" in html  # the grandchild's step counted on the root
     assert "Tree usage" not in html  # the root's counters are the tree's: shown once
+    assert "This run with its sub-agents (their checks count here too)" in html
     html = page.get(reverse("runs:run", args=[team.slug, grandchild])).content.decode()
     assert f'data-parent-run="{child}"' in html and "in the tree of" in html
+    # Two cards of counters, each named (found by a newcomer).
+    assert "Tree usage against the root's limits" in html
+    assert "This run's own usage, against its policy" in html
     listed = page.get(reverse("runs:runs", args=[team.slug])).content.decode()
     assert f'data-parent-run="{root}"' in listed
     confirm = page.get(reverse("runs:killswitch-run", args=[team.slug, root])).content.decode()
