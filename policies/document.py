@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import yaml
 from governance_client.rules import DEFAULT_REDACT, default_warning
-from governance_client.yaml_keys import unique_keys
+from governance_client.yaml_keys import unique_keys, yaml_problem
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -373,7 +373,7 @@ def load_yaml(source: str | bytes) -> Any:
         _scan(source)
         return yaml.load(source, Loader=_LOADER)  # CSafeLoader or SafeLoader: no tags run code
     except yaml.YAMLError as exc:
-        raise _refused(f"is not valid YAML: {exc}") from None
+        raise _refused(f"is not valid YAML: {yaml_problem(exc, source)}") from None
     except (ValueError, OverflowError) as exc:
         # A scalar YAML reads but Python cannot build, e.g. the date 2024-02-30.
         raise _refused(f"holds a value that cannot be read: {exc}") from None

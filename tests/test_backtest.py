@@ -404,6 +404,7 @@ def test_bad_options_are_refused_with_the_reason(team, args, message):
 
 @pytest.mark.parametrize(("text", "message"), [
     ("teams: [", "not valid YAML"),
+    ("teams:\n\t- slug: support\n", "YAML indents with spaces, never tabs"),
     ("teams:\n  - slug: support\n    policies:\n      - name: default\n"
      "        step_limits: {max_steps: 0, max_repeat_action: 3, no_progress_window: 4}\n",
      r"teams\[0\].policies\[0\].step_limits.max_steps"),

@@ -85,6 +85,8 @@ def test_a_good_file_is_sent_to_its_policys_path(tmp_path):
     (GOOD + "        mode: shadow\n        mode: enforce\n", "found the key 'mode' twice"),
     (GOOD.replace("max_steps: 5", "max_steps: 2024-02-30"), "is not valid YAML"),
     (b"teams: \xff\xfe\n", "is not UTF-8 text"),
+    # A tab says so (found by a newcomer: PyYAML's words do not).
+    (GOOD.replace("    policies:", "\tpolicies:"), "YAML indents with spaces, never tabs"),
     (GOOD + "#" * (256 * 1024), "is over 256 KiB"),
 ])
 def test_a_bad_file_exits_1_with_the_reason_and_sends_nothing(tmp_path, content, says):

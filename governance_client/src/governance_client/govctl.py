@@ -83,13 +83,13 @@ def _load(path: str) -> Any:
             data = json.loads(text)
         else:
             yaml = _yaml()
-            from .yaml_keys import unique_keys  # PyYAML's, installed with the cli extra
+            from .yaml_keys import unique_keys, yaml_problem  # PyYAML's: the cli extra
 
             try:
                 # Safe (no tag runs code), a key written twice refused, as the server reads it.
                 data = yaml.load(text, Loader=unique_keys(yaml.SafeLoader))
             except yaml.YAMLError as exc:
-                raise Refused(f"{path} is not valid YAML: {exc}") from None
+                raise Refused(f"{path} is not valid YAML: {yaml_problem(exc, text)}") from None
     except RecursionError:
         raise Refused(f"{path} nests more than {MAX_DEPTH} levels") from None
     except ValueError as exc:  # JSON's errors, and a value YAML cannot build (2024-02-30)

@@ -36,3 +36,17 @@ def unique_keys(base: Any) -> Any:
 
     Loader.__name__ = Loader.__qualname__ = f"UniqueKeys{base.__name__}"
     return Loader
+
+
+def yaml_problem(exc: Exception, source: str) -> str:
+    """A YAML reader's error in words a newcomer can act on: "found character that cannot
+    start any token" does not say that the character is a tab, and YAML indents with spaces
+    only. ``source``: the text that was read."""
+    text = str(exc)
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        lines = source.splitlines()
+        line = lines[mark.line] if 0 <= mark.line < len(lines) else ""
+        if line[mark.column:mark.column + 1] == "\t":
+            text += "\n(a tab character: YAML indents with spaces, never tabs)"
+    return text
