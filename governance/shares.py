@@ -24,7 +24,7 @@ class TimeShare:
     def wait_s(self, share: float) -> float:
         """How long the next piece of work must wait (0: it may start now), the bucket
         filled at `share` (a fraction of a second per second) since it was last asked."""
-        share = min(1.0, max(0.01, share))
+        share = min(1.0, max(0.001, share))  # a setting of 0 would never refill
         now = time.monotonic()
         self._budget = min(self.burst_s, self._budget + (now - self._filled_at) * share)
         self._filled_at = now
