@@ -2,7 +2,7 @@
 // leaves an error answer unswapped and a lost request silent, so a click on "Kill this run"
 // while the server was busy (a 503 for a read past its deadline, a 429) looked like a click
 // that did nothing. The message names what the server said (its page's heading and first
-// paragraph, or its JSON detail), and goes at the next answer that succeeds.
+// paragraph, or its JSON error's message), and goes at the next answer that succeeds.
 (function () {
   "use strict";
   var ID = "request-failed";
@@ -30,6 +30,8 @@
     if (type.indexOf("json") !== -1) {
       try {
         var data = JSON.parse(body);
+        var error = data && data.error;  // the API's envelope (SPEC 5.3)
+        if (error && typeof error.message === "string") return error.message;
         if (data && typeof data.detail === "string") return data.detail;
       } catch (e) { /* not JSON after all: the status line below */ }
     } else if (type.indexOf("html") !== -1) {
