@@ -156,8 +156,8 @@ def decisions_page(run: Run, *, after: int = 0, limit: int = 100) -> bytes:
     operator's) as its JSON body. A decision's args and progress go out as the database
     keeps their text, never decoded: a page of 1,000 decisions with the largest args a check
     may send is 60 MB, and decoding it into Python only to encode it again was most of what
-    a page cost (0.45 to 0.7 s of a worker's CPU against 0.1 to 0.2 s now, in process;
-    docs/performance.md "Reads of one run"): the time another team's checks waited behind
+    a page cost (0.36 to 0.75 s in process, against 0.18 s now, 0.09 s of it the worker's
+    CPU; docs/performance.md, `heavy_reads`): the time another team's checks waited behind
     one team's reads (SPEC 10). The same values as before: the text is the stored JSON."""
     rows = decisions_of(run, after=after, limit=limit).defer("args", "progress").annotate(
         args_text=Cast("args", TextField()), progress_text=Cast("progress", TextField()))
