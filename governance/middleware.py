@@ -91,6 +91,29 @@ def _on_dashboard_pool(fn: Callable[..., Any]) -> Callable[..., Any]:
 API_PREFIX = "/api/"
 
 
+class ProbeMiddleware(_SyncAndAsync):
+    """First of ``MIDDLEWARE``: /healthz and /readyz answer whatever the Host header and the
+    scheme. A load balancer's health check speaks plain HTTP to a node's own address: behind
+    TLS with ``SECURE_SSL_REDIRECT`` every probe was a 301, and with the production
+    ``ALLOWED_HOSTS`` a 400, and HAProxy took every node out (found by a newcomer following
+    docs/deploy.md: every call answered 503). The probes read no session, build no URL from
+    the Host and say nothing but their status, so nothing else of the chain applies to them."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]):
+        super().__init__(get_response)
+        from . import views  # the views import the models: after the apps are ready
+
+        self.probes = {"/healthz": views.healthz, "/readyz": views.readyz}
+
+    def __call__(self, request: HttpRequest) -> Any:
+        probe = self.probes.get(request.path)
+        if probe is None:
+            return self.get_response(request)
+        if self.async_mode:
+            return sync_to_async(probe, thread_sensitive=False, executor=pool("api"))(request)
+        return probe(request)
+
+
 class ApiRouteMiddleware(_SyncAndAsync):
     """First of ``MIDDLEWARE``: a request under /api/ leaves the pages' chain here for the
     API's own (``API_MIDDLEWARE``: JSON errors, the Host check, security headers, the

@@ -120,6 +120,7 @@ INSTALLED_APPS = [
 # messages, htmx, frame options, static files and the sign-in throttle serve only people in
 # a browser, and were about half of what the middleware cost a check (docs/performance.md).
 MIDDLEWARE = [
+    "governance.middleware.ProbeMiddleware",  # /healthz, /readyz: whatever the Host, plain HTTP
     "governance.middleware.ApiRouteMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "governance.middleware.StaticFilesMiddleware",  # WhiteNoise, sync and async

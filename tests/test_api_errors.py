@@ -340,6 +340,22 @@ def test_the_probes_answer_only_get_and_head(path, method):
     assert response.status_code == 405 and response["Allow"] == "GET, HEAD"
 
 
+@pytest.mark.parametrize("path", ["/healthz", "/readyz"])
+def test_the_probes_answer_a_load_balancers_plain_http_check_whatever_the_host(path, settings):
+    """Found by a newcomer following docs/deploy.md: behind TLS with SECURE_SSL_REDIRECT a
+    probe was a 301, with the production ALLOWED_HOSTS a 400 for HAProxy's `Host:
+    localhost`, and HAProxy took every node out. The pages still redirect and refuse."""
+    settings.SECURE_SSL_REDIRECT = True
+    settings.ALLOWED_HOSTS = ["governance.example.com"]
+    probe = Client(HTTP_HOST="localhost").get(path)
+    assert probe.status_code == 200, probe.content
+    assert probe.json()["status"] == "ok"
+    assert Client(HTTP_HOST="localhost").head(path).status_code == 200
+    assert Client(HTTP_HOST="localhost").get("/accounts/login/").status_code == 400
+    page = Client(HTTP_HOST="governance.example.com").get("/accounts/login/")
+    assert page.status_code == 301 and page["Location"].startswith("https://")
+
+
 def test_head_of_a_write_only_route_is_refused(api, run_id):
     response = api.head(f"/api/v1/runs/{run_id}/check")
     assert response.status_code == 405 and "HEAD" not in response["Allow"]
