@@ -401,6 +401,28 @@ def test_an_approval_is_no_allow_once_the_tree_cannot_take_it(api, team):
     assert replay["rule"]["scope"] == root and replay["approval"]["status"] == "cancelled"
     assert Run.objects.get(pk=waiting).status == "stopped"
 
+    # A kill switch over the parent was engaged while the request waited, its fan-out not
+    # run yet (found by an attacker: the approval answered allow until the fan-out came).
+    from unittest import mock
+
+    from runs.killswitch.services import killswitch_engage
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    asked = ask(child, "refund-3")
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):
+        killswitch_engage(scope="run", run=Run.objects.get(pk=root), reason="runaway")
+    with pytest.raises(AppError) as refused:
+        approval_decide(team=team, approval_id=asked["approval"]["id"], decision="approve",
+                        note="")
+    assert refused.value.status == 409 and refused.value.code == "kill_switch_engaged"
+    assert f"the kill switch of run {root}" in refused.value.message
+    assert Run.objects.get(pk=child).status == "killed"
+    replay = post(api, f"/api/v1/runs/{child}/check",
+                  {"action": {"name": "payments.refund", "args": {}, "type": "tool"},
+                   "check_id": "refund-3"})
+    assert (replay["decision"], replay["reason"]) == ("stop", "killed"), replay
+    assert replay["rule"]["limit"] == {"scope": "run", "team": team.slug, "run": root}
+
     # The parent finished while its child's request waited.
     root = start(api)
     child = start(api, "helper", parent_run_id=root)

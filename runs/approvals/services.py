@@ -300,16 +300,17 @@ def _locked(run_id: Any) -> tuple[Run, rules.RunState]:
 def _kill_rule(run: Any) -> dict[str, Any] | None:
     """The covering switch as the cancelled request's stop names it (SPEC 16): read again
     here, a rare path (a request cancelled by a kill switch), so its callers pass words."""
-    switch = cover.covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
+    switch = cover.covering_switch_of_tree(run)
     if switch is None:
         return None
     team = Team.objects.filter(pk=run.team_id).values_list("slug", flat=True).first()
-    return cover.switch_rule(switch, team=team, run=run.id)
+    return cover.switch_rule(switch, team=team, run=switch.run_id or run.id)
 
 
 def covering_kill(run: Any) -> str | None:
-    """The kill switch covering the run, in the words the agent reads; None when none does."""
-    switch = cover.covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
+    """The kill switch covering the run or one of its ancestors (SPEC 20), in the words the
+    agent reads; None when none does."""
+    switch = cover.covering_switch_of_tree(run)
     return cover.switch_in_words(switch) if switch is not None else None
 
 

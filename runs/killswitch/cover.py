@@ -119,6 +119,22 @@ def covering_switch(*, team_id: int, agent: str, run_id: Any | None) -> KillSwit
             .order_by("engaged_at").first())
 
 
+def covering_switch_of_tree(run: Any) -> KillSwitch | None:
+    """The engaged switch that covers ``run`` or one of its ancestors (SPEC 20: a switch
+    covering a run covers its descendants), the oldest first: what an approval of the run's
+    action must look at (found by an attacker: a sub-agent's request approved after a switch
+    over its parent was committed answered allow until the fan-out came)."""
+    found = covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
+    if found is not None or not run.ancestors:
+        return found
+    targets = [key for pk, agent in Run.objects.filter(pk__in=run.ancestors,
+                                                       team_id=run.team_id)
+               .values_list("pk", "agent")
+               for key in covering_targets(team_id=run.team_id, agent=agent, run_id=pk)]
+    return (KillSwitch.objects.filter(target__in=targets, active=True)
+            .order_by("engaged_at").first())
+
+
 def runs_covered(scope: str, *, team_id: int | None, agent: str, run_id: Any) -> Q:
     """A filter on Run: the runs a switch of this scope and target covers, their
     descendants included (SPEC 20: a switch covering a run covers its sub-agents' runs)."""
