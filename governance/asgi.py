@@ -51,7 +51,7 @@ from django.urls.exceptions import Resolver404  # noqa: E402
 
 from runs import telemetry  # noqa: E402
 from runs.check import edge  # noqa: E402
-from runs.check.callers import caller_of  # noqa: E402
+from runs.check.callers import caller_of, operator_known, remember_operator  # noqa: E402
 from runs.check.lineages import turn_run  # noqa: E402
 
 from . import connections, pools  # noqa: E402
@@ -172,6 +172,12 @@ def _credential(scope: Scope) -> str:
 _OPERATOR_TEAM = re.compile(r"/api/v1/teams/([^/]+)/")
 
 
+def _operator_team(path: str) -> str:
+    """The slug an operator call's path names ("" for none: the teams list, a decision)."""
+    named = _OPERATOR_TEAM.match(path)
+    return named[1].lower() if named else ""
+
+
 def _paced_caller(pool: str, path: str, credential: str) -> str:
     """Whose turn and time a paced call is (`Application.pace_of`). An agent's bulk call:
     its key's team once this process knows it (runs/check/callers.py); every credential not
@@ -181,11 +187,16 @@ def _paced_caller(pool: str, path: str, credential: str) -> str:
     again). An operator call: the team its path names (a token may serve many teams, and a
     team's viewers many tokens: found by an attacker, 16 viewer tokens reading a run's
     1,000 decisions of 55 MB over and over from 16 addresses made another team's check p99
-    10 to 50x); a call that names none (the teams list, an approval's decision) is its
-    token's."""
+    10 to 50x), once its token was found right for that team in this process; a call that
+    names none (the teams list, an approval's decision) is its token's; every other call
+    is one caller together, as for the bulk calls (found by an attacker after it: bogus
+    tokens naming a team made that team's own calls wait 8 s, and a new slug on each call
+    was a new share each, never paced)."""
     if pool == "operator":
-        team = _OPERATOR_TEAM.match(path)
-        return f"slug:{team[1].lower()}" if team else credential
+        team = _operator_team(path)
+        if not operator_known(credential, team):
+            return "operator: not known yet"
+        return f"slug:{team}" if team else credential
     caller = caller_of(credential)
     return caller if caller.startswith("team:") else "not known yet"
 
@@ -380,6 +391,8 @@ class Application(ResolvedOnce, ASGIHandler):
                 made = await asyncio.get_running_loop().run_in_executor(
                     executor, self.respond_sync, request)
             else:
+                if pool == "operator":
+                    await self.learn_operator(request, credential, executor)
                 caller = _paced_caller(pool, request.path, credential)
                 turns, bucket = self.pace_of(pool, caller)
                 async with turns:
@@ -397,8 +410,10 @@ class Application(ResolvedOnce, ASGIHandler):
                 made, took = await asyncio.get_running_loop().run_in_executor(
                     executor, self.respond_timed, request)
                 bucket.spend(took)
-                # A key found right by this call is its team's from now on, and its team
-                # owes what the call took too.
+                if pool == "operator" and made.status_code < 400:
+                    remember_operator(credential, _operator_team(request.path))
+                # A key or token found right by this call is its team's from now on, and its
+                # team owes what the call took too.
                 if (payer := _paced_caller(pool, request.path, credential)) != caller:
                     self.pace_of(pool, payer)[1].spend(took)
         finally:
@@ -412,6 +427,22 @@ class Application(ResolvedOnce, ASGIHandler):
                 await asyncio.get_running_loop().run_in_executor(executor, response.close)
             return
         await self.send_whole(made, send)
+
+    async def learn_operator(self, request: ASGIRequest, credential: str,
+                             executor: Any) -> None:
+        """Before an operator call of a token this process does not know for the team its
+        path names: whether the token sees that team (one lookup on the pool's thread), so
+        that its first call is paced as its team's, not with every call not known yet
+        (which bogus tokens may keep busy: found by an attacker)."""
+        team = _operator_team(request.path)
+        if not team or operator_known(credential, team):
+            return
+        from policies.tokens import sees_team  # the apps' models: after they are ready
+
+        secret = (edge.bearer_token(request.META.get("HTTP_AUTHORIZATION")) or "").strip()
+        if await asyncio.get_running_loop().run_in_executor(
+                executor, pools.run_request, sees_team, secret, team):
+            remember_operator(credential, team)
 
     def pace_of(self, pool: str, caller: str) -> tuple[asyncio.Lock, TimeShare]:
         """A paced pool's turns and time for ``caller`` (its team once known, runs/check/

@@ -156,6 +156,18 @@ def token_role(token: OperatorToken, team: Team) -> Role | None:
     return owner if ROLE_RANK[owner] <= ROLE_RANK[mine] else mine
 
 
+def sees_team(secret: str, slug: str) -> bool:
+    """Whether the bearer ``secret`` is a live operator token that sees team ``slug`` (the
+    server's pacing asks before a call of a token it does not know yet: governance/asgi.py).
+    A malformed secret costs no query."""
+    try:
+        token = operator_token_authenticate(secret)
+    except AppError:
+        return False
+    team = Team.objects.filter(slug=slug).first()
+    return team is not None and token_role(token, team) is not None
+
+
 def token_is_superuser(token: OperatorToken) -> bool:
     """A superuser's admin token for every team acts as a superuser (the global kill switch,
     every team); bound to one team, or with a lower role, it does not."""

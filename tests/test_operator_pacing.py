@@ -68,3 +68,26 @@ def test_one_teams_operator_calls_take_turns_within_their_share_of_the_process(
                 assert time.monotonic() - began < DEADLINE_S, path
     finally:
         server.stop()
+
+
+def test_only_a_token_found_right_for_a_team_is_paced_as_that_team() -> None:
+    """Found by an attacker: bogus tokens naming a team were billed to that team's share
+    (its own calls waited up to 8 s), and a new slug on every call was a new share each,
+    never paced. A call is its team's once its token was answered for that team in this
+    process; every other is one caller with all the calls not known yet."""
+    from governance.asgi import _paced_caller
+    from runs.check import callers
+
+    good, bogus = "token:" + "a" * 64, "token:" + "b" * 64
+    path = "/api/v1/teams/Alpha/runs/1/decisions"
+    assert _paced_caller("operator", path, good) == "operator: not known yet"
+    callers.remember_operator(good, "alpha")
+    assert _paced_caller("operator", path, good) == "slug:alpha"
+    assert _paced_caller("operator", "/api/v1/teams/beta/runs", good) == \
+        "operator: not known yet"  # found right for alpha only
+    for slug in ("alpha", "zzz", "a1b2c3d4"):
+        assert _paced_caller("operator", f"/api/v1/teams/{slug}/runs", bogus) == \
+            "operator: not known yet"
+    assert _paced_caller("operator", "/api/v1/teams", good) == "operator: not known yet"
+    callers.remember_operator(good, "")
+    assert _paced_caller("operator", "/api/v1/teams", good) == good

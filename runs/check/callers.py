@@ -30,3 +30,22 @@ def caller_of(credential: str) -> str:
     team = _TEAMS.get(credential[len(CREDENTIAL):]) if credential.startswith(CREDENTIAL) \
         else None
     return credential if team is None else f"team:{team}"
+
+
+# Operator credentials (as the ASGI application names them) found right for a team: a call
+# of theirs naming that team answered below 400. Only these are paced as the team's
+# (governance/asgi.py `_paced_caller`); any other call waits with the calls not known yet.
+_OPERATOR_TEAMS: set[tuple[str, str]] = set()
+
+
+def remember_operator(credential: str, team: str) -> None:
+    """A call of ``credential`` naming ``team`` (its slug; "" for a call that names none)
+    was answered, so the credential is that team's operator."""
+    if (credential, team) not in _OPERATOR_TEAMS:
+        if len(_OPERATOR_TEAMS) >= _TEAMS_MAX:
+            _OPERATOR_TEAMS.clear()
+        _OPERATOR_TEAMS.add((credential, team))
+
+
+def operator_known(credential: str, team: str) -> bool:
+    return (credential, team) in _OPERATOR_TEAMS
