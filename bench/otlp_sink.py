@@ -5,14 +5,15 @@ process so that decoding what the server exports takes no time from the load gen
 
 It decodes each protobuf request (ExportTraceServiceRequest, ExportMetricsServiceRequest),
 counts the spans and the metric requests, and answers GET /count with them as JSON. With
-``--print`` it also prints each span (its name, trace id and attributes) on stdout: the
-receiver docs/telemetry.md suggests for a first look, with no collector installed.
+``--print`` it also prints each span (its name, trace id and attributes) and each metric
+(its name and data points' count) on stdout: the receiver docs/telemetry.md suggests for a
+first look, with no collector installed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -26,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-PRINT = "--print" in sys.argv[2:]
+PRINT = False  # --print (`main`)
 
 
 def _value(value: Any) -> Any:
@@ -57,7 +58,15 @@ class Handler(BaseHTTPRequestHandler):
                 counts["span_requests"] += 1
             answer = ExportTraceServiceResponse().SerializeToString()
         elif self.path == "/v1/metrics":
-            ExportMetricsServiceRequest.FromString(body)
+            request = ExportMetricsServiceRequest.FromString(body)
+            if PRINT:
+                for rm in request.resource_metrics:
+                    for sm in rm.scope_metrics:
+                        for metric in sm.metrics:
+                            kind = metric.WhichOneof("data")
+                            points = len(getattr(metric, kind).data_points) if kind else 0
+                            print(f"metric {metric.name}  {kind}  {points} data point(s)",
+                                  flush=True)
             with lock:
                 counts["metric_requests"] += 1
             answer = ExportMetricsServiceResponse().SerializeToString()
@@ -81,5 +90,18 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.otlp_sink",
+        description="A local OTLP/HTTP receiver on 127.0.0.1: counts what it receives "
+                    "(GET /count), and with --print prints each span and metric.")
+    parser.add_argument("port", type=int, help="the port to listen on (4318 is OTLP/HTTP's)")
+    parser.add_argument("--print", action="store_true", help="print each span and metric")
+    args = parser.parse_args()
+    global PRINT
+    PRINT = args.print
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+
+
 if __name__ == "__main__":
-    ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+    main()
