@@ -55,7 +55,9 @@ def parse_role_map(raw: str | list[Any]) -> list[RoleMapEntry]:
         raise RoleMapError("OIDC_ROLE_MAP must be a JSON list of "
                            '{"group": ..., "team": ..., "role": ...} entries')
     entries = []
-    for index, item in enumerate(raw):
+    # Entries are counted from 1, as people count them (found by a newcomer: "entry 2" in
+    # docs/sso.md named the third).
+    for index, item in enumerate(raw, start=1):
         where = f"OIDC_ROLE_MAP entry {index} ({json.dumps(item)[:200]})"
         if not isinstance(item, dict):
             raise RoleMapError(f"{where} is not an object")
@@ -77,7 +79,7 @@ def unknown_teams(entries: list[RoleMapEntry]) -> list[tuple[int, RoleMapEntry]]
     """The entries (with their positions) naming a team that does not exist."""
     slugs = {entry.team for entry in entries if entry.team != ANY_TEAM}
     known = set(Team.objects.filter(slug__in=slugs).values_list("slug", flat=True))
-    return [(index, entry) for index, entry in enumerate(entries)
+    return [(index, entry) for index, entry in enumerate(entries, start=1)
             if entry.team != ANY_TEAM and entry.team not in known]
 
 

@@ -270,7 +270,7 @@ def test_a_role_map_naming_a_missing_team_or_not_parsing_refuses_the_sign_in(sso
     with override_settings(OIDC_ROLE_MAP=json.dumps(
             [{"group": "staff", "team": "support", "role": "viewer"},
              {"group": "staff", "team": "nowhere", "role": "viewer"}])):
-        refused(sign_in(Client(), "eve-sub"), 503, b"entry 1 names the team &#x27;nowhere&#x27;")
+        refused(sign_in(Client(), "eve-sub"), 503, b"entry 2 names the team &#x27;nowhere&#x27;")
     with override_settings(OIDC_ROLE_MAP="not json"):  # a server started with --skip-checks
         refused(sign_in(Client(), "eve-sub"), 503, b"OIDC_ROLE_MAP is not JSON")
 
@@ -315,10 +315,10 @@ def test_a_bad_role_map_is_a_system_check_error_naming_the_entry(db: Any):
         "not json": "is not JSON",
         '{"group": "a"}': "must be a JSON list",
         '[{"group": "a", "team": "support", "role": "boss"}]':
-            "entry 0 ({\"group\": \"a\", \"team\": \"support\", \"role\": \"boss\"}): "
+            "entry 1 ({\"group\": \"a\", \"team\": \"support\", \"role\": \"boss\"}): "
             "unknown role 'boss'",
         '[{"group": "a", "team": "*", "role": "viewer"}, {"group": "b", "role": "admin"}]':
-            "entry 1",
+            "entry 2",
     }
     for raw, words in cases.items():
         with override_settings(OIDC_ROLE_MAP=raw):
@@ -333,7 +333,7 @@ def test_a_bad_role_map_is_a_system_check_error_naming_the_entry(db: Any):
         assert sso_role_map_teams(databases=None) == []  # only where the database is checked
         errors = sso_role_map_teams(databases=["default"])
         assert [e.msg for e in errors] == [
-            "OIDC_ROLE_MAP entry 1 names the team 'nowhere', which does not exist."]
+            "OIDC_ROLE_MAP entry 2 names the team 'nowhere', which does not exist."]
 
 
 @pytest.mark.django_db(transaction=True)
