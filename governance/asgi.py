@@ -187,8 +187,8 @@ def _paced_caller(pool: str, path: str, credential: str) -> str:
     again). An operator call: the team its path names (a token may serve many teams, and a
     team's viewers many tokens: found by an attacker, 16 viewer tokens reading a run's
     1,000 decisions of 55 MB over and over from 16 addresses made another team's check p99
-    10 to 50x), once its token was found right for that team in this process; a call that
-    names none (the teams list, an approval's decision) is its token's; every other call
+    10 to 50x), once its token was found to see that team in this process; a call that
+    names none (the teams list, an approval's decision) is its live token's; every other call
     is one caller together, as for the bulk calls (found by an attacker after it: bogus
     tokens naming a team made that team's own calls wait 8 s, and a new slug on each call
     was a new share each, never paced)."""
@@ -410,10 +410,8 @@ class Application(ResolvedOnce, ASGIHandler):
                 made, took = await asyncio.get_running_loop().run_in_executor(
                     executor, self.respond_timed, request)
                 bucket.spend(took)
-                if pool == "operator" and made.status_code < 400:
-                    remember_operator(credential, _operator_team(request.path))
-                # A key or token found right by this call is its team's from now on, and its
-                # team owes what the call took too.
+                # A key found right by this call is its team's from now on, and its team owes
+                # what the call took too.
                 if (payer := _paced_caller(pool, request.path, credential)) != caller:
                     self.pace_of(pool, payer)[1].spend(took)
         finally:
@@ -431,11 +429,12 @@ class Application(ResolvedOnce, ASGIHandler):
     async def learn_operator(self, request: ASGIRequest, credential: str,
                              executor: Any) -> None:
         """Before an operator call of a token this process does not know for the team its
-        path names: whether the token sees that team (one lookup on the pool's thread), so
-        that its first call is paced as its team's, not with every call not known yet
-        (which bogus tokens may keep busy: found by an attacker)."""
+        path names (or, naming none, at all): whether the token is live and sees that team
+        (one lookup on the pool's thread), so that its first call is paced as its team's,
+        not with every call not known yet (which bogus tokens may keep busy: found by an
+        attacker)."""
         team = _operator_team(request.path)
-        if not team or operator_known(credential, team):
+        if operator_known(credential, team):
             return
         from policies.tokens import sees_team  # the apps' models: after they are ready
 

@@ -304,7 +304,7 @@ def _kill_rule(run: Any) -> dict[str, Any] | None:
     if switch is None:
         return None
     team = Team.objects.filter(pk=run.team_id).values_list("slug", flat=True).first()
-    return cover.switch_rule(switch, team=team, run=switch.run_id or run.id)
+    return cover.switch_rule(switch, team=team)
 
 
 def covering_kill(run: Any) -> str | None:

@@ -32,15 +32,14 @@ def caller_of(credential: str) -> str:
     return credential if team is None else f"team:{team}"
 
 
-# Operator credentials (as the ASGI application names them) found right for a team: a call
-# of theirs naming that team answered below 400. Only these are paced as the team's
-# (governance/asgi.py `_paced_caller`); any other call waits with the calls not known yet.
+# Operator credentials (as the ASGI application names them) found to see a team (its slug;
+# "" for a live token: governance/asgi.py `learn_operator`). Only these are paced as the
+# team's (`_paced_caller`); any other call waits with the calls not known yet.
 _OPERATOR_TEAMS: set[tuple[str, str]] = set()
 
 
 def remember_operator(credential: str, team: str) -> None:
-    """A call of ``credential`` naming ``team`` (its slug; "" for a call that names none)
-    was answered, so the credential is that team's operator."""
+    """``credential`` is a live operator token that sees ``team`` (its slug; "": live)."""
     if (credential, team) not in _OPERATOR_TEAMS:
         if len(_OPERATOR_TEAMS) >= _TEAMS_MAX:
             _OPERATOR_TEAMS.clear()

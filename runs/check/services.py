@@ -207,8 +207,7 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
         if replayed is not None:
             return replayed
         windows = _windows(tx, read, state, kill=kill, now=now)
-        kill_rule = cover.switch_rule(switch, team=read.locked.team_slug,
-                                      run=switch.run_id or run.id) \
+        kill_rule = cover.switch_rule(switch, team=read.locked.team_slug) \
             if switch is not None else None
         decision, new_state, answer, check_id = _decide(
             policy, state, check, kill=kill, windows=windows, key=read.keyed.key, now=now,

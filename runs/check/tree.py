@@ -53,10 +53,8 @@ class Family:
         before this check began is seen (SPEC 4.5)."""
         if not self.rows:
             return None
-        targets = [key for row in self.rows for key in cover.covering_targets(
-            team_id=row.team_id, agent=row.agent, run_id=row.id)]
-        return (KillSwitch.objects.filter(target__in=targets, active=True)
-                .order_by("engaged_at").first())
+        return cover.switch_over_any(self.rows[0].team_id,
+                                     [(row.id, row.agent) for row in self.rows])
 
 
 def lock_ancestors(tx: CheckTransaction, run_id: uuid.UUID) -> Family:

@@ -25,6 +25,7 @@ or a start reads does not grow with the switches of other teams, nor with the hi
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from string import Formatter
 from typing import Any, Protocol
 
@@ -119,6 +120,17 @@ def covering_switch(*, team_id: int, agent: str, run_id: Any | None) -> KillSwit
             .order_by("engaged_at").first())
 
 
+def switch_over_any(team_id: int, runs: Iterable[tuple[Any, str]]) -> KillSwitch | None:
+    """The engaged switch, the oldest first, that covers any of a team's ``runs`` (their ids
+    and agents): a run's ancestors, whose switches cover it too (SPEC 20)."""
+    targets = [key for run_id, agent in runs
+               for key in covering_targets(team_id=team_id, agent=agent, run_id=run_id)]
+    if not targets:
+        return None
+    return (KillSwitch.objects.filter(target__in=targets, active=True)
+            .order_by("engaged_at").first())
+
+
 def covering_switch_of_tree(run: Any) -> KillSwitch | None:
     """The engaged switch that covers ``run`` or one of its ancestors (SPEC 20: a switch
     covering a run covers its descendants), the oldest first: what an approval of the run's
@@ -127,12 +139,8 @@ def covering_switch_of_tree(run: Any) -> KillSwitch | None:
     found = covering_switch(team_id=run.team_id, agent=run.agent, run_id=run.id)
     if found is not None or not run.ancestors:
         return found
-    targets = [key for pk, agent in Run.objects.filter(pk__in=run.ancestors,
-                                                       team_id=run.team_id)
-               .values_list("pk", "agent")
-               for key in covering_targets(team_id=run.team_id, agent=agent, run_id=pk)]
-    return (KillSwitch.objects.filter(target__in=targets, active=True)
-            .order_by("engaged_at").first())
+    return switch_over_any(run.team_id, Run.objects.filter(
+        pk__in=run.ancestors, team_id=run.team_id).values_list("pk", "agent"))
 
 
 def runs_covered(scope: str, *, team_id: int | None, agent: str, run_id: Any) -> Q:
@@ -243,10 +251,11 @@ def covered_in_words(scope: str, *, team: Team | None, agent: str = "") -> str:
     return "(this run)"
 
 
-def switch_rule(switch: SwitchFields, *, team: str | None, run: Any = None
-                ) -> dict[str, Any]:
+def switch_rule(switch: SwitchFields, *, team: str | None) -> dict[str, Any]:
     """The switch as a killed stop's `rule` names it (SPEC 16, `answers.kill_rule`): ``team``
-    the covered run's team slug, ``run`` its id (for a run switch)."""
+    the covered run's team slug; a run switch names its run (the stopped run's, or an
+    ancestor's: SPEC 20)."""
+    run = switch.run_id
     return answers.kill_rule(Scope(switch.scope).value, team=team, agent=switch.agent or None,
                              by=switch.engaged_by_label, reason=switch.reason,
                              run=str(run) if run is not None else None)

@@ -89,9 +89,9 @@ def _refs_of(version_ids: set[int]) -> dict[int, tuple[str, int]]:
     return {pk: answers.policy_ref(rules_for_version(pk)) for pk in version_ids}
 
 
-def _switch_rule(switch: KillSwitch, run_id: Any = None) -> dict[str, Any]:
+def _switch_rule(switch: KillSwitch) -> dict[str, Any]:
     team = switch.team.slug if switch.team_id is not None else None
-    return cover.switch_rule(switch, team=team, run=switch.run_id or run_id)
+    return cover.switch_rule(switch, team=team)
 
 
 def _kill_batch(switch: KillSwitch, running: QuerySet[Run]) -> list[tuple[str, int]]:

@@ -731,14 +731,20 @@ def _limit_in_tree(name: str, policy: Policy, state: RunState, check: Check, now
     for ancestor in tree:
         passed = _tree_limit(name, ancestor.policy, ancestor.state, check, now)
         if passed is not None:
-            words = passed[0].replace("The run has", "The tree has").replace(
-                "Step ", "Tree step ", 1).replace("the run is stopped", "this run is stopped")
-            # The limit is the ancestor's: its rule names the ancestor's policy and version
-            # (answers.rule_of), not the run's.
-            fired = {**passed[1], "policy": (ancestor.policy.name, ancestor.policy.version)}
-            return name, (f"Ancestor run {ancestor.run_id}'s limit: {words} (an ancestor's "
-                          "budget bounds its sub-agents' runs)"), fired, ancestor.run_id
+            return _ancestors_stop(name, ancestor, passed)
     return None
+
+
+def _ancestors_stop(name: str, ancestor: Ancestor, passed: tuple[str, dict[str, Any]]
+                    ) -> Stop:
+    """An ancestor's limit `_tree_limit` found passed, as the descendant's stop: the words
+    say the tree and name the ancestor; the rule names the ancestor's policy and version
+    (answers.rule_of), not the run's; the scope is the ancestor."""
+    words = passed[0].replace("The run has", "The tree has").replace(
+        "Step ", "Tree step ", 1).replace("the run is stopped", "this run is stopped")
+    fired = {**passed[1], "policy": (ancestor.policy.name, ancestor.policy.version)}
+    return name, (f"Ancestor run {ancestor.run_id}'s limit: {words} (an ancestor's budget "
+                  "bounds its sub-agents' runs)"), fired, ancestor.run_id
 
 
 def _enforced(stop: Stop, policy: Policy, tree: Sequence[Ancestor]) -> bool:
@@ -1406,12 +1412,7 @@ def tree_stop_of_approval(tree: Sequence[Ancestor], pending: Pending, now: datet
             continue
         passed = _tree_limit("max_tool_calls", ancestor.policy, ancestor.state, check, now)
         if passed is not None:
-            words = passed[0].replace("The run has", "The tree has").replace(
-                "the run is stopped", "this run is stopped")
-            return "max_tool_calls", (f"Ancestor run {ancestor.run_id}'s limit: {words} (an "
-                                      "ancestor's budget bounds its sub-agents' runs)"), \
-                {**passed[1], "policy": (ancestor.policy.name, ancestor.policy.version)}, \
-                ancestor.run_id
+            return _ancestors_stop("max_tool_calls", ancestor, passed)
     return None
 
 
