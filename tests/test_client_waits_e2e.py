@@ -206,13 +206,15 @@ def test_a_run_that_stopped_waiting_for_an_operator_ends_stopped_with_the_users_
     """The author's approval timeout ends the run's block: the run is stopped, not
     completed, and its output tells the user what was not run, with no API step in it."""
     if kind == "sync":
-        with GovernanceClient(server.url, agent_token, approval_timeout=2) as client, \
-                client.run("support-bot") as run:
+        # A check's own deadline above CI's load (a check that opens the request once took
+        # more than the default 2 s there): the author's approval_timeout is what is tested.
+        with GovernanceClient(server.url, agent_token, approval_timeout=2,
+                              deadline=10) as client, client.run("support-bot") as run:
             decision = run.check(*PAY)
     else:
         async def main() -> tuple[Any, Decision]:
-            async with AsyncGovernanceClient(server.url, agent_token,
-                                             approval_timeout=2) as client, \
+            async with AsyncGovernanceClient(server.url, agent_token, approval_timeout=2,
+                                             deadline=10) as client, \
                     client.run("support-bot") as run:
                 return run, await run.check(*PAY)
         run, decision = asyncio.run(main())
