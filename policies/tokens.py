@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
+from django.core.validators import slug_re
 from django.db.models import Q
 from django.utils import timezone
 
@@ -166,6 +167,8 @@ def sees_team(secret: str, slug: str) -> bool:
         return False
     if not slug:
         return True
+    if not slug_re.match(slug):
+        return False  # no team has it: a NUL in it would be the store's error (an attacker's)
     team = Team.objects.filter(slug=slug).first()
     return team is not None and token_role(token, team) is not None
 

@@ -91,3 +91,30 @@ def test_only_a_token_found_right_for_a_team_is_paced_as_that_team() -> None:
     assert _paced_caller("operator", "/api/v1/teams", good) == "operator: not known yet"
     callers.remember_operator(good, "")
     assert _paced_caller("operator", "/api/v1/teams", good) == good
+
+
+def test_a_path_naming_no_possible_team_is_a_json_refusal_not_a_500(users: Any) -> None:
+    """Found by an attacker: with a live token, `/api/v1/teams/%00/runs` answered 500 in
+    plain text (PostgreSQL refuses a NUL in a query) from the lookup that learns whether the
+    token sees the team, which runs before the request's own checks. A slug no team can
+    have is answered "does not see it" without a query, and the call then gets the JSON
+    refusal every other bad path gets."""
+    from policies.tokens import sees_team
+
+    token = operator_token_create(user=users["viewer"], name="fuzz", role="viewer").secret
+    assert not sees_team(token, "\x00")
+    assert not sees_team(token, "a\x00b")
+    server = start_server(workers=1, env=server_env())
+    try:
+        with httpx.Client(base_url=server.url, timeout=30,
+                          headers={"Authorization": f"Bearer {token}"}) as http:
+            for method, path in [("GET", "/api/v1/teams/%00/runs"),
+                                 ("GET", "/api/v1/teams/a%00b/approvals"),
+                                 ("POST", "/api/v1/teams/%00/policies"),
+                                 ("GET", "/api/v1/teams/sup%00port/runs")]:
+                answer = http.request(method, path, json={} if method == "POST" else None)
+                assert 400 <= answer.status_code < 500, (path, answer.status_code, answer.text)
+                assert answer.headers["content-type"].startswith("application/json"), path
+                assert answer.json()["error"]["code"], path
+    finally:
+        server.stop()
