@@ -326,6 +326,11 @@ class KillSwitch(models.Model):
             models.Index(fields=["team", "-engaged_at", "-id"], name="killswitch_team_history"),
             models.Index(fields=["-engaged_at", "-id"], name="killswitch_global_history",
                          condition=models.Q(scope="global")),
+            # The fan-outs' turns (fanout.next_fanout): the last minute's switches of every
+            # team, and the fan-outs still waiting (also the sweep's, sweep.stale_work).
+            models.Index(fields=["engaged_at"], name="killswitch_engaged_at"),
+            models.Index(fields=["engaged_at"], name="killswitch_fanout_waiting",
+                         condition=models.Q(fanout_done_at__isnull=True)),
         ]
         constraints = [
             models.UniqueConstraint(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
@@ -241,6 +241,45 @@ def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
     if switch.scope == Scope.RUN:
         retire_run_switch(switch_id=switch.pk)
     return FanoutResult(killed=killed, deliveries=deliveries)
+
+
+# How far back a team's switches count for its turn among the fan-outs waiting
+# (`next_fanout`): a team that engaged thousands in the last minute waits behind one that
+# engaged one, however long ago its thousands were queued.
+FAIR_WINDOW_S = 60.0
+
+# The waiting fan-out to run next: each waiting switch's turn is its place among its team's
+# switches engaged in the window (global switches are a team of their own), so every team's
+# first waiting switch goes before any team's second; within a turn, the oldest first.
+_NEXT_SQL = """
+SELECT id FROM (
+    SELECT id, fanout_done_at, engaged_at,
+           row_number() OVER (PARTITION BY team_id ORDER BY engaged_at, id) AS turn
+    FROM runs_killswitch
+    WHERE engaged_at >= %s OR fanout_done_at IS NULL
+) AS recent
+WHERE fanout_done_at IS NULL
+ORDER BY turn, engaged_at, id
+LIMIT 1
+"""
+
+
+def next_fanout(switch_id: int) -> int | None:
+    """The fan-out a worker's task for ``switch_id`` runs next: None once that switch's is
+    done (or the switch is gone), else the waiting one whose turn comes first, which is that
+    switch's own when no other team's comes before it. One queue serves every team's
+    fan-outs in the order they were engaged, so without turns one team engaging switch after
+    switch (found by an attacker: 2,000 in 15 s, each its own fan-out task) put another
+    team's kill 20 s behind them (SPEC 10); with turns, a task that meets that backlog runs
+    the other team's fan-out first, and the other team's kill waits for at most one fan-out
+    per team and worker process. Every task still ends with its own switch's done."""
+    if not KillSwitch.objects.filter(pk=switch_id, fanout_done_at__isnull=True).exists():
+        return None
+    since = timezone.now() - timedelta(seconds=FAIR_WINDOW_S)
+    with connection.cursor() as cursor:
+        cursor.execute(_NEXT_SQL, [connection.ops.adapt_datetimefield_value(since)])
+        row = cursor.fetchone()
+    return row[0] if row else switch_id
 
 
 RUN_ENDED = "its run ended"

@@ -10,6 +10,8 @@ twice changes nothing the second time (runs/killswitch/fanout.py, runs/webhooks/
 
 from __future__ import annotations
 
+import logging
+
 from celery import shared_task
 from django.db import DatabaseError, InterfaceError
 from kombu.exceptions import OperationalError as BrokerError
@@ -23,6 +25,8 @@ from runs.webhooks import delivery as webhooks
 # kills it even if it never checks again. Its checks were stopped anyway (SPEC 4.5).
 SWEEP_DELAY_S = 5.0
 
+log = logging.getLogger(__name__)
+
 # Store and broker errors (database restarting, connection lost, Redis unreachable while
 # scheduling a delivery) are worth retrying with backoff; a bug is not. Bounded: after that
 # the message is acked and the failure is in the worker log.
@@ -30,17 +34,37 @@ _retry = {"autoretry_for": (DatabaseError, InterfaceError, BrokerError), "retry_
           "retry_backoff_max": 60, "max_retries": 10}
 
 
-@shared_task(name="runs.tasks.killswitch_fanout", acks_late=True,
-             reject_on_worker_lost=True, **_retry)
-def killswitch_fanout_task(switch_id: int, sweep: bool = False) -> None:
+def _fan_out(switch_id: int) -> None:
     result = fanout.killswitch_fanout(switch_id=switch_id)
     if result is None:
         return
     for delivery_id in result.deliveries:
         webhooks.schedule_delivery(delivery_id, 1, 0, urgent=True)
     fanout.killswitch_fanout_done(switch_id=switch_id)
+
+
+@shared_task(name="runs.tasks.killswitch_fanout", acks_late=True,
+             reject_on_worker_lost=True, **_retry)
+def killswitch_fanout_task(switch_id: int, sweep: bool = False) -> None:
+    """The fan-out of ``switch_id``, after the waiting fan-outs whose team's turn comes first
+    (`fanout.next_fanout`: one team's flood of switches does not put another team's kill
+    behind it). Eager, in the engaging request, there is no queue to wait in: its own only."""
     if sweep or killswitch_fanout_task.app.conf.task_always_eager:
+        _fan_out(switch_id)
         return  # eager runs in one process with the engage: nothing can slip in between
+    while (turn := fanout.next_fanout(switch_id)) is not None:
+        if turn == switch_id:
+            _fan_out(switch_id)
+            continue
+        try:
+            _fan_out(turn)
+        except Exception:
+            # Another switch's failure is its own task's to retry; this one's fan-out must
+            # not wait on it (nor retry behind it for ever).
+            log.exception("the fan-out of kill switch %s failed; going on with %s's",
+                          turn, switch_id)
+            _fan_out(switch_id)
+            break
     if KillSwitch.objects.filter(pk=switch_id, active=True).exclude(scope=Scope.RUN).exists():
         killswitch_fanout_task.apply_async((switch_id, True), countdown=SWEEP_DELAY_S)
 

@@ -1,0 +1,25 @@
+"""The fan-outs' turns (runs/killswitch/fanout.py `next_fanout`): the switches by engage time,
+and those whose fan-out still waits. Built plainly: the switches' table holds a row per engage,
+which no check writes (docs/upgrades.md keeps CONCURRENTLY for the large tables the checks
+write)."""
+
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+
+    dependencies = [
+        ('runs', '0019_raterule_counted_order'),
+    ]
+
+    operations = [
+        migrations.AddIndex(
+            model_name='killswitch',
+            index=models.Index(fields=['engaged_at'], name='killswitch_engaged_at'),
+        ),
+        migrations.AddIndex(
+            model_name='killswitch',
+            index=models.Index(condition=models.Q(('fanout_done_at__isnull', True)),
+                               fields=['engaged_at'], name='killswitch_fanout_waiting'),
+        ),
+    ]

@@ -1,0 +1,149 @@
+"""The kill switch's fan-outs take turns by team (SPEC 10: no team delays another's kill
+switch fan-out; runs/killswitch/fanout.py `next_fanout`). Found by an attacker: one team's
+operator engaging a switch on a new agent name over and over (2,000 in 15 s) queued a fan-out
+task each on the one `killswitch` queue, and another team's kill reached its run 20 s later
+instead of 0.15 s.
+
+In process on both stacks: the order of the turns, and a worker's task running the other
+teams' first waiting fan-outs before its own (never waiting on one that fails). With Redis: a
+real worker started behind 150 of one team's queued fan-outs runs another team's at once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from policies.models import Team
+from policies.services import agent_key_create
+from runs.check.lifecycle import run_start
+from runs.killswitch import cover, fanout
+from runs.killswitch.services import killswitch_engage
+from runs.killswitch.tasks import killswitch_fanout_task
+from runs.models import KillSwitch, Run, Scope
+from tests.workers import Worker, new_worker, wait_for, workers_fixture  # noqa: F401
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def waiting(team: Team | None, agent: str, *, ago: float, done: bool = False) -> int:
+    """A switch engaged ``ago`` seconds ago, its fan-out done or still waiting."""
+    at = timezone.now() - timedelta(seconds=ago)
+    scope = Scope.AGENT if team is not None else Scope.GLOBAL
+    return KillSwitch.objects.create(
+        scope=scope, team=team, agent=agent if team is not None else "",
+        target=cover.target_key(scope, team_id=team.pk if team else None, agent=agent),
+        reason="test", engaged_by_label="test", engaged_at=at, active=not done,
+        fanout_done_at=at if done else None).pk
+
+
+def test_each_teams_first_waiting_fanout_goes_before_any_teams_second(
+        team: Team, other_team: Team) -> None:
+    # The flood: 40 of the team's switches in the last half minute, the first 20 fanned out.
+    flood = [waiting(team, f"bot-{i}", ago=30 - i * 0.5, done=i < 20) for i in range(40)]
+    theirs = waiting(other_team, "their-bot", ago=1)
+    # Whichever of the flood's tasks runs next, the other team's one switch comes first
+    # (its turn 1 against the flood's 21st and later).
+    for own in (flood[20], flood[39]):
+        assert fanout.next_fanout(own) == theirs
+    KillSwitch.objects.filter(pk=theirs).update(fanout_done_at=timezone.now())
+    assert fanout.next_fanout(flood[39]) == flood[20]  # then the flood, oldest first
+    assert fanout.next_fanout(theirs) is None  # its own is done: nothing more for its task
+    assert fanout.next_fanout(flood[0]) is None
+    assert fanout.next_fanout(10**9) is None  # gone
+
+    # The global switches are a team of their own; an old waiting one (outside the window,
+    # an outage's) still waits with its place.
+    old = waiting(team, "before-the-window", ago=fanout.FAIR_WINDOW_S * 10)
+    everyone = waiting(None, "", ago=2)
+    assert fanout.next_fanout(flood[39]) == old  # turn 1 and oldest
+    KillSwitch.objects.filter(pk=old).update(fanout_done_at=timezone.now())
+    assert fanout.next_fanout(flood[39]) == everyone  # turn 1 of the global ones
+    assert fanout.next_fanout(everyone) == everyone
+
+
+def run_switch(team: Team, *, ago: float) -> tuple[int, Any]:
+    """A run switch over a running run of the team, engaged ``ago`` s ago, fan-out waiting
+    (a run switch's fan-out retires it, so its task schedules no second pass)."""
+    key = agent_key_create(team=team, name=f"k-{ago}")
+    run, _ = run_start(key=key.key, agent="bot", policy=None, task=None, metadata=None,
+                       external_id=None)
+    at = timezone.now() - timedelta(seconds=ago)
+    switch = KillSwitch.objects.create(
+        scope=Scope.RUN, team=team, run=run, target=cover.target_key(Scope.RUN, run_id=run.pk),
+        reason="test", engaged_by_label="test", engaged_at=at)
+    return switch.pk, run.pk
+
+
+@pytest.fixture
+def queued() -> Iterator[None]:
+    """The task as a worker runs it (not the embedded default's eager engage)."""
+    conf = killswitch_fanout_task.app.conf
+    before = conf.task_always_eager
+    conf.task_always_eager = False
+    yield
+    conf.task_always_eager = before
+
+
+def test_a_workers_task_runs_the_fanouts_whose_turn_comes_first_then_its_own(
+        team: Team, other_team: Team, queued: None) -> None:
+    (a1, r1), (a2, r2), (a3, r3) = (run_switch(team, ago=ago) for ago in (9, 8, 7))
+    b1, rb = run_switch(other_team, ago=1)
+    killswitch_fanout_task.run(a3)
+    done = dict(KillSwitch.objects.filter(pk__in=[a1, a2, a3, b1])
+                .values_list("pk", "fanout_done_at"))
+    assert all(done.values())
+    assert sorted(done, key=lambda pk: done[pk]) == [a1, b1, a2, a3]
+    assert set(Run.objects.filter(pk__in=[r1, r2, r3, rb]).values_list("status", flat=True)) \
+        == {"killed"}
+
+
+def test_another_switchs_failing_fanout_does_not_hold_a_tasks_own(
+        team: Team, other_team: Team, queued: None, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    b1, rb = run_switch(other_team, ago=9)
+    a1, ra = run_switch(team, ago=1)
+    real = fanout.killswitch_fanout
+
+    def failing(*, switch_id: int) -> Any:
+        if switch_id == b1:
+            raise RuntimeError("a bug in that switch's fan-out")
+        return real(switch_id=switch_id)
+
+    monkeypatch.setattr(fanout, "killswitch_fanout", failing)
+    with caplog.at_level(logging.ERROR, logger="runs.killswitch.tasks"):
+        killswitch_fanout_task.run(a1)
+    assert Run.objects.get(pk=ra).status == "killed"
+    assert KillSwitch.objects.get(pk=a1).fanout_done_at is not None
+    assert KillSwitch.objects.get(pk=b1).fanout_done_at is None  # its own task retries it
+    assert Run.objects.get(pk=rb).status == "running"
+    assert f"the fan-out of kill switch {b1} failed" in caplog.text
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_worker_behind_one_teams_queued_fanouts_runs_another_teams_at_once(
+        team: Team, other_team: Team, workers: list[Worker]) -> None:
+    """150 of one team's switches engaged with no worker running, each a fan-out task queued
+    on the broker, then one of another team's over its running run: the worker started
+    then fans the other team's out after at most a few of the 150 (one per worker process
+    already busy), not after all of them, and ends with all 151 done."""
+    flood = [killswitch_engage(scope="agent", team=team, agent=f"new-name-{i}", reason="flood",
+                               actor_label="attacker").pk for i in range(150)]
+    key = agent_key_create(team=other_team, name="victim")
+    run, _ = run_start(key=key.key, agent="victim-bot", policy=None, task=None, metadata=None,
+                       external_id=None)
+    theirs = killswitch_engage(scope="run", run=run, reason="incident",
+                               actor_label="victim").pk
+    new_worker(workers)
+    wait_for(lambda: Run.objects.get(pk=run.pk).status == "killed", timeout=60,
+             what="the other team's kill")
+    killed_at = KillSwitch.objects.get(pk=theirs).fanout_done_at or timezone.now()
+    before = KillSwitch.objects.filter(pk__in=flood, fanout_done_at__lt=killed_at).count()
+    assert before <= 4, f"{before} of the flood's 150 fan-outs went first"
+    wait_for(lambda: not KillSwitch.objects.filter(pk__in=flood, fanout_done_at=None).exists(),
+             timeout=120, what="the flood's fan-outs")
