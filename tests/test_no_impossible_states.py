@@ -379,3 +379,37 @@ def test_a_decision_on_an_unknown_approval_is_still_404(api, approving, users):
                         actor=users["operator"])
     assert caught.value.status == 404
     assert not KillSwitch.objects.exists()
+
+
+# --- No step after the end ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checks_between", [1, 2])
+def test_a_step_taken_while_the_run_finishes_is_never_after_its_end(api, team, checks_between):
+    """Found by an attacker racing 40 checks with a finish: an allow whose audit time was
+    3.7 ms after its run's `ended_at`, because the finish read its time before a check
+    committed and its update did not notice the step. The interleaving, made to happen: the
+    agent's checks commit between the finish's read and its write, once (the finish then
+    reads again) or on every read (it then finishes under the run's lock)."""
+    from runs.check import lifecycle
+
+    run_id = start(api)
+    real = lifecycle.abandon_if_idle
+    reads = []
+
+    def a_check_commits_meanwhile(run: Run, *, now: Any = None) -> Run:
+        reads.append(now)
+        if len(reads) <= checks_between:
+            assert check(api, run_id, {"name": "search.docs", "args": {"n": len(reads)}}
+                         )["decision"] == "allow"
+        return real(run, now=now)
+
+    with mock.patch.object(lifecycle, "abandon_if_idle", a_check_commits_meanwhile):
+        response = api.post(f"/api/v1/runs/{run_id}/finish", {"status": "completed"},
+                            content_type="application/json")
+    assert response.status_code == 200, response.content
+    run = Run.objects.get(pk=run_id)
+    assert run.status == "completed"
+    last = Decision.objects.filter(run_id=run_id, outcome="allow").order_by("-at").first()
+    assert last is not None and last.at <= run.ended_at, (last.at, run.ended_at)
+    assert run.steps == checks_between
