@@ -586,6 +586,21 @@ def list_decisions(request: HttpRequest, slug: str, run_id: str,
     return HttpResponse(page, content_type="application/json")
 
 
+@router.get("/teams/{slug}/decisions/{decision_id}", response={200: dict, **ERRORS},
+            summary="One decision of a team's and the rule that made it",
+            operation_id="operator_get_decision")
+def get_decision(request: HttpRequest, slug: str, decision_id: str) -> dict[str, Any]:
+    """As the agent's `GET /api/v1/decisions/{id}` (SPEC 16), for the team's operators: another
+    team's decision answers 404, like one that does not exist."""
+    team, _ = _team(request, slug)
+    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses.
+    if not (decision_id.isascii() and decision_id.isdigit()) or len(decision_id) > 18:
+        raise AppError(404, "not_found", "No such decision.")
+    found = run_reads.decision_for_key(team, int(decision_id))
+    _read(request, team)
+    return run_reads.decision_detail_json(found)
+
+
 _mounted: list[NinjaAPI] = []
 
 

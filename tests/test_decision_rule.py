@@ -210,3 +210,38 @@ def test_a_request_cancelled_by_a_kill_switch_names_the_switch(api: Client, team
     assert final["reason"] == "killed" and pending["decision"] == "pending"
     assert final["rule"]["limit"] == {"scope": "team", "team": "support"}
     assert final["rule"]["observed"] == {"engaged_by": "ops", "reason": "fraud"}
+
+
+def test_the_decision_lists_and_the_operators_decision_read_carry_the_rule(
+        api: Client, team: Any, other_team: Any, users: Any) -> None:
+    """Found by a newcomer: the runs' decision lists (the agent's and the operator's) had no
+    `rule`, and an operator token could not read one decision (the agent API refuses it)."""
+    from policies.tokens import operator_token_create
+
+    set_policy(team, step_limits={"max_steps": 2})
+    rid = start(api)
+    answers = [check(api, rid, args={"n": n}) for n in range(3)]
+    assert answers[-1]["reason"] == "max_steps"
+    listed = api.get(f"/api/v1/runs/{rid}/decisions").json()["decisions"]
+    assert [d["rule"] for d in listed] == [a["rule"] for a in answers]
+    viewer = Client(HTTP_AUTHORIZATION="Bearer " + operator_token_create(
+        user=users["viewer"], name="reader", role="viewer").secret)
+    theirs = Client(HTTP_AUTHORIZATION="Bearer " + operator_token_create(
+        user=users["outsider"], name="theirs", role="admin").secret)
+    listed = viewer.get(f"/api/v1/teams/{team.slug}/runs/{rid}/decisions").json()["decisions"]
+    assert [d["rule"] for d in listed] == [a["rule"] for a in answers]
+    stop = answers[-1]["decision_id"]
+    body = viewer.get(f"/api/v1/teams/{team.slug}/decisions/{stop}").json()
+    assert body == api.get(f"/api/v1/decisions/{stop}").json()
+    assert body["rule"]["name"] == "max_steps" and body["rule"]["limit"] == {"max_steps": 2}
+    for client, path in [
+            (theirs, f"/api/v1/teams/{team.slug}/decisions/{stop}"),  # not their team
+            (theirs, f"/api/v1/teams/{other_team.slug}/decisions/{stop}"),  # not its decision
+            (viewer, f"/api/v1/teams/{team.slug}/decisions/{stop + 1000}"),
+            (viewer, f"/api/v1/teams/{team.slug}/decisions/%C2%B2")]:
+        answer = client.get(path)
+        assert answer.status_code == 404, (path, answer.content)
+        assert answer.json()["error"]["code"] == "not_found"
+    refused = api.get(f"/api/v1/teams/{team.slug}/decisions/{stop}")
+    assert refused.status_code == 403
+    assert refused.json()["error"]["code"] == "wrong_credential_kind"

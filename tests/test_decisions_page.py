@@ -47,7 +47,8 @@ def _as_read(decision: Decision) -> dict[str, Any]:
             "action": {"name": decision.action_name, "type": decision.action_type,
                        "args": decision.args} if decision.action_name else None,
             "repeat_key": decision.repeat_key, "repeat_count": decision.repeat_count,
-            "progress": decision.progress, "local": False, "policy_violation": False}
+            "progress": decision.progress, "local": False, "policy_violation": False,
+            "rule": decision.rule}
 
 
 def test_a_page_gives_back_every_kind_of_value_as_sent(api: Any, run_with_decisions: str):

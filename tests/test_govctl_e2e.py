@@ -211,3 +211,26 @@ def test_runs_list(server: Server, agent: Agent, team: Team, admin_token: str):
     code, _, err = govctl(server, admin_token, "runs", "list", "--team", "support",
                           "--limit", "0")
     assert code == 1 and "invalid_request (422)" in err and "limit" in err
+
+
+def test_runs_show_and_decisions(server: Server, agent: Agent, team: Team, admin_token: str):
+    # Found by a newcomer: reading a run's decisions, and why each was made, took curl.
+    set_policy(team, step_limits={"max_steps": 2})
+    run = agent.start()["run_id"]
+    answers = [agent.check(run, args={"i": i}) for i in range(3)]
+    code, out, err = govctl(server, admin_token, "runs", "show", run, "--team", "support")
+    assert code == 0, err
+    shown = json.loads(out)
+    assert (shown["run_id"], shown["status"], shown["stop_reason"]) == (run, "stopped", "max_steps")
+    code, out, err = govctl(server, admin_token, "runs", "decisions", run, "--team", "support")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert [int(line.split()[0]) for line in lines] == [a["decision_id"] for a in answers]
+    assert lines[0].split()[3:6] == ["allow", "step_ok", "search.docs"]
+    assert "[max_steps: limit max_steps=2; observed steps=3]" in lines[2], lines[2]
+    code, out, err = govctl(server, admin_token, "runs", "decisions", run, "--team", "support",
+                            "--after", str(answers[0]["decision_id"]), "--json")
+    assert code == 0, err
+    assert [d["rule"] for d in json.loads(out)] == [a["rule"] for a in answers[1:]]
+    code, _, err = govctl(server, admin_token, "runs", "decisions", "../x", "--team", "support")
+    assert code == 1 and "not a name the API has" in err

@@ -186,6 +186,9 @@ def _decision_doc(d: Decision, *, args: Any, progress: Any) -> dict[str, Any]:
         "at": _ENCODER.default(d.at),
         "local": bool((d.answer or {}).get("local")),
         "policy_violation": violation_of(d) is not None,
+        # SPEC 16: every audit record carries its rule, here too (found by a newcomer: an
+        # operator's only way to the rule was the agent API's one-decision read).
+        "rule": rule_of(d),
     }
 
 

@@ -377,6 +377,38 @@ def runs_list(api: Api, args: argparse.Namespace, out: Any) -> None:
               f"{parent}", file=out)
 
 
+def runs_show(api: Api, args: argparse.Namespace, out: Any) -> None:
+    _, run = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs/"
+                      f"{_segment(args.run, 'the run id')}")
+    print(json.dumps(run, indent=2), file=out)
+
+
+def _why(rule: dict[str, Any] | None) -> str:
+    """A decision's rule in a few words: its limit and what was observed (SPEC 16)."""
+    if not rule:
+        return ""
+    parts = [", ".join(f"{k}={v}" for k, v in (rule.get(part) or {}).items())
+             for part in ("limit", "observed")]
+    scope = rule.get("scope")
+    where = f" of ancestor {scope}" if scope not in (None, "run") else ""
+    return f"  [{rule['name']}{where}: limit {parts[0] or '-'}; observed {parts[1] or '-'}]"
+
+
+def runs_decisions(api: Api, args: argparse.Namespace, out: Any) -> None:
+    params = {k: v for k, v in (("after", args.after), ("limit", args.limit)) if v is not None}
+    _, data = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs/"
+                       f"{_segment(args.run, 'the run id')}/decisions", params=params)
+    if args.json:
+        print(json.dumps(data["decisions"], indent=2), file=out)
+        return
+    if not data["decisions"]:
+        print("no decisions" + (f" after {args.after}" if args.after else ""), file=out)
+    for decision in data["decisions"]:
+        action = decision["action"]["name"] if decision.get("action") else "-"
+        print(f"{decision['id']}  step {decision['step']:<4} {decision['outcome']:<10} "
+              f"{decision['reason']:<18} {action}{_why(decision.get('rule'))}", file=out)
+
+
 def approvals_list(api: Api, args: argparse.Namespace, out: Any) -> None:
     params = {"status": args.status} if args.status != "all" else {}
     _, data = api.call("GET", f"/teams/{_segment(args.team, '--team')}/approvals",
@@ -441,6 +473,19 @@ def parser() -> argparse.ArgumentParser:
                               "at most 500)")
     runs_listing.add_argument("--json", action="store_true")
     runs_listing.set_defaults(handler=runs_list)
+    show = runs.add_parser("show", help="one run: its counters, parent, children and tree usage")
+    show.add_argument("run")
+    show.add_argument("--team", required=True)
+    show.set_defaults(handler=runs_show)
+    decisions = runs.add_parser("decisions", help="a run's decisions in order, with their rules")
+    decisions.add_argument("run")
+    decisions.add_argument("--team", required=True)
+    decisions.add_argument("--after", type=int, help="only decisions after this id (a page's "
+                           "last)")
+    decisions.add_argument("--limit", type=int, help="at most this many (default 100, at most "
+                           "1000)")
+    decisions.add_argument("--json", action="store_true")
+    decisions.set_defaults(handler=runs_decisions)
 
     approvals = groups.add_parser("approvals").add_subparsers(dest="command", required=True)
     listing = approvals.add_parser("list", help="a team's approval requests")
