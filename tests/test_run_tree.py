@@ -52,6 +52,11 @@ def test_a_child_starts_under_its_parent_with_the_parents_policy(api, team):
     assert body["children"] == [child] and body["parent_run_id"] is None
     assert body["root_run_id"] is None
     assert api.get(f"/api/v1/runs/{child}").json()["parent_run_id"] == parent
+    # The start's own answer says where the run is (found by a newcomer: it did not).
+    started = post(api, "/api/v1/runs", {"agent": "helper", "parent_run_id": child})
+    assert (started["parent_run_id"], started["root_run_id"]) == (child, parent)
+    root = post(api, "/api/v1/runs", {"agent": "bot"})
+    assert (root["parent_run_id"], root["root_run_id"]) == (None, None)
 
 
 def test_a_run_lists_its_first_children_and_says_it_has_more(api, team, monkeypatch):

@@ -240,7 +240,8 @@ def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
         body = selectors.run_json(run)
         if span is not None:
             telemetry.annotate(span, _run_attributes(request, body, created=created))
-    started = {k: body[k] for k in ("run_id", "agent", "started_at", "policy")}
+    started = {k: body[k] for k in ("run_id", "agent", "started_at", "policy",
+                                    "parent_run_id", "root_run_id")}
     return Status(201 if created else 200, {**started, "status": run.status})
 
 

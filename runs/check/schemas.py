@@ -303,6 +303,10 @@ class RunStartOut(Schema):
     agent: str
     started_at: datetime
     policy: PolicyOut
+    # SPEC 20: a sub-agent's start says where in its tree it is (null for a root), as every
+    # read of the run does (found by a newcomer, whose script read them from the start).
+    parent_run_id: UUID | None = None
+    root_run_id: UUID | None = None
 
 
 class TreeUsageOut(Schema):
