@@ -725,3 +725,40 @@ def test_the_http_gateway_holds_at_most_max_sessions(server: Server, agent: Agen
         session = opened[0].headers["mcp-session-id"]
         assert http.delete(gateway, headers={"Mcp-Session-Id": session}).status_code == 200
         assert http.post(gateway, json=initialize).status_code == 200
+
+
+def test_a_sub_agents_gateway_session_runs_under_its_parent(server: Server, agent: Agent,
+                                                            team: Team) -> None:
+    """Found by a newcomer: a sub-agent that reaches its tools through its own gateway got a
+    fresh budget, the escape SPEC 20 closes. With `--parent-run-id` (or
+    GOVERNANCE_PARENT_RUN_ID, as an orchestrator sets it for the sub-agent it spawns) the
+    session's run is a child of that run: the parent's limits bound it; under a finished
+    parent no call runs."""
+    set_policy(team, step_limits={"max_steps": 3, "max_repeat_action": 10,
+                                  "no_progress_window": 20})
+    parent = agent.start(agent="orchestrator")["run_id"]
+    for i in range(2):
+        assert agent.check(parent, args={"i": i})["decision"] == "allow"
+
+    async def session(params: StdioServerParameters, calls: int) -> list[Any]:
+        async with Client(params) as client:
+            return [await client.call_tool("search", {"query": f"q{i}"}) for i in range(calls)]
+
+    by_env = stdio_params(server, agent.token)
+    by_env.env = {**(by_env.env or {}), "GOVERNANCE_PARENT_RUN_ID": parent}
+    results = run_async(lambda: session(by_env, 3))
+    assert [r.is_error for r in results] == [False, True, True]
+    assert text(results[1]).startswith("Blocked by governance (max_steps): ")
+    run = finished_run(agent)
+    assert (run["parent_run_id"], run["root_run_id"]) == (parent, parent)
+    assert (run["status"], run["stop_reason"]) == ("stopped", "max_steps")
+    stop = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"][-1]
+    assert stop["rule"]["scope"] == parent  # the ancestor's limit, named
+    assert agent.http.post(f"/api/v1/runs/{parent}/finish",
+                           json={"status": "completed"}).status_code == 200
+
+    by_flag = stdio_params(server, agent.token, "--parent-run-id", parent)
+    refused = run_async(lambda: session(by_flag, 1))[0]
+    assert refused.is_error
+    assert text(refused).startswith("Blocked by governance (parent_finished): "), text(refused)
+    assert the_run(agent)["run_id"] == run["run_id"]  # no run started under a finished parent

@@ -176,6 +176,43 @@ def test_a_check_arrives_as_the_child_of_the_agents_span(team: Any, receiver: Re
     assert {"governance.decisions", "governance.check.duration"} <= receiver.metrics
 
 
+def test_a_call_through_the_mcp_gateway_is_a_span_of_the_mcp_clients_trace(
+        team: Any, receiver: Receiver, traced_server: Server) -> None:
+    """MCP clients send their trace context in a request's `_meta` (the SDK does, from its
+    current span); the gateway checks the call within it, so the decision is a span of the
+    agent's trace (found by a newcomer: each gateway check was a trace of its own)."""
+    import anyio
+    from mcp.client.client import Client
+
+    from runs.models import Decision
+    from tests.test_mcp_gateway import AGENT, stdio_params
+
+    token = agent_key_create(team=team, name="mcp-traced").token
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+    async def main() -> Any:
+        async with Client(stdio_params(traced_server, token)) as client:
+            traced = await client.call_tool(
+                "search", {"query": "refund"},
+                meta={"traceparent": f"00-{trace_id}-{parent_id}-01"})  # type: ignore[arg-type]
+            plain = await client.call_tool("search", {"query": "other"})
+            return traced, plain
+
+    traced, plain = anyio.run(main)
+    assert not traced.is_error and not plain.is_error
+    ends = time.monotonic() + 10
+    while True:
+        spans = [s for s in receiver.span_named("governance.check files.search")
+                 if s["trace_id"] == trace_id]
+        if spans or time.monotonic() > ends:
+            break
+        time.sleep(0.05)
+    assert [s["parent_span_id"] for s in spans] == [parent_id]
+    answers = [d.answer for d in Decision.objects.filter(run__agent=AGENT).order_by("pk")]
+    assert answers[0].get("trace_id") == trace_id
+    assert answers[1].get("trace_id") not in (None, trace_id)  # its own trace: no context sent
+
+
 def test_a_hung_collector_never_delays_a_check(team: Any, receiver: Receiver,
                                                traced_server: Server) -> None:
     token = agent_key_create(team=team, name="hung").token

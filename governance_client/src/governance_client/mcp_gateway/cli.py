@@ -1,7 +1,7 @@
 """``governance-mcp``: the MCP gateway's command line (SPEC 19).
 
     governance-mcp --url URL --key KEY --agent NAME [--policy P] [--fail-open]
-                   [--max-wait S] [--name SERVER] -- COMMAND [ARGS...]
+                   [--max-wait S] [--name SERVER] [--parent-run-id RUN] -- COMMAND [ARGS...]
     governance-mcp --url URL --key KEY --agent NAME --upstream-url URL --listen HOST:PORT
 
 The first form spawns the upstream MCP server COMMAND over stdio and serves the MCP client
@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", metavar="SERVER",
                         help="SERVER in the action names <SERVER>.<tool> (default: the "
                              "upstream's declared name)")
+    parser.add_argument("--parent-run-id", metavar="RUN",
+                        default=os.environ.get("GOVERNANCE_PARENT_RUN_ID") or None,
+                        help="start each session's run as a sub-agent's run under RUN, so the "
+                             "parent's limits bound it (default: $GOVERNANCE_PARENT_RUN_ID; "
+                             "none: a root run)")
     parser.add_argument("--upstream-url", help="the upstream MCP server's streamable HTTP URL")
     parser.add_argument("--listen", metavar="HOST:PORT",
                         help="serve streamable HTTP there (with --upstream-url)")
@@ -88,7 +93,8 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Gatewa
             parser.error("--listen must be HOST:PORT")
         args.host, args.port = host.strip("[]"), int(port)
     config = GatewayConfig(url=args.url, key=args.key, agent=args.agent, policy=args.policy,
-                           fail_open=args.fail_open, max_wait=args.max_wait, name=args.name)
+                           fail_open=args.fail_open, max_wait=args.max_wait, name=args.name,
+                           parent_run_id=args.parent_run_id)
     return args, config
 
 

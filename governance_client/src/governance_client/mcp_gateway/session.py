@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,35 @@ from ..aio import AsyncGovernanceClient, AsyncRun
 from ..decision import GOVERNANCE_UNAVAILABLE, Decision
 from ..errors import ApiError, GovernanceError, GovernanceUnavailable, KillSwitchEngaged
 
+try:  # the `mcp` SDK depends on opentelemetry-api; still optional here
+    from opentelemetry import context as _otel_context
+    from opentelemetry import propagate as _otel_propagate
+except ImportError:  # pragma: no cover
+    _otel_context = _otel_propagate = None  # type: ignore[assignment]
+
 logger = logging.getLogger("governance_client.mcp")
+
+# What of a request's `_meta` is the MCP client's trace context (W3C, as the SDK puts it).
+_TRACE_FIELDS = ("traceparent", "tracestate", "baggage")
+
+
+@contextlib.contextmanager
+def callers_trace(meta: Any) -> Iterator[None]:
+    """The MCP client's trace context for what is done inside: MCP clients send it in a
+    request's `_meta` (`traceparent`, `tracestate`), and with it current the client's checks
+    send it on (`_core.traced_headers`), so a governed call's decision is a span of the
+    agent's trace (SPEC 18), as a Python client's is (found by a newcomer: each check was a
+    trace of its own). Without one, or without OpenTelemetry: nothing changes."""
+    carrier = {name: value for name in _TRACE_FIELDS
+               if isinstance(meta, Mapping) and isinstance(value := meta.get(name), str)}
+    if _otel_context is None or "traceparent" not in carrier:
+        yield
+        return
+    token = _otel_context.attach(_otel_propagate.extract(carrier))
+    try:
+        yield
+    finally:
+        _otel_context.detach(token)
 
 PROTOCOL_VERSION_HEADER = "mcp-protocol-version"
 #: How long the end of a session may take to finish its run (the client's deadline and its
@@ -58,6 +86,9 @@ class GatewayConfig:
     max_wait: float = 30.0
     #: SERVER of the action names (``<SERVER>.<tool>``); None: the upstream's declared name.
     name: str | None = None
+    #: Each session's run is a sub-agent's run under this one (SPEC 20): its checks count on
+    #: the parent's tree and its limits bound them; None: a root run.
+    parent_run_id: str | None = None
 
 
 def make_client(config: GatewayConfig) -> AsyncGovernanceClient:
@@ -402,7 +433,10 @@ class GatewaySession:
             try:
                 self.run = await self.client.start_run(
                     self.config.agent, policy=self.config.policy, metadata=metadata,
-                    external_id=self.session_id)
+                    external_id=self.session_id, parent_run_id=self.config.parent_run_id)
+                logger.info("session's run %s started%s", self.run.id,
+                            f" under run {self.config.parent_run_id}"
+                            if self.config.parent_run_id else "")
                 self.start_refusal = None
             except KillSwitchEngaged as exc:
                 self.start_refusal = blocked("killed", exc.message or exc.user_message,
@@ -447,7 +481,7 @@ class GatewaySession:
         message: JSONRPCRequest = item.message  # type: ignore[assignment]
         params = message.params or {}
         answer: str | None = None
-        with scope:
+        with scope, callers_trace(params.get("_meta")):
             try:
                 answer = await self._decide(message.id, params["name"],
                                             params.get("arguments") or {})
