@@ -154,6 +154,7 @@ def policy_save_view(request: HttpRequest, slug: str, name: str) -> HttpResponse
 
 
 @team_view(Role.ADMIN)
+@require_http_methods(["GET", "POST"])
 def policy_new(request: HttpRequest, slug: str) -> HttpResponse:
     if request.method == "POST":
         form = PolicyForm(request.POST)
@@ -287,6 +288,7 @@ def _foreign_slugs(data: Any, slug: str) -> dict[str, str]:
 
 
 @team_view(Role.ADMIN)
+@require_http_methods(["GET", "POST"])
 def policies_import(request: HttpRequest, slug: str) -> HttpResponse:
     form = ImportForm(request.POST or None, request.FILES or None)
     errors: dict[str, str] = {}
@@ -328,6 +330,7 @@ def policies_import(request: HttpRequest, slug: str) -> HttpResponse:
 # --- Agent keys ------------------------------------------------------------------------------
 
 @team_view(Role.ADMIN)
+@require_http_methods(["GET", "POST"])
 def keys(request: HttpRequest, slug: str) -> HttpResponse:
     form = KeyForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
@@ -395,6 +398,7 @@ def member_invite_view(request: HttpRequest, slug: str) -> HttpResponse:
 
 
 @team_view(Role.ADMIN)
+@require_http_methods(["GET", "POST"])
 def members(request: HttpRequest, slug: str) -> HttpResponse:
     form = MemberAddForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
@@ -545,6 +549,7 @@ def member_remove(request: HttpRequest, slug: str, membership_id: int) -> HttpRe
 
 
 @team_view(Role.ADMIN)
+@require_http_methods(["GET", "POST"])
 def team_settings(request: HttpRequest, slug: str) -> HttpResponse:
     # Two forms on one page; the submit button's name says which was sent.
     release_sent = request.method == "POST" and "operator_release" in request.POST

@@ -202,6 +202,14 @@ def test_get_only_pages_refuse_post_and_post_only_endpoints_refuse_get(team, wor
     # confirmation; the policy editor's save is POST only.
     assert client.get(reverse("policy_save", kwargs={"slug": team.slug,
                                                      "name": "default"})).status_code == 405
+    # Found by a security tryout: five form pages rendered for any method (PUT, DELETE, FOO).
+    for name in ("keys", "members", "team_settings", "policies_import", "policy_new"):
+        url = reverse(name, kwargs={"slug": team.slug})
+        for method in ("put", "delete", "patch"):
+            response = getattr(client, method)(url)
+            assert response.status_code == 405, (name, method)
+            assert set(response["Allow"].split(", ")) == {"GET", "POST"}
+        assert client.generic("FOO", url).status_code == 405, name
 
 
 def test_posts_without_a_csrf_token_are_refused(team, world):
