@@ -103,6 +103,11 @@ def test_refusals_exit_1_with_the_reason(server: Server, team: Team, users: dict
     assert code == 1 and "unauthorized (401)" in err
     code, _, err = govctl(server, admin_token, "approvals", "list", "--team", "nope")
     assert code == 1 and "not_found (404)" in err
+    nowhere = tmp_path / "nowhere.yaml"
+    nowhere.write_text(FILE.replace("slug: support", "slug: no-such-team"))
+    code, _, err = govctl(server, admin_token, "policies", "apply", str(nowhere))
+    assert code == 1 and "not_found (404)" in err, err
+    assert "the token sees no team 'no-such-team'" in err and "apply_policies" in err
 
 
 def test_a_file_with_one_refused_policy_saves_none_of_it(server: Server, team: Team,
@@ -234,3 +239,24 @@ def test_runs_show_and_decisions(server: Server, agent: Agent, team: Team, admin
     assert [d["rule"] for d in json.loads(out)] == [a["rule"] for a in answers[1:]]
     code, _, err = govctl(server, admin_token, "runs", "decisions", "../x", "--team", "support")
     assert code == 1 and "not a name the API has" in err
+
+
+def test_a_policy_that_denies_every_tool_is_said_out_loud(server: Server, team: Team,
+                                                         admin_token: str, tmp_path: Path):
+    # Found by a newcomer: `tools: {allow: []}` showed as one line of the policy, unexplained.
+    def lockdown(allow: str) -> Path:
+        path = tmp_path / "lockdown.yaml"
+        path.write_text("teams:\n  - slug: support\n    policies:\n      - name: lockdown\n"
+                        "        step_limits: {max_steps: 9, max_repeat_action: 3, "
+                        "no_progress_window: 4}\n"
+                        f"        tools: {{allow: {allow}}}\n")
+        return path
+
+    for extra in (["--dry-run"], []):
+        code, out, err = govctl(server, admin_token, "policies", "apply", str(lockdown("[]")),
+                                *extra)
+        assert code == 0, err
+        assert "every tool of every run of this policy is denied" in out, out
+    code, out, err = govctl(server, admin_token, "policies", "apply",
+                            str(lockdown("[search.*]")))
+    assert code == 0 and "version 2" in out and "is denied" not in out, (out, err)

@@ -51,7 +51,12 @@ MAX_VALUES = 50_000
 
 
 class Refused(Exception):
-    """The server refused (or could not be reached): the reason, for stderr and exit 1."""
+    """The server refused (or could not be reached): the reason, for stderr and exit 1;
+    the answer's status and error code when the server gave them."""
+
+    def __init__(self, reason: str, *, status: int | None = None, code: str | None = None):
+        super().__init__(reason)
+        self.status, self.code = status, code
 
 
 def _yaml() -> Any:
@@ -181,7 +186,9 @@ class Api:
             data = None
         if response.status_code < 300 or response.status_code in allow:
             return response.status_code, data
-        raise Refused(_reason(response.status_code, data))
+        error = data.get("error") if isinstance(data, dict) else None
+        raise Refused(_reason(response.status_code, data), status=response.status_code,
+                      code=error.get("code") if isinstance(error, dict) else None)
 
 
 def _reason(status: int, data: Any) -> str:
@@ -277,7 +284,16 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
                     refusals.append(f"policy {slug}/{name}: {refusal}")
                     continue
             except Refused as refused:
-                refusals.append(f"policy {slug}/{name}: {refused}")
+                refusal = f"policy {slug}/{name}: {refused}"
+                if refused.status == 404:
+                    # A PUT creates a missing policy, so the 404 is the team's: one that does
+                    # not exist or that the token does not see (found by a newcomer, who had
+                    # no hint where to go).
+                    refusal += (f"\n  the token sees no team {slug!r}, and govctl does not "
+                                "create teams: an admin creates it (`manage.py apply_policies "
+                                "FILE` creates the file's teams), or give it a token of the "
+                                "team")
+                refusals.append(refusal)
                 continue
             planned.append((slug, name, body, would))
     if args.dry_run:
@@ -295,6 +311,8 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
         if saved["changed"]:
             changed += 1
             print(f"policy {slug}/{name}: version {saved['version']}", file=out)
+            if _denies_every_tool(would["document"]):
+                print(DENIES_EVERY_TOOL, file=out)
     if not changed:
         print("nothing changed", file=out)
 
@@ -315,11 +333,25 @@ def _dry_run(api: Api, out: Any, planned: list[tuple[str, str, dict[str, Any], d
               "nothing saved)", file=out)
 
 
+def _denies_every_tool(document: Any) -> bool:
+    tools = document.get("tools") if isinstance(document, dict) else None
+    return isinstance(tools, dict) and tools.get("allow") == []
+
+
+# An empty allow list denies every tool of every run: said out loud, as the editor does
+# (found by a newcomer: a dry run showed it as one line of the diff).
+DENIES_EVERY_TOOL = ("  note: tools.allow is [] (empty): every tool of every run of this "
+                     "policy is denied; to allow every tool but some, remove allow (null) "
+                     "and list those under deny")
+
+
 def _show_change(api: Api, out: Any, slug: str, name: str, body: dict[str, Any],
                  would: dict[str, Any]) -> None:
     label = f"{slug}/{name}"
     if would["version"] == 1:
         print(f"policy {label}: new (version 1)\n{_dump(would['document'])}", file=out)
+        if _denies_every_tool(would["document"]):
+            print(DENIES_EVERY_TOOL, file=out)
         return
     _, current = api.call("GET", f"/teams/{slug}/policies/{name}")
     policy = {k: v for k, v in body.items() if k not in ("note", "confirm_stops")}
@@ -328,6 +360,8 @@ def _show_change(api: Api, out: Any, slug: str, name: str, body: dict[str, Any],
     print(f"policy {label}: would change (version {current['version']} -> "
           f"{would['version']})", file=out)
     print(_diff(current["document"], would["document"], label=label), file=out)
+    if _denies_every_tool(would["document"]):
+        print(DENIES_EVERY_TOOL, file=out)
     # by_reason counts the changed runs by the draft's stop; `none`: the draft does not stop
     # them (SPEC 15), said in words here (a newcomer read "(none 3)" as nothing).
     reasons = ", ".join(f"{'no longer stopped' if k == 'none' else 'stopped by ' + k} {v}"
