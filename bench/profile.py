@@ -83,6 +83,16 @@ class InlineExecutor(concurrent.futures.Executor):
         return future
 
 
+class InlineFair:
+    """A fair pool (governance/pools.py `FairPool`) that runs each job at once, on the calling
+    thread: the pool's own lock is held while it starts a job, so its threads cannot be
+    replaced by InlineExecutor (that hung the profile), and with one caller at a time there
+    is nothing to be fair about."""
+
+    def submit(self, caller: Any, job: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        return InlineExecutor().submit(job)
+
+
 def _scope(method: str, path: str, token: str, body: bytes) -> dict[str, Any]:
     return {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -154,6 +164,7 @@ def main(argv: list[str]) -> int:
 
     for name in ("api", "dashboard"):
         pools._pools[name] = InlineExecutor()  # type: ignore[assignment]
+        pools._fair[name] = InlineFair()  # type: ignore[assignment]
     sc.reset_runs()
     team = sc.seed_team("bench-profile", policy=sc.LONG_POLICY)
     app = asgi.application
