@@ -59,13 +59,15 @@ def world(team: Team, other_team: Team, users: dict[str, User]) -> dict[str, Any
     revoked = operator_token_create(user=users["admin"], name="gone", role="admin")
     operator_token_revoke(token=revoked.token, actor=None)
     tokens["revoked"] = revoked.secret
-    return {"tokens": tokens, "run_id": run_id, "approval": str(approval.pk), "agent": agent}
+    return {"tokens": tokens, "run_id": run_id, "approval": str(approval.pk), "agent": agent,
+            "decision": answer["decision_id"]}
 
 
 def call(world: dict[str, Any], who: str, method: str, path: str, body: Any = None
          ) -> Any:
     client = Client(HTTP_AUTHORIZATION=f"Bearer {world['tokens'][who]}")
-    path = path.format(run=world["run_id"], approval=world["approval"])
+    path = path.format(run=world["run_id"], approval=world["approval"],
+                       decision=world["decision"])
     if method == "GET":
         return client.get(path)
     return getattr(client, method.lower())(path, body, content_type="application/json")
@@ -99,6 +101,7 @@ ENDPOINTS = [
     ("GET", "/api/v1/teams/support/runs", None, "viewer", 404),
     ("GET", "/api/v1/teams/support/runs/{run}", None, "viewer", 404),
     ("GET", "/api/v1/teams/support/runs/{run}/decisions", None, "viewer", 404),
+    ("GET", "/api/v1/teams/support/decisions/{decision}", None, "viewer", 404),
 ]
 
 
@@ -475,7 +478,8 @@ def test_the_matrix_covers_every_operator_operation(client):
                   if op.get("security") == [{"OperatorTokenAuth": []}]}
     covered = {(method, path.split("?")[0].replace("support", "{slug}")
                 .replace("/default", "/{name}").replace("{run}", "{run_id}")
-                .replace("{approval}", "{approval_id}"))
+                .replace("{approval}", "{approval_id}")
+                .replace("{decision}", "{decision_id}"))
                for method, path, *_ in ENDPOINTS}
     assert documented == covered
 
