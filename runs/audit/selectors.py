@@ -195,11 +195,15 @@ def _decision_doc(d: Decision, *, args: Any, progress: Any) -> dict[str, Any]:
 _ENCODER = DjangoJSONEncoder()
 
 
-def decision_for_key(team: Team, decision_id: int, *, key_agent: str = "") -> Decision:
-    """A decision of the key's team (an agent-bound key: of its agent's runs, SPEC 10);
-    404 for any other, as for a decision that does not exist."""
+def decision_for_key(team: Team, decision_id: str, *, key_agent: str = "") -> Decision:
+    """A decision of the key's team (an agent-bound key: of its agent's runs, SPEC 10), by
+    the id as the path gave it; 404 for any other, as for a decision that does not exist,
+    and for an id that is no decision's."""
+    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses.
+    if not (decision_id.isascii() and decision_id.isdigit()) or len(decision_id) > 18:
+        raise Http404("No such decision.")
     rows = Decision.objects.select_related("run__policy_version__policy").filter(
-        pk=decision_id, run__team=team)
+        pk=int(decision_id), run__team=team)
     if key_agent:
         rows = rows.filter(run__agent=key_agent)
     found = rows.first()

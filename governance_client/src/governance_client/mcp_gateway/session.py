@@ -46,6 +46,11 @@ except ImportError:  # pragma: no cover
 
 logger = logging.getLogger("governance_client.mcp")
 
+PROTOCOL_VERSION_HEADER = "mcp-protocol-version"
+#: How long the end of a session may take to finish its run (the client's deadline and its
+#: upload of local decisions): the session is not held longer.
+FINISH_SECONDS = 15.0
+
 # What of a request's `_meta` is the MCP client's trace context (W3C, as the SDK puts it).
 _TRACE_FIELDS = ("traceparent", "tracestate", "baggage")
 
@@ -67,11 +72,6 @@ def callers_trace(meta: Any) -> Iterator[None]:
         yield
     finally:
         _otel_context.detach(token)
-
-PROTOCOL_VERSION_HEADER = "mcp-protocol-version"
-#: How long the end of a session may take to finish its run (the client's deadline and its
-#: upload of local decisions): the session is not held longer.
-FINISH_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
