@@ -312,6 +312,10 @@ class KillSwitch(models.Model):
     released_at = models.DateTimeField(null=True, blank=True)
     release_reason = models.TextField(blank=True)
     fanout_done_at = models.DateTimeField(null=True, blank=True)
+    # The batches of runs its fan-out has killed so far: its place in the fan-outs' turns
+    # (runs/killswitch/fanout.py `next_fanout`). A default in the database too, so that the
+    # previous release's engages insert rows during an upgrade (docs/upgrades.md).
+    fanout_passes = models.PositiveIntegerField(default=0, db_default=0)
 
     class Meta:
         ordering = ["-engaged_at"]

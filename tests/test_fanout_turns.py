@@ -21,7 +21,7 @@ from django.utils import timezone
 from policies.models import Team
 from policies.services import agent_key_create
 from runs.check.lifecycle import run_start
-from runs.killswitch import cover, fanout
+from runs.killswitch import cover, fanout, tasks
 from runs.killswitch.services import killswitch_engage
 from runs.killswitch.tasks import killswitch_fanout_task
 from runs.models import KillSwitch, Run, Scope
@@ -46,24 +46,34 @@ def test_each_teams_first_waiting_fanout_goes_before_any_teams_second(
     # The flood: 40 of the team's switches in the last half minute, the first 20 fanned out.
     flood = [waiting(team, f"bot-{i}", ago=30 - i * 0.5, done=i < 20) for i in range(40)]
     theirs = waiting(other_team, "their-bot", ago=1)
-    # Whichever of the flood's tasks runs next, the other team's one switch comes first
-    # (its turn 1 against the flood's 21st and later).
-    for own in (flood[20], flood[39]):
-        assert fanout.next_fanout(own) == theirs
+    # The other team's one switch comes first (its turn 1 against the flood's 21st and
+    # later), whoever asks.
+    assert fanout.next_fanout() == theirs
+    assert fanout.next_fanout(skip=[theirs]) == flood[20]
     KillSwitch.objects.filter(pk=theirs).update(fanout_done_at=timezone.now())
-    assert fanout.next_fanout(flood[39]) == flood[20]  # then the flood, oldest first
-    assert fanout.next_fanout(theirs) is None  # its own is done: nothing more for its task
-    assert fanout.next_fanout(flood[0]) is None
-    assert fanout.next_fanout(10**9) is None  # gone
+    assert fanout.next_fanout() == flood[20]  # then the flood, oldest first
+    assert fanout.fanout_done(theirs) and fanout.fanout_done(flood[0])
+    assert not fanout.fanout_done(flood[20]) and fanout.fanout_done(10**9)  # gone: nothing
 
     # The global switches are a team of their own; an old waiting one (outside the window,
     # an outage's) still waits with its place.
     old = waiting(team, "before-the-window", ago=fanout.FAIR_WINDOW_S * 10)
     everyone = waiting(None, "", ago=2)
-    assert fanout.next_fanout(flood[39]) == old  # turn 1 and oldest
+    assert fanout.next_fanout() == old  # turn 1 and oldest
     KillSwitch.objects.filter(pk=old).update(fanout_done_at=timezone.now())
-    assert fanout.next_fanout(flood[39]) == everyone  # turn 1 of the global ones
-    assert fanout.next_fanout(everyone) == everyone
+    assert fanout.next_fanout() == everyone  # turn 1 of the global ones
+    KillSwitch.objects.filter(fanout_done_at=None).update(fanout_done_at=timezone.now())
+    assert fanout.next_fanout() is None
+
+
+def test_a_fanout_of_many_batches_takes_them_in_turn(team: Team, other_team: Team) -> None:
+    """Each batch a fan-out has had counts in its turn: a team's one switch over many of its
+    runs goes a batch at a time, with the other teams' first switches between its batches."""
+    big = waiting(team, "many-runs", ago=10)
+    theirs = waiting(other_team, "their-bot", ago=1)
+    assert fanout.next_fanout() == big  # turn 1 each; the older first
+    KillSwitch.objects.filter(pk=big).update(fanout_passes=1)
+    assert fanout.next_fanout() == theirs  # its turn 1 against the big one's 1 + 1 batch
 
 
 def run_switch(team: Team, *, ago: float) -> tuple[int, Any]:
@@ -102,19 +112,56 @@ def test_a_workers_task_runs_the_fanouts_whose_turn_comes_first_then_its_own(
         == {"killed"}
 
 
+def test_a_task_whose_own_fanout_is_done_still_takes_a_turn(
+        team: Team, other_team: Team, queued: None) -> None:
+    """Found by an attacker: the flood's tasks whose switches other tasks had fanned out
+    ended at once, thousands of them, and the other team's own task waited behind them."""
+    mine, _ = run_switch(team, ago=9)
+    KillSwitch.objects.filter(pk=mine).update(fanout_done_at=timezone.now())
+    theirs, their_run = run_switch(other_team, ago=1)
+    killswitch_fanout_task.run(mine)
+    assert Run.objects.get(pk=their_run).status == "killed"
+    killswitch_fanout_task.run(mine, True)  # a second pass takes a turn too: its end
+    assert fanout.fanout_done(theirs)
+
+
+def test_a_long_fanout_lets_another_teams_go_between_its_batches(
+        team: Team, other_team: Team, queued: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by an attacker: a team's switch over 60,000 of its own runs held a fan-out
+    process for 10 s while another team's kill waited. Batches of 2 here, 7 runs."""
+    monkeypatch.setattr(fanout, "FANOUT_BATCH", 2)
+    key = agent_key_create(team=team, name="many")
+    many = [run_start(key=key.key, agent="many", policy=None, task=None, metadata=None,
+                      external_id=None)[0].pk for _ in range(7)]
+    big = KillSwitch.objects.create(
+        scope=Scope.AGENT, team=team, agent="many",
+        target=cover.target_key(Scope.AGENT, team_id=team.pk, agent="many"),
+        reason="test", engaged_by_label="test",
+        engaged_at=timezone.now() - timedelta(seconds=9)).pk
+    theirs, their_run = run_switch(other_team, ago=1)
+    killswitch_fanout_task.run(big)
+    assert set(Run.objects.filter(pk__in=many).values_list("status", flat=True)) == {"killed"}
+    assert Run.objects.get(pk=their_run).status == "killed"
+    ends = dict(KillSwitch.objects.filter(pk__in=[big, theirs])
+                .values_list("pk", "fanout_done_at"))
+    assert ends[theirs] < ends[big]  # between the big one's batches, not after them
+    assert KillSwitch.objects.get(pk=big).fanout_passes == 4  # 7 runs: 4 batches, then none
+
+
 def test_another_switchs_failing_fanout_does_not_hold_a_tasks_own(
         team: Team, other_team: Team, queued: None, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     b1, rb = run_switch(other_team, ago=9)
     a1, ra = run_switch(team, ago=1)
-    real = fanout.killswitch_fanout
+    real = fanout.killswitch_fanout_turn
 
     def failing(*, switch_id: int) -> Any:
         if switch_id == b1:
             raise RuntimeError("a bug in that switch's fan-out")
         return real(switch_id=switch_id)
 
-    monkeypatch.setattr(fanout, "killswitch_fanout", failing)
+    monkeypatch.setattr(fanout, "killswitch_fanout_turn", failing)
+    monkeypatch.setattr(tasks, "_failing", {})
     with caplog.at_level(logging.ERROR, logger="runs.killswitch.tasks"):
         killswitch_fanout_task.run(a1)
     assert Run.objects.get(pk=ra).status == "killed"
@@ -122,6 +169,7 @@ def test_another_switchs_failing_fanout_does_not_hold_a_tasks_own(
     assert KillSwitch.objects.get(pk=b1).fanout_done_at is None  # its own task retries it
     assert Run.objects.get(pk=rb).status == "running"
     assert f"the fan-out of kill switch {b1} failed" in caplog.text
+    assert set(tasks._failing) == {b1}  # skipped by this process's next turns for a while
 
 
 @pytest.mark.redis

@@ -10,12 +10,13 @@ Idempotent: it may run any number of times, concurrently too.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet
 from django.db.models.fields.json import KT
 from django.utils import timezone
 
@@ -220,6 +221,28 @@ def killswitch_kill_run(*, run_id: Any) -> bool:
     return bool(killed)
 
 
+def _covered_running(switch: KillSwitch) -> QuerySet[Run]:
+    running = Run.objects.filter(cover.runs_covered_by(switch), status=rules.RUNNING)
+    if switch.released_at is not None:
+        # Released before this pass ran: runs started after the release were never covered.
+        running = running.filter(started_at__lt=switch.released_at)
+    return running
+
+
+def _kill_next_batch(switch: KillSwitch, running: QuerySet[Run]) -> list[str]:
+    batch = _kill_batch(switch, running)
+    for team_id in sorted({team_id for _, team_id in batch}):
+        publish_team_event(team_id)  # one wake-up per team and batch, not per run
+    return [pk for pk, _ in batch]
+
+
+def _after_kills(switch: KillSwitch, killed: list[str]) -> FanoutResult:
+    deliveries = ensure_deliveries(switch, resume=switch.fanout_done_at is None)
+    if switch.scope == Scope.RUN:
+        retire_run_switch(switch_id=switch.pk)
+    return FanoutResult(killed=killed, deliveries=deliveries)
+
+
 def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
     """Mark every running covered run ``killed`` (one audit record each), set-based in
     batches (_kill_batch), then create the webhook deliveries. Safe to run any number of
@@ -228,19 +251,28 @@ def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
     switch = KillSwitch.objects.filter(pk=switch_id).first()
     if switch is None:
         return None
-    running = Run.objects.filter(cover.runs_covered_by(switch), status=rules.RUNNING)
-    if switch.released_at is not None:
-        # Released before this pass ran: runs started after the release were never covered.
-        running = running.filter(started_at__lt=switch.released_at)
+    running = _covered_running(switch)
     killed: list[str] = []
-    while batch := _kill_batch(switch, running):
-        killed += [pk for pk, _ in batch]
-        for team_id in sorted({team_id for _, team_id in batch}):
-            publish_team_event(team_id)  # one wake-up per team and batch, not per run
-    deliveries = ensure_deliveries(switch, resume=switch.fanout_done_at is None)
-    if switch.scope == Scope.RUN:
-        retire_run_switch(switch_id=switch.pk)
-    return FanoutResult(killed=killed, deliveries=deliveries)
+    while batch := _kill_next_batch(switch, running):
+        killed += batch
+    return _after_kills(switch, killed)
+
+
+def killswitch_fanout_turn(*, switch_id: int) -> FanoutResult | None:
+    """One turn of a fan-out (`next_fanout`): one batch of its covered runs killed, its
+    turns counted (`fanout_passes`), None while runs may be left (or the switch is gone);
+    the batch that finds none left ends it as `killswitch_fanout` does, with its result.
+    A batch, not the whole fan-out: one team's switch over 60,000 of its own runs held both
+    fan-out processes for 10 to 20 s while another team's switch waited (found by an
+    attacker). Ended only by a batch that found nothing, never by a short one: a batch
+    that waited on another pass's locks comes back short with runs still left."""
+    switch = KillSwitch.objects.filter(pk=switch_id).first()
+    if switch is None:
+        return None
+    if _kill_next_batch(switch, _covered_running(switch)):
+        KillSwitch.objects.filter(pk=switch_id).update(fanout_passes=F("fanout_passes") + 1)
+        return None
+    return _after_kills(switch, [])
 
 
 # How far back a team's switches count for its turn among the fan-outs waiting
@@ -248,38 +280,44 @@ def killswitch_fanout(*, switch_id: int) -> FanoutResult | None:
 # engaged one, however long ago its thousands were queued.
 FAIR_WINDOW_S = 60.0
 
-# The waiting fan-out to run next: each waiting switch's turn is its place among its team's
-# switches engaged in the window (global switches are a team of their own), so every team's
-# first waiting switch goes before any team's second; within a turn, the oldest first.
+# The waiting fan-out whose turn comes next. A waiting switch's turn is its place among its
+# team's switches engaged in the window (global switches are a team of their own) plus the
+# batches its fan-out has had (`fanout_passes`): each team's first waiting switch goes
+# before any team's second, and a fan-out of many batches takes them in turn with the
+# others' first; within a turn, the oldest first.
 _NEXT_SQL = """
 SELECT id FROM (
-    SELECT id, fanout_done_at, engaged_at,
+    SELECT id, fanout_done_at, engaged_at, fanout_passes,
            row_number() OVER (PARTITION BY team_id ORDER BY engaged_at, id) AS turn
     FROM runs_killswitch
     WHERE engaged_at >= %s OR fanout_done_at IS NULL
 ) AS recent
-WHERE fanout_done_at IS NULL
-ORDER BY turn, engaged_at, id
+WHERE fanout_done_at IS NULL{skip}
+ORDER BY turn + fanout_passes, engaged_at, id
 LIMIT 1
 """
 
 
-def next_fanout(switch_id: int) -> int | None:
-    """The fan-out a worker's task for ``switch_id`` runs next: None once that switch's is
-    done (or the switch is gone), else the waiting one whose turn comes first, which is that
-    switch's own when no other team's comes before it. One queue serves every team's
-    fan-outs in the order they were engaged, so without turns one team engaging switch after
-    switch (found by an attacker: 2,000 in 15 s, each its own fan-out task) put another
-    team's kill 20 s behind them (SPEC 10); with turns, a task that meets that backlog runs
-    the other team's fan-out first, and the other team's kill waits for at most one fan-out
-    per team and worker process. Every task still ends with its own switch's done."""
-    if not KillSwitch.objects.filter(pk=switch_id, fanout_done_at__isnull=True).exists():
-        return None
+def next_fanout(*, skip: Collection[int] = ()) -> int | None:
+    """The waiting fan-out whose turn comes first (`_NEXT_SQL`), but those in ``skip``;
+    None when none waits. One queue serves every team's fan-outs in the order they were
+    engaged, so without turns one team engaging switch after switch (found by an attacker:
+    2,000 in 15 s, each its own fan-out task) put another team's kill 20 s behind them (SPEC
+    10). Every fan-out task takes turns (runs/killswitch/tasks.py), so another team's kill
+    waits for at most one batch per busy fan-out process."""
     since = timezone.now() - timedelta(seconds=FAIR_WINDOW_S)
+    skipped = list(skip)
+    sql = _NEXT_SQL.format(skip=f" AND id NOT IN ({', '.join(['%s'] * len(skipped))})"
+                           if skipped else "")
     with connection.cursor() as cursor:
-        cursor.execute(_NEXT_SQL, [connection.ops.adapt_datetimefield_value(since)])
+        cursor.execute(sql, [connection.ops.adapt_datetimefield_value(since), *skipped])
         row = cursor.fetchone()
-    return row[0] if row else switch_id
+    return row[0] if row else None
+
+
+def fanout_done(switch_id: int) -> bool:
+    """Whether the switch's fan-out is recorded done (a switch that is gone: nothing to do)."""
+    return not KillSwitch.objects.filter(pk=switch_id, fanout_done_at__isnull=True).exists()
 
 
 RUN_ENDED = "its run ended"

@@ -11,6 +11,7 @@ twice changes nothing the second time (runs/killswitch/fanout.py, runs/webhooks/
 from __future__ import annotations
 
 import logging
+import time
 
 from celery import shared_task
 from django.db import DatabaseError, InterfaceError
@@ -34,8 +35,8 @@ _retry = {"autoretry_for": (DatabaseError, InterfaceError, BrokerError), "retry_
           "retry_backoff_max": 60, "max_retries": 10}
 
 
-def _fan_out(switch_id: int) -> None:
-    result = fanout.killswitch_fanout(switch_id=switch_id)
+def _done(switch_id: int, result: fanout.FanoutResult | None) -> None:
+    """A fan-out's end: its webhook deliveries started, then recorded done."""
     if result is None:
         return
     for delivery_id in result.deliveries:
@@ -43,28 +44,58 @@ def _fan_out(switch_id: int) -> None:
     fanout.killswitch_fanout_done(switch_id=switch_id)
 
 
+def _fan_out(switch_id: int) -> None:
+    _done(switch_id, fanout.killswitch_fanout(switch_id=switch_id))
+
+
+# Switches whose fan-out raised in this process, and when: their turns are skipped for a while
+# (their own tasks retry them), so that one failing fan-out does not hold every task.
+_failing: dict[int, float] = {}
+FAILING_SKIP_S = 60.0
+
+
+def _take_turns(own: int | None) -> None:
+    """Run the waiting fan-outs a batch at a time, in turn order (`fanout.next_fanout`): one
+    batch at least, whichever switch this task is for, then until ``own``'s fan-out is done
+    (None: that one batch). So every task in the queue serves the head of the waiting
+    fan-outs: a task whose own switch another task already fanned out still takes a turn
+    (found by an attacker: thousands of such tasks, each ending at once, put another team's
+    kill 35 to 95 s behind them)."""
+    now = time.monotonic()
+    for switch_id, since in list(_failing.items()):
+        if now - since > FAILING_SKIP_S:
+            del _failing[switch_id]
+    while (turn := fanout.next_fanout(skip=_failing.keys())) is not None:
+        try:
+            _done(turn, fanout.killswitch_fanout_turn(switch_id=turn))
+        except Exception:
+            if turn == own:
+                raise  # this task's own: retried by the task's own rules
+            log.exception("the fan-out of kill switch %s failed; its own task retries it",
+                          turn)
+            _failing[turn] = time.monotonic()
+        if own is None or fanout.fanout_done(own):
+            return
+    if own is not None and not fanout.fanout_done(own):
+        _fan_out(own)  # skipped as failing in this process: its own task tries it whole
+
+
 @shared_task(name="runs.tasks.killswitch_fanout", acks_late=True,
              reject_on_worker_lost=True, **_retry)
 def killswitch_fanout_task(switch_id: int, sweep: bool = False) -> None:
-    """The fan-out of ``switch_id``, after the waiting fan-outs whose team's turn comes first
-    (`fanout.next_fanout`: one team's flood of switches does not put another team's kill
-    behind it). Eager, in the engaging request, there is no queue to wait in: its own only."""
-    if sweep or killswitch_fanout_task.app.conf.task_always_eager:
+    """The fan-out of ``switch_id``, taking turns with the other waiting fan-outs
+    (`_take_turns`: one team's flood of switches, or its switch over thousands of its own
+    runs, does not put another team's kill behind it); ``sweep``: the second pass a few
+    seconds later, after one turn of the waiting ones. Eager, in the engaging request,
+    there is no queue to wait in: its own only."""
+    if killswitch_fanout_task.app.conf.task_always_eager:
         _fan_out(switch_id)
         return  # eager runs in one process with the engage: nothing can slip in between
-    while (turn := fanout.next_fanout(switch_id)) is not None:
-        if turn == switch_id:
-            _fan_out(switch_id)
-            continue
-        try:
-            _fan_out(turn)
-        except Exception:
-            # Another switch's failure is its own task's to retry; this one's fan-out must
-            # not wait on it (nor retry behind it for ever).
-            log.exception("the fan-out of kill switch %s failed; going on with %s's",
-                          turn, switch_id)
-            _fan_out(switch_id)
-            break
+    if sweep:
+        _take_turns(None)
+        _fan_out(switch_id)
+        return
+    _take_turns(switch_id)
     if KillSwitch.objects.filter(pk=switch_id, active=True).exclude(scope=Scope.RUN).exists():
         killswitch_fanout_task.apply_async((switch_id, True), countdown=SWEEP_DELAY_S)
 

@@ -1,7 +1,8 @@
-"""The fan-outs' turns (runs/killswitch/fanout.py `next_fanout`): the switches by engage time,
-and those whose fan-out still waits. Built plainly: the switches' table holds a row per engage,
-which no check writes (docs/upgrades.md keeps CONCURRENTLY for the large tables the checks
-write)."""
+"""The fan-outs' turns (runs/killswitch/fanout.py `next_fanout`): a switch's batches so far
+(with a default in the database, so that the previous release's engages still insert rows),
+and the indexes of the switches by engage time and of those whose fan-out still waits.
+Built plainly: the switches' table holds a row per engage, which no check writes
+(docs/upgrades.md keeps CONCURRENTLY for the large tables the checks write)."""
 
 from django.db import migrations, models
 
@@ -13,6 +14,11 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
+        migrations.AddField(
+            model_name='killswitch',
+            name='fanout_passes',
+            field=models.PositiveIntegerField(db_default=0, default=0),
+        ),
         migrations.AddIndex(
             model_name='killswitch',
             index=models.Index(fields=['engaged_at'], name='killswitch_engaged_at'),
