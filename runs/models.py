@@ -312,10 +312,12 @@ class KillSwitch(models.Model):
     released_at = models.DateTimeField(null=True, blank=True)
     release_reason = models.TextField(blank=True)
     fanout_done_at = models.DateTimeField(null=True, blank=True)
-    # The batches of runs its fan-out has killed so far: its place in the fan-outs' turns
-    # (runs/killswitch/fanout.py `next_fanout`). A default in the database too, so that the
-    # previous release's engages insert rows during an upgrade (docs/upgrades.md).
+    # The turns its fan-out has had (a batch of runs each) and when the last began: its
+    # team's place in the fan-outs' turns (runs/killswitch/fanout.py `next_fanout`). A
+    # default in the database too, so that the previous release's engages insert rows during
+    # an upgrade (docs/upgrades.md).
     fanout_passes = models.PositiveIntegerField(default=0, db_default=0)
+    fanout_turned_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-engaged_at"]
@@ -330,11 +332,12 @@ class KillSwitch(models.Model):
             models.Index(fields=["team", "-engaged_at", "-id"], name="killswitch_team_history"),
             models.Index(fields=["-engaged_at", "-id"], name="killswitch_global_history",
                          condition=models.Q(scope="global")),
-            # The fan-outs' turns (fanout.next_fanout): the last minute's switches of every
-            # team, and the fan-outs still waiting (also the sweep's, sweep.stale_work).
-            models.Index(fields=["engaged_at"], name="killswitch_engaged_at"),
+            # The fan-outs' turns (fanout.next_fanout): the fan-outs still waiting (also the
+            # sweep's, sweep.stale_work), and the last minute's turns of every team.
             models.Index(fields=["engaged_at"], name="killswitch_fanout_waiting",
                          condition=models.Q(fanout_done_at__isnull=True)),
+            models.Index(fields=["fanout_turned_at"], name="killswitch_turned_at",
+                         condition=models.Q(fanout_turned_at__isnull=False)),
         ]
         constraints = [
             models.UniqueConstraint(

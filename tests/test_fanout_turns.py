@@ -30,50 +30,68 @@ from tests.workers import Worker, new_worker, wait_for, workers_fixture  # noqa:
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def waiting(team: Team | None, agent: str, *, ago: float, done: bool = False) -> int:
-    """A switch engaged ``ago`` seconds ago, its fan-out done or still waiting."""
-    at = timezone.now() - timedelta(seconds=ago)
+def waiting(team: Team | None, agent: str, *, ago: float, done: bool = False,
+            turned: float | None = None, passes: int = 0) -> int:
+    """A switch engaged ``ago`` seconds ago, its fan-out done or still waiting, its last turn
+    ``turned`` seconds ago (None: never)."""
+    now = timezone.now()
+    at = now - timedelta(seconds=ago)
     scope = Scope.AGENT if team is not None else Scope.GLOBAL
     return KillSwitch.objects.create(
         scope=scope, team=team, agent=agent if team is not None else "",
         target=cover.target_key(scope, team_id=team.pk if team else None, agent=agent),
         reason="test", engaged_by_label="test", engaged_at=at, active=not done,
-        fanout_done_at=at if done else None).pk
+        fanout_done_at=at if done else None, fanout_passes=passes,
+        fanout_turned_at=None if turned is None else now - timedelta(seconds=turned)).pk
 
 
-def test_each_teams_first_waiting_fanout_goes_before_any_teams_second(
-        team: Team, other_team: Team) -> None:
+def test_the_team_served_longest_ago_goes_first(team: Team, other_team: Team) -> None:
     # The flood: 40 of the team's switches in the last half minute, the first 20 fanned out.
-    flood = [waiting(team, f"bot-{i}", ago=30 - i * 0.5, done=i < 20) for i in range(40)]
+    flood = [waiting(team, f"bot-{i}", ago=30 - i * 0.5, done=i < 20,
+                     turned=30 - i * 0.5 if i < 20 else None) for i in range(40)]
     theirs = waiting(other_team, "their-bot", ago=1)
-    # The other team's one switch comes first (its turn 1 against the flood's 21st and
-    # later), whoever asks.
+    # The other team was never served: its switch comes first, whoever asks.
     assert fanout.next_fanout() == theirs
     assert fanout.next_fanout(skip=[theirs]) == flood[20]
-    KillSwitch.objects.filter(pk=theirs).update(fanout_done_at=timezone.now())
+    KillSwitch.objects.filter(pk=theirs).update(fanout_done_at=timezone.now(),
+                                                fanout_turned_at=timezone.now())
     assert fanout.next_fanout() == flood[20]  # then the flood, oldest first
     assert fanout.fanout_done(theirs) and fanout.fanout_done(flood[0])
     assert not fanout.fanout_done(flood[20]) and fanout.fanout_done(10**9)  # gone: nothing
 
-    # The global switches are a team of their own; an old waiting one (outside the window,
-    # an outage's) still waits with its place.
-    old = waiting(team, "before-the-window", ago=fanout.FAIR_WINDOW_S * 10)
+    # The global switches are a team of their own; a team last served before the window is
+    # as one never served.
     everyone = waiting(None, "", ago=2)
-    assert fanout.next_fanout() == old  # turn 1 and oldest
-    KillSwitch.objects.filter(pk=old).update(fanout_done_at=timezone.now())
-    assert fanout.next_fanout() == everyone  # turn 1 of the global ones
+    assert fanout.next_fanout() == everyone
+    KillSwitch.objects.filter(pk=everyone).update(fanout_done_at=timezone.now(),
+                                                  fanout_turned_at=timezone.now())
+    KillSwitch.objects.filter(team=team).update(
+        fanout_turned_at=timezone.now() - timedelta(seconds=fanout.FAIR_WINDOW_S * 2))
+    KillSwitch.objects.filter(pk=theirs).update(fanout_turned_at=timezone.now())
+    later = waiting(other_team, "their-next", ago=0.5)
+    assert fanout.next_fanout() == flood[20]  # not served in the window: before theirs
     KillSwitch.objects.filter(fanout_done_at=None).update(fanout_done_at=timezone.now())
     assert fanout.next_fanout() is None
+    assert later
 
 
-def test_a_fanout_of_many_batches_takes_them_in_turn(team: Team, other_team: Team) -> None:
-    """Each batch a fan-out has had counts in its turn: a team's one switch over many of its
-    runs goes a batch at a time, with the other teams' first switches between its batches."""
-    big = waiting(team, "many-runs", ago=10)
-    theirs = waiting(other_team, "their-bot", ago=1)
-    assert fanout.next_fanout() == big  # turn 1 each; the older first
-    KillSwitch.objects.filter(pk=big).update(fanout_passes=1)
-    assert fanout.next_fanout() == theirs  # its turn 1 against the big one's 1 + 1 batch
+def test_a_team_in_an_incident_is_not_held_behind_a_long_fanout(
+        team: Team, other_team: Team) -> None:
+    """Found by an attacker against a version that ranked a team by its switches of the last
+    minute: a team that had engaged 36 (an incident) waited for 36 batches of another team's
+    switch over 60,000 runs. Now the team served longest ago goes first: the long fan-out,
+    served a batch ago, waits."""
+    big = waiting(team, "many-runs", ago=20, turned=0.1, passes=30)
+    for i in range(36):
+        waiting(other_team, f"incident-{i}", ago=50 - i, done=True, turned=50 - i)
+    theirs = waiting(other_team, "one-more", ago=0.2)
+    assert fanout.next_fanout() == theirs
+    # Within a team, the switch that has had the fewest turns, then the oldest.
+    small = waiting(team, "small", ago=1)
+    KillSwitch.objects.filter(pk=theirs).update(fanout_done_at=timezone.now(),
+                                                fanout_turned_at=timezone.now())
+    assert fanout.next_fanout() == small
+    assert big
 
 
 def run_switch(team: Team, *, ago: float) -> tuple[int, Any]:
@@ -107,7 +125,9 @@ def test_a_workers_task_runs_the_fanouts_whose_turn_comes_first_then_its_own(
     done = dict(KillSwitch.objects.filter(pk__in=[a1, a2, a3, b1])
                 .values_list("pk", "fanout_done_at"))
     assert all(done.values())
-    assert sorted(done, key=lambda pk: done[pk]) == [a1, b1, a2, a3]
+    # The teams take turns a batch at a time: a1's batch, b1's, a2's, b1's last (nothing
+    # left: done), a3's, then a1's, a2's and a3's last ones.
+    assert sorted(done, key=lambda pk: done[pk]) == [b1, a1, a2, a3]
     assert set(Run.objects.filter(pk__in=[r1, r2, r3, rb]).values_list("status", flat=True)) \
         == {"killed"}
 
@@ -145,7 +165,7 @@ def test_a_long_fanout_lets_another_teams_go_between_its_batches(
     ends = dict(KillSwitch.objects.filter(pk__in=[big, theirs])
                 .values_list("pk", "fanout_done_at"))
     assert ends[theirs] < ends[big]  # between the big one's batches, not after them
-    assert KillSwitch.objects.get(pk=big).fanout_passes == 4  # 7 runs: 4 batches, then none
+    assert KillSwitch.objects.get(pk=big).fanout_passes == 5  # 7 runs: 4 batches, then none
 
 
 def test_another_switchs_failing_fanout_does_not_hold_a_tasks_own(

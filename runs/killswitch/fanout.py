@@ -269,31 +269,40 @@ def killswitch_fanout_turn(*, switch_id: int) -> FanoutResult | None:
     switch = KillSwitch.objects.filter(pk=switch_id).first()
     if switch is None:
         return None
+    # Counted before the batch, so that a process choosing meanwhile sees the team served.
+    KillSwitch.objects.filter(pk=switch_id).update(
+        fanout_turned_at=timezone.now(), fanout_passes=F("fanout_passes") + 1)
     if _kill_next_batch(switch, _covered_running(switch)):
-        KillSwitch.objects.filter(pk=switch_id).update(fanout_passes=F("fanout_passes") + 1)
         return None
     return _after_kills(switch, [])
 
 
-# How far back a team's switches count for its turn among the fan-outs waiting
-# (`next_fanout`): a team that engaged thousands in the last minute waits behind one that
-# engaged one, however long ago its thousands were queued.
+# How far back a team's last turn counts (`next_fanout`): a team whose last turn is older is
+# as a team never served.
 FAIR_WINDOW_S = 60.0
 
-# The waiting fan-out whose turn comes next. A waiting switch's turn is its place among its
-# team's switches engaged in the window (global switches are a team of their own) plus the
-# batches its fan-out has had (`fanout_passes`): each team's first waiting switch goes
-# before any team's second, and a fan-out of many batches takes them in turn with the
-# others' first; within a turn, the oldest first.
+# The waiting fan-out whose turn comes next: the team (the global switches are a team of
+# their own) whose last turn is the oldest, a team never served (in the window) first; of its
+# waiting switches, the one that has had the fewest turns, then the oldest. Round robin over
+# the teams with fan-outs waiting, a batch of runs a turn: whatever one team queues (switch
+# after switch, or a switch over tens of thousands of its runs), another team's kill waits for
+# at most one batch of each team served meanwhile. Not by how much a team engaged lately: a
+# team in an incident engages many switches, and its next one must not wait behind an
+# attacker's batches for that (found by an attacker against a version that counted them).
 _NEXT_SQL = """
-SELECT id FROM (
-    SELECT id, fanout_done_at, engaged_at, fanout_passes,
-           row_number() OVER (PARTITION BY team_id ORDER BY engaged_at, id) AS turn
+WITH waiting AS (
+    SELECT id, coalesce(team_id, 0) AS team, engaged_at, fanout_passes
     FROM runs_killswitch
-    WHERE engaged_at >= %s OR fanout_done_at IS NULL
-) AS recent
-WHERE fanout_done_at IS NULL{skip}
-ORDER BY turn + fanout_passes, engaged_at, id
+    WHERE fanout_done_at IS NULL{skip}
+), served AS (
+    SELECT coalesce(team_id, 0) AS team, max(fanout_turned_at) AS last
+    FROM runs_killswitch
+    WHERE fanout_turned_at >= %s
+    GROUP BY coalesce(team_id, 0)
+)
+SELECT waiting.id FROM waiting LEFT JOIN served ON served.team = waiting.team
+ORDER BY served.last IS NOT NULL, served.last, waiting.fanout_passes, waiting.engaged_at,
+         waiting.id
 LIMIT 1
 """
 
@@ -303,14 +312,13 @@ def next_fanout(*, skip: Collection[int] = ()) -> int | None:
     None when none waits. One queue serves every team's fan-outs in the order they were
     engaged, so without turns one team engaging switch after switch (found by an attacker:
     2,000 in 15 s, each its own fan-out task) put another team's kill 20 s behind them (SPEC
-    10). Every fan-out task takes turns (runs/killswitch/tasks.py), so another team's kill
-    waits for at most one batch per busy fan-out process."""
+    10). Every fan-out task takes turns (runs/killswitch/tasks.py)."""
     since = timezone.now() - timedelta(seconds=FAIR_WINDOW_S)
     skipped = list(skip)
     sql = _NEXT_SQL.format(skip=f" AND id NOT IN ({', '.join(['%s'] * len(skipped))})"
                            if skipped else "")
     with connection.cursor() as cursor:
-        cursor.execute(sql, [connection.ops.adapt_datetimefield_value(since), *skipped])
+        cursor.execute(sql, [*skipped, connection.ops.adapt_datetimefield_value(since)])
         row = cursor.fetchone()
     return row[0] if row else None
 

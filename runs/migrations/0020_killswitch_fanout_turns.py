@@ -1,7 +1,7 @@
-"""The fan-outs' turns (runs/killswitch/fanout.py `next_fanout`): a switch's batches so far
-(with a default in the database, so that the previous release's engages still insert rows),
-and the indexes of the switches by engage time and of those whose fan-out still waits.
-Built plainly: the switches' table holds a row per engage, which no check writes
+"""The fan-outs' turns (runs/killswitch/fanout.py `next_fanout`): a switch's turns so far (with
+a default in the database, so that the previous release's engages still insert rows) and when
+its last began, and the indexes of the switches whose fan-out still waits and of the last
+turns. Built plainly: the switches' table holds a row per engage, which no check writes
 (docs/upgrades.md keeps CONCURRENTLY for the large tables the checks write)."""
 
 from django.db import migrations, models
@@ -19,13 +19,19 @@ class Migration(migrations.Migration):
             name='fanout_passes',
             field=models.PositiveIntegerField(db_default=0, default=0),
         ),
-        migrations.AddIndex(
+        migrations.AddField(
             model_name='killswitch',
-            index=models.Index(fields=['engaged_at'], name='killswitch_engaged_at'),
+            name='fanout_turned_at',
+            field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.AddIndex(
             model_name='killswitch',
             index=models.Index(condition=models.Q(('fanout_done_at__isnull', True)),
                                fields=['engaged_at'], name='killswitch_fanout_waiting'),
+        ),
+        migrations.AddIndex(
+            model_name='killswitch',
+            index=models.Index(condition=models.Q(('fanout_turned_at__isnull', False)),
+                               fields=['fanout_turned_at'], name='killswitch_turned_at'),
         ),
     ]
