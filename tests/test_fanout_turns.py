@@ -25,6 +25,7 @@ from runs.killswitch import cover, fanout, tasks
 from runs.killswitch.services import killswitch_engage
 from runs.killswitch.tasks import killswitch_fanout_task
 from runs.models import KillSwitch, Run, Scope
+from tests.conftest import set_policy
 from tests.workers import Worker, new_worker, wait_for, workers_fixture  # noqa: F401
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -166,6 +167,42 @@ def test_a_long_fanout_lets_another_teams_go_between_its_batches(
                 .values_list("pk", "fanout_done_at"))
     assert ends[theirs] < ends[big]  # between the big one's batches, not after them
     assert KillSwitch.objects.get(pk=big).fanout_passes == 5  # 7 runs: 4 batches, then none
+
+
+def test_a_turn_settles_a_bounded_number_of_waiting_runs(
+        team: Team, monkeypatch: pytest.MonkeyPatch, agent_token: str) -> None:
+    """Found by an attacker: 1,000 runs waiting for an approval made one batch 10 s (each
+    request settled one by one), which another team's kill waited for. A turn settles at
+    most SETTLE_PER_BATCH of them (2 here) and kills the rest of its batch; every request is
+    settled, none left pending on an ended run."""
+    from django.test import Client
+
+    from runs.models import Approval
+
+    monkeypatch.setattr(fanout, "SETTLE_PER_BATCH", 2)
+    set_policy(team, approvals={"tools": ["pay.*"], "timeout_s": 600})
+    api = Client(HTTP_AUTHORIZATION=f"Bearer {agent_token}")
+    runs = []
+    for i in range(6):
+        run_id = api.post("/api/v1/runs", {"agent": "payer"},
+                          content_type="application/json").json()["run_id"]
+        if i < 5:  # five wait for an operator, one does not
+            answer = api.post(f"/api/v1/runs/{run_id}/check",
+                              {"action": {"name": "pay.x"}, "check_id": f"c{i}"},
+                              content_type="application/json").json()
+            assert answer["decision"] == "pending", answer
+        runs.append(run_id)
+    switch = KillSwitch.objects.create(
+        scope=Scope.AGENT, team=team, agent="payer",
+        target=cover.target_key(Scope.AGENT, team_id=team.pk, agent="payer"),
+        reason="test", engaged_by_label="test", engaged_at=timezone.now()).pk
+    ended = []
+    while fanout.killswitch_fanout_turn(switch_id=switch) is None:
+        ended.append(Run.objects.filter(pk__in=runs).exclude(status="running").count())
+    # 2 settled and the one not waiting killed; then 2 more; then the last; then none left.
+    assert ended == [3, 5, 6]
+    assert not Approval.objects.filter(status="pending").exists()
+    assert set(Approval.objects.values_list("status", flat=True)) == {"cancelled"}
 
 
 def test_another_switchs_failing_fanout_does_not_hold_a_tasks_own(
