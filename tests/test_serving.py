@@ -38,7 +38,8 @@ def test_the_openapi_document_is_public_and_names_every_endpoint(client):
         "/api/v1/teams/{slug}/policies/{name}/backtest", "/api/v1/killswitch",
         "/api/v1/teams/{slug}/approvals", "/api/v1/approvals/{approval_id}/decide",
         "/api/v1/teams/{slug}/runs", "/api/v1/teams/{slug}/runs/{run_id}",
-        "/api/v1/teams/{slug}/runs/{run_id}/decisions"}
+        "/api/v1/teams/{slug}/runs/{run_id}/decisions",
+        "/api/v1/teams/{slug}/decisions/{decision_id}"}
     check = doc["paths"]["/api/v1/runs/{run_id}/check"]["post"]
     assert {"200", "401", "404", "413", "422", "503"} <= set(check["responses"])
     # SPEC 15: every check answer carries the new fields (null where they do not apply).

@@ -311,7 +311,7 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
         if saved["changed"]:
             changed += 1
             print(f"policy {slug}/{name}: version {saved['version']}", file=out)
-            if _denies_every_tool(would["document"]):
+            if _denies_every_tool(saved.get("document")):
                 print(DENIES_EVERY_TOOL, file=out)
     if not changed:
         print("nothing changed", file=out)
