@@ -52,11 +52,11 @@ MAX_VALUES = 50_000
 
 class Refused(Exception):
     """The server refused (or could not be reached): the reason, for stderr and exit 1;
-    the answer's status and error code when the server gave them."""
+    the answer's status when the server gave one."""
 
-    def __init__(self, reason: str, *, status: int | None = None, code: str | None = None):
+    def __init__(self, reason: str, *, status: int | None = None):
         super().__init__(reason)
-        self.status, self.code = status, code
+        self.status = status
 
 
 def _yaml() -> Any:
@@ -186,9 +186,7 @@ class Api:
             data = None
         if response.status_code < 300 or response.status_code in allow:
             return response.status_code, data
-        error = data.get("error") if isinstance(data, dict) else None
-        raise Refused(_reason(response.status_code, data), status=response.status_code,
-                      code=error.get("code") if isinstance(error, dict) else None)
+        raise Refused(_reason(response.status_code, data), status=response.status_code)
 
 
 def _reason(status: int, data: Any) -> str:
