@@ -210,3 +210,29 @@ def test_a_rate_limit_wait_inside_the_time_left_is_still_a_wait(api: Any, team: 
     answer = check(api, rid, name="http.get", args={"page": 2})
     assert (answer["decision"], answer["reason"]) == ("wait", "rate_limited")
     assert 0 < answer["retry_after_s"] <= 30
+
+
+@pytest.mark.django_db
+def test_at_the_very_moment_its_budget_is_spent_a_run_is_not_out_of_time(
+        api: Any, team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule 4 stops a check when the active time is *over* max_seconds, so a check at
+    exactly max_seconds is allowed; a finish at that same moment completes the run, and a
+    look then leaves it running. Found by the backtest's property test: the finish ended the
+    run out of time, an audit record no check had made, one instant after an allow."""
+    now = timezone.now()
+    monkeypatch.setattr("django.utils.timezone.now", lambda: now)
+    set_policy(team, budgets={"max_seconds": 5})
+    rid, other = start(api), start(api)
+    now += timedelta(seconds=5)
+    for run_id in (rid, other):
+        assert check(api, run_id)["decision"] == "allow"
+    assert abandon_idle_runs(team_id=team.pk) == []
+    finished = api.post(f"/api/v1/runs/{rid}/finish", {"status": "completed"},
+                        content_type="application/json")
+    assert finished.status_code == 200, finished.content
+    assert (finished.json()["status"], finished.json()["stop_reason"]) == ("completed", None)
+    assert list(Decision.objects.filter(run_id=rid).values_list("outcome", flat=True)) == [
+        "allow"]
+    now += timedelta(microseconds=1)
+    assert abandon_idle_runs(team_id=team.pk) == [other]
+    assert Run.objects.get(pk=other).stop_reason == "max_seconds"

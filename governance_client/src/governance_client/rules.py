@@ -1146,14 +1146,16 @@ def abandon(state: RunState, *, now: datetime, policy: Policy | None = None
 
 def out_of_time(state: RunState, policy: Policy, *, now: datetime) -> RunState | None:
     """The run ended ``stopped`` / ``max_seconds`` when it is running, not waiting for an
-    approval, and its active time has reached max_seconds before its idle deadline; else
-    None. ``ended_at`` is the budget deadline, the moment its time ran out, as an
-    abandonment's is its idle deadline. A check of such a run is stopped by rule 4 as
+    approval, and its active time is over max_seconds (its budget ran out before its idle
+    deadline); else None. ``ended_at`` is the budget deadline, the moment its time ran
+    out, as an abandonment's is its idle deadline. A check of such a run is stopped by rule 4 as
     before; this is for the run that sends none (the sweep, whoever looks first, a finish)."""
     if state.status != RUNNING:
         return None
     budget = _out_of_time_first(policy, state)
-    if budget is None or now < budget:
+    # Over it, not at it: rule 4 allows a check at exactly max_seconds, so a finish at that
+    # same moment completes the run (found by the backtest's property test).
+    if budget is None or now <= budget:
         return None
     new = state.copy()
     _end(new, "max_seconds", budget)
