@@ -51,11 +51,24 @@ def test_bulk_calls_take_turns_within_their_share_of_the_process(
         with httpx.Client(base_url=server.url, timeout=60,
                           headers={"Authorization": f"Bearer {agent_token}"}) as http:
             run_id = http.post("/api/v1/runs", json={"agent": "support-bot"}).json()["run_id"]
-            assert http.get("/api/v1/runs").status_code == 200
-            # Any call takes more than a millisecond: at a hundredth, 0.1 s to pay back.
             began = time.monotonic()
             assert http.get("/api/v1/runs").status_code == 200
-            assert time.monotonic() - began >= 0.1
+            first_took = time.monotonic() - began
+            # Any call takes more than a millisecond: at a hundredth, 0.1 s to pay back.
+            began = time.monotonic()
+            second = http.get("/api/v1/runs")
+            if second.status_code == 429:
+                # A busy machine (a CI run): the first call, the view's first in this
+                # process, took over 0.1 s, over 10 s to pay back. The server's time is
+                # within the client's, so only then may it refuse; after the wait it named,
+                # the call is served.
+                assert first_took > 0.1, (first_took, second.text)
+                assert int(second.headers["Retry-After"]) > 10
+                time.sleep(int(second.headers["Retry-After"]))
+                assert http.get("/api/v1/runs").status_code == 200
+            else:
+                assert second.status_code == 200, second.text
+                assert time.monotonic() - began >= 0.1
             answer = http.post(f"/api/v1/runs/{run_id}/local-decisions", json=upload_body())
             assert answer.status_code == 200, answer.text
             # 1,000 entries take far more than 0.1 s: over 10 s to pay back at a hundredth.
