@@ -40,7 +40,7 @@ from governance_client.rules import (
     wait_past_budget,
     window_of,
 )
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
@@ -274,20 +274,25 @@ def test_the_first_deadline_decides_the_reason() -> None:
        activity=st.floats(min_value=0, max_value=5000),
        later=st.floats(min_value=0, max_value=10000),
        shadow=st.booleans())
-def test_a_stored_deadline_ends_the_run_exactly_when_it_is_reached_for_its_own_reason(
+@example(max_seconds=45, idle=None, paused=0, activity=0, later=45, shadow=False)
+@example(max_seconds=None, idle=30, paused=0, activity=10, later=30, shadow=False)
+def test_a_stored_deadline_ends_the_run_as_soon_as_it_is_due_for_its_own_reason(
         max_seconds: float | None, idle: float | None, paused: float, activity: float,
         later: float, shadow: bool) -> None:
+    """An idle deadline is due when it is reached; a time budget once it is passed (rule 4
+    stops a check *over* max_seconds, so the very moment it is spent is still in time)."""
     policy = replace(LOOSE, max_seconds=max_seconds, max_idle_seconds=idle,
                      mode="shadow" if shadow else "enforce")
     before = state(paused_s=paused)
     before.idle_deadline = next_deadline(policy, before, at(activity))
     now = at(activity + later)
     over = overdue(before, policy, now=now)
-    if before.idle_deadline is None or now < before.idle_deadline:
+    budget = budget_deadline(policy, before)
+    if before.idle_deadline is None or now < before.idle_deadline or (
+            now == before.idle_deadline == budget):
         assert over is None
         return
     assert over is not None and over.ended_at == before.idle_deadline
-    budget = budget_deadline(policy, before)
     assert over.stop_reason == ("max_seconds" if budget == before.idle_deadline else ABANDONED)
     if over.stop_reason == "max_seconds":
         assert not shadow
