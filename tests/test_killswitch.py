@@ -310,6 +310,24 @@ def test_a_switch_released_before_its_fanout_ran_kills_only_runs_it_covered(api,
     assert Run.objects.get(pk=new).status == "running"
 
 
+def test_a_pass_that_read_its_switch_before_the_release_spares_runs_started_after_it(
+        api, team):
+    """Found by a tester: a team switch released 29 ms after its engage, and a run started
+    5 ms after the release was killed by the fan-out, whose pass had read the switch while
+    it was still engaged. The release is read in the batch's own locking statement."""
+    from runs.killswitch.fanout import _covered_running, _kill_batch
+
+    old = start(api)
+    switch = killswitch_engage(scope="team", team=team, reason="x")  # on_commit not run here
+    as_read = KillSwitch.objects.get(pk=switch.pk)
+    killswitch_release(scope="team", team=team, reason="y")
+    assert KillSwitch.objects.get(pk=switch.pk).released_at is not None
+    new = start(api)
+    killed = [pk for pk, _ in _kill_batch(as_read, _covered_running(as_read))]
+    assert killed == [old]
+    assert Run.objects.get(pk=new).status == "running"
+
+
 # --- Webhooks ------------------------------------------------------------------------------
 
 def test_a_signature_verifies_and_an_old_or_altered_one_does_not():

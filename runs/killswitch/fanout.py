@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import F, QuerySet
+from django.db.models import Exists, F, OuterRef, QuerySet
 from django.db.models.fields.json import KT
 from django.utils import timezone
 
@@ -236,11 +236,14 @@ def killswitch_kill_run(*, run_id: Any) -> bool:
 
 
 def _covered_running(switch: KillSwitch) -> QuerySet[Run]:
-    running = Run.objects.filter(cover.runs_covered_by(switch), status=rules.RUNNING)
-    if switch.released_at is not None:
-        # Released before this pass ran: runs started after the release were never covered.
-        running = running.filter(started_at__lt=switch.released_at)
-    return running
+    """The running runs the switch covers. A run started after the switch's release was
+    never covered: the release is read by each batch's own locking statement, not from
+    ``switch`` as this pass read it (found by a tester: a pass that read the switch while
+    it was engaged killed a run started 5 ms after its release)."""
+    released_before = KillSwitch.objects.filter(pk=switch.pk,
+                                                released_at__lte=OuterRef("started_at"))
+    return Run.objects.filter(cover.runs_covered_by(switch), ~Exists(released_before),
+                              status=rules.RUNNING)
 
 
 def _kill_next_batch(switch: KillSwitch, running: QuerySet[Run]) -> list[str]:
