@@ -6,8 +6,9 @@ from django.db import models
 
 class OperatorRelease(models.TextChoices):
     """Who besides the team's admins may release the team's kill switches (team, agent and
-    run scopes; the global switch is the superusers'): the on-call operator who pressed the
-    switch can lift it again without waking an admin."""
+    run scopes; the global switch is the superusers'). Only admins by default, as SPEC 7
+    says; a team may let the on-call operator who pressed a switch lift it again without
+    waking an admin."""
 
     NONE = "none", "Only admins"
     OWN = "own", "Operators: the switches they engaged themselves"
@@ -24,7 +25,7 @@ class Team(models.Model):
     webhook_secret_shown_at = models.DateTimeField(null=True, blank=True)
     retention_days = models.PositiveIntegerField(default=90)
     operator_release = models.CharField(max_length=10, choices=OperatorRelease.choices,
-                                        default=OperatorRelease.OWN)
+                                        default=OperatorRelease.NONE)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

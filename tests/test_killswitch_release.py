@@ -1,6 +1,7 @@
-"""Kill switch for the on-call (issue 26): a team setting lets operators release switches (by
-default the ones they engaged themselves); no page tells a reader to do what they cannot;
-a run switch does not stay "engaged" in the history once its run has ended."""
+"""Kill switch for the on-call (issue 26): a team setting lets operators release switches
+(by default none: SPEC 7 gives release to admins; a team may let operators release the ones
+they engaged themselves, or any); no page tells a reader to do what they cannot; a run
+switch does not stay "engaged" in the history once its run has ended."""
 
 from __future__ import annotations
 
@@ -39,8 +40,22 @@ def engaged() -> bool:
     return KillSwitch.objects.filter(active=True).exists()
 
 
-def test_by_default_an_operator_releases_the_switch_they_engaged(team, users):
-    assert team.operator_release == "own"
+def test_by_default_only_admins_release_even_the_switch_an_operator_engaged(team, users):
+    """SPEC 7: releasing a team or agent switch is the admins'."""
+    assert team.operator_release == "none"
+    killswitch_engage(scope="team", team=team, reason="incident", actor=users["operator"])
+    page = signed_in(users["operator"]).get(reverse("runs:killswitch", args=[team.slug]))
+    assert b"Release</button>" not in page.content
+    assert b"its team&#x27;s admins" in page.content or b"its team's admins" in page.content
+    assert release(users["operator"]) == 403
+    assert engaged()
+    assert release(users["admin"]) == 302
+    assert not engaged()
+
+
+def test_a_team_may_let_an_operator_release_the_switch_they_engaged(team, users):
+    team.operator_release = "own"
+    team.save()
     killswitch_engage(scope="team", team=team, reason="incident", actor=users["operator"])
     page = signed_in(users["operator"]).get(reverse("runs:killswitch", args=[team.slug]))
     assert b"Release</button>" in page.content
@@ -49,7 +64,9 @@ def test_by_default_an_operator_releases_the_switch_they_engaged(team, users):
     assert not engaged()
 
 
-def test_by_default_an_operator_may_not_release_someone_elses_switch(team, users):
+def test_an_operator_may_not_release_someone_elses_switch_under_own(team, users):
+    team.operator_release = "own"
+    team.save()
     killswitch_engage(scope="team", team=team, reason="incident", actor=users["admin"])
     page = signed_in(users["operator"]).get(reverse("runs:killswitch", args=[team.slug]))
     html = page.content.decode()
@@ -89,7 +106,7 @@ def test_an_admin_sets_it_in_the_team_settings_and_it_is_audited(team, users):
     team.refresh_from_db()
     assert team.operator_release == "any"
     event = OperatorEvent.objects.get(action="team.operator_release")
-    assert event.detail == {"before": "own", "after": "any"}
+    assert event.detail == {"before": "none", "after": "any"}
 
 
 def test_a_run_switch_is_released_once_its_run_has_ended(team, users, commit):

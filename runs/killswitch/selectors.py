@@ -23,8 +23,8 @@ if TYPE_CHECKING:  # services imports this module: the type only, no cycle at ru
 def may_release(switch: KillSwitch, *, team: Team, user: Any, role: Role | None) -> bool:
     """Whether this person may release this switch (SPEC 7 and the team's setting): the
     global switch is the superusers'; a team, agent or run switch is its team's admins', and
-    its operators' too as the team's `operator_release` says (by default the switches they
-    engaged themselves, so the on-call can undo their own kill without waking an admin)."""
+    its operators' too as the team's `operator_release` says (by default none, as SPEC 7
+    says; a team may let the on-call undo their own kill without waking an admin)."""
     if switch.scope == Scope.GLOBAL:
         return bool(getattr(user, "is_superuser", False))
     if can(role, Role.ADMIN):
