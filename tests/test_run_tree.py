@@ -501,6 +501,55 @@ def test_an_ancestors_limit_is_enforced_as_its_own_policy_says_not_the_childs(ap
     assert Run.objects.get(pk=strict).status == "running"
 
 
+def test_a_shadow_childs_own_would_stop_does_not_hide_its_enforcing_parents_limits(api, team):
+    """Found by a tester: once a shadow child passed its own max_steps, its checks were
+    would-stops of its own and the parent's limits were never read: the tree ran past the
+    parent's max_steps, max_usd and max_tool_calls."""
+    set_policy(team, step_limits={"max_steps": 6}, budgets={"max_usd": 1.0})
+    _second_policy(team, "observe", mode="shadow", step_limits={"max_steps": 2})
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root, policy="observe")
+    answers = [check(api, child) for _ in range(7)]
+    assert [a["decision"] for a in answers] == ["allow"] * 6 + ["stop"]
+    assert [(a.get("shadow") or {}).get("reason") for a in answers[:6]] == [
+        None, None, "max_steps", "max_steps", "max_steps", "max_steps"]
+    assert (answers[6]["reason"], answers[6]["rule"]["scope"]) == ("max_steps", root)
+    assert Run.objects.get(pk=root).steps == 7
+    # The cost too: the child's own would-stops come first, the parent's budget stops it.
+    spender = start(api, "helper", parent_run_id=start(api), policy="observe")
+    costs = [check(api, spender, cost_usd=0.3) for _ in range(4)]
+    assert [a["decision"] for a in costs] == ["allow"] * 3 + ["stop"]
+    assert costs[3]["reason"] == "max_usd" and costs[3]["rule"]["scope"] != "run"
+
+
+def test_a_childs_check_is_no_activity_for_an_abandoned_parent(api, team, monkeypatch):
+    """Found by a tester: a child's check found its parent abandoned (past its idle
+    deadline, not yet ended by any look) and stopped, but it counted on the parent and
+    moved its idle deadline, and the parent's next check was allowed."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    set_policy(team, budgets={"max_idle_seconds": 60, "max_seconds": 3600})
+    _second_policy(team, "patient", budgets={"max_idle_seconds": 3600, "max_seconds": 3600})
+    now = timezone.now()
+    monkeypatch.setattr("django.utils.timezone.now", lambda: now)
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root, policy="patient")
+    assert check(api, child)["decision"] == "allow"
+    deadline = Run.objects.get(pk=root).idle_deadline
+    now += timedelta(seconds=61)
+    stopped = check(api, child)
+    assert (stopped["decision"], stopped["reason"]) == ("stop", "parent_stopped")
+    assert stopped["rule"]["observed"]["reason"] == "abandoned"
+    assert Run.objects.get(pk=root).idle_deadline == deadline
+    late = check(api, root)
+    assert (late["decision"], late["reason"]) == ("stop", "abandoned")
+    parent = Run.objects.get(pk=root)
+    assert (parent.status, parent.stop_reason, parent.ended_at) == (
+        "stopped", "abandoned", deadline)
+
+
 def test_a_child_is_warned_before_its_ancestors_budget_stops_it(api, team):
     # SPEC 16 with 20: the step that stops a child may be its parent's; the child's model is
     # warned of that budget as of its own, once, the rule naming the ancestor (scope) and its

@@ -735,6 +735,21 @@ def _limit_in_tree(name: str, policy: Policy, state: RunState, check: Check, now
     return None
 
 
+def _enforced_in_tree(check: Check, now: datetime, tree: Sequence[Ancestor]) -> Stop | None:
+    """The first limit of an enforcing ancestor that this check passes, in the order of
+    SPEC 21 (rules 2, 4, 5, 6; for each, the ancestors from the root down), for a check
+    whose first stop was only a would-stop (a shadow policy's, the run's or an
+    ancestor's)."""
+    for name in ("max_steps", "max_seconds", "max_usd", "max_tool_calls"):
+        for ancestor in tree:
+            if ancestor.policy.mode == "shadow":
+                continue
+            passed = _tree_limit(name, ancestor.policy, ancestor.state, check, now)
+            if passed is not None:
+                return _ancestors_stop(name, ancestor, passed)
+    return None
+
+
 def _ancestors_stop(name: str, ancestor: Ancestor, passed: tuple[str, dict[str, Any]]
                     ) -> Stop:
     """An ancestor's limit `_tree_limit` found passed, as the descendant's stop: the words
@@ -1233,6 +1248,11 @@ def evaluate(
     _register(new, check)
     counted = in_tree(tree, check)
     stop = _first_stop(policy, new, check, key, now, kill, kill_rule, counted)
+    if stop is not None and not _enforced(stop, policy, counted):
+        # A would-stop is not the end of the rules: an enforcing ancestor's limit still
+        # stops the check (found by a tester: a shadow child past its own max_steps ran on
+        # past its enforcing parent's, every rule after its own would-stop unread).
+        stop = _enforced_in_tree(check, now, counted) or stop
     if stop is None:
         if policy.mode == "shadow":
             # Nothing waits in shadow mode: a window the store could not read in time is no
@@ -1342,7 +1362,11 @@ def count_in_tree(tree: Sequence[Ancestor], decision: Decision, check: Check, *,
     counted = []
     for ancestor in tree:
         state = ancestor.state
-        if state.status != RUNNING:
+        if state.status != RUNNING or abandon(state, now=now, policy=ancestor.policy):
+            # Over, or abandoned as of now (its end is written by the next look at it): a
+            # descendant's check is no activity for it (found by a tester: a child's check
+            # moved an abandoned parent's idle deadline, and the parent's next check was
+            # allowed after the child had been stopped for it).
             counted.append(state)
             continue
         new = replace(state, steps=state.steps + 1, cost_usd=state.cost_usd + check.cost_usd,
