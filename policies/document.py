@@ -175,25 +175,46 @@ class PolicyDoc(_Strict):
         warnings, steps = self.warnings, self.step_limits
         if warnings is None:
             return self
-        problems = {}
-        for field, limit, name in (
-                ("repeat_action", steps.max_repeat_action, "step_limits.max_repeat_action"),
-                ("no_progress", steps.no_progress_window, "step_limits.no_progress_window")):
+        for field, limit in ((field, getattr(steps, limit)) for field, limit in WARNED_LIMITS):
             value = getattr(warnings, field)
             if field not in warnings.model_fields_set and value is not None and value >= limit:
                 # An omitted warning takes its default where it fits, else the last count
                 # before the stop (none for a limit of 1): a policy written before warnings
                 # existed, with max_repeat_action: 2, stays valid (docs/policies.md).
                 setattr(warnings, field, default_warning(field, limit))
-                continue
-            if value is not None and value >= limit:
-                problems[f"warnings.{field}"] = (
-                    f"must be below {name} ({limit}) so the warning comes before the stop; "
-                    f"between 1 and {limit - 1}, or null for no warning" if limit > 1 else
-                    f"must be null: {name} is 1, so no warning can come before the stop")
+        problems = warnings_past_limits(self.model_dump(include={"warnings", "step_limits"}))
         if problems:
             raise _FieldErrors(problems)
         return self
+
+
+# Each count warning (SPEC 16) and the step limit it must stay below.
+WARNED_LIMITS = (("repeat_action", "max_repeat_action"), ("no_progress", "no_progress_window"))
+
+
+def warnings_past_limits(policy: Any) -> dict[str, str]:
+    """The count warnings of a policy (validated, or as sent) at or past their step limits,
+    by path. Also read from a policy as sent when other fields are refused, so that one
+    answer names each bad field (SPEC 17), not this one only once the others are fixed
+    (found by a tester). A value that is not a valid count is left to the field's own
+    validation."""
+    if not isinstance(policy, dict):
+        return {}
+    warnings, steps = policy.get("warnings"), policy.get("step_limits")
+    if not isinstance(warnings, dict) or not isinstance(steps, dict):
+        return {}
+    problems = {}
+    for field, limit_field in WARNED_LIMITS:
+        value, limit = warnings.get(field), steps.get(limit_field)
+        if not all(type(n) is int and 1 <= n <= 1000 for n in (value, limit)):
+            continue
+        if value >= limit:
+            name = f"step_limits.{limit_field}"
+            problems[f"warnings.{field}"] = (
+                f"must be below {name} ({limit}) so the warning comes before the stop; "
+                f"between 1 and {limit - 1}, or null for no warning" if limit > 1 else
+                f"must be null: {name} is 1, so no warning can come before the stop")
+    return problems
 
 
 class _FieldErrors(ValueError):
@@ -419,7 +440,14 @@ def parse_document(data: Any) -> list[dict[str, Any]]:
     try:
         doc = Document.model_validate(data)
     except ValidationError as exc:
-        raise DocumentError(_errors(exc)) from None
+        errors = _errors(exc)
+        teams = data.get("teams")
+        for i, team in enumerate(teams if isinstance(teams, list) else []):
+            policies = team.get("policies") if isinstance(team, dict) else None
+            for j, policy in enumerate(policies if isinstance(policies, list) else []):
+                for path, message in warnings_past_limits(policy).items():
+                    errors.setdefault(f"teams[{i}].policies[{j}].{path}", message)
+        raise DocumentError(errors) from None
     return [team.model_dump() for team in doc.teams]
 
 
@@ -432,7 +460,7 @@ def parse_policy(data: Any) -> dict[str, Any]:
     try:
         return PolicyDoc.model_validate(data).model_dump()
     except ValidationError as exc:
-        raise DocumentError(_errors(exc)) from None
+        raise DocumentError({**warnings_past_limits(data), **_errors(exc)}) from None
 
 
 def default_policy(name: str = "default") -> dict[str, Any]:

@@ -920,6 +920,29 @@ def test_a_warning_at_or_past_its_limit_is_refused_naming_the_field(
     assert list(caught.value.errors) == [f"teams[0].policies[0].{field}"]
 
 
+def test_one_refusal_names_every_bad_warning_with_the_other_fields_errors() -> None:
+    """Found by a tester: a bad budget_fraction hid the count warnings past their limits,
+    named only once it was fixed (SPEC 17: 422 naming each bad field)."""
+    bad = {"repeat_action": 3, "no_progress": 4, "budget_fraction": 1.0}
+    with pytest.raises(DocumentError) as caught:
+        parse_document(one_policy(warnings=bad))
+    assert sorted(caught.value.errors) == [
+        f"teams[0].policies[0].warnings.{field}"
+        for field in ("budget_fraction", "no_progress", "repeat_action")]
+    with pytest.raises(DocumentError) as caught:
+        parse_policy(policy(warnings=bad, mode="sometimes"))
+    assert sorted(caught.value.errors) == ["mode", "warnings.budget_fraction",
+                                           "warnings.no_progress", "warnings.repeat_action"]
+    assert "below step_limits.max_repeat_action (3)" in caught.value.errors[
+        "warnings.repeat_action"]
+    # A limit that is itself refused is not compared with.
+    with pytest.raises(DocumentError) as caught:
+        parse_policy(policy(warnings={"repeat_action": 3},
+                            step_limits={"max_steps": 5, "max_repeat_action": "3",
+                                         "no_progress_window": 4}))
+    assert list(caught.value.errors) == ["step_limits.max_repeat_action"]
+
+
 def test_null_warnings_are_off_and_omitted_ones_fit_small_limits() -> None:
     (team,) = parse_document(one_policy(warnings=None))
     assert team["policies"][0]["warnings"] is None
