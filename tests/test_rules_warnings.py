@@ -76,11 +76,12 @@ def test_a_budget_warning_comes_once_per_budget() -> None:
     policy = Policy(**{**LOOSE, **OFF, "max_steps": 10, "warn_budget_fraction": 0.8})
     decisions, state = drive(policy, [replace(SAME, args={"i": i}) for i in range(10)])
     codes = [d.directive and d.directive["code"] for d in decisions]
-    assert codes == [None] * 7 + ["budget", None, None]
-    assert decisions[7].rule == {"name": "budget",
+    # SPEC 16: "the first allow past this fraction": step 9 is past 0.8 of 10, step 8 at it.
+    assert codes == [None] * 8 + ["budget", None]
+    assert decisions[8].rule == {"name": "budget",
                                  "limit": {"max_steps": 10, "warnings.budget_fraction": 0.8},
-                                 "observed": {"steps": 8}}
-    assert "step 8 of max_steps=10" in decisions[7].directive["content"]
+                                 "observed": {"steps": 9}}
+    assert "step 9 of max_steps=10" in decisions[8].directive["content"]
     assert state.budget_warned == frozenset({"max_steps"})
     assert state.memory()["budget_warned"] == ["max_steps"]
 
@@ -211,8 +212,13 @@ def test_a_child_is_warned_of_its_ancestors_budget_once_with_its_scope() -> None
                        Check(name="x"), "k", T0)[0].scope is None
 
 
-def test_a_budget_fraction_is_reached_exactly_whatever_its_floating_point() -> None:
-    # 0.07 x 100 is 7.000000000000001: the warning came at step 8 instead of 7.
+def test_a_budget_fraction_is_passed_exactly_whatever_its_floating_point() -> None:
+    # 0.07 x 100 is 7.000000000000001: step 7 is at the fraction, step 8 the first past it,
+    # in floating point as in decimals.
     policy = Policy(**{**LOOSE, **OFF, "max_steps": 100, "warn_budget_fraction": 0.07})
-    decisions, _ = drive(policy, [replace(SAME, args={"i": i}) for i in range(8)])
-    assert [d.directive is not None for d in decisions] == [False] * 6 + [True, False]
+    decisions, _ = drive(policy, [replace(SAME, args={"i": i}) for i in range(9)])
+    assert [d.directive is not None for d in decisions] == [False] * 7 + [True, False]
+    # And 0.3 x 10 is 3.0000000000000004: step 3 is at it, not past it.
+    policy = Policy(**{**LOOSE, **OFF, "max_steps": 10, "warn_budget_fraction": 0.3})
+    decisions, _ = drive(policy, [replace(SAME, args={"i": i}) for i in range(5)])
+    assert [d.directive is not None for d in decisions] == [False] * 3 + [True, False]

@@ -562,15 +562,16 @@ def test_a_child_is_warned_before_its_ancestors_budget_stops_it(api, team):
         check(api, root)
     child = start(api, "helper", parent_run_id=root)  # its own budget: 10 steps too
     answers = [check(api, child) for _ in range(5)]
-    # The root counts the child's checks: 6, 7, 8 (warned: 0.8 of 10), 9, 10, then stopped.
+    # The root counts the child's checks: 6, 7, 8, 9 (warned: past 0.8 of 10), 10, then
+    # stopped.
     assert [a["directive"] and a["directive"]["code"] for a in answers] == \
-        [None, None, "budget", None, None]
-    warned = answers[2]
+        [None, None, None, "budget", None]
+    warned = answers[3]
     assert warned["decision"] == "allow"
     assert warned["rule"] == {"name": "budget", "policy": "default", "version": version,
                               "limit": {"max_steps": 10, "warnings.budget_fraction": 0.8},
-                              "observed": {"steps": 8}, "scope": root}
-    assert f"Ancestor run {root}'s tree is at step 8 of max_steps=10" in \
+                              "observed": {"steps": 9}, "scope": root}
+    assert f"Ancestor run {root}'s tree is at step 9 of max_steps=10" in \
         warned["directive"]["content"]
     assert api.get(f"/api/v1/decisions/{warned['decision_id']}").json()["rule"] == \
         warned["rule"]

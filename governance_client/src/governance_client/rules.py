@@ -924,8 +924,9 @@ def _warned_key(budget: str, ancestor: str | None) -> str:
 
 def _budget_warning(policy: Policy, state: RunState, now: datetime, budget: str,
                     fraction: float, ancestor: str | None = None) -> WarningFound | None:
-    """The warning of one budget of ``policy`` that ``state`` is past ``fraction`` of:
-    the run's own (``ancestor`` None), or an ancestor's, whose counters are its tree's."""
+    """The warning of one budget of ``policy`` that ``state`` is past ``fraction`` of (over
+    it, not at it): the run's own (``ancestor`` None), or an ancestor's, whose counters are
+    its tree's."""
     who = "This run" if ancestor is None else f"Ancestor run {ancestor}'s tree"
     its = "its" if ancestor is None else "this run's"
     if budget == "max_steps":
@@ -956,8 +957,9 @@ def _budget_warning(policy: Policy, state: RunState, now: datetime, budget: str,
         counter, words = "tool_calls", (
             f"{who} has made {observed} tool calls of max_tool_calls={limit}: once it has "
             f"made {limit}, {its} next tool call is not run and this run is stopped.")
-    # Rounded: 0.07 x 100 is 7.000000000000001 in floating point, which 7 steps never reach.
-    if limit <= 0 or observed < round(fraction * float(limit), 9):
+    # Past the fraction, not at it (SPEC 16: "the first allow past this fraction"). Rounded:
+    # 0.07 x 100 is 7.000000000000001 in floating point, which 7 steps would pass.
+    if limit <= 0 or observed <= round(fraction * float(limit), 9):
         return None
     fired = rule(BUDGET, {budget: limit, "warnings.budget_fraction": fraction},
                  {counter: observed})
