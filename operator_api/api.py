@@ -417,6 +417,8 @@ class KillSwitchOut(Schema):
     run: str | None
     engaged: bool
     changed: bool
+    # What happened, in words (SPEC 6: releasing a switch that is not engaged "says so").
+    message: str
     switch: dict[str, Any] | None
 
 
@@ -492,9 +494,15 @@ def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
         engaged, changed = False, switch is not None
     if not changed:
         _read(request, target.team, "token.unchanged")
+    what = f"The kill switch over {target.describe()}"
+    message = {(True, True): f"{what} is engaged.",
+               (True, False): f"{what} was already engaged: nothing changed.",
+               (False, True): f"{what} is released.",
+               (False, False): f"{what} is not engaged: nothing to release."}[engaged, changed]
     return {"scope": target.scope.value, "team": target.team.slug if target.team else None,
             "agent": target.agent or None, "run": str(target.run.pk) if target.run else None,
-            "engaged": engaged, "changed": changed, "switch": _switch_json(switch)}
+            "engaged": engaged, "changed": changed, "message": message,
+            "switch": _switch_json(switch)}
 
 
 # --- Approvals ---------------------------------------------------------------------------------

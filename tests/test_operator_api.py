@@ -307,22 +307,28 @@ def test_killswitch_engage_release_and_who_may_release(world):
     engage = {"action": "engage", "scope": "team", "team": "support", "reason": "incident"}
     first = call(world, "admin", "POST", "/api/v1/killswitch", engage).json()
     assert first["engaged"] is True and first["changed"] is True
+    assert first["message"] == "The kill switch over team support is engaged."
     started = world["agent"].post("/api/v1/runs", {"agent": "support-bot"},
                                   content_type="application/json")
     assert started.status_code == 409  # the switch covers the team from its commit on
     again = call(world, "operator", "POST", "/api/v1/killswitch", engage).json()
     assert again["changed"] is False
+    assert again["message"] == ("The kill switch over team support was already engaged: "
+                                "nothing changed.")
     # A use that changed nothing is in the audit log too, naming the token.
     noop = OperatorEvent.objects.order_by("-id").first()
     assert noop.action == "token.unchanged" and noop.detail["token"]["name"] == "ci-operator"
     release = {**engage, "action": "release", "reason": "over"}
-    # The team's default: operators release only the switches they engaged themselves.
+    # SPEC 7, the team's default: only admins release a team switch.
     refused = call(world, "operator", "POST", "/api/v1/killswitch", release)
     assert refused.status_code == 403
     done = call(world, "admin", "POST", "/api/v1/killswitch", release).json()
     assert done["engaged"] is False and done["changed"] is True
     nothing = call(world, "admin", "POST", "/api/v1/killswitch", release).json()
-    assert nothing["changed"] is False
+    # SPEC 6: releasing a switch that is not engaged says so and succeeds.
+    assert nothing["changed"] is False and nothing["engaged"] is False
+    assert nothing["message"] == ("The kill switch over team support is not engaged: "
+                                  "nothing to release.")
     event = OperatorEvent.objects.filter(action="killswitch.release").get()
     assert event.detail["token"]["name"] == "ci-admin"
     bad = call(world, "admin", "POST", "/api/v1/killswitch",
