@@ -361,10 +361,12 @@ class BacktestIn(PolicyPutIn):
 @router.post("/teams/{slug}/policies/{name}/backtest", response={200: dict, **ERRORS},
              summary="Backtest a draft of the policy on recorded runs (SPEC 13)",
              operation_id="operator_backtest_policy")
-def backtest_policy(request: HttpRequest, slug: str, name: str, payload: BacktestIn
-                    ) -> dict[str, Any]:
+def backtest_policy(request: HttpRequest, slug: str, name: str,
+                    payload: BacktestIn | None = None) -> dict[str, Any]:
     team, _ = _team(request, slug)  # a viewer may backtest, as on the editor's panel
     policy = _policy(team, name)
+    # No body, like `{}`: the current version, over the last 30 days (docs/automation.md).
+    payload = payload or BacktestIn()
     extra = {k: v for k, v in (payload.model_extra or {}).items()}
     document = _draft(name, extra) if extra else policy.current.document
     try:

@@ -285,6 +285,12 @@ def test_backtest_answers_the_output_of_section_13(world):
     bad = call(world, "viewer", "POST", "/api/v1/teams/support/policies/default/backtest",
                {"since": "forever"})
     assert bad.status_code == 422 and "since" in bad.json()["error"]["fields"]
+    # No body at all (`curl -X POST`), like {}: the current version, which changes nothing
+    # it recorded. (An empty body sent as JSON is not JSON: 400 invalid_json.)
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {world['tokens']['viewer']}")
+    current = client.generic("POST", "/api/v1/teams/support/policies/default/backtest")
+    assert current.status_code == 200, current.content
+    assert current.json()["changed"] == 0
 
 
 def test_a_backtest_past_the_teams_bound_or_its_wait_says_so(world, settings, monkeypatch):
