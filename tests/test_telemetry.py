@@ -168,6 +168,9 @@ def test_the_decisions_and_the_duration_are_metrics(api: Any, traced: Any) -> No
                                       "governance.reason": reason, "governance.team": "support"}
     [histogram] = found["governance.check.duration"].data.data_points
     assert histogram.count == 2 and 0 < histogram.sum < 10
+    # Buckets in seconds, fine below a second (not the SDK's default, for milliseconds).
+    assert tuple(histogram.explicit_bounds)[:4] == (0.001, 0.0025, 0.005, 0.01)
+    assert max(histogram.explicit_bounds) == 10.0
     assert found["governance.check.duration"].unit == "s"
 
 
