@@ -28,6 +28,7 @@ import httpx
 import pytest
 from django.core.management import call_command
 from django.db import connection
+from governance_client.mcp_gateway.session import START_RETRY_S
 from mcp.client.client import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp_types import CreateMessageResult, TextContent
@@ -561,6 +562,50 @@ def test_the_service_down_refuses_calls_by_default_and_forwards_them_with_fail_o
     decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
     assert [(d["action"]["name"], d["outcome"], d["local"]) for d in decisions] == [
         ("files.counter", "allow", False), ("files.counter", "allow", True),
+        ("files.search", "allow", False)]
+
+
+def test_a_session_begun_during_an_outage_gets_its_run_once_the_service_answers(
+        server: Server, agent: Agent, team: Team) -> None:
+    """Fail open, the service down when the session starts: its run is started locally, and
+    the calls are decided with the client's local limits (the policy is not known: the denied
+    tool is listed) and forwarded. Once the service is back, the next call starts the run
+    there, which records the earlier calls as local decisions before it checks that one; the
+    policy governs from then on, and the session's end finishes the run (found by a tester:
+    the session stayed local to its end, and no run had its calls)."""
+    governed_policy(team)
+    port = int(server.url.rsplit(":", 1)[1])
+    link = Link(port)
+    through = Server(url=link.url, process=None)  # type: ignore[arg-type]
+
+    async def main() -> tuple[list[str], list[str], list[Any]]:
+        link.cut()
+        async with Client(stdio_params(through, agent.token, "--fail-open"),
+                          mode="legacy") as client:
+            listed_locally = [t.name for t in (await client.list_tools()).tools]
+            out = [await client.call_tool("search", {"query": "refund"}),
+                   await client.call_tool("counter", {})]
+            assert not agent.http.get("/api/v1/runs", params={"agent": AGENT}).json()["runs"]
+            link.up = True
+            # The next start is due at most 4 retry periods after the last one that failed
+            # (at the initialization, and at worst at both calls).
+            await anyio.sleep(4 * START_RETRY_S + 0.2)
+            out.append(await client.call_tool("search", {"query": "x"}))
+            listed = [t.name for t in (await client.list_tools()).tools]
+            return listed_locally, listed, out
+
+    try:
+        listed_locally, listed, results = run_async(main)
+    finally:
+        link.close()
+    assert [r.is_error for r in results] == [False, False, False]
+    assert (upstream_text(results[1]), upstream_text(results[2])) == ("call 1", "no match")
+    assert "delete_all" in listed_locally and "delete_all" not in listed
+    run = finished_run(agent)
+    assert (run["status"], run["steps"]) == ("completed", 3)
+    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
+    assert [(d["action"]["name"], d["outcome"], d["local"]) for d in decisions] == [
+        ("files.search", "allow", True), ("files.counter", "allow", True),
         ("files.search", "allow", False)]
 
 

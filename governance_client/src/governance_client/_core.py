@@ -393,6 +393,10 @@ class RunCore:
         self.pending: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Decisions made locally during an outage, to upload once the service answers.
         self.unsynced: list[dict[str, Any]] = []
+        # A run started locally: what it decided, as an upload sends it. It has no run on the
+        # service to send them to; a run started there later for the same work may take them
+        # over (``adopt``) and upload them.
+        self.kept: list[dict[str, Any]] = []
         self.upload_cap = UPLOAD_MAX_ENTRIES
         # A check whose approval wait the client gave up (an outage, or the author's
         # approval_timeout): its action and check_id. The same action checked again resumes
@@ -528,11 +532,38 @@ class RunCore:
     def decide_offline(self, prepared: PreparedCheck) -> Decision | None:
         """A decision without asking: the run was started locally, or a local stop ended it."""
         if self.local or self.ledger.stop is not None:
+            # Only what the ledger decides afresh is kept: a stop answered again is no action.
+            running = self.ledger.stop is None and self.ledger.state.status == rules.RUNNING
             decision = self.ledger.decide(prepared.check)
             if decision is None:  # an action that needs an operator: refused, as in an outage
                 return self.local_decision(prepared, "the run was started locally")
-            return self.remember(_with_ids(decision, prepared))
+            decision = _with_ids(decision, prepared)
+            if self.local and running:
+                self.kept.append(self._upload_entry(prepared, decision))
+            return self.remember(decision)
         return None
+
+    def adopt(self, local: RunCore) -> None:
+        """Take over ``local``, a run started locally because the service was unreachable,
+        now that this run was started on the service for the same work (the MCP gateway's
+        session, which outlives an outage at its start): what ``local`` decided is uploaded,
+        marked local, before this run's next check and at its finish, as an outage's
+        decisions are; the results it did not send go with this run's next checks; its stop
+        stays the run's stop (``exit_status``). The service decides from here on, a local
+        stop included: the upload records it, and the service answers the next check."""
+        # Shared, not copied: a check of ``local`` already under way still lands here.
+        local.kept.extend(self.unsynced)
+        self.unsynced = local.kept
+        local.pending.update(self.pending)
+        self.pending = local.pending
+        if local.ledger.state.status == rules.RUNNING:
+            # The actions that ran count in this run's copy too, for a later outage (the
+            # service's answers correct it); its time counts from this run's start.
+            self.ledger.state = replace(local.ledger.state.copy(),
+                                        started_at=self.ledger.state.started_at)
+        if local.stop_decision is not None:
+            self.remember(local.stop_decision)
+        self.last_decision = self.last_decision or local.last_decision
 
     def _upload_entry(self, prepared: PreparedCheck, decision: Decision) -> dict[str, Any]:
         body = prepared.body

@@ -337,6 +337,18 @@ class AsyncRun:
         """Decisions made locally during an outage and not yet uploaded."""
         return list(self._core.unsynced)
 
+    @property
+    def kept(self) -> list[dict[str, Any]]:
+        """A run started locally: what it decided, which no upload can send (no run on the
+        service), until a run started there later takes it over (``adopt``)."""
+        return list(self._core.kept)
+
+    def adopt(self, local: AsyncRun) -> None:
+        """Take over ``local``, a run started locally because the service was unreachable,
+        now that this one was started on the service for the same work (`RunCore.adopt`):
+        its decisions are uploaded, marked local, before this run's next check."""
+        self._core.adopt(local._core)
+
     async def check(
         self,
         name: str,

@@ -44,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", help="the policy of the runs (default: the team's default)")
     parser.add_argument("--fail-open", action="store_true",
                         help="while the service is unreachable, decide locally with the "
-                             "run's policy and upload later (default: refuse every call)")
+                             "run's policy (the client's defaults if the session started "
+                             "during the outage) and upload later (default: refuse every "
+                             "call)")
     parser.add_argument("--max-wait", type=float, default=30.0, metavar="S",
                         help="how long a rate-limited call waits before it is refused "
                              "(default 30)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,13 @@ PROTOCOL_VERSION_HEADER = "mcp-protocol-version"
 #: How long the end of a session may take to finish its run (the client's deadline and its
 #: upload of local decisions): the session is not held longer.
 FINISH_SECONDS = 15.0
+#: With --fail-open, a session whose run was started locally (the service unreachable at its
+#: start) tries to start it on the service again at a call: the wait after a failed try is
+#: this many seconds at first, doubled after each failure up to START_RETRY_MAX_S (each
+#: jittered down to half), so a service that stays down costs a call the client's deadline
+#: now and then, not each time. The session's end tries once more, whenever it comes.
+START_RETRY_S = 1.0
+START_RETRY_MAX_S = 30.0
 
 # What of a request's `_meta` is the MCP client's trace context (W3C, as the SDK puts it).
 _TRACE_FIELDS = ("traceparent", "tracestate", "baggage")
@@ -181,6 +189,10 @@ class GatewaySession:
         #: How the run was finished (None: not yet, or no run).
         self.status: str | None = None
         self._start_lock = anyio.Lock()
+        # A run started locally: the starts on the service that failed since, and when the
+        # next one is due (anyio.current_time).
+        self._start_failures = 0
+        self._retry_at = 0.0
         self._started = anyio.Event()
         self._client_write: Any = None
         self._upstream_write: Any = None
@@ -421,23 +433,27 @@ class GatewaySession:
         finally:
             self._started.set()
 
-    async def ensure_run(self) -> AsyncRun | None:
+    async def ensure_run(self, *, now: bool = False) -> AsyncRun | None:
         """The session's run, started on first need (its initialization); None while it
-        cannot be started (``start_refusal`` says why: every call is refused with it)."""
+        cannot be started (``start_refusal`` says why: every call is refused with it).
+
+        With --fail-open, the service unreachable at the start gives a run started locally
+        (the client's), which decides the calls until a start on the service succeeds: one
+        is tried when due (``START_RETRY_S``; ``now``: at once), and the run it starts takes
+        the local one over (``RunCore.adopt``): the local decisions are uploaded before its
+        first check, and the service decides from then on."""
         async with self._start_lock:
-            if self.run is not None:
-                return self.run
+            local = self.run
+            if local is not None and (not local.local or
+                                      (not now and anyio.current_time() < self._retry_at)):
+                return local
             metadata = {"gateway": "governance-mcp"}
             if self.client_info.get("name"):
                 metadata["mcp_client"] = str(self.client_info["name"])[:100]
             try:
-                self.run = await self.client.start_run(
+                run = await self.client.start_run(
                     self.config.agent, policy=self.config.policy, metadata=metadata,
                     external_id=self.session_id, parent_run_id=self.config.parent_run_id)
-                logger.info("session's run %s started%s", self.run.id,
-                            f" under run {self.config.parent_run_id}"
-                            if self.config.parent_run_id else "")
-                self.start_refusal = None
             except KillSwitchEngaged as exc:
                 self.start_refusal = blocked("killed", exc.message or exc.user_message,
                                              exc.user_next)
@@ -451,7 +467,37 @@ class GatewaySession:
                 self.start_refusal = blocked(exc.code, exc.message)
             except GovernanceError as exc:
                 self.start_refusal = blocked(exc.reason, str(exc))
-            return self.run
+            else:
+                return self._started_run(run, local)
+            # Refused: a run started locally stops deciding too (fail-open is for outages,
+            # not for a service that says no); the next call asks again.
+            return None
+
+    def _started_run(self, run: AsyncRun, local: AsyncRun | None) -> AsyncRun:
+        self.start_refusal = None
+        if run.local:  # the service unreachable (fail open): the client started it locally
+            self._start_failures += 1
+            window = min(START_RETRY_MAX_S, START_RETRY_S * 2 ** (self._start_failures - 1))
+            # Jittered like the client's retries (but down to half only, so that the wait
+            # stays one): gateways cut off together do not all come back in the same second.
+            self._retry_at = anyio.current_time() + window * random.uniform(0.5, 1.0)
+            if local is None:
+                self.run = local = run
+            return local
+        if local is not None:
+            run.adopt(local)
+            # A stop made locally was made with the client's local limits, not the
+            # policy: the service's answer to the next call replaces it (the upload ends
+            # the run there with the local stop's reason, so it answers that stop).
+            self.stop_text = None
+            logger.warning("governance reachable again: the session's run %s is started on "
+                           "the service, %d local decision(s) to upload", run.id,
+                           len(run.unsynced))
+        self.run = run
+        logger.info("session's run %s started%s", run.id,
+                    f" under run {self.config.parent_run_id}"
+                    if self.config.parent_run_id else "")
+        return run
 
     def _initialized_by(self, result: Mapping[str, Any]) -> None:
         version = result.get("protocolVersion")
@@ -514,14 +560,16 @@ class GatewaySession:
 
     async def _decide(self, request_id: Any, tool: str, args: Mapping[str, Any]) -> str | None:
         """None when the call may be forwarded, else the text it is refused with."""
-        if self.stop_text is not None:
+        if self.stop_text is not None and not (self.run is not None and self.run.local):
             return self.stop_text
         if self.upstream_gone is not None:
             return blocked("upstream_unavailable", self.upstream_gone)
         await self._started.wait()
-        run = self.run or await self.ensure_run()
+        run = await self.ensure_run()
         if run is None:
             return self.start_refusal
+        if self.stop_text is not None:  # a local stop, and the run is still only local
+            return self.stop_text
         try:
             decision = await run.check(self.action_name(tool), args, type="tool",
                                        call_id=str(request_id))
@@ -587,7 +635,6 @@ class GatewaySession:
         if self.finished or self.run is None:
             return None
         self.finished = True
-        run = self.run
         # Calls still checked or waiting (for an operator, a rate limit) are given up: the
         # session is over, and the run's finish must not wait behind them.
         for scope, _ in list(self._held.values()):
@@ -595,6 +642,16 @@ class GatewaySession:
         with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
             while self._held:
                 await anyio.sleep(0.01)
+        if self.run.local:
+            # The last chance for the calls decided locally to reach the service: a run
+            # started locally finishes without sending anything.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_SECONDS):
+                await self.ensure_run(now=True)
+            if self.run.local and self.run.kept:
+                logger.warning("the session's run never reached the service: %d call(s) "
+                               "decided locally have no run and no audit record",
+                               len(self.run.kept))
+        run = self.run
         if self.upstream_gone is not None:
             status = "failed"
         elif self.stop_text is not None or run.stop_decision is not None:
