@@ -175,8 +175,8 @@ class PolicyDoc(_Strict):
         warnings, steps = self.warnings, self.step_limits
         if warnings is None:
             return self
-        for field, limit in ((field, getattr(steps, limit)) for field, limit in WARNED_LIMITS):
-            value = getattr(warnings, field)
+        for field, limit_field in WARNED_LIMITS:
+            value, limit = getattr(warnings, field), getattr(steps, limit_field)
             if field not in warnings.model_fields_set and value is not None and value >= limit:
                 # An omitted warning takes its default where it fits, else the last count
                 # before the stop (none for a limit of 1): a policy written before warnings
@@ -440,15 +440,20 @@ def parse_document(data: Any) -> list[dict[str, Any]]:
     try:
         doc = Document.model_validate(data)
     except ValidationError as exc:
-        errors = _errors(exc)
-        teams = data.get("teams")
-        for i, team in enumerate(teams if isinstance(teams, list) else []):
-            policies = team.get("policies") if isinstance(team, dict) else None
-            for j, policy in enumerate(policies if isinstance(policies, list) else []):
-                for path, message in warnings_past_limits(policy).items():
-                    errors.setdefault(f"teams[{i}].policies[{j}].{path}", message)
-        raise DocumentError(errors) from None
+        raise DocumentError({**_warnings_past_limits_in(data), **_errors(exc)}) from None
     return [team.model_dump() for team in doc.teams]
+
+
+def _warnings_past_limits_in(data: dict[str, Any]) -> dict[str, str]:
+    """`warnings_past_limits` of each policy of a document as sent, by its path."""
+    found = {}
+    teams = data.get("teams")
+    for i, team in enumerate(teams if isinstance(teams, list) else []):
+        policies = team.get("policies") if isinstance(team, dict) else None
+        for j, policy in enumerate(policies if isinstance(policies, list) else []):
+            for path, message in warnings_past_limits(policy).items():
+                found[f"teams[{i}].policies[{j}].{path}"] = message
+    return found
 
 
 def parse_policy(data: Any) -> dict[str, Any]:

@@ -740,7 +740,7 @@ def _enforced_in_tree(check: Check, now: datetime, tree: Sequence[Ancestor]) -> 
     SPEC 21 (rules 2, 4, 5, 6; for each, the ancestors from the root down), for a check
     whose first stop was only a would-stop (a shadow policy's, the run's or an
     ancestor's)."""
-    for name in ("max_steps", "max_seconds", "max_usd", "max_tool_calls"):
+    for name in BUDGETS:  # rules 2, 4, 5 and 6, in that order
         for ancestor in tree:
             if ancestor.policy.mode == "shadow":
                 continue
@@ -1250,7 +1250,7 @@ def evaluate(
     _register(new, check)
     counted = in_tree(tree, check)
     stop = _first_stop(policy, new, check, key, now, kill, kill_rule, counted)
-    if stop is not None and not _enforced(stop, policy, counted):
+    if stop is not None and not _enforced(stop, policy, tree):
         # A would-stop is not the end of the rules: an enforcing ancestor's limit still
         # stops the check (found by a tester: a shadow child past its own max_steps ran on
         # past its enforcing parent's, every rule after its own would-stop unread).
