@@ -154,10 +154,14 @@ def test_a_check_left_queued_in_a_frozen_server_is_audited_expired_never_allowed
                 os.killpg(frozen.process.pid, signal.SIGCONT)
             assert decision.reason == "governance_unavailable" and not decision.allowed
             assert elapsed < 3.0
-            wait_for(lambda: any(d["outcome"] == "expired" for d in decisions(agent, run.id)))
-            time.sleep(1.0)  # the other queued attempts, if any, are read too
+            # The resumed server reads the queued attempts: one whose body it reads is
+            # audited expired; one whose client's departure it sees first is not decided at
+            # all (governance/asgi.py `read_body`), which a CI run once saw for the only
+            # attempt. Either way, no allow and nothing counted.
+            wait_for(lambda: httpx.get(f"{frozen.url}/readyz", timeout=5).status_code == 200)
+            time.sleep(2.0)  # the queued attempts are read meanwhile
             audited = decisions(agent, run.id)
-            assert audited and {d["outcome"] for d in audited} == {"expired"}, audited
+            assert {d["outcome"] for d in audited} <= {"expired"}, audited
             stored = agent.http.get(f"/api/v1/runs/{run.id}").json()
             assert (stored["steps"], stored["tool_calls"]) == (0, 0)
     finally:
