@@ -321,16 +321,18 @@ def explain_check(team: sc.Team, *, repeats: int) -> dict[str, Any]:
         with raw.cursor() as pg:
             # Names of their own: the check's own statements are left as they are.
             name = f"growth_{uuid.uuid4().hex[:8]}"
-            # As the check prepares them: the lock also reads the check's keyed-memory entries
-            # (by digest), the write also takes their new counts.
-            pg.execute(f"PREPARE {name}_lock(uuid, text, text, text[]) AS "
-                       f"{check_store.LOCK_SQL}")
+            # As the check prepares them: after the lock, the check's keyed-memory entries
+            # (by digest); the write also takes their new counts.
+            pg.execute(f"PREPARE {name}_lock(uuid, text, text) AS {check_store.LOCK_SQL}")
+            pg.execute(f"PREPARE {name}_keyed(uuid, text[]) AS {check_store.KEYED_SQL}")
             pg.execute(f"PREPARE {name}_write(jsonb, jsonb, jsonb, jsonb) AS "
                        f"{check_store.WRITE_SQL}")
             pg.execute("SELECT jsonb_agg(to_jsonb(r)) FROM runs_run r WHERE id = %s", [run_id])
             run_json = _loaded(pg.fetchone()[0])
-            lock = _explained(pg, f"EXECUTE {name}_lock(%s, %s, %s, %s)",
-                              [run_id, uuid.uuid4().hex, prefix, [uuid.uuid4().hex]], repeats)
+            lock = _explained(pg, f"EXECUTE {name}_lock(%s, %s, %s)",
+                              [run_id, uuid.uuid4().hex, prefix], repeats)
+            keyed = _explained(pg, f"EXECUTE {name}_keyed(%s, %s)",
+                               [run_id, [uuid.uuid4().hex]], repeats)
             decision = {
                 "run_id": str(run_id), "step": 1, "outcome": "allow", "reason": "step_ok",
                 "action_name": "search.docs", "action_type": "tool",
@@ -349,8 +351,9 @@ def explain_check(team: sc.Team, *, repeats: int) -> dict[str, Any]:
             write = writes[len(writes) // 2]
             write["execution_ms_min"] = writes[0]["execution_ms"]
             pg.execute(f"DEALLOCATE {name}_lock")
+            pg.execute(f"DEALLOCATE {name}_keyed")
             pg.execute(f"DEALLOCATE {name}_write")
-    return {"lock": lock, "write": write}
+    return {"lock": lock, "keyed": keyed, "write": write}
 
 
 def explain_prune_read(team: sc.Team) -> dict[str, Any]:

@@ -82,22 +82,29 @@ def test_the_lock_reads_the_run_and_its_replay_by_their_own_keys(stats: str) -> 
         else:
             _never_analyzed(cursor)
         cursor.execute("SET plan_cache_mode = force_generic_plan")
-        cursor.execute(f"PREPARE {name}(uuid, text, text, text[]) AS {check_store.LOCK_SQL}")
+        cursor.execute(f"PREPARE {name}(uuid, text, text) AS {check_store.LOCK_SQL}")
+        cursor.execute(f"PREPARE {name}_keyed(uuid, text[]) AS {check_store.KEYED_SQL}")
         # The check's own transaction: BEGIN and its settings, as the check sends them.
         begin = check_store.EXECUTE_LOCK.split("EXECUTE")[0]
+        plans = []
         try:
             cursor.execute(begin)
-            cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}(%s, %s, %s, %s)",
-                           [run.pk, "c-1", key.prefix, ["a", "b"]])
-            plan = cursor.fetchone()[0]
+            cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}(%s, %s, %s)",
+                           [run.pk, "c-1", key.prefix])
+            plans.append(cursor.fetchone()[0])
+            cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}_keyed(%s, %s)",
+                           [run.pk, ["a", "b"]])
+            plans.append(cursor.fetchone()[0])
         finally:
             cursor.execute("ROLLBACK")
             cursor.execute(f"DEALLOCATE {name}")
+            cursor.execute(f"DEALLOCATE {name}_keyed")
             cursor.execute("RESET plan_cache_mode")
     scans: dict[str, list[tuple[str, str | None, str]]] = {}
-    for node, relation, index, cond in _scans(
-            (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]):
-        scans.setdefault(relation, []).append((node, index, cond))
+    for plan in plans:
+        for node, relation, index, cond in _scans(
+                (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]):
+            scans.setdefault(relation, []).append((node, index, cond))
     assert [scan[:2] for scan in scans["runs_run"]] == [("Index Scan", "runs_run_pkey")], scans
     # The replay by the unique index's own expression: no other index can answer it.
     [(_, index, cond)] = scans["runs_decision"]

@@ -34,14 +34,14 @@ def test_each_value_is_read_from_its_named_column() -> None:
         "run_idle_deadline": None, "switch_scope": "agent", "switch_agent": "bot",
         "switch_reason": "enough", "switch_engaged_by_label": "ops", "switch_run_id": None,
         "earlier_id": "42",
-        "earlier_answer": '{"decision": "allow"}', "keyed": '{"abc": 2}',
+        "earlier_answer": '{"decision": "allow"}',
         "run_ancestors": '["root-id", "parent-id"]',
     }
     assert set(values) == set(check_store.LOCK_AT)
     row = [None] * len(check_store.LOCK_SELECT)
     for name, value in values.items():
         row[check_store.LOCK_AT[name]] = value
-    locked = check_store._locked_of(tuple(row), windows=None, keyed=True)
+    locked = check_store._locked_of(tuple(row), windows=None, keyed={"abc": 2})
     assert (locked.key_id, locked.key_hash, locked.key_last_used_at) == (7, "hash", NOW)
     assert (locked.team_id, locked.team_slug) == (3, "support")
     assert locked.run is not None
@@ -62,6 +62,6 @@ def test_a_key_without_the_run_reads_no_run_switch_or_answer() -> None:
     row = [None] * len(check_store.LOCK_SELECT)
     for name, value in {"key_id": 1, "key_hash": "h", "team_id": 2, "team_slug": "t"}.items():
         row[check_store.LOCK_AT[name]] = value
-    locked = check_store._locked_of(tuple(row), windows=None, keyed=False)
+    locked = check_store._locked_of(tuple(row), windows=None, keyed=None)
     assert locked.run is None and locked.switch is None and locked.earlier_answer is None
     assert locked.keyed is None

@@ -22,7 +22,7 @@ def test_the_state_update_names_columns_of_the_run() -> None:
 
 
 def test_the_lock_statement_reads_every_entry_a_check_can_name() -> None:
-    """The lock statement reads KEYED_MAX keyed entries at most (one lookup each): a check
+    """The keyed statement reads KEYED_MAX keyed entries at most (one lookup each): a check
     with everything set names exactly that many, and `lock` refuses more rather than drop
     some (a dropped entry would read as never seen)."""
     import uuid
@@ -34,7 +34,7 @@ def test_the_lock_statement_reads_every_entry_a_check_can_name() -> None:
     everything = rules.Check(name="x", progress="p", last_result=rules.LastResult(
         status="error", digest="d", error="boom"))
     assert len(rules.keyed_reads(everything, "x:k")) == check_store.KEYED_MAX
-    assert check_store.LOCK_SQL.count("digest = $4[") == check_store.KEYED_MAX
+    assert check_store.KEYED_SQL.count("digest = $2[") == check_store.KEYED_MAX
     with pytest.raises(ValueError):
         check_store.PostgresCheck.lock(
             object.__new__(check_store.PostgresCheck), prefix="p", run_id=uuid.uuid4(),

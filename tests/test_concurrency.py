@@ -156,3 +156,52 @@ def test_100_simultaneous_checks_of_one_agent_allow_exactly_the_rate_limit(serve
             RateSlot.objects.all().delete()
     finally:
         second.stop()
+
+
+def _seen_by_every_process(server_url: str, token: str, rid: str) -> None:
+    """Distinct checks of the run, each on a new connection, so that every process of the
+    server has checked it: a process that knows the run reads the check's entries of its
+    keyed memory in the locking round trip (runs/check/services.py)."""
+    for i in range(12):
+        answer = httpx.post(f"{server_url}/api/v1/runs/{rid}/check", timeout=60,
+                            headers={"Authorization": f"Bearer {token}"},
+                            json={"action": {"name": "warm.up", "args": {"i": i}}}).json()
+        assert answer["decision"] == "allow", answer
+
+
+def test_concurrent_identical_checks_allow_exactly_max_repeat_action(server, agent, team):
+    """SPEC 4.5 for the counts the rules keep per repeat key and per error text: identical
+    checks at once, against a run every process has seen. Those counts were read with the
+    locking statement's snapshot, taken before the lock's wait, so a check that waited for
+    another read the count from before it: 4 or 5 allows of `max_repeat_action: 3`, and one
+    error allowed once more than `threshold` lets, in about half the tries (found by a
+    tester). Several runs each: one lost update is enough to fail."""
+    from runs.models import RunMemory
+    from tests.conftest import set_policy
+
+    set_policy(team, step_limits={"max_steps": 1000, "max_repeat_action": 3,
+                                  "no_progress_window": 1000},
+               on_repeated_error={"threshold": 3, "action": "stop"})
+    for round_ in range(4):
+        rid = agent.start()["run_id"]
+        _seen_by_every_process(server.url, agent.token, rid)
+        same = {"action": {"name": "search.docs", "args": {"q": "refunds"}}}
+        answers = [r.json() for r in fire(server.url, agent.token,
+                                          f"/api/v1/runs/{rid}/check", [same] * 16)]
+        allowed = sorted(a["repeat_count"] for a in answers if a["decision"] == "allow")
+        assert allowed == [1, 2, 3], (round_, allowed)
+        assert "loop_detected" in {a.get("reason") for a in answers}
+        assert Decision.objects.filter(run_id=rid, outcome="allow",
+                                       action_name="search.docs").count() == 3
+        assert set(RunMemory.objects.filter(run_id=rid, kind="repeat", text__contains="search")
+                   .values_list("count", flat=True)) == {3}
+
+        rid = agent.start()["run_id"]
+        _seen_by_every_process(server.url, agent.token, rid)
+        failing = [{"action": {"name": "http.get", "args": {"i": i}},
+                    "last_result": {"status": "error", "error": "connection refused"}}
+                   for i in range(16)]
+        answers = [r.json() for r in fire(server.url, agent.token,
+                                          f"/api/v1/runs/{rid}/check", failing)]
+        assert sum(a["decision"] == "allow" for a in answers) == 2, (round_, answers)
+        assert "repeated_error" in {a.get("reason") for a in answers}

@@ -56,12 +56,10 @@ def lock_sql_switch(run: Run) -> str | None:
     the scope of the switch it reads for this run, or None."""
     key = agent_key_create(team=run.team, name=f"k-{uuid.uuid4().hex[:6]}").key
     with connection.cursor() as cursor:
-        # The run, the check_id, the key's prefix, the keyed memory's digests to read.
-        cursor.execute(
-            f"PREPARE cover_test_lock(uuid, text, text, text[]) AS {check_store.LOCK_SQL}")
+        # The run, the check_id, the key's prefix.
+        cursor.execute(f"PREPARE cover_test_lock(uuid, text, text) AS {check_store.LOCK_SQL}")
         try:
-            cursor.execute("EXECUTE cover_test_lock(%s, %s, %s, %s)",
-                           [run.pk, None, key.prefix, []])
+            cursor.execute("EXECUTE cover_test_lock(%s, %s, %s)", [run.pk, None, key.prefix])
             row = cursor.fetchone()
         finally:
             cursor.execute("DEALLOCATE cover_test_lock")

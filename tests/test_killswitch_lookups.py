@@ -159,14 +159,14 @@ def test_the_check_reads_the_runs_keys_only(crowded: Run) -> None:
     key = AgentKey.objects.get(pk=agent_key_create(team=crowded.team, name="k").key.pk)
     name = f"lock_{uuid.uuid4().hex[:8]}"
     with connection.cursor() as cursor:
-        cursor.execute(f"PREPARE {name}(uuid, text, text, text[]) AS {check_store.LOCK_SQL}")
+        cursor.execute(f"PREPARE {name}(uuid, text, text) AS {check_store.LOCK_SQL}")
         # As the check runs it: sequential scans off (check_store.EXECUTE_LOCK), and the
         # plan PostgreSQL keeps for a prepared statement after its first executions.
         cursor.execute("SET enable_seqscan = off")
         cursor.execute("SET plan_cache_mode = force_generic_plan")
         try:
-            cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {name}(%s, %s, %s, %s)",
-                           [crowded.pk, None, key.prefix, None])
+            cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {name}(%s, %s, %s)",
+                           [crowded.pk, None, key.prefix])
             plan = cursor.fetchone()[0]
         finally:
             cursor.execute("RESET enable_seqscan")

@@ -7,10 +7,11 @@ The decision itself is computed by the pure rules in between, never in SQL.
 
 On PostgreSQL that is two network round trips, each one message with a prepared statement:
 
-1. `BEGIN; EXECUTE lock`: one SELECT that finds the key by its prefix (not revoked; the hash
-   is compared in Python, in constant time), locks the run of the key's team `FOR UPDATE`,
-   and reads the covering kill switch, the `check_id` replay and the check's own entries of
-   the run's keyed memory (runs/check/run_memory.py) in lateral subqueries;
+1. `BEGIN; EXECUTE lock; EXECUTE keyed`: one SELECT that finds the key by its prefix (not
+   revoked; the hash is compared in Python, in constant time), locks the run of the key's
+   team `FOR UPDATE`, and reads the covering kill switch and the `check_id` replay in lateral
+   subqueries; then, a statement of its own once the run is locked, the check's own entries
+   of the run's keyed memory (runs/check/run_memory.py);
 2. `EXECUTE write; COMMIT`: one statement that updates the run, upserts the keyed memory's
    changed entries, inserts the decision (data-modifying CTEs) and, for an action counted by
    the rate limits, counts it for every rule of its team it matches, returning the decision's
@@ -279,9 +280,25 @@ REPLAY_KEY = "(COALESCE((run_id)::text, '') || COALESCE(check_id, ''))"
 # every entry of the run and filtered the digests (116 buffers a check after 400 steps;
 # docs/performance.md "Two more ties").
 KEYED_MAX = 4
-KEYED_READS = "\n        UNION ALL ".join(
-    f"SELECT digest, count FROM runs_runmemory WHERE r.id IS NOT NULL AND run_id = $1 "
-    f"AND digest = $4[{i}]" for i in range(1, KEYED_MAX + 1))
+KEYED_READS = "\n    UNION ALL ".join(
+    f"SELECT digest, count FROM runs_runmemory WHERE run_id = $1 AND digest = $2[{i}]"
+    for i in range(1, KEYED_MAX + 1))
+# A statement of its own, after the run's lock in the same message (SPEC 4.5). PostgreSQL
+# reads every table of a statement with the snapshot taken when the statement started, except
+# the row it locks, which it reads again once the lock is granted. Read in a lateral subquery
+# of the locking statement, the entries of a check that had waited for another check of the
+# same run were the counts from before that check's write, while the run's row was the new
+# one: both checks allowed the same repeat (4 or 5 allows of one repeat key under
+# `max_repeat_action: 3`, and likewise `repeated_error` and `no_progress`, found by a tester
+# with 24 concurrent checks; tests/test_concurrency.py). Under READ COMMITTED each statement
+# takes a new snapshot, so this one, started once the lock is held, sees every committed write
+# of the run's memory. It reads whatever run it is given: its counts are used only when the
+# locking statement found the run for the key.
+KEYED_SQL = f"""
+SELECT jsonb_object_agg(m.digest, m.count) FROM (
+    {KEYED_READS}
+) m
+"""
 
 # The switch subquery is the cover rule's SQL form (runs/killswitch/cover.py). It reads with
 # the statement's snapshot, taken when the statement started, so a switch whose engage
@@ -296,7 +313,7 @@ LOCK_SELECT: tuple[tuple[str, str], ...] = (
     *((f"run_{name}", f"r.{name}") for name in RUN_COLUMNS if name != "team_id"),
     ("switch_scope", "s.scope"), ("switch_agent", "s.agent"), ("switch_reason", "s.reason"),
     ("switch_engaged_by_label", "s.engaged_by_label"), ("switch_run_id", "s.run_id"),
-    ("earlier_id", "d.id"), ("earlier_answer", "d.answer"), ("keyed", "m.counts"),
+    ("earlier_id", "d.id"), ("earlier_answer", "d.answer"),
 )
 LOCK_AT = {name: i for i, (name, _) in enumerate(LOCK_SELECT)}
 # The run's state columns as they sit in the row, in STATE_COLUMNS order (one C call a check).
@@ -323,11 +340,6 @@ LEFT JOIN LATERAL (
     SELECT id, answer FROM runs_decision
     WHERE r.id IS NOT NULL AND check_id IS NOT NULL AND {REPLAY_KEY} = ($1::text || $2)
 ) d ON true
-LEFT JOIN LATERAL (
-    SELECT jsonb_object_agg(m.digest, m.count) AS counts FROM (
-        {KEYED_READS}
-    ) m
-) m ON true
 WHERE k.prefix = $3 AND k.revoked_at IS NULL
 """
 READ_KEYED_SQL = "SELECT digest, count FROM runs_runmemory WHERE run_id = %s AND digest = ANY(%s)"
@@ -370,7 +382,8 @@ WITH run AS (
 # Protocol-level prepared statements would need pipeline mode to keep two round trips, and
 # psycopg's pipeline costs more Python per check than the query strings this builds.
 PREPARE_SQL = (
-    f"PREPARE governance_check_lock(uuid, text, text, text[]) AS {LOCK_SQL};"
+    f"PREPARE governance_check_lock(uuid, text, text) AS {LOCK_SQL};"
+    f"PREPARE governance_check_keyed(uuid, text[]) AS {KEYED_SQL};"
     f"PREPARE governance_check_write(jsonb, jsonb, jsonb, jsonb) AS {WRITE_SQL};"
 )
 # Sequential scans off for the check's transaction (a local setting: it ends with the
@@ -391,7 +404,8 @@ PREPARE_SQL = (
 # one result before the lock's.
 BEGIN_CHECK = ("BEGIN; SELECT set_config('enable_seqscan', 'off', true), "
                f"set_config('lock_timeout', '{int(settings.CHECK_LOCK_WAIT_MS)}ms', true)")
-EXECUTE_LOCK = BEGIN_CHECK + "; EXECUTE governance_check_lock(%s, %s, %s, %s)"
+EXECUTE_LOCK = BEGIN_CHECK + "; EXECUTE governance_check_lock(%s, %s, %s)"
+EXECUTE_KEYED = "EXECUTE governance_check_keyed(%s, %s)"
 EXECUTE_WRITE = "EXECUTE governance_check_write(%s, %s, %s, %s); COMMIT"
 # SPEC 20: a child run's ancestors, locked the root first, one statement each in the order
 # given, in the message that begins the transaction; `lock` then goes on without BEGIN.
@@ -427,7 +441,8 @@ def inlined(body: str, types: Sequence[str]) -> tuple[str, list[int]]:
     return _PLACEHOLDER.sub(placeholder, body.replace("%", "%%")), order
 
 
-_LOCK_INLINE, _LOCK_ORDER = inlined(LOCK_SQL, ["uuid", "text", "text", "text[]"])
+_LOCK_INLINE, _LOCK_ORDER = inlined(LOCK_SQL, ["uuid", "text", "text"])
+_KEYED_INLINE, _KEYED_ORDER = inlined(KEYED_SQL, ["uuid", "text[]"])
 _WRITE_INLINE, _WRITE_ORDER = inlined(WRITE_SQL, ["jsonb"] * 4)
 SEND_LOCK = BEGIN_CHECK + "; " + _LOCK_INLINE
 SEND_WRITE = _WRITE_INLINE + "\n; COMMIT"
@@ -458,10 +473,10 @@ def _loaded(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-def _locked_of(row: Sequence[Any], *, windows: list[RateWindow] | None, keyed: bool
-               ) -> Locked:
-    """The lock's row (LOCK_SELECT) as what the locking read found. ``keyed``: entries of
-    the keyed memory were named, so the row's counts are the ones asked for."""
+def _locked_of(row: Sequence[Any], *, windows: list[RateWindow] | None,
+               keyed: dict[str, int] | None) -> Locked:
+    """The lock's row (LOCK_SELECT) as what the locking read found, with the counts of the
+    keyed memory's entries read after it (None: none were named)."""
     at = LOCK_AT
     run = None
     if row[at["run_id"]] is not None:
@@ -484,8 +499,7 @@ def _locked_of(row: Sequence[Any], *, windows: list[RateWindow] | None, keyed: b
     return Locked(key_id=row[at["key_id"]], key_hash=row[at["key_hash"]],
                   key_last_used_at=row[at["key_last_used_at"]], team_id=row[at["team_id"]],
                   team_slug=row[at["team_slug"]], run=run, switch=switch,
-                  earlier_answer=earlier, windows=windows,
-                  keyed=(_loaded(row[at["keyed"]]) or {}) if keyed else None)
+                  earlier_answer=earlier, windows=windows, keyed=keyed)
 
 
 def _run_row(values: dict[str, Any]) -> RunRow:
@@ -591,7 +605,7 @@ class PostgresCheck:
         cursor = self.cursor
         started = time.perf_counter()
         sql = EXECUTE_LOCK
-        params: list[Any] = [run_id, check_id, prefix, _text_array(keyed) if keyed else None]
+        params: list[Any] = [run_id, check_id, prefix]
         if not self.prepared:
             sql, params = SEND_LOCK, [params[i] for i in _LOCK_ORDER]
         if self.begun:
@@ -599,6 +613,15 @@ class PostgresCheck:
             # without its BEGIN and SET, prepared or sent whole (the first result read is then
             # the lock's, not BEGIN's empty one).
             sql = sql.split("; ", 2)[2]
+        if keyed:
+            # Once the run is locked, with a snapshot of its own (KEYED_SQL).
+            entries = [run_id, _text_array(keyed)]
+            if self.prepared:
+                sql += "; " + EXECUTE_KEYED
+                params += entries
+            else:
+                sql += "; " + _KEYED_INLINE
+                params += [entries[i] for i in _KEYED_ORDER]
         keys: list[int] = []
         if rate is not None:
             # After the run's lock, in the same message: the rules' locks (a bounded wait),
@@ -610,6 +633,7 @@ class PostgresCheck:
                 sql += "; " + lock_statement(keys)
         windows_rows: list[Any] = []
         rate_locked = True
+        counts: dict[str, int] | None = None
         try:
             with self.errors:
                 self._prepare()
@@ -624,6 +648,9 @@ class PostgresCheck:
                     cursor.nextset()  # past BEGIN's and SET's results, to the SELECT's
                     cursor.nextset()
                 row = cursor.fetchone()
+                if keyed:
+                    cursor.nextset()
+                    counts = _loaded(cursor.fetchone()[0]) or {}
                 if rate is not None:
                     rate_locked, windows_rows = _rate_rows(cursor, locking=bool(keys))
         except (OperationalError, InterfaceError, ProgrammingError) as exc:
@@ -641,7 +668,7 @@ class PostgresCheck:
             return None
         return _locked_of(row, windows=windows_from_rows(
             rate.rules, windows_rows, locked=rate_locked) if rate is not None else None,
-            keyed=bool(keyed))
+            keyed=counts)
 
     def read_keyed(self, *, run_id: uuid.UUID, keyed: Sequence[str]) -> dict[str, int]:
         """The counts of these entries of the run's keyed memory, by digest: one round trip,
