@@ -365,3 +365,50 @@ def test_the_sweep_forgets_counts_no_window_can_reach(team: Any) -> None:
     assert list(RateCount.objects.values_list("scope", flat=True)) == ["a"]
     assert list(RateRule.objects.values_list("match", flat=True)) == ["recent"]
     assert prune_hits(now=now) == 0
+
+
+@transactional
+def test_a_rule_counts_the_teams_other_policies_from_its_save(agent: Agent, team: Any) -> None:
+    """SPEC 12: a `per: team` rule counts every action of the team whose name fits it,
+    whatever the policy of its run. Registered by the first check of its own policy only,
+    the rule missed the actions before that check: a second action in its window was
+    allowed (found by a tester). It is registered when its policy is saved."""
+    from policies.document import parse_policy
+    from policies.services import policy_save
+
+    limit(team)  # the default policy: no rule
+    policy_save(team=team, document=parse_policy({
+        "name": "texting", **LOOSE,
+        "rate_limits": [rule("sms.*", per="team", max=1, window_s=60)]}),
+        actor=None, source="test")
+    plain = agent.start()["run_id"]
+    assert agent.check(plain, "sms.send", {"to": 1})["decision"] == "allow"
+    texting = agent.start(policy="texting")["run_id"]
+    answer = agent.check(texting, "sms.send", {"to": 2})
+    assert (answer["decision"], answer["reason"]) == ("wait", "rate_limited"), answer
+
+
+@pytest.mark.django_db
+def test_the_prune_keeps_the_rules_of_current_policies_only(team: Any) -> None:
+    """A day without a check of its policy does not forget a current rule (the other
+    policies' actions would then go uncounted until its next read); a rule no current
+    policy has is forgotten."""
+    from django.utils import timezone
+
+    from runs.check.rate_limits import prune_hits, rule_key
+    from runs.models import RateRule
+
+    kept, dropped = rule("mail.*", per="team", max=3), rule("sms.*", per="team", max=1)
+    limit(team, dropped)
+    limit(team, kept)
+    keys = {name: rule_key(as_rule(r), team_id=team.pk)
+            for name, r in (("kept", kept), ("dropped", dropped))}
+    assert set(RateRule.objects.values_list("key", flat=True)) == set(keys.values())
+    prune_hits(now=timezone.now() + timedelta(days=3))
+    assert set(RateRule.objects.values_list("key", flat=True)) == {keys["kept"]}
+
+
+def as_rule(r: dict[str, Any]) -> Any:
+    from governance_client.rules import RateLimit
+
+    return RateLimit(match=r["match"], per=r["per"], max=r["max"], window_s=r["window_s"])

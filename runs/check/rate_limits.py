@@ -11,10 +11,13 @@ count is exact, with nothing approximated (SPEC 10: "a check's rate-limit cost d
 with the hits in the window").
 
 PostgreSQL is the authority, with nothing but itself in the way:
-- a rule is counted for once a check has met it in its policy: that check's read registers
-  it (RateRule, with its pattern as a regular expression), and from then on every counted
-  action of the team whose name matches it bumps its count, whatever the action's policy
-  (SPEC 12: an agent's actions count "whatever the policy of its runs");
+- a rule is counted for once it is registered (RateRule, with its pattern as a regular
+  expression): when a policy version that has it is saved (`register_saved_rules`), and
+  by every check that reads it. From then on every counted action of the team whose name
+  matches it bumps its count, whatever the action's policy (SPEC 12: an agent's actions
+  count "whatever the policy of its runs"). Registered by its first check only, a new rule
+  missed the actions of the team's other policies until then (found by a tester: a
+  `per: team` rule with `max: 1` allowed a second action in its window);
 - every action counted like an allow bumps, in the check's own write, the count of each
   registered rule of its team that it matches and writes its stamp into the ring, stamped
   with the database's clock (`clock_timestamp()`) once the count's row is locked: the stamps
@@ -36,8 +39,7 @@ Redis is not used: a Redis counter would have to be confirmed by this count anyw
 exact, so it could only add a round trip and a failure mode. Exactness covers the checks
 whose policy carries the rule; an action of the same agent under a policy without that rule
 is counted once committed, but is not serialized against the rule (it takes no lock for a
-rule it does not have), and it is counted only once some check has registered the rule: see
-docs/policies.md.
+rule it does not have): see docs/policies.md.
 
 The write repeats `fnmatch.fnmatchcase` as a regular expression (`glob_regex`);
 tests/test_rate_limits.py checks that they agree. The embedded store (SQLite, serialized by
@@ -366,6 +368,38 @@ def _register(rules: Sequence[RateLimit], *, team_id: int, now: datetime) -> Non
     RateRule.objects.filter(key__in=keys, read_at__lt=now - READ_REFRESH).update(read_at=now)
 
 
+def register_saved_rules(version: Any) -> None:
+    """Register the rate-limit rules of a policy version just saved (policies' PolicyVersion,
+    connected in runs/apps.py): the team's actions under every policy count for them from the
+    save on, not from the first check that reads them."""
+    from django.utils import timezone
+
+    rules = _rules_of(version.document)
+    if rules:
+        _register(rules, team_id=version.policy.team_id, now=timezone.now())
+
+
+def _rules_of(document: dict[str, Any]) -> list[RateLimit]:
+    return [RateLimit(match=r["match"], per=r["per"], max=r["max"], window_s=r["window_s"])
+            for r in document.get("rate_limits") or ()]
+
+
+def keep_current_rules(*, now: datetime) -> None:
+    """Register again the rules of every team's current policy versions (their read
+    refreshed at most once an hour), so that the prune forgets only rules no current policy
+    has: a current rule no check had read for a day would be forgotten, and the other
+    policies' actions then not counted until its next read."""
+    from policies.models import Policy
+
+    current = (Policy.objects.filter(current__isnull=False)
+               .exclude(current__document__rate_limits=[])
+               .values_list("team_id", "current__document"))
+    for team_id, document in current:
+        rules = _rules_of(document)
+        if rules:
+            _register(rules, team_id=team_id, now=now)
+
+
 def windows_in_python(rules: Sequence[RateLimit], *, team_id: int, agent: str, run_id: Any,
                       now: datetime) -> list[RateWindow]:
     """The windows through the ORM, for the embedded store (whose BEGIN IMMEDIATE is the lock
@@ -451,15 +485,16 @@ DELETE FROM runs_raterule WHERE key IN (
 
 def prune_hits(*, now: datetime) -> int:
     """Forget the counts whose last action no window can reach any more, with their rings,
-    and the rules no check has read for longer than that (the beat sweep calls this).
-    Returns the stamps forgotten. A forgotten count starts again from zero; a forgotten rule
-    is registered again by the next check that reads it."""
+    and the rules no current policy has and no check has read for longer than that (the beat
+    sweep calls this). Returns the stamps forgotten. A forgotten count starts again from zero;
+    a forgotten rule is registered again by the next check that reads it."""
     from django.db import connection
 
     from runs.models import RateCount, RateRule, RateSlot
 
     cutoff = now - timedelta(seconds=MAX_WINDOW_S)
     rule_cutoff = cutoff - READ_REFRESH
+    keep_current_rules(now=now)
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute(_PRUNE_COUNTS_SQL, {"cutoff": cutoff})
