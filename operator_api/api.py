@@ -478,11 +478,10 @@ def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
                             agent=payload.agent or "", run=run)
     label = token_label(token)
     if payload.action == "engage":
-        before = switches.engaged_switch(target)
         switch = killswitch_engage(scope=target.scope, team=target.team, agent=target.agent,
                                    run=target.run, reason=payload.reason, actor=token.user,
                                    actor_label=label)
-        engaged, changed = True, before is None
+        engaged, changed = True, switch.engaged_now
     else:
         engaged_now = switches.engaged_switch(target)
         if engaged_now is not None and target.scope != Scope.GLOBAL and not \

@@ -318,6 +318,11 @@ class KillSwitch(models.Model):
     # an upgrade (docs/upgrades.md).
     fanout_passes = models.PositiveIntegerField(default=0, db_default=0)
     fanout_turned_at = models.DateTimeField(null=True, blank=True)
+    # Not stored: True on the switch `killswitch_engage` has just engaged, False on one it
+    # found engaged already, which its caller reports as "already engaged". Comparing
+    # `engaged_at` with the call's start told two racing engages apart wrongly: both said
+    # they had engaged it (found by a tester with five tokens at once).
+    engaged_now = False
 
     class Meta:
         ordering = ["-engaged_at"]

@@ -721,3 +721,34 @@ def test_other_teams_switches_are_not_shown(client, team, other_team, users, com
     html = login(client, users["admin"]).get(
         reverse("runs:killswitch", args=["support"])).content.decode()
     assert "billing secret" not in html and 'id="killswitch-banner"' not in html
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_racing_engages_of_one_target_tell_one_caller_it_engaged(team):
+    """SPEC 6: engaging a scope already engaged changes nothing, and its caller is told so.
+    Six engages of one agent's switch at once, from threads of their own: one switch, one
+    audit event, and one caller told it engaged it (the others were told so too when each
+    compared the switch's time with its own start: found by a tester with five tokens)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    from django.db import connection
+
+    for round_ in range(4):
+        barrier = Barrier(6)
+
+        def engage(i: int, agent: str = f"bot-{round_}", barrier: Barrier = barrier) -> bool:
+            barrier.wait()
+            try:
+                return killswitch_engage(scope="agent", team=team, agent=agent,
+                                         reason="race", actor_label=f"token {i}").engaged_now
+            finally:
+                connection.close()
+
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            told = list(pool.map(engage, range(6)))
+        assert told.count(True) == 1, (round_, told)
+        assert KillSwitch.objects.filter(agent=f"bot-{round_}").count() == 1
+        assert OperatorEvent.objects.filter(action="killswitch.engage",
+                                            detail__agent=f"bot-{round_}").count() == 1

@@ -176,7 +176,7 @@ def killswitch_engage(
     """Engage a kill switch and commit before returning (SPEC 4.5, 6).
 
     Engaging a target that is already engaged changes nothing and returns the engaged switch
-    (callers tell the two apart by ``engaged_at``). Raises KillSwitchError.
+    (callers tell the two apart by ``engaged_now``). Raises KillSwitchError.
     """
     target = resolve_target(scope=scope, team=team, agent=agent, run=run)
     reason = _clean_reason(reason)
@@ -195,6 +195,7 @@ def killswitch_engage(
                     target=target.key, reason=reason, engaged_by=actor,
                     engaged_by_label=label, engaged_at=now,
                 )
+                switch.engaged_now = True
         except IntegrityError:
             # Two engages of one target raced; the partial unique index let one win, and
             # that one is the engaged switch for both callers.

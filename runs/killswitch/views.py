@@ -19,7 +19,6 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
-from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_POST, require_safe
 
@@ -81,13 +80,12 @@ def _engage_flow(request: HttpRequest, target: Target, *, action: str, cancel: s
     if confirmed:
         form = ReasonForm(request.POST)
         if form.is_valid():
-            before = timezone.now()
             switch = killswitch_engage(
                 scope=target.scope, team=target.team,
                 agent=target.agent, run=target.run, reason=form.cleaned_data["reason"],
                 actor=request.user,
             )
-            already = switch.engaged_at < before
+            already = not switch.engaged_now
             text = (f"Already engaged: {target.describe()}, by {switch.engaged_by_label}."
                     if already else f"Kill switch engaged: {target.describe()}.")
             if request.htmx:

@@ -5,7 +5,6 @@ import uuid
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.utils import timezone
 
 from policies.models import Team
 from runs.killswitch import cover
@@ -87,12 +86,11 @@ class Command(BaseCommand):
     def _engage(self, scope: str, team: Team | None, agent: str, run: Run | None, reason: str,
                 label: str) -> None:
         target = resolve_target(scope=scope, team=team, agent=agent, run=run)
-        before = timezone.now()
         covered = covered_running(target).count()
         switch = killswitch_engage(scope=scope, team=team, agent=agent, run=run, reason=reason,
                                    actor_label=label)
         what = cover.switch_scope_in_words(switch)
-        if switch.engaged_at < before:
+        if not switch.engaged_now:
             self.stdout.write(
                 f"Already engaged: {what} (switch {switch.pk}), by {switch.engaged_by_label} "
                 f"at {switch.engaged_at:%Y-%m-%d %H:%M:%S} UTC: {switch.reason}. Nothing changed."
