@@ -168,10 +168,12 @@ def test_a_start_with_another_agents_external_id_is_a_conflict(team, api):
     body = response.json()["error"]
     assert body["code"] == "external_id_conflict" and "external_id" in body["fields"]
     assert theirs["run_id"] not in response.content.decode()
-    # An unbound key naming another agent gets the same answer; the same agent its run back.
+    # A team key sees every agent's runs: it gets the run back whatever agent it names
+    # (SPEC 5.1: the same external_id in the same team answers 200 with the existing run).
     other = api.post("/api/v1/runs", {"agent": "bot3", "external_id": "job-7"},
                      content_type="application/json")
-    assert other.status_code == 409 and other.json()["error"]["code"] == "external_id_conflict"
+    assert other.status_code == 200 and other.json()["run_id"] == theirs["run_id"]
+    assert other.json()["agent"] == "bot2"
     again = api.post("/api/v1/runs", {"agent": "bot2", "external_id": "job-7"},
                      content_type="application/json")
     assert again.status_code == 200 and again.json()["run_id"] == theirs["run_id"]

@@ -41,7 +41,7 @@ def run_start(
     if external_id is not None:
         existing = Run.objects.filter(team=team, external_id=external_id).first()
         if existing is not None:
-            return _same_start(existing, agent, parent_run_id), False
+            return _same_start(existing, key, parent_run_id), False
     parent = _parent_of(key, parent_run_id) if parent_run_id is not None else None
     if parent is not None and policy is None:
         policy = parent.policy_version.document.get("name")  # the parent's (SPEC 20)
@@ -85,7 +85,7 @@ def run_start(
         existing = Run.objects.filter(team=team, external_id=external_id).first()
         if existing is None:
             raise
-        return _same_start(existing, agent, parent_run_id), False
+        return _same_start(existing, key, parent_run_id), False
     lineages.remember(run.pk, team.pk, run.ancestors)
     publish_run_event(run)
     return run, True
@@ -130,12 +130,13 @@ def _refuse_if_over(parent: Run) -> None:
                            "under it.", {PARENT_FIELD: f"that run is {parent.status}"})
 
 
-def _same_start(existing: Run, agent: str, parent_run_id: Any) -> Run:
-    """The run an external_id names is given back only to a start for the same agent: else
-    a key bound to one agent could read another's run through it (SPEC 10); and, to a start
-    that names a parent, only when it is that parent's child: else a sub-agent would be
-    handed a run outside the tree, with a budget of its own (SPEC 20)."""
-    if existing.agent != agent:
+def _same_start(existing: Run, key: AgentKey, parent_run_id: Any) -> Run:
+    """The team's run an external_id names (SPEC 5.1), except to a key bound to another
+    agent, which would read another agent's run through it (SPEC 10); and, to a start that
+    names a parent, only when it is that parent's child: else a sub-agent would be handed a
+    run outside the tree, with a budget of its own (SPEC 20). A team key sees every agent's
+    runs: it gets the run whatever agent its start names."""
+    if key.agent and existing.agent != key.agent:
         raise ServiceError(409, "external_id_conflict",
                            "This external_id belongs to a run of another agent.",
                            {"external_id": "already used by a run of another agent"})
