@@ -51,8 +51,12 @@ def team_view(needed: Role = Role.VIEWER) -> Callable[[Callable[..., HttpRespons
                 return _to_login(request)
             team = Team.objects.filter(slug=slug).first()
             role = role_in(request.user, team) if team is not None else None
+            if team is None and request.user.is_superuser:
+                raise Http404("No such team.")  # a superuser sees every team: none is hidden
             if team is None or role is None:
-                raise Http404("No such team.")
+                # SPEC 7: every refusal is a 403 page; the same one whether the team exists or
+                # not, so that a team's existence is not revealed either.
+                raise PermissionDenied("You are not a member of this team.")
             # Set before refusing: the 403 page shows the team's navigation for this role.
             request.team, request.role = team, role  # type: ignore[attr-defined]
             if not can(role, needed):

@@ -43,7 +43,7 @@ def waiting(api: Client, check_id: str = "pay-1") -> tuple[str, str]:
 def test_the_page_needs_a_member(approving, users):
     url = reverse("runs:approvals", args=[approving.slug])
     assert Client().get(url).status_code == 302  # to the login page
-    assert signed_in(users["outsider"]).get(url).status_code == 404
+    assert signed_in(users["outsider"]).get(url).status_code == 403
 
 
 def test_viewers_see_pending_requests_without_controls(api, approving, users):
@@ -175,7 +175,7 @@ def test_a_decision_from_the_run_page_answers_its_banner(api, approving, users):
     assert late.status_code == 409 and "already approved by operator" in late.content.decode()
 
 
-@pytest.mark.parametrize("who, status", [("viewer", 403), ("outsider", 404)])
+@pytest.mark.parametrize("who, status", [("viewer", 403), ("outsider", 403)])
 def test_a_forged_decision_is_refused_and_changes_nothing(api, approving, users, who, status):
     _, approval_id = waiting(api)
     response = signed_in(users[who]).post(

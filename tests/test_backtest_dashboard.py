@@ -116,12 +116,12 @@ def test_a_viewer_tests_the_current_version(team, users, recorded, commit):
 
 
 def test_outsiders_and_anonymous_are_refused(team, users, recorded):
-    assert client_of(users["outsider"]).post(url(team), form_data(), **HX).status_code == 404
+    assert client_of(users["outsider"]).post(url(team), form_data(), **HX).status_code == 403
     assert Client().post(url(team), form_data()).status_code == 302
     job_url = None
     client_of(users["admin"]).post(url(team), form_data())
     job_url = f"/teams/{team.slug}/backtests/{Backtest.objects.get().pk}/"
-    assert client_of(users["outsider"]).get(job_url).status_code == 404
+    assert client_of(users["outsider"]).get(job_url).status_code == 403
     assert client_of(users["viewer"]).get(job_url).status_code == 200
     other = f"/teams/billing/backtests/{Backtest.objects.get().pk}/"
     assert client_of(users["outsider"]).get(other).status_code == 404

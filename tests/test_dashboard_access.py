@@ -1,4 +1,4 @@
-"""RBAC of every dashboard URL (SPEC 7): anonymous is sent to sign in, an outsider gets 404,
+"""RBAC of every dashboard URL (SPEC 7): anonymous is sent to sign in, an outsider gets 403,
 a role too low gets 403, a superuser may do everything; and nothing of another team leaks."""
 
 from __future__ import annotations
@@ -129,13 +129,14 @@ def test_members_get_exactly_what_their_role_allows(who, team, world):
             assert OperatorEvent.objects.count() == before, (who, method, url)
 
 
-def test_an_outsider_gets_404_and_changes_nothing(team, world, users):
+def test_an_outsider_gets_403_and_changes_nothing(team, world, users):
+    """SPEC 7: every refusal is a 403 page, and nothing of another team is shown."""
     client = signed_in("outsider")  # admin of another team
     events = OperatorEvent.objects.filter(team=team).count()
     keys = AgentKey.objects.filter(team=team, revoked_at__isnull=True).count()
     for method, url, _, data in urls(team, world):
         response = client.post(url, data) if method == "POST" else client.get(url)
-        assert response.status_code == 404, (method, url)
+        assert response.status_code == 403, (method, url)
         assert b"Customer support" not in response.content
     assert OperatorEvent.objects.filter(team=team).count() == events
     assert AgentKey.objects.filter(team=team, revoked_at__isnull=True).count() == keys
@@ -176,7 +177,7 @@ def test_streams_follow_the_same_rules(name, team, world, settings):
     settings.DASHBOARD_STREAM_SECONDS = 0
     url = stream_url(name, team, world)
     assert Client().get(url).status_code == 302
-    assert signed_in("outsider").get(url).status_code == 404
+    assert signed_in("outsider").get(url).status_code == 403
     response = signed_in("viewer").get(url)
     assert response.status_code == 200
     assert response["Content-Type"] == "text/event-stream"
@@ -189,7 +190,7 @@ def test_a_head_to_a_stream_answers_its_headers_without_a_stream(name, team, wor
     holding a thread for the stream's lifetime."""
     url = stream_url(name, team, world)
     assert Client().head(url).status_code == 302
-    assert signed_in("outsider").head(url).status_code == 404
+    assert signed_in("outsider").head(url).status_code == 403
     response = signed_in("viewer").head(url)
     assert response.status_code == 200 and not response.streaming
     assert response["Content-Type"] == "text/event-stream" and response.content == b""
@@ -228,7 +229,18 @@ def test_the_team_switcher_lists_only_my_teams(team, other_team, users):
     assert b"Billing" in page.content
 
 
-def test_unknown_team_is_404_for_a_superuser_too(users):
+def test_an_unknown_team_is_refused_like_another_teams(users, team):
+    """The same 403 as for a team the user is not in, so that no team's existence shows; a
+    superuser, who sees every team, gets 404."""
+    import re
+
+    def page(url: str) -> tuple[int, str]:
+        response = signed_in("outsider").get(url)
+        # Each page masks the CSRF token anew: the rest must be the same, byte for byte.
+        return response.status_code, re.sub(r"[A-Za-z0-9]{64}", "", response.content.decode())
+
+    assert page("/teams/nope/") == page(f"/teams/{team.slug}/")
+    assert page("/teams/nope/")[0] == 403
     assert signed_in("superuser").get("/teams/nope/").status_code == 404
 
 

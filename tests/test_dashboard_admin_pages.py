@@ -53,7 +53,7 @@ def test_the_confirmations_are_for_admins_only(team, users, who):
                                                  "membership_id": membership.pk})):
         assert as_user(users, who).get(url).status_code == 403
     assert as_user(users, "outsider").get(
-        reverse("key_revoke", kwargs={"slug": team.slug, "key_id": key.pk})).status_code == 404
+        reverse("key_revoke", kwargs={"slug": team.slug, "key_id": key.pk})).status_code == 403
 
 
 def test_a_new_token_has_a_copy_button_and_the_keys_table_is_full_width(team, users):

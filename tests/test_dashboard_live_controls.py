@@ -119,7 +119,7 @@ def test_the_new_streams_follow_the_team_rules(team, other_team, users, name):
     url = reverse(name, kwargs={"slug": team.slug})
     anonymous = Client().get(url)
     assert anonymous.status_code == 302 and "/accounts/login/" in anonymous["Location"]
-    assert as_user(users, "outsider").get(url).status_code == 404
+    assert as_user(users, "outsider").get(url).status_code == 403
     assert as_user(users, "viewer").get(url).status_code == 200
 
 

@@ -86,7 +86,7 @@ def test_the_overview_shows_nothing_of_another_team(team, other_team, users):
     html = as_user(users).get(reverse("runs:overview", kwargs={"slug": team.slug})).content.decode()
     assert "their-bot" not in html
     assert as_user(users).get(reverse("runs:overview", kwargs={"slug": other_team.slug}),
-                              {"range": "7d"}).status_code == 404
+                              {"range": "7d"}).status_code == 403
 
 
 def test_warnings_followed_by_a_change_of_action_or_by_the_stop(team, users):

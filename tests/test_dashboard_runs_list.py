@@ -115,7 +115,7 @@ def test_the_list_of_another_team_shows_nothing_of_it(team, other_team, users):
     client = as_user(users)
     for q in ("secret", str(theirs.pk)):
         assert listed(client.get(url_of(team), {"q": q}).content.decode()) == []
-    assert client.get(url_of(other_team)).status_code == 404
+    assert client.get(url_of(other_team)).status_code == 403
 
 
 def many_runs(team, version, count: int) -> None:

@@ -127,7 +127,7 @@ def test_the_timeline_fragment_follows_the_team_rules(team, other_team, users):
     run = start(team)
     url = reverse("runs:run_timeline", kwargs={"slug": team.slug, "run_id": run.pk})
     assert Client().get(url).status_code == 302
-    assert as_user(users, "outsider").get(url).status_code == 404
+    assert as_user(users, "outsider").get(url).status_code == 403
     assert as_user(users, "viewer").get(url).status_code == 200
     theirs = start(other_team)
     assert as_user(users, "viewer").get(reverse(

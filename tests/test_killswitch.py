@@ -553,7 +553,7 @@ def test_the_banner_offers_release_to_admins_only(client, team, users, commit):
 
 
 @pytest.mark.parametrize(("who", "status"), [
-    ("viewer", 403), ("outsider", 404), ("operator", 302), ("admin", 302), ("superuser", 302),
+    ("viewer", 403), ("outsider", 403), ("operator", 302), ("admin", 302), ("superuser", 302),
 ])
 def test_who_may_engage_the_team_switch(client, team, users, who, status, commit):
     with commit():
@@ -570,7 +570,7 @@ def test_anonymous_is_sent_to_sign_in(client, team):
 
 
 @pytest.mark.parametrize(("who", "status"), [
-    ("viewer", 403), ("operator", 403), ("outsider", 404), ("admin", 302), ("superuser", 302),
+    ("viewer", 403), ("operator", 403), ("outsider", 403), ("admin", 302), ("superuser", 302),
 ])
 def test_who_may_release_the_team_switch(client, team, users, who, status, commit):
     with commit():
@@ -669,7 +669,7 @@ def test_a_viewer_may_not_kill_a_run_and_another_team_cannot_see_it(client, api,
     url = reverse("runs:killswitch-run", args=["support", run_id])
     assert login(client, users["viewer"]).post(url, {"reason": "x", "confirmed": "1"}
                                                ).status_code == 403
-    assert login(client, users["outsider"]).get(url).status_code == 404
+    assert login(client, users["outsider"]).get(url).status_code == 403
     billing = reverse("runs:killswitch-run", args=["billing", run_id])
     assert login(client, users["outsider"]).post(billing, {"reason": "x", "confirmed": "1"}
                                                  ).status_code == 404

@@ -90,7 +90,7 @@ def test_a_team_may_let_operators_release_any_switch_or_none(team, users):
     team.save()
     assert release(users["operator"]) == 403
     assert release(users["viewer"]) == 403
-    assert release(users["outsider"]) == 404
+    assert release(users["outsider"]) == 403
     assert engaged()
     assert release(users["admin"]) == 302
     assert not engaged()

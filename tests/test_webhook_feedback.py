@@ -154,7 +154,7 @@ def test_only_admins_may_send_a_test(team, users, other_team):
     url = reverse("runs:webhook-test", args=[team.slug])
     assert signed_in(users["operator"]).post(url).status_code == 403
     assert signed_in(users["viewer"]).post(url).status_code == 403
-    assert signed_in(users["outsider"]).post(url).status_code == 404
+    assert signed_in(users["outsider"]).post(url).status_code == 403
     assert signed_in(users["admin"]).get(url).status_code == 405
     assert not WebhookDelivery.objects.exists()
     page = signed_in(users["operator"]).get(reverse("runs:killswitch", args=[team.slug]))
