@@ -486,6 +486,17 @@ def test_the_command_names_the_user(api, approving, users):
     assert get_approval(api, first["approval"]["id"])["decided_by"] == "operator"
 
 
+@pytest.mark.parametrize("who", ["viewer", "outsider"])
+def test_the_command_refuses_a_user_who_may_not_decide(api, approving, users, who):
+    """SPEC 11: operators and above decide. The named user is the recorded approver."""
+    from django.core.management.base import CommandError
+
+    _, first = pending(api)
+    with pytest.raises(CommandError, match="may not decide"):
+        call_command("approvals", "decide", first["approval"]["id"], "approve", "--user", who)
+    assert Approval.objects.get(pk=first["approval"]["id"]).status == "pending"
+
+
 def test_the_expiry_sweep_is_a_celery_beat_task(api, quick):
     from django.conf import settings
 

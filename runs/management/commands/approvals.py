@@ -8,7 +8,8 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from policies.models import Team
+from policies.access import can, role_in
+from policies.models import Role, Team
 from runs.approvals.selectors import approvals_for_team, iso
 from runs.approvals.services import ApprovalError, approval_decide, settle_due_for_team
 
@@ -76,6 +77,12 @@ class Command(BaseCommand):
             user = get_user_model().objects.filter(username=username).first()
             if user is None:
                 raise CommandError(f"No user {username!r}.")
+            # SPEC 11: operators and above decide. The user is the recorded approver, so a
+            # viewer's name on a decision would say a viewer decided it.
+            team = Team.objects.filter(approvals__pk=wanted).first()
+            if team is not None and not can(role_in(user, team), Role.OPERATOR):
+                raise CommandError(f"{username!r} may not decide approvals of team "
+                                   f"{team.slug}: only its operators and admins decide.")
             label = user.get_username()
         try:
             approval = approval_decide(team=None, approval_id=wanted, decision=decision,
