@@ -26,6 +26,12 @@ def test_max_steps_18_stops_step_19(agent):
     assert (last["decision"], last["reason"], last["step"]) == ("stop", "max_steps", 19)
     assert "max_steps=18" in last["message"] and last["next_action"]
     assert agent.http.get(f"/api/v1/runs/{run['run_id']}").json()["stop_reason"] == "max_steps"
+    # Every stop names the limit and its value (SPEC 4.4), a later check's too: it said only
+    # "The run is already stopped (reason: max_steps)."
+    later = agent.check(run["run_id"], args={"query": "one more"})
+    assert (later["decision"], later["reason"]) == ("stop", "max_steps")
+    assert later["message"] == ("The run is already stopped (reason: max_steps). Its stop: "
+                                + last["message"])
 
 
 def test_the_same_search_with_equivalent_args_is_stopped_at_the_fourth_call(agent):

@@ -141,8 +141,7 @@ def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
     its run is over (runs/approvals/services.py `final_answer`), equal to a replay's."""
     now = now or timezone.now()
     state = run_memory.load(state_of(run), run.pk, [(rules.REPEAT, key)])
-    if state.status == rules.KILLED:
-        explain_kill(state, run.pk)
+    explain_stop(state, run.pk)
     answer = answers.answer_of(rules.terminal_decision(state, key), state,
                                rules_for_version(run.policy_version_id), now)
     records = Decision.objects.filter(run_id=run.pk).order_by("-id").values_list("id", flat=True)
@@ -150,22 +149,26 @@ def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
     return {**answer, "decision_id": last}
 
 
-def kill_detail(run_id: Any) -> tuple[str | None, dict[str, Any] | None]:
-    """The words and the rule of the kill that ended a run (the switch, who engaged it and
-    why), from its audit record, for the stop answered to every later check (SPEC 6, 16: a
-    kill's rule names the switch, whether the check or the fan-out killed the run, and
+def stop_detail(run_id: Any, reason: str | None) -> tuple[str | None, dict[str, Any] | None]:
+    """The words of the stop that ended a run (the limit and its value; for a kill the
+    switch, who engaged it and why) and a kill's rule, from its audit record, for the stop
+    answered to every later check (SPEC 4.4: every stop names the limit and its value; 6,
+    16: a kill's rule names the switch, whether the check or the fan-out killed the run, and
     whether the switch is still engaged): the run's first stop, since a stop ends a run
-    (`decision_run_stop`: one probe, however many checks of the killed run were answered
-    since)."""
+    (`decision_run_stop`: one probe, however many checks of the run were answered since).
+    None for a run its agent ended (no stop of that reason)."""
     first = (Decision.objects.of_run(run_id).filter(outcome=rules.STOP)
              .values_list("reason", "answer").first())
-    answer = first[1] if first is not None and first[0] == "killed" else None
+    answer = first[1] if first is not None and first[0] == reason else None
     if not isinstance(answer, dict):
         return None, None
-    fired = answer.get("rule")
+    fired = answer.get("rule") if reason == rules.KILLED else None
     return answer.get("message") or None, fired if isinstance(fired, dict) else None
 
 
-def explain_kill(state: rules.RunState, run_id: Any) -> None:
-    """A killed run's state as its later checks answer it: the kill's words and rule."""
-    state.stop_detail, state.stop_rule = kill_detail(run_id)
+def explain_stop(state: rules.RunState, run_id: Any) -> None:
+    """A stopped or killed run's state as its later checks answer it: its stop's words
+    (and a kill's rule)."""
+    if state.status in (rules.STOPPED, rules.KILLED):
+        state.stop_detail, state.stop_rule = stop_detail(
+            run_id, state.stop_reason or state.status)

@@ -34,7 +34,7 @@ from runs.check.check_store import (
     check_transaction,
 )
 from runs.check.policy_cache import rules_for_version, version_label
-from runs.check.records import DecisionRow, explain_kill
+from runs.check.records import DecisionRow, explain_stop
 from runs.killswitch import cover
 from runs.live.events import publish_run_event
 from runs.models import Approval, Run
@@ -310,8 +310,7 @@ def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now:
     if state.pending is not None or (first is not None
                                      and first[1].get("decision") == rules.PENDING):
         state, first = _settle_on_check(run, state, first, check, now=now, kill=kill)
-    if state.status == rules.KILLED:
-        explain_kill(state, run.id)
+    explain_stop(state, run.id)
     return state, rows, kill, first
 
 

@@ -399,9 +399,10 @@ class RunState:
     # SPEC 16: the budgets the run was already warned about (a budget warning is sent once
     # per budget per run); kept in the fixed memory, so the check's one write stores it.
     budget_warned: frozenset[str] = frozenset()
-    #: What ended a killed run, in words (the switch and the operator's reason), and as the
-    #: kill's rule (SPEC 16: it names the switch); not part of the memory: the caller fills
-    #: them from the kill's audit record when it answers the stop.
+    #: What ended a stopped or killed run, in the words of its stop (the limit and its
+    #: value, or the switch and the operator's reason), and a kill's rule (SPEC 16: it names
+    #: the switch); not part of the memory: the caller fills them from the stop's audit
+    #: record when it answers a later check.
     stop_detail: str | None = None
     stop_rule: Mapping[str, Any] | None = None
 
@@ -1542,9 +1543,12 @@ def terminal_decision(state: RunState, key: str) -> Decision:
     """The answer to any check of a run that is over: no counter moves."""
     if state.status in (STOPPED, KILLED):
         reason = state.stop_reason or state.status
-        message = f"The run is already {state.status} (reason: {reason})."
+        why = f" (reason: {reason})" if reason != state.status else ""
+        message = f"The run is already {state.status}{why}."
         if state.stop_detail:
-            message = f"The run is already {state.status}: {state.stop_detail}"
+            # SPEC 4.4: every stop names the limit and its value. A later check gets the
+            # stop that ended the run, in its own words.
+            message = f"The run is already {state.status}{why}. Its stop: {state.stop_detail}"
     else:
         reason = RUN_FINISHED
         message = f"The run is already {state.status}."
