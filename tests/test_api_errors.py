@@ -248,6 +248,15 @@ def test_decisions_listing_validates_its_query(api, run_id):
     assert_error(api.get(f"/api/v1/runs/{run_id}/decisions?after=-1"), 422, "invalid_request")
 
 
+def test_an_empty_query_parameter_is_an_absent_one(api, run_id):
+    """`?status=&agent=&limit=`, as a form or a URL template leaves them, answered 422."""
+    listed = api.get("/api/v1/runs?status=&agent=&limit=")
+    assert listed.status_code == 200 and [r["run_id"] for r in listed.json()["runs"]] == [run_id]
+    decisions = api.get(f"/api/v1/runs/{run_id}/decisions?after=&limit=")
+    assert decisions.status_code == 200, decisions.content
+    assert_error(api.get("/api/v1/runs?status= "), 422, "invalid_request")
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda children: st.lists(children, max_size=4)

@@ -27,7 +27,7 @@ from pydantic import (
     TypeAdapter,
 )
 from pydantic.json_schema import GetJsonSchemaHandler, JsonSchemaValue
-from pydantic_core import PydanticCustomError, core_schema
+from pydantic_core import PydanticCustomError, PydanticUseDefault, core_schema
 from typing_extensions import TypeAliasType
 
 from governance.text import text_problem
@@ -591,16 +591,27 @@ class DecisionDetailOut(Schema):
     at: datetime
 
 
+def _absent_if_empty(value: Any) -> Any:
+    if value == "":
+        raise PydanticUseDefault()
+    return value
+
+
+# A query parameter left empty (`?status=&limit=`, as a form or a URL template leaves one) is
+# the same as an absent one, not a value to refuse.
+EmptyIsAbsent = BeforeValidator(_absent_if_empty)
+
+
 class RunsFilter(Schema):
-    status: RunStatusName | None = None
+    status: Annotated[RunStatusName | None, EmptyIsAbsent] = None
     # The agent-name pattern, not only a length: a NUL would reach the database as a 503.
-    agent: Annotated[str, Field(pattern=AGENT_PATTERN)] | None = None
-    limit: Annotated[int, Field(ge=1, le=500)] = 50
+    agent: Annotated[Annotated[str, Field(pattern=AGENT_PATTERN)] | None, EmptyIsAbsent] = None
+    limit: Annotated[int, Field(ge=1, le=500), EmptyIsAbsent] = 50
 
 
 class DecisionsFilter(Schema):
-    after: Annotated[int, Field(ge=0)] = 0
-    limit: Annotated[int, Field(ge=1, le=1000)] = 100
+    after: Annotated[int, Field(ge=0), EmptyIsAbsent] = 0
+    limit: Annotated[int, Field(ge=1, le=1000), EmptyIsAbsent] = 100
 
 
 class ApprovalActionOut(Schema):
@@ -626,4 +637,4 @@ class ApprovalOut(Schema):
 
 
 class ApprovalWait(Schema):
-    wait: Annotated[int, Field(ge=0, le=60)] = 0
+    wait: Annotated[int, Field(ge=0, le=60), EmptyIsAbsent] = 0
