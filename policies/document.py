@@ -8,7 +8,9 @@ request"): what a request costs follows from its size, whatever shape it has.
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal
+from fnmatch import fnmatchcase
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -186,6 +188,38 @@ class PolicyDoc(_Strict):
         if problems:
             raise _FieldErrors(problems)
         return self
+
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def denies_every_tool(allow: list[str] | None, deny: list[str]) -> str | None:
+    """Why these tool rules deny every action (SPEC 4.4 rule 3), in words, else None: an empty
+    allow list, a deny pattern that matches every name, or every allow pattern covered by a
+    deny pattern. Only what is certain: a deny pattern covers an allow pattern when they are
+    the same, when it matches the allowed name itself (no wildcard in it), or when it is a
+    literal prefix and `*` and every name the allow pattern matches starts with that prefix.
+    A deny-all saved by a pattern, where the empty allow list was already refused, stopped
+    every run of a policy without a word (found by a newcomer: allow search.docs, deny
+    search.*; then deny *)."""
+    if allow == []:
+        return "the allow list is empty"
+    for pattern in deny:
+        if pattern and set(pattern) == {"*"}:
+            return f"the deny pattern {pattern!r} matches every tool"
+    if allow is None:
+        return None
+    covered = []
+    for allowed in allow:
+        prefix = allowed[:m.start()] if (m := _GLOB.search(allowed)) else allowed
+        by = next((pattern for pattern in deny if pattern == allowed
+                   or (not _GLOB.search(allowed) and fnmatchcase(allowed, pattern))
+                   or (pattern.endswith("*") and not _GLOB.search(pattern[:-1])
+                       and prefix.startswith(pattern[:-1]))), None)
+        if by is None:
+            return None
+        covered.append(f"{allowed} by {by}")
+    return "every allowed tool is denied too: " + ", ".join(covered)
 
 
 # Each count warning (SPEC 16) and the step limit it must stay below.

@@ -15,6 +15,7 @@ from .document import (
     MAX_DOCUMENT_BYTES,
     MAX_NUMBER_CHARS,
     DocumentError,
+    denies_every_tool,
     load_yaml,
     parse_policy,
 )
@@ -162,7 +163,7 @@ class PolicyForm(forms.Form):
             "max_usd": text(budgets["max_usd"]),
             "max_tool_calls": text(budgets["max_tool_calls"]),
             "restrict_tools": tools["allow"] is not None,
-            "deny_every_tool": tools["allow"] == [],
+            "deny_every_tool": denies_every_tool(tools["allow"], tools["deny"]) is not None,
             "tools_allow": "\n".join(tools["allow"] or []),
             "tools_deny": "\n".join(tools["deny"]),
             "ignore_args": "\n".join(document["repeat_key"]["ignore_args"]),
@@ -191,6 +192,14 @@ class PolicyForm(forms.Form):
         timeout = data.get("approval_timeout_s") or ""
         warnings = {key: number(field) for field, key in WARNING_FIELDS.items()}
         allowed = _lines(data.get("tools_allow") or "")
+        denied = _lines(data.get("tools_deny") or "")
+        allow = allowed if data.get("restrict_tools") else None
+        if data.get("deny_every_tool") and not allowed \
+                and denies_every_tool(allow, denied) is None:
+            # "Deny every tool" means it on its own (found by a newcomer: ticked alone it
+            # saved nothing, "Nothing changed"); with tools listed it is a form error. Where
+            # the deny patterns already deny every tool, the ticked box only confirms it.
+            allow = []
         return {
             "name": self.fixed_name if self.fixed_name is not None else (data.get("name") or ""),
             "mode": data.get("mode") or "enforce",
@@ -200,13 +209,7 @@ class PolicyForm(forms.Form):
                 "no_progress_window": number("no_progress_window"),
             },
             "budgets": {f: number(f) for f in sorted(OPTIONAL_NUMBERS)},
-            "tools": {
-                # "Deny every tool" means it on its own (found by a newcomer: ticked alone it
-                # saved nothing, "Nothing changed"); with tools listed it is a form error.
-                "allow": [] if data.get("deny_every_tool") and not allowed
-                else allowed if data.get("restrict_tools") else None,
-                "deny": _lines(data.get("tools_deny") or ""),
-            },
+            "tools": {"allow": allow, "deny": denied},
             "repeat_key": {"ignore_args": _lines(data.get("ignore_args") or "")},
             "on_repeated_error": {
                 "threshold": _number(threshold) if threshold.strip() else 3,
@@ -243,11 +246,16 @@ class PolicyForm(forms.Form):
             # "Only allow the tools listed below" ticked over an empty list saved a policy
             # that stopped 246 of 259 recorded runs at their first step, without a word.
             self.add_error("tools_allow", DENY_ALL)
+        elif tools and not cleaned.get("deny_every_tool") and (
+                why := denies_every_tool(tools.get("allow"), tools.get("deny") or [])):
+            self.add_error("tools_deny", DENY_ALL_BY_PATTERNS.format(why=why))
         return cleaned
 
 
 DENY_ALL_WITH_TOOLS = ("\"Deny every tool\" is ticked: empty this list, or untick it to allow "
                        "only the tools listed.")
+DENY_ALL_BY_PATTERNS = ("Every tool of every run would be denied: {why}. Change the patterns, "
+                        "or tick \"Deny every tool\" to mean it.")
 DENY_ALL = ("The list is empty: every tool of every run would be denied. List the tools to "
             "allow, untick \"Only allow\", or tick \"Deny every tool\" to mean it.")
 

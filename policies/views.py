@@ -25,10 +25,15 @@ from governance.web import page
 
 from . import impact, selectors, tokens
 from .access import can, team_view, teams_of
-from .document import MAX_DOCUMENT_BYTES, DocumentError, default_policy, parse_document
+from .document import (
+    MAX_DOCUMENT_BYTES,
+    DocumentError,
+    default_policy,
+    denies_every_tool,
+    parse_document,
+)
 from .egress import masked_url
 from .forms import (
-    DENY_ALL,
     FIELD_PATHS,
     ImportForm,
     KeyForm,
@@ -234,11 +239,14 @@ def policy_restore(request: HttpRequest, slug: str, name: str, version: int) -> 
     impacts: list[impact.Impact] = []
     token = ""
     note = (request.POST.get("note") or "").strip()[:400]
+    denies_all = denies_every_tool(old.document["tools"].get("allow"),
+                                   old.document["tools"].get("deny") or [])
     if request.method == "POST":
         if not note:
             errors["note"] = "Say why you restore it: the note is shown in the history."
-        if old.document["tools"].get("allow") == [] and not request.POST.get("deny_every_tool"):
-            errors["deny_every_tool"] = DENY_ALL
+        if denies_all and not request.POST.get("deny_every_tool"):
+            errors["deny_every_tool"] = ("Tick \"Deny every tool\" to restore it: every action "
+                                         "of every run would be stopped.")
         if not errors:
             impacts, token = impact.stop_confirmation(request.team, [old.document],
                                                       request.POST.get(impact.CONFIRM_FIELD))
@@ -255,7 +263,7 @@ def policy_restore(request: HttpRequest, slug: str, name: str, version: int) -> 
     return page(request, "policies/restore.html", {
         "policy": policy, "old": old, "note": note, "errors": errors,
         "impacts": impacts, "confirm_token": token, "confirm_field": impact.CONFIRM_FIELD,
-        "denies_all": old.document["tools"].get("allow") == [],
+        "denies_all": denies_all,
         "diff": selectors.yaml_diff(policy.current.document, old.document,
                                     before_label=f"version {policy.current.version} (current)",
                                     after_label=f"version {old.version}"),

@@ -60,3 +60,43 @@ def test_a_listed_tool_needs_no_confirmation(team, users):
     admin.force_login(users["admin"])
     assert save(admin, team, restrict_tools="on", tools_allow="search.*").status_code == 302
     assert allow_list(team) == ["search.*"]
+
+
+def tools(team: Any) -> Any:
+    return Policy.objects.get(team=team, name="default").current.document["tools"]
+
+
+@pytest.mark.parametrize("changes, why", [
+    ({"tools_deny": "*"}, "the deny pattern '*' matches every tool"),
+    ({"restrict_tools": "on", "tools_allow": "search.docs", "tools_deny": "search.*"},
+     "every allowed tool is denied too: search.docs by search.*"),
+    ({"restrict_tools": "on", "tools_allow": "search.web*\nhttp.get",
+      "tools_deny": "search.*\nhttp.get"},
+     "every allowed tool is denied too: search.web* by search.*, http.get by http.get"),
+], ids=["deny-star", "allow-covered", "each-covered"])
+def test_patterns_that_deny_every_tool_are_refused_unless_meant(team, users, changes, why):
+    """Found by a newcomer: with the empty allow list refused, deny `*` (or an allow list
+    its deny patterns cover) still saved a policy that stops every run, without a word."""
+    admin = Client()
+    admin.force_login(users["admin"])
+    before = tools(team)
+    refused = save(admin, team, **changes)
+    assert refused.status_code == 422
+    assert why in refused.content.decode().replace("&#x27;", "'")
+    assert tools(team) == before  # nothing saved
+    meant = {**changes, "tools_allow": "", "deny_every_tool": "on"}
+    assert save(admin, team, **meant).status_code == 302
+    # The patterns deny every tool already: the ticked box confirms, it adds no empty list
+    # unless the allow list was ticked empty.
+    assert tools(team)["deny"] == changes["tools_deny"].split("\n")
+    page = admin.get(reverse("policy", args=[team.slug, "default"])).content.decode()
+    assert re.search(r'<input[^>]*name="deny_every_tool"[^>]*checked', page)
+
+
+def test_patterns_that_leave_a_tool_allowed_need_no_confirmation(team, users):
+    """Only what is certain is refused: deny search.x* leaves search.y allowed."""
+    admin = Client()
+    admin.force_login(users["admin"])
+    assert save(admin, team, restrict_tools="on", tools_allow="search.*",
+                tools_deny="search.x*").status_code == 302
+    assert save(admin, team, tools_deny="*.delete\nadmin.?").status_code == 302
