@@ -66,7 +66,9 @@ def test_apply_twice_and_a_dry_run_with_its_backtest(server: Server, agent: Agen
     assert code == 0, err
     assert "policy support/default: would change" in out
     assert "+  max_steps: 2" in out or "max_steps: 2" in out
-    assert "backtest: 2 recorded runs replayed, 2 would change (stopped by max_steps 2)." in out
+    assert ("backtest: 2 of the 2 ended runs of support/default started within 30 days (the "
+            "newest 1,000 at most), replayed whole, would change (stopped by max_steps 2).") \
+        in out
     assert "policy support/strict: new" in out
     assert not PolicyVersion.objects.filter(policy__name="strict").exists()
 
@@ -152,13 +154,18 @@ def test_a_change_to_confirm_names_the_flag_and_a_dry_run_fails_on_it(
         code, out, err = govctl(server, admin_token, "policies", "apply", str(deny_all),
                                 *extra)
         assert code == 1 and "confirmation_required (409)" in err, err
-        assert "--confirm-stops" in err and "(tool_denied 3)" in err, err
+        assert "--confirm-stops" in err and "first step: tool_denied 3." in err, err
+        # The numbers once (found by a newcomer: the impacts repeated the message's).
+        assert err.count("would stop 3 of") == 1, err
         # One instruction, govctl's (found by a newcomer: the API's JSON field was named too).
         assert "confirm_stops" not in err, err
     # The dry run shows the change it could not make without the flag: its diff and backtest
     # (found by a newcomer: it showed the refusal alone).
     assert "policy support/default: would change" in out and "+  - '*'" in out, out
     assert "backtest: " in out, out
+    # Counted once, as refused (found by a newcomer: "1 of 2 policies refused" of one).
+    assert "1 policy would change only with --confirm-stops" in out, out
+    assert "nothing saved: 1 of 1 policy refused" in err and "the save's own check" in err, err
     code, out, err = govctl(server, admin_token, "policies", "apply", str(deny_all),
                             "--confirm-stops")
     assert code == 0 and "policy support/default: version" in out, err

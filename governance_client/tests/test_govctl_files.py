@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -134,8 +135,9 @@ def test_a_dry_run_says_in_words_which_runs_the_draft_stops_and_which_it_no_long
                  "apply", str(path), "--dry-run"], out=out,
                 transport=httpx.MockTransport(answer))
     assert code == 0
-    assert ("backtest: 9 recorded runs replayed, 5 would change (stopped by max_steps 2, "
-            "no longer stopped 3).") in out.getvalue()
+    assert ("5 of the 9 ended runs of support/default started within 30 days (the newest "
+            "1,000 at most), replayed whole, would change (stopped by max_steps 2, no longer "
+            "stopped 3).") in out.getvalue()
 
 
 @pytest.mark.parametrize("url", ["http://governance.test", "http://governance.test/",
@@ -181,3 +183,80 @@ def test_a_busy_servers_429_is_sent_again_after_its_retry_after() -> None:
     with pytest.raises(Exception, match="too_many_requests"):
         always.call("GET", "/teams")
     assert len(sent) == RETRIES_429 + 1
+
+
+CONFIRM_409 = {"error": {
+    "code": "confirmation_required",
+    "message": "Policy default would stop 147 of its 147 most recent ended runs (started within "
+               "30 days) at their first step: tool_denied 147. Send it again with "
+               "\"confirm_stops\": true to save it.",
+    "fields": {},
+    "impacts": [{"policy": "default", "runs": 147, "stopped_at_once": 147,
+                 "by_reason": {"tool_denied": 147}, "since_days": 30}]}}
+
+
+def dry_run_to_confirm(tmp_path: Path, content: str) -> tuple[int, str, str, list[Any]]:
+    """A dry run whose changes of `default` the server asks to confirm (409 without
+    confirm_stops), as a deny-all of a busy policy is: the PUTs and backtests it sent."""
+    bodies: list[Any] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        bodies.append((request.method, request.url.path, body))
+        if request.url.path.endswith("/backtest"):
+            return httpx.Response(200, json={
+                "runs": 148, "changed": 148, "by_reason": {"tool_denied": 148},
+                "summary": "This draft would stop 145 of 148 runs earlier; stop 3 runs later "
+                           "or for another reason; and cause no rate-limit wait and no "
+                           "approval request."})
+        if request.method == "GET":
+            return httpx.Response(200, json={"version": 3, "document": {"name": "default"}})
+        if request.url.path.endswith("/default") and not body.get("confirm_stops"):
+            return httpx.Response(409, json=CONFIRM_409)
+        return httpx.Response(200, json={"changed": True, "version": 4 if "default" in
+                                         request.url.path else 1, "document": body})
+
+    path = tmp_path / "p.yaml"
+    path.write_text(content)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["--url", "http://governance.test", "--token", "gov_op_x_y", "policies",
+                     "apply", str(path), "--dry-run"], out=out,
+                    transport=httpx.MockTransport(answer))
+    return code, out.getvalue(), err.getvalue(), bodies
+
+
+def test_a_dry_run_counts_a_change_to_confirm_once_as_refused(tmp_path):
+    # Found by a newcomer: a file of one policy to confirm said "1 policy would change",
+    # then "nothing saved: 1 of 2 policies refused".
+    code, out, err, _ = dry_run_to_confirm(tmp_path, GOOD)
+    assert code == 1
+    assert "policy support/default: would change (version 3 -> 4)" in out
+    assert "1 policy would change only with --confirm-stops (dry run: nothing saved)" in out
+    assert "nothing saved: 1 of 1 policy refused" in err, err
+
+    # With a policy the apply would save beside it: each counted once, in its own words.
+    other = GOOD + GOOD[GOOD.index("      - name"):].replace("name: default", "name: other")
+    code, out, err, _ = dry_run_to_confirm(tmp_path, other)
+    assert code == 1
+    assert ("1 policy would change; 1 policy would change only with --confirm-stops "
+            "(dry run: nothing saved)") in out, out
+    assert "policy support/other: new (version 1)" in out
+    assert "nothing saved: 1 of 2 policies refused" in err, err
+
+
+def test_a_dry_runs_counts_each_say_what_they_are_of(tmp_path):
+    # Found by a newcomer: "148 recorded runs replayed, 148 would change", then "145 of 148
+    # runs earlier", then "147 of its 147 most recent ended runs" (printed twice, in two
+    # wordings), with nothing saying which runs each count was of.
+    code, out, err, sent = dry_run_to_confirm(tmp_path, GOOD)
+    assert code == 1
+    assert ("backtest: 148 of the 148 ended runs of support/default started within 30 days "
+            "(the newest 1,000 at most), replayed whole, would change (stopped by tool_denied "
+            "148).") in out, out
+    # The window and bound said are the ones asked for.
+    (backtest,) = [body for method, path, body in sent if path.endswith("/backtest")]
+    assert (backtest["since"], backtest["limit"]) == ("30d", 1000)
+    # The save's own count once, and what it is of.
+    assert err.count("147") == 3 and "147 of 147 recent runs" not in err, err
+    assert "that count is the save's own check" in err and "can differ" in err, err

@@ -200,7 +200,10 @@ def _reason(status: int, data: Any) -> str:
     text = f"{error.get('code', 'error')} ({status}): {message}"
     for field, problem in (error.get("fields") or {}).items():
         text += f"\n  {field}: {problem}"
-    for item in error.get("impacts") or []:
+    # The impacts are the message's own numbers (`policies.impact.Impact.sentence`): listed
+    # only when a server sends no message (found by a newcomer: each count printed twice, in
+    # other words, read as yet another count).
+    for item in (error.get("impacts") or []) if not message.strip() else []:
         reasons = item.get("by_reason") or {}
         listed = ", ".join(f"{k} {v}" for k, v in reasons.items()) \
             if isinstance(reasons, dict) else str(reasons)
@@ -260,7 +263,11 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
     shown, and the refusals after them (exit 1: the real apply would be refused)."""
     teams = _teams_of(_load(args.file))
     note = args.note or f"govctl policies apply {Path(args.file).name}"
+    # The policies the apply would save; and, for a dry run, every change to show: those,
+    # and the changes refused only for want of --confirm-stops, which are refusals and
+    # never counted as saved (found by a newcomer: one such policy was "1 of 2 refused").
     planned: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = []
+    shown: list[tuple[str, str, dict[str, Any], dict[str, Any], bool]] = []
     refusals: list[str] = []
     for team in teams:
         slug = team["slug"]
@@ -278,7 +285,9 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
                         # needs (found by a newcomer: it showed the refusal alone).
                         _, would = api.call("PUT", f"/teams/{slug}/policies/{name}",
                                             {**body, "dry_run": True, "confirm_stops": True})
-                        planned.append((slug, name, body, would))
+                        shown.append((slug, name, body, would, True))
+                        if would.get("changed") and would.get("version") != 1:
+                            refusal += SAVES_OWN_COUNT
                     refusals.append(f"policy {slug}/{name}: {refusal}")
                     continue
             except Refused as refused:
@@ -294,11 +303,14 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
                 refusals.append(refusal)
                 continue
             planned.append((slug, name, body, would))
+            shown.append((slug, name, body, would, False))
     if args.dry_run:
-        _dry_run(api, out, planned, refused=bool(refusals))
+        _dry_run(api, out, shown, refused=bool(refusals))
     if refusals:
-        raise Refused("\n".join(refusals) + f"\nnothing saved: {len(refusals)} of "
-                      f"{len(refusals) + len(planned)} policies refused")
+        # Each policy of the file once: refused, or one the apply would save.
+        total = len(refusals) + len(planned)
+        raise Refused("\n".join(refusals) + f"\nnothing saved: {len(refusals)} of {total} "
+                      f"polic{'y' if total == 1 else 'ies'} refused")
     if args.dry_run:
         return
     changed = 0
@@ -315,26 +327,44 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
         print("nothing changed", file=out)
 
 
-def _dry_run(api: Api, out: Any, planned: list[tuple[str, str, dict[str, Any], dict[str, Any]]],
+def _dry_run(api: Api, out: Any,
+             shown: list[tuple[str, str, dict[str, Any], dict[str, Any], bool]],
              *, refused: bool) -> None:
-    changed = 0
-    for slug, name, body, would in planned:
+    changed = to_confirm = 0
+    for slug, name, body, would, confirm in shown:
         if not would["changed"]:
             continue
-        changed += 1
+        if confirm:
+            to_confirm += 1
+        else:
+            changed += 1
         _show_change(api, out, slug, name, body, would)
-    if not changed:
+    if not changed and not to_confirm:
         if not refused:  # else the refusals say what the apply would do
             print("nothing changed (dry run)", file=out)
-    else:
-        print(f"{changed} polic{'y' if changed == 1 else 'ies'} would change (dry run: "
-              "nothing saved)", file=out)
+        return
+    said = [f"{n} polic{'y' if n == 1 else 'ies'} would change{suffix}"
+            for n, suffix in ((changed, ""), (to_confirm, " only with --confirm-stops"))
+            if n]
+    print("; ".join(said) + " (dry run: nothing saved)", file=out)
 
 
 def _denies_every_tool(document: Any) -> bool:
     tools = document.get("tools") if isinstance(document, dict) else None
     return isinstance(tools, dict) and tools.get("allow") == []
 
+
+# A dry run's backtest: the same window and bound as the server's defaults for it (SPEC 13).
+BACKTEST_SINCE = "30d"
+BACKTEST_SINCE_WORDS = "30 days"
+BACKTEST_LIMIT = 1000
+
+# A change to confirm is counted by the save itself, on fewer runs than the backtest and at
+# another moment (`backtests/impact.py`: the newest ended runs, their first steps): its
+# numbers need not be the backtest's, and a dry run shows both.
+SAVES_OWN_COUNT = ("\n  (that count is the save's own check, on the policy's most recent "
+                   "ended runs when it was asked; the backtest above replays every ended "
+                   "run of the window whole, so its counts can differ)")
 
 # An empty allow list denies every tool of every run: said out loud, as the editor does
 # (found by a newcomer: a dry run showed it as one line of the diff).
@@ -353,7 +383,10 @@ def _show_change(api: Api, out: Any, slug: str, name: str, body: dict[str, Any],
         return
     _, current = api.call("GET", f"/teams/{slug}/policies/{name}")
     policy = {k: v for k, v in body.items() if k not in ("note", "confirm_stops")}
-    _, report = api.call("POST", f"/teams/{slug}/policies/{name}/backtest", policy,
+    # The window and bound the line below names, sent rather than left to the server's
+    # defaults, so that what it says the count is of is what was asked.
+    _, report = api.call("POST", f"/teams/{slug}/policies/{name}/backtest",
+                         {**policy, "since": BACKTEST_SINCE, "limit": BACKTEST_LIMIT},
                          timeout=BACKTEST_TIMEOUT_S)
     print(f"policy {label}: would change (version {current['version']} -> "
           f"{would['version']})", file=out)
@@ -364,8 +397,12 @@ def _show_change(api: Api, out: Any, slug: str, name: str, body: dict[str, Any],
     # them (SPEC 15), said in words here (a newcomer read "(none 3)" as nothing).
     reasons = ", ".join(f"{'no longer stopped' if k == 'none' else 'stopped by ' + k} {v}"
                         for k, v in report.get("by_reason", {}).items())
-    print(f"backtest: {report['runs']} recorded runs replayed, {report['changed']} would "
-          f"change" + (f" ({reasons})" if reasons else "") + ".", file=out)
+    # What the count is of, said (found by a newcomer: three lines, three run counts).
+    # The summary's "N of M runs" is of the same M runs; its parts add up to the changes.
+    print(f"backtest: {report['changed']} of the {report['runs']} ended runs of {label} "
+          f"started within {BACKTEST_SINCE_WORDS} (the newest {BACKTEST_LIMIT:,} at most), "
+          "replayed whole, would change" + (f" ({reasons})" if reasons else "") + ".",
+          file=out)
     if report.get("summary"):
         print(f"backtest: {report['summary']}", file=out)
 
