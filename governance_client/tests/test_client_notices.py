@@ -92,7 +92,11 @@ def test_a_check_that_failed_with_a_timeout_tells_the_developer_alone() -> None:
 
 @pytest.mark.parametrize(("status", "code", "again"), [
     (422, "invalid_request", False), (401, "unauthorized", False), (403, "forbidden", False),
-    (409, "run_finished", True), (429, "too_many_requests", True), (503, "unavailable", True),
+    # A run or a parent that is over stays over; an external_id stays another run's.
+    (409, "run_finished", False), (409, "parent_finished", False),
+    (409, "external_id_conflict", False),
+    (409, "approval_pending", True), (409, "kill_switch_engaged", True),
+    (429, "too_many_requests", True), (503, "unavailable", True),
 ])
 def test_a_refusal_a_retry_would_get_again_does_not_say_try_again(
         status: int, code: str, again: bool) -> None:
@@ -101,5 +105,36 @@ def test_a_refusal_a_retry_would_get_again_does_not_say_try_again(
     from governance_client.errors import api_error
 
     notice = api_error(status, {"error": {"code": code, "message": "m"}}).user_notice()
-    assert ("Try again" in notice) is again, notice
+    assert ("try again" in notice.lower()) is again, notice
     assert ("Trying again will not help" in notice) is not again, notice
+    # The reason is what the service answered, never a generic one (found by a newcomer:
+    # a refused sub-agent said "governance_error").
+    reason = "killed" if code == "kill_switch_engaged" else code
+    assert notice.startswith(f"Stopped by governance ({reason}): "), notice
+
+
+def test_a_sub_agent_refused_under_a_stopped_parent_says_so() -> None:
+    from governance_client import ParentFinished
+
+    fake = FakeGovernance()
+    with fake.client() as client, client.run("planner") as run:
+        run.finish("stopped")
+        with pytest.raises(ParentFinished) as refused, run.child(agent="researcher"):
+            pass
+    notice = refused.value.user_notice()
+    assert notice.startswith("Stopped by governance (parent_finished): "), notice
+    assert "sub-agent did not run" in notice and "Trying again will not help" in notice
+    assert_for_a_user(notice)
+
+
+def test_a_run_used_after_its_end_is_the_developers_to_fix() -> None:
+    from governance_client import RunClosed
+
+    fake = FakeGovernance()
+    with fake.client() as client, client.run("bot") as run:
+        pass
+    with pytest.raises(RunClosed) as closed:
+        run.check("search", {"q": 1})
+    notice = closed.value.user_notice()
+    assert notice.startswith("Stopped by governance (run_closed): "), notice
+    assert "Try again later" not in notice and "Trying again will not help" in notice

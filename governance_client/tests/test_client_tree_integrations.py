@@ -72,6 +72,35 @@ def test_an_agents_sdk_handoff_loop_is_stopped_at_the_policys_step() -> None:
     assert all(c.status != rules.RUNNING for c in children)
 
 
+def test_an_agents_sdk_handoff_stop_raised_tells_the_user_the_stop() -> None:
+    # Found by a newcomer: with raise_on_stop the handoff's stop was a plain GovernanceError,
+    # whose user_notice() said the service refused a request and to try again later.
+    from agents import Agent, RunConfig, Runner
+
+    from governance_client import GovernanceError, GovernanceStop
+    from governance_client.integrations.openai_agents import govern_agent
+
+    fake = FakeGovernance(max_steps=2)
+    triage = Agent(name="triage", model=_scripted(
+        [[_call("transfer_to_billing", {}, i)] for i in range(20)]))
+    billing = Agent(name="billing", model=_scripted(
+        [[_call("transfer_to_triage", {}, i)] for i in range(20)]), handoffs=[triage])
+    triage.handoffs = [billing]
+
+    async def main() -> None:
+        async with fake.async_client() as client, client.run("triage") as run:
+            await Runner.run(govern_agent(triage, run, raise_on_stop=True), "help",
+                             max_turns=50, run_config=RunConfig(tracing_disabled=True))
+
+    with pytest.raises(GovernanceError) as raised:
+        asyncio.run(main())
+    assert isinstance(raised.value, GovernanceStop)
+    notice = raised.value.user_notice()
+    assert notice.startswith("Stopped by governance (max_steps): "), notice
+    assert "Try again later" not in notice
+    assert raised.value.decision.reason == raised.value.reason == "max_steps"
+
+
 def test_an_agent_as_tool_spends_the_roots_budget() -> None:
     from agents import Agent, RunConfig, Runner, function_tool
 

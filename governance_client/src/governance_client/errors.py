@@ -40,10 +40,28 @@ class GovernanceUnavailable(GovernanceError):
 _NOT_AGAIN = frozenset({400, 401, 403, 404, 413, 422})
 _FIX_IT = ("Trying again will not help: tell the agent's developer (the service did not "
            "accept the agent's key or request; the error says why).")
+_OVER = "Trying again will not help: start the task again as a new request."
+
+# The words of each conflict (SPEC 5.3, 11, 20) for the end user: what happened, and whether
+# trying again can help. A run or a parent that is over stays over, and an external_id stays
+# another run's; a pending approval is decided in time (found by a newcomer: a sub-agent
+# refused under a stopped parent said "governance_error ... Try again later").
+_NOTICES: dict[str, tuple[str, str]] = {
+    "parent_finished": ("The task this sub-agent was started for has already ended, so the "
+                        "sub-agent did not run.", _OVER),
+    "run_finished": ("This agent's run has already ended, so nothing more was run in it.",
+                     _OVER),
+    "external_id_conflict": ("The agent named its run with an id (external_id) that belongs "
+                             "to another run, so the agent did not run.", _FIX_IT),
+    "approval_pending": ("Another action of this agent is waiting for an operator's approval, "
+                         "so this one was not run.",
+                         "Try again once an operator has decided on the waiting action."),
+}
 
 
 class ApiError(GovernanceError):
-    """The service answered with an error body ``{"error": {"code", "message", "fields"}}``."""
+    """The service answered with an error body ``{"error": {"code", "message", "fields"}}``.
+    Its ``reason`` (in ``user_notice()``) is the code."""
 
     def __init__(
         self,
@@ -59,7 +77,11 @@ class ApiError(GovernanceError):
         self.code = code
         self.message = message
         self.fields: dict[str, Any] = dict(fields or {})
-        if status in _NOT_AGAIN:
+        if "reason" not in type(self).__dict__:  # a class's own reason (killed) stands
+            self.reason = code
+        if code in _NOTICES:
+            self.user_message, self.user_next = _NOTICES[code]
+        elif status in _NOT_AGAIN:
             # The agent's key or request was refused as such: trying again would get the same
             # answer (found by a newcomer: a bad sub-agent name said "Try again later").
             self.user_next = _FIX_IT
@@ -98,6 +120,27 @@ class ApprovalPending(ApiError):
 class RunClosed(GovernanceError):
     """The run was finished (its ``with`` block exited, or ``finish`` was called): a check or
     report on it is a bug in the agent, refused before anything is sent."""
+
+    # Nothing was sent, so neither the service nor a retry has a say.
+    reason = "run_closed"
+    user_message = "The agent acted in a run it had already ended, so nothing was run."
+    user_next = _FIX_IT.replace("the service did not accept the agent's key or request; the "
+                                "error says why", "the agent used a run after finishing it")
+
+
+class GovernanceStop(GovernanceError):
+    """A stop raised as an exception where a framework needs one (the OpenAI Agents
+    integration's handoff with ``raise_on_stop=True``): ``decision`` is the stop, and
+    ``user_notice()`` its notice, as the run's output has it."""
+
+    def __init__(self, decision: Any, notice: str) -> None:
+        super().__init__(notice)
+        self.decision = decision
+        self.reason = str(getattr(decision, "reason", None) or self.reason)
+        self.notice = notice
+
+    def user_notice(self) -> str:
+        return self.notice
 
 
 _BY_CODE: dict[str, type[ApiError]] = {

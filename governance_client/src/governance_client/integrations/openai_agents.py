@@ -267,12 +267,15 @@ def _governed_handoff(item: Agent[Any] | Handoff[Any, Any], state: GovernanceSta
         decision = await state.check(f"handoff:{receiving.name}", {}, None, type="other")
         if not decision.allowed:
             state.stop = state.stop or decision
-            notice = (state.run.stop_decision or decision).user_notice(state.last_text)
+            stop = state.run.stop_decision or decision
+            notice = stop.user_notice(state.last_text)
             state.run.output = notice
             await state.finish_child()
             if options["raise_on_stop"]:
-                from ..errors import GovernanceError
-                raise GovernanceError(notice)
+                # Its user_notice() is the stop's (a GovernanceError's own told the user the
+                # service had refused a request and to try again later).
+                from ..errors import GovernanceStop
+                raise GovernanceStop(stop, notice)
             return receiving.clone(model=_StopModel(notice), tools=[], handoffs=[],
                                    input_guardrails=[], output_guardrails=[])
         await state.finish_child()  # control moves on: the handing-off agent is done
