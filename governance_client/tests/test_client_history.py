@@ -150,6 +150,30 @@ def test_the_budget_never_evicts_the_system_prompt_pinned_context_or_last_turns(
     assert sum(estimate_tokens(m) for m in fitted) > 10
 
 
+def test_the_budget_tells_the_caller_the_estimate_of_what_it_returns() -> None:
+    # Found by a newcomer: max_tokens=2000 returned ~2,257 estimated tokens (the last turns
+    # are kept whole), and nothing told the caller.
+    history = rename_loop()
+    counted: list[object] = []
+
+    def tokenizer(message: object) -> int:
+        counted.append(message)
+        return estimate_tokens(message)
+
+    over = compact_with_budget(history, max_tokens=10, estimate_tokens=tokenizer)
+    assert over.estimated_tokens == sum(estimate_tokens(m) for m in over) > 10
+    assert over.over_budget and over.max_tokens == 10
+    assert len(counted) == len(history)  # the caller's tokenizer, once per message: free
+
+    fits = compact_with_budget(history, max_tokens=100_000)
+    assert fits.estimated_tokens == sum(estimate_tokens(m) for m in fits)
+    assert not fits.over_budget
+    placeholders = compact_with_budget(history, max_tokens=10, placeholder="[evicted]")
+    assert placeholders.estimated_tokens == sum(estimate_tokens(m) for m in placeholders)
+    # Still the list it always was.
+    assert isinstance(over, list) and type(over[:]) is list
+
+
 def test_the_budget_keeps_a_history_that_already_fits_untouched() -> None:
     history = rename_loop(2)
 

@@ -33,6 +33,7 @@ from .keys import normalize_text
 __all__ = [
     "PINNED_ID",
     "PINNED_KEY",
+    "Compacted",
     "PinnedContext",
     "RepeatedErrorGuard",
     "compact_history",
@@ -242,13 +243,33 @@ def _exchanges(history: Sequence[Message]) -> list[list[int]]:
     return [sorted(group) for group in sorted(merged, key=min)]
 
 
+class Compacted(list[Message]):
+    """What ``compact_with_budget`` returns: the messages, as a plain ``list`` of them, and
+    ``estimated_tokens``, the estimate of those messages with the estimator it was given
+    (the sum it compared with the budget: free to read, nothing is counted again).
+    ``over_budget`` is True when it is over ``max_tokens``, which happens when what always
+    stays (the system prompt, the pinned context, user messages, the last
+    ``keep_full_last`` messages) is over it alone: the caller decides then (a smaller
+    ``keep_full_last``, a summary, or a refusal). A copy or slice of it is a plain list."""
+
+    def __init__(self, messages: Iterable[Message] = (), *, estimated_tokens: int = 0,
+                 max_tokens: int = 0) -> None:
+        super().__init__(messages)
+        self.estimated_tokens = estimated_tokens
+        self.max_tokens = max_tokens
+
+    @property
+    def over_budget(self) -> bool:
+        return self.estimated_tokens > self.max_tokens
+
+
 def compact_with_budget(
     history: Sequence[Message],
     max_tokens: int = 8000,
     estimate_tokens: Callable[[Message], int] = estimate_tokens,
     keep_full_last: int = 5,
     placeholder: str | None = None,
-) -> list[Message]:
+) -> Compacted:
     """Compact, then evict the oldest tool exchanges until the history fits ``max_tokens``.
 
     An exchange is a tool call (an assistant turn with ``tool_calls``, ``tool_use`` blocks, or a
@@ -258,7 +279,12 @@ def compact_with_budget(
     than the last ``keep_full_last`` messages are evictable: the system prompt, the pinned
     context, user messages and the last turns always stay. If the history is still over
     budget once nothing evictable is left, what remains is returned as is (over budget):
-    dropping the instructions would be worse than a long prompt.
+    dropping the instructions would be worse than a long prompt. The result says so: its
+    ``estimated_tokens`` and ``over_budget`` (``Compacted``), e.g.::
+
+        messages = compact_with_budget(history, max_tokens=2000)
+        if messages.over_budget:
+            ...  # messages.estimated_tokens > 2000: what always stays is over it alone
 
     With ``placeholder``, the results of an evicted exchange are replaced by that short text
     and the call is kept.
@@ -287,7 +313,10 @@ def compact_with_budget(
             new_size = estimate_tokens(compact[i])
             total -= sizes[i] - new_size
             sizes[i] = new_size
-    return [m for i, m in enumerate(compact) if i not in evicted]
+    # A signal, not an error: the history is still returned whole (found by a newcomer: a
+    # 2,000-token budget returned ~2,257 with nothing to tell the caller).
+    return Compacted((m for i, m in enumerate(compact) if i not in evicted),
+                     estimated_tokens=total, max_tokens=max_tokens)
 
 
 def _placeholder(message: Any, text: str) -> Any:
