@@ -213,3 +213,5 @@ def test_operators_see_the_status_code_never_the_receivers_body(team, users, set
     page = viewer.get(reverse("runs:killswitch", kwargs={"slug": team.slug}))
     assert page.status_code == 200
     assert b"HTTP 500" in page.content and b"INTERNAL-SECRET-PAGE" not in page.content
+    # Said once (found by a newcomer: each attempt line read "HTTP 503 HTTP 503").
+    assert page.content.count(b"HTTP 500") == 1
