@@ -67,7 +67,7 @@ def test_the_no_progress_warning_names_the_streak_and_the_window() -> None:
     # p is new at the first check; then 1, 2, 3 in a row bring nothing new.
     assert [d.directive and d.directive["code"] for d in decisions[:4]] == [
         None, None, None, "no_progress"]
-    assert "3 informative checks in a row brought nothing new; at 4 in a row" in \
+    assert "3 steps in a row reported no new progress or result; at 4 in a row" in \
         decisions[3].directive["content"]
     assert decisions[4].reason == "no_progress"
 

@@ -95,8 +95,11 @@ class KillSwitchEngaged(ApiError):
     """409 ``kill_switch_engaged``: a kill switch covers the run that was being started."""
 
     reason = "killed"
-    user_message = "An operator's kill switch covers this agent."
-    user_next = "An operator stopped this agent: try again once the kill switch is released."
+    # The switch may be the team's, the agent's, a parent run's or the global one: the words
+    # say what any of them means (found by a newcomer: a team switch read "stopped this
+    # agent"); the service's message, shown first, names the switch.
+    user_message = "An operator's kill switch covers this run."
+    user_next = "An operator stopped new runs here: try again once the kill switch is released."
 
     def user_notice(self) -> str:
         # The service names the switch, who engaged it and why: words meant for people.

@@ -822,7 +822,7 @@ def _own_stop(policy: Policy, state: RunState, check: Check, key: str
                 {"repeat_count": count})
     if state.no_progress_streak >= policy.no_progress_window:
         return "no_progress", (
-            f"{state.no_progress_streak} informative checks in a row brought nothing new, "
+            f"{state.no_progress_streak} steps in a row reported no new progress or result, "
             f"reaching no_progress_window={policy.no_progress_window}: the action was not "
             "run and the run is stopped."
         ), rule("no_progress", {"no_progress_window": policy.no_progress_window},
@@ -1002,7 +1002,9 @@ def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: da
     streak, window = state.no_progress_streak, policy.no_progress_window
     if policy.warn_no_progress is not None and streak >= policy.warn_no_progress:
         found.append(WarningFound(streak / window, _directive(NO_PROGRESS, (
-            f"{streak} informative checks in a row brought nothing new; at {window} in a row "
+            # Words for the model: "informative" is the contract's term (a check that
+            # reported progress or a result), not one a model or a user knows.
+            f"{streak} steps in a row reported no new progress or result; at {window} in a row "
             f"(no_progress_window={window}) the next action is not run and this run is "
             "stopped. Report new progress or change approach.")), rule(
                 NO_PROGRESS, {"no_progress_window": window,
