@@ -52,6 +52,7 @@ WARNING_FIELDS = {"warn_repeat_action": "repeat_action", "warn_no_progress": "no
                   "warn_budget_fraction": "budget_fraction"}
 OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls", "max_idle_seconds"}
 RATE_LINE = "match per max window_s, e.g. http.* agent 10 60"
+RATE_PERS = ("run", "agent", "team")
 INT_RE = re.compile(r"^[+-]?\d+$")
 FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 
@@ -80,7 +81,13 @@ def _rate_rules(raw: str) -> tuple[list[dict[str, Any]], list[str]]:
         if not words:
             continue
         if len(words) < 4:
-            bad.append(f"line {number}: write a rule as {RATE_LINE}")
+            # Which parts are missing, and a `per` that is none of its three values, where
+            # "write a rule as ..." alone left a newcomer to guess (`http.* agnt 10`).
+            parts = ("match", "per", "max", "window_s")
+            missing = " and ".join(parts[len(words):])
+            per = f"; per is run, agent or team, not {words[1]!r}" \
+                if len(words) > 1 and words[1] not in RATE_PERS else ""
+            bad.append(f"line {number}: {missing} missing{per}: write a rule as {RATE_LINE}")
             continue
         match, per, most, window = line.strip().rsplit(None, 3)
         if max(len(most), len(window)) > MAX_NUMBER_CHARS:

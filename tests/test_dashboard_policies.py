@@ -293,7 +293,8 @@ def test_rate_limits_are_edited_one_rule_per_line(team, admin):
 
 
 @pytest.mark.parametrize(("lines", "words"), [
-    ("http.* agent", "line 1: write a rule as match per max window_s"),
+    ("http.* agent", "line 1: max and window_s missing: write a rule as match per max window_s"),
+    ("http.* agnt 10", "line 1: window_s missing; per is run, agent or team, not 'agnt'"),
     ("http.* user 10 60", "line 1: per: Input should be 'run', 'agent' or 'team'"),
     ("a run 1 1\nhttp.* agent 0 60", "line 2: max: Input should be greater than or equal to 1"),
     ("http.* agent 10 86401", "line 1: window_s: Input should be less than or equal to 86400"),
