@@ -466,7 +466,9 @@ def _storable(data: Any) -> None:
 
 
 def parse_document(data: Any) -> list[dict[str, Any]]:
-    """Validate a whole document; return its teams, each policy normalized (defaults filled)."""
+    """Validate a whole document; return its teams, each policy normalized (defaults filled).
+    A team's `name` and `webhook_url` are in its dict only when the file names them: an
+    existing team keeps what the file leaves out (`policy_apply`)."""
     if not isinstance(data, dict):
         raise DocumentError({"document": "must be a mapping with a 'teams' list"})
     _bounded(data, "document")
@@ -475,7 +477,14 @@ def parse_document(data: Any) -> list[dict[str, Any]]:
         doc = Document.model_validate(data)
     except ValidationError as exc:
         raise DocumentError({**_warnings_past_limits_in(data), **_errors(exc)}) from None
-    return [team.model_dump() for team in doc.teams]
+    teams = []
+    for team in doc.teams:
+        dumped = team.model_dump()
+        for field in ("name", "webhook_url"):
+            if field not in team.model_fields_set:
+                del dumped[field]
+        teams.append(dumped)
+    return teams
 
 
 def _warnings_past_limits_in(data: dict[str, Any]) -> dict[str, str]:

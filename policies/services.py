@@ -175,27 +175,36 @@ def policy_apply(
     changes: list[str] = []
     for doc in teams:
         # The file's own `default`, if it names one, is the team's first version of it.
-        team, created = team_ensure(slug=doc["slug"], name=doc["name"], actor=actor,
+        team, created = team_ensure(slug=doc["slug"], name=doc.get("name"), actor=actor,
                                     with_default=False)
         if created:
             changes.append(f"team {team.slug}: created")
-        name = doc["name"] or doc["slug"]
-        # The document's validation refused a host with no IDNA form already.
-        webhook_url = ascii_url(doc["webhook_url"]) if doc["webhook_url"] else None
-        if team.webhook_url and doc["webhook_url"] and MASK in doc["webhook_url"] \
-                and doc["webhook_url"] == masked_url(team.webhook_url):
-            # A file exported by someone who may not see the URL whole: it names the
-            # stored one, masked (selectors.team_document), and keeps it.
-            webhook_url = team.webhook_url
+        # What the file leaves out, an existing team keeps (found by a newcomer: applying the
+        # README's example, which names no webhook, cleared the one set in Settings); what
+        # it names, even null, it says.
+        name = (doc.get("name") or doc["slug"]) if "name" in doc else team.name
+        webhook_url = team.webhook_url
+        if "webhook_url" in doc:
+            # The document's validation refused a host with no IDNA form already.
+            webhook_url = ascii_url(doc["webhook_url"]) if doc["webhook_url"] else None
+            if team.webhook_url and doc["webhook_url"] and MASK in doc["webhook_url"] \
+                    and doc["webhook_url"] == masked_url(team.webhook_url):
+                # A file exported by someone who may not see the URL whole: it names the
+                # stored one, masked (selectors.team_document), and keeps it.
+                webhook_url = team.webhook_url
         if (team.name, team.webhook_url) != (name, webhook_url):
             before = {"name": team.name, "webhook_url": team.webhook_url}
+            said = [f"name {team.name!r} -> {name!r}"] if team.name != name else []
+            if team.webhook_url != webhook_url:
+                said.append("webhook " + (f"set to {masked_url(webhook_url)}" if webhook_url
+                                          else "cleared"))
             team.name, team.webhook_url = name, webhook_url
             team.save(update_fields=["name", "webhook_url"])
             after = {"name": name, "webhook_url": team.webhook_url}
             audit(actor=actor, action="team.update", team=team, target=team.slug,
                   detail={"before": before, "after": after})
             if not created:
-                changes.append(f"team {team.slug}: name/webhook updated")
+                changes.append(f"team {team.slug}: " + ", ".join(said))
         for policy in doc["policies"]:
             version = policy_save(team=team, document=policy, actor=actor, source=source)
             if version is not None:

@@ -81,8 +81,8 @@ def test_default_policy_takes_a_name() -> None:
 def test_omitted_fields_take_their_defaults() -> None:
     (team,) = parse_document(document())
 
-    assert team == {"slug": "support", "name": None, "webhook_url": None,
-                    "policies": [SPEC_DEFAULTS]}
+    # A team's name and webhook are not filled in: an existing team keeps its own.
+    assert team == {"slug": "support", "policies": [SPEC_DEFAULTS]}
 
 
 def test_omitted_keys_of_a_section_take_their_defaults() -> None:
@@ -709,6 +709,26 @@ def test_applying_updates_a_team_made_elsewhere(db: Any, team: Team) -> None:
     team.refresh_from_db()
     assert (team.name, team.webhook_url) == ("Support desk", "https://hooks.example.com/x")
     assert versions(team.slug) == [1]
+
+
+def test_a_team_keeps_the_name_and_webhook_the_file_leaves_out(db: Any, team: Team) -> None:
+    """Found by a newcomer: applying the README's example, which names no webhook, cleared
+    the one set in Settings, saying only "name/webhook updated". What the file leaves out
+    is kept; what it names, null included, is applied and said."""
+    policy_apply(data=document({"slug": team.slug, "name": "Support desk",
+                                "webhook_url": "https://hooks.example.com/x"}))
+    assert policy_apply(data=document({"slug": team.slug})) == []
+    team.refresh_from_db()
+    assert (team.name, team.webhook_url) == ("Support desk", "https://hooks.example.com/x")
+
+    changes = policy_apply(data=document({"slug": team.slug, "webhook_url": None}))
+    team.refresh_from_db()
+    assert team.webhook_url is None
+    assert changes == [f"team {team.slug}: webhook cleared"]
+    changes = policy_apply(data=document({"slug": team.slug, "name": "Desk",
+                                          "webhook_url": "https://hooks.example.com/y"}))
+    assert changes == [f"team {team.slug}: name 'Support desk' -> 'Desk', "
+                       "webhook set to https://hooks.example.com/y"]
 
 
 def test_every_new_version_is_an_operator_audit_event(db: Any) -> None:
