@@ -317,7 +317,8 @@ class Application(ResolvedOnce, ASGIHandler):
             executor = pools.pool("api")
             response = await self.serve(receive, send, self.get_response_async(request))
         else:
-            name = pool_name(path, scope["method"])
+            # The method as Django serves it (upper-cased), not as the request line spelt it.
+            name = pool_name(path, request.method)
             executor = pools.pool(name)
             if name in SHARED_POOLS:
                 await self.shared_request(scope, receive, send, request, name, executor)

@@ -160,10 +160,18 @@ def fair(name: str) -> FairPool:
         return _fair[name]
 
 
+# The methods that read the runs list: Django upper-cases the request line's method (a
+# lowercase ``get`` is served as GET) and the API serves HEAD as GET without the body
+# (governance/middleware.py). Compared as sent, ``get`` and ``HEAD /api/v1/runs`` went to the
+# checks' pool, escaping the bulk pool's caps and pacing (found by an attacker: another
+# team's check p99 20 to 35x).
+_READS = frozenset({"GET", "HEAD"})
+
+
 def pool_name(path: str, method: str = "GET") -> str:
     if path.startswith(API_PREFIXES):
         if not operator_path(path):
-            if AGENT_BULK.fullmatch(path) or (method == "GET"
+            if AGENT_BULK.fullmatch(path) or (method.upper() in _READS
                                               and path.rstrip("/") == AGENT_RUNS):
                 return "agent-bulk"
             return "api"

@@ -11,6 +11,7 @@ another team's check p99 12x (the benchmark's `heavy_reads` attack)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -37,6 +38,15 @@ def test_bulk_paths_have_their_own_pool() -> None:
     assert pool_name("/api/v1/runs", "GET") == pool_name("/api/v1/runs/") == "agent-bulk"
     assert pool_name("/api/v1/runs", "POST") == "api"  # a run's start is an agent's step
     assert pool_name("/api/v1/runs/x/check", "POST") == pool_name("/api/v1/runs/x") == "api"
+
+
+@pytest.mark.parametrize("method", ["get", "Get", "HEAD", "head"])
+def test_the_runs_list_is_bulk_however_its_method_is_spelt(method: str) -> None:
+    # Django serves a lowercase `get` as GET, and the API serves HEAD as GET (the whole
+    # list, its body left out): found by an attacker, both escaped to the checks' pool.
+    assert pool_name("/api/v1/runs", method) == pool_name("/api/v1/runs/", method) \
+        == "agent-bulk"
+    assert pool_name("/api/v1/runs", method.replace("e", "o").replace("E", "O")) == "api"
 
 
 def test_bulk_calls_take_turns_within_their_share_of_the_process(
@@ -87,6 +97,44 @@ def test_bulk_calls_take_turns_within_their_share_of_the_process(
                               json={"action": {"name": "search.docs", "args": {"q": "x"}}})
             assert check.status_code == 200, check.text
             assert time.monotonic() - began < DEADLINE_S
+    finally:
+        server.stop()
+
+
+def raw_status(server: Server, request_line: str, token: str) -> tuple[str, dict[str, str]]:
+    """The status line and headers the server answers to `request_line` sent as it is (no
+    client library sends a lowercase method)."""
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"{request_line}\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    status, *lines = data.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    return status, {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def test_a_runs_list_by_lowercase_get_or_head_is_paced_as_bulk(agent_token: str) -> None:
+    """Found by an attacker: `get /api/v1/runs` (which Django serves as GET) and `HEAD
+    /api/v1/runs` (served as GET, its body left out) were classified by the method as sent,
+    landed on the checks' pool and escaped the bulk pool's caps and pacing: another team's
+    check p99 20 to 35x. Both now wait for the team's turn like any bulk call: once an
+    upload owes more than 10 s at a hundredth of the process, they are refused with that
+    wait, as the GET is."""
+    server = start_server(workers=1, env=server_env(WEB_AGENT_BULK_SHARE="0.01"))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60,
+                          headers={"Authorization": f"Bearer {agent_token}"}) as http:
+            run_id = http.post("/api/v1/runs", json={"agent": "support-bot"}).json()["run_id"]
+            answer = http.post(f"/api/v1/runs/{run_id}/local-decisions", json=upload_body())
+            assert answer.status_code == 200, answer.text
+            assert http.get("/api/v1/runs").status_code == 429
+        for line in ("get /api/v1/runs HTTP/1.1", "HEAD /api/v1/runs HTTP/1.1",
+                     "head /api/v1/runs/ HTTP/1.1"):
+            status, headers = raw_status(server, line, agent_token)
+            assert " 429 " in status, (line, status)
+            assert int(headers["retry-after"]) > 10, (line, headers)
     finally:
         server.stop()
 
