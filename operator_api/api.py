@@ -59,7 +59,7 @@ from policies.tokens import (
     token_role,
     token_teams,
 )
-from runs import first_look
+from runs import due, first_look
 from runs.approvals import selectors as approval_reads
 from runs.approvals.services import approval_decide
 from runs.audit import selectors as run_reads
@@ -518,14 +518,22 @@ class ApprovalsQuery(Schema):
 def list_approvals(request: HttpRequest, slug: str, query: Query[ApprovalsQuery]
                    ) -> dict[str, Any]:
     team, _ = _team(request, slug)
-    first_look.look(team)  # whoever looks first settles (SPEC 11), as the approvals page
+    now = timezone.now()
+    # Whoever looks first settles (SPEC 11), as the approvals page: a bounded share (SPEC 10).
+    # What it leaves past its expiry is shown expired, as the agent API answers it, never
+    # pending (runs/due.py).
+    first_look.look(team, now=now)
     rows = Approval.objects.filter(team=team).select_related("run")
-    if query.status is not None:
+    if query.status == ApprovalStatus.PENDING:
+        rows = rows.filter(due.still_pending(now))
+    elif query.status == ApprovalStatus.EXPIRED:
+        rows = rows.filter(due.expired_by_now(now))
+    elif query.status is not None:
         rows = rows.filter(status=query.status)
     order = "expires_at" if query.status == ApprovalStatus.PENDING else "-requested_at"
     _read(request, team)
-    return {"approvals": [approval_reads.approval_json(a)
-                          for a in rows.order_by(order)[:query.limit]]}
+    shown = due.approvals_as_they_will_be(rows.order_by(order)[:query.limit], now=now)
+    return {"approvals": [approval_reads.approval_json(a) for a in shown]}
 
 
 class DecideIn(Schema):

@@ -9,9 +9,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 
 from policies.models import Team
+from policies.tokens import operator_token_create
 from runs.first_look import LOOK_BATCH
 from runs.models import Approval, ApprovalStatus, Decision, Run
 from tests.conftest import set_policy
@@ -140,3 +142,67 @@ def test_the_pages_show_no_run_waiting_for_an_expired_request(
     overview = client.get(f"/teams/{team.slug}/")
     assert overview.context["running"] == []
     assert settled() <= 3 * LOOK_BATCH
+
+
+def operator(users: dict[str, Any]) -> Client:
+    """The operator API as the team's viewer's token reads it."""
+    token = operator_token_create(user=users["viewer"], name="ci", role="viewer").secret
+    return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+
+
+@pytest.mark.django_db
+def test_the_operator_api_lists_no_request_past_its_expiry_as_pending(
+        team: Team, users: dict[str, Any]) -> None:
+    """Found by an attacker: each read settled a share of the expired requests and listed
+    the rest `pending`, while the agent API answered `expired` for the same request. Past
+    the look's share they are now shown as their expiry will settle them."""
+    expires = expired_requests(team)
+    reads = operator(users)
+    path = f"/api/v1/teams/{team.slug}/approvals"
+    assert reads.get(f"{path}?status=pending&limit=500").json()["approvals"] == []
+    assert 0 < settled() <= LOOK_BATCH
+    for query in ("limit=100", "status=expired&limit=100"):
+        listed = reads.get(f"{path}?{query}").json()["approvals"]
+        assert len(listed) == 100, query
+        for row in listed:
+            assert row["status"] == "expired", (query, row)
+            assert at(row["decided_at"]) == expires
+            assert (row["decision"]["decision"], row["decision"]["reason"]) == (
+                "stop", "approval_expired")
+    assert settled() <= 3 * LOOK_BATCH
+
+
+@pytest.mark.django_db
+def test_a_request_shown_expired_reads_as_the_agent_api_then_settles_it(
+        api: Any, team: Team, users: dict[str, Any]) -> None:
+    """The operator's list shows a request the look left due as the settling the agent's
+    read then makes: the same status, time and final answer (but the audit record's id,
+    which only the settling makes)."""
+    expired_requests(team)  # expired an hour ago: the look's share goes to them first
+    set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600})
+    run_id = api.post("/api/v1/runs", {"agent": "support-bot"},
+                      content_type="application/json").json()["run_id"]
+    asked = api.post(f"/api/v1/runs/{run_id}/check", {"action": {"name": "payments.refund"},
+                                                      "check_id": "p1", "cost_usd": 0.5},
+                     content_type="application/json").json()
+    assert asked["decision"] == "pending", asked
+    approval_id = asked["approval"]["id"]
+    expired = timezone.now() - timedelta(seconds=1)  # backdated: no sleep
+    run = Run.objects.get(pk=run_id)
+    run.memory["pending"]["expires_at"] = expired.isoformat()
+    Run.objects.filter(pk=run_id).update(memory=run.memory)
+    Approval.objects.filter(pk=approval_id).update(expires_at=expired)
+
+    listed = operator(users).get(f"/api/v1/teams/{team.slug}/approvals?limit=1").json()
+    shown = listed["approvals"][0]
+    assert shown["id"] == approval_id
+    assert Approval.objects.get(pk=approval_id).status == ApprovalStatus.PENDING  # left due
+    polled = api.get(f"/api/v1/approvals/{approval_id}").json()
+    assert polled["status"] == shown["status"] == "expired"
+    assert shown["decided_at"] == polled["decided_at"]
+    assert shown["decision"]["decision_id"] is None
+    assert polled["decision"]["decision_id"] is not None
+    unrecorded = {"decision_id", "trace_id"}
+    assert ({k: v for k, v in shown["decision"].items() if k not in unrecorded}
+            == {k: v for k, v in polled["decision"].items() if k not in unrecorded})
+    assert shown["decision"]["usage"]["cost_usd"] == 0.5

@@ -15,6 +15,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from policies.models import AgentKey, Team
+from runs import due
 from runs.approvals import selectors as approvals
 from runs.audit import selectors as audit
 from runs.dashboard import presenters
@@ -66,6 +67,9 @@ def test_the_selectors_and_presenters_write_nothing(team: Team, agent_token: str
             audit.run_json(one)
         for approval in Approval.objects.filter(team=team):
             approvals.approval_json(approvals.approval_for_key(key, approval.pk))
+        # The operator API's list (operator_api/api.py).
+        will_be = [approvals.approval_json(a) for a in due.approvals_as_they_will_be(
+            Approval.objects.filter(team=team).select_related("run"), now=timezone.now())]
     assert writes_of(queries) == []
     assert Run.objects.filter(team=team, status="running").count() == 5
     assert Approval.objects.filter(status=ApprovalStatus.PENDING).count() == 2
@@ -75,6 +79,7 @@ def test_the_selectors_and_presenters_write_nothing(team: Team, agent_token: str
         assert {(r.status, r.stop_reason) for r in rows} == {("stopped", "abandoned"),
                                                              ("stopped", "approval_expired")}
     assert len(shown["pending"]) == 2  # the page's own look settles them (below)
+    assert {a["status"] for a in will_be} == {"expired"}
 
 
 @pytest.mark.django_db

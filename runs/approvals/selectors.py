@@ -11,9 +11,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from governance_client import rules
+from governance_client import answers, rules
 from policies.models import AgentKey, Team
 from runs.check import records
+from runs.check.policy_cache import rules_for_version
 from runs.models import Approval, ApprovalStatus, Decision, Run
 
 
@@ -51,6 +52,19 @@ def final_answer(approval: Approval) -> dict[str, Any] | None:
     if run.status == rules.RUNNING or (stored or {}).get("decision") == rules.STOP:
         return stored
     return records.stop_answer(run, _repeat_key(approval, stored))
+
+
+def final_of(run: Any, pending: rules.Pending, decision: rules.Decision, new: rules.RunState,
+             now: datetime, label: str) -> dict[str, Any]:
+    """A settled request's final answer, as its settling stores it (runs/approvals/
+    services.py) and as a read shows a request past its expiry that no look has settled yet
+    (runs/due.py): one builder, so the two cannot drift."""
+    answer = answers.answer_of(decision, new, rules_for_version(run.policy_version_id), now)
+    # The approver is named in the answer (and so in its audit record): null for a command
+    # run without --user, an expiry or a cancellation.
+    answer["approval"] = {**(decision.approval or pending.summary()),
+                          "decided_by": label or None}
+    return answer
 
 
 def _repeat_key(approval: Approval, stored: dict[str, Any] | None) -> str:

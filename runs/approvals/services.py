@@ -42,11 +42,11 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from governance.errors import AppError
-from governance_client import answers, rules
+from governance_client import rules
 from policies.models import Team
 from policies.services import audit
 from runs import telemetry
-from runs.approvals.selectors import iso
+from runs.approvals.selectors import final_of, iso
 from runs.check import lineage, metrics, records, run_memory, states
 from runs.check.policy_cache import rules_for_version
 from runs.check.states import state_of
@@ -136,7 +136,7 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
              in zip(tree, rules.approved_in_tree(tree, pending), strict=True)],
             ("tool_calls",))
     run_memory.save(run.id, state, new)
-    answer = _final(run, pending, decision, new, now, label)
+    answer = final_of(run, pending, decision, new, now, label)
     _record_final(run, pending, answer, now, decision)
     requested_at = pending.since
     transaction.on_commit(partial(_after_change, pending.approval_id, APPROVAL_DECIDED,
@@ -172,7 +172,7 @@ def settle_on_end(*, run: Any, before: rules.RunState, after: rules.RunState,
     ended = run_memory.load(after.copy(), run.id, [(rules.REPEAT, pending.repeat_key)])
     decision = rules.terminal_decision(ended, pending.repeat_key)
     decision = replace(decision, step=pending.step, approval=pending.summary(rules.CANCELLED))
-    answer = _final(run, pending, decision, ended, now, "")
+    answer = final_of(run, pending, decision, ended, now, "")
     _record_final(run, pending, answer, now, decision)
     transaction.on_commit(partial(_after_change, pending.approval_id, APPROVAL_DECIDED,
                                   team_id=run.team_id, status=rules.CANCELLED,
@@ -231,16 +231,6 @@ def settle_stale_locked(*, run: Any, state: rules.RunState, now: datetime) -> in
                     run.id, state.status, ", ".join(ids))
         transaction.on_commit(partial(publish_team_event, run.team_id), robust=True)
     return cancelled
-
-
-def _final(run: Any, pending: rules.Pending, decision: rules.Decision, new: rules.RunState,
-           now: datetime, label: str) -> dict[str, Any]:
-    answer = answers.answer_of(decision, new, rules_for_version(run.policy_version_id), now)
-    # The approver is named in the answer (and so in its audit record): null for a command
-    # run without --user, an expiry or a cancellation.
-    answer["approval"] = {**(decision.approval or pending.summary()),
-                          "decided_by": label or None}
-    return answer
 
 
 def _record_final(run: Any, pending: rules.Pending, answer: dict[str, Any], now: datetime,
