@@ -34,11 +34,13 @@ def run_local_decisions(*, team: Team, run_id: Any, entries: list[dict[str, Any]
 
     The actions it allowed ran, so each one is counted exactly as an allow (a local stop ends
     the run with its reason), with `rules.record_outcome`, and audited with its outcome and
-    `"local": true` in its answer. Entries whose check_id the run already has are skipped
-    (the upload was retried, or the service did decide that check): the counters then agree
-    with what ran. CHUNK entries a transaction, each under the run's lock like a check, in
-    the upload's order: an upload cut short by an error is sent again, and what was recorded
-    is skipped then.
+    `"local": true` in its answer. On a run already over (ended before the upload, or by a
+    stop earlier in it) an entry is audited, marked ``"after_end": true``, and counts on
+    nothing, the run's ancestors included (SPEC 4.4). Entries whose check_id the run already
+    has are skipped (the upload was retried, or the service did decide that check): the
+    counters then agree with what ran. CHUNK entries a transaction, each under the run's lock
+    like a check, in the upload's order: an upload cut short by an error is sent again, and
+    what was recorded is skipped then.
     """
     recorded, changed, run = 0, False, None
     for start in range(0, max(1, len(entries)), CHUNK):
@@ -96,7 +98,8 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
             violation = rules.local_violation(policy, before, check, now=at,
                                               tree=tree) if allowed else None
             answer = answers.local_answer(verdict, state, policy, now,
-                                          decided_at=at.isoformat(), violation=violation)
+                                          decided_at=at.isoformat(), violation=violation,
+                                          after_end=before.status in rules.TERMINAL)
             rows.append((run.pk, DecisionRow(
                 step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
                 action_name=action["name"], action_type=action["type"],

@@ -523,6 +523,9 @@ class CheckOut(Schema):
         "action the run's policy forbids (a denied tool, an action needing approval).")
     violation: str | None = Field(default=None, description="A local decision only: why it "
                                   "broke the policy, when it did.")
+    after_end: bool | None = Field(default=None, description="A local decision only: true "
+                                   "when it was uploaded to a run already over, which it did "
+                                   "not count on (SPEC 4.4).")
 
 
 class FinishIn(Schema):

@@ -187,9 +187,11 @@ def expired_answer(decided: dict[str, Any], state: rules.RunState, now: datetime
 
 
 def local_answer(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
-                 now: datetime, *, decided_at: str, violation: str | None) -> dict[str, Any]:
+                 now: datetime, *, decided_at: str, violation: str | None,
+                 after_end: bool = False) -> dict[str, Any]:
     """The audit record of a decision a fail-open client made (SPEC 10): the answer, marked
-    local, with the client's time and whether the allow broke the policy."""
+    local, with the client's time and whether the allow broke the policy; ``after_end``
+    when it reached a run already over, which it did not count (SPEC 4.4)."""
     return {**answer_of(decision, state, policy, now), "local": True,
             "decided_at": decided_at, "policy_violation": violation is not None,
-            "violation": violation}
+            "violation": violation, "after_end": after_end}

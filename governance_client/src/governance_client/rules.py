@@ -571,6 +571,10 @@ def local_violation(policy: Policy, state: RunState, check: Check, *, now: datet
     broke = policy_violation(policy, check.name)
     if broke is not None or policy.mode == "shadow":
         return broke
+    if state.status in TERMINAL and state.ended_at is not None and state.ended_at <= now:
+        # Decided after the run had ended: the service would have answered its stop.
+        return (f"{state.stop_reason or RUN_FINISHED}: the run was already {state.status} "
+                "when this action was allowed, but it ran")
     new = state.copy()
     new.steps += 1
     _register(new, check)
@@ -1627,6 +1631,18 @@ def record_outcome(
     of the service.
     """
     key = repeat_key(check.name, check.args, policy.ignore_args)
+    if state.status in TERMINAL:
+        # SPEC 4.4: a check on a terminal run changes no counter, and neither does a decision
+        # made elsewhere (found by an attacker: allows uploaded to a run stopped at max_steps
+        # 2 made it 54 steps and 250 USD, its ancestors' counters with it). It is still
+        # audited, at the run's step: the action ran.
+        return Decision(
+            outcome=ALLOW if allowed else STOP, reason=STEP_OK if allowed else reason,
+            step=state.steps, repeat_key=key, repeat_count=state.repeat_counts.get(key, 0),
+            message=message,
+            next_action=None if allowed else NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED]),
+            rule=None if allowed else rule(reason, {}, {"decided": "locally"}),
+        ), state.copy()
     new = state.copy()
     new.steps += 1
     _register(new, check)

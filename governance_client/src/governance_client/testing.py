@@ -658,7 +658,8 @@ class FakeGovernance:
             self._decisions += 1
             answer = {**answers.local_answer(verdict, run.state, self.policy, now,
                                              decided_at=entry.get("at") or now.isoformat(),
-                                             violation=violation),
+                                             violation=violation,
+                                             after_end=before.status in rules.TERMINAL),
                       "decision_id": self._decisions}
             run.decisions.append(answer)
             run.answers[check_id] = answer
