@@ -37,6 +37,15 @@ api_key_throttle = Throttle(
 sign_in_throttle = Throttle(
     "sign-in", limit=settings.THROTTLE_SIGN_IN_FAILURES, window=settings.THROTTLE_WINDOW_SECONDS
 )
+# Every sign-in from one address, whatever the username: each password check costs a hash
+# (pbkdf2, deliberately slow; Django hashes for unknown usernames too, to equalise timing),
+# so a fresh username per attempt would otherwise spend the server's CPU without limit.
+sign_in_address_throttle = Throttle(
+    "sign-in-address", limit=settings.THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS,
+    window=settings.THROTTLE_WINDOW_SECONDS,
+)
+# The address bucket's credential: the bucket is the address alone.
+ANY_USERNAME = ""
 _ERROR_CODES = {400: "bad_request", 403: "forbidden", 404: "not_found",
                 405: "method_not_allowed", 500: "internal"}
 _ERROR_MESSAGES = {
@@ -352,17 +361,20 @@ def _login_path() -> str:
     return resolve_url(settings.LOGIN_URL)
 
 
-# What `SignInThrottleMiddleware.attempt` counted: (source, username, window start).
-_Attempt = tuple[str, str, float | None]
+# What `SignInThrottleMiddleware.attempt` counted: (source, username, the username bucket's
+# window start, the address bucket's window start).
+_Attempt = tuple[str, str, float | None, float | None]
 
 
 class SignInThrottleMiddleware(_SyncAndAsync):
-    """Sign-in attempts, per source and username (SPEC 10): an attempt is counted before the
-    password is checked, so that no number of concurrent attempts gets past the limit, and a
-    bucket over its limit is refused even with the right password (else guessing could go
-    on). The auth framework's signals (policies/apps.py) say what became of the attempt:
-    a failure keeps its count, a success clears the bucket, anything else (a form without
-    a password, a CSRF refusal) gives the count back."""
+    """Sign-in attempts, per source and username and per source alone (SPEC 10): an attempt
+    is counted in both buckets before the password is checked, so that no number of
+    concurrent attempts gets past either limit, and a bucket over its limit is refused even
+    with the right password (else guessing could go on), before any hashing. The auth
+    framework's signals (policies/apps.py) say what became of the attempt: a failure keeps
+    its counts; a success clears its username's bucket and gives its address's count back
+    (one's own sign-in must not end an address's pause: an attacker with an account would
+    reset it); anything else (a form without a password, a CSRF refusal) gives both back."""
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.async_mode:
@@ -396,27 +408,40 @@ class SignInThrottleMiddleware(_SyncAndAsync):
 
     @staticmethod
     def attempt(request: HttpRequest) -> tuple[HttpResponse | None, _Attempt | None]:
-        """Count a sign-in attempt: (the 429 answer if its bucket is over the limit, what was
+        """Count a sign-in attempt: (the 429 answer if a bucket is over its limit, what was
         counted); nothing is counted for a form without a username or password."""
         username = request.POST.get("username") or ""
         if not username or not request.POST.get("password"):
             return None, None  # no credential to check: nothing to count
         source = source_of(request)
+        # The address first: past its limit, nothing else is counted or checked.
+        verdict, address_window = sign_in_address_throttle.attempt(source, ANY_USERNAME)
+        if verdict.refused:
+            return _sign_in_refused(request, verdict, per_address=True), None
         verdict, window_start = sign_in_throttle.attempt(source, username)
         if verdict.refused:
-            response = render(request, "429.html", {"wait": verdict.retry_after}, status=429)
-            response["Retry-After"] = str(verdict.retry_after)
-            return response, None
-        return None, (source, username, window_start)
+            if address_window is not None:  # no password was checked: not the address's
+                sign_in_address_throttle.give_back(source, ANY_USERNAME, address_window)
+            return _sign_in_refused(request, verdict, per_address=False), None
+        return None, (source, username, window_start, address_window)
 
     @staticmethod
     def settle(request: HttpRequest, attempt: _Attempt) -> None:
-        source, username, window_start = attempt
+        source, username, window_start, address_window = attempt
         outcome = getattr(request, SIGN_IN_OUTCOME, None)
         if outcome == "succeeded":
             sign_in_throttle.succeeded(source, username)
         elif outcome != "failed" and window_start is not None:
             sign_in_throttle.give_back(source, username, window_start)
+        if outcome != "failed" and address_window is not None:
+            sign_in_address_throttle.give_back(source, ANY_USERNAME, address_window)
+
+
+def _sign_in_refused(request: HttpRequest, verdict: Verdict, *, per_address: bool) -> HttpResponse:
+    response = render(request, "429.html",
+                      {"wait": verdict.retry_after, "per_address": per_address}, status=429)
+    response["Retry-After"] = str(verdict.retry_after)
+    return response
 
 
 class ReadDeadlineMiddleware(_SyncAndAsync):

@@ -1,10 +1,11 @@
 """Throttling of failed authentications, per source *and* presented credential (SPEC 10).
 
-A bucket is (kind, source address, credential): an agent key's prefix, or a username. It
-counts only credentials that were checked and found wrong, in a fixed window of
-``THROTTLE_WINDOW_SECONDS``; past the limit, that bucket is refused with 429
-``too_many_failures`` and a ``Retry-After`` until its window ends. Nobody else's bucket is
-touched: a valid key, or the same key from another address, is never refused because of it.
+A bucket is (kind, source address, credential): an agent key's prefix, a username, or nothing
+(sign-ins per address, whatever the username). It counts only credentials that were checked
+and found wrong, in a fixed window of ``THROTTLE_WINDOW_SECONDS``; past the limit, that
+bucket is refused with 429 ``too_many_failures`` and a ``Retry-After`` until its window ends.
+Nobody else's bucket is touched: a valid key, or the same key from another address, is never
+refused because of it.
 
 The count lives in the database (``policies.AuthFailure``), one conditional upsert per
 failure, so it is exact across every server process and does not depend on Redis at all.
@@ -21,6 +22,11 @@ always checked first, and a valid key is answered whatever its bucket says. A pa
 be guessed, so a sign-in attempt in a bucket over its limit is refused before the password
 is checked; the attempt is counted when it starts (atomically, so concurrent attempts
 cannot slip past the limit) and the count is given back if the password was not checked.
+Checking a password is expensive on purpose (a slow hash, also for unknown usernames), so
+sign-ins are bounded per address too, whatever the usernames: a fresh username per attempt
+would otherwise cost the server a hash each without limit. That bucket is the one exception
+to "never by source alone": someone sharing an address with a guesser (behind one NAT)
+waits out the window for a password sign-in; single sign-on does not pass through it.
 """
 
 from __future__ import annotations
@@ -202,6 +208,11 @@ class Throttle:
         a failure. None when nothing was counted."""
         bucket = self._bucket(source, credential)
         now = time.time()
+        # A bucket this process saw go over its limit is refused without a write: a flood
+        # of attempts from one address costs a dictionary lookup each.
+        remembered = self._remembered(bucket, now)
+        if remembered is not None:
+            return remembered, None
         try:
             verdict = self._count(bucket, now)
         except DatabaseError:

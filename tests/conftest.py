@@ -341,9 +341,13 @@ def _fresh_throttles() -> Iterator[None]:
     memory must not refuse the next one's (the counts are rows, gone with each test)."""
     from django.core.cache import cache
 
-    from governance.middleware import api_key_throttle, sign_in_throttle
+    from governance.middleware import (
+        api_key_throttle,
+        sign_in_address_throttle,
+        sign_in_throttle,
+    )
 
-    for throttle in (api_key_throttle, sign_in_throttle):
+    for throttle in (api_key_throttle, sign_in_throttle, sign_in_address_throttle):
         throttle.forget()
     # Rolled-back tests hand their ids out again on SQLite: a parsed policy cached by
     # version id in one test must not be another test's version of the same id.
