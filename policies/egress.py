@@ -13,7 +13,8 @@ are allowed by name or by network in ``WEBHOOK_ALLOWED_HOSTS``.
 
 The same backend ends everything it opens by a deadline (``DeadlineStream``): httpcore's
 timeouts are per operation, and a receiver answering a byte at a time would renew them for
-ever.
+ever. Its unvetted parent, ``DeadlineBackend``, bounds the calls to the identity provider
+(policies/oidc_provider.py) the same way.
 
 No library: the candidates (advocate, for requests; a few young httpx wrappers) are either
 unmaintained or new; this is the standard library's classification and one httpcore hook.
@@ -143,26 +144,41 @@ def vetted_addresses(host: str, port: int) -> list[str]:
     return addresses
 
 
-def vetted_addresses_within(host: str, port: int, timeout: float) -> list[str]:
-    """vetted_addresses with a deadline (getaddrinfo has none: the resolver's own retries can
+def _within(resolve: Any, host: str, timeout: float) -> list[str]:
+    """``resolve()`` with a deadline (getaddrinfo has none: the resolver's own retries can
     take half a minute). Raises TimeoutError when DNS is slower; the lookup then finishes in
-    a daemon thread whose result nobody reads."""
+    a daemon thread whose result nobody reads. Whatever ``resolve`` raises is raised."""
     outcome: dict[str, Any] = {}
 
-    def resolve() -> None:
+    def run() -> None:
         try:
-            outcome["addresses"] = vetted_addresses(host, port)
-        except RefusedTarget as exc:
-            outcome["refused"] = exc
+            outcome["addresses"] = resolve()
+        except Exception as exc:  # handed to the caller's thread below
+            outcome["error"] = exc
 
-    thread = threading.Thread(target=resolve, daemon=True)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(max(0.0, timeout))
-    if "refused" in outcome:
-        raise outcome["refused"]
+    if "error" in outcome:
+        raise outcome["error"]
     if "addresses" not in outcome:
         raise TimeoutError(f"no DNS answer for {host} within {timeout:.1f} s")
     return list(outcome["addresses"])
+
+
+def vetted_addresses_within(host: str, port: int, timeout: float) -> list[str]:
+    """vetted_addresses with a deadline (``_within``)."""
+    return _within(lambda: vetted_addresses(host, port), host, timeout)
+
+
+def addresses_within(host: str, port: int, timeout: float) -> list[str]:
+    """Every address of ``host``, unvetted (a server the operator named), with a deadline.
+    Raises OSError when the name does not resolve."""
+    def resolve() -> list[str]:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+        return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+    return _within(resolve, host, timeout)
 
 
 def _resolves_within(host: str, port: int, timeout: float) -> list[str] | None:
@@ -245,22 +261,28 @@ def masked_url(url: str | None) -> str:
                           fragment=MASK if parts.fragment else "").geturl()
 
 
-class VettedBackend(httpcore.SyncBackend):
-    """httpcore's network backend, connecting only to vetted addresses of the host, and
-    ending everything it opens by ``deadline`` (a ``time.monotonic()`` instant): the name's
-    resolution, the connection, TLS, and every read and write (``DeadlineStream``). httpcore's
-    own timeouts are per operation, so a receiver sending a byte every few seconds would
-    otherwise hold the caller for ever. TLS still verifies the certificate of the name in the
-    URL (httpcore passes it as server_hostname)."""
+class DeadlineBackend(httpcore.SyncBackend):
+    """httpcore's network backend, ending everything it opens by ``deadline`` (a
+    ``time.monotonic()`` instant): the name's resolution, the connection, TLS, and every read
+    and write (``DeadlineStream``). httpcore's own timeouts (like requests' and urllib3's)
+    are per operation, so a server sending a byte every few seconds would otherwise hold the
+    caller for ever. Any address the name resolves to: for servers the operator configured
+    (the identity provider); ``VettedBackend`` for the ones a team's admin chose."""
 
     def __init__(self, *, deadline: float) -> None:
         self.deadline = deadline
+
+    def addresses(self, host: str, port: int, timeout: float) -> list[str]:
+        try:
+            return addresses_within(host, port, timeout)
+        except (OSError, UnicodeError) as exc:
+            raise httpcore.ConnectError(f"{host} does not resolve") from exc
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None,
                     local_address: str | None = None,
                     socket_options: Any = None) -> httpcore.NetworkStream:
         try:
-            addresses = vetted_addresses_within(
+            addresses = self.addresses(
                 host, port, _left(self.deadline, timeout, httpcore.ConnectTimeout))
         except TimeoutError as exc:
             raise httpcore.ConnectTimeout(str(exc)) from exc
@@ -274,8 +296,18 @@ class VettedBackend(httpcore.SyncBackend):
                 last = exc
                 continue
             return DeadlineStream(stream, self.deadline)
-        assert last is not None  # vetted_addresses returns at least one or raises
+        if last is None:
+            raise httpcore.ConnectError(f"{host} has no address")
         raise last
+
+
+class VettedBackend(DeadlineBackend):
+    """``DeadlineBackend`` connecting only to vetted addresses of the host. TLS still
+    verifies the certificate of the name in the URL (httpcore passes it as
+    server_hostname)."""
+
+    def addresses(self, host: str, port: int, timeout: float) -> list[str]:
+        return vetted_addresses_within(host, port, timeout)
 
 
 def _left(deadline: float, timeout: float | None, timed_out: type[Exception]) -> float:
