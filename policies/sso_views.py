@@ -1,23 +1,23 @@
 """Single sign-on with OpenID Connect (SPEC 17, docs/sso.md), on mozilla-django-oidc.
 
 The library gives the authorization request (state, nonce and the PKCE verifier kept in the
-session, the S256 challenge), the code's exchange at the token endpoint, the choice of the
-provider's key from its JWKS and the nonce's check. Added here: discovery (lazily, at a
-sign-in, with a short timeout), the ID token's issuer and audience (the library checks neither),
-a callback that answers every refusal with a page that says why (the library's raises, a 400
-or a 500), and the accounts (policies/sso.py): identity by (issuer, sub), never e-mail.
+session, the S256 challenge) and the nonce's check. Added here: every call to the provider
+(discovery, the code's exchange, the keys, userinfo) goes through policies/oidc_provider.py,
+with a total deadline, the discovery and the keys kept and a failing provider answered at
+once (the library calls it with requests, whose timeouts bound each read, not the call); the
+choice of the provider's key from its JWKS; the ID token's issuer and audience (the library
+checks neither); a callback that answers every refusal with a page that says why (the
+library's raises, a 400 or a 500); and the accounts (policies/sso.py): identity by
+(issuer, sub), never e-mail.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import jwt
-import requests
 from django.conf import settings
 from django.contrib import auth
 from django.contrib.auth.forms import AuthenticationForm
@@ -28,6 +28,7 @@ from django.shortcuts import render, resolve_url
 from mozilla_django_oidc.auth import OIDCAuthenticationBackend
 from mozilla_django_oidc.views import OIDCAuthenticationRequestView
 
+from .oidc_provider import ProviderUnreachable, call, forget, provider, signing_keys
 from .sso import SignInRefused, sign_in
 
 log = logging.getLogger(__name__)
@@ -35,80 +36,16 @@ log = logging.getLogger(__name__)
 BACKEND = "policies.sso_views.SsoBackend"
 # A sign-in must come back from the provider within this long of starting.
 STATE_MAX_AGE_S = 600
-DISCOVERY_TTL_S = 3600
 
 
 def sso_enabled() -> bool:
     return bool(settings.OIDC_ISSUER)
 
 
-class ProviderUnreachable(Exception):
-    """The provider did not answer, or answered nonsense: a 503 page, never a 500."""
-
-
-@dataclass(frozen=True)
-class Provider:
-    issuer: str
-    authorization_endpoint: str
-    token_endpoint: str
-    jwks_uri: str
-    userinfo_endpoint: str
-
-
-_discovered: dict[str, tuple[float, Provider]] = {}
-_discovered_lock = threading.Lock()
-
-
-def provider() -> Provider:
-    """The provider's endpoints, from <issuer>/.well-known/openid-configuration, kept for an
-    hour per process (a failure is not kept: the next sign-in asks again)."""
-    issuer = settings.OIDC_ISSUER
-    with _discovered_lock:
-        known = _discovered.get(issuer)
-    if known is not None and time.monotonic() - known[0] < DISCOVERY_TTL_S:
-        return known[1]
-    url = f"{issuer}/.well-known/openid-configuration"
-    try:
-        response = requests.get(url, timeout=settings.OIDC_TIMEOUT)
-        response.raise_for_status()
-        document = response.json()
-    except (requests.RequestException, ValueError) as exc:
-        log.warning("OIDC discovery at %s failed: %s", url, exc)
-        raise ProviderUnreachable(
-            f"its discovery document could not be read ({type(exc).__name__})") from None
-    if not isinstance(document, dict):
-        raise ProviderUnreachable("its discovery document is not a JSON object")
-    # The issuer as the provider spells it (some end it with "/"): ID tokens name it so.
-    spelled = document.get("issuer")
-    if not isinstance(spelled, str) or spelled.rstrip("/") != issuer:
-        raise ProviderUnreachable(
-            f"its discovery document names the issuer {document.get('issuer')!r}, "
-            f"not OIDC_ISSUER ({issuer!r})")
-    try:
-        found = Provider(
-            issuer=spelled,
-            authorization_endpoint=_url(document, "authorization_endpoint"),
-            token_endpoint=_url(document, "token_endpoint"),
-            jwks_uri=_url(document, "jwks_uri"),
-            userinfo_endpoint=str(document.get("userinfo_endpoint") or ""))
-    except KeyError as exc:
-        raise ProviderUnreachable(f"its discovery document has no {exc.args[0]}") from None
-    with _discovered_lock:
-        _discovered[issuer] = (time.monotonic(), found)
-    return found
-
-
 def forget_provider() -> None:
-    """Forget the discovered endpoints (tests, and a provider that moved)."""
-    with _discovered_lock:
-        _discovered.clear()
-
-
-def _url(document: dict[str, Any], name: str) -> str:
-    value = document.get(name)
-    if not isinstance(value, str) or not value.startswith(("https://", "http://")):
-        raise KeyError(name)
-    return value
+    """Forget the discovered endpoints, keys and failures (tests, and a provider that
+    moved)."""
+    forget()
 
 
 class Refused(Exception):
@@ -136,12 +73,6 @@ class SsoBackend(OIDCAuthenticationBackend):
     def authenticate(self, request: Any, **kwargs: Any) -> None:
         return None
 
-    @staticmethod
-    def get_settings(attr: str, *args: Any) -> Any:
-        if attr == "OIDC_TIMEOUT":
-            return settings.OIDC_TIMEOUT
-        return OIDCAuthenticationBackend.get_settings(attr, *args)
-
     def sign_in_with_code(self, request: HttpRequest, *, code: str, nonce: str,
                           code_verifier: str | None) -> Any:
         """Exchange the code, verify the ID token, then the account (policies/sso.py).
@@ -159,17 +90,7 @@ class SsoBackend(OIDCAuthenticationBackend):
         }
         if code_verifier is not None:
             payload["code_verifier"] = code_verifier
-        try:
-            tokens = self.get_token(payload)
-        except requests.HTTPError as exc:
-            status = exc.response.status_code if exc.response is not None else 0
-            if 400 <= status < 500:
-                raise Refused("The identity provider refused this sign-in's code: it was "
-                              "forged, used already or has expired. Sign in again.") from None
-            raise ProviderUnreachable(f"its token endpoint answered {status}") from None
-        except (requests.RequestException, ValueError) as exc:
-            raise ProviderUnreachable(
-                f"its token endpoint did not answer ({type(exc).__name__})") from None
+        tokens = self.get_token(payload)
         id_token = tokens.get("id_token") if isinstance(tokens, dict) else None
         if not isinstance(id_token, str):
             raise Refused("The identity provider sent no ID token.")
@@ -189,14 +110,31 @@ class SsoBackend(OIDCAuthenticationBackend):
         about the ID token's subject."""
         if not isinstance(access_token, str):
             return {}
-        try:
-            info = self.get_userinfo(access_token, None, None)
-        except (requests.RequestException, ValueError) as exc:
-            raise ProviderUnreachable(
-                f"its userinfo endpoint did not answer ({type(exc).__name__})") from None
+        info = self.get_userinfo(access_token, None, None)
         if not isinstance(info, dict) or info.get("sub") != subject:
             return {}
         return {settings.OIDC_GROUPS_CLAIM: info.get(settings.OIDC_GROUPS_CLAIM)}
+
+    def get_token(self, payload: dict[str, str]) -> Any:
+        """The library's code exchange, through the bounded call: a 4xx is this code refused
+        (forged, used, expired), anything else not a 200 the provider failing."""
+        answer = call("POST", self.OIDC_OP_TOKEN_ENDPOINT, form=payload)
+        if 400 <= answer.status < 500:
+            raise Refused("The identity provider refused this sign-in's code: it was "
+                          "forged, used already or has expired. Sign in again.")
+        if answer.status != 200:
+            raise ProviderUnreachable(f"its token endpoint answered {answer.status}")
+        return answer.json()
+
+    def get_userinfo(self, access_token: str, id_token: Any, payload: Any) -> Any:
+        """The library's userinfo request, through the bounded call."""
+        answer = call("GET", self.OIDC_OP_USER_ENDPOINT,
+                      headers={"Authorization": f"Bearer {access_token}"})
+        if answer.status != 200:
+            raise ProviderUnreachable(f"its userinfo endpoint answered {answer.status}")
+        if answer.content_type.startswith("application/jwt"):
+            return self.verify_token(answer.body.decode("utf-8", "replace"))
+        return answer.json()
 
     def verify_token(self, token: str, **kwargs: Any) -> dict[str, Any]:
         try:
@@ -207,10 +145,7 @@ class SsoBackend(OIDCAuthenticationBackend):
                               "not match): a replayed answer is refused.") from None
             raise Refused("The ID token's signature could not be verified with the identity "
                           "provider's keys.") from None
-        except (requests.RequestException, ValueError, KeyError) as exc:
-            if isinstance(exc, requests.RequestException):
-                raise ProviderUnreachable(
-                    f"its keys (JWKS) could not be read ({type(exc).__name__})") from None
+        except (ValueError, KeyError):
             raise Refused("The ID token is malformed.") from None
 
     def _verify_jws(self, payload: str, key: Any) -> dict[str, Any]:
@@ -243,15 +178,22 @@ class SsoBackend(OIDCAuthenticationBackend):
             raise Refused(f"The ID token is not valid: {exc}.") from None
 
     def retrieve_matching_jwk(self, token: str) -> Any:
-        """The library's choice by key id; a token without one (a provider with a single
-        key may leave it out) is verified with the provider's one signing key, if it has
-        exactly one."""
+        """The library's choice of key, from the keys kept (policies/oidc_provider.py): by
+        key id (and algorithm, when the key names one); a token without a key id (a provider
+        with a single key may leave it out) is verified with the provider's one signing key,
+        if it has exactly one."""
         try:
-            if "kid" in jwt.get_unverified_header(token):
-                return super().retrieve_matching_jwk(token)
-            response = requests.get(self.OIDC_OP_JWKS_ENDPOINT, timeout=settings.OIDC_TIMEOUT)
-            response.raise_for_status()
-            keys = [key for key in response.json()["keys"]
+            header = jwt.get_unverified_header(token)
+            kid = header.get("kid")
+            keys = signing_keys(self.OIDC_OP_JWKS_ENDPOINT,
+                                kid=str(kid) if kid is not None else None)
+            if kid is not None:
+                found = [key for key in keys if key.get("kid") == str(kid)
+                         and key.get("alg", header.get("alg")) == header.get("alg")]
+                if not found:
+                    raise SuspiciousOperation("no key with this key id")
+                return jwt.PyJWK(found[-1])
+            keys = [key for key in keys
                     if key.get("use", "sig") == "sig"
                     and key.get("alg", self.OIDC_RP_SIGN_ALGO) == self.OIDC_RP_SIGN_ALGO]
             if len(keys) != 1:
@@ -272,8 +214,16 @@ def refusal_page(request: HttpRequest, message: str, status: int) -> HttpRespons
 
 
 def _unreachable(request: HttpRequest, exc: ProviderUnreachable) -> HttpResponse:
-    return refusal_page(request, "The identity provider cannot be reached or answered "
-                        f"unexpectedly: {exc}. Try again later, or ask an administrator.", 503)
+    password = {"all": " or sign in with your password",
+                "superusers": " (a superuser may sign in with a password)"}.get(
+                    settings.OIDC_PASSWORD_LOGIN, "")
+    response = refusal_page(
+        request, "Single sign-on is unavailable: the identity provider cannot be reached or "
+        f"answered unexpectedly: {exc}. Try again shortly{password}, or ask an "
+        "administrator.", 503)
+    if exc.retry_after:
+        response["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 class SsoLoginView(OIDCAuthenticationRequestView):

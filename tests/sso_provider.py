@@ -21,11 +21,12 @@ import werkzeug.serving
 @dataclass
 class Provider:
     """One provider instance. ``issuer`` is its URL; ``token_requests`` holds the forms the
-    token endpoint received; a ``token_host`` makes the token endpoint answer as another host
-    (its ID tokens then name another issuer)."""
+    token endpoint received, ``paths`` every path asked; a ``token_host`` makes the token
+    endpoint answer as another host (its ID tokens then name another issuer)."""
 
     issuer: str = ""
     token_requests: list[dict[str, str]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
     token_host: str | None = None
 
     def set_user(self, sub: str, **claims: Any) -> None:
@@ -38,6 +39,7 @@ class _Wrapper:
         self.app, self.provider = app, provider
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        self.provider.paths.append(environ.get("PATH_INFO") or "")
         if environ.get("PATH_INFO") == "/oauth2/token":
             length = int(environ.get("CONTENT_LENGTH") or 0)
             body = environ["wsgi.input"].read(length)
