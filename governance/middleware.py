@@ -27,7 +27,7 @@ from .deadlines import read_deadline, timed_out
 from .handlers import ApiChain
 from .pools import api_thread, pool, pool_name
 from .text import text_problem
-from .throttle import SIGN_IN_OUTCOME, Throttle, Verdict, source_of
+from .throttle import SIGN_IN_OUTCOME, SPARE_UNKNOWN_HASH, Throttle, Verdict, source_of
 
 log = logging.getLogger(__name__)
 
@@ -414,15 +414,16 @@ class SignInThrottleMiddleware(_SyncAndAsync):
         if not username or not request.POST.get("password"):
             return None, None  # no credential to check: nothing to count
         source = source_of(request)
-        # The address first: past its limit, nothing else is counted or checked.
         verdict, address_window = sign_in_address_throttle.attempt(source, ANY_USERNAME)
         if verdict.refused:
-            return _sign_in_refused(request, verdict, per_address=True), None
+            # Never refused by source alone (SPEC 10): past the address's bound an unknown
+            # username fails without the equalising hash (governance/passwords.py).
+            setattr(request, SPARE_UNKNOWN_HASH, True)
         verdict, window_start = sign_in_throttle.attempt(source, username)
         if verdict.refused:
             if address_window is not None:  # no password was checked: not the address's
                 sign_in_address_throttle.give_back(source, ANY_USERNAME, address_window)
-            return _sign_in_refused(request, verdict, per_address=False), None
+            return _sign_in_refused(request, verdict), None
         return None, (source, username, window_start, address_window)
 
     @staticmethod
@@ -437,9 +438,8 @@ class SignInThrottleMiddleware(_SyncAndAsync):
             sign_in_address_throttle.give_back(source, ANY_USERNAME, address_window)
 
 
-def _sign_in_refused(request: HttpRequest, verdict: Verdict, *, per_address: bool) -> HttpResponse:
-    response = render(request, "429.html",
-                      {"wait": verdict.retry_after, "per_address": per_address}, status=429)
+def _sign_in_refused(request: HttpRequest, verdict: Verdict) -> HttpResponse:
+    response = render(request, "429.html", {"wait": verdict.retry_after}, status=429)
     response["Retry-After"] = str(verdict.retry_after)
     return response
 

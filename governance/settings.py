@@ -373,7 +373,8 @@ OIDC_AUTHENTICATION_CALLBACK_URL = "sso_callback"
 # Accepted difference between the provider's clock and ours when checking an ID token's times.
 OIDC_CLOCK_SKEW_S = 60
 AUTHENTICATION_BACKENDS = [
-    "django.contrib.auth.backends.ModelBackend",
+    # ModelBackend, less the equalising hash past an address's bound (SPEC 10).
+    "governance.passwords.PasswordBackend",
     # Signs in nobody by itself: the SSO callback calls it (policies/sso_views.py).
     "policies.sso_views.SsoBackend",
 ]

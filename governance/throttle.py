@@ -23,10 +23,10 @@ be guessed, so a sign-in attempt in a bucket over its limit is refused before th
 is checked; the attempt is counted when it starts (atomically, so concurrent attempts
 cannot slip past the limit) and the count is given back if the password was not checked.
 Checking a password is expensive on purpose (a slow hash, also for unknown usernames), so
-sign-ins are bounded per address too, whatever the usernames: a fresh username per attempt
-would otherwise cost the server a hash each without limit. That bucket is the one exception
-to "never by source alone": someone sharing an address with a guesser (behind one NAT)
-waits out the window for a password sign-in; single sign-on does not pass through it.
+sign-ins are counted per address too, whatever the usernames; past that bound nobody is
+refused (never by source alone), but an unknown username fails without the hash
+(governance/passwords.py), which a fresh username per attempt would otherwise cost without
+limit.
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ PRUNE_EVERY_S = 60.0
 PRUNE_BATCH = 500
 # The request attribute the auth signals set to "failed" or "succeeded" (policies/apps.py).
 SIGN_IN_OUTCOME = "_governance_sign_in"
+# Set on a sign-in from an address past its bound: an unknown username is failed without the
+# equalising hash (governance/passwords.py).
+SPARE_UNKNOWN_HASH = "_governance_spare_unknown_hash"
 MEMORY_MAX = 10_000
 
 
