@@ -1,9 +1,10 @@
 """Throttling of failed authentications, per source *and* presented credential (SPEC 10).
 
 A bucket is (kind, source address, credential): an agent key's prefix, a username, or nothing
-(sign-ins per address, whatever the username). It counts only credentials that were checked
-and found wrong, in a fixed window of ``THROTTLE_WINDOW_SECONDS``; past the limit, that
-bucket is refused with 429 ``too_many_failures`` and a ``Retry-After`` until its window ends.
+(sign-ins per address, whatever the username: below). It counts only credentials that were
+checked and found wrong, in a fixed window of ``THROTTLE_WINDOW_SECONDS``; past the limit,
+that bucket is refused with 429 ``too_many_failures`` and a ``Retry-After`` until its window
+ends (the per-address one is never refused).
 Nobody else's bucket is touched: a valid key, or the same key from another address, is never
 refused because of it.
 
