@@ -36,6 +36,10 @@ from django.conf import settings
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Forms that carry an IPv4 address in their last 32 bits as well, which `is_global` calls
+# global: IPv4-compatible (::a.b.c.d, deprecated) and IPv4-translated (::ffff:0:a.b.c.d).
+# Found by an attacker: http://[::127.0.0.1]/ and http://[::ffff:0:127.0.0.1]/ passed.
+EMBEDDING_IPV4 = (NAT64, ipaddress.ip_network("::/96"), ipaddress.ip_network("::ffff:0:0:0/96"))
 # Not public, whatever the Python version's `is_global` says (its tables changed in 3.11.x
 # and 3.12): IETF protocol assignments (Oracle's metadata at 192.0.0.192), carrier-grade NAT,
 # benchmarking, local-use NAT64, documentation, deprecated site-local.
@@ -84,7 +88,7 @@ def ascii_url(url: str) -> str:
 def is_public(address: Address) -> bool:
     if isinstance(address, ipaddress.IPv6Address):
         embedded = address.ipv4_mapped or address.sixtofour
-        if embedded is None and address in NAT64:
+        if embedded is None and any(address in net for net in EMBEDDING_IPV4):
             embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
         if embedded is not None:
             return is_public(embedded)

@@ -36,6 +36,8 @@ NOT_PUBLIC = [
     # IPv6 forms carrying a private IPv4 address: mapped, 6to4, NAT64; a Teredo tunnel
     "http://[::ffff:127.0.0.1]/", "http://[::ffff:169.254.169.254]/", "http://[2002:7f00:1::]/",
     "http://[64:ff9b::a00:5]/", "http://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/",
+    # IPv4-compatible and IPv4-translated, which `is_global` calls global (found by an attacker)
+    "http://[::127.0.0.1]/", "http://[::ffff:0:127.0.0.1]/", "http://[::ffff:0:a00:5]/",
     # local names
     "http://localhost:8000/", "http://LOCALHOST/", "http://api.localhost/",
     "http://metadata.google.internal/", "http://printer.local/", "http://router.home.arpa/",
