@@ -227,6 +227,13 @@ class Command(BaseCommand):
             f"        -H \"Authorization: Bearer $KEY\" -d '{check}'; echo; done",
             "",
         ]
+        if not settings.WEBHOOK_ALLOWED_HOSTS:
+            # A newcomer's receiver on this machine was refused as not public, and only a
+            # restart with the setting let it in: said before they try.
+            lines[-1:] = [
+                "Kill-switch webhooks go to public addresses only: to try one with a receiver",
+                f"on this machine, start again with WEBHOOK_ALLOWED_HOSTS=127.0.0.1 PORT={port}"
+                " make demo.", ""]
         self.stdout.write(self.style.SUCCESS("\n".join(lines)))
         logging.getLogger("django.server").addFilter(QuietAgentTraffic())
         if not no_agents:
