@@ -206,3 +206,21 @@ def test_a_request_shown_expired_reads_as_the_agent_api_then_settles_it(
     assert ({k: v for k, v in shown["decision"].items() if k not in unrecorded}
             == {k: v for k, v in polled["decision"].items() if k not in unrecorded})
     assert shown["decision"]["usage"]["cost_usd"] == 0.5
+
+
+@pytest.mark.django_db
+def test_the_approvals_page_and_command_list_no_request_past_its_expiry_as_pending(
+        team: Team, users: dict[str, Any], capsys: Any) -> None:
+    """As the operator API: what the look's share (and the command's batch) left past its
+    expiry shows expired, never among the pending requests to decide."""
+    from django.core.management import call_command
+
+    expired_requests(team)
+    viewer = Client()
+    viewer.force_login(users["viewer"])
+    page = viewer.get(f"/teams/{team.slug}/approvals/")
+    assert page.status_code == 200
+    assert page.context["approvals_pending"] == 0 and page.context["pending"] == []
+    assert 0 < settled() <= LOOK_BATCH
+    call_command("approvals", "list", "--team", team.slug)
+    assert capsys.readouterr().out.strip() == "No pending approval."

@@ -20,6 +20,7 @@ from django.utils import timezone
 from governance.templatetags.dashboard_tags import money
 from governance_client import rules
 from policies.models import Team
+from runs import due
 from runs.approvals.selectors import approvals_for_team, pending_for_run
 from runs.audit.selectors import elapsed_s, violation_of
 from runs.dashboard import selectors as dashboard
@@ -473,8 +474,10 @@ def approvals_context(team: Team, now: datetime | None = None) -> dict[str, Any]
     expiry, SPEC 11)."""
     now = now or timezone.now()
     # A request that cannot be shown is logged and left out; the page still answers.
-    cards = one_by_one(approvals_for_team(team, limit=50), lambda a: approval_card(a, now),
-                       what="approval")
+    # What the look's bounded share left past its expiry shows expired, as the agent API
+    # answers it, never pending (runs/due.py).
+    shown = due.approvals_as_they_will_be(approvals_for_team(team, limit=50), now=now)
+    cards = one_by_one(shown, lambda a: approval_card(a, now), what="approval")
     pending = [c for c in cards if c.status == "pending"]
     return {"team": team, "pending": pending, "decided": [c for c in cards if c not in pending],
             "approvals_pending": len(pending), "now": now}

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from policies.access import can, role_in
 from policies.models import Role, Team
+from runs import due
 from runs.approvals.selectors import approvals_for_team, iso
 from runs.approvals.services import ApprovalError, approval_decide, settle_due_for_team
 
@@ -50,9 +51,11 @@ class Command(BaseCommand):
         team = Team.objects.filter(slug=slug).first()
         if team is None:
             raise CommandError(f"No team {slug!r}.")
-        settle_due_for_team(team)
         now = timezone.now()
-        rows = [a for a in approvals_for_team(team) if show_all or a.status == "pending"]
+        settle_due_for_team(team, now=now)
+        # Past the settle's batch, what is past its expiry shows expired, never pending.
+        rows = [a for a in due.approvals_as_they_will_be(approvals_for_team(team), now=now)
+                if show_all or a.status == "pending"]
         if not rows:
             self.stdout.write("No pending approval." if not show_all else "No approval.")
             return
