@@ -203,6 +203,20 @@ def test_a_chunked_body_is_read_like_any_other(attacked, agent_token):
         assert big.status_code == 413 and big.json()["error"]["code"] == "payload_too_large"
 
 
+@pytest.mark.parametrize("size", [b"zz", b"-1"])
+def test_a_malformed_chunked_body_is_a_400_in_json_not_a_500(attacked, size):
+    """Found by an attacker: a chunk size that is not hexadecimal answered granian's own
+    500 "Internal server error" on every path, with nothing logged (granian reports it as
+    the client's disconnect, and the application answered nothing)."""
+    for path in (b"/api/v1/runs", b"/healthz", b"/accounts/login/"):
+        answer = raw_exchange(attacked, b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                              b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                              + size + b"\r\n{}\r\n0\r\n\r\n", wait_s=5)
+        assert answer.startswith(b"HTTP/1.1 400"), (path, answer)
+        if path.startswith(b"/api/"):
+            assert b'"code": "bad_request"' in answer, answer
+
+
 def test_async_api_views_hold_no_api_thread_while_they_wait(agent_token):
     """With one API thread per worker, 30 requests to an async view that waits 3 s (the
     shape of a long poll, bench/views.py) are all open while checks go on."""
