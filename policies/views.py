@@ -118,6 +118,10 @@ def _editor(request: HttpRequest, policy: Policy | None, form: PolicyForm, *,
     return page(request, "policies/edit.html", {
         "policy": policy,
         "form": form,
+        # A refused save names its fields at the top of the long form, each a link to its
+        # error (found by a newcomer: the page reloaded at the top with nothing to say so).
+        "error_fields": [(name, form[name].label) for name in form.errors
+                         if name in form.fields],
         "field_paths": FIELD_PATHS,
         "impacts": impacts or [], "confirm_token": confirm_token,
         "confirm_field": impact.CONFIRM_FIELD,

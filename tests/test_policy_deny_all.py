@@ -100,3 +100,17 @@ def test_patterns_that_leave_a_tool_allowed_need_no_confirmation(team, users):
     assert save(admin, team, restrict_tools="on", tools_allow="search.*",
                 tools_deny="search.x*").status_code == 302
     assert save(admin, team, tools_deny="*.delete\nadmin.?").status_code == 302
+
+
+def test_a_refused_save_says_so_at_the_top_and_links_each_field(team, users):
+    """Found by a newcomer: the page reloaded at its top with nothing to say the save was
+    refused; the errors were about 2,000 px below."""
+    admin = Client()
+    admin.force_login(users["admin"])
+    refused = save(admin, team, max_steps="0", max_repeat_action="x")
+    assert refused.status_code == 422
+    html = refused.content.decode()
+    top = html[html.index('id="form-status"'):html.index('class="form-grid"')]
+    assert "Not saved." in top and "the 2 fields marked below" in top
+    assert 'href="#err-max_steps"' in top and 'href="#err-max_repeat_action"' in top
+    assert 'id="err-max_steps"' in html and 'id="err-max_repeat_action"' in html
