@@ -28,7 +28,7 @@ from governance_client import rules
 from policies.models import Team
 from policies.services import agent_key_create
 from runs.audit.selectors import decisions_of, runs_for_team
-from runs.check.records import kill_detail
+from runs.check.records import stop_detail
 from runs.dashboard import presenters
 from runs.dashboard.selectors import (
     TIMELINE_PAGE,
@@ -160,7 +160,7 @@ def test_the_run_page_and_its_api_read_no_more(history: dict[str, Run], client: 
 def test_the_end_of_a_run_is_found_at_once(history: dict[str, Run]) -> None:
     run, shadow = history["long"], history["shadow"]
     # Every later check of a killed run names its kill; the run's page shows its end.
-    assert most_examined(lambda: kill_detail(run.pk), "runs_decision") <= 1
+    assert most_examined(lambda: stop_detail(run.pk, "killed"), "runs_decision") <= 1
     assert most_examined(lambda: presenters.banner(run), "runs_decision") <= 1
     assert presenters.banner(run).message == f"killed at {ALLOWED}"
     # Where a shadow policy would have stopped, and how often (counted up to a cap).
@@ -203,7 +203,7 @@ def test_sqlite_searches_the_same_indexes(team: Team) -> None:
         timeline_page(run, before=10)
         timeline_page(run, before=10, flagged=True)
         latest_decision_id(run)
-        kill_detail(run.pk)
+        stop_detail(run.pk, "killed")
         presenters.banner(run)
         presenters.shadow_summary(run)
         list(runs_for_team(team, agent="bot"))
