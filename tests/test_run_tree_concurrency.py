@@ -68,8 +68,13 @@ def test_50_checks_over_5_children_allow_exactly_the_parents_max_steps(two_serve
         assert (row.status, row.tool_calls) == ("running", 18)
         stops = {d["reason"] for d in decisions if d["decision"] == "stop"}
         assert stops <= {"max_steps"}
-        # Each child is stopped once by the parent's limit (named), then answers its stop.
-        assert sum(parent in (d["message"] or "") for d in decisions) == 5
+        # Each child is stopped once by the parent's limit (named), then answers its stop,
+        # in the same words (SPEC 4.4: every stop names the limit).
+        stopped = [d["message"] for d in decisions if d["decision"] == "stop"]
+        assert sum(m.startswith(f"Ancestor run {parent}") for m in stopped) == 5
+        assert all(m.startswith(f"Ancestor run {parent}") or m.startswith(
+            "The run is already stopped (reason: max_steps). Its stop: Ancestor run "
+            f"{parent}") for m in stopped), stopped
         assert {Run.objects.get(pk=k).status for k in kids} == {"stopped"}
 
 

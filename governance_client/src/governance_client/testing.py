@@ -476,6 +476,7 @@ class FakeGovernance:
                    if run.state.status == rules.RUNNING and kill is None else [])
         tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
                 for a in run.ancestors]
+        _explain_stop(run)
         before = run.state
         decision, run.state = rules.evaluate(self.policy, run.state, check, now=now, kill=kill,
                                              rate=windows, approval_id=str(uuid.uuid4()),
@@ -719,3 +720,19 @@ def _fail(failure: int | Exception | type[Exception], request: httpx.Request) ->
     if isinstance(failure, type):
         failure = failure("injected failure", request=request)  # type: ignore[call-arg]
     raise failure
+
+
+def _explain_stop(run: FakeRun) -> None:
+    """As the service (runs/check/records.py, `explain_stop`): a later check of a stopped or
+    killed run answers with the words of the stop that ended it (its first stop), and a
+    kill's rule."""
+    state = run.state
+    if state.status not in (rules.STOPPED, rules.KILLED) or state.stop_detail is not None:
+        return
+    reason = state.stop_reason or state.status
+    first = next((d for d in run.decisions if d.get("decision") == rules.STOP), None)
+    if first is None or first.get("reason") != reason:
+        return
+    fired = first.get("rule") if reason == rules.KILLED else None
+    run.state = replace(state, stop_detail=first.get("message") or None,
+                        stop_rule=fired if isinstance(fired, dict) else None)
