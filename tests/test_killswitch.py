@@ -752,3 +752,33 @@ def test_racing_engages_of_one_target_tell_one_caller_it_engaged(team):
         assert KillSwitch.objects.filter(agent=f"bot-{round_}").count() == 1
         assert OperatorEvent.objects.filter(action="killswitch.engage",
                                             detail__agent=f"bot-{round_}").count() == 1
+
+
+def test_a_run_switch_engaged_again_after_its_run_ended_changes_nothing(api, team, commit):
+    """SPEC 6: engaging a scope already engaged changes nothing. The fan-out retires a run
+    switch once its run is over, and an engage sent again after it (a retry, a second
+    operator) engaged a new switch, told it had (found by a tester: two and three "engaged"
+    answers for one run, each a fan-out of its own). A run that is over without a switch
+    has nothing to kill."""
+    from runs.killswitch.services import KillSwitchError
+
+    run_id = start(api)
+    run = Run.objects.get(pk=run_id)
+    with commit():
+        first = killswitch_engage(scope="run", run=run, reason="looping")
+    assert first.engaged_now
+    assert Run.objects.get(pk=run_id).status == "killed"
+    assert not KillSwitch.objects.get(pk=first.pk).active  # retired by its fan-out
+    events = OperatorEvent.objects.filter(action="killswitch.engage").count()
+    with commit():
+        again = killswitch_engage(scope="run", run=run, reason="looping, again")
+    assert (again.pk, again.engaged_now) == (first.pk, False)
+    assert KillSwitch.objects.filter(run_id=run_id).count() == 1
+    assert OperatorEvent.objects.filter(action="killswitch.engage").count() == events
+
+    done = start(api)
+    api.post(f"/api/v1/runs/{done}/finish", {"status": "completed"},
+             content_type="application/json")
+    with pytest.raises(KillSwitchError, match="already completed: there is nothing to kill"):
+        killswitch_engage(scope="run", run=Run.objects.get(pk=done), reason="late")
+    assert not KillSwitch.objects.filter(run_id=done).exists()

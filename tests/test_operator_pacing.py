@@ -55,12 +55,15 @@ def test_one_teams_operator_calls_take_turns_within_their_share_of_the_process(
             assert error["code"] == "too_many_requests"
             assert "share of this server process's time" in error["message"]
             assert int(refused[0].headers["Retry-After"]) > 10
+            # A running run to kill (the upload above ended its run: nothing to kill there).
+            running = http.post("/api/v1/runs", json={"agent": "support-bot"},
+                                headers=auth(agent_token)).json()["run_id"]
             for method, path, token, body, status in [
                     ("GET", f"/api/v1/teams/{other_team.slug}/runs", theirs, None, 200),
                     ("POST", f"/api/v1/runs/{run_id}/check", agent_token,
                      {"action": {"name": "search.docs", "args": {"q": "x"}}}, 200),
                     ("POST", "/api/v1/killswitch", operator,
-                     {"action": "engage", "scope": "run", "run": run_id,
+                     {"action": "engage", "scope": "run", "run": running,
                       "reason": "paced reads must not hold this"}, 200)]:
                 began = time.monotonic()
                 answer = http.request(method, path, json=body, headers=auth(token))

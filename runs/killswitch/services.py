@@ -168,6 +168,23 @@ def _enqueue_fanout(switch_id: int) -> None:
                      while_down=partial(_run_fanout_here, switch_id))
 
 
+def _last_switch_if_over(run: Run) -> KillSwitch | None:
+    """The answer to a run switch's engage when the run is over: nothing to kill. Its
+    fan-out retires a run switch once the run is over, so an engage sent again after it (a
+    retry, a second operator) found no engaged switch and engaged a new one, told it had
+    changed something, with a fan-out of its own (found by a tester: two and three
+    "engaged" answers for one run). The run's last switch is the answer, as a switch still
+    engaged is; without one, a refusal. None while the run is running."""
+    status = Run.objects.filter(pk=run.pk).values_list("status", flat=True).first()
+    if status is None or status == rules.RUNNING:
+        return None
+    last = KillSwitch.objects.filter(run_id=run.pk).order_by("-engaged_at", "-pk").first()
+    if last is None:
+        raise KillSwitchError(f"Run {run.pk} is already {status}: there is nothing to kill.",
+                              "run")
+    return last
+
+
 @telemetry.traced("governance.killswitch.engage", telemetry.describe_switch)
 def killswitch_engage(
     *, scope: str, team: Team | None = None, agent: str = "", run: Run | None = None,
@@ -176,7 +193,9 @@ def killswitch_engage(
     """Engage a kill switch and commit before returning (SPEC 4.5, 6).
 
     Engaging a target that is already engaged changes nothing and returns the engaged switch
-    (callers tell the two apart by ``engaged_now``). Raises KillSwitchError.
+    (callers tell the two apart by ``engaged_now``); so does a run switch of a run that is
+    over, returning the run's last switch (``active`` false once its fan-out retired it).
+    Raises KillSwitchError, for a run that is over without a switch among others.
     """
     target = resolve_target(scope=scope, team=team, agent=agent, run=run)
     reason = _clean_reason(reason)
@@ -187,6 +206,9 @@ def killswitch_engage(
         existing = engaged_switch(target)
         if existing is not None:
             return existing
+        over = _last_switch_if_over(target.run) if target.run is not None else None
+        if over is not None:
+            return over
         now = timezone.now()
         try:
             with transaction.atomic():
