@@ -417,3 +417,51 @@ def test_failures_are_still_counted_and_answered_fast_without_a_working_redis(re
             assert good.status_code == 200
         finally:
             srv.stop()
+
+
+@pytest.mark.django_db
+def test_spellings_of_one_username_share_its_bucket(monkeypatch, users, hashes):
+    """Found by an attacker: counted as sent, " admin", a fullwidth "admin" or "admin" with a
+    trailing em space were buckets of their own, which the sign-in form reads as the same
+    account: guessing went on past the limit, a slow hash each, and the right password under
+    a new spelling signed in while "admin" itself was refused."""
+    monkeypatch.setattr(sign_in_throttle, "limit", 2)
+    browser = Client(REMOTE_ADDR="198.51.100.7")
+    assert [sign_in(browser, "admin", "wrong").status_code for _ in range(2)] == [200, 200]
+    hashed = len(hashes)
+    for spelling in (" admin", "admin ", "\tadmin", "\uff41dmin", "\u00a0admin",
+                     "admin\u3000", "admin\u2003"):
+        assert sign_in(browser, spelling, "wrong").status_code == 429, repr(spelling)
+    assert sign_in(browser, "admin\u2003", "pw-admin-123").status_code == 429
+    assert len(hashes) == hashed  # none of them checked a password
+
+
+@pytest.mark.django_db
+def test_wrong_old_passwords_on_the_password_change_are_throttled(monkeypatch, users, hashes):
+    """Found by an attacker: the password change checks the old password (a slow hash) and
+    never counted a wrong one: a session could guess its account's password without limit,
+    and 3 of them raised another team's check p99 6 to 10x. A wrong old password counts as
+    a failed sign-in of that account from that address."""
+    monkeypatch.setattr(sign_in_throttle, "limit", 2)
+    session = Client(REMOTE_ADDR="198.51.100.7")
+    session.force_login(users["viewer"])
+
+    def change(old: str) -> Any:
+        return session.post("/accounts/password/", {"old_password": old,
+                                                    "new_password1": "n3w-Passw0rd-long",
+                                                    "new_password2": "n3w-Passw0rd-long"})
+
+    assert [change("wrong").status_code for _ in range(2)] == [200, 200]
+    hashed = len(hashes)
+    refused = change("wrong")
+    assert refused.status_code == 429 and int(refused["Retry-After"]) >= 1
+    assert change("pw-viewer-123").status_code == 429  # the pause holds, as for a sign-in
+    assert len(hashes) == hashed
+    # ... and the account's sign-in from that address waits it out too; elsewhere it works.
+    assert sign_in(Client(REMOTE_ADDR="198.51.100.7"), "viewer", "pw-viewer-123"
+                   ).status_code == 429
+    other = Client(REMOTE_ADDR="203.0.113.9")
+    other.force_login(users["viewer"])
+    assert other.post("/accounts/password/", {
+        "old_password": "pw-viewer-123", "new_password1": "n3w-Passw0rd-long",
+        "new_password2": "n3w-Passw0rd-long"}).status_code == 302
