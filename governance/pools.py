@@ -40,11 +40,6 @@ API_PREFIXES = ("/api/", "/healthz", "/readyz")
 # check p99 2.5 to 6 s, its kill switch answered 4.6 s late).
 AGENT_BULK = re.compile(r"/api/v1/runs/[^/]+/(decisions|local-decisions)/?")
 AGENT_RUNS = "/api/v1/runs"
-# The OpenAPI document: public, 71 KB, built once per process (runs/check/api.py), the first
-# build 150 to 190 ms of a thread. Not an agent's step: it waits with the bulk calls, where
-# calls of no known key (anonymous, or a new random bearer each) are paced as one caller,
-# never on the checks' pool, where each random bearer was a caller of its own.
-AGENT_DOCUMENT = "/api/v1/openapi.json"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -176,8 +171,8 @@ _READS = frozenset({"GET", "HEAD"})
 def pool_name(path: str, method: str = "GET") -> str:
     if path.startswith(API_PREFIXES):
         if not operator_path(path):
-            if AGENT_BULK.fullmatch(path) or path == AGENT_DOCUMENT or (
-                    method.upper() in _READS and path.rstrip("/") == AGENT_RUNS):
+            if AGENT_BULK.fullmatch(path) or (method.upper() in _READS
+                                              and path.rstrip("/") == AGENT_RUNS):
                 return "agent-bulk"
             return "api"
         if waits_for_backtest(path):

@@ -38,8 +38,9 @@ def test_bulk_paths_have_their_own_pool() -> None:
     assert pool_name("/api/v1/runs", "GET") == pool_name("/api/v1/runs/") == "agent-bulk"
     assert pool_name("/api/v1/runs", "POST") == "api"  # a run's start is an agent's step
     assert pool_name("/api/v1/runs/x/check", "POST") == pool_name("/api/v1/runs/x") == "api"
-    assert pool_name("/api/v1/openapi.json") == pool_name("/api/v1/openapi.json", "head") \
-        == "agent-bulk"
+    # The OpenAPI document is built once per process and then costs next to nothing: on
+    # the bulk pool anonymous callers shared one slot, and one of them refused the rest.
+    assert pool_name("/api/v1/openapi.json") == "api"
 
 
 @pytest.mark.parametrize("method", ["get", "Get", "HEAD", "head"])
@@ -137,36 +138,6 @@ def test_a_runs_list_by_lowercase_get_or_head_is_paced_as_bulk(agent_token: str)
             status, headers = raw_status(server, line, agent_token)
             assert " 429 " in status, (line, status)
             assert int(headers["retry-after"]) > 10, (line, headers)
-    finally:
-        server.stop()
-
-
-def test_the_openapi_document_is_paced_with_the_calls_of_no_known_key(
-        team: Team, other_team: Team) -> None:
-    """Found by an attacker: the document, on the checks' pool, let a random bearer per
-    request be a caller of its own each. On the bulk pool, calls of keys the process does
-    not know are paced as one caller: a random bearer's fetch after the document's first
-    build (over 0.1 s; over 10 ms would do: at a thousandth, over 10 s to pay back) is
-    refused with the wait, and another team's check is answered meanwhile."""
-    server = start_server(workers=1, env=server_env(WEB_AGENT_BULK_SHARE="0.001"))
-    try:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
-            first = http.get("/api/v1/openapi.json",
-                             headers={"Authorization": f"Bearer {uuid.uuid4().hex}"})
-            assert first.status_code == 200, first.text
-            second = http.get("/api/v1/openapi.json",
-                              headers={"Authorization": f"Bearer {uuid.uuid4().hex}"})
-            assert second.status_code == 429, second.text
-            assert int(second.headers["Retry-After"]) > 10
-            theirs = agent_key_create(team=other_team, name="billing-key").token
-            headers = {"Authorization": f"Bearer {theirs}"}
-            run_id = http.post("/api/v1/runs", json={"agent": "billing-bot"},
-                               headers=headers).json()["run_id"]
-            began = time.monotonic()
-            check = http.post(f"/api/v1/runs/{run_id}/check", headers=headers,
-                              json={"action": {"name": "search.docs", "args": {"q": "x"}}})
-            assert check.status_code == 200, check.text
-            assert time.monotonic() - began < DEADLINE_S
     finally:
         server.stop()
 
