@@ -9,6 +9,7 @@ import unicodedata
 import warnings
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
@@ -203,7 +204,16 @@ class ApiJsonMiddleware(_SyncAndAsync):
 
     @staticmethod
     def json(request: HttpRequest, response: HttpResponse) -> HttpResponse:
-        if not request.path.startswith("/api/") or response.status_code < 400:
+        if not request.path.startswith("/api/"):
+            return response
+        if 300 <= response.status_code < 400 and urlsplit(
+                response.get("Location", "")).path == request.path + "/":
+            # CommonMiddleware's added slash (`/api/v1` to `/api/v1/`): an empty HTML
+            # redirect, where every answer under /api/ is JSON (found by an attacker). No
+            # API path ends with a slash: there is nothing to go to. (The HTTPS redirect
+            # keeps its path, and stays.)
+            return error(404, "not_found", f"No such endpoint: {request.path}.")
+        if response.status_code < 400:
             return response
         if response.get("Content-Type", "").startswith("application/json"):
             return response

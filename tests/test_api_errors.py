@@ -368,3 +368,13 @@ def test_the_probes_answer_a_load_balancers_plain_http_check_whatever_the_host(p
 def test_head_of_a_write_only_route_is_refused(api, run_id):
     response = api.head(f"/api/v1/runs/{run_id}/check")
     assert response.status_code == 405 and "HEAD" not in response["Allow"]
+
+
+def test_a_path_missing_its_slash_is_a_json_404_not_an_html_redirect(client):
+    """Found by an attacker: `/api/v1` answered CommonMiddleware's empty HTML 301 to
+    `/api/v1/`; every answer under /api/ is JSON (SPEC 10)."""
+    for path in ("/api/v1", "/api/v1/teams/support"):
+        answer = client.get(path)
+        assert answer.status_code == 404 and answer["Content-Type"] == "application/json"
+        assert answer.json()["error"]["code"] == "not_found"
+
