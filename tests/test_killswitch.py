@@ -782,3 +782,17 @@ def test_a_run_switch_engaged_again_after_its_run_ended_changes_nothing(api, tea
     with pytest.raises(KillSwitchError, match="already completed: there is nothing to kill"):
         killswitch_engage(scope="run", run=Run.objects.get(pk=done), reason="late")
     assert not KillSwitch.objects.filter(run_id=done).exists()
+
+
+def test_killing_a_run_that_ended_meanwhile_says_so_on_the_page(api, team, users, client):
+    """The run's Kill button was pressed as the run finished: nothing to kill, said as a
+    message on the run's page, not an error page."""
+    run_id = start(api)
+    api.post(f"/api/v1/runs/{run_id}/finish", {"status": "completed"},
+             content_type="application/json")
+    client.force_login(users["operator"])
+    url = reverse("runs:killswitch-run", args=[team.slug, run_id])
+    answer = client.post(url, {"reason": "looping", "confirmed": "1"}, follow=True)
+    assert answer.status_code == 200
+    assert "already completed: there is nothing to kill" in answer.content.decode()
+    assert not KillSwitch.objects.filter(run_id=run_id).exists()

@@ -80,11 +80,15 @@ def _engage_flow(request: HttpRequest, target: Target, *, action: str, cancel: s
     if confirmed:
         form = ReasonForm(request.POST)
         if form.is_valid():
-            switch = killswitch_engage(
-                scope=target.scope, team=target.team,
-                agent=target.agent, run=target.run, reason=form.cleaned_data["reason"],
-                actor=request.user,
-            )
+            try:
+                switch = killswitch_engage(
+                    scope=target.scope, team=target.team,
+                    agent=target.agent, run=target.run, reason=form.cleaned_data["reason"],
+                    actor=request.user,
+                )
+            except KillSwitchError as exc:  # a run that ended meanwhile: nothing to kill
+                messages.error(request, str(exc))
+                return redirect(done)
             already = not switch.engaged_now
             text = (f"Already engaged: {target.describe()}, by {switch.engaged_by_label}."
                     if already else f"Kill switch engaged: {target.describe()}.")
