@@ -404,14 +404,17 @@ _Attempt = tuple[str, str, float | None, float | None]
 
 
 class SignInThrottleMiddleware(_SyncAndAsync):
-    """Sign-in attempts, per source and username and per source alone (SPEC 10): an attempt
-    is counted in both buckets before the password is checked, so that no number of
-    concurrent attempts gets past either limit, and a bucket over its limit is refused even
-    with the right password (else guessing could go on), before any hashing. The auth
-    framework's signals (policies/apps.py) say what became of the attempt: a failure keeps
-    its counts; a success clears its username's bucket and gives its address's count back
-    (one's own sign-in must not end an address's pause: an attacker with an account would
-    reset it); anything else (a form without a password, a CSRF refusal) gives both back."""
+    """Sign-in attempts (and the password change's check of the old password), per source
+    and username, and per source alone (SPEC 10): an attempt is counted in both buckets
+    before the password is checked, so that no number of concurrent attempts gets past
+    either limit. A (source, username) bucket over its limit is refused even with the right
+    password (else guessing could go on), before any hashing; past the address's bound
+    nobody is refused, but an unknown username fails without the equalising hash
+    (governance/passwords.py). The auth framework's signals (policies/apps.py), or the
+    password change's answer, say what became of the attempt: a failure keeps its counts; a
+    success clears its username's bucket and gives its address's count back (one's own
+    sign-in must not reset the address's bound: an attacker with an account would); anything
+    else (a form without a password, a CSRF refusal) gives both back."""
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.async_mode:
