@@ -503,8 +503,8 @@ def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
     if engaged and not changed and not switch.active:
         # A run switch of a run that is over: its last switch, retired by its fan-out.
         engaged = False
-        message = (f"Run {target.run.pk if target.run else ''} is already over: its kill "
-                   "switch did its work; nothing changed.")
+        message = (f"The {target.describe()} is already over: its kill switch did its work; "
+                   "nothing changed.")
     return {"scope": target.scope.value, "team": target.team.slug if target.team else None,
             "agent": target.agent or None, "run": str(target.run.pk) if target.run else None,
             "engaged": engaged, "changed": changed, "message": message,

@@ -210,12 +210,16 @@ def denies_every_tool(allow: list[str] | None, deny: list[str]) -> str | None:
     if allow is None:
         return None
     covered = []
+    # The literal prefix of each deny pattern that is one and `*` (worked out once).
+    literal_of = {pattern: pattern[:-1] for pattern in deny
+                  if pattern.endswith("*") and not _GLOB.search(pattern[:-1])}
     for allowed in allow:
-        prefix = allowed[:m.start()] if (m := _GLOB.search(allowed)) else allowed
+        wildcard = _GLOB.search(allowed)
+        prefix = allowed[:wildcard.start()] if wildcard else allowed
         by = next((pattern for pattern in deny if pattern == allowed
-                   or (not _GLOB.search(allowed) and fnmatchcase(allowed, pattern))
-                   or (pattern.endswith("*") and not _GLOB.search(pattern[:-1])
-                       and prefix.startswith(pattern[:-1]))), None)
+                   or (wildcard is None and fnmatchcase(allowed, pattern))
+                   or (pattern in literal_of and prefix.startswith(literal_of[pattern]))),
+                  None)
         if by is None:
             return None
         covered.append(f"{allowed} by {by}")

@@ -52,7 +52,6 @@ WARNING_FIELDS = {"warn_repeat_action": "repeat_action", "warn_no_progress": "no
                   "warn_budget_fraction": "budget_fraction"}
 OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls", "max_idle_seconds"}
 RATE_LINE = "match per max window_s, e.g. http.* agent 10 60"
-RATE_PERS = ("run", "agent", "team")
 INT_RE = re.compile(r"^[+-]?\d+$")
 FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 
@@ -75,7 +74,7 @@ def _lines(raw: str) -> list[str]:
 def _rate_rules(raw: str) -> tuple[list[dict[str, Any]], list[str]]:
     """One rule per line, `match per max window_s` (the pattern may contain spaces: the last
     three words are the others). Returns the rules and the lines that are not rules."""
-    rules, bad = [], []
+    found, bad = [], []
     for number, line in enumerate(raw.splitlines(), start=1):
         words = line.split()
         if not words:
@@ -86,7 +85,7 @@ def _rate_rules(raw: str) -> tuple[list[dict[str, Any]], list[str]]:
             parts = ("match", "per", "max", "window_s")
             missing = " and ".join(parts[len(words):])
             per = f"; per is run, agent or team, not {words[1]!r}" \
-                if len(words) > 1 and words[1] not in RATE_PERS else ""
+                if len(words) > 1 and words[1] not in rules.SCOPES else ""
             bad.append(f"line {number}: {missing} missing{per}: write a rule as {RATE_LINE}")
             continue
         match, per, most, window = line.strip().rsplit(None, 3)
@@ -96,9 +95,9 @@ def _rate_rules(raw: str) -> tuple[list[dict[str, Any]], list[str]]:
             bad.append(f"line {number}: a number may have at most {MAX_NUMBER_CHARS} "
                        "characters")
             continue
-        rules.append({"match": match, "per": per, "max": _number(most),
+        found.append({"match": match, "per": per, "max": _number(most),
                       "window_s": _number(window)})
-    return rules, bad
+    return found, bad
 
 
 def rate_rule_line(rule: dict[str, Any]) -> str:

@@ -59,7 +59,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db.models import F
-from governance_client.rules import RateLimit, RateWindow
+from governance_client.rules import Policy, RateLimit, RateWindow
 
 # Counts older than the longest window any rule may have can never count again.
 MAX_WINDOW_S = 86_400
@@ -374,28 +374,32 @@ def register_saved_rules(version: Any) -> None:
     save on, not from the first check that reads them."""
     from django.utils import timezone
 
-    rules = _rules_of(version.document)
+    rules = Policy.from_document(version.document).rate_limits
     if rules:
         _register(rules, team_id=version.policy.team_id, now=timezone.now())
 
 
-def _rules_of(document: dict[str, Any]) -> list[RateLimit]:
-    return [RateLimit(match=r["match"], per=r["per"], max=r["max"], window_s=r["window_s"])
-            for r in document.get("rate_limits") or ()]
+# When this process last registered the current policies' rules again (`keep_current_rules`).
+_kept_at: datetime | None = None
 
 
 def keep_current_rules(*, now: datetime) -> None:
-    """Register again the rules of every team's current policy versions (their read
-    refreshed at most once an hour), so that the prune forgets only rules no current policy
-    has: a current rule no check had read for a day would be forgotten, and the other
-    policies' actions then not counted until its next read."""
-    from policies.models import Policy
+    """Register again the rules of every team's current policy versions, so that the prune
+    forgets only rules no current policy has: a current rule no check had read for a day
+    would be forgotten, and the other policies' actions then not counted until its next
+    read. At most once per READ_REFRESH per process, the precision a registration's read is
+    kept to: the prune runs every minute."""
+    from policies.models import Policy as PolicyRow
 
-    current = (Policy.objects.filter(current__isnull=False)
+    global _kept_at
+    if _kept_at is not None and timedelta(0) <= now - _kept_at < READ_REFRESH:
+        return
+    _kept_at = now
+    current = (PolicyRow.objects.filter(current__isnull=False)
                .exclude(current__document__rate_limits=[])
                .values_list("team_id", "current__document"))
     for team_id, document in current:
-        rules = _rules_of(document)
+        rules = Policy.from_document(document).rate_limits
         if rules:
             _register(rules, team_id=team_id, now=now)
 

@@ -127,8 +127,8 @@ class RunClosed(GovernanceError):
     # Nothing was sent, so neither the service nor a retry has a say.
     reason = "run_closed"
     user_message = "The agent acted in a run it had already ended, so nothing was run."
-    user_next = _FIX_IT.replace("the service did not accept the agent's key or request; the "
-                                "error says why", "the agent used a run after finishing it")
+    user_next = ("Trying again will not help: tell the agent's developer (the agent used a "
+                 "run after finishing it).")
 
 
 class GovernanceStop(GovernanceError):
