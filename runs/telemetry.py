@@ -466,14 +466,25 @@ def traced(name: str, describe: Any) -> Any:
     return decorator
 
 
-def describe_switch(kwargs: Mapping[str, Any], switch: Any) -> dict[str, Any]:
+def _switch(kwargs: Mapping[str, Any], switch: Any, *, changed: bool) -> dict[str, Any]:
     team, run = kwargs.get("team"), kwargs.get("run")
     return {"governance.killswitch.scope": kwargs.get("scope"),
             "governance.team": getattr(team, "slug", None),
             "governance.agent": kwargs.get("agent") or None,
             "governance.run.id": str(run.pk) if run is not None else None,
             "governance.killswitch.id": getattr(switch, "pk", None),
-            "governance.killswitch.changed": switch is not None}
+            "governance.killswitch.changed": changed}
+
+
+def describe_engage(kwargs: Mapping[str, Any], switch: Any) -> dict[str, Any]:
+    """An engage always returns a switch: the one it engaged, or the one already engaged
+    (``engaged_now`` tells them apart, as the API's ``changed`` does)."""
+    return _switch(kwargs, switch, changed=bool(getattr(switch, "engaged_now", False)))
+
+
+def describe_release(kwargs: Mapping[str, Any], switch: Any) -> dict[str, Any]:
+    """A release returns the switch it released, or None when nothing was engaged."""
+    return _switch(kwargs, switch, changed=switch is not None)
 
 
 def describe_approval(kwargs: Mapping[str, Any], approval: Any) -> dict[str, Any]:

@@ -241,6 +241,24 @@ def test_a_kill_switch_engage_and_release_have_spans(team: Any, traced: Any) -> 
         assert span.attributes["governance.killswitch.scope"] == "team"
         assert span.attributes["governance.team"] == "support"
         assert span.attributes["governance.killswitch.id"] == switch.pk
+        assert span.attributes["governance.killswitch.changed"] is True
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_engage_or_release_that_changes_nothing_says_so_on_its_span(team: Any,
+                                                                        traced: Any) -> None:
+    from runs.killswitch.services import killswitch_engage, killswitch_release
+
+    exporter, _ = traced
+    first = killswitch_engage(scope="team", team=team, reason="incident 7")
+    again = killswitch_engage(scope="team", team=team, reason="incident 7, again")
+    assert again.pk == first.pk and not again.engaged_now  # the API answers changed: false
+    killswitch_release(scope="team", team=team, reason="fixed")
+    assert killswitch_release(scope="team", team=team, reason="fixed again") is None
+    engaged = _spans(exporter, "governance.killswitch.engage")
+    released = _spans(exporter, "governance.killswitch.release")
+    assert [s.attributes["governance.killswitch.changed"] for s in engaged] == [True, False]
+    assert [s.attributes["governance.killswitch.changed"] for s in released] == [True, False]
 
 
 @pytest.mark.parametrize("header", ["garbage", "00-" + "0" * 32 + "-" + "0" * 16 + "-01",

@@ -185,7 +185,7 @@ def _last_switch_if_over(run: Run) -> KillSwitch | None:
     return last
 
 
-@telemetry.traced("governance.killswitch.engage", telemetry.describe_switch)
+@telemetry.traced("governance.killswitch.engage", telemetry.describe_engage)
 def killswitch_engage(
     *, scope: str, team: Team | None = None, agent: str = "", run: Run | None = None,
     reason: str, actor: AbstractBaseUser | None = None, actor_label: str | None = None,
@@ -238,7 +238,7 @@ def killswitch_engage(
     return switch
 
 
-@telemetry.traced("governance.killswitch.release", telemetry.describe_switch)
+@telemetry.traced("governance.killswitch.release", telemetry.describe_release)
 def killswitch_release(
     *, scope: str, team: Team | None = None, agent: str = "", run: Run | None = None,
     reason: str, actor: AbstractBaseUser | None = None, actor_label: str | None = None,
