@@ -248,15 +248,18 @@ def _url(document: dict[str, Any], name: str) -> str:
     return value
 
 
-def signing_keys(jwks_uri: str, *, kid: str | None = None) -> list[dict[str, Any]]:
+def signing_keys(jwks_uri: str, *, kid: str | None = None, stale: bool = False
+                 ) -> list[dict[str, Any]]:
     """The provider's keys (JWKS), kept ``KEEP_S``; fetched again when ``kid`` is not among
-    them (the provider rotated its keys), at most once per ``JWKS_REFETCH_S``."""
+    them, or the caller found them ``stale`` (a token without a key id that the one key kept
+    does not verify): the provider rotated its keys. At most once per ``JWKS_REFETCH_S``,
+    so that forged tokens cannot make every sign-in a fetch."""
     now = time.monotonic()
     with _lock:
         known = _keys.get(jwks_uri)
     if known is not None:
         age = now - known[0]
-        holds = kid is None or any(key.get("kid") == kid for key in known[1])
+        holds = not stale and (kid is None or any(key.get("kid") == kid for key in known[1]))
         if age < KEEP_S and (holds or age < JWKS_REFETCH_S):
             return known[1]
     answer = call("GET", jwks_uri)

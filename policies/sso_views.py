@@ -159,11 +159,18 @@ class SsoBackend(OIDCAuthenticationBackend):
             raise Refused(f"The ID token is signed with {header.get('alg')!r}, not "
                           f"{self.OIDC_RP_SIGN_ALGO}.")
         try:
-            return jwt.decode(
-                payload, key, algorithms=[self.OIDC_RP_SIGN_ALGO],
-                audience=self.OIDC_RP_CLIENT_ID, issuer=self.issuer,
-                leeway=settings.OIDC_CLOCK_SKEW_S,
-                options={"require": ["iss", "aud", "exp", "iat", "sub"]})
+            try:
+                return self._decode(payload, key)
+            except jwt.InvalidSignatureError:
+                if header.get("kid") is not None:
+                    raise
+                # No key id: the key kept may be the one before a rotation, which an unknown
+                # key id would have shown. The provider's keys are asked again (bounded) and
+                # the token verified once more if its one signing key has changed.
+                fresh = self._single_key(signing_keys(self.OIDC_OP_JWKS_ENDPOINT, stale=True))
+                if fresh.key == getattr(key, "key", None):
+                    raise
+                return self._decode(payload, fresh)
         except jwt.ExpiredSignatureError:
             raise Refused("The ID token has expired. Sign in again.") from None
         except jwt.InvalidIssuerError:
@@ -176,6 +183,27 @@ class SsoBackend(OIDCAuthenticationBackend):
                           "provider's keys.") from None
         except jwt.PyJWTError as exc:
             raise Refused(f"The ID token is not valid: {exc}.") from None
+        except SuspiciousOperation:
+            raise Refused("The ID token's signature could not be verified with the identity "
+                          "provider's keys: it has no key id, and not one signing key.") from None
+        except (KeyError, TypeError, AttributeError):
+            raise Refused("The ID token or the provider's keys are malformed.") from None
+
+    def _decode(self, payload: str, key: Any) -> dict[str, Any]:
+        return jwt.decode(payload, key, algorithms=[self.OIDC_RP_SIGN_ALGO],
+                          audience=self.OIDC_RP_CLIENT_ID, issuer=self.issuer,
+                          leeway=settings.OIDC_CLOCK_SKEW_S,
+                          options={"require": ["iss", "aud", "exp", "iat", "sub"]})
+
+    def _single_key(self, keys: list[dict[str, Any]]) -> jwt.PyJWK:
+        """The provider's one signing key, for a token without a key id (a provider with a
+        single key may leave it out)."""
+        keys = [key for key in keys
+                if key.get("use", "sig") == "sig"
+                and key.get("alg", self.OIDC_RP_SIGN_ALGO) == self.OIDC_RP_SIGN_ALGO]
+        if len(keys) != 1:
+            raise SuspiciousOperation("no key id, and not one signing key")
+        return jwt.PyJWK(keys[0], algorithm=self.OIDC_RP_SIGN_ALGO)
 
     def retrieve_matching_jwk(self, token: str) -> Any:
         """The library's choice of key, from the keys kept (policies/oidc_provider.py): by
@@ -193,12 +221,7 @@ class SsoBackend(OIDCAuthenticationBackend):
                 if not found:
                     raise SuspiciousOperation("no key with this key id")
                 return jwt.PyJWK(found[-1])
-            keys = [key for key in keys
-                    if key.get("use", "sig") == "sig"
-                    and key.get("alg", self.OIDC_RP_SIGN_ALGO) == self.OIDC_RP_SIGN_ALGO]
-            if len(keys) != 1:
-                raise SuspiciousOperation("no key id, and not one signing key")
-            return jwt.PyJWK(keys[0], algorithm=self.OIDC_RP_SIGN_ALGO)
+            return self._single_key(keys)
         except SuspiciousOperation:
             raise Refused("The ID token's signature could not be verified with the identity "
                           "provider's keys: none of them has its key id.") from None

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -21,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from django.contrib.auth.models import User
 from django.test import Client, override_settings
 
+from policies import oidc_provider
 from policies.models import Membership, OperatorEvent, Role, SsoIdentity
 from policies.services import membership_set, team_ensure
 from policies.sso_views import SsoBackend, forget_provider
@@ -237,6 +239,42 @@ def test_an_id_token_signed_with_another_key_is_refused(sso: Provider, monkeypat
 
     monkeypatch.setattr(SsoBackend, "get_token", resigned)
     refused(sign_in(Client(), "eve-sub"), 400, b"signature could not be verified")
+
+
+def test_a_token_without_key_id_after_a_key_rotation_is_verified_with_the_new_key(
+        sso: Provider):
+    """The mock provider's ID tokens carry no key id, so the keys kept cannot show that it
+    rotated them: a signature the kept key does not verify asks the provider again."""
+    sso.set_user("carol-sub", preferred_username="carol", groups=["staff"])
+    assert sign_in(Client(), "carol-sub").status_code == 302
+    [(jwks_uri, (_, keys))] = oidc_provider._keys.items()
+    retired = jwt.algorithms.RSAAlgorithm.to_jwk(
+        rsa.generate_private_key(public_exponent=65537, key_size=2048).public_key(),
+        as_dict=True)
+    # The key kept is the one before a rotation, fetched longer ago than the refetch bound.
+    oidc_provider._keys[jwks_uri] = (time.monotonic() - oidc_provider.JWKS_REFETCH_S - 1,
+                                     [{**retired, "use": "sig", "kid": "before"}])
+    assert sign_in(Client(), "carol-sub").status_code == 302
+    assert oidc_provider._keys[jwks_uri][1] == keys
+
+    # A token signed with a key the provider does not have is still refused, and asks the
+    # provider again at most once per the refetch bound.
+    fetched_at = oidc_provider._keys[jwks_uri][0]
+    other_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    real_get_token = SsoBackend.get_token
+
+    def resigned(self: SsoBackend, payload: dict[str, Any]) -> dict[str, Any]:
+        tokens = real_get_token(self, payload)
+        claims = jwt.decode(tokens["id_token"], options={"verify_signature": False})
+        tokens["id_token"] = jwt.encode(claims, other_key, algorithm="RS256")
+        return tokens
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SsoBackend, "get_token", resigned)
+        response = sign_in(Client(), "carol-sub")
+    assert response.status_code == 400
+    assert b"signature could not be verified" in response.content
+    assert oidc_provider._keys[jwks_uri][0] == fetched_at
 
 
 def test_an_expired_id_token_is_refused(db: Any):
