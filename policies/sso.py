@@ -128,6 +128,11 @@ class SignIn:
     changes: list[str] = field(default_factory=list)  # the audit actions written
 
 
+# The columns of SsoIdentity (policies/models.py).
+SUBJECT_MAX = SsoIdentity._meta.get_field("subject").max_length or 255
+ISSUER_MAX = SsoIdentity._meta.get_field("issuer").max_length or 300
+
+
 def sign_in(*, issuer: str, subject: str, claims: dict[str, Any]) -> SignIn:
     """The account of (issuer, subject), made if new, with its SSO memberships recomputed.
 
@@ -138,6 +143,13 @@ def sign_in(*, issuer: str, subject: str, claims: dict[str, Any]) -> SignIn:
         return SignIn(None, SignInRefused(
             "The identity provider sent a subject (sub) that no account can be kept under "
             "(a NUL character or broken Unicode). Ask an administrator to check the provider.",
+            400))
+    if len(subject) > SUBJECT_MAX or len(issuer) > ISSUER_MAX:
+        # OpenID Connect caps `sub` at 255 characters; a longer one was a 500 (found by an
+        # attacker with a provider of their own).
+        return SignIn(None, SignInRefused(
+            f"The identity provider sent a subject (sub) longer than the {SUBJECT_MAX} "
+            "characters OpenID Connect allows. Ask an administrator to check the provider.",
             400))
     claims = _storable(claims)
     try:

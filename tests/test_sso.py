@@ -174,6 +174,12 @@ def test_claims_no_account_can_hold_are_left_out_never_a_500(sso: Provider):
     assert refused.user is None and refused.refusal is not None
     assert refused.refusal.status == 400
     assert not SsoIdentity.objects.filter(subject__startswith="a").exists()
+    # OpenID Connect caps the subject at 255 characters: a longer one was a 500.
+    assert sso_sign_in(issuer=sso.issuer, subject="s" * 255,
+                       claims={"groups": ["staff"]}).user is not None
+    refused = sso_sign_in(issuer=sso.issuer, subject="s" * 256, claims={"groups": ["staff"]})
+    assert refused.user is None and refused.refusal is not None
+    assert refused.refusal.status == 400 and "255" in refused.refusal.message
 
 
 def test_no_mapped_group_is_a_403_page_an_event_and_no_user(sso: Provider):
