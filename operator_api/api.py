@@ -611,13 +611,13 @@ def list_decisions(request: HttpRequest, slug: str, run_id: str,
 @router.get("/teams/{slug}/decisions/{decision_id}", response={200: dict, **ERRORS},
             summary="One decision of a team's and the rule that made it",
             operation_id="operator_get_decision")
-def get_decision(request: HttpRequest, slug: str, decision_id: str) -> dict[str, Any]:
+def get_decision(request: HttpRequest, slug: str, decision_id: str) -> HttpResponse:
     """As the agent's `GET /api/v1/decisions/{id}` (SPEC 16), for the team's operators: another
     team's decision answers 404, like one that does not exist."""
     team, _ = _team(request, slug)
     found = run_reads.decision_for_key(team, decision_id)
     _read(request, team)
-    return run_reads.decision_detail_json(found)
+    return HttpResponse(run_reads.decision_detail_body(found), content_type="application/json")
 
 
 _mounted: list[NinjaAPI] = []

@@ -310,12 +310,12 @@ def list_decisions(request: HttpRequest, run_id: str, filters: Query[s.Decisions
 
 @api.get("/decisions/{decision_id}", response={200: s.DecisionDetailOut, **ERRORS},
          summary="One decision and the rule that made it", operation_id="get_decision")
-def get_decision(request: HttpRequest, decision_id: str) -> dict[str, Any]:
+def get_decision(request: HttpRequest, decision_id: str) -> HttpResponse:
     """SPEC 16: another team's or (for an agent-bound key) another agent's decision answers
     404, like one that does not exist."""
     found = selectors.decision_for_key(request.auth.team, decision_id,
                                        key_agent=request.auth.agent)
-    return selectors.decision_detail_json(found)
+    return HttpResponse(selectors.decision_detail_body(found), content_type="application/json")
 
 
 def _check_payload(request: HttpRequest) -> s.CheckIn:
