@@ -72,6 +72,19 @@ def test_a_run_lists_its_first_children_and_says_it_has_more(api, team, monkeypa
     assert api.get(f"/api/v1/runs/{children[0]}").json()["children_more"] is False
 
 
+def test_an_agent_bound_key_sees_only_its_agents_children(api, team):
+    """SPEC 10: an agent-bound key sees only runs of its agent; another agent's child of its
+    run was listed, while reading it answered 404 (found by an attacker)."""
+    bound = Client(HTTP_AUTHORIZATION="Bearer "
+                   + agent_key_create(team=team, name="b", agent="planner").token)
+    parent = start(bound, "planner")
+    mine = start(api, "planner", parent_run_id=parent)
+    theirs = start(api, "helper", parent_run_id=parent)
+    assert bound.get(f"/api/v1/runs/{theirs}").status_code == 404
+    assert bound.get(f"/api/v1/runs/{parent}").json()["children"] == [mine]
+    assert set(api.get(f"/api/v1/runs/{parent}").json()["children"]) == {mine, theirs}
+
+
 def test_the_parent_rules_of_a_start(api, team, other_team):
     unknown = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": str(uuid.uuid4())})
     assert unknown["http"] == 404 and "parent_run_id" in unknown["error"]["fields"]

@@ -85,11 +85,15 @@ def run_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
 CHILDREN_LISTED = 1000
 
 
-def children_ids(run: Run) -> tuple[list[str], bool]:
+def children_ids(run: Run, *, key_agent: str = "") -> tuple[list[str], bool]:
     """The ids of a run's first CHILDREN_LISTED children (SPEC 20), and whether it has
-    more (one range of the index of child runs by parent)."""
-    ids = list(Run.objects.filter(team_id=run.team_id, parent_run_id=run.pk)
-               .order_by("started_at", "pk").values_list("pk", flat=True)
+    more (one range of the index of child runs by parent). ``key_agent``: an agent-bound
+    key's agent, which sees only its agent's runs (SPEC 10), its children too (found by an
+    attacker: another agent's child was listed, while reading it answered 404)."""
+    children = Run.objects.filter(team_id=run.team_id, parent_run_id=run.pk)
+    if key_agent:
+        children = children.filter(agent=key_agent)
+    ids = list(children.order_by("started_at", "pk").values_list("pk", flat=True)
                [:CHILDREN_LISTED + 1])
     return [str(i) for i in ids[:CHILDREN_LISTED]], len(ids) > CHILDREN_LISTED
 
@@ -101,9 +105,12 @@ def tree_usage(run: Run) -> dict[str, Any]:
             "cost_usd": float(run.cost_usd)}
 
 
-def run_tree_json(run: Run, now: datetime | None = None) -> dict[str, Any]:
-    """One run as `GET /api/v1/runs/{id}` shows it: with its children and tree usage."""
-    children, more = children_ids(run)
+def run_tree_json(run: Run, now: datetime | None = None, *, key_agent: str = ""
+                  ) -> dict[str, Any]:
+    """One run as `GET /api/v1/runs/{id}` shows it: with its children and tree usage. The
+    tree's usage is the run's own counters, every descendant's checks included, whoever's
+    agent they are: they are what the run's limits are counted against."""
+    children, more = children_ids(run, key_agent=key_agent)
     return {**run_json(run, now), "children": children, "children_more": more,
             "tree_usage": tree_usage(run)}
 

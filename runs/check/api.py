@@ -290,7 +290,8 @@ def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, A
 @api.get("/runs/{run_id}", response={200: s.RunOut, **ERRORS}, summary="Get a run",
          operation_id="get_run")
 def get_run(request: HttpRequest, run_id: str) -> dict[str, Any]:
-    return selectors.run_tree_json(_looked_at_run(request, run_id))
+    return selectors.run_tree_json(_looked_at_run(request, run_id),
+                                   key_agent=request.auth.agent)
 
 
 def _looked_at_run(request: HttpRequest, run_id: str) -> Any:
