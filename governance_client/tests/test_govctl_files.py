@@ -157,6 +157,19 @@ def test_the_url_may_be_given_with_the_apis_prefix(tmp_path, url):
     assert [r.url.path for r in sent] == ["/api/v1/teams/support/policies"]
 
 
+@pytest.mark.parametrize(("url", "token", "said"), [
+    ("http://[::1", "gov_op_x_y", "is not a URL"),
+    ("http://governance.test", "gov_op_x_\u00e9\u20ac", "copy it again"),
+])
+def test_a_url_or_token_no_server_can_be_asked_with_is_a_reason_not_a_traceback(
+        capsys: pytest.CaptureFixture[str], url: str, token: str, said: str) -> None:
+    # Found by an attacker: a traceback of httpx's (InvalidURL, UnicodeEncodeError).
+    code = main(["--url", url, "--token", token, "policies", "export", "--team", "support"],
+                out=io.StringIO(), transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+    assert code == 1
+    assert said in capsys.readouterr().err
+
+
 def test_a_busy_servers_429_is_sent_again_after_its_retry_after() -> None:
     """A team's share of the server's time used up answers 429 with Retry-After
     (docs/serving.md): govctl waits and sends the call again, a few times at most."""

@@ -160,9 +160,17 @@ class Api:
         # the same server: each call adds the prefix.
         if base.endswith(API_PREFIX):
             base = base[:-len(API_PREFIX)]
-        self.http = httpx.Client(base_url=base, timeout=TIMEOUT_S,
-                                 headers={"Authorization": f"Bearer {token}"},
-                                 transport=transport)
+        # A reason, not a traceback, for what no server could be asked with (found by an
+        # attacker: an unclosed IPv6 bracket; a token pasted with a non-ASCII character).
+        if not (token.isascii() and token.isprintable()):
+            raise Refused("the token holds characters no operator token has (tokens are "
+                          "printable ASCII, gov_op_...): copy it again")
+        try:
+            self.http = httpx.Client(base_url=base, timeout=TIMEOUT_S,
+                                     headers={"Authorization": f"Bearer {token}"},
+                                     transport=transport)
+        except httpx.InvalidURL as exc:
+            raise Refused(f"the server's URL {url!r} is not a URL: {exc}") from None
 
     def call(self, method: str, path: str, body: Any = None, *, params: Any = None,
              allow: Sequence[int] = (), timeout: float = TIMEOUT_S) -> tuple[int, Any]:
