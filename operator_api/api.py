@@ -521,14 +521,15 @@ class ApprovalsQuery(Schema):
 @router.get("/teams/{slug}/approvals", response={200: dict, **ERRORS},
             summary="A team's approval requests", operation_id="operator_list_approvals")
 def list_approvals(request: HttpRequest, slug: str, query: Query[ApprovalsQuery]
-                   ) -> dict[str, Any]:
+                   ) -> HttpResponse:
     team, _ = _team(request, slug)
     now = timezone.now()
     # Whoever looks first settles (SPEC 11), as the approvals page: a bounded share (SPEC 10).
     # What it leaves past its expiry is shown expired, as the agent API answers it, never
     # pending (runs/due.py).
     first_look.look(team, now=now)
-    rows = Approval.objects.filter(team=team).select_related("run")
+    rows = approval_reads.with_args_text(Approval.objects.filter(team=team)
+                                         .select_related("run"))
     if query.status == ApprovalStatus.PENDING:
         rows = rows.filter(due.still_pending(now))
     elif query.status == ApprovalStatus.EXPIRED:
@@ -538,7 +539,9 @@ def list_approvals(request: HttpRequest, slug: str, query: Query[ApprovalsQuery]
     order = "expires_at" if query.status == ApprovalStatus.PENDING else "-requested_at"
     _read(request, team)
     shown = due.approvals_as_they_will_be(rows.order_by(order)[:query.limit], now=now)
-    return {"approvals": [approval_reads.approval_json(a) for a in shown]}
+    return HttpResponse(approval_reads.dumps(
+        {"approvals": [approval_reads.approval_json(a) for a in shown]}),
+        content_type="application/json")
 
 
 class DecideIn(Schema):

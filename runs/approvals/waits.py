@@ -36,7 +36,7 @@ from django.utils import timezone
 
 from governance.errors import AppError
 from runs import first_look
-from runs.approvals.selectors import approval_json
+from runs.approvals.selectors import approval_json, with_args_text
 from runs.live.events import local_broker, redis_listener
 from runs.live.looks import look_lane
 from runs.models import Approval, ApprovalStatus
@@ -55,8 +55,8 @@ def look(team_id: int, approval_ids: list[str]) -> dict[str, dict[str, Any] | No
     no longer pending, None for one that is gone (deleted by retention); the pending ones are
     left out. Whoever looks first settles (SPEC 11): an approval past its expiry, or whose run
     an engaged kill switch covers, is settled here first, as the poll's own look would."""
-    rows = {str(a.pk): a for a in Approval.objects.filter(team_id=team_id, pk__in=approval_ids)
-            .select_related("run")}
+    rows = {str(a.pk): a for a in with_args_text(
+        Approval.objects.filter(team_id=team_id, pk__in=approval_ids).select_related("run"))}
     first_look.look_at_approvals(team_id, rows.values())
     answers: dict[str, dict[str, Any] | None] = {}
     for approval_id in approval_ids:

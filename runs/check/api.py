@@ -550,4 +550,4 @@ async def get_approval(request: HttpRequest, approval_id: str, filters: Query[s.
             if outcome.body is None:  # deleted by retention while waiting
                 raise AppError(404, "not_found", "No such approval.")
             body = outcome.body
-    return HttpResponse(json.dumps(body), content_type="application/json")
+    return HttpResponse(approvals.dumps(body), content_type="application/json")
