@@ -435,9 +435,12 @@ class RunSource(Source):
     this viewer's page was already sent."""
 
     def __init__(self, request: HttpRequest, team: Team, run_id: Any, after: int, *,
-                 flagged: bool = False, seen: str = ""):
+                 flagged: bool = False, seen: str = "", gap: bool = False):
         self.request, self.team, self.team_id = request, team, team.pk
         self.run_id, self.after, self.flagged = run_id, after, flagged
+        # The stream starts later than the page asked (`selectors.resume_floor`): its first
+        # rows follow a row saying that steps were left out.
+        self._gap = gap
         self.page_path = reverse("runs:run", args=[team.slug, run_id])
         self.partials = Partials()
         self._finished = False
@@ -562,6 +565,11 @@ class RunSource(Source):
 
     def _rows(self, run: Run, rows: list[Decision]) -> list[Frame]:
         frames = []
+        if self._gap and rows:
+            self._gap = False
+            frames.append(Frame("step", render_to_string(
+                "runs/_timeline_gap.html", {"page_path": self.page_path},
+                request=self.request), id=self.after))
         for decision in rows:
             html = render_to_string("runs/_step_row.html",
                                     {"row": step_row(decision, run.started_at)},

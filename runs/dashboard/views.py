@@ -124,8 +124,11 @@ def run_stream(request: HttpRequest, slug: str, run_id: str) -> StreamingHttpRes
     # Only the run's team is checked here (404 else): each look of the stream settles first.
     run = selectors.run_for_team(request.team, run_id)
     after, seen = resume_point(request)
-    return sse_response(request, RunSource(request, request.team, run.pk, after, seen=seen,
-                                           flagged=request.GET.get("only") == "flagged"))
+    floor = dashboard.resume_floor(run, after)
+    return sse_response(request, RunSource(request, request.team, run.pk,
+                                           after if floor is None else floor, seen=seen,
+                                           flagged=request.GET.get("only") == "flagged",
+                                           gap=floor is not None))
 
 
 @team_view(Role.VIEWER)
