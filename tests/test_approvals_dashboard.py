@@ -233,6 +233,32 @@ def test_the_streams_render_the_same_partials_and_follow_decisions(api, approvin
     assert len(steps) == 1 and "approval approved by operator" in steps[0].data
 
 
+def test_the_approvals_stream_renders_its_list_only_when_the_requests_change(
+        api, approving, users, monkeypatch):
+    """A card holds up to 14 KB of task and args: rendering a hundred of them on every check
+    of the team, in every open approvals page, made another team's check p99 7x (found by an
+    attacker)."""
+    from runs.dashboard import stream
+
+    _, approval_id = waiting(api)
+    approvals = ApprovalsSource(stream_request(users["operator"], approving), approving)
+    assert "approvals-list" in {f.event for f in approvals.frames()}
+    rendered: list[Any] = []
+    real = stream.approvals_context
+    monkeypatch.setattr(stream, "approvals_context",
+                        lambda *a, **kw: rendered.append(1) or real(*a, **kw))
+    other = start(api)
+    check(api, other, {"name": "search.docs", "args": {"q": "x"}})  # the team changed
+    assert approvals.frames() == [] and rendered == []
+    _, second = waiting(api, check_id="pay-2")  # a new request: the list again
+    frames = {f.event: f.data for f in approvals.frames()}
+    assert rendered == [1] and f"approval-{second}" in frames["approvals-list"]
+    approval_decide(team=approving, approval_id=approval_id, decision="approve", note="",
+                    actor=users["operator"])
+    assert 'data-status="approved"' in {f.event: f.data for f in approvals.frames()}[
+        "approvals-list"]
+
+
 def test_the_page_settles_an_expired_request(api, team, users):
     import time
 

@@ -468,6 +468,10 @@ def approval_card(approval: Any, now: datetime | None = None) -> ApprovalCard:
     )
 
 
+# The approvals page lists this many pending requests, and as many decided ones.
+APPROVALS_SHOWN = 50
+
+
 def approvals_context(team: Team, now: datetime | None = None) -> dict[str, Any]:
     """The approvals page's live partials: pending first (soonest expiry first), then the
     latest decided (the caller looked first: `first_look.look` settles what is past its
@@ -476,7 +480,8 @@ def approvals_context(team: Team, now: datetime | None = None) -> dict[str, Any]
     # A request that cannot be shown is logged and left out; the page still answers.
     # What the look's bounded share left past its expiry shows expired, as the agent API
     # answers it, never pending (runs/due.py).
-    shown = due.approvals_as_they_will_be(approvals_for_team(team, limit=50), now=now)
+    shown = due.approvals_as_they_will_be(approvals_for_team(team, limit=APPROVALS_SHOWN),
+                                          now=now)
     cards = one_by_one(shown, lambda a: approval_card(a, now), what="approval")
     pending = [c for c in cards if c.status == "pending"]
     return {"team": team, "pending": pending, "decided": [c for c in cards if c not in pending],

@@ -48,8 +48,9 @@ from governance.deadlines import read_deadline
 from policies.access import controls
 from policies.models import Team
 from runs import first_look
-from runs.approvals.selectors import pending_count
+from runs.approvals.selectors import approvals_shown_key, pending_count
 from runs.dashboard.presenters import (
+    APPROVALS_SHOWN,
     approvals_context,
     killswitch_context,
     overview_context,
@@ -724,7 +725,16 @@ class ApprovalsSource(Source):
         self.request, self.team, self.team_id = request, team, team.pk
         self.page_path = reverse("runs:approvals", args=[team.slug])
         self.partials = Partials()
+        self._shown: tuple[Any, ...] | None = None  # `approvals_shown_key` at the last render
 
     def frames(self) -> list[Frame]:
         first_look.look(self.team)
-        return self.render(("approvals-list",), approvals_context(self.team))
+        now = timezone.now()
+        shown = approvals_shown_key(self.team, limit=APPROVALS_SHOWN)
+        pending = shown[0]
+        # A request past its expiry that no look settled yet is shown expired (runs/due.py):
+        # the list is rendered again until it is.
+        if shown == self._shown and not (pending and pending[0][1] <= now):
+            return self.render((), {"team": self.team})  # the layout's live parts only
+        self._shown = shown
+        return self.render(("approvals-list",), approvals_context(self.team, now))
