@@ -112,8 +112,7 @@ SHARED_POOLS = {
                    None, "operator API requests"),
     "agent-bulk": ("AGENT_BULK_THREADS_PER_CREDENTIAL", "AGENT_BULK_CALLS_PER_ADDRESS",
                    "AGENT_BULK_SHARE",
-                   "bulk requests (a run's decisions, local decisions, the runs list, the reads of "
-                   "one run or one decision)"),
+                   "bulk requests (a run's decisions, local decisions, the runs list)"),
 }
 # A paced pool's call waits its turn at most this long; past it, 429 with the wait as its
 # Retry-After (the client retries), so waiting calls never pile up behind a long debt.

@@ -40,12 +40,6 @@ API_PREFIXES = ("/api/", "/healthz", "/readyz")
 # check p99 2.5 to 6 s, its kill switch answered 4.6 s late).
 AGENT_BULK = re.compile(r"/api/v1/runs/[^/]+/(decisions|local-decisions)/?")
 AGENT_RUNS = "/api/v1/runs"
-# And the reads of one run or one decision: a run with a thousand children, a decision with
-# 64 KiB of arguments, cost 10 to 20 ms of the process each, and from the checks' pool a
-# hundred a second of them from one key made another team's check p99 16 to 39x (found by an
-# attacker). No agent's step reads them (the client never does); on the bulk pool they are
-# paced with their team's other bulk calls.
-AGENT_READS = re.compile(r"/api/v1/(runs|decisions)/[^/]+/?")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -177,8 +171,8 @@ _READS = frozenset({"GET", "HEAD"})
 def pool_name(path: str, method: str = "GET") -> str:
     if path.startswith(API_PREFIXES):
         if not operator_path(path):
-            if AGENT_BULK.fullmatch(path) or (method.upper() in _READS and (
-                    path.rstrip("/") == AGENT_RUNS or AGENT_READS.fullmatch(path))):
+            if AGENT_BULK.fullmatch(path) or (method.upper() in _READS
+                                              and path.rstrip("/") == AGENT_RUNS):
                 return "agent-bulk"
             return "api"
         if waits_for_backtest(path):
