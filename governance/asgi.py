@@ -380,11 +380,13 @@ class Application(ResolvedOnce, ASGIHandler):
         from .throttle import source_of
 
         credential = _credential(scope)
-        held = (f"{pool}:{credential}", f"{pool}:address:{source_of(request)}")
+        held: tuple[str, ...] = (f"{pool}:{credential}", f"{pool}:address:{source_of(request)}")
         per_credential, per_address, share, calls = SHARED_POOLS[pool]
         limits = (getattr(settings, per_credential), getattr(settings, per_address))
+        if pool == "agent-bulk" and pools.paced_only(request.path):
+            held = ()  # one run's or one decision's read: paced below, never refused here
         if any(self.held.get(key, 0) >= limit for key, limit in zip(held, limits,
-                                                                   strict=True)):
+                                                                   strict=False)):
             refused = edge.error(
                 429, "too_many_requests",
                 f"This credential or this client already has as many {calls} in progress on "

@@ -40,6 +40,14 @@ API_PREFIXES = ("/api/", "/healthz", "/readyz")
 # check p99 2.5 to 6 s, its kill switch answered 4.6 s late).
 AGENT_BULK = re.compile(r"/api/v1/runs/[^/]+/(decisions|local-decisions)/?")
 AGENT_RUNS = "/api/v1/runs"
+# And the reads of one run or one decision, paced with their team's bulk calls but never
+# refused for the calls in progress (`paced_only`). They cost about what a check costs (their
+# args as stored, their children's ids as strings), yet a hundred and more a second of them
+# from one key on the checks' pool made another team's check p99 14x (a decision of 64 KiB
+# of args; 16 to 39x before they were made cheap: found by an attacker). Capped as the other
+# bulk calls are (one at a time per key and process), an agent reading its runs from a few
+# threads got 429s.
+AGENT_READS = re.compile(r"/api/v1/(runs|decisions)/[^/]+/?")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -171,14 +179,20 @@ _READS = frozenset({"GET", "HEAD"})
 def pool_name(path: str, method: str = "GET") -> str:
     if path.startswith(API_PREFIXES):
         if not operator_path(path):
-            if AGENT_BULK.fullmatch(path) or (method.upper() in _READS
-                                              and path.rstrip("/") == AGENT_RUNS):
+            if AGENT_BULK.fullmatch(path) or (method.upper() in _READS and (
+                    path.rstrip("/") == AGENT_RUNS or AGENT_READS.fullmatch(path))):
                 return "agent-bulk"
             return "api"
         if waits_for_backtest(path):
             return "backtest"
         return "killswitch" if engages_a_switch(path) else "operator"
     return "dashboard"
+
+
+def paced_only(path: str) -> bool:
+    """Whether a call of the agents' bulk pool is paced with its team's but never refused for
+    the calls its key or address has in progress: the reads of one run or one decision."""
+    return AGENT_READS.fullmatch(path) is not None
 
 
 def run_request(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
