@@ -44,7 +44,14 @@ class Target:
                    pids=[server.process.pid] if server.process is not None else [])
 
 
-def session_cookie(team_id: int) -> str:
+# Pages one signed-in viewer of the phase holds: under DASHBOARD_STREAMS_PER_VIEWER (24 a
+# process), past which a viewer's streams are refused (SPEC 10). With one viewer for every
+# page, the phase measured 48 pages of its 200 or 1,000 (24 in each of two processes) from
+# the day that cap came (d9f1b0c), the others refused, and counted their decisions missing.
+PAGES_PER_VIEWER = 10
+
+
+def session_cookie(team_id: int, viewer: int = 0) -> str:
     """A viewer of the team, logged in through Django's session machinery."""
     from django.contrib.auth.models import User
     from django.test import Client
@@ -52,7 +59,7 @@ def session_cookie(team_id: int) -> str:
     from policies.models import Role, Team
     from policies.services import membership_set
 
-    user, _ = User.objects.get_or_create(username="bench-viewer")
+    user, _ = User.objects.get_or_create(username=f"bench-viewer-{viewer}")
     membership_set(team=Team.objects.get(pk=team_id), user=user, role=Role.VIEWER, actor=None)
     client = Client()
     client.force_login(user)
@@ -92,6 +99,11 @@ async def _watch(at: tuple[str, int], path: str, cookie: str, seen: dict[int, fl
                 if not chunk:
                     break
                 now = time.monotonic()
+                if b"event: refused" in chunk:
+                    # Past the viewer's cap: this page measures nothing; said, not counted.
+                    errors.append("sse refused: too many streams for one viewer")
+                    ready.set()
+                    return
                 if b"event:" in chunk:
                     ready.set()
                 buffer += chunk
@@ -143,7 +155,8 @@ def measure(target: Target, *, team_slug: str, team_id: int, token: str, runs: i
     from .scenarios import reset_runs
 
     reset_runs()
-    cookie = session_cookie(team_id)
+    cookies = [session_cookie(team_id, viewer)
+               for viewer in range(max(1, -(-watched // PAGES_PER_VIEWER)))]
 
     async def drive() -> dict[str, Any]:
         conn = Connection(*target.agents, token=token)
@@ -165,7 +178,8 @@ def measure(target: Target, *, team_slug: str, team_id: int, token: str, runs: i
         streams = [
             asyncio.ensure_future(_watch(
                 target.pages[i % len(target.pages)],
-                reverse("runs:run_stream", args=[team_slug, run_id]), cookie, seen, stop,
+                reverse("runs:run_stream", args=[team_slug, run_id]),
+                cookies[i // PAGES_PER_VIEWER], seen, stop,
                 errors, ready[i]))
             for i, run_id in enumerate(watched_ids)
         ]
