@@ -245,3 +245,14 @@ def test_the_decision_lists_and_the_operators_decision_read_carry_the_rule(
     refused = api.get(f"/api/v1/teams/{team.slug}/decisions/{stop}")
     assert refused.status_code == 403
     assert refused.json()["error"]["code"] == "wrong_credential_kind"
+
+
+def test_a_decision_read_writes_progress_and_args_as_stored_whatever_their_numbers(
+        api: Client, team: Any) -> None:
+    # SPEC 5.2 takes any number as progress and in args: an integer beyond 64 bits, which
+    # orjson cannot write, made the read a 500 once its body was built with orjson.
+    rid = start(api)
+    answer = check(api, rid, args={"n": 10**30}, progress=10**30)
+    body = api.get(f"/api/v1/decisions/{answer['decision_id']}")
+    assert body.status_code == 200
+    assert body.json()["progress"] == 10**30 and body.json()["action"]["args"] == {"n": 10**30}

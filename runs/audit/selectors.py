@@ -211,8 +211,8 @@ def decision_for_key(team: Team, decision_id: str, *, key_agent: str = "") -> De
         raise Http404("No such decision.")
     # The args as the database keeps their text, never decoded (`decision_detail_body`).
     rows = Decision.objects.select_related("run__policy_version__policy").filter(
-        pk=int(decision_id), run__team=team).defer("args").annotate(
-        args_text=Cast("args", TextField()))
+        pk=int(decision_id), run__team=team).defer("args", "progress").annotate(
+        args_text=Cast("args", TextField()), progress_text=Cast("progress", TextField()))
     if key_agent:
         rows = rows.filter(run__agent=key_agent)
     found = rows.first()
@@ -251,7 +251,9 @@ def decision_detail_body(d: Decision) -> bytes:
         "action": {"name": d.action_name, "type": d.action_type,
                    "args": _stored(d.args_text)}  # type: ignore[attr-defined]
         if d.action_name else None,
-        "progress": d.progress,
+        # As stored too: an integer beyond 64 bits (SPEC 5.2 takes any number) is one orjson
+        # cannot write.
+        "progress": _stored(d.progress_text),  # type: ignore[attr-defined]
         "last_result": {"status": last.get("status"), "digest": last.get("digest")}
         if last is not None else None,
         "cost_usd": float(d.cost_usd),
