@@ -118,13 +118,20 @@ def approval_for_key(key: AgentKey, approval_id: Any) -> Approval | None:
     return approvals.filter(pk=approval_id).first()
 
 
+def _listed(team: Team) -> tuple[QuerySet[Approval], QuerySet[Approval]]:
+    """The team's requests as the approvals page lists them: pending first (soonest to expire
+    first), then the latest decided ones."""
+    return (Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
+            .order_by("expires_at"),
+            Approval.objects.filter(team=team).exclude(status=ApprovalStatus.PENDING)
+            .order_by("-decided_at", "-requested_at"))
+
+
 def approvals_for_team(team: Team, *, limit: int = 100) -> list[Approval]:
     """Pending first (soonest to expire first), then the latest decided ones."""
-    pending = list(Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
-                   .select_related("run").order_by("expires_at")[:limit])
-    decided = list(Approval.objects.filter(team=team).exclude(status=ApprovalStatus.PENDING)
-                   .select_related("run").order_by("-decided_at", "-requested_at")[:limit])
-    return pending + decided
+    pending, decided = _listed(team)
+    return (list(pending.select_related("run")[:limit])
+            + list(decided.select_related("run")[:limit]))
 
 
 def approvals_shown_key(team: Team, *, limit: int = 100) -> tuple[Any, ...]:
@@ -134,12 +141,9 @@ def approvals_shown_key(team: Team, *, limit: int = 100) -> tuple[Any, ...]:
     request shown pending is past its expiry): a request's card holds up to 14 KB of task
     and args, and rendering a list of a hundred on every check of the team, in every open
     approvals page, made another team's check p99 7x (found by an attacker)."""
-    pending = tuple(Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
-                    .order_by("expires_at").values_list("id", "expires_at")[:limit])
-    decided = tuple(Approval.objects.filter(team=team).exclude(status=ApprovalStatus.PENDING)
-                    .order_by("-decided_at", "-requested_at").values_list("id", "status")
-                    [:limit])
-    return pending, decided
+    pending, decided = _listed(team)
+    return (tuple(pending.values_list("id", "expires_at")[:limit]),
+            tuple(decided.values_list("id", "status")[:limit]))
 
 
 def pending_count(team: Team) -> int:
