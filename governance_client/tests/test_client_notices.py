@@ -138,3 +138,17 @@ def test_a_run_used_after_its_end_is_the_developers_to_fix() -> None:
     notice = closed.value.user_notice()
     assert notice.startswith("Stopped by governance (run_closed): "), notice
     assert "Try again later" not in notice and "Trying again will not help" in notice
+
+
+def test_an_allows_notice_does_not_tell_the_user_the_agent_was_stopped() -> None:
+    """An author who shows ``user_notice`` whatever the decision (the last decision of a loop
+    that ran out of work, say) must not tell the user "Stopped by governance (step_ok)": an
+    allow stopped nothing, so its notice is the partial response alone."""
+    fake = FakeGovernance()
+    with fake.client() as client, client.run("bot") as run:
+        decision = run.check("search.docs", {"query": "refunds"})
+
+    assert decision.allowed
+    assert decision.user_notice("Found 2 articles.") == "Found 2 articles."
+    assert decision.user_notice() == ""
+    assert "Stopped" not in decision.user_notice("Found 2 articles.\n")

@@ -114,7 +114,12 @@ class Decision:
         return cls(**{k: v for k, v in value.items() if k in names})
 
     def user_notice(self, partial_response: str | None = None) -> str:
-        """What an agent should show its user when it stops: what it got, why, what next."""
+        """What an agent should show its user when it stops: what it got, why, what next.
+
+        An allow stopped nothing: its notice is ``partial_response`` alone (``""`` without
+        one), never "Stopped by governance (step_ok)"."""
+        if self.allowed:
+            return partial_response.rstrip() if partial_response else ""
         lines = [partial_response.rstrip(), ""] if partial_response else []
         lines.append(f"Stopped by governance ({self.reason}): {self.message or 'no detail given.'}")
         if self.next_action:
