@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import PurePosixPath
 from typing import Any
 
 import httpx
@@ -504,6 +509,53 @@ def test_a_progress_the_service_would_refuse_is_refused_before_anything_is_sent(
     with pytest.raises(error, match="progress must be"):
         run.check("search", {"q": 1}, progress=progress)
     assert not run.unsynced and not fake.runs[run.id].checks
+
+
+@pytest.mark.parametrize(("args", "error", "says"), [
+    ({"when": datetime(2026, 1, 1)}, TypeError, "args['when'] is a datetime"),
+    ({"paths": ["a", PurePosixPath("b")]}, TypeError, "args['paths'][1] is a PurePosixPath"),
+    ({"score": float("nan")}, ValueError, "args['score'] is nan"),
+    ([("q", 1)], TypeError, "args of search must be a dict"),
+])
+def test_args_that_are_not_json_are_refused_naming_the_value_before_anything_is_sent(
+        args: Any, error: type[Exception], says: str) -> None:
+    """A Path, a datetime or a NaN in a hand-written agent's args used to raise httpx's
+    "Object of type datetime is not JSON serializable" from deep inside the send, naming
+    neither the tool nor the key, after the reported result had been taken."""
+    fake = FakeGovernance()
+    run = fake.client(fail_mode="open").start_run("bot")
+    run.report("earlier result")
+    for down in (False, True):
+        fake.down = down
+        with pytest.raises(error, match=re.escape(says)):
+            run.check("search", args)
+    assert not run.unsynced and not fake.runs[run.id].checks
+    fake.down = False
+    run.check("search", {"q": 1})
+    assert fake.runs[run.id].checks[0]["last_result"]["status"] == "ok"  # still sent
+
+
+@pytest.mark.parametrize("cost", [Decimal("0.25"), Fraction(1, 4)])
+def test_a_cost_in_decimal_is_sent_as_a_json_number(cost: Any) -> None:
+    """Money is often a Decimal: it used to raise "Object of type Decimal is not JSON
+    serializable" from the send."""
+    fake = FakeGovernance()
+    run = fake.client().start_run("bot")
+    assert run.check("search", {"q": 1}, cost_usd=cost).allowed
+    assert fake.runs[run.id].checks[0]["cost_usd"] == 0.25
+
+
+@pytest.mark.parametrize(("cost", "error"), [
+    (float("nan"), ValueError), (float("inf"), ValueError), ("0.1", TypeError),
+    (True, TypeError),
+])
+def test_a_cost_json_cannot_carry_is_refused_naming_cost_usd(cost: Any,
+                                                            error: type[Exception]) -> None:
+    fake = FakeGovernance()
+    run = fake.client().start_run("bot")
+    with pytest.raises(error, match="cost_usd must be"):
+        run.check("search", {"q": 1}, cost_usd=cost)
+    assert not fake.runs[run.id].checks
 
 
 def test_a_run_the_service_ended_uploads_nothing_of_what_follows_in_an_outage() -> None:

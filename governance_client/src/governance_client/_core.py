@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import threading
 import time
 import uuid
@@ -370,6 +371,64 @@ def _fit_progress(progress: str | int | float | None) -> str | int | float | Non
     return progress
 
 
+def _json_problem(value: Any, path: str) -> tuple[type[Exception], str] | None:
+    """Where ``value`` holds what a JSON body cannot carry (a ``datetime``, a ``Path``, a
+    NaN), said the way the author wrote it: ``args['when'] is a datetime``."""
+    if value is None or isinstance(value, str | bool | int):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (
+            ValueError, f"{path} is {value}, which JSON cannot carry")
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str | int | float | bool) and key is not None:
+                return TypeError, f"{path} has a key of type {type(key).__name__}"
+            found = _json_problem(item, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = _json_problem(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+        return None
+    return TypeError, f"{path} is a {type(value).__name__}, which JSON cannot carry"
+
+
+def _fit_args(name: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
+    # The args go out as JSON: said here, naming the value, rather than by the JSON encoder
+    # deep in the send ("Object of type datetime is not JSON serializable").
+    if args is None:
+        return {}
+    if not isinstance(args, Mapping):
+        raise TypeError(f"args of {name} must be a dict (a JSON object), "
+                        f"not {type(args).__name__}")
+    plain = dict(args)
+    try:
+        json.dumps(plain, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        found = _json_problem(plain, "args")
+        kind, where = found if found is not None else (TypeError, "args")
+        raise kind(f"args of {name} must be JSON: {where} "
+                   "(convert it to a string or a number first)") from None
+    return plain
+
+
+def _fit_cost(cost_usd: Any) -> int | float | None:
+    # A JSON number (SPEC 5.2). Money is often a Decimal: sent as the number it is.
+    if cost_usd is None:
+        return None
+    if isinstance(cost_usd, bool) or not isinstance(cost_usd, numbers.Number) \
+            or isinstance(cost_usd, complex):
+        raise TypeError(f"cost_usd must be a number, not {type(cost_usd).__name__}")
+    number: Any = cost_usd
+    value: int | float = number if type(number) in (int, float) else float(number)
+    if not math.isfinite(value):
+        raise ValueError(f"cost_usd must be a finite number, not {cost_usd}")
+    return value
+
+
 class RunCore:
     """A run's memory on the agent's side, shared by ``Run`` and ``AsyncRun``."""
 
@@ -428,7 +487,9 @@ class RunCore:
         call_id: str | None,
     ) -> PreparedCheck:
         self.ensure_open()
-        plain = dict(args or {})
+        plain = _fit_args(name, args)
+        progress = _fit_progress(progress)
+        cost_usd = _fit_cost(cost_usd)
         if last_result is not None:
             result: dict[str, Any] | None = dict(last_result)
         elif self.pending:
@@ -436,7 +497,6 @@ class RunCore:
             result = self.pending.popitem(last=False)[1]
         else:
             result = None
-        progress = _fit_progress(progress)
         body: dict[str, Any] = {
             "check_id": uuid.uuid4().hex,
             "action": {"name": name, "args": plain, "type": type},
