@@ -98,6 +98,44 @@ def test_an_error_without_a_json_body_is_still_an_api_error() -> None:
     assert (error.status, error.code, error.fields) == (404, "http_404", {})
 
 
+@pytest.mark.parametrize("suffix", ["/api/v1", "/api/v1/"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_base_url_ending_in_the_api_prefix_reaches_the_api(suffix: str, kind: str) -> None:
+    """The API is "under /api/v1/" (README, SPEC 5), so authors give the client that URL:
+    it used to send POST /api/v1/api/v1/runs and raise "404 not_found: Not Found"."""
+    fake = FakeGovernance()
+    url = "http://governance.test" + suffix
+
+    if kind == "sync":
+        with GovernanceClient(url, "test-key", transport=fake.transport()) as client, \
+                client.run("bot") as run:
+            assert run.check("search", {"q": 1}).allowed
+    else:
+        async def main() -> None:
+            async with AsyncGovernanceClient(url, "test-key", transport=fake.transport()
+                                             ) as client, client.run("bot") as run:
+                assert (await run.check("search", {"q": 1})).allowed
+        asyncio.run(main())
+
+    assert {r.url.path for r in fake.requests} >= {"/api/v1/runs"}
+    assert not any(r.url.path.startswith("/api/v1/api/") for r in fake.requests)
+
+
+def test_an_error_page_that_is_not_the_api_names_the_url_it_came_from() -> None:
+    """A base URL that is not the service (the dashboard's page, a proxy's path) answers an
+    HTML 404: the error used to say only "unexpected error response"."""
+    page = httpx.MockTransport(lambda request: httpx.Response(
+        404, html="<h1>Not Found</h1>"))
+    client = GovernanceClient("http://governance.test/teams/support", "k", transport=page)
+
+    with pytest.raises(ApiError) as raised:
+        client.start_run("bot")
+
+    assert (raised.value.status, raised.value.code) == (404, "http_404")
+    assert "POST http://governance.test/teams/support/api/v1/runs" in str(raised.value)
+    assert "base URL" in str(raised.value)
+
+
 def test_start_run_fails_closed_with_an_exception() -> None:
     fake = FakeGovernance()
     fake.down = True

@@ -245,13 +245,37 @@ def server_budget_ms(remaining: float) -> int:
     return max(1, int((remaining - margin) * 1000))
 
 
+API_PREFIX = "/api/v1"
+
+
+def service_root(base_url: str) -> str:
+    """The service's address as the client joins paths to it. The API is "under /api/v1/"
+    (SPEC 5), so a base URL given with that prefix is taken as the service's root rather
+    than sending ``/api/v1/api/v1/runs`` (a bare 404)."""
+    root = base_url.rstrip("/")
+    if root.endswith(API_PREFIX):
+        root = root[: -len(API_PREFIX)]
+    return root
+
+
 def expect(response: httpx.Response, *ok: int) -> dict[str, Any]:
     try:
         body = response.json()
     except ValueError:
         body = None
     if response.status_code not in ok:
-        raise api_error(response.status_code, body)
+        error = api_error(response.status_code, body)
+        if error.code == f"http_{response.status_code}" and not error.fields:
+            # Not the service's JSON error (SPEC 5.3): say where it came from, usually a
+            # base URL that is not the service (a page of the dashboard, a proxy's path).
+            try:
+                where = f"{response.request.method} {response.request.url}"
+            except RuntimeError:
+                where = "the request"
+            error = ApiError(response.status_code, error.code,
+                             f"unexpected error response to {where}: is the client's base "
+                             "URL the governance service's address?")
+        raise error
     if not isinstance(body, dict):
         raise ApiError(response.status_code, "invalid_response", "expected a JSON object")
     return body

@@ -49,6 +49,7 @@ from ._core import (
     local_start,
     result_digest,
     retry_policy,
+    service_root,
     start_body,
     subagent_fallback,
     traced_headers,
@@ -115,7 +116,7 @@ class GovernanceClient:
         if timeout is not None and deadline == 2.0:
             deadline = timeout
         self.settings = Settings(
-            base_url=base_url.rstrip("/"), api_key=api_key, deadline=deadline,
+            base_url=service_root(base_url), api_key=api_key, deadline=deadline,
             attempts=attempts, backoff=backoff, max_backoff=max_backoff, fail_mode=fail_mode,
             local_limits=local_limits, wait_for_rate_limits=wait_for_rate_limits,
             wait_budget=wait_budget, approval_timeout=approval_timeout,
