@@ -14,16 +14,18 @@ from datetime import datetime
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import httpx
 import pytest
 
 from governance_client import (
     AsyncGovernanceClient,
+    AsyncRun,
     Decision,
     GovernanceClient,
     LocalLimits,
+    Run,
     RunClosed,
     repeat_key,
 )
@@ -543,6 +545,12 @@ def test_a_cost_in_decimal_is_sent_as_a_json_number(cost: Any) -> None:
     run = fake.client().start_run("bot")
     assert run.check("search", {"q": 1}, cost_usd=cost).allowed
     assert fake.runs[run.id].checks[0]["cost_usd"] == 0.25
+
+
+@pytest.mark.parametrize("kind", [Run, AsyncRun])
+def test_the_check_signature_takes_a_decimal_cost(kind: type[Any]) -> None:
+    """The annotation says what is taken: an author's mypy --strict accepts a Decimal."""
+    assert Decimal in get_args(get_type_hints(kind.check)["cost_usd"])
 
 
 @pytest.mark.parametrize(("cost", "error"), [

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any, Literal
 
 import httpx
@@ -507,7 +508,7 @@ class RunCore:
         type: ActionType,
         progress: str | int | float | None,
         last_result: Mapping[str, Any] | None,
-        cost_usd: float | None,
+        cost_usd: float | Decimal | None,
         call_id: str | None,
     ) -> PreparedCheck:
         self.ensure_open()

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from decimal import Decimal
 from types import TracebackType
 from typing import Any, Literal
 
@@ -358,7 +359,7 @@ class AsyncRun:
         type: ActionType = "tool",
         progress: str | int | float | None = None,
         last_result: Mapping[str, Any] | None = None,
-        cost_usd: float | None = None,
+        cost_usd: float | Decimal | None = None,
         call_id: str | None = None,
     ) -> Decision:
         """Ask whether the action may run. Call it after choosing the action, before running it.
