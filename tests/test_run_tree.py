@@ -225,6 +225,37 @@ def test_the_fanout_of_a_switch_over_a_parent_kills_its_descendants(api, team, u
     assert killswitch_fanout(switch_id=switch.pk).killed == []
 
 
+def test_a_start_under_a_parent_that_was_stopped_says_why_in_the_stops_own_words(
+        api, team, users):
+    """A sub-agent started under a parent a kill switch ended (once the fan-out has marked it
+    killed) was refused "The parent run is killed (reason: killed)": the operator's reason,
+    which every check of that parent answers, was lost, and it is the message an MCP
+    gateway's session shows its model. Found by an agent author."""
+    from unittest import mock
+
+    from runs.killswitch.fanout import killswitch_fanout
+    from runs.killswitch.services import killswitch_engage
+    root = start(api)
+    with mock.patch("runs.killswitch.services._enqueue_fanout"):
+        switch = killswitch_engage(scope="run", run=Run.objects.get(pk=root),
+                                   reason="runaway refunds", actor=users["operator"])
+    killswitch_fanout(switch_id=switch.pk)
+    killed = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": root})
+    assert killed["http"] == 409 and killed["error"]["code"] == "parent_finished"
+    message = killed["error"]["message"]
+    assert f"the kill switch of run {root}, engaged by operator: runaway refunds" in message
+
+    # A parent its own limit stopped names that limit, as its later checks do.
+    set_policy(team, step_limits={"max_repeat_action": 1})
+    looping = start(api)
+    body = {"action": {"name": "search", "args": {"q": 1}}}
+    post(api, f"/api/v1/runs/{looping}/check", body)
+    assert post(api, f"/api/v1/runs/{looping}/check", body)["reason"] == "loop_detected"
+    refused = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": looping})
+    assert refused["http"] == 409
+    assert "max_repeat_action=1" in refused["error"]["message"]
+
+
 def test_an_agent_switch_covers_the_sub_agents_of_that_agent(api, team, users):
     from unittest import mock
 

@@ -17,7 +17,7 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from runs.approvals import services as approvals
-from runs.check import lineages, states, tree
+from runs.check import lineages, records, states, tree
 from runs.check.abandon import abandon_if_idle
 from runs.check.policy_cache import rules_for_version
 from runs.check.services import ServiceError, locked_run_of_key, remember_run
@@ -124,10 +124,18 @@ def _parent_of(key: AgentKey, parent_run_id: Any) -> Run:
 
 def _refuse_if_over(parent: Run) -> None:
     if parent.status != rules.RUNNING:
-        raise ServiceError(409, "parent_finished",
-                           f"The parent run is {parent.status} (reason: "
-                           f"{parent.stop_reason or parent.status}): no sub-agent may start "
-                           "under it.", {PARENT_FIELD: f"that run is {parent.status}"})
+        message = (f"The parent run is {parent.status} (reason: "
+                   f"{parent.stop_reason or parent.status}): no sub-agent may start under it.")
+        if parent.status in (rules.STOPPED, rules.KILLED):
+            # Its stop in its own words, as every later check of the parent answers it: a
+            # kill's switch, who engaged it and why; a limit and its value (found by an
+            # agent author: the operator's reason was lost, and an MCP gateway's model reads
+            # this message). One probe of the parent's first stop, on a refusal only.
+            words, _ = records.stop_detail(parent.pk, parent.stop_reason or parent.status)
+            if words:
+                message = f"{message} Its stop: {words}"
+        raise ServiceError(409, "parent_finished", message,
+                           {PARENT_FIELD: f"that run is {parent.status}"})
 
 
 def _same_start(existing: Run, key: AgentKey, parent_run_id: Any) -> Run:
