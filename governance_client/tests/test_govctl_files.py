@@ -273,3 +273,18 @@ def test_a_dry_runs_counts_each_say_what_they_are_of(tmp_path):
     # The save's own count once, and what it is of.
     assert err.count("147") == 3 and "147 of 147 recent runs" not in err, err
     assert "that count is the save's own check" in err and "can differ" in err, err
+
+
+def test_without_pyyaml_the_advice_installs_from_the_checkout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client is not on a package index (README): the advice was
+    ``pip install 'governance-client[cli]'``, which finds nothing there."""
+    import sys
+
+    from governance_client import govctl
+
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    with pytest.raises(govctl.Refused) as refused:
+        govctl._yaml()
+    assert "governance-client[" not in str(refused.value)
+    assert "./governance_client[cli]" in str(refused.value)

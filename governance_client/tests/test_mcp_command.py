@@ -29,3 +29,10 @@ def test_with_the_sdk_the_command_is_the_gateway(capsys: pytest.CaptureFixture[s
         mcp_command.main(["--help"])
     assert exited.value.code == 0
     assert "Govern every MCP tool call" in capsys.readouterr().out
+
+
+def test_the_advice_installs_from_the_checkout_not_from_a_package_index() -> None:
+    """The client is not on a package index (README): ``pip install "governance-client[mcp]"``
+    finds nothing there, or whatever someone else published under that name."""
+    assert 'pip install "governance-client' not in mcp_command.MISSING_SDK
+    assert 'pip install "./governance_client[mcp]"' in mcp_command.MISSING_SDK

@@ -18,8 +18,8 @@ A policy file has the format of ``manage.py apply_policies`` and the dashboard's
 ``PUT /api/v1/teams/{slug}/policies/{name}`` (the server says whether each one changed),
 ``--dry-run`` saves nothing and prints, for each policy that would change, the diff against
 the current version and the backtest of the draft on the team's recorded runs (SPEC 13).
-Reading YAML needs PyYAML (``pip install 'governance-client[cli]'``); a JSON file needs
-nothing more.
+Reading YAML needs PyYAML (``pip install './governance_client[cli]'`` from a checkout); a JSON
+file needs nothing more.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def _yaml() -> Any:
     try:
         import yaml
     except ImportError:  # pragma: no cover - the cli extra installs it
-        raise Refused("reading or writing YAML needs PyYAML: "
-                      "pip install 'governance-client[cli]'") from None
+        raise Refused("reading or writing YAML needs PyYAML, which the client's [cli] extra "
+                      "installs, from a checkout of the repository: "
+                      "pip install './governance_client[cli]' (or pip install pyyaml)") from None
     return yaml
 
 

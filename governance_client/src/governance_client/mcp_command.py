@@ -7,9 +7,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+# The client is on no package index: the extra is installed from a checkout of the repository
+# (a bare "governance-client[mcp]" finds nothing there, or someone else's package).
 MISSING_SDK = ("governance-mcp: the MCP gateway needs the MCP SDK, which the client's [mcp] "
-               "extra installs: pip install \"governance-client[mcp]\" (from a checkout of "
-               "this repository: .venv/bin/pip install -e \"./governance_client[mcp]\")")
+               "extra installs, from a checkout of this repository: "
+               "pip install \"./governance_client[mcp]\" (into the checkout's own .venv: "
+               ".venv/bin/pip install -e \"./governance_client[mcp]\")")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
