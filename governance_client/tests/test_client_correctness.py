@@ -657,3 +657,58 @@ def test_the_async_client_resumes_an_approval_it_stopped_waiting_for() -> None:
     first, again = asyncio.run(scenario())
     assert first.decision == "pending" and again.allowed
     assert again.check_id == first.check_id and len(fake.approvals) == 1
+
+
+def test_an_approval_wait_cancelled_from_outside_is_resumed_by_the_same_action() -> None:
+    """A framework's timeout around a tool (asyncio.wait_for, a hook's timeout) cancels the
+    check while it long-polls the approval. The request stays open on the service, so the
+    same action checked again must resume it, as after the client's own give-up: it was
+    refused 409 approval_pending, naming a check_id the agent never saw. Found by an agent
+    author."""
+    fake = FakeGovernance(approvals=["refund.*"], operator=lambda _a: None)
+
+    class SlowPolls(httpx.AsyncBaseTransport):
+        """The long poll held open, as the service holds it while nobody decides."""
+
+        def __init__(self) -> None:
+            self.inner, self.hold = fake.transport(), True
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if self.hold and "/approvals/" in request.url.path:
+                await asyncio.sleep(30)
+            return await self.inner.handle_async_request(request)
+
+    polls = SlowPolls()
+
+    async def scenario() -> tuple[Decision, int]:
+        async with AsyncGovernanceClient("http://governance.test", fake.api_key,
+                                         transport=polls, journal=fake.journal) as client:
+            run = await client.start_run("bot")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(run.check("refund.issue", {"order": 7}), 0.2)
+            polls.hold = False
+            fake.operator = lambda _a: "approve"
+            again = await run.check("refund.issue", {"order": 7})
+            return again, len(fake.runs[run.id].checks)
+
+    again, checks = asyncio.run(scenario())
+    assert again.allowed and again.reason == "step_ok"
+    assert len(fake.approvals) == 1 and checks == 2  # the same request, resumed
+
+
+def test_a_sync_approval_wait_interrupted_is_resumed_by_the_same_action() -> None:
+    approve = False
+    fake = FakeGovernance(approvals=["refund.*"])
+
+    def operator(_approval: Any) -> Any:
+        if not approve:
+            raise KeyboardInterrupt  # Ctrl-C while the agent waits for the operator
+        return "approve"
+
+    fake.operator = operator
+    run = fake.client().start_run("bot")
+    with pytest.raises(KeyboardInterrupt):
+        run.check("refund.issue", {"order": 7})
+    approve = True
+    again = run.check("refund.issue", {"order": 7})
+    assert again.allowed and len(fake.approvals) == 1

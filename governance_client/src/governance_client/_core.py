@@ -559,6 +559,14 @@ class RunCore:
         """The approval of this check is still pending, but the client stops waiting."""
         self.awaiting = (self._action_of(prepared.check), prepared.check_id)
 
+    def awaiting_approval(self, prepared: PreparedCheck) -> None:
+        """The check is answered ``pending``: remember it before the wait begins, so that a
+        wait cut short from outside (a framework's timeout cancelling the coroutine, Ctrl-C)
+        leaves the same action resumable, as a wait the client gives up does; ``answered``
+        forgets it once the request is settled (found by an agent author: the same action
+        checked again was refused 409 approval_pending)."""
+        self.gave_up_waiting(prepared)
+
     def approval_given_up(self, prepared: PreparedCheck, pending: Decision,
                           seconds: float) -> Decision:
         """The pending decision returned when the client stops waiting for the operator: the

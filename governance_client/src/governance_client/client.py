@@ -411,6 +411,7 @@ class Run:
         approval_id = (pending.approval or {}).get("id")
         if not approval_id:
             return pending
+        self._core.awaiting_approval(prepared)
         started = time.monotonic()
         limit = approval_limit(client.settings, pending, started) - started
         # Time spent, by the clock or by the polls that came back still pending (a fake
