@@ -181,6 +181,25 @@ def test_a_second_test_is_refused_while_the_teams_last_one_is_pending(team, user
     assert WebhookDelivery.objects.filter(team=team, event=webhooks.TEST_EVENT).count() == 2
 
 
+def test_a_test_of_a_url_the_team_no_longer_has_does_not_hold_up_a_test_of_the_new_one(
+        team, users):
+    """An admin who sees a test fail, fixes the URL and presses Send test again tests the
+    new URL at once: the old URL's test, still retrying (up to two minutes of backoff), is
+    given up rather than making the admin wait for it to fail."""
+    team_update_webhook(team=team, webhook_url="https://no-such-host.example/t", actor=None)
+    admin = signed_in(users["admin"])
+    url = reverse("runs:webhook-test", args=[team.slug])
+    assert b"Test notification sent" in admin.post(url, follow=True).content
+    team_update_webhook(team=team, webhook_url="https://hooks.example.com/fixed", actor=None)
+    assert b"Test notification sent" in admin.post(url, follow=True).content
+    tests = WebhookDelivery.objects.filter(team=team, event=webhooks.TEST_EVENT)
+    assert {(d.url, d.status) for d in tests} == {
+        ("https://no-such-host.example/t", webhooks.FAILED),
+        ("https://hooks.example.com/fixed", webhooks.PENDING)}
+    # The new URL's test still counts: one at a time.
+    assert "still pending" in admin.post(url, follow=True).content.decode()
+
+
 def test_a_test_without_a_webhook_says_so(team, users):
     response = signed_in(users["admin"]).post(reverse("runs:webhook-test", args=[team.slug]),
                                               follow=True)

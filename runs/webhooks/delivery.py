@@ -134,18 +134,27 @@ def send_test(*, team: Team, sent_by: str) -> WebhookDelivery:
     recorded) like any other, so an admin sees what a real one would meet: a DNS failure, a
     refused address, a timeout, the receiver's status. One at a time per team: while the
     team's last test is pending, another is refused (SendTestRefused), so a button pressed in a
-    loop cannot fill the webhook worker with one team's attempts."""
+    loop cannot fill the webhook worker with one team's attempts. A pending test of another
+    URL than the team's (the URL was changed since) is given up instead."""
     if not team.webhook_url:
         raise AppError(409, "no_webhook", NO_WEBHOOK)
     now = timezone.now()
     with transaction.atomic():
         # The team's row lock makes "none pending, so create one" one step for concurrent
         # presses. NO KEY: rows that merely reference the team (runs, audit) are not held up.
-        Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list("pk").get()
-        if WebhookDelivery.objects.filter(team=team, event=TEST_EVENT, status=PENDING).exists():
+        url = (Team.objects.select_for_update(no_key=True).filter(pk=team.pk)
+               .values_list("webhook_url", flat=True).get())
+        if not url:
+            raise AppError(409, "no_webhook", NO_WEBHOOK)
+        pending = WebhookDelivery.objects.filter(team=team, event=TEST_EVENT, status=PENDING)
+        # A test of a URL the team no longer has tests nothing: given up, so that the admin
+        # who fixed the URL after a failed test can test the fix now, not once the old URL's
+        # retries have run out (up to two minutes of backoff).
+        pending.exclude(url=url).update(status=FAILED)
+        if pending.exists():
             raise AppError(409, "test_pending", TEST_PENDING)
         delivery = WebhookDelivery.objects.create(
-            team=team, event=TEST_EVENT, url=team.webhook_url,
+            team=team, event=TEST_EVENT, url=url,
             payload={"event": TEST_EVENT, "team": team.slug, "sent_by": sent_by,
                      "sent_at": now.isoformat().replace("+00:00", "Z")})
         transaction.on_commit(partial(start_delivery, delivery.pk, urgent=False))
