@@ -196,6 +196,10 @@ def test_a_test_of_a_url_the_team_no_longer_has_does_not_hold_up_a_test_of_the_n
     assert {(d.url, d.status) for d in tests} == {
         ("https://no-such-host.example/t", webhooks.FAILED),
         ("https://hooks.example.com/fixed", webhooks.PENDING)}
+    given_up = tests.get(url="https://no-such-host.example/t")
+    assert [a.error for a in given_up.tries.all()] == [webhooks.SUPERSEDED]
+    page = admin.get(reverse("runs:killswitch", args=[team.slug])).content.decode()
+    assert "webhook URL changed" in page
     # The new URL's test still counts: one at a time.
     assert "still pending" in admin.post(url, follow=True).content.decode()
 

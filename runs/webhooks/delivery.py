@@ -64,6 +64,7 @@ BAD_URL = "the URL cannot be used (save it again in the team settings)"
 UNEXPECTED = "failed: an unexpected error (the server log has the details)"
 IN_FLIGHT = "in flight"
 INTERRUPTED = "interrupted: the worker stopped before the outcome was recorded"
+SUPERSEDED = "given up: the team's webhook URL changed, and a test of the new URL was sent"
 EVENT = "killswitch.engaged"
 APPROVAL_REQUESTED = "approval.requested"
 APPROVAL_DECIDED = "approval.decided"
@@ -150,7 +151,13 @@ def send_test(*, team: Team, sent_by: str) -> WebhookDelivery:
         # A test of a URL the team no longer has tests nothing: given up, so that the admin
         # who fixed the URL after a failed test can test the fix now, not once the old URL's
         # retries have run out (up to two minutes of backoff).
-        pending.exclude(url=url).update(status=FAILED)
+        stale = list(pending.exclude(url=url).values_list("pk", "attempts"))
+        if stale:
+            pending.filter(pk__in=[pk for pk, _ in stale]).update(status=FAILED)
+            # Its last line on the kill switch page says why it stopped short of 8 attempts.
+            WebhookAttempt.objects.bulk_create(
+                WebhookAttempt(delivery_id=pk, number=attempts + 1, at=now, error=SUPERSEDED)
+                for pk, attempts in stale)
         if pending.exists():
             raise AppError(409, "test_pending", TEST_PENDING)
         delivery = WebhookDelivery.objects.create(
