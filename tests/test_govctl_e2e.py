@@ -267,3 +267,26 @@ def test_a_policy_that_denies_every_tool_is_said_out_loud(server: Server, team: 
     code, out, err = govctl(server, admin_token, "policies", "apply",
                             str(lockdown("[search.*]")))
     assert code == 0 and "version 2" in out and "is denied" not in out, (out, err)
+
+
+def test_a_team_name_or_webhook_url_govctl_does_not_apply_is_said_so(
+        server: Server, team: Team, admin_token: str, tmp_path: Path):
+    """A repository's new webhook URL is not applied by govctl (the team's settings are its
+    admins'): the apply says so instead of a bare "nothing changed"."""
+    path = tmp_path / "policies.yaml"
+    path.write_text(FILE.replace("name: Customer support",
+                                 "name: Support\n    webhook_url: https://hooks.example.com/new"))
+    code, out, err = govctl(server, admin_token, "policies", "apply", str(path), "--dry-run")
+    assert code == 0, err
+    assert ("team support: name and webhook_url in the file differ from the server's and are "
+            "not changed by govctl") in out
+    code, out, err = govctl(server, admin_token, "policies", "apply", str(path))
+    assert code == 0, err
+    assert "webhook_url in the file differ" in out
+    team.refresh_from_db()
+    assert (team.name, team.webhook_url) == ("Customer support", None)
+    # The file as the server has it: not a word.
+    path.write_text(FILE)
+    code, out, err = govctl(server, admin_token, "policies", "apply", str(path))
+    assert code == 0, err
+    assert "differ" not in out and out.strip() == "nothing changed"

@@ -255,6 +255,32 @@ def _teams_of(document: Any) -> list[dict[str, Any]]:
     return teams
 
 
+def _note_team_fields(api: Api, out: Any, team: dict[str, Any]) -> None:
+    """A team's name and webhook URL are not govctl's to change (the team settings page's,
+    or `manage.py apply_policies`'): where the file's differ from the server's, say so, so a
+    repository's new webhook URL is not taken for applied (found by a platform engineer: the
+    apply said "nothing changed" and the old URL kept receiving the kill switches)."""
+    fields = [f for f in ("name", "webhook_url") if f in team]
+    if not fields:
+        return
+    try:
+        _, listing = api.call("GET", f"/teams/{team['slug']}/policies")
+    except Refused:
+        return  # the policies' own calls say why
+    current = listing.get("team") or {}
+    wanted = {**team, "name": team.get("name") or team["slug"]}  # apply_policies' default
+    differ = [f for f in fields if wanted[f] != current.get(f)
+              # A URL exported masked (by a reader who is not an admin) stands for the
+              # stored one, as it does for apply_policies.
+              and not (f == "webhook_url" and "\u2022" in str(wanted[f]))]
+    if differ:
+        print(f"team {team['slug']}: {' and '.join(differ)} in the file "
+              f"differ{'s' if len(differ) == 1 else ''} from the server's and "
+              f"{'is' if len(differ) == 1 else 'are'} not changed by govctl: change "
+              f"{'it' if len(differ) == 1 else 'them'} on the team's settings page, or with "
+              "`manage.py apply_policies FILE`", file=out)
+
+
 def _diff(before: Any, after: Any, *, label: str) -> str:
     # Keys sorted on both sides: the server's documents and a file order them differently,
     # and an unchanged field must not show as removed and added again.
@@ -280,6 +306,7 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
     refusals: list[str] = []
     for team in teams:
         slug = team["slug"]
+        _note_team_fields(api, out, team)
         for policy in team.get("policies", []):
             name = policy["name"]
             body = {**policy, "note": note, "confirm_stops": bool(args.confirm_stops)}
