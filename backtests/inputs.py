@@ -21,15 +21,16 @@ class InputError(ValueError):
     """A bad option or draft: the message says which and why."""
 
 
-def parse_since(text: str) -> timedelta:
-    """``30d``, ``12h``, ``90m``, ``2w``, ``45s``: a positive count and one unit."""
+def parse_since(text: str, *, name: str = "--since") -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``2w``, ``45s``: a positive count and one unit. ``name`` is
+    what the refusal calls it: the command's option, or the API's field (``since``)."""
     match = SINCE_RE.match(text.strip())
     if not match or int(match.group(1)) == 0:
-        raise InputError(f"--since must be a positive number and a unit of s, m, h, d or w "
+        raise InputError(f"{name} must be a positive number and a unit of s, m, h, d or w "
                          f"(e.g. 7d, 12h), not {text!r}")
     window = timedelta(seconds=int(match.group(1)) * SINCE_UNITS[match.group(2)])
     if window > MAX_SINCE:
-        raise InputError(f"--since may reach back at most {MAX_SINCE.days} days, not {text!r}")
+        raise InputError(f"{name} may reach back at most {MAX_SINCE.days} days, not {text!r}")
     return window
 
 

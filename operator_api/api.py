@@ -370,7 +370,7 @@ def backtest_policy(request: HttpRequest, slug: str, name: str,
     extra = {k: v for k, v in (payload.model_extra or {}).items()}
     document = _draft(name, extra) if extra else policy.current.document
     try:
-        since = parse_since(payload.since)
+        since = parse_since(payload.since, name="since")
     except InputError as exc:
         raise AppError(422, "invalid_request", str(exc), {"since": str(exc)}) from None
     # Replayed by a worker on the bulk queue, as the dashboard's backtests are (eagerly, in

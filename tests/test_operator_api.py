@@ -285,6 +285,9 @@ def test_backtest_answers_the_output_of_section_13(world):
     bad = call(world, "viewer", "POST", "/api/v1/teams/support/policies/default/backtest",
                {"since": "forever"})
     assert bad.status_code == 422 and "since" in bad.json()["error"]["fields"]
+    # The API's field, not the command line's option (the message said "--since must be").
+    assert bad.json()["error"]["message"].startswith("since must be a positive number")
+    assert "--" not in bad.json()["error"]["fields"]["since"]
     # No body at all (`curl -X POST`), like {}: the current version, which changes nothing
     # it recorded. (An empty body sent as JSON is not JSON: 400 invalid_json.)
     client = Client(HTTP_AUTHORIZATION=f"Bearer {world['tokens']['viewer']}")
