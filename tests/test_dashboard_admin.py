@@ -131,3 +131,18 @@ def test_the_audit_log_never_shows_another_teams_events(team, other_team, users)
     client.force_login(users["viewer"])
     html = client.get(reverse("audit", kwargs={"slug": team.slug})).content.decode()
     assert "secret-key" not in html and "outsider" not in html
+
+
+@pytest.mark.parametrize(("release", "said", "not_said"), [
+    ("none", "which only admins release", "release the ones they engaged"),
+    ("own", "release the ones they engaged", "which only admins release"),
+    ("any", "release any of the team's", "release the ones they engaged"),
+])
+def test_the_members_page_says_what_operators_may_release_as_the_team_is_set(
+        team, admin, release, said, not_said):
+    """The roles' summary under the members follows the team's release setting: it told the
+    admins of a team set to "Only admins" that operators release the switches they engaged."""
+    team.operator_release = release
+    team.save(update_fields=["operator_release"])
+    page = admin.get(reverse("members", args=[team.slug])).content.decode()
+    assert said in page and not_said not in page
