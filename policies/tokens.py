@@ -118,6 +118,11 @@ def token_prefix(secret: str) -> str | None:
     return prefix
 
 
+# What the holder of a dead token does next (a CI job's log is often all anyone reads).
+NEW_TOKEN = ("Its owner makes a new one on the Tokens page (/accounts/tokens/), or an "
+             "administrator with `manage.py create_operator_token`.")
+
+
 def operator_token_authenticate(secret: str) -> OperatorToken:
     """The live token for a bearer secret, its owner loaded; else 401: ``unauthorized``
     (unknown, malformed, or an owner no longer active), ``token_revoked``, ``token_expired``
@@ -132,12 +137,13 @@ def operator_token_authenticate(secret: str) -> OperatorToken:
         raise AppError(401, "unauthorized",
                        "A valid operator token is required (Authorization: Bearer gov_op_...).")
     if token.revoked_at is not None:
-        raise AppError(401, "token_revoked", f"The operator token {token.name!r} was revoked.")
+        raise AppError(401, "token_revoked",
+                       f"The operator token {token.name!r} was revoked. {NEW_TOKEN}")
     now = timezone.now()
     if token.expires_at is not None and token.expires_at <= now:
         raise AppError(401, "token_expired",
                        f"The operator token {token.name!r} expired at "
-                       f"{token.expires_at.isoformat()}.")
+                       f"{token.expires_at.isoformat()}. {NEW_TOKEN}")
     if token.last_used_at is None or now - token.last_used_at > TOUCH_EVERY:
         OperatorToken.objects.filter(
             Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - TOUCH_EVERY), pk=token.pk

@@ -512,3 +512,11 @@ def test_a_run_read_by_an_operator_is_the_run_the_agent_reads_with_its_tree(worl
     assert read.json()["children"] == theirs["children"] == [child.json()["run_id"]]
     assert read.json()["tree_usage"] == theirs["tree_usage"]
     assert set(read.json()) == set(theirs)
+
+
+@pytest.mark.parametrize("who", ["expired", "revoked"])
+def test_a_dead_token_is_told_where_to_get_a_new_one(world, who):
+    """A CI job whose token expired or was revoked is told what to do, not only what
+    happened: the message named the token and stopped there."""
+    message = call(world, who, "GET", "/api/v1/teams", None).json()["error"]["message"]
+    assert "/accounts/tokens/" in message and "create_operator_token" in message, message
