@@ -487,8 +487,8 @@ def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
         if engaged_now is not None and target.scope != Scope.GLOBAL and not \
                 switches.may_release(engaged_now, team=target.team, user=token.user,
                                      role=role):
-            raise AppError(403, "forbidden", "Only the team's admins may release this switch"
-                           " (operators: as the team's setting says).")
+            raise AppError(403, "forbidden",
+                           switches.release_refusal(engaged_now, team=target.team))
         switch = killswitch_release(scope=target.scope, team=target.team, agent=target.agent,
                                     run=target.run, reason=payload.reason, actor=token.user,
                                     actor_label=label)

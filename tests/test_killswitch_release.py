@@ -128,3 +128,31 @@ def test_a_run_switch_is_released_once_its_run_has_ended(team, users, commit):
     # The killed run's checks still answer killed.
     answer = check(team, run)
     assert (answer["decision"], answer["reason"]) == ("stop", "killed")
+
+
+@pytest.mark.parametrize("setting", ["none", "own"])
+def test_a_refused_release_says_why_and_whom_to_ask(team, users, setting):
+    """The 403 an operator meets, from the API (a paging tool's script) or the dashboard,
+    says what the team's setting allows and whom to ask: it said "operators: as the team's
+    setting says", which an operator cannot read (the settings page is the admins')."""
+    from policies.tokens import operator_token_create
+
+    team.operator_release = setting
+    team.save()
+    killswitch_engage(scope="team", team=team, reason="incident", actor=users["admin"])
+    token = operator_token_create(user=users["operator"], name="pager", role="operator").secret
+    answer = Client(HTTP_AUTHORIZATION=f"Bearer {token}").post(
+        "/api/v1/killswitch", {"action": "release", "scope": "team", "team": team.slug,
+                               "reason": "all clear"}, content_type="application/json")
+    assert answer.status_code == 403
+    message = answer.json()["error"]["message"]
+    page = signed_in(users["operator"]).post(
+        reverse("runs:killswitch-release", args=[team.slug]), RELEASE).content.decode()
+    for said in (message, page):
+        assert "ask an admin of the team" in said, said
+        assert "as the team's setting says" not in said
+    if setting == "own":
+        assert "engaged by admin" in message and "only the switches they engaged" in message
+    else:
+        assert "operators of this team release none" in message
+    assert engaged()

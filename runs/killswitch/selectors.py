@@ -37,6 +37,17 @@ def may_release(switch: KillSwitch, *, team: Team, user: Any, role: Role | None)
             and switch.engaged_by_id == getattr(user, "pk", None))
 
 
+def release_refusal(switch: KillSwitch, *, team: Team) -> str:
+    """Why this operator may not release this switch, and whom to ask: the refusal of the
+    dashboard and of the operator API (an operator cannot read the team's settings page)."""
+    if team.operator_release == OperatorRelease.OWN:
+        return (f"Operators of this team may release only the switches they engaged "
+                f"themselves, and this one was engaged by {switch.engaged_by_label}: ask an "
+                "admin of the team to release it.")
+    return ("Only the team's admins may release this switch (operators of this team release "
+            "none, as the team's settings say): ask an admin of the team to release it.")
+
+
 def covered_running(target: Target) -> QuerySet[Run]:
     """The running runs a switch on this target would stop (for the confirmation step)."""
     return Run.objects.filter(target.cover(), status=RunStatus.RUNNING)

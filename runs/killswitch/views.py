@@ -25,7 +25,7 @@ from django.views.decorators.http import require_http_methods, require_POST, req
 from governance.web import page
 from governance_client import rules
 from policies.access import team_view
-from policies.models import OperatorRelease, Role
+from policies.models import Role
 from runs.dashboard import presenters
 from runs.dashboard import selectors as dashboard
 from runs.dashboard.stream import KillSwitchSource, sse_response
@@ -131,10 +131,7 @@ def _release_flow(request: HttpRequest, target: Target, *, action: str, done: st
     team = target.team or getattr(request, "team", None)
     if engaged is not None and team is not None and not switches.may_release(
             engaged, team=team, user=request.user, role=getattr(request, "role", None)):
-        raise PermissionDenied(
-            "Only the team's admins may release this switch"
-            + (" (operators: the switches they engaged themselves)."
-               if team.operator_release == OperatorRelease.OWN else "."))
+        raise PermissionDenied(switches.release_refusal(engaged, team=team))
     form = ReasonForm(request.POST if request.method == "POST" else None)
     if request.method == "POST" and form.is_valid():
         switch = killswitch_release(
