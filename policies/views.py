@@ -386,7 +386,14 @@ def _members_page(request: HttpRequest, form: MemberAddForm, *, status: int = 20
         "invitations": selectors.invitations_of(request.team),
         "invite_form": invite or MemberInviteForm(),
         "invitation": request.session.pop(INVITATION_SESSION_KEY, None),
+        "sso_only": _sso_only(),
     }, status=status)
+
+
+def _sso_only() -> bool:
+    """Whether people other than superusers sign in with SSO only (OIDC_PASSWORD_LOGIN not
+    ``all``): an invitation then never sets a password, which could not sign in."""
+    return settings.OIDC_PASSWORD_LOGIN != "all"
 
 
 @team_view(Role.ADMIN)
@@ -449,6 +456,10 @@ def invitation_cancel_view(request: HttpRequest, slug: str, invitation_id: int) 
     return redirect("members", slug=slug)
 
 
+SSO_ONLY_INVITATION = ("People sign in here with single sign-on, not with a password: sign "
+                       "in with SSO, then open this link again to join.")
+
+
 class InvitationView(PasswordResetConfirmView):
     """An invitation's link (policies.services.member_invite), at the password-reset URL:
     ``uidb64`` is the invitation's key. Its first page is the same for both kinds of
@@ -483,6 +494,7 @@ class InvitationView(PasswordResetConfirmView):
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
         context["sign_in"] = f"{reverse('login')}?{urlencode({'next': self.request.path})}"
+        context["sso_only"] = _sso_only()
         return context
 
     def get(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
@@ -503,6 +515,12 @@ class InvitationView(PasswordResetConfirmView):
 
     def form_valid(self, form: Any) -> HttpResponse:
         invitation = self.invitation
+        if _sso_only():
+            # The same words for both kinds of invitation (the first page's rule): a password
+            # set here could not sign in (found by a platform engineer: "Sign in with your
+            # username and this password", then the sign-in refused it).
+            form.add_error(None, SSO_ONLY_INVITATION)
+            return self.form_invalid(form)
         if invitation is not None and not invitation.new_account:
             name = invitation.user.get_username()
             form.add_error(None, f"{name} has a password already: sign in as {name}, then "

@@ -75,3 +75,30 @@ def test_the_command_prints_the_link_alone_on_its_last_line(team):
         call_command("invite_member", "--team", team.slug, "--username", "cli-person")
     with pytest.raises(CommandError, match="No team"):
         call_command("invite_member", "--team", "nope", "--username", "x")
+
+
+@pytest.mark.parametrize("mode", ["superusers", "off"])
+def test_under_sso_an_invitation_never_sets_a_password_that_cannot_sign_in(
+        team, users, settings, mode):
+    """With single sign-on and password sign-in for superusers only (the default once
+    OIDC_ISSUER is set), the link offered a password, said "Sign in with your username and
+    this password", and the sign-in then refused it. It now says to sign in with SSO and
+    open the link again (how an account that exists joins), and sets no password."""
+    settings.OIDC_ISSUER = "https://login.example.com/realms/staff"
+    settings.OIDC_PASSWORD_LOGIN = mode
+    admin = as_user(users, "admin")
+    members = admin.get(reverse("members", kwargs={"slug": team.slug})).content.decode()
+    assert "signed in here with SSO" in members
+    response = admin.post(reverse("member_invite", kwargs={"slug": team.slug}),
+                          {"username": "newcomer", "role": "operator"})
+    page = admin.get(response["Location"]).content.decode()
+    link = page.split('id="invitation-link" data-invitation>')[1].split("<")[0]
+    client = Client()
+    form = client.get("/" + link.split("/", 3)[3], follow=True)
+    html = form.content.decode()
+    assert "single sign-on" in html and 'name="new_password1"' not in html
+    url = form.redirect_chain[-1][0]
+    refused = client.post(url, {"new_password1": "a-long-new-passphrase-42",
+                                "new_password2": "a-long-new-passphrase-42"})
+    assert refused.status_code == 200 and "single sign-on" in refused.content.decode()
+    assert not User.objects.get(username="newcomer").has_usable_password()
