@@ -520,3 +520,18 @@ def test_a_dead_token_is_told_where_to_get_a_new_one(world, who):
     happened: the message named the token and stopped there."""
     message = call(world, who, "GET", "/api/v1/teams", None).json()["error"]["message"]
     assert "/accounts/tokens/" in message and "create_operator_token" in message, message
+
+
+def test_a_superusers_token_for_every_team_says_what_it_may_do(world, users):
+    """A superuser is a member of no team: "every team of the owner" read as none. The
+    command says every team, and whether the token is a superuser's (the global switch)."""
+    out = io.StringIO()
+    call_command("create_operator_token", "--user", "root", "--role", "admin",
+                 stdout=out, stderr=io.StringIO())
+    assert ("every team, as a superuser (the global kill switch too)"
+            in out.getvalue().splitlines()[0]), out.getvalue()
+    out = io.StringIO()
+    call_command("create_operator_token", "--user", "root", "--role", "operator",
+                 stdout=out, stderr=io.StringIO())
+    assert ("every team, as an operator (a superuser's token acts as a superuser only with "
+            "the admin role)" in out.getvalue().splitlines()[0]), out.getvalue()

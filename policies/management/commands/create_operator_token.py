@@ -36,7 +36,15 @@ class Command(BaseCommand):
                                         team=team_row, expires_days=expires_days)
         except AppError as exc:
             raise CommandError(exc.message) from None
-        where = f"team {team}" if team else "every team of the owner"
+        if team:
+            where = f"team {team}"
+        elif getattr(new.token.user, "is_superuser", False):
+            # A superuser is a member of no team: "every team of the owner" read as none.
+            where = ("every team, as a superuser (the global kill switch too)" if role == "admin"
+                     else f"every team, as {_a(role)} (a superuser's token acts as a superuser "
+                          "only with the admin role)")
+        else:
+            where = "every team of the owner"
         expiry = (f", expires {new.token.expires_at:%Y-%m-%d %H:%M} UTC"
                   if new.token.expires_at else "")
         self.stdout.write(f"Created operator token {new.token.name!r} (prefix "
