@@ -179,7 +179,9 @@ def test_killswitch_engage_and_release(server: Server, agent: Agent, team: Team,
     assert code == 0 and "engaged" in out, err
     assert agent.http.post("/api/v1/runs", json={"agent": "support-bot"}).status_code == 409
     code, out, _ = govctl(server, admin_token, "killswitch", "engage", *args, "--reason", "x")
-    assert "already engaged" in out
+    # Whose switch it is and why: the second on-call's reason was not recorded.
+    assert "already engaged by admin (token ci)" in out and ": runaway bot" in out, out
+    assert "nothing changed" in out
     code, out, err = govctl(server, admin_token, "killswitch", "release", *args,
                             "--reason", "fixed")
     assert code == 0 and "released" in out, err

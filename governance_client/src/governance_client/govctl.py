@@ -459,7 +459,16 @@ def killswitch(api: Api, args: argparse.Namespace, out: Any) -> None:
     where = " ".join(f"{k} {state[k]}" for k in ("team", "agent", "run") if state.get(k))
     what = f"{state['scope']} kill switch" + (f" ({where})" if where else "")
     if args.action == "engage":
-        print(f"{what}: {'engaged' if state['changed'] else 'already engaged'}", file=out)
+        switch = state.get("switch") or {}
+        if state["changed"]:
+            print(f"{what}: engaged", file=out)
+        elif switch.get("engaged_by") and not switch.get("released_at"):
+            # Whose switch it is and why: this command's reason was not recorded.
+            print(f"{what}: already engaged by {switch['engaged_by']} at "
+                  f"{switch.get('engaged_at')}: {switch.get('reason')}; nothing changed",
+                  file=out)
+        else:
+            print(f"{what}: {state.get('message') or 'already engaged'}", file=out)
     else:
         print(f"{what}: {'released' if state['changed'] else 'not engaged, nothing to release'}",
               file=out)
