@@ -228,6 +228,11 @@ def test_the_overview_shows_a_banner_while_notifications_fail(team, users):
     page = viewer.get(overview).content.decode()
     assert "data-webhook-failing" in page
     assert "DNS failure" in page
+    # Who can do something about it: the URL is the admins' (the link to the settings is
+    # theirs alone), so a viewer or an operator is told to ask one.
+    assert "ask an admin of the team to fix the URL" in page
+    admin_page = signed_in(users["admin"]).get(overview).content.decode()
+    assert "fix the URL" in admin_page and "ask an admin" not in admin_page
     # A later success clears it.
     attempt(delivery, 2, status_code=200)
     assert b"data-webhook-failing" not in viewer.get(overview).content
