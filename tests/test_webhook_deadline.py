@@ -83,6 +83,8 @@ def hook(team: Any, settings: Any) -> Callable[[str], WebhookDelivery]:
     settings.WEBHOOK_ALLOWED_HOSTS = ["127.0.0.1"]  # the receivers listen on loopback
 
     def make(url: str) -> WebhookDelivery:
+        # The team's URL, as when the product makes a delivery (a retry follows the team's).
+        type(team).objects.filter(pk=team.pk).update(webhook_url=url)
         return WebhookDelivery.objects.create(team=team, event=webhooks.TEST_EVENT, url=url,
                                               payload={"event": webhooks.TEST_EVENT})
 

@@ -30,6 +30,8 @@ def signed_in(user: Any) -> Client:
 
 
 def delivery_to(team: Any, url: str) -> WebhookDelivery:
+    # The team's URL, as when the product makes a delivery (a retry follows the team's).
+    type(team).objects.filter(pk=team.pk).update(webhook_url=url)
     switch = KillSwitch.objects.create(scope="team", team=team, target=f"team:{team.pk}",
                                        reason="r", engaged_by_label="x",
                                        engaged_at=timezone.now())
@@ -202,6 +204,38 @@ def test_a_test_of_a_url_the_team_no_longer_has_does_not_hold_up_a_test_of_the_n
     assert "webhook URL changed" in page
     # The new URL's test still counts: one at a time.
     assert "still pending" in admin.post(url, follow=True).content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_kill_notification_still_retrying_reaches_the_url_an_admin_fixed(team, receiver,
+                                                                           settings):
+    """The overview's banner asks an admin to fix a failing URL: the notifications still
+    retrying then go to the fixed URL rather than spend their attempts on the broken one."""
+    settings.WEBHOOK_ALLOWED_HOSTS = ["127.0.0.1"]
+    delivery = delivery_to(team, "https://hooks.nothing-here.invalid/hook")
+    webhooks.attempt_delivery(delivery_id=delivery.pk, number=1)
+    assert delivery.tries.get().error == webhooks.UNRESOLVED
+    fixed = f"{receiver.url}/{team.slug}"
+    team_update_webhook(team=team, webhook_url=fixed, actor=None)
+    assert webhooks.attempt_delivery(delivery_id=delivery.pk, number=2) is None
+    delivery.refresh_from_db()
+    assert (delivery.status, delivery.url) == (webhooks.DELIVERED, fixed)
+    assert receiver.valid[team.slug] == 1
+    assert [a.error for a in delivery.tries.order_by("number")] == [webhooks.UNRESOLVED, ""]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_notification_still_retrying_when_the_url_is_removed_is_given_up_saying_so(
+        team, settings):
+    settings.WEBHOOK_ALLOWED_HOSTS = []
+    delivery = delivery_to(team, "https://hooks.nothing-here.invalid/hook")
+    webhooks.attempt_delivery(delivery_id=delivery.pk, number=1)
+    team_update_webhook(team=team, webhook_url=None, actor=None)
+    assert webhooks.attempt_delivery(delivery_id=delivery.pk, number=2) is None
+    delivery.refresh_from_db()
+    assert delivery.status == webhooks.FAILED
+    assert [a.error for a in delivery.tries.order_by("number")] == [
+        webhooks.UNRESOLVED, webhooks.URL_REMOVED]
 
 
 def test_a_test_without_a_webhook_says_so(team, users):

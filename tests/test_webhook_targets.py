@@ -129,6 +129,8 @@ def receiver(team: Any) -> Iterator[Receiver]:
 
 
 def delivery_to(team: Any, url: str) -> WebhookDelivery:
+    # The team's URL, as when the product makes a delivery (a retry follows the team's).
+    type(team).objects.filter(pk=team.pk).update(webhook_url=url)
     switch = KillSwitch.objects.create(scope="team", team=team, target=f"team:{team.pk}",
                                        reason="r", engaged_by_label="x",
                                        engaged_at=timezone.now())

@@ -65,6 +65,7 @@ UNEXPECTED = "failed: an unexpected error (the server log has the details)"
 IN_FLIGHT = "in flight"
 INTERRUPTED = "interrupted: the worker stopped before the outcome was recorded"
 SUPERSEDED = "given up: the team's webhook URL changed, and a test of the new URL was sent"
+URL_REMOVED = "given up: the team's webhook URL was removed"
 EVENT = "killswitch.engaged"
 APPROVAL_REQUESTED = "approval.requested"
 APPROVAL_DECIDED = "approval.decided"
@@ -228,6 +229,20 @@ def _claim(delivery_id: int, number: int) -> tuple[WebhookDelivery, WebhookAttem
             delivery.status = FAILED
             delivery.save(update_fields=["status"])
             return None
+        current = delivery.team.webhook_url
+        if current != delivery.url:
+            # Retries follow the team's URL: an admin who fixes a failing URL (the overview's
+            # banner asks for it) expects the notifications still retrying, a kill's among
+            # them, to reach the fixed one, not to spend their attempts on the broken one
+            # (found by an operator's tryout). The URL removed: nowhere to send it.
+            if not current:
+                delivery.status = FAILED
+                delivery.save(update_fields=["status"])
+                WebhookAttempt.objects.create(delivery=delivery, number=number, at=now,
+                                              error=URL_REMOVED)
+                return None
+            delivery.url = current
+            delivery.save(update_fields=["url"])
         if delivery.switch_id is None and _team_busy(delivery, now):
             # One routine attempt of a team at a time: a team whose receiver hangs holds one
             # of the webhook worker's processes, not all of them (found by an attacker: 130
