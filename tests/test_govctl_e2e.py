@@ -272,9 +272,11 @@ def test_a_policy_that_denies_every_tool_is_said_out_loud(server: Server, team: 
 
 
 def test_a_team_name_or_webhook_url_govctl_does_not_apply_is_said_so(
-        server: Server, team: Team, admin_token: str, tmp_path: Path):
+        server: Server, team: Team, admin_token: str, tmp_path: Path, workers: list[Worker]):
     """A repository's new webhook URL is not applied by govctl (the team's settings are its
     admins'): the apply says so instead of a bare "nothing changed"."""
+    if not settings.CELERY_TASK_ALWAYS_EAGER:
+        new_worker(workers)  # the dry run's backtest is replayed on the workers' bulk queue
     path = tmp_path / "policies.yaml"
     path.write_text(FILE.replace("name: Customer support",
                                  "name: Support\n    webhook_url: https://hooks.example.com/new"))
