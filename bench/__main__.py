@@ -150,7 +150,9 @@ def main(argv: list[str]) -> int:
                 sc.seed_team("bench-ladder", policy=sc.LONG_POLICY), workers=args.workers,
                 threads=threads, agents=[TARGET_AGENTS] if quick else [TARGET_AGENTS, 1],
                 rounds=rounds, seconds=seconds / rounds,
-                warmup=warmup, server=server)
+                warmup=warmup, server=server,
+                # and, but for --quick, the floor in two round trips (what the second costs)
+                rungs=ladder.RUNGS if quick else ladder.RUNGS + ladder.EXTRA)
             for line in ladder.lines(results["ladder"]):
                 print(line, flush=True)
         if "soak" in phases:

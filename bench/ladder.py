@@ -22,6 +22,11 @@ UPDATE ... RETURNING, the repeat-count upsert and the audit INSERT, one round tr
   rules, the answer's serialisation, the key's last use, live-event publishing;
 - real-metrics: the product's server with METRICS_TOKEN: the metrics.
 
+Beside the ladder, not a layer of it (`--rungs` names it): `wsgi-2trips`, the floor's
+statement in two round trips as the real check makes them (`BEGIN` and a locking read of
+the run, then the write and `COMMIT`, each one pipelined message), on the wsgi-min server:
+what the second round trip alone costs, served the fastest way.
+
 The rungs are measured in alternating slices, runs already started (checks only), at 32
 agents and one agent, with the old baseline (`min-durable`, three statements under the
 product's application class) in the same rounds, so the old ratio stands beside the new.
@@ -45,6 +50,10 @@ from . import scenarios as sc
 RUNGS = ("wsgi-min", "asgi-min", "asgi-pool", "django-cycle", "api-middleware", "auth",
          "validation", "real", "real-metrics")
 OLD = "min-durable"
+# Measured when named in `--rungs`, beside the ladder: not a layer between two rungs.
+TWO_TRIPS = "wsgi-2trips"
+EXTRA = (TWO_TRIPS,)
+WARMUP_S = 1.0
 # `--other`: the real check served by another checkout (the tree before a change), measured
 # in the same alternating rounds as this tree's: a change's before and after beside the floor.
 OTHER = "real-other"
@@ -60,9 +69,9 @@ def measure(team: sc.Team, *, workers: int, threads: int, agents: list[int], rou
     with contextlib.ExitStack() as stack_:
         product = server or stack_.enter_context(stack.Server(**shape))
         servers: dict[str, stack.Server] = {}
-        if "wsgi-min" in rungs:
-            servers["wsgi-min"] = stack_.enter_context(stack.RawServer(interface="wsgi",
-                                                                       **shape))
+        if {"wsgi-min", TWO_TRIPS} & set(rungs):
+            servers["wsgi-min"] = servers[TWO_TRIPS] = stack_.enter_context(
+                stack.RawServer(interface="wsgi", **shape))
         if {"asgi-min", "asgi-pool"} & set(rungs):
             raw_asgi = stack_.enter_context(stack.RawServer(interface="asgi", **shape))
             servers["asgi-min"] = servers["asgi-pool"] = raw_asgi
@@ -93,7 +102,8 @@ def measure(team: sc.Team, *, workers: int, threads: int, agents: list[int], rou
                 points.append(point)
                 print(report.point_line(point), flush=True)
     return {"agents": agents, "rounds": rounds, "seconds_per_slice": seconds,
-            "rungs": list(rungs), "points": points, "layers": layers(points, rungs),
+            "rungs": list(rungs), "points": points,
+            "layers": layers(points, tuple(r for r in rungs if r not in EXTRA)),
             "headline": headline(points)}
 
 
@@ -145,6 +155,12 @@ def headline(points: list[dict[str, Any]]) -> dict[str, Any]:
         if old:
             out[f"real_over_min_durable_{n}"] = round(real["checks_per_s"]
                                                       / old["checks_per_s"], 2)
+        two = _at(points, TWO_TRIPS, n)
+        if two and fastest:
+            out[f"two_trips_over_wsgi_min_{n}"] = round(two["checks_per_s"]
+                                                        / fastest["checks_per_s"], 2)
+            out[f"real_over_two_trips_{n}"] = round(real["checks_per_s"]
+                                                    / two["checks_per_s"], 2)
         before = _at(points, OTHER, n)
         if before and fastest:
             out[f"other_over_wsgi_min_{n}"] = round(before["checks_per_s"]
@@ -242,10 +258,13 @@ def main(argv: list[str]) -> int:
                         help="instead of the ladder: the wsgi-min rung under the slow-body "
                              "and unfinished-header attacks (SPEC 10), alternating slices")
     args = parser.parse_args(argv)
+    if args.seconds <= WARMUP_S:
+        # The warm-up is inside each slice: a slice no longer measured nothing (0 checks/s).
+        parser.error(f"--seconds must be more than the {WARMUP_S:g} s warm-up of each slice")
     rungs = tuple(r for r in args.rungs.split(",") if r)
-    unknown = set(rungs) - set(RUNGS)
+    unknown = set(rungs) - set(RUNGS) - set(EXTRA)
     if unknown:
-        parser.error(f"unknown rungs {sorted(unknown)}; known: {', '.join(RUNGS)}")
+        parser.error(f"unknown rungs {sorted(unknown)}; known: {', '.join(RUNGS + EXTRA)}")
     stack.fresh_database()
     stack.manage("migrate", "--noinput", "-v0")
     stack.setup_django()
@@ -254,12 +273,12 @@ def main(argv: list[str]) -> int:
     if args.attacks:
         held = interface_attacks(team, workers=args.workers, threads=args.threads,
                                  agents=int(args.agents.split(",")[0]), rounds=args.rounds,
-                                 seconds=args.seconds, warmup=1.0)
+                                 seconds=args.seconds, warmup=WARMUP_S)
         return 0 if all(not r["errors"] and not r["agents_starved"]
                         for r in held.values()) else 1
     result = measure(team, workers=args.workers, threads=args.threads,
                      agents=[int(a) for a in args.agents.split(",") if a],
-                     rounds=args.rounds, seconds=args.seconds, warmup=1.0, rungs=rungs,
+                     rounds=args.rounds, seconds=args.seconds, warmup=WARMUP_S, rungs=rungs,
                      other=args.other.resolve() if args.other else None)
     for line in lines(result):
         print(line)

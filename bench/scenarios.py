@@ -40,6 +40,7 @@ CHECK_PATHS: dict[str, ag.CheckPath] = {
 # rung's checks go to the server `run_slice` is given for it in `check_servers`.
 LADDER_PATHS: dict[str, ag.CheckPath] = {
     "wsgi-min": lambda run_id: f"/runs/{run_id}/durable",
+    "wsgi-2trips": lambda run_id: f"/runs/{run_id}/durable2",
     "asgi-min": lambda run_id: f"/runs/{run_id}/inline",
     "asgi-pool": lambda run_id: f"/runs/{run_id}/pool",
     "django-cycle": lambda run_id: f"/runs/{run_id}/fast",

@@ -91,6 +91,34 @@ def durable(conn: Any, run_id: str, body: bytes, *, claim: Any = None,
                               "repeat_count": count, "decision_id": decision_id})
 
 
+# The same work in two round trips, as the real check makes it (runs/check/check_store.py):
+# `BEGIN` and a locking read of the run, then (the real check decides in Python here) the
+# write and `COMMIT`. The ladder's `wsgi-2trips` rung: what the second round trip alone costs
+# at the floor, served the fastest way.
+LOCK_ONE = "SELECT id, steps FROM runs_run WHERE id = %(run)s FOR UPDATE"
+
+
+def durable_two_trips(conn: Any, run_id: str, body: bytes) -> tuple[int, bytes]:
+    """`durable` in two round trips on `conn` (autocommit): each one pipelined message,
+    prepared statements, the transaction opened and committed in those messages."""
+    import psycopg
+
+    values = params(run_id, orjson.loads(body))
+    cursor = psycopg.Cursor(conn)
+    with conn.pipeline():
+        conn.execute("BEGIN")
+        cursor.execute(LOCK_ONE, values, prepare=True)
+        if cursor.fetchone() is None:  # the first round trip
+            conn.execute("ROLLBACK")
+            return 404, NOT_FOUND
+        cursor.execute(DURABLE_ONE, values, prepare=True)
+        conn.execute("COMMIT")
+        row = cursor.fetchone()  # the second
+    decision_id, step, count = row
+    return 200, orjson.dumps({**ANSWER, "step": step, "repeat_key": values["key"],
+                              "repeat_count": count, "decision_id": decision_id})
+
+
 _local = threading.local()
 
 
