@@ -55,7 +55,7 @@ from runs.check.callers import caller_of, operator_known, remember_operator  # n
 from runs.check.lineages import turn_run  # noqa: E402
 
 from . import connections, pools  # noqa: E402
-from .handlers import Answer, ResolvedOnce  # noqa: E402
+from .handlers import Answer, ResolvedOnce, TextCharsetASGIRequest  # noqa: E402
 from .pools import pool_name  # noqa: E402
 from .shares import TimeShare  # noqa: E402
 
@@ -250,6 +250,9 @@ class SyncHandler(ResolvedOnce, BaseHandler):
 class Application(ResolvedOnce, ASGIHandler):
     """See the module docstring. `ASGIHandler` gives the async middleware chain (for async
     views), the request class and the response encoding."""
+
+    # Django's, but a declared charset that decodes no text is ignored (governance/handlers.py).
+    request_class = TextCharsetASGIRequest
 
     def __init__(self) -> None:
         super().__init__()

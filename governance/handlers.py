@@ -11,9 +11,12 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured, MiddlewareNotUsed
+from django.core.handlers.asgi import ASGIRequest
 from django.core.handlers.base import BaseHandler
 from django.core.handlers.exception import convert_exception_to_response
+from django.core.handlers.wsgi import WSGIRequest
 from django.http import HttpRequest
+from django.utils.http import parse_header_parameters
 from django.utils.module_loading import import_string
 
 
@@ -24,6 +27,41 @@ class Answer:
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes
+
+
+def text_charset(name: str) -> bool:
+    """Whether a request's declared charset decodes text as Django decodes a request's query
+    and forms (errors replaced): `rot13`, `base64` or `zlib` are codecs but not of text,
+    `undefined` and `idna` refuse every such decoding, and a NUL is no name at all."""
+    try:
+        str(b"a", name, "replace")
+    except (LookupError, ValueError):  # UnicodeError is a ValueError
+        return False
+    return True
+
+
+class _TextCharset:
+    """Django's content-type parameters, but a charset that decodes no text is ignored, as
+    Django ignores a name it does not know. Django's own reading catches only that
+    LookupError: a NUL (a ValueError) failed while the request was made, and a codec of
+    another kind where the query or a form is first decoded, a 500 either way (under WSGI
+    before any middleware: a plain text 500 on the API and /healthz too; found by an
+    attacker)."""
+
+    def _set_content_type_params(self, meta: Any) -> None:
+        self.content_type, self.content_params = parse_header_parameters(
+            meta.get("CONTENT_TYPE", ""))
+        charset = self.content_params.get("charset")
+        if charset is not None and text_charset(charset):
+            self.encoding = charset
+
+
+class TextCharsetWSGIRequest(_TextCharset, WSGIRequest):
+    """The request of the project's WSGI application (governance/wsgi.py)."""
+
+
+class TextCharsetASGIRequest(_TextCharset, ASGIRequest):
+    """The request of the project's ASGI application (governance/asgi.py)."""
 
 
 class ResolvedOnce:
