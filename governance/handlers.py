@@ -6,6 +6,7 @@ Nothing here imports the project's apps: the benchmark's minimal application
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +30,23 @@ class Answer:
     body: bytes
 
 
+# Bytes a query or a form may hold: a codec that decodes them only with an error other than
+# UnicodeDecodeError (which Django's reading expects) fails on some request.
+_CHARSET_PROBES = (b"a=b&c=%FF+d", bytes(range(256)))
+
+
 def text_charset(name: str) -> bool:
     """Whether a request's declared charset decodes text as Django decodes a request's query
-    and forms (errors replaced): `rot13`, `base64` or `zlib` are codecs but not of text,
-    `undefined` and `idna` refuse every such decoding, and a NUL is no name at all."""
+    (strictly, falling back to Latin-1 on a UnicodeDecodeError) and forms (errors replaced):
+    `rot13`, `base64` or `zlib` are codecs but not of text, `undefined`, `idna` and
+    `punycode` fail with another error (of Python's codecs, those three), and a NUL is no
+    name at all."""
     try:
-        str(b"a", name, "replace")
-    except (LookupError, ValueError):  # UnicodeError is a ValueError
+        for probe in _CHARSET_PROBES:
+            str(probe, name, "replace")
+            with contextlib.suppress(UnicodeDecodeError):
+                str(probe, name)
+    except (LookupError, ValueError):  # a UnicodeError other than a decoding's is a ValueError
         return False
     return True
 

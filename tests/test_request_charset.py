@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.django_db
 
-NO_TEXT = ["\x00", "rot13", "base64", "undefined", "idna"]
+NO_TEXT = ["\x00", "rot13", "base64", "undefined", "idna", "punycode"]
 MULTIPART = b'--zz\r\nContent-Disposition: form-data; name="username"\r\n\r\nx\r\n--zz--\r\n'
 
 
@@ -27,7 +27,8 @@ def test_a_charset_that_decodes_no_text_is_not_one(name: str) -> None:
     assert not text_charset(name)
 
 
-@pytest.mark.parametrize("name", ["utf-8", "UTF8", "latin-1", "utf-16", "cp1252"])
+@pytest.mark.parametrize("name", ["utf-8", "UTF8", "latin-1", "utf-16", "cp1252", "shift_jis",
+                                  "utf-7"])
 def test_a_text_charset_is_one(name: str) -> None:
     from governance.handlers import text_charset
 
@@ -110,7 +111,7 @@ def _asgi(method: str, path: str, content_type: str, body: bytes = b"") -> int:
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("name", ["rot13", "base64", "undefined", "idna"])
+@pytest.mark.parametrize("name", ["rot13", "base64", "undefined", "idna", "punycode"])
 def test_under_asgi_a_multipart_form_is_refused_as_any_not_a_500(name: str) -> None:
     status = _asgi("POST", "/accounts/login/", f"multipart/form-data; boundary=zz; charset={name}",
                    MULTIPART)
