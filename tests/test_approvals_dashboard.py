@@ -109,6 +109,19 @@ def test_deciding_from_the_page_redirects_with_a_message(api, approving, users):
     assert "Waiting for approval" not in html and "approval approved by operator" in html
 
 
+@pytest.mark.parametrize("target", ["on", "approvals", "home"])
+def test_a_next_that_is_not_a_path_goes_to_the_approvals_page(api, approving, users, target):
+    # Found by an attacker: `next` was reversed as a view name by redirect(), a 500 (after the
+    # decision was saved) for a word without "/" or ".".
+    _, approval_id = waiting(api)
+    response = signed_in(users["operator"]).post(
+        reverse("runs:approval_decide", args=[approving.slug, approval_id]),
+        {"decision": "approve", "next": target})
+    assert response.status_code == 302
+    assert response["Location"] == reverse("runs:approvals", args=[approving.slug])
+    assert Approval.objects.get(pk=approval_id).status == "approved"
+
+
 def test_an_htmx_decision_answers_the_card(api, approving, users):
     _, approval_id = waiting(api)
     response = signed_in(users["admin"]).post(

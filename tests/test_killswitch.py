@@ -651,6 +651,32 @@ def test_an_operator_kills_a_run_after_confirming(client, api, team, users, comm
     assert check(api, run_id, q=1)["reason"] == "killed"
 
 
+@pytest.mark.parametrize("target", ["on", "x" * 600, "home", "runs:approvals"])
+def test_a_next_that_is_not_a_path_goes_back_to_the_page_not_a_500(client, api, team, users,
+                                                                     commit, target):
+    # Found by an attacker: `next` came back from redirect() as a view name to reverse, so a
+    # word without "/" or "." answered 500 after the switch was engaged (or released), and a
+    # view's name went wherever that view is.
+    run_id = start(api)
+    login(client, users["admin"])
+    with commit():
+        engaged = client.post(engage_url(), {"scope": "agent", "agent": "support-bot",
+                                             "reason": "loops", "confirmed": "1",
+                                             "next": target})
+    assert engaged.status_code == 302
+    assert engaged["Location"] == reverse("runs:killswitch", args=["support"])
+    assert Run.objects.get(pk=run_id).status == "killed"
+    released = client.post(release_url(), {"scope": "agent", "agent": "support-bot",
+                                            "reason": "fixed", "next": target})
+    assert released.status_code == 302
+    assert released["Location"] == reverse("runs:killswitch", args=["support"])
+    other = start(api)
+    killed = client.post(reverse("runs:killswitch-run", args=["support", other]),
+                         {"reason": "stuck", "confirmed": "1", "next": target})
+    assert killed.status_code == 302
+    assert killed["Location"] == reverse("runs:run", args=["support", other])
+
+
 def test_under_htmx_the_run_kill_answers_fragments(client, api, team, users, commit):
     run_id = start(api)
     url = reverse("runs:killswitch-run", args=["support", run_id])

@@ -57,7 +57,9 @@ class ReasonForm(forms.Form):
 
 def _safe_next(request: HttpRequest, fallback: str) -> str:
     target = request.POST.get("next") or request.GET.get("next") or ""
-    if target and url_has_allowed_host_and_scheme(
+    # A path of this site only: redirect() takes a word without "/" or "." for a view's name
+    # to reverse (a 500 after the switch changed, for one that names no view).
+    if target.startswith("/") and url_has_allowed_host_and_scheme(
         target, allowed_hosts={request.get_host()}, require_https=request.is_secure()
     ):
         return target
