@@ -28,7 +28,10 @@ urlpatterns = [
     path(TEAM + "policies.yaml", views.policies_export, name="policies_export"),
     path(TEAM + "policies-import", views.policies_import, name="policies_import"),
     path(TEAM + "policies-new", views.policy_new, name="policy_new"),
-    # "-" is the editor of a policy not saved yet (the new-policy form validates here too).
+    # The inline validation of a policy not saved yet: at an address of its own, since any
+    # word in the place of a name below is a policy's name ("-" too).
+    path(TEAM + "policies-new/validate", views.policy_validate, {"name": None},
+         name="policy_new_validate"),
     path(TEAM + "policies/<slug:name>/", views.policy_detail, name="policy"),
     path(TEAM + "policies/<slug:name>/save", views.policy_save_view, name="policy_save"),
     path(TEAM + "policies/<slug:name>/validate", views.policy_validate, name="policy_validate"),

@@ -187,10 +187,10 @@ def policy_new(request: HttpRequest, slug: str) -> HttpResponse:
 
 @team_view(Role.ADMIN)
 @require_POST
-def policy_validate(request: HttpRequest, slug: str, name: str) -> HttpResponse:
+def policy_validate(request: HttpRequest, slug: str, name: str | None) -> HttpResponse:
     """Inline validation for htmx: the field errors of the form as it stands, as out-of-band
     swaps into each field's error slot, so the inputs (and the caret) are left alone."""
-    fixed = None if name == "-" else selectors.policy_of(request.team, name).name
+    fixed = None if name is None else selectors.policy_of(request.team, name).name
     form = PolicyForm(request.POST, fixed_name=fixed)
     form.is_valid()
     return render(request, "policies/_validation.html", {

@@ -120,13 +120,29 @@ def test_inline_validation_returns_out_of_band_field_errors(team, admin):
     # Valid but not yet savable: the save asks for a note, and the validation says so first.
     no_note = admin.post(url, form_data(note=""), HTTP_HX_REQUEST="true").content.decode()
     assert "Valid. Add a note saying what changed to save it." in no_note
-    new = reverse("policy_validate", kwargs={"slug": team.slug, "name": "-"})
+    new = reverse("policy_new_validate", kwargs={"slug": team.slug})
     created = admin.post(new, form_data(name="fresh", note=""), HTTP_HX_REQUEST="true")
     assert "Add a note" not in created.content.decode()  # a new policy's note is optional
     # The slots swapped are the editor's own: an existing policy's has no name field, and
     # the note's slot is always sent, so a refused save's note error does not stay.
     assert 'id="err-name"' not in no_note and 'id="err-note"' in no_note
     assert 'id="err-name"' in created.content.decode()
+
+
+def test_a_policy_named_dash_is_validated_as_itself(team, admin):
+    # "-" is a valid policy name ([a-z0-9_-]{1,50}), and it stood for the editor of a policy
+    # not saved yet: the inline validation of a policy named "-" asked for its name (found
+    # by an attacker). The new policy's editor validates at an address of its own.
+    admin.post(reverse("policy_new", kwargs={"slug": team.slug}), form_data(name="-"))
+    assert Policy.objects.filter(team=team, name="-").exists()
+    editor = admin.get(reverse("policy", kwargs={"slug": team.slug, "name": "-"}))
+    url = reverse("policy_validate", kwargs={"slug": team.slug, "name": "-"})
+    assert f'hx-post="{url}"' in editor.content.decode()
+    ok = admin.post(url, form_data(), HTTP_HX_REQUEST="true").content.decode()
+    assert "Valid." in ok and 'id="err-name"' not in ok
+    new_editor = admin.get(reverse("policy_new", kwargs={"slug": team.slug})).content.decode()
+    assert f'hx-post="{reverse("policy_new_validate", kwargs={"slug": team.slug})}"' \
+        in new_editor
 
 
 def test_inline_validation_shows_a_warning_at_its_limit_in_its_slot(team, admin):
