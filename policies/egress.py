@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import httpcore
 from django.conf import settings
+from django.utils.encoding import iri_to_uri
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 NAT64 = ipaddress.ip_network("64:ff9b::/96")
@@ -59,30 +60,44 @@ class UnresolvedHost(RefusedTarget):
     operator is sent to the right fix."""
 
 
+# A team's webhook URL as saved (policies.Team.webhook_url) and delivered
+# (runs.WebhookDelivery.url): at most this many characters once written in ASCII.
+MAX_URL_CHARS = 500
+
+
 def ascii_url(url: str) -> str:
-    """``url`` with an internationalised host name in its IDNA (punycode) form, the only form
-    HTTP and DNS carry: "https://例え.jp/hook" becomes "https://xn--r8jz45g.jp/hook". Saved
-    that way, every delivery connects to the name the admin meant. Raises RefusedTarget for
-    a host that has no IDNA form (an empty label, a label over 63 characters)."""
+    """``url`` as HTTP and DNS carry it: an internationalised host name in its IDNA (punycode)
+    form, "https://例え.jp/hook" becoming "https://xn--r8jz45g.jp/hook", and any other
+    character outside ASCII (in the path, the query, the fragment) percent-encoded as UTF-8,
+    escapes already written left alone. Saved that way, every delivery connects to the name
+    the admin meant and sends the path they typed (a path with "é" failed every delivery).
+    Raises RefusedTarget for a host that has no IDNA form (an empty label, a label over 63
+    characters) and for a URL longer than MAX_URL_CHARS once written so."""
     try:
         parts = urlsplit(url)
         host = parts.hostname
     except ValueError:
         raise RefusedTarget("must be an http:// or https:// URL with a host") from None
-    if not host or host.isascii():
-        return url
-    try:
-        encoded = host.encode("idna").decode("ascii")
-    except UnicodeError:
-        raise RefusedTarget("has a host name that is not a valid internationalised "
-                            "domain name") from None
-    netloc = parts.netloc
-    # Replace the host inside netloc and keep any credentials and port as written;
-    # urlsplit lowercases `hostname`, so find it case-insensitively.
-    at = netloc.rfind("@") + 1
-    start = netloc.lower().find(host, at)
-    netloc = netloc[:start] + encoded + netloc[start + len(host):] if start >= 0 else encoded
-    return parts._replace(netloc=netloc).geturl()
+    if host and not host.isascii():
+        try:
+            encoded = host.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise RefusedTarget("has a host name that is not a valid internationalised "
+                                "domain name") from None
+        netloc = parts.netloc
+        # Replace the host inside netloc and keep any credentials and port as written;
+        # urlsplit lowercases `hostname`, so find it case-insensitively.
+        at = netloc.rfind("@") + 1
+        start = netloc.lower().find(host, at)
+        netloc = netloc[:start] + encoded + netloc[start + len(host):] if start >= 0 \
+            else encoded
+        url = parts._replace(netloc=netloc).geturl()
+    if not url.isascii():
+        url = iri_to_uri(url)
+    if len(url) > MAX_URL_CHARS:
+        raise RefusedTarget(f"must be at most {MAX_URL_CHARS} characters once written as "
+                            "HTTP carries it (characters outside ASCII take 6 to 12)")
+    return url
 
 
 def is_public(address: Address) -> bool:

@@ -94,6 +94,46 @@ def test_a_stored_internationalised_url_is_delivered_not_stuck_in_flight(team, s
     assert attempt.error != webhooks.IN_FLIGHT
 
 
+def test_ascii_url_writes_a_non_ascii_path_query_and_fragment_as_http_carries_them() -> None:
+    # Found by an attacker: only the host was made ASCII, so a URL with "é" in its path
+    # was saved as typed and every delivery to it failed "unexpectedly" (a TypeError).
+    assert (ascii_url("https://hooks.example/hoök?q=é#ü")
+            == "https://hooks.example/ho%C3%B6k?q=%C3%A9#%C3%BC")
+    # Escapes already written stay as they are (never encoded twice).
+    assert ascii_url("https://hooks.example/ho%C3%B6k?a=%2F") \
+        == "https://hooks.example/ho%C3%B6k?a=%2F"
+    assert ascii_url("https://Bücher.example/ä") == "https://xn--bcher-kva.example/%C3%A4"
+
+
+def test_a_url_with_a_non_ascii_path_is_saved_as_http_carries_it(team, users, settings):
+    settings.WEBHOOK_ALLOWED_HOSTS = ["hooks.example"]
+    url = reverse("team_settings", kwargs={"slug": team.slug})
+    admin = signed_in(users["admin"])
+    assert admin.post(url, {"webhook_url": "https://hooks.example/hoök"}).status_code == 302
+    team.refresh_from_db()
+    assert team.webhook_url == "https://hooks.example/ho%C3%B6k"
+    # Longer than the column once written so: refused with a message, nothing saved.
+    refused = admin.post(url, {"webhook_url": "https://hooks.example/" + "é" * 470})
+    assert refused.status_code == 422 and b"field-error" in refused.content
+    team.refresh_from_db()
+    assert team.webhook_url == "https://hooks.example/ho%C3%B6k"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stored_url_with_a_non_ascii_path_is_delivered(team, settings):
+    """Saved as typed before its path was made ASCII: delivered all the same."""
+    settings.WEBHOOK_ALLOWED_HOSTS = ["127.0.0.1"]
+    receiver = Receiver(secrets={"ho%C3%B6k": team.webhook_secret}).start()
+    try:
+        delivery = delivery_to(team, f"{receiver.url}/hoök")
+        webhooks.attempt_delivery(delivery_id=delivery.pk, number=1)
+        delivery.refresh_from_db()
+        assert delivery.status == webhooks.DELIVERED
+        assert receiver.valid["ho%C3%B6k"] == 1
+    finally:
+        receiver.stop()
+
+
 # --- Errors that say what happened -----------------------------------------------------------
 
 @pytest.mark.django_db(transaction=True)
