@@ -75,7 +75,11 @@ def _to_login(request: HttpRequest) -> HttpResponse:
     it came back to a POST-only URL (405)."""
     htmx = getattr(request, "htmx", None)
     if htmx:
-        back = htmx.current_url_abs_path or request.get_full_path()  # None if off-site
+        try:
+            here = htmx.current_url_abs_path  # None if off-site
+        except ValueError:  # HX-Current-URL is not a URL (an unclosed IPv6 bracket): off-site
+            here = None
+        back = here or request.get_full_path()
         return HttpResponseClientRedirect(redirect_to_login(back).url)
     return redirect_to_login(request.get_full_path())
 

@@ -342,6 +342,16 @@ def test_the_forms_next_is_the_page_they_are_on_wherever_they_were_rendered(
     assert f'name="next" value="{reverse("runs:run", args=[approving.slug, run_id])}"' in banner
 
 
+@pytest.mark.parametrize("current", ["http://[::1", "http://[zz]/x", "https://[::1/teams/"])
+def test_an_unreadable_htmx_current_url_is_off_site_not_a_500(approving, current):
+    # Found by an attacker: django-htmx parses HX-Current-URL on demand, and one that is not a
+    # URL (an unclosed IPv6 bracket) raised, a 500 on every team page for anyone signed out.
+    page_url = reverse("runs:approvals", args=[approving.slug])
+    response = Client().get(page_url, HTTP_HX_REQUEST="true", HTTP_HX_CURRENT_URL=current)
+    assert response.status_code == 200
+    assert response["HX-Redirect"] == f"{resolve_url(settings.LOGIN_URL)}?next={page_url}"
+
+
 def test_an_htmx_request_without_a_session_goes_to_the_login_page_and_back(api, approving):
     _, approval_id = waiting(api)
     page_url = reverse("runs:approvals", args=[approving.slug])
