@@ -247,3 +247,43 @@ def test_async_api_views_hold_no_api_thread_while_they_wait(agent_token):
         assert time.monotonic() - started < 15
     finally:
         srv.stop()
+
+
+def test_checks_are_answered_while_probes_flood_a_server_whose_redis_hangs(agent_token):
+    """/readyz asks Redis (100 ms at most) on the API pool. With a Redis that accepts
+    connections and never answers, 60 connections asking /readyz, each with a bearer token
+    of its own (so each its own caller of the pool, none over its share), held every API
+    thread 100 ms a time: another team's checks queued behind them for seconds (found by an
+    attacker: a check p99 of 0.5 s against 12 ms without them, 2 workers x 4 threads). At most
+    one probe per process waits on Redis; the others answer what it last said."""
+    import concurrent.futures
+    import os
+    import threading
+
+    hung = attacks.HungRedis()
+    srv = start_server(workers=1, threads=2, env=server_env(REDIS_URL=hung.url))
+    stop = threading.Event()
+
+    def probe() -> int:
+        answered = 0
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            while not stop.is_set():
+                response = http.get("/readyz", headers={
+                    "Authorization": f"Bearer gov_{os.urandom(8).hex()}"})
+                assert response.status_code == 200, response.text
+                assert response.json()["status"] == "degraded", response.text
+                answered += 1
+        return answered
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(60) as pool:
+            probes = [pool.submit(probe) for _ in range(60)]
+            try:
+                time.sleep(1)
+                assert keep_checking(srv, agent_token, 4) >= 8
+            finally:
+                stop.set()
+            assert sum(p.result() for p in probes) >= 60
+    finally:
+        srv.stop()
+        hung.close()
