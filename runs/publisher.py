@@ -29,7 +29,7 @@ from runs.background import BackgroundThread
 
 log = logging.getLogger(__name__)
 
-Key = tuple[str, tuple[int, ...]]  # a task's name and its arguments
+Key = tuple[str, tuple[int | str, ...]]  # a task's name and its arguments
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Publisher(BackgroundThread):
         self._pending: dict[Key, _Entry] = {}
         self._busy = False
 
-    def submit(self, task: str, *args: int,
+    def submit(self, task: str, *args: int | str,
                while_down: Callable[[], None] | None = None) -> None:
         """Publish ``task(*args)`` soon. ``while_down`` runs once, on this thread, if the
         first try fails: what can be done without a worker meanwhile (the kill switch marks

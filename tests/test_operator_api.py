@@ -535,3 +535,46 @@ def test_a_superusers_token_for_every_team_says_what_it_may_do(world, users):
                  stdout=out, stderr=io.StringIO())
     assert ("every team, as an operator (a superuser's token acts as a superuser only with "
             "the admin role)" in out.getvalue().splitlines()[0]), out.getvalue()
+
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_backtest_start_never_publishes_on_the_request_thread(world, settings, monkeypatch):
+    """With a broker, the backtest's task goes to the process's publisher thread: the request
+    never waits for Redis (SPEC 10). Published on the request's thread, a Redis that hangs
+    held it about 2.5 s (the publish's timeouts and retries), then kombu's OperationalError
+    was raised out of the commit: a 500 (found by an attacker). While the broker is down the
+    job waits, queued, within the team's bound."""
+    from kombu.exceptions import OperationalError
+
+    from backtests.models import Backtest, Status
+    from backtests.tasks import backtest_run_task
+    from governance.celery import app as celery_app
+    from operator_api import api as operator_api
+    from runs.publisher import publisher
+
+    def on_this_thread(*args: Any, **kwargs: Any) -> None:
+        raise OperationalError("Timeout reading from 127.0.0.1:6379")
+
+    submitted: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(backtest_run_task, "delay", on_this_thread)
+    monkeypatch.setattr(backtest_run_task, "apply_async", on_this_thread)
+    monkeypatch.setattr(publisher, "submit", lambda task, *args, **kw: submitted.append(
+        (task, *args)))
+    monkeypatch.setattr(operator_api, "backtest_wait", lambda job, seconds: job)
+    settings.BACKTEST_MAX_PER_TEAM = 1
+    path = "/api/v1/teams/support/policies/default/backtest"
+    eager = celery_app.conf.task_always_eager
+    celery_app.conf.task_always_eager = False  # a broker: the production stack
+    try:
+        waited = call(world, "viewer", "POST", path, {})
+        busy = call(world, "viewer", "POST", path, {})
+    finally:
+        celery_app.conf.task_always_eager = eager
+    assert waited.status_code == 503, waited.content
+    assert waited.json()["error"]["code"] == "unavailable"
+    job = Backtest.objects.get()
+    assert job.status == Status.QUEUED
+    assert submitted == [(backtest_run_task.name, str(job.pk))]
+    # The queued job holds the team's one slot until it runs or grows stale.
+    assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_backtests"
