@@ -23,11 +23,20 @@ QUEUED = 5
 SLOW_TEAMS_QUEUED = 3  # each waits for the one before it: a lease (7 s) a look
 
 
+def hook_of(team: Any, receiver: Receiver) -> str:
+    """`receiver`'s URL for `team`, made the team's webhook URL, as the product's deliveries
+    are made to it (and each attempt follows it)."""
+    url = f"{receiver.url}/{team.slug}"
+    type(team).objects.filter(pk=team.pk).update(webhook_url=url)
+    return url
+
+
 def queue_approvals(team: Any, receiver: Receiver, count: int) -> None:
     """`count` approval notifications of `team` to `receiver`, queued as the service does."""
+    url = hook_of(team, receiver)
     for n in range(count):
         approval = WebhookDelivery.objects.create(
-            team=team, url=f"{receiver.url}/{team.slug}", event="approval.requested",
+            team=team, url=url, event="approval.requested",
             payload={"event": "approval.requested", "n": n})
         webhooks.schedule_delivery(approval.pk, 1, 0, urgent=False)
 
@@ -45,7 +54,7 @@ def test_a_kill_switchs_delivery_goes_before_every_queued_approval_delivery(
                                            reason="runaway", engaged_by_label="ops",
                                            engaged_at=timezone.now())
         kill = WebhookDelivery.objects.create(switch=switch, team=team,
-                                              url=f"{quick.url}/{team.slug}",
+                                              url=hook_of(team, quick),
                                               payload={"event": "killswitch.engaged"})
         webhooks.schedule_delivery(kill.pk, 1, 0)  # urgent: looked up, a switch's
         wait_for(lambda: quick.valid[team.slug] == 1, timeout=30,
@@ -71,7 +80,7 @@ def test_a_team_whose_receiver_is_slow_holds_one_webhook_process_not_all(
         workers.append(start_worker(pools={"webhooks": "webhooks"}, concurrency=2))
         queue_approvals(other_team, slow, SLOW_TEAMS_QUEUED)
         assert slow.first_request.wait(30), "no approval delivery was attempted"
-        mine = WebhookDelivery.objects.create(team=team, url=f"{quick.url}/{team.slug}",
+        mine = WebhookDelivery.objects.create(team=team, url=hook_of(team, quick),
                                               event="approval.requested",
                                               payload={"event": "approval.requested"})
         webhooks.schedule_delivery(mine.pk, 1, 0, urgent=False)
