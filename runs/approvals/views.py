@@ -11,10 +11,9 @@ from django.contrib import messages
 from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
-from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST, require_safe
 
-from governance.web import page
+from governance.web import local_next, page
 from policies.access import team_view
 from policies.models import Role
 from runs import first_look
@@ -38,14 +37,7 @@ def approvals_stream(request: HttpRequest, slug: str) -> StreamingHttpResponse:
 
 
 def _next(request: HttpRequest, fallback: str) -> str:
-    target = request.POST.get("next") or ""
-    # A path of this site only: redirect() takes a word without "/" or "." for a view's name
-    # to reverse (a 500 after the decision was saved, for one that names no view).
-    if target.startswith("/") and url_has_allowed_host_and_scheme(
-        target, allowed_hosts={request.get_host()}, require_https=request.is_secure()
-    ):
-        return target
-    return fallback
+    return local_next(request, request.POST.get("next") or "", fallback)
 
 
 # The live regions a decide form can answer into (runs/_approval_card.html `region`), by the

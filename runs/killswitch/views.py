@@ -19,10 +19,9 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
-from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_POST, require_safe
 
-from governance.web import page
+from governance.web import local_next, page
 from governance_client import rules
 from policies.access import team_view
 from policies.models import Role
@@ -56,14 +55,8 @@ class ReasonForm(forms.Form):
 
 
 def _safe_next(request: HttpRequest, fallback: str) -> str:
-    target = request.POST.get("next") or request.GET.get("next") or ""
-    # A path of this site only: redirect() takes a word without "/" or "." for a view's name
-    # to reverse (a 500 after the switch changed, for one that names no view).
-    if target.startswith("/") and url_has_allowed_host_and_scheme(
-        target, allowed_hosts={request.get_host()}, require_https=request.is_secure()
-    ):
-        return target
-    return fallback
+    return local_next(request, request.POST.get("next") or request.GET.get("next") or "",
+                      fallback)
 
 
 def _run_page(run: Run) -> str:
