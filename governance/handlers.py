@@ -7,6 +7,7 @@ Nothing here imports the project's apps: the benchmark's minimal application
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,9 @@ class Answer:
 _CHARSET_PROBES = (b"a=b&c=%FF+d", bytes(range(256)))
 
 
+# The verdict depends on the name alone, and a client that declares one (`charset=utf-8`)
+# declares it on every request, the checks' too: probed once per process, not per request.
+@functools.lru_cache(maxsize=64)
 def text_charset(name: str) -> bool:
     """Whether a request's declared charset decodes text as Django decodes a request's query
     (strictly, falling back to Latin-1 on a UnicodeDecodeError) and forms (errors replaced):
