@@ -45,7 +45,7 @@
     return "";
   }
 
-  document.addEventListener("htmx:responseError", function (evt) {
+  function refused(evt) {
     var xhr = evt.detail.xhr;
     var retry = xhr.getResponseHeader("Retry-After");
     var text = "The server answered " + xhr.status +
@@ -54,16 +54,31 @@
     if (words) text += " " + words;
     if (retry && /^\d+$/.test(retry)) text += " Try again in " + retry + " s.";
     show(text);
-  });
+  }
 
-  document.addEventListener("htmx:sendError", function () {
+  function unreached() {
     show("The server could not be reached: check the connection and try again.");
-  });
+  }
 
-  document.addEventListener("htmx:afterRequest", function (evt) {
+  function answered(evt) {
     if (evt.detail.successful) {
       var list = document.getElementById(ID);
       if (list) list.remove();
     }
+  }
+
+  // htmx fires a request's outcome on the element that made it. A live page's stream may
+  // replace that element while the request is out (the run page's first full look renders
+  // its controls again, kill button included), and an event on an element no longer in the
+  // page never reaches the document: the refusal went unsaid (found by a CI run). So the
+  // listeners go on each element as it sends, where they hear its outcome wherever it is.
+  var listening = new WeakSet();
+  document.addEventListener("htmx:beforeRequest", function (evt) {
+    var elt = evt.target;
+    if (!elt || listening.has(elt)) return;
+    listening.add(elt);
+    elt.addEventListener("htmx:responseError", refused);
+    elt.addEventListener("htmx:sendError", unreached);
+    elt.addEventListener("htmx:afterRequest", answered);
   });
 })();

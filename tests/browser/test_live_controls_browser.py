@@ -95,6 +95,49 @@ def test_a_click_the_server_refuses_or_never_answers_says_so(page: Page, server:
     expect(failed).to_have_count(0)
 
 
+def test_a_refusal_is_said_when_the_stream_replaced_the_button_meanwhile(
+        page: Page, server: Server, agent: Agent, team: Team, users: Any):
+    """Found by a CI run: the run page's first full look renders its controls again, and a
+    kill button clicked just before it was no longer in the page when the 503 came back;
+    htmx fires the refusal on that element, and nothing was said. Here the request is held
+    while the controls are replaced as the stream replaces them."""
+    sign_in(page, server, "operator", "pw-operator-123")
+    run_id = agent.start()["run_id"]
+    page.goto(f"{server.url}/teams/{team.slug}/runs/{run_id}/")
+    expect(page.locator("[data-live-status]")).to_have_text("Live")
+    held: list[Any] = []
+    def kill_url(url: str) -> bool:
+        return f"/runs/{run_id}/kill" in url
+    page.route(kill_url, lambda route: held.append(route))
+    failed = page.locator("#request-failed[role=alert]")
+    replace_controls = """() => { const controls = document.getElementById("run-controls");
+        controls.innerHTML = controls.innerHTML; htmx.process(controls); }"""
+    for outcome in ("refused", "unreached"):
+        page.click("#kill-run")
+        for _ in range(100):
+            if held:
+                break
+            page.wait_for_timeout(50)
+        route = held.pop()
+        clicked = page.locator("#kill-run").element_handle()
+        page.evaluate(replace_controls)
+        assert not clicked.evaluate("el => el.isConnected")
+        if outcome == "refused":
+            route.fulfill(status=503, headers={"Content-Type": "application/json",
+                                               "Retry-After": "10"},
+                          body='{"error": {"code": "unavailable", "message": "Busy."}}')
+            expect(failed).to_contain_text("The server answered 503")
+            expect(failed).to_contain_text("Busy. Try again in 10 s.")
+        else:
+            route.abort("connectionrefused")
+            expect(failed).to_have_text("The server could not be reached: check the "
+                                        "connection and try again.")
+    page.unroute(kill_url)
+    page.click("#kill-run")
+    expect(page.locator("#killswitch-confirm")).to_contain_text("1 running run", timeout=15_000)
+    expect(failed).to_have_count(0)
+
+
 def test_the_kill_switch_page_follows_the_team_switch_live(page: Page, server: Server,
                                                            team: Team, users: Any):
     sign_in(page, server, "admin", "pw-admin-123")
