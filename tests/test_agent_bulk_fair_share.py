@@ -92,7 +92,9 @@ def test_bulk_calls_take_turns_within_their_share_of_the_process(
             else:
                 assert second.status_code == 200, second.text
                 assert time.monotonic() - began >= 0.1
-            answer = http.post(f"/api/v1/runs/{run_id}/local-decisions", json=upload_body())
+            # The same on a busy machine: the second call too may have taken over 0.1 s.
+            answer = served_after_its_turn(http, "POST", f"/api/v1/runs/{run_id}/local-decisions",
+                                           json=upload_body())
             assert answer.status_code == 200, answer.text
             # 1,000 entries take far more than 0.1 s: over 10 s to pay back at a hundredth.
             refused = http.get(f"/api/v1/runs/{run_id}/decisions")
@@ -112,6 +114,20 @@ def test_bulk_calls_take_turns_within_their_share_of_the_process(
             assert time.monotonic() - began < DEADLINE_S
     finally:
         server.stop()
+
+
+def served_after_its_turn(http: httpx.Client, method: str, url: str,
+                          **kwargs: Any) -> httpx.Response:
+    """The answer to a bulk call, waiting out a refusal once: a call before it that took the
+    server over 0.1 s owes over 10 s at a hundredth, and is refused at once with that wait as
+    Retry-After, after which it is served."""
+    answer = http.request(method, url, **kwargs)
+    if answer.status_code == 429:
+        assert answer.json()["error"]["code"] == "too_many_requests", answer.text
+        assert int(answer.headers["Retry-After"]) > 10, answer.headers
+        time.sleep(int(answer.headers["Retry-After"]))
+        answer = http.request(method, url, **kwargs)
+    return answer
 
 
 def raw_status(server: Server, request_line: str, token: str) -> tuple[str, dict[str, str]]:
