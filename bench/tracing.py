@@ -5,11 +5,18 @@ server (tracing is chosen when a process starts), alternating off and on so that
 same drift of the machine's load. On, the server exports every span and its metrics over
 OTLP/HTTP to a local receiver (bench/otlp_sink.py, its own process), which decodes and counts
 them. Target: at most 5% of throughput.
+
+Where the traced check's extra CPU goes is measured beside it, in processes of their own
+(`python -m bench.tracing URL CHECKS` runs the calls a check makes to runs/telemetry.py, as
+runs/check/api.py makes them, exporting to the same receiver): the span's work and the
+metrics' on the request's thread, the encoding and sending on the exporter's threads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -68,6 +75,8 @@ def measure(team: sc.Team, *, workers: int, threads: int, seconds: float, warmup
                 # Stopped: the server's processes flushed their spans as they exited.
         time.sleep(1.0)
         received = httpx.get(url, timeout=5).json()
+        cpu = cpu_per_check(url, checks=2_000 if seconds < 10 else 5_000,
+                            sampler_ratio=sampler_ratio)
     off = sc.summarize(slices["off"], scenario=sc.REAL, agents=TARGET_AGENTS)
     on = sc.summarize(slices["on"], scenario=sc.REAL, agents=TARGET_AGENTS)
     return {
@@ -83,11 +92,88 @@ def measure(team: sc.Team, *, workers: int, threads: int, seconds: float, warmup
         "errors": off["errors"] + on["errors"],
         "audit_ok": off["audit_ok"] and on["audit_ok"],
         "checks_sent_traced": checks_on,
+        "cpu_us_per_check": cpu,
         "received": received,
         "slices": {label: [round(x.stats.checks_in_window / max(
             1e-9, x.stats.window_end - x.stats.window_start), 1) for x in xs]
             for label, xs in slices.items()},
     }
+
+
+# The calls a traced check makes (runs/check/api.py's check_operation, the audit's counter),
+# one round at a time: best of ROUNDS, so that a busy machine disturbs it less.
+ROUNDS = 5
+
+
+def _checks(count: int, offset: int) -> None:
+    from runs import telemetry
+
+    meta = {"REQUEST_METHOD": "POST", "PATH_INFO": "/api/v1/runs/x/check"}
+    for i in range(offset, offset + count):
+        with telemetry.check_span(meta) as trace:
+            telemetry.check_facts(run_id="99d356f1-8e3c-4272-90dd-20c8aef910ef", team="bench",
+                                  agent="bench-agent", policy=("long", 3))
+            telemetry.decision_made(team="bench", outcome="allow", reason="ok")
+            telemetry.check_trace_id()
+            telemetry.check_answered(trace, name="search.docs", status=200, answer={
+                "decision": "allow", "reason": "ok", "decision_id": 10_000 + i,
+                "step": i % 50, "rule": None})
+
+
+def _measure_here(checks: int) -> dict[str, float]:
+    """In this process, as its environment configures telemetry: the best round's CPU per
+    check on this (the request's) thread, and the exporting threads' CPU per check once
+    everything is flushed."""
+    from runs import telemetry
+
+    per_round = max(1, checks // ROUNDS)
+    _checks(200, 0)  # set up: the providers, the exporter's session, the instruments
+    telemetry.flush(10.0)
+    began_process, began_thread = time.process_time(), time.thread_time()
+    best = float("inf")
+    for r in range(ROUNDS):
+        started = time.thread_time()
+        _checks(per_round, 1_000 + r * per_round)
+        best = min(best, (time.thread_time() - started) / per_round)
+    request_thread = time.thread_time() - began_thread
+    telemetry.flush(30.0)
+    exporting = (time.process_time() - began_process) - (time.thread_time() - began_thread)
+    return {"request_thread_us": round(best * 1e6, 1),
+            "request_thread_mean_us": round(request_thread / (per_round * ROUNDS) * 1e6, 1),
+            "export_us": round(max(0.0, exporting) / (per_round * ROUNDS) * 1e6, 1)}
+
+
+def cpu_per_check(url: str, *, checks: int, sampler_ratio: float | None = None
+                  ) -> dict[str, float]:
+    """The traced check's telemetry CPU, per check, by part: three processes, tracing with
+    metrics, tracing without, and tracing off (the calls when nothing is configured)."""
+    base = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
+    # The queue holds every span of the run: measured here is the work, not the drops a
+    # loop far faster than a server's checks would cause.
+    on = {**base, "OTEL_EXPORTER_OTLP_ENDPOINT": url, "OTEL_METRIC_EXPORT_INTERVAL": "5000",
+          "OTEL_BSP_MAX_QUEUE_SIZE": str(checks * 2)}
+    if sampler_ratio is not None:
+        on.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio",
+                  OTEL_TRACES_SAMPLER_ARG=str(sampler_ratio))
+
+    def measured(env: dict[str, str]) -> dict[str, float]:
+        done = subprocess.run([sys.executable, "-m", "bench.tracing", str(checks)],
+                              cwd=stack.ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"the tracing CPU measurement failed: {done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    both = measured(on)
+    spans = measured({**on, "OTEL_METRICS_EXPORTER": "none"})
+    off = measured(base)
+    return {"spans_us": spans["request_thread_us"],
+            "metrics_us": round(max(0.0, both["request_thread_us"]
+                                    - spans["request_thread_us"]), 1),
+            "request_thread_us": both["request_thread_us"],
+            "export_us": both["export_us"],
+            "total_us": round(both["request_thread_us"] + both["export_us"], 1),
+            "off_us": off["request_thread_us"]}
 
 
 def line(t: dict[str, Any]) -> str:
@@ -98,4 +184,27 @@ def line(t: dict[str, Any]) -> str:
             f"ms), on {t['on_checks_per_s']} checks/s ({t['on_worker_cpu_ms_per_check']} ms, "
             f"p99 {t['on_p99_ms']} ms): cost {t['cost_pct']}%; the receiver decoded "
             f"{got.get('check_spans')} check spans of {t['checks_sent_traced']} checks sent, "
-            f"{got.get('spans')} spans in all, {got.get('metric_requests')} metric exports")
+            f"{got.get('spans')} spans in all, {got.get('metric_requests')} metric exports"
+            + _cpu_line(t.get("cpu_us_per_check"), t["off_worker_cpu_ms_per_check"]))
+
+
+def _cpu_line(cpu: dict[str, float] | None, off_ms: float | None) -> str:
+    if not cpu:
+        return ""
+    share = f" ({cpu['total_us'] / (off_ms * 10):.0f}% of an untraced check's worker CPU)" \
+        if off_ms else ""
+    return (f"; in process, per check: the span {cpu['spans_us']} us and the metrics "
+            f"{cpu['metrics_us']} us on the request's thread, the export {cpu['export_us']} us "
+            f"on its threads, {cpu['total_us']} us in all{share}; tracing off "
+            f"{cpu['off_us']} us")
+
+
+if __name__ == "__main__":
+    # A process of its own (cpu_per_check): telemetry is set up once per process, from the
+    # environment it starts with.
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "governance.settings")
+    os.environ.setdefault("SECRET_KEY", stack.SECRET_KEY)
+    import django
+
+    django.setup()
+    print(json.dumps(_measure_here(int(sys.argv[1]))), flush=True)
