@@ -7,8 +7,9 @@ OTLP/HTTP to a local receiver (bench/otlp_sink.py, its own process), which decod
 them. Target: at most 5% of throughput.
 
 Where the traced check's extra CPU goes is measured beside it, in processes of their own
-(`python -m bench.tracing URL CHECKS` runs the calls a check makes to runs/telemetry.py, as
-runs/check/api.py makes them, exporting to the same receiver): the span's work and the
+(`python -m bench.tracing CHECKS` runs the calls a check makes to runs/telemetry.py, as
+runs/check/api.py makes them, configured by its OTEL_* environment: `cpu_per_check` points
+it at the same receiver): the span's work and the
 metrics' on the request's thread, the encoding and sending on the exporter's threads.
 """
 
