@@ -216,3 +216,22 @@ def test_a_draft_that_stops_a_run_later_says_so_in_its_summary():
                                outcome=outcome, recorded_steps=3, recorded_cost=Decimal(0))
     assert effect.stopped_otherwise and not effect.stopped_earlier
     assert "stop 1 run later or for another reason" in estimator.result().summary()
+
+
+def test_a_parent_ended_without_a_check_of_its_own_keeps_its_trees_steps():
+    # SPEC 20 and 13: a parent whose steps all came from its sub-agents' checks (here 3),
+    # then killed by the fan-out or ended by the sweep out of time, is no change under an
+    # unchanged draft. The replay reported the stop at step 0 against the recorded 3, so
+    # backtesting the current policy listed every such tree's runs as changed.
+    for reason in ("killed", "max_seconds"):
+        steps = [Recorded(outcome="stop", reason=reason, step=3, name="", elapsed_s=45.0)]
+        outcome = replay(Policy(max_seconds=45), steps, started_at=T0,
+                         recorded=Policy(max_seconds=45))
+        assert (outcome.stop_reason, outcome.step) == (reason, 3)
+        assert not changed(recorded_stop(steps), outcome)
+        # A check of its own, then two of its sub-agents', then the end.
+        steps = [call(1), Recorded(outcome="stop", reason=reason, step=3, name="",
+                                   elapsed_s=45.0)]
+        outcome = replay(Policy(max_seconds=45), steps, started_at=T0,
+                         recorded=Policy(max_seconds=45))
+        assert outcome.step == 3 and not changed(recorded_stop(steps), outcome)

@@ -213,8 +213,10 @@ def replay(draft: Policy, steps: Iterable[Recorded], *, started_at: datetime,
                 or (rec.reason == OUT_OF_TIME and not rec.name)):
             # A fan-out kill, an abandonment, the sweep's end of a run out of time, an
             # approval outcome seen on its own: no check was decided, the step does not move.
+            # Its step is the run's count as recorded, its sub-agents' checks since its own
+            # last one included (SPEC 20), as the replay counts them before a check.
             return ended(KILLED if rec.reason == "killed" else STOPPED, rec.reason,
-                         state.steps)
+                         max(state.steps, rec.step))
         if rec.step - 1 > state.steps:
             # Its sub-agents' checks, counted on this run between its own (SPEC 20).
             state = replace(state, steps=rec.step - 1)
