@@ -145,6 +145,34 @@ def test_approval_allows_the_same_step_and_moves_the_counters_then() -> None:
     assert state.paused_s == 60
 
 
+def test_an_approved_allow_carries_the_warning_its_counts_reach() -> None:
+    """SPEC 16: warnings are chosen after approvals, on the allow. The approved allow is that
+    allow (its repeat count and tool call count only then): found by a newcomer, a refund
+    approved twice reached warnings.repeat_action with no warning, then stopped as a loop."""
+    p = policy(max_repeat_action=3, warn_repeat_action=2, max_tool_calls=10,
+               warn_budget_fraction=None)
+    _, waiting = pending_run(p)
+    first, state = settle(waiting, APPROVED, now=at(20), policy=p)
+    assert first.directive is None and first.rule is None
+    asked, waiting = evaluate(p, state, pay("c2"), now=at(30), approval_id="a-2")
+    assert asked.outcome == PENDING
+    second, state = settle(waiting, APPROVED, now=at(40), policy=p)
+    assert (second.outcome, second.repeat_count) == (ALLOW, 2)
+    assert second.directive is not None and second.directive["code"] == "repeat_action"
+    assert "payments.refund was called 2 times" in second.directive["content"]
+    assert second.rule == {"name": "repeat_action",
+                           "limit": {"max_repeat_action": 3, "warnings.repeat_action": 2},
+                           "observed": {"repeat_count": 2}}
+    # A budget's warning, once, as on any allow: past 0.5 of max_tool_calls=2.
+    p = policy(max_tool_calls=2, warn_budget_fraction=0.5)
+    _, waiting = pending_run(p)
+    _, state = settle(waiting, APPROVED, now=at(20), policy=p)
+    _, waiting = evaluate(p, state, pay("c2"), now=at(30), approval_id="a-2")
+    warned, state = settle(waiting, APPROVED, now=at(40), policy=p)
+    assert warned.directive is not None and warned.directive["code"] == "budget"
+    assert warned.rule["observed"] == {"tool_calls": 2} and "max_tool_calls" in state.budget_warned
+
+
 def test_an_llm_action_approved_does_not_count_as_a_tool_call() -> None:
     _, waiting = evaluate(LOOSE, RunState(started_at=T0),
                           Check(name="payments.plan", type="llm", check_id="c"), now=at(0),

@@ -1487,14 +1487,29 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
             scope=scope,
         ), new
     if status == APPROVED:
-        if policy is not None:
-            new.idle_deadline = next_deadline(policy, new, now)
         new.repeat_counts[key] = new.repeat_counts.get(key, 0) + 1
         if pending.action_type == "tool":
             new.tool_calls += 1
+        warning = None
+        if policy is not None:
+            new.idle_deadline = next_deadline(policy, new, now)
+            # The approved allow is the allow the warnings are chosen for (SPEC 16, chosen
+            # after approvals): its repeat count and tool call counted only now (found by a
+            # newcomer: a repeated approved refund reached its warning threshold with no
+            # warning, then stopped as a loop). The ancestors as the tool call counts on them.
+            counted = [replace(ancestor, state=state) for ancestor, state
+                       in zip(tree, approved_in_tree(tree, pending), strict=True)]
+            warning = choose_warning(warnings_of(
+                policy, new, Check(name=pending.action_name, type=pending.action_type), key,
+                now, counted))
+            if warning is not None and warning.budget is not None:
+                new.budget_warned = new.budget_warned | {warning.budget}
         return Decision(
             outcome=ALLOW, reason=STEP_OK, step=pending.step, repeat_key=key,
             repeat_count=new.repeat_counts[key], approval=pending.summary(APPROVED),
+            directive=None if warning is None else warning.directive,
+            rule=None if warning is None else warning.rule,
+            scope=None if warning is None else warning.scope,
         ), new
     if status == DENIED:
         reason = APPROVAL_DENIED
