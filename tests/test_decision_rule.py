@@ -69,10 +69,11 @@ def test_a_plain_allow_has_no_rule_and_a_warning_names_its_own(api: Client, team
     stop = check(api, rid, args={"q": 1})
     assert_rule(stop, "loop_detected", limit={"max_repeat_action": 3},
                 observed={"repeat_count": 3})
-    # A check of the ended run answers its stop, with a rule saying so.
+    # A check of the ended run answers its stop, with the stop's own rule: the limit and
+    # the value that ended it, not only that the run is over.
     after = check(api, rid, name="other")
-    assert_rule(after, "loop_detected", observed={"status": "stopped",
-                                                  "stop_reason": "loop_detected"})
+    assert_rule(after, "loop_detected", limit={"max_repeat_action": 3},
+                observed={"repeat_count": 3})
 
 
 def test_the_stops_of_rules_2_to_9_name_their_limit(api: Client, team: Any) -> None:

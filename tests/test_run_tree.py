@@ -152,6 +152,11 @@ def test_a_childs_checks_count_on_every_ancestor_and_its_limits_bound_the_tree(a
     assert stopped["rule"]["limit"] == {"max_steps": 5}
     assert api.get(f"/api/v1/decisions/{stopped['decision_id']}").json()["rule"] == \
         stopped["rule"]
+    # A later check of the stopped run names the same rule, the ancestor's (found by a
+    # newcomer: it named the run's own policy and scope, with limit {"status": "running"}).
+    later = check(api, grandchild)
+    assert (later["decision"], later["reason"]) == ("stop", "max_steps")
+    assert later["rule"] == stopped["rule"]
     # The child ended; its stop does not stop its ancestors.
     statuses = [Run.objects.get(pk=r).status for r in (root, child, grandchild)]
     assert statuses == ["running", "running", "stopped"]

@@ -151,7 +151,7 @@ def stop_answer(run: Run, key: str, *, now: Any = None) -> dict[str, Any]:
 
 def stop_detail(run_id: Any, reason: str | None) -> tuple[str | None, dict[str, Any] | None]:
     """The words of the stop that ended a run (the limit and its value; for a kill the
-    switch, who engaged it and why) and a kill's rule, from its audit record, for the stop
+    switch, who engaged it and why) and its rule, from its audit record, for the stop
     answered to every later check (SPEC 4.4: every stop names the limit and its value; 6,
     16: a kill's rule names the switch, whether the check or the fan-out killed the run, and
     whether the switch is still engaged): the run's first stop, since a stop ends a run
@@ -162,13 +162,13 @@ def stop_detail(run_id: Any, reason: str | None) -> tuple[str | None, dict[str, 
     answer = first[1] if first is not None and first[0] == reason else None
     if not isinstance(answer, dict):
         return None, None
-    fired = answer.get("rule") if reason == rules.KILLED else None
+    fired = answer.get("rule")
     return answer.get("message") or None, fired if isinstance(fired, dict) else None
 
 
 def explain_stop(state: rules.RunState, run_id: Any) -> None:
     """A stopped or killed run's state as its later checks answer it: its stop's words
-    (and a kill's rule)."""
+    and rule."""
     if state.status in (rules.STOPPED, rules.KILLED):
         state.stop_detail, state.stop_rule = stop_detail(
             run_id, state.stop_reason or state.status)

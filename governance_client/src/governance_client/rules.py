@@ -400,8 +400,8 @@ class RunState:
     # per budget per run); kept in the fixed memory, so the check's one write stores it.
     budget_warned: frozenset[str] = frozenset()
     #: What ended a stopped or killed run, in the words of its stop (the limit and its
-    #: value, or the switch and the operator's reason), and a kill's rule (SPEC 16: it names
-    #: the switch); not part of the memory: the caller fills them from the stop's audit
+    #: value, or the switch and the operator's reason), and its rule (SPEC 16: a later check
+    #: names the rule that stopped the run, as its stop did); not part of the memory: the caller fills them from the stop's audit
     #: record when it answers a later check.
     stop_detail: str | None = None
     stop_rule: Mapping[str, Any] | None = None
@@ -1581,13 +1581,27 @@ def terminal_decision(state: RunState, key: str) -> Decision:
         repeat_count=state.repeat_counts.get(key, 0),
         message=message,
         next_action=NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED]),
-        # A kill's rule names the switch as the kill's own answer did (SPEC 16).
-        rule=rule(KILLED, state.stop_rule.get("limit") or {},
-                  state.stop_rule.get("observed") or {})
-        if reason == KILLED and state.stop_rule else
-        rule(reason, {"status": RUNNING}, {"status": state.status,
-                                           "stop_reason": state.stop_reason}),
+        **_stop_rule_again(state, reason),
     )
+
+
+def _stop_rule_again(state: RunState, reason: str) -> dict[str, Any]:
+    """A later check's rule and scope: the stop's that ended the run, as its own answer gave
+    them (SPEC 16): a kill's switch, a limit with its value, an ancestor's limit with the
+    ancestor's policy and id (found by a newcomer: a sub-agent stopped by its parent's
+    max_steps answered later checks naming its own policy and scope, limit
+    `{"status": "running"}`). A run its agent ended, or a stop not recorded: the status."""
+    stored = state.stop_rule
+    if stored and stored.get("name") == reason:
+        fired = rule(reason, stored.get("limit") or {}, stored.get("observed") or {})
+        if stored.get("policy") is not None:
+            fired["policy"] = (stored["policy"], stored.get("version"))
+        scope = stored.get("scope")
+        return {"rule": fired, "scope": scope if isinstance(scope, str) and scope != "run"
+                else None}
+    return {"rule": rule(reason, {"status": RUNNING}, {"status": state.status,
+                                                       "stop_reason": state.stop_reason}),
+            "scope": None}
 
 
 # A check the agent no longer waited for (its deadline_ms passed before it was decided).

@@ -724,8 +724,8 @@ def _fail(failure: int | Exception | type[Exception], request: httpx.Request) ->
 
 def _explain_stop(run: FakeRun) -> None:
     """As the service (runs/check/records.py, `explain_stop`): a later check of a stopped or
-    killed run answers with the words of the stop that ended it (its first stop), and a
-    kill's rule."""
+    killed run answers with the words of the stop that ended it (its first stop), and its
+    rule."""
     state = run.state
     if state.status not in (rules.STOPPED, rules.KILLED) or state.stop_detail is not None:
         return
@@ -733,6 +733,6 @@ def _explain_stop(run: FakeRun) -> None:
     first = next((d for d in run.decisions if d.get("decision") == rules.STOP), None)
     if first is None or first.get("reason") != reason:
         return
-    fired = first.get("rule") if reason == rules.KILLED else None
+    fired = first.get("rule")
     run.state = replace(state, stop_detail=first.get("message") or None,
                         stop_rule=fired if isinstance(fired, dict) else None)
