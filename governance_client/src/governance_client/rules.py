@@ -401,8 +401,8 @@ class RunState:
     budget_warned: frozenset[str] = frozenset()
     #: What ended a stopped or killed run, in the words of its stop (the limit and its
     #: value, or the switch and the operator's reason), and its rule (SPEC 16: a later check
-    #: names the rule that stopped the run, as its stop did); not part of the memory: the caller fills them from the stop's audit
-    #: record when it answers a later check.
+    #: names the rule that stopped the run, as its stop did); not part of the memory: the
+    #: caller fills them from the stop's audit record when it answers a later check.
     stop_detail: str | None = None
     stop_rule: Mapping[str, Any] | None = None
 
