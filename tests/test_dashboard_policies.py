@@ -191,6 +191,10 @@ def test_the_page_counts_running_runs_on_older_versions(team, admin):
     assert 'data-old-running="1"' in html and "running runs keep the version" in html
     listing = admin.get(reverse("policies", kwargs={"slug": team.slug})).content.decode()
     assert "1 running run" in listing
+    # Money in cents, as on every page; the saved version names who saved it (found by a
+    # newcomer: "1.0", and "by demo" for a version the demo made, which History says is its
+    # source).
+    assert '<td class="num">$1.00</td>' in listing and "by admin" in listing
 
 
 def test_history_shows_a_diff_between_any_two_versions(team, admin):

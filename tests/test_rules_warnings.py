@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import timedelta
+from decimal import Decimal
 
 from governance_client.rules import (
     ALLOW,
@@ -84,6 +85,19 @@ def test_a_budget_warning_comes_once_per_budget() -> None:
     assert "step 9 of max_steps=10" in decisions[8].directive["content"]
     assert state.budget_warned == frozenset({"max_steps"})
     assert state.memory()["budget_warned"] == ["max_steps"]
+
+
+def test_money_reads_in_cents_in_the_warning_and_the_stop() -> None:
+    # As the dashboard writes money (found by a newcomer: "has spent $0.6", "$1.2"); the
+    # limit as configured stays as written (max_usd=1).
+    policy = Policy(**{**LOOSE, **OFF, "max_usd": Decimal(1), "warn_budget_fraction": 0.5})
+    decisions, _ = drive(policy, [replace(SAME, args={"i": i}, cost_usd=Decimal("0.3"))
+                                  for i in range(4)])
+    assert "has spent $0.60 of max_usd=1: once it reaches $1.00 " in \
+        decisions[1].directive["content"]
+    assert decisions[3].message.startswith("The run has spent $1.20, reaching max_usd=1:")
+    decisions, _ = drive(policy, [replace(SAME, cost_usd=Decimal("0.500125"))])
+    assert "has spent $0.500125 of max_usd=1" in decisions[0].directive["content"]
 
 
 def test_the_nearest_to_its_limit_wins() -> None:

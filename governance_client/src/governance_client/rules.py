@@ -521,6 +521,14 @@ def _plain(value: Decimal | float) -> str:
     return f"{Decimal(str(value)).normalize():f}"
 
 
+def _dollars(value: Decimal | float) -> str:
+    """An amount spent, in words: cents always, and every fraction of a cent it has ("$0.60",
+    "$1.20", "$0.000125"), as the dashboard writes money; never rounded, since the words
+    sit beside the exact limit."""
+    whole, _, fraction = _plain(value).partition(".")
+    return f"${whole}.{fraction.ljust(2, '0')}"
+
+
 def _denied(policy: Policy, name: str) -> str | None:
     for pattern in policy.deny:
         if fnmatchcase(name, pattern):
@@ -712,7 +720,7 @@ def _tree_limit(name: str, policy: Policy, state: RunState, check: Check, now: d
                 "max_seconds", {"max_seconds": policy.max_seconds},
                 {"elapsed_s": round(elapsed, 3)})
     if name == "max_usd" and policy.max_usd is not None and state.cost_usd >= policy.max_usd:
-        return (f"The run has spent ${_plain(state.cost_usd)}, reaching "
+        return (f"The run has spent {_dollars(state.cost_usd)}, reaching "
                 f"max_usd={_plain(policy.max_usd)}: the action was not run and the run is "
                 "stopped."), rule("max_usd", {"max_usd": _money(policy.max_usd)},
                                   {"cost_usd": _money(state.cost_usd)})
@@ -952,8 +960,8 @@ def _budget_warning(policy: Policy, state: RunState, now: datetime, budget: str,
             return None
         limit, observed = float(policy.max_usd), float(state.cost_usd)
         counter, words = "cost_usd", (
-            f"{who} has spent ${_plain(state.cost_usd)} of max_usd="
-            f"{_plain(policy.max_usd)}: once it reaches ${_plain(policy.max_usd)} {its} next "
+            f"{who} has spent {_dollars(state.cost_usd)} of max_usd="
+            f"{_plain(policy.max_usd)}: once it reaches {_dollars(policy.max_usd)} {its} next "
             "action is not run and this run is stopped.")
     else:
         if policy.max_tool_calls is None:
