@@ -771,8 +771,10 @@ def _ancestors_stop(name: str, ancestor: Ancestor, passed: tuple[str, dict[str, 
     words = passed[0].replace("The run has", "The tree has").replace(
         "Step ", "Tree step ", 1).replace("the run is stopped", "this run is stopped")
     fired = {**passed[1], "policy": (ancestor.policy.name, ancestor.policy.version)}
-    return name, (f"Ancestor run {ancestor.run_id}'s limit: {words} (an ancestor's budget "
-                  "bounds its sub-agents' runs)"), fired, ancestor.run_id
+    # Two sentences: the limit's own words follow whole (found by a newcomer: "...'s limit:
+    # Tree step 19 ... is stopped. (an ancestor's budget ...)" read as one broken sentence).
+    return name, (f"Ancestor run {ancestor.run_id}'s limit bounds its sub-agents' runs. "
+                  f"{words}"), fired, ancestor.run_id
 
 
 def _enforced(stop: Stop, policy: Policy, tree: Sequence[Ancestor]) -> bool:
