@@ -146,7 +146,9 @@ def test_a_childs_checks_count_on_every_ancestor_and_its_limits_bound_the_tree(a
     assert [Run.objects.get(pk=r).steps for r in (root, child, grandchild)] == [5, 4, 2]
     stopped = check(api, grandchild)
     assert (stopped["decision"], stopped["reason"]) == ("stop", "max_steps")
-    assert root in stopped["message"]
+    assert stopped["message"] == (f"Ancestor run {root}'s limit bounds its sub-agents' runs. "
+                                  "Tree step 6 is past max_steps=5: the action was not run "
+                                  "and this run is stopped.")
     # SPEC 16's rule names the ancestor whose limit it is, in the answer and the audit.
     assert stopped["rule"]["name"] == "max_steps" and stopped["rule"]["scope"] == root
     assert stopped["rule"]["limit"] == {"max_steps": 5}
