@@ -110,6 +110,11 @@ def test_the_kill_row_does_not_repeat_the_previous_step_number(
                               ).content.decode()
     kill_row = html.split('class="step outcome-stop kill"')[1].split("</tr>")[0]
     assert 'title="after step 1: a kill adds no step">—' in kill_row
+    # The banner says once which switch stopped the run, by whom and why (found by a
+    # newcomer: its rule's sentence, then the kill's message saying the same again).
+    banner = html.split('class="banner banner-killed"')[1].split("</section>")[0]
+    assert "A kill switch stopped this run: the run kill switch" in banner
+    assert banner.count("stop it") == 1, banner
 
 
 def test_a_shadow_run_says_where_it_would_have_stopped(team, users):

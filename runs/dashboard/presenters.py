@@ -288,6 +288,10 @@ def banner(run: Run) -> Banner | None:
             next_action = stop.answer.get("next_action") or ""
             sentence = rule_sentence(stop.rule if stop.rule is not None
                                      else stop.answer.get("rule"), stop.reason)
+            if run.status == RunStatus.KILLED and sentence:
+                # A kill's message names the switch, who engaged it and why: the rule's
+                # sentence says the same (found by a newcomer: the banner said it twice).
+                message = ""
     return Banner(status=run.status, reason=run.stop_reason or "", message=message,
                   next_action=next_action, output=run.output, ended_at=run.ended_at,
                   rule=sentence)
