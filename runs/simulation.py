@@ -117,6 +117,11 @@ AGENT_OF = {"normal": "support-bot", "hard_loop": "support-bot", "soft_loop": "r
             "denied_tool": "ops-bot"}
 
 
+# A simulated agent refused by a kill switch tries again after 5 s, then 10, 20, 30, 30...
+KILLED_WAIT_S = 5.0
+KILLED_WAIT_MAX_S = 30.0
+
+
 def simulate(client: GovernanceClient, *, agents: int, runs: int, pace_s: float, seed: int,
              stop: threading.Event, log: Callable[[str], None]) -> dict[str, int]:
     """Run ``agents`` concurrent agents until ``runs`` runs are done (0: until ``stop``)."""
@@ -130,6 +135,7 @@ def simulate(client: GovernanceClient, *, agents: int, runs: int, pace_s: float,
         def pace() -> None:
             stop.wait(pace_s * rng.uniform(0.5, 1.5))
 
+        held = 0.0  # how long this agent last waited for a kill switch; 0: none engaged
         while not stop.is_set():
             with lock:
                 if runs and started[0] >= runs:
@@ -140,13 +146,19 @@ def simulate(client: GovernanceClient, *, agents: int, runs: int, pace_s: float,
                 with client.run(AGENT_OF[kind], task=f"simulated {kind}") as run:
                     BEHAVIOURS[kind](run, rng, pace)
             except KillSwitchEngaged:
-                log(f"agent {index}: kill switch engaged, waiting")
-                stop.wait(5)
+                # Said once, then tried again less and less often while it stays engaged:
+                # every agent trying each 5 s filled the demo's terminal with a refused start
+                # a second (found by a newcomer who engaged the team's switch).
+                if not held:
+                    log(f"agent {index}: kill switch engaged, waiting until it is released")
+                held = min(KILLED_WAIT_MAX_S, held * 2 or KILLED_WAIT_S)
+                stop.wait(held)
                 continue
             except Exception as exc:  # keep the demo alive through a restart of the server
                 log(f"agent {index}: {type(exc).__name__}: {exc}")
                 stop.wait(2)
                 continue
+            held = 0.0
             with lock:
                 counts[kind] = counts.get(kind, 0) + 1
             log(f"agent {index}: {kind} run {run.id} finished")

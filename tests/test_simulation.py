@@ -43,3 +43,34 @@ def test_simulate_agents_finishes_the_runs_it_was_asked_for(server, team, agent_
     assert sum(counts.values()) == 9
     assert Run.objects.filter(status="running").count() == 0
     assert Run.objects.count() == 9
+
+
+class Waits(threading.Event):
+    """A stop event that records each wait instead of waiting, and is set after `count`."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+        self.count = count
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(float(timeout or 0))
+        if len(self.waits) >= self.count:
+            self.set()
+        return self.is_set()
+
+
+@pytest.mark.django_db(transaction=False)
+def test_an_agent_refused_by_a_kill_switch_says_so_once_and_waits_longer_each_time():
+    """Found by a newcomer: with the team's switch engaged, each simulated agent tried again
+    every 5 s and the demo's terminal showed a refused start a second."""
+    from governance_client.testing import FakeGovernance
+
+    fake = FakeGovernance()
+    fake.kill_switch = "the team kill switch"
+    said: list[str] = []
+    stop = Waits(6)
+    with fake.client() as client:
+        simulate(client, agents=1, runs=0, pace_s=0.0, seed=1, stop=stop, log=said.append)
+    assert stop.waits == [5.0, 10.0, 20.0, 30.0, 30.0, 30.0]
+    assert said == ["agent 0: kill switch engaged, waiting until it is released"]
