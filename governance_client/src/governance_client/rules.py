@@ -1507,7 +1507,7 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
             # after approvals): its repeat count and tool call counted only now (found by a
             # newcomer: a repeated approved refund reached its warning threshold with no
             # warning, then stopped as a loop). The ancestors as the tool call counts on them.
-            counted = [replace(ancestor, state=state) for ancestor, state
+            counted = [replace(ancestor, state=after) for ancestor, after
                        in zip(tree, approved_in_tree(tree, pending), strict=True)]
             warning = choose_warning(warnings_of(
                 policy, new, Check(name=pending.action_name, type=pending.action_type), key,
