@@ -138,9 +138,14 @@ def policy_detail(request: HttpRequest, slug: str, name: str) -> HttpResponse:
 
 
 @team_view(Role.ADMIN)
-@require_POST
+@require_http_methods(["GET", "HEAD", "POST"])
 def policy_save_view(request: HttpRequest, slug: str, name: str) -> HttpResponse:
     policy = selectors.policy_of(request.team, name)
+    if request.method != "POST":
+        # A refused save leaves this address in the browser's bar (its page is the POST's
+        # answer): entered again or bookmarked, it opens the editor, not a 405 (found by a
+        # newcomer).
+        return redirect("policy", slug=slug, name=policy.name)
     form = PolicyForm(request.POST, fixed_name=policy.name)
     if form.is_valid() and not form.cleaned_data["note"]:
         form.add_error("note", "Say what changed and why: the note is shown in the history.")

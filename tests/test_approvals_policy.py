@@ -117,6 +117,17 @@ def test_the_editor_shows_the_yaml_message_at_the_field(team: Team, admin: Clien
     assert Policy.objects.get(team=team, name="default").current.version == 1
 
 
+def test_the_save_address_opened_again_is_the_editor(team: Team, admin: Client) -> None:
+    # A refused save's page is at .../save: entered again, the editor, not a 405.
+    url = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    assert admin.post(url, form_data(approval_timeout_s="0")).status_code == 422
+    response = admin.get(url)
+    assert response.status_code == 302
+    assert response["Location"] == reverse("policy", kwargs={"slug": team.slug,
+                                                             "name": "default"})
+    assert Policy.objects.get(team=team, name="default").current.version == 1
+
+
 def test_an_empty_timeout_box_is_the_default(team: Team, admin: Client) -> None:
     url = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
     admin.post(url, form_data(approval_tools="refund", approval_timeout_s=""))
