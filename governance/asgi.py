@@ -408,7 +408,9 @@ class Application(ResolvedOnce, ASGIHandler):
                     await self.learn_operator(request, credential, executor)
                 caller = _paced_caller(pool, request.path, credential)
                 turns, bucket = self.pace_of(pool, caller)
-                async with turns:
+                await turns.acquire()
+                holding = True
+                try:
                     wait = bucket.wait_s(getattr(settings, share))
                     if wait > SHARE_MOST_WAIT_S:
                         refused = edge.error(
@@ -420,9 +422,17 @@ class Application(ResolvedOnce, ASGIHandler):
                         return
                     if wait:
                         await asyncio.sleep(wait)
-                made, took = await asyncio.get_running_loop().run_in_executor(
-                    executor, self.respond_timed, request)
-                bucket.spend(took)
+                    # The turn ends as the call starts, once the call's cost can be expected
+                    # (the caller's first call keeps it to its end: governance/shares.py).
+                    if (begun := bucket.begin()) is not None:
+                        turns.release()
+                        holding = False
+                    made, took = await asyncio.get_running_loop().run_in_executor(
+                        executor, self.respond_timed, request)
+                    bucket.spend(took, begun)
+                finally:
+                    if holding:
+                        turns.release()
                 # A key found right by this call is its team's from now on, and its team owes
                 # what the call took too.
                 if (payer := _paced_caller(pool, request.path, credential)) != caller:
@@ -462,7 +472,9 @@ class Application(ResolvedOnce, ASGIHandler):
         lock) one after the other, until what its last ones
         took is paid back at the pool's share of the process's time (governance/shares.py),
         then run (the turn ends as the call starts: calls run one at a time spread a team's
-        reads over more of the others' checks, p99 2.4 to 3.6x against 1.6 to 2.2x). So one
+        reads over more of the others' checks, p99 2.4 to 3.6x against 1.6 to 2.2x; but a
+        call owes what its caller's last one took as it starts, so queued calls do not all
+        start together once the debt is paid: docs/performance.md, `heavy_reads`). So one
         team's heavy reads, however many keys and addresses send them, leave the checks
         their CPU (found by an attacker: four keys reading a run's 1,000 decisions of 60 KB
         over and over made another team's check p99 12x), and cost the other teams' bulk

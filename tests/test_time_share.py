@@ -35,3 +35,21 @@ def test_a_share_out_of_range_is_taken_as_its_nearest_bound(
     share.spend(0.1)
     assert share.wait_s(5.0) == pytest.approx(0.1)  # at most all of the time
     assert share.wait_s(0.0) == pytest.approx(100.0)  # at least a thousandth
+
+
+def test_a_piece_owes_what_the_last_took_as_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pieces that overlap: counted only as each ended, the ones asked for while another ran
+    # found nothing owed and all started together (docs/performance.md, `heavy_reads`).
+    now = [0.0]
+    monkeypatch.setattr(shares.time, "monotonic", lambda: now[0])
+    share = TimeShare(burst_s=0.0)
+    assert share.begin() is None  # nothing to expect yet: the caller keeps the turn
+    share.spend(0.5)
+    now[0] += 2.5  # paid back at a fifth
+    assert share.wait_s(0.2) == 0.0
+    begun = share.begin()
+    assert begun == 0.5
+    assert share.wait_s(0.2) == pytest.approx(2.5)  # the next waits while this one runs
+    share.spend(0.7, begun)  # it took more than expected: only the difference comes off
+    assert share.wait_s(0.2) == pytest.approx(3.5)
+    assert share.begin() == 0.7
