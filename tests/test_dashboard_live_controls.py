@@ -131,6 +131,7 @@ def test_the_kill_switch_page_offers_stopping_the_team_only_while_it_is_not_stop
     operator = as_user(users, "operator")
     html = operator.get(reverse("runs:killswitch", kwargs={"slug": team.slug})).content.decode()
     assert "Stop the whole team" in html
+    assert "stays stopped when the team's switch is released" not in html
     response = operator.get(reverse("runs:killswitch-stream", kwargs={"slug": team.slug}))
     chunks = iter(response.streaming_content)
     next(chunks), next(chunks)
@@ -138,7 +139,9 @@ def test_the_kill_switch_page_offers_stopping_the_team_only_while_it_is_not_stop
     later = events(b"".join(chunks).decode())
     engage = [e for e in later if e["event"] == "killswitch-engage"][-1]
     assert "Stop the whole team" not in engage["data"] and "whole team is stopped" in engage["data"]
+    # Still offered (an agent's switch outlives the team's release), and it says so.
     assert "Stop one agent" in engage["data"]
+    assert "stays stopped when the team's switch is released" in engage["data"]
     engaged = [e for e in later if e["event"] == "killswitch-engaged"][-1]
     assert "incident 44" in engaged["data"]
     html = operator.get(reverse("runs:killswitch", kwargs={"slug": team.slug})).content.decode()
