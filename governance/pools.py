@@ -69,8 +69,8 @@ os.register_at_fork(after_in_child=_reset)
 
 
 def pool(name: str) -> ThreadPoolExecutor:
-    """The process's pool `api`, `agent-bulk`, `operator`, `backtest`, `killswitch` or
-    `dashboard`, made on first use."""
+    """The process's pool `api`, `agent-bulk`, `operator`, `backtest`, `killswitch`,
+    `dashboard-killswitch` or `dashboard`, made on first use."""
     try:
         return _pools[name]
     except KeyError:
@@ -88,6 +88,7 @@ def _size(name: str) -> int:
                               "operator": "OPERATOR_THREADS",
                               "backtest": "BACKTEST_API_THREADS",
                               "killswitch": "KILLSWITCH_API_THREADS",
+                              "dashboard-killswitch": "KILLSWITCH_API_THREADS",
                               "dashboard": "DASHBOARD_THREADS"}[name])
 
 
@@ -176,6 +177,15 @@ def fair(name: str) -> FairPool:
 _READS = frozenset({"GET", "HEAD"})
 
 
+# The dashboard's kill switch forms: a team's or the global switch engaged or released, a
+# run's kill button. On a pool of their own, so that no page, however many are asked for or
+# however long each takes, is ever in front of a kill switch (found by an attacker: one
+# team's viewers looping a policy's history diff on 32 connections delayed another team's
+# engage from the dashboard by 2 to 6 s).
+DASHBOARD_KILLSWITCH = re.compile(r"/(teams/[^/]+/)?killswitch/(engage|release)"
+                                  r"|/teams/[^/]+/runs/[^/]+/kill")
+
+
 def pool_name(path: str, method: str = "GET") -> str:
     if path.startswith(API_PREFIXES):
         if not operator_path(path):
@@ -186,6 +196,8 @@ def pool_name(path: str, method: str = "GET") -> str:
         if waits_for_backtest(path):
             return "backtest"
         return "killswitch" if engages_a_switch(path) else "operator"
+    if method.upper() == "POST" and DASHBOARD_KILLSWITCH.fullmatch(path):
+        return "dashboard-killswitch"
     return "dashboard"
 
 
