@@ -11,7 +11,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Q
+from django.db.models import Exists, Q
 from django.utils import timezone
 
 from governance_client import rules
@@ -22,9 +22,9 @@ from runs.check.abandon import abandon_if_idle
 from runs.check.policy_cache import rules_for_version
 from runs.check.services import ServiceError, locked_run_of_key, remember_run
 from runs.check.states import state_of
-from runs.killswitch import cover
+from runs.killswitch import cover, fanout
 from runs.live.events import publish_run_event
-from runs.models import Run
+from runs.models import KillSwitch, Run
 
 
 def run_start(
@@ -254,8 +254,15 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
         # since: its audit record's time would come after the end read before it (found by
         # an attacker racing 40 checks with a finish: an allow 3.7 ms after `ended_at`).
         no_approval = Q(memory__pending=None) | Q(memory__pending__isnull=True)
-        if Run.objects.filter(no_approval, pk=run.pk, status=run.status, steps=run.steps,
-                              finished_at__isnull=True).update(**changes):
+        # Nor while an engaged switch covers the run: the fan-out may not have reached it
+        # yet, and the kill comes first (`_finish_locked`; found by an attacker: a finish
+        # between an engage and its fan-out ended the run `completed`, no kill recorded).
+        unchanged = Run.objects.filter(no_approval, pk=run.pk, status=run.status,
+                                       steps=run.steps, finished_at__isnull=True)
+        if run.status == rules.RUNNING:  # an ended run is never killed: nothing to look for
+            unchanged = unchanged.exclude(Exists(KillSwitch.objects.filter(
+                target__in=cover.tree_covering_targets(run), active=True)))
+        if unchanged.update(**changes):
             states.set_columns(run, changes)
             publish_run_event(run)
             tree.publish_ancestors(run)
@@ -275,6 +282,7 @@ def _finish_locked(*, team: Team, run_id: Any, status: str, output: str | None,
         run = locked_run_of_key(team=team, run_id=run_id, key_agent=key_agent)
         if run.finished_at is not None:
             raise ServiceError(409, "run_finished", "This run was already finished.")
+        fanout.kill_locked_if_covered(run)  # a covered run is killed, then finished
         now = timezone.now()
         state = approvals.settle_due_locked(run=run, state=state_of(run), now=now)
         new_state = rules.finish(state, status, already_finished=False, now=now)

@@ -19,6 +19,7 @@ from runs.check.policy_cache import rules_for_version
 from runs.check.records import DecisionRow
 from runs.check.services import locked_run_of_key
 from runs.check.states import state_of
+from runs.killswitch import fanout
 from runs.live.events import publish_run_event
 from runs.models import Decision, Run
 
@@ -63,6 +64,9 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
         # A child's ancestors first, root first (the tree's lock order): they count it too.
         ancestors = lineage.lock_lineage(team_id=team.pk, run_id=run_id)
         run = locked_run_of_key(team=team, run_id=run_id, key_agent=key_agent)
+        # A switch engaged before the upload kills the run first, as a check's would: the
+        # entries then count on nothing and a local allow is flagged (SPEC 6, 10).
+        killed = fanout.kill_locked_if_covered(run)
         policy = rules_for_version(run.policy_version_id)
         checks = [_local_check(entry) for entry in entries]
         # The entries of the keyed memory every uploaded decision reads, in one query.
@@ -117,7 +121,8 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
             Run.objects.filter(pk=run.pk).update(**states.columns_of(state, LOCAL_FIELDS))
             lineage.write_counters(ancestors, ("steps", "tool_calls", "cost_usd"))
             run_memory.save(run.pk, loaded, state)
-        changed = bool(rows) or waited is not loaded  # recorded, or an expiry settled first
+        # Recorded, or an expiry or a kill settled first.
+        changed = bool(rows) or waited is not loaded or killed
         if changed:
             run.refresh_from_db()
     return run, recorded, changed

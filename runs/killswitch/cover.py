@@ -143,6 +143,17 @@ def covering_switch_of_tree(run: Any) -> KillSwitch | None:
         pk__in=run.ancestors, team_id=run.team_id).values_list("pk", "agent"))
 
 
+def tree_covering_targets(run: Any) -> list[str]:
+    """The keys of every switch that covers ``run`` or one of its ancestors (SPEC 20), for a
+    write that must not end a covered run as though no switch were engaged (a finish)."""
+    targets = covering_targets(team_id=run.team_id, agent=run.agent, run_id=run.id)
+    if run.ancestors:
+        for pk, agent in Run.objects.filter(pk__in=run.ancestors, team_id=run.team_id
+                                            ).values_list("pk", "agent"):
+            targets += covering_targets(team_id=run.team_id, agent=agent, run_id=pk)
+    return targets
+
+
 def runs_covered(scope: str, *, team_id: int | None, agent: str, run_id: Any) -> Q:
     """A filter on Run: the runs a switch of this scope and target covers, their
     descendants included (SPEC 20: a switch covering a run covers its sub-agents' runs)."""

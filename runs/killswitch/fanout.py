@@ -235,6 +235,27 @@ def killswitch_kill_run(*, run_id: Any) -> bool:
     return bool(killed)
 
 
+def kill_locked_if_covered(run: Run) -> bool:
+    """Kill ``run``, locked by the caller's transaction, now if an engaged switch covers it
+    or one of its ancestors, exactly as the fan-out will (whoever looks first): what an
+    upload of local decisions and a finish do under the run's lock before anything else
+    (found by an attacker: an upload or a finish sent between an engage and the fan-out
+    ended the run `stopped` or `completed`, its local allows not flagged and no kill
+    recorded, and the fan-out then passed it by). False when none covers it or it is over;
+    ``run`` is read again when it was killed."""
+    if run.status != rules.RUNNING:
+        return False
+    switch = cover.covering_switch_of_tree(run)
+    if switch is None:
+        return False
+    killed = _kill_batch(switch, Run.objects.filter(pk=run.pk, status=rules.RUNNING))
+    if killed:
+        run.refresh_from_db()
+        team_id = run.team_id
+        transaction.on_commit(lambda: publish_team_event(team_id))
+    return bool(killed)
+
+
 def _covered_running(switch: KillSwitch) -> QuerySet[Run]:
     """The running runs the switch covers. A run started after the switch's release was
     never covered: the release is read by each batch's own locking statement, not from
