@@ -200,9 +200,11 @@ def test_get_only_pages_refuse_post_and_post_only_endpoints_refuse_get(team, wor
     client = signed_in("admin")
     assert client.post(reverse("runs:overview", kwargs={"slug": team.slug})).status_code == 405
     # key_revoke, member_remove and (issue 26) policy_restore answer GET with their
-    # confirmation; the policy editor's save is POST only.
-    assert client.get(reverse("policy_save", kwargs={"slug": team.slug,
-                                                     "name": "default"})).status_code == 405
+    # confirmation; the policy editor's save saves on POST only: a GET is sent to the editor
+    # (the address a refused save leaves in the browser's bar), any other method is a 405.
+    save = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    assert client.get(save).status_code == 302
+    assert client.put(save).status_code == client.delete(save).status_code == 405
     # Found by a security tryout: five form pages rendered for any method (PUT, DELETE, FOO).
     for name in ("keys", "members", "team_settings", "policies_import", "policy_new"):
         url = reverse(name, kwargs={"slug": team.slug})
