@@ -20,7 +20,8 @@ from policies.document import default_policy, parse_policy
 from policies.models import Team
 from policies.services import policy_save
 from runs.models import KillSwitch
-from tests.conftest import Server, server_env, start_server
+from tests.conftest import server_env, start_server
+from tests.test_approvals_e2e import signed_in
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -47,17 +48,6 @@ def big_policy() -> dict[str, Any]:
             "tools": {"allow": ["*", *patterns(255)], "deny": patterns(256)},
             "repeat_key": {"ignore_args": [f"a{i}" for i in range(256)]},
             "redact_args": [f"r{i}" for i in range(256)]}
-
-
-def signed_in(server: Server, username: str) -> httpx.Client:
-    client = httpx.Client(base_url=server.url, timeout=60, follow_redirects=False)
-    page = client.get("/accounts/login/")
-    token = page.text.split('name="csrfmiddlewaretoken" value="')[1].split('"')[0]
-    response = client.post("/accounts/login/", data={
-        "username": username, "password": f"pw-{username}-123", "csrfmiddlewaretoken": token})
-    assert response.status_code == 302, response.text
-    client.headers["X-CSRFToken"] = client.cookies["csrftoken"]
-    return client
 
 
 def test_another_teams_pages_never_delay_a_dashboard_kill_switch(

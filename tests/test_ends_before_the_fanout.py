@@ -8,7 +8,6 @@ run first, under the run's lock, exactly as the fan-out would; a check already d
 
 from __future__ import annotations
 
-import json
 from typing import Any
 from unittest import mock
 
@@ -19,19 +18,9 @@ from policies.models import Team
 from runs.killswitch.fanout import killswitch_fanout
 from runs.killswitch.services import killswitch_engage
 from runs.models import Decision, Run
+from tests.test_local_decisions_after_end import post, start
 
 pytestmark = pytest.mark.django_db
-
-
-def post(api: Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    response = api.post(path, json.dumps(body), content_type="application/json")
-    return {**response.json(), "http": response.status_code}
-
-
-def start(api: Client, **extra: Any) -> str:
-    body = post(api, "/api/v1/runs", {"agent": "support-bot", **extra})
-    assert body["http"] == 201, body
-    return body["run_id"]
 
 
 def engaged_not_fanned_out(**target: Any) -> int:
