@@ -265,7 +265,7 @@ def test_under_asgi_many_waiting_polls_hold_no_thread(asgi_server, approving, ag
         other = agent.start(agent="other-bot")["run_id"]
         started = time.monotonic()
         assert agent.check(other, check_id="q")["decision"] == "allow"
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 5  # a generous deadline: no poll holds it
         approval_decide(team=approving, approval_id=first["approval"]["id"],
                         decision="approve", note="", actor=users["operator"])
         for t in threads:
