@@ -69,10 +69,19 @@ def version_of(policy: Policy, number: Any) -> PolicyVersion | None:
         return None
 
 
+# libyaml's emitter where PyYAML was built with it (its wheels are): the pure-Python one's
+# text (but where a long double-quoted line folds), about 5x faster. The audit page and a
+# policy's history dump two documents per diff, and 50 diffs of 1,280-pattern documents took
+# 2.4 s of one thread a view, raising other teams' check p99 (found by an attacker; such a
+# document's dump 19 ms, 3.6 ms in C).
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
 def policy_yaml(document: dict[str, Any] | None) -> str:
     if document is None:
         return ""
-    return yaml.safe_dump(document, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return yaml.dump(document, Dumper=_DUMPER, sort_keys=False, default_flow_style=False,
+                     allow_unicode=True)
 
 
 @dataclass(frozen=True)
@@ -121,8 +130,8 @@ def team_document(team: Team, *, reveal: bool) -> dict[str, Any]:
 
 
 def team_yaml(team: Team, *, reveal: bool) -> str:
-    return yaml.safe_dump(team_document(team, reveal=reveal), sort_keys=False,
-                          allow_unicode=True)
+    return yaml.dump(team_document(team, reveal=reveal), Dumper=_DUMPER, sort_keys=False,
+                     allow_unicode=True)
 
 
 def keys_of(team: Team) -> list[AgentKey]:

@@ -970,3 +970,17 @@ def test_null_warnings_are_off_and_omitted_ones_fit_small_limits() -> None:
     (team,) = parse_document(one_policy(step_limits=small))
     assert team["policies"][0]["warnings"] == {"repeat_action": 1, "no_progress": None,
                                                "budget_fraction": 0.8}
+
+
+def test_the_dashboards_yaml_is_what_the_pure_python_emitter_writes() -> None:
+    """The pages dump documents with libyaml's emitter (fast): the text an operator reviews
+    and exports is PyYAML's own for a policy as written, and reads back as the document
+    whatever it holds (a long quoted line with a control character folds elsewhere)."""
+    from policies.selectors import policy_yaml
+
+    document = {**default_policy("pay"), "description": "ré " * 80}
+    document["tools"] = {"allow": [f"tool.{i}.é*" for i in range(50)], "deny": ["x: y", "- z"]}
+    assert policy_yaml(document) == yaml.safe_dump(document, sort_keys=False,
+                                                   default_flow_style=False, allow_unicode=True)
+    odd = {**document, "description": "ré " * 80 + "\u2028 end", "n": None, "t": "yes"}
+    assert yaml.safe_load(policy_yaml(odd)) == odd
