@@ -172,6 +172,14 @@ def _credential(scope: Scope) -> str:
 _OPERATOR_TEAM = re.compile(r"/api/v1/teams/([^/]+)/")
 
 
+# A dashboard page's team, from its path (/teams/{slug}/...).
+_PAGE_TEAM = re.compile(r"/teams/([^/]+)/")
+# A live stream's opening (runs/*/urls.py: `.../stream`, a team's `live`): never paced as a
+# page, since its looks at the database are, on the look lane (runs/live/looks.py), and a
+# browser opens several at once on every page and again at each stream's end.
+_STREAM = re.compile(r"/teams/[^/]+/(.+/)?(stream|live)")
+
+
 def _operator_team(path: str) -> str:
     """The slug an operator call's path names ("" for none: the teams list, a decision)."""
     named = _OPERATOR_TEAM.match(path)
@@ -353,6 +361,8 @@ class Application(ResolvedOnce, ASGIHandler):
                 # No caller holds every API thread (pools.FairPool).
                 made = await asyncio.wrap_future(pools.fair(name).submit(
                     caller_of(_credential(scope)), functools.partial(self.respond_sync, request)))
+            elif name == "dashboard":
+                made = await self.page(request, executor)
             else:
                 made = await loop.run_in_executor(executor, self.respond_sync, request)
             if not made.streaming:
@@ -407,32 +417,17 @@ class Application(ResolvedOnce, ASGIHandler):
                 if pool == "operator":
                     await self.learn_operator(request, credential, executor)
                 caller = _paced_caller(pool, request.path, credential)
-                turns, bucket = self.pace_of(pool, caller)
-                await turns.acquire()
-                holding = True
-                try:
-                    wait = bucket.wait_s(getattr(settings, share))
-                    if wait > SHARE_MOST_WAIT_S:
-                        refused = edge.error(
-                            429, "too_many_requests",
-                            f"Your team's {calls} have used their share of this server "
-                            "process's time: try again in the Retry-After header's seconds.")
-                        refused["Retry-After"] = str(math.ceil(wait))
-                        await self.send_response(refused, send)
-                        return
-                    if wait:
-                        await asyncio.sleep(wait)
-                    # The turn ends as the call starts, once the call's cost can be expected
-                    # (the caller's first call keeps it to its end: governance/shares.py).
-                    if (begun := bucket.begin()) is not None:
-                        turns.release()
-                        holding = False
-                    made, took = await asyncio.get_running_loop().run_in_executor(
-                        executor, self.respond_timed, request)
-                    bucket.spend(took, begun)
-                finally:
-                    if holding:
-                        turns.release()
+                paced = await self.paced(request, executor, pool, caller,
+                                         getattr(settings, share))
+                if isinstance(paced, float):
+                    refused = edge.error(
+                        429, "too_many_requests",
+                        f"Your team's {calls} have used their share of this server "
+                        "process's time: try again in the Retry-After header's seconds.")
+                    refused["Retry-After"] = str(math.ceil(paced))
+                    await self.send_response(refused, send)
+                    return
+                made, took = paced
                 # A key found right by this call is its team's from now on, and its team owes
                 # what the call took too.
                 if (payer := _paced_caller(pool, request.path, credential)) != caller:
@@ -448,6 +443,71 @@ class Application(ResolvedOnce, ASGIHandler):
                 await asyncio.get_running_loop().run_in_executor(executor, response.close)
             return
         await self.send_whole(made, send)
+
+    async def paced(self, request: ASGIRequest, executor: Any, pool: str, caller: str,
+                    share: float) -> tuple[HttpResponseBase, float] | float:
+        """`respond_timed` on `executor` in `caller`'s turn, once what its last calls took is
+        paid back at `share` of the process's time (`pace_of`); or, without serving it, the
+        wait, when that is more than SHARE_MOST_WAIT_S (the caller answers 429 with it)."""
+        turns, bucket = self.pace_of(pool, caller)
+        await turns.acquire()
+        holding = True
+        try:
+            wait = bucket.wait_s(share)
+            if wait > SHARE_MOST_WAIT_S:
+                return wait
+            if wait:
+                await asyncio.sleep(wait)
+            # The turn ends as the call starts, once the call's cost can be expected (the
+            # caller's first call keeps it to its end: governance/shares.py).
+            if (begun := bucket.begin()) is not None:
+                turns.release()
+                holding = False
+            made, took = await asyncio.get_running_loop().run_in_executor(
+                executor, self.respond_timed, request)
+            bucket.spend(took, begun)
+            return made, took
+        finally:
+            if holding:
+                turns.release()
+
+    async def page(self, request: ASGIRequest, executor: Any) -> HttpResponseBase:
+        """A dashboard page or form on the dashboard's pool. A team's (its path names it),
+        asked for by a session this process has seen to be the team's member, is paced with
+        the team's operator API calls: together they take at most ``OPERATOR_SHARE`` of the
+        process's time, however many people, sessions and addresses ask (found by an
+        attacker: one team's viewers looping the audit page of 50 policy diffs raised
+        another team's check p99 from 10 to 235 ms). Past ``SHARE_MOST_WAIT_S`` of waiting,
+        a 429 page with the wait. A session's first page of a team is served at once (that
+        it is a member is known only once its view has looked), then owed by the team; any
+        other page (no team, no session, an outsider's 403) costs no more than a look at
+        the session and is served at once, as is a live stream's opening (`_STREAM`)."""
+        loop = asyncio.get_running_loop()
+        named = _PAGE_TEAM.match(request.path)
+        cookie = request.COOKIES.get(settings.SESSION_COOKIE_NAME)
+        if named is None or not cookie or _STREAM.fullmatch(request.path):
+            return await loop.run_in_executor(executor, self.respond_sync, request)
+        team = named[1].lower()
+        session = "session:" + hashlib.sha256(cookie.encode()).hexdigest()
+        caller = f"slug:{team}"  # the team's operator calls' caller (`_paced_caller`)
+        if not operator_known(session, team):
+            made, took = await loop.run_in_executor(executor, self.respond_timed, request)
+            # `team_view` (policies/access.py) sets the role of a member, even one refused
+            # for too low a role; an outsider's request has none.
+            if getattr(request, "role", None) is not None:
+                remember_operator(session, team)
+                self.pace_of("operator", caller)[1].spend(took)
+            return made
+        paced = await self.paced(request, executor, "operator", caller,
+                                 settings.OPERATOR_SHARE)
+        if isinstance(paced, float):
+            from django.template.loader import render_to_string
+
+            refused = HttpResponse(render_to_string("429_share.html", {
+                "wait": math.ceil(paced)}), status=429)
+            refused["Retry-After"] = str(math.ceil(paced))
+            return refused
+        return paced[0]
 
     async def learn_operator(self, request: ASGIRequest, credential: str,
                              executor: Any) -> None:

@@ -89,4 +89,6 @@ def test_another_teams_pages_never_delay_a_dashboard_kill_switch(
     assert engaged.status_code in (200, 302), engaged.text
     assert KillSwitch.objects.filter(team=other_team, agent="billing-bot", active=True).exists()
     assert took < DEADLINE_S, said
-    assert served and set(served) == {200}, said
+    # The pages are served too, paced as their team's (a page past the team's longest wait
+    # is a 429 with the wait: tests/test_dashboard_pacing.py).
+    assert 200 in served and set(served) <= {200, 429}, said

@@ -33,8 +33,10 @@ def caller_of(credential: str) -> str:
 
 
 # Operator credentials (as the ASGI application names them) found to see a team (its slug;
-# "" for a live token: governance/asgi.py `learn_operator`). Only these are paced as the
-# team's (`_paced_caller`); any other call waits with the calls not known yet.
+# "" for a live token: governance/asgi.py `learn_operator`), and dashboard sessions
+# ("session:" and their cookie's digest) found to be a member's (`Application.page`). Only
+# these are paced as the team's (`_paced_caller`); any other operator call waits with the
+# calls not known yet, and any other page is served unpaced.
 _OPERATOR_TEAMS: set[tuple[str, str]] = set()
 
 

@@ -1,0 +1,67 @@
+"""A team's pages are paced with its operator API calls (governance/asgi.py `Application.page`):
+together they take at most WEB_OPERATOR_SHARE of a server process's time, however many
+people, sessions and addresses ask (SPEC 10: no tenant slows another). Found by an attacker:
+one team's viewers looping the audit page of 50 policy diffs (2.4 s a view) raised another
+team's check p99 from 10 to 235 ms, since pages, unlike operator API calls, were not paced.
+
+Proven with a share so small that one page puts the team past the longest wait: its next page
+and its next API call are refused with the wait, while what is not the team's is served."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from policies.models import Team
+from policies.tokens import operator_token_create
+from runs.models import KillSwitch
+from tests.conftest import server_env, start_server
+from tests.test_approvals_e2e import signed_in
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def stingy():
+    server = start_server(workers=1, env=server_env(WEB_OPERATOR_SHARE="0.001"))
+    yield server
+    server.stop()
+
+
+def test_a_teams_pages_and_api_calls_share_one_pace_and_no_one_elses(
+        stingy, team: Team, other_team: Team, users: dict[str, Any]) -> None:
+    viewer = signed_in(stingy, "viewer")
+    outsider = signed_in(stingy, "outsider")  # an admin of the other team only
+    policies = f"/teams/{team.slug}/policies/"
+    # A session's first page of its team is served: only its view knows it is a member.
+    assert viewer.get(policies).status_code == 200
+    # Then the team owes what that page took, at 0.001 of a second a second: far past the
+    # longest wait, so the next page is refused at once with the wait, served as a page.
+    refused = viewer.get(f"/teams/{team.slug}/audit/")
+    assert refused.status_code == 429, refused.text
+    assert int(refused.headers["Retry-After"]) > 10
+    assert "Your team's pages are busy" in refused.text
+    # The team's operator API calls share that pace (another person's token, too).
+    token = operator_token_create(user=users["operator"], name="script", role="viewer",
+                                  team=team).secret
+    api = httpx.get(f"{stingy.url}/api/v1/teams/{team.slug}/runs", timeout=30,
+                    headers={"Authorization": f"Bearer {token}"})
+    assert api.status_code == 429, api.text
+    assert api.json()["error"]["code"] == "too_many_requests"
+    # A live stream still opens (its looks are paced on the look lane, not as pages).
+    with viewer.stream("GET", f"/teams/{team.slug}/stream") as live:
+        assert live.status_code == 200
+    # Nothing else waits for the team: another team's pages, pages of no team, and an
+    # outsider's look at the team's pages (a 403, never counted as the team's).
+    assert outsider.get(f"/teams/{other_team.slug}/policies/").status_code == 200
+    assert outsider.get("/").status_code in (200, 302)
+    assert outsider.get(policies).status_code == 403
+    assert outsider.get(f"/teams/{other_team.slug}/policies/").status_code == 429  # its own
+    # The kill switch forms are never paced (a pool of their own, SPEC 6).
+    engaged = signed_in(stingy, "operator").post(
+        f"/teams/{team.slug}/killswitch/engage",
+        data={"scope": "agent", "agent": "billing-bot", "reason": "incident", "confirmed": "1"})
+    assert engaged.status_code in (200, 302), engaged.text
+    assert KillSwitch.objects.filter(team=team, agent="billing-bot", active=True).exists()
