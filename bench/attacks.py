@@ -39,6 +39,7 @@ IDLE_CONNECTIONS = 2000  # from IDLE_SOURCES loopback addresses, 100 each
 IDLE_SOURCES = 20
 HEAVY_RATE_AGENTS = 8  # another team's agents checking under 50 rate-limit rules
 HEAVY_READERS = 4  # another team's keys each reading its run's largest decisions, in turn
+HEAVY_PAGE_VIEWERS = 4  # another team's signed-in viewers each loading its heaviest page
 
 
 @dataclass
@@ -55,6 +56,9 @@ class Target:
     approval_ids: list[str] = field(default_factory=list)
     # The other team's run whose decisions `heavy_reads` reads.
     other_run_id: str = ""
+    # The other team and a signed-in viewer of it (its `sessionid`), for `heavy_pages`.
+    other_team_slug: str = ""
+    other_session_cookie: str = ""
 
     def __post_init__(self) -> None:
         if not ipaddress.ip_address(self.host).is_loopback:
@@ -274,17 +278,21 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     return status.strip(), body
 
 
-def _request(target: Target, method: str, path: str, token: str, body: bytes = b"") -> bytes:
+def _request(target: Target, method: str, path: str, token: str, body: bytes = b"",
+             cookie: str = "") -> bytes:
+    """An API request with the bearer `token`, or a page's with the session `cookie`."""
+    who = f"Cookie: sessionid={cookie}" if cookie else f"Authorization: Bearer {token}"
     return (f"{method} {path} HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
-            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+            f"{who}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 async def _get_again(target: Target, stop: asyncio.Event, stats: AttackStats, token: str,
-                     path: str, timeout: float, what: str) -> None:
+                     path: str, timeout: float, what: str, cookie: str = "") -> None:
     """One client sending GET `path` again as soon as each answer comes, on one kept-alive
     connection (opened again when the server ends it); a refusal (429) backs off a second,
-    as the client does. `stop` ends a request in progress too (a long poll's 30 s)."""
+    as the client does. `stop` ends a request in progress too (a long poll's 30 s). With
+    `cookie`, a signed-in person's page instead of an API call."""
     while not stop.is_set():
         try:
             reader, writer = await asyncio.open_connection(target.host, target.port,
@@ -297,9 +305,9 @@ async def _get_again(target: Target, stop: asyncio.Event, stats: AttackStats, to
         stats.opening()
         try:
             while not stop.is_set():
-                ask = asyncio.ensure_future(_exchange(reader, writer,
-                                                      _request(target, "GET", path, token),
-                                                      timeout))
+                ask = asyncio.ensure_future(_exchange(
+                    reader, writer, _request(target, "GET", path, token, cookie=cookie),
+                    timeout))
                 stopping = asyncio.ensure_future(stop.wait())
                 done, _ = await asyncio.wait({ask, stopping},
                                              return_when=asyncio.FIRST_COMPLETED)
@@ -446,6 +454,19 @@ async def heavy_reads(target: Target, stop: asyncio.Event, stats: AttackStats,
                            for i in range(readers)))
 
 
+async def heavy_pages(target: Target, stop: asyncio.Event, stats: AttackStats,
+                      viewers: int = HEAVY_PAGE_VIEWERS) -> None:
+    """Another team's viewers loading, over and over, its audit page at its heaviest: 50
+    policy versions, each diffed on the page (SPEC 10: no tenant's pages raise another
+    team's check p99 beyond 2x)."""
+    if not target.other_team_slug or not target.other_session_cookie:
+        raise ValueError("heavy_pages needs another team and a viewer of it")
+    path = f"/teams/{target.other_team_slug}/audit/"
+    await asyncio.gather(*(_get_again(target, stop, stats, "", path, 60, "page",
+                                      cookie=target.other_session_cookie)
+                           for _ in range(viewers)))
+
+
 async def together(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
     """Every attack above at once."""
     await asyncio.gather(slow_bodies(target, stop, stats),
@@ -470,6 +491,7 @@ ATTACKS: dict[str, Attack] = {
     "idle_connections": idle_connections,
     "heavy_rate_limits": heavy_rate_limits,
     "heavy_reads": heavy_reads,
+    "heavy_pages": heavy_pages,
     "redis_refused": _no_clients,
     "redis_hung": _no_clients,
 }

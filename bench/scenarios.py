@@ -709,6 +709,12 @@ HEAVY_READ_DECISIONS = 1000
 HEAVY_READ_ARGS_BYTES = 60_000
 
 
+# `heavy_pages`: the other team's audit page at its heaviest, a page of policy versions each
+# diffed on it (their before and after together just under the page's AUDIT_DETAIL_SHOWN).
+HEAVY_PAGE_VERSIONS = 50
+HEAVY_PAGE_PATTERNS = 256  # the most a list of a policy may have
+
+
 def neighbour_state(server: Server, name: str) -> dict[str, Any]:
     """Another team's state for the attacks a tenant makes on its neighbours: its keys and,
     for the long polls, pending approvals to wait on (made after the runs were reset)."""
@@ -721,6 +727,8 @@ def neighbour_state(server: Server, name: str) -> dict[str, Any]:
         return {"other_tokens": [seed_team("bench-heavy-rl", policy=HEAVY_RATE_POLICY).token]}
     if name == "heavy_reads":
         return _heavy_read_state(server)
+    if name == "heavy_pages":
+        return _heavy_page_state()
     if name != "long_polls":
         return {}
     neighbour = seed_team("bench-polls", policy={
@@ -770,6 +778,27 @@ def _heavy_read_state(server: Server) -> dict[str, Any]:
                 time.sleep(float(answer.headers.get("Retry-After", "1")))
             answer.raise_for_status()
     return {"other_tokens": tokens, "other_run_id": run_id}
+
+
+def _heavy_page_state() -> dict[str, Any]:
+    from policies.document import default_policy, parse_policy
+    from policies.models import Team as TeamModel
+    from policies.services import policy_save
+
+    from .live import session_cookie
+
+    neighbour = seed_team("bench-heavy-pages")
+    model = TeamModel.objects.get(pk=neighbour.team_id)
+    for version in range(HEAVY_PAGE_VERSIONS):
+        tools = {"allow": [f"t{version}.x{i}.*" for i in range(HEAVY_PAGE_PATTERNS)],
+                 "deny": [f"dy{i}.*" for i in range(HEAVY_PAGE_PATTERNS)]}
+        redact = [f"r{i}" for i in range(HEAVY_PAGE_PATTERNS)]
+        policy_save(team=model, document=parse_policy({**default_policy("wide"),
+                                                       "tools": tools,
+                                                       "redact_args": redact}),
+                    actor=None, source="bench")
+    return {"other_team_slug": model.slug,
+            "other_session_cookie": session_cookie(model.pk, viewer=900)}
 
 
 @contextlib.contextmanager
