@@ -473,15 +473,16 @@ class Application(ResolvedOnce, ASGIHandler):
 
     async def page(self, request: ASGIRequest, executor: Any) -> HttpResponseBase:
         """A dashboard page or form on the dashboard's pool. A team's (its path names it),
-        asked for by a session this process has seen to be the team's member, is paced with
-        the team's operator API calls: together they take at most ``OPERATOR_SHARE`` of the
-        process's time, however many people, sessions and addresses ask (found by an
-        attacker: one team's viewers looping the audit page of 50 policy diffs raised
-        another team's check p99 from 10 to 235 ms). Past ``SHARE_MOST_WAIT_S`` of waiting,
-        a 429 page with the wait. A session's first page of a team is served at once (that
-        it is a member is known only once its view has looked), then owed by the team; any
-        other page (no team, no session, an outsider's 403) costs no more than a look at
-        the session and is served at once, as is a live stream's opening (`_STREAM`)."""
+        asked for by a session signed in as the team's member, is paced with the team's
+        operator API calls: together they take at most ``OPERATOR_SHARE`` of the process's
+        time, however many people, sessions and addresses ask (found by an attacker: one
+        team's viewers looping the audit page of 50 policy diffs raised another team's
+        check p99 from 10 to 235 ms). Past ``SHARE_MOST_WAIT_S`` of waiting, a 429 page
+        with the wait. A session this process does not know yet for the team is looked up
+        first (`session_sees_team`: served unpaced until its view had looked, a new
+        session's first pages all started at once, found measuring it). Any other page (no
+        team, no session, an outsider's 403: as cheap as that look) is served at once, as
+        is a live stream's opening (`_STREAM`)."""
         loop = asyncio.get_running_loop()
         named = _PAGE_TEAM.match(request.path)
         cookie = request.COOKIES.get(settings.SESSION_COOKIE_NAME)
@@ -489,15 +490,14 @@ class Application(ResolvedOnce, ASGIHandler):
             return await loop.run_in_executor(executor, self.respond_sync, request)
         team = named[1].lower()
         session = "session:" + hashlib.sha256(cookie.encode()).hexdigest()
-        caller = f"slug:{team}"  # the team's operator calls' caller (`_paced_caller`)
         if not operator_known(session, team):
-            made, took = await loop.run_in_executor(executor, self.respond_timed, request)
-            # `team_view` (policies/access.py) sets the role of a member, even one refused
-            # for too low a role; an outsider's request has none.
-            if getattr(request, "role", None) is not None:
-                remember_operator(session, team)
-                self.pace_of("operator", caller)[1].spend(took)
-            return made
+            from policies.access import session_sees_team  # the apps' models: once ready
+
+            if not await loop.run_in_executor(executor, pools.run_request,
+                                              session_sees_team, cookie, team):
+                return await loop.run_in_executor(executor, self.respond_sync, request)
+            remember_operator(session, team)
+        caller = f"slug:{team}"  # the team's operator calls' caller (`_paced_caller`)
         paced = await self.paced(request, executor, "operator", caller,
                                  settings.OPERATOR_SHARE)
         if isinstance(paced, float):

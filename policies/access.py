@@ -6,12 +6,17 @@ gets 403, a superuser acts as an admin of every team.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import wraps
+from importlib import import_module
 from typing import Any
 
+from django.conf import settings
+from django.contrib.auth import SESSION_KEY, get_user_model
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
+from django.core.validators import slug_re
 from django.http import Http404, HttpRequest, HttpResponse
 from django_htmx.http import HttpResponseClientRedirect
 
@@ -26,6 +31,25 @@ def role_in(user: Any, team: Team) -> Role | None:
         return Role.ADMIN
     role = Membership.objects.filter(user=user, team=team).values_list("role", flat=True).first()
     return Role(role) if role else None
+
+
+# A session key as Django makes them (32 lowercase letters and digits), before any lookup.
+_SESSION_KEY = re.compile(r"[a-z0-9]{32,40}")
+
+
+def session_sees_team(session_key: str, slug: str) -> bool:
+    """Whether the dashboard session ``session_key`` is signed in as a member of team
+    ``slug`` (a superuser sees every team). The server's pacing asks before a page of a
+    session it does not know yet for that team (governance/asgi.py `Application.page`), so
+    that the page waits with the team's: a session and a team membership looked up, no
+    more. A key or slug no session or team could have costs no query."""
+    if not _SESSION_KEY.fullmatch(session_key) or not slug_re.match(slug):
+        return False
+    user_id = import_module(settings.SESSION_ENGINE).SessionStore(session_key).get(SESSION_KEY)
+    user = get_user_model()._default_manager.filter(pk=user_id, is_active=True).first() \
+        if user_id is not None else None
+    team = Team.objects.filter(slug=slug).first() if user is not None else None
+    return team is not None and role_in(user, team) is not None
 
 
 def can(role: Role | None, needed: Role) -> bool:

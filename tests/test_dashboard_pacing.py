@@ -35,7 +35,7 @@ def test_a_teams_pages_and_api_calls_share_one_pace_and_no_one_elses(
     viewer = signed_in(stingy, "viewer")
     outsider = signed_in(stingy, "outsider")  # an admin of the other team only
     policies = f"/teams/{team.slug}/policies/"
-    # A session's first page of its team is served: only its view knows it is a member.
+    # The team's first page on this process is served (what it costs is not known yet).
     assert viewer.get(policies).status_code == 200
     # Then the team owes what that page took, at 0.001 of a second a second: far past the
     # longest wait, so the next page is refused at once with the wait, served as a page.
@@ -43,6 +43,11 @@ def test_a_teams_pages_and_api_calls_share_one_pace_and_no_one_elses(
     assert refused.status_code == 429, refused.text
     assert int(refused.headers["Retry-After"]) > 10
     assert "Your team's pages are busy" in refused.text
+    # So is a new session's first page of the team: it is looked up, found a member's, and
+    # waits with the team's (served before that was known, a new session's pages started
+    # together, unpaced).
+    again = signed_in(stingy, "viewer")
+    assert again.get(policies).status_code == 429
     # The team's operator API calls share that pace (another person's token, too).
     token = operator_token_create(user=users["operator"], name="script", role="viewer",
                                   team=team).secret
@@ -65,3 +70,26 @@ def test_a_teams_pages_and_api_calls_share_one_pace_and_no_one_elses(
         data={"scope": "agent", "agent": "billing-bot", "reason": "incident", "confirmed": "1"})
     assert engaged.status_code in (200, 302), engaged.text
     assert KillSwitch.objects.filter(team=team, agent="billing-bot", active=True).exists()
+
+
+def test_a_session_is_looked_up_as_a_teams_member_only_when_it_is_one(
+        team: Team, other_team: Team, users: dict[str, Any],
+        django_assert_num_queries: Any) -> None:
+    from django.test import Client
+
+    from policies.access import session_sees_team
+
+    def session_of(username: str) -> str:
+        client = Client()
+        client.force_login(users[username])
+        return str(client.cookies["sessionid"].value)
+
+    viewer = session_of("viewer")
+    assert session_sees_team(viewer, team.slug)
+    assert not session_sees_team(viewer, other_team.slug)
+    assert not session_sees_team(viewer, "no-such-team")
+    assert session_sees_team(session_of("outsider"), other_team.slug)
+    with django_assert_num_queries(0):  # nothing a session or a team could be: no query
+        assert not session_sees_team("x" * 32 + "\x00", team.slug)
+        assert not session_sees_team(viewer, "bad\x00slug")
+    assert not session_sees_team("0" * 32, team.slug)  # no such session
