@@ -209,6 +209,20 @@ def _paced_caller(pool: str, path: str, credential: str) -> str:
     return caller if caller.startswith("team:") else "not known yet"
 
 
+async def _looked_up(executor: Any, look: Callable[[str, str], bool], credential: str,
+                     team: str) -> bool:
+    """Whether ``look`` (a pacing lookup: `sees_team`, `session_sees_team`) finds that the
+    credential is the team's, on the pool's thread. A store that fails it says no: the call
+    is then paced as not known, and its view meets the failure and answers it as always (an
+    error escaping here would be the server's 500)."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, pools.run_request, look, credential, team)
+    except Exception as exc:  # any store's error: not known, as said above
+        log.info("a pacing lookup failed: %r", exc)
+        return False
+
+
 def _declared_length(scope: Scope) -> int:
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
@@ -489,12 +503,11 @@ class Application(ResolvedOnce, ASGIHandler):
         if named is None or not cookie or _STREAM.fullmatch(request.path):
             return await loop.run_in_executor(executor, self.respond_sync, request)
         team = named[1].lower()
-        session = "session:" + hashlib.sha256(cookie.encode()).hexdigest()
+        session = "session:" + hashlib.sha256(cookie.encode(errors="replace")).hexdigest()
         if not operator_known(session, team):
             from policies.access import session_sees_team  # the apps' models: once ready
 
-            if not await loop.run_in_executor(executor, pools.run_request,
-                                              session_sees_team, cookie, team):
+            if not await _looked_up(executor, session_sees_team, cookie, team):
                 return await loop.run_in_executor(executor, self.respond_sync, request)
             remember_operator(session, team)
         caller = f"slug:{team}"  # the team's operator calls' caller (`_paced_caller`)
@@ -522,8 +535,7 @@ class Application(ResolvedOnce, ASGIHandler):
         from policies.tokens import sees_team  # the apps' models: after they are ready
 
         secret = (edge.bearer_token(request.META.get("HTTP_AUTHORIZATION")) or "").strip()
-        if await asyncio.get_running_loop().run_in_executor(
-                executor, pools.run_request, sees_team, secret, team):
+        if await _looked_up(executor, sees_team, secret, team):
             remember_operator(credential, team)
 
     def pace_of(self, pool: str, caller: str) -> tuple[asyncio.Lock, TimeShare]:

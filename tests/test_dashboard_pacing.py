@@ -93,3 +93,21 @@ def test_a_session_is_looked_up_as_a_teams_member_only_when_it_is_one(
         assert not session_sees_team("x" * 32 + "\x00", team.slug)
         assert not session_sees_team(viewer, "bad\x00slug")
     assert not session_sees_team("0" * 32, team.slug)  # no such session
+
+
+def test_a_lookup_the_store_fails_is_not_known_never_the_servers_error() -> None:
+    """PostgreSQL down while a new session's page (or a new token's call) is looked up: the
+    page is served unpaced and its view answers the failure as always, not a 500 here."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import OperationalError
+
+    from governance.asgi import _looked_up
+
+    def down(credential: str, team: str) -> bool:
+        raise OperationalError("connection refused")
+
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        assert asyncio.run(_looked_up(executor, down, "k" * 32, "support")) is False
+        assert asyncio.run(_looked_up(executor, lambda c, t: True, "k" * 32, "support"))
