@@ -90,6 +90,7 @@ def test_an_unreachable_redis_costs_the_request_nothing_and_is_logged(
     # A port nobody listens on: connecting fails; the request must not wait for it.
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
     monkeypatch.setattr(events, "_redis_client", None)
+    monkeypatch.setattr(events.publish_failures, "failing", 0)  # no outage before this one
     team_id = unused_team_id()
     caplog.set_level(logging.WARNING, logger="runs.live.events")
     with redis_publisher._cond:  # the thread cannot even start sending before we return
@@ -97,6 +98,29 @@ def test_an_unreachable_redis_costs_the_request_nothing_and_is_logged(
     assert redis_publisher.flush(timeout=5)
     assert "could not publish live events to Redis" in caplog.text
     monkeypatch.setattr(events, "_redis_client", None)  # the next test gets the real one
+
+
+def test_an_outage_is_said_once_then_once_a_minute_and_its_end(
+        caplog: Any, monkeypatch: Any) -> None:
+    """Twenty coalesced publishes a second, each logged with its traceback, filled the logs
+    while Redis hung (found by an attacker)."""
+    now = [1000.0]
+    monkeypatch.setattr(events.time, "monotonic", lambda: now[0])
+    said = events.PublishFailures()
+    caplog.set_level(logging.WARNING, logger="runs.live.events")
+    for _ in range(40):
+        said.failed(TimeoutError("Timeout reading from socket"))
+        now[0] += 0.05
+    assert len(caplog.records) == 1 and "1 failure so far" in caplog.text
+    assert "Traceback" not in caplog.text and "TimeoutError" in caplog.text
+    now[0] += 60
+    said.failed(TimeoutError("again"))
+    assert len(caplog.records) == 2 and "41 failures so far" in caplog.records[1].getMessage()
+    said.succeeded()
+    said.succeeded()
+    assert len(caplog.records) == 3 and "again, after 41 failures" in caplog.text
+    said.failed(ConnectionError("a new outage"))  # said at once
+    assert len(caplog.records) == 4 and "1 failure so far" in caplog.records[3].getMessage()
 
 
 # --- The async side (live streams under `manage.py serve`) ---------------------------------

@@ -328,8 +328,43 @@ class RedisPublisher(BackgroundThread):
                     RUNS_PREFIX + ",".join(sorted(runs)).encode()))
                 pipe.publish(f"{CHANNEL_PREFIX}{team_id}", data)
             pipe.execute()
-        except Exception:  # Redis is never the authority: a lost wake-up only delays a screen
-            log.warning("could not publish live events to Redis", exc_info=True)
+        except Exception as exc:  # Redis is never the authority: a lost wake-up only delays
+            publish_failures.failed(exc)  # a screen
+        else:
+            publish_failures.succeeded()
+
+
+class PublishFailures:
+    """What the live events' publishing says of a Redis that fails it: the first failure of
+    an outage at once, then one line a minute with the count, and its end. Logged each
+    time with its traceback, a Redis that hung or refused made up to twenty tracebacks a
+    second per process (one per coalesced publish: found by an attacker), filling the logs
+    this product exists to keep quiet. Only the publisher's thread calls it."""
+
+    EVERY_S = 60.0
+
+    def __init__(self) -> None:
+        self.failing = 0  # failures since the outage began (0: none)
+        self.warned_at = 0.0
+
+    def failed(self, exc: Exception) -> None:
+        self.failing += 1
+        now = time.monotonic()
+        if self.failing > 1 and now - self.warned_at < self.EVERY_S:
+            return
+        self.warned_at = now
+        log.warning("could not publish live events to Redis (%s failure%s so far in this "
+                    "outage; latest: %r); a screen catches up on its next poll until it is "
+                    "back", self.failing, "" if self.failing == 1 else "s", exc)
+
+    def succeeded(self) -> None:
+        if self.failing:
+            log.warning("live events publish to Redis again, after %s failure%s",
+                        self.failing, "" if self.failing == 1 else "s")
+            self.failing = 0
+
+
+publish_failures = PublishFailures()
 
 
 redis_publisher = RedisPublisher()
