@@ -111,3 +111,49 @@ def test_a_lookup_the_store_fails_is_not_known_never_the_servers_error() -> None
     with ThreadPoolExecutor(max_workers=1) as executor:
         assert asyncio.run(_looked_up(executor, down, "k" * 32, "support")) is False
         assert asyncio.run(_looked_up(executor, lambda c, t: True, "k" * 32, "support"))
+
+
+def test_a_removed_members_old_session_is_no_longer_the_teams(
+        stingy, team: Team, users: dict[str, Any]) -> None:
+    """Found by an attacker: a session found to be a member's was the team's for good, so a
+    removed member's old cookie was charged to the team and queued its people's pages."""
+    from policies.models import Membership
+
+    viewer = signed_in(stingy, "viewer")
+    policies = f"/teams/{team.slug}/policies/"
+    assert viewer.get(policies).status_code == 200
+    Membership.objects.filter(user=users["viewer"], team=team).delete()
+    assert viewer.get(policies).status_code == 429  # still known: refused with the team's
+    for _ in range(3):  # looked up again: an outsider's 403, never the team's to wait for
+        assert viewer.get(policies).status_code == 403
+
+
+def test_the_wait_for_the_turn_counts_in_the_longest_wait(monkeypatch: Any) -> None:
+    """Found by an attacker: 150 of a team's pages at once all waited for the turn, the last
+    served after 12.9 s, none refused, where the docs promise a 429 past 10 s."""
+    import asyncio
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from governance import asgi
+
+    monkeypatch.setattr(asgi, "SHARE_MOST_WAIT_S", 0.5)
+    app = asgi.Application()
+
+    def slow(request: Any) -> tuple[Any, float]:
+        time.sleep(0.3)
+        return "served", 0.3
+
+    monkeypatch.setattr(app, "respond_timed", slow)
+
+    async def together() -> list[Any]:
+        return await asyncio.gather(*(app.paced(None, executor, "operator", "slug:x", 1.0)
+                                      for _ in range(5)))
+
+    with ThreadPoolExecutor(max_workers=5) as executor:
+        outcomes = asyncio.run(together())
+    # One at a time, 0.3 s each at a share of all the time: the first two are served, the
+    # rest would start past 0.5 s and are refused with a wait instead of queuing on.
+    assert outcomes[0] == ("served", 0.3)
+    refused = [o for o in outcomes if isinstance(o, float)]
+    assert refused and all(wait >= 0.5 for wait in refused), outcomes

@@ -50,3 +50,9 @@ def remember_operator(credential: str, team: str) -> None:
 
 def operator_known(credential: str, team: str) -> bool:
     return (credential, team) in _OPERATOR_TEAMS
+
+
+def forget_operator(credential: str, team: str) -> None:
+    """``credential`` may no longer see ``team`` (a session signed out, a member removed):
+    its next call is looked up again."""
+    _OPERATOR_TEAMS.discard((credential, team))
