@@ -527,11 +527,11 @@ class Application(ResolvedOnce, ASGIHandler):
         caller = f"slug:{team}"  # the team's operator calls' caller (`_paced_caller`)
         paced = await self.paced(request, executor, "operator", caller,
                                  settings.OPERATOR_SHARE)
-        # A session no longer the team's member (signed out, removed: its page found no
-        # role) or refused is looked up again at its next page: remembered for good, a
+        # A session whose page found no member's role (signed out, removed; or refused,
+        # its view never ran) is looked up again at its next page: remembered for good, a
         # removed member's old cookie was charged to the team and queued its people's
         # pages behind cheap 403s (found by an attacker: a member's page 3.6 s).
-        if isinstance(paced, float) or getattr(request, "role", None) is None:
+        if getattr(request, "role", None) is None:
             forget_operator(session, team)
         if isinstance(paced, float):
             from django.template.loader import render_to_string
