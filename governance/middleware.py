@@ -492,6 +492,19 @@ class SignInThrottleMiddleware(_SyncAndAsync):
             sign_in_address_throttle.give_back(source, ANY_USERNAME, address_window)
 
 
+def sign_in_past_address_bound(request: HttpRequest) -> str | None:
+    """The client address of a sign-in (or password change) sent from an address this process
+    saw go past ``THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS`` in a window not yet ended; else None.
+    No query: such sign-ins are paced before they reach a thread (governance/asgi.py
+    `Application.page`), since past the bound each one naming a real account still costs a
+    password hash (found by an attacker: usernames a team admin made, 10 failures a window
+    each, were 800 hashes a minute from one address)."""
+    if not SignInThrottleMiddleware.is_sign_in(request):
+        return None
+    source = source_of(request)
+    return source if sign_in_address_throttle.over(source, ANY_USERNAME) else None
+
+
 def _sign_in_refused(request: HttpRequest, verdict: Verdict) -> HttpResponse:
     response = render(request, "429.html", {"wait": verdict.retry_after}, status=429)
     response["Retry-After"] = str(verdict.retry_after)

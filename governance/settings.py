@@ -452,6 +452,10 @@ AGENT_BULK_SHARE = env_float("WEB_AGENT_BULK_SHARE", 0.2)
 # The most of a process's time one team's operator API calls take (the team their path names;
 # the kill switch's own pool is never paced): as the agents' bulk calls, docs/serving.md.
 OPERATOR_SHARE = env_float("WEB_OPERATOR_SHARE", 0.2)
+# The most of a process's time one client address's sign-ins take once it is past
+# THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS (each a password hash for a real account): paced as
+# above, never refused by the address alone until a sign-in would wait over 10 s.
+SIGN_IN_SHARE = env_float("WEB_SIGN_IN_SHARE", 0.1)
 # The operator API's own pool (SPEC 17, 21: an operator call never takes a check's thread).
 OPERATOR_THREADS = env_int("WEB_OPERATOR_THREADS", 2)
 # The operator API's backtests wait for their job on a pool of their own (the replay itself
@@ -504,6 +508,8 @@ if not 0 < AGENT_BULK_SHARE <= 1:
     raise ImproperlyConfigured("WEB_AGENT_BULK_SHARE must be in (0, 1]")
 if not 0 < OPERATOR_SHARE <= 1:
     raise ImproperlyConfigured("WEB_OPERATOR_SHARE must be in (0, 1]")
+if not 0 < SIGN_IN_SHARE <= 1:
+    raise ImproperlyConfigured("WEB_SIGN_IN_SHARE must be in (0, 1]")
 if (REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1
         or OPERATOR_THREADS < 1 or BACKTEST_API_THREADS < 1 or KILLSWITCH_API_THREADS < 1
         or OPERATOR_THREADS_PER_CREDENTIAL < 1 or OPERATOR_CALLS_PER_ADDRESS < 1

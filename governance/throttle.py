@@ -206,6 +206,12 @@ class Throttle:
             log.warning("could not count a failed authentication", exc_info=True)
             return Verdict(0, 0)
 
+    def over(self, source: str, credential: str) -> bool:
+        """Whether this process saw the bucket go over its limit in a window not yet ended: a
+        dictionary lookup, no query (the sign-ins of an address past its bound are paced
+        before they reach a thread: governance/asgi.py `Application.page`)."""
+        return self._remembered(self._bucket(source, credential), time.time()) is not None
+
     def attempt(self, source: str, credential: str) -> tuple[Verdict, float | None]:
         """Count an attempt before the credential is checked (sign-in): the verdict, and the
         window to give the count back to (``give_back``) when it turns out not to have been

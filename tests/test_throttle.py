@@ -465,3 +465,51 @@ def test_wrong_old_passwords_on_the_password_change_are_throttled(monkeypatch, u
     assert other.post("/accounts/password/", {
         "old_password": "pw-viewer-123", "new_password1": "n3w-Passw0rd-long",
         "new_password2": "n3w-Passw0rd-long"}).status_code == 302
+
+
+def sign_in_from(url: str, address: str, username: str, password: str) -> httpx.Response:
+    """A browser's sign-in (the form, then its POST) from a loopback address of its own."""
+    transport = httpx.HTTPTransport(local_address=address)
+    with httpx.Client(base_url=url, timeout=30, transport=transport) as client:
+        page = client.get("/accounts/login/")
+        token = page.text.split('name="csrfmiddlewaretoken" value="')[1].split('"')[0]
+        return client.post("/accounts/login/", data={
+            "username": username, "password": password, "csrfmiddlewaretoken": token})
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_an_address_past_its_bound_signs_in_at_its_pace_and_no_other_address_waits(users):
+    """Found by an attacker: past the address's bound an unknown username costs no hash, but
+    each real account's sign-in still did, bounded only by its own (address, username)
+    bucket: usernames a team admin made, 10 failures a window each, were about 800 password
+    hashes a minute from one address. Past the bound, that address's sign-ins are paced in
+    its share of the process's time (`WEB_SIGN_IN_SHARE`, here so small that one sign-in puts
+    it past the longest wait): the next is answered 429 with the wait, before any hash, and
+    nothing is counted; another address signs in at once."""
+    srv = start_server(workers=1, env=server_env(
+        THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS="2", WEB_SIGN_IN_SHARE="0.00001"))
+    try:
+        guesser = "127.0.0.1"
+        # Within the bound, then the failure that puts the address past it: all served.
+        for n in range(3):
+            assert sign_in_from(srv.url, guesser, f"nobody-{n}", "guess").status_code == 200
+        # The address's first paced sign-in is served (what one costs is not known yet) ...
+        assert sign_in_from(srv.url, guesser, "admin", "wrong").status_code == 200
+        # ... and then it owes that at 0.00001 of a second a second: the next one is refused
+        # at once with the wait, the right password too, as the sign-in page's 429.
+        refused = sign_in_from(srv.url, guesser, "viewer", "pw-viewer-123")
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["Retry-After"]) > 10
+        assert "Too many sign-in attempts" in refused.text
+        # It was never checked: the viewer's own bucket at that address counts nothing.
+        assert not AuthFailure.objects.filter(kind="sign-in", credential="viewer").exists()
+        # Another address is not paced, and signs in at once.
+        assert sign_in_from(srv.url, "127.0.0.2", "viewer", "pw-viewer-123"
+                            ).status_code == 302
+        # The paced address's other pages are served as always.
+        with httpx.Client(base_url=srv.url, timeout=30, transport=httpx.HTTPTransport(
+                local_address=guesser)) as browser:
+            assert browser.get("/accounts/login/").status_code == 200
+    finally:
+        srv.stop()
