@@ -40,6 +40,8 @@ IDLE_SOURCES = 20
 HEAVY_RATE_AGENTS = 8  # another team's agents checking under 50 rate-limit rules
 HEAVY_READERS = 4  # another team's keys each reading its run's largest decisions, in turn
 HEAVY_PAGE_VIEWERS = 4  # another team's signed-in viewers each loading its heaviest page
+ACCOUNT_GUESSERS = 4  # clients of one address guessing the passwords of another team's people
+ACCOUNT_GUESS_SOURCE = "127.0.0.77"  # their address: not the agents' own
 
 
 @dataclass
@@ -59,6 +61,8 @@ class Target:
     # The other team and a signed-in viewer of it (its `sessionid`), for `heavy_pages`.
     other_team_slug: str = ""
     other_session_cookie: str = ""
+    # Usernames of the other team's people (its admin made them), for `account_guesses`.
+    other_usernames: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not ipaddress.ip_address(self.host).is_loopback:
@@ -467,6 +471,59 @@ async def heavy_pages(target: Target, stop: asyncio.Event, stats: AttackStats,
                            for _ in range(viewers)))
 
 
+async def account_guesses(target: Target, stop: asyncio.Event, stats: AttackStats,
+                          guessers: int = ACCOUNT_GUESSERS) -> None:
+    """Clients of one address signing in as another team's people with wrong passwords, each
+    username in turn (their team's admin made them): past the address's bound an unknown
+    username costs no hash, but a real account's does, each (address, username) bucket
+    allowing 10 a window (SPEC 10: failed authentications never slow another team's
+    checks). A refusal (429) backs off a second, as a script would."""
+    if not target.other_usernames:
+        raise ValueError("account_guesses needs another team's usernames")
+    names = target.other_usernames
+    await asyncio.gather(*(_guess_again(target, stop, stats, names[i::guessers] + names[:i])
+                           for i in range(guessers)))
+
+
+async def _guess_again(target: Target, stop: asyncio.Event, stats: AttackStats,
+                       usernames: list[str]) -> None:
+    # The CSRF check takes its cookie's secret sent back as the form's token (Django 4.1+).
+    secret = "guess" * 6 + "xy"
+    turn = 0
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(
+                target.host, target.port, local_addr=(ACCOUNT_GUESS_SOURCE, 0), limit=2**20)
+        except OSError as exc:
+            stats.errors[f"connect: {type(exc).__name__}"] += 1
+            if await _wait(stop, 0.5):
+                return
+            continue
+        stats.opening()
+        try:
+            while not stop.is_set():
+                name = usernames[turn % len(usernames)]
+                turn += 1
+                body = (f"username={name}&password=wrong-{turn}"
+                        f"&csrfmiddlewaretoken={secret}").encode()
+                request = (f"POST /accounts/login/ HTTP/1.1\r\n"
+                           f"Host: {target.host}:{target.port}\r\nCookie: csrftoken={secret}\r\n"
+                           "Content-Type: application/x-www-form-urlencoded\r\n"
+                           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+                status, _ = await asyncio.wait_for(_exchange(reader, writer, request, 30), 60)
+                stats.answers[status] += 1
+                if " 200 " not in status and await _wait(stop, 1.0):
+                    return
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            stats.errors[f"sign-in: {type(exc).__name__}"] += 1
+            stats.closed_by_server += 1
+        finally:
+            stats.closing()
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
 async def together(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
     """Every attack above at once."""
     await asyncio.gather(slow_bodies(target, stop, stats),
@@ -492,6 +549,7 @@ ATTACKS: dict[str, Attack] = {
     "heavy_rate_limits": heavy_rate_limits,
     "heavy_reads": heavy_reads,
     "heavy_pages": heavy_pages,
+    "account_guesses": account_guesses,
     "redis_refused": _no_clients,
     "redis_hung": _no_clients,
 }

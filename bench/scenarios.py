@@ -713,6 +713,8 @@ HEAVY_READ_ARGS_BYTES = 60_000
 # diffed on it (their before and after together just under the page's AUDIT_DETAIL_SHOWN).
 HEAVY_PAGE_VERSIONS = 50
 HEAVY_PAGE_PATTERNS = 256  # the most a list of a policy may have
+# `account_guesses`: the other team's people, whose passwords one address guesses in turn.
+GUESSED_ACCOUNTS = 80
 
 
 def neighbour_state(server: Server, name: str) -> dict[str, Any]:
@@ -729,6 +731,8 @@ def neighbour_state(server: Server, name: str) -> dict[str, Any]:
         return _heavy_read_state(server)
     if name == "heavy_pages":
         return _heavy_page_state()
+    if name == "account_guesses":
+        return _account_guess_state()
     if name != "long_polls":
         return {}
     neighbour = seed_team("bench-polls", policy={
@@ -799,6 +803,24 @@ def _heavy_page_state() -> dict[str, Any]:
                     actor=None, source="bench")
     return {"other_team_slug": model.slug,
             "other_session_cookie": session_cookie(model.pk, viewer=900)}
+
+
+def _account_guess_state() -> dict[str, Any]:
+    from django.contrib.auth.hashers import make_password
+    from django.contrib.auth.models import User
+
+    from policies.models import Membership, Role
+    from policies.models import Team as TeamModel
+
+    neighbour = seed_team("bench-guessed")
+    model = TeamModel.objects.get(pk=neighbour.team_id)
+    password = make_password("bench-not-guessed-1")  # one slow hash for all of them
+    names = [f"bench-guessed-{model.pk}-{i}" for i in range(GUESSED_ACCOUNTS)]
+    for name in names:
+        user, _ = User.objects.get_or_create(username=name, defaults={"password": password})
+        Membership.objects.get_or_create(user=user, team=model,
+                                         defaults={"role": Role.VIEWER})
+    return {"other_usernames": names}
 
 
 @contextlib.contextmanager
