@@ -228,9 +228,19 @@ async def _looked_up(executor: Any, look: Callable[[str, str], bool], credential
         return False
 
 
+@functools.cache
+def _sign_ins_throttled() -> bool:
+    """Whether this application throttles sign-ins (the benchmark's minimal one serves this
+    module with no middleware and none of the models the throttle reads: its POSTs failed
+    importing them)."""
+    return "governance.middleware.SignInThrottleMiddleware" in settings.MIDDLEWARE
+
+
 def _past_sign_in_bound(request: ASGIRequest) -> str | None:
-    """`sign_in_past_address_bound`, imported once the apps are ready (the benchmark's
-    minimal server serves this module without the models the throttle reads)."""
+    """`sign_in_past_address_bound`, imported once the apps are ready; None where sign-ins
+    are not throttled."""
+    if not _sign_ins_throttled():
+        return None
     from .middleware import sign_in_past_address_bound
 
     return sign_in_past_address_bound(request)

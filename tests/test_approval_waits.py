@@ -267,6 +267,60 @@ def test_under_the_test_client_a_poll_waits_for_the_expiry_and_settles_it(api, t
     assert Run.objects.get(pk=run_id).stop_reason == "approval_expired"
 
 
+# --- The caps ------------------------------------------------------------------------------
+
+@pytest.fixture
+def capped(transactional_db: Any) -> Iterator[Server]:
+    # One worker: the caps count the polls waiting in one server process.
+    srv = start_server(workers=1, env=server_env(APPROVAL_WAITS_PER_KEY="2",
+                                                 APPROVAL_WAITS_PER_TEAM="3"))
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_waiting_polls_are_capped_per_key_and_per_team(capped, team, other_team, users):
+    srv = capped
+    approving(team)
+    approving(other_team)
+    first, second, third = (agent_key_create(team=team, name=f"key-{i}").token
+                            for i in range(3))
+    theirs = agent_key_create(team=other_team, name="theirs").token
+    mine = pending_approval(srv.url, first)
+    also_mine = pending_approval(srv.url, second)
+    with Polls(srv.url, [(first, mine), (first, mine), (second, also_mine)], 12) as polls:
+        assert polls.sent.wait(10)
+        time.sleep(1.5)  # the three are waiting
+        # The key's cap: its third wait is refused at once, in JSON, with when to retry.
+        over_key = poll(srv.url, first, mine, 20)
+        assert over_key.status_code == 429, over_key.text
+        assert over_key.json()["error"]["code"] == "too_many_waits"
+        assert float(over_key.headers["Retry-After"]) >= 1
+        assert over_key.elapsed.total_seconds() < DEADLINE_S
+        # The team's cap: a third key of the team with no wait of its own is refused too.
+        over_team = poll(srv.url, third, also_mine, 20)
+        assert over_team.status_code == 429, over_team.text
+        assert over_team.json()["error"]["code"] == "too_many_waits"
+        # Neither cap stops what needs no wait: a look (wait=0), another team's wait.
+        assert poll(srv.url, first, mine, 0).json()["status"] == "pending"
+        started = time.monotonic()
+        elsewhere = poll(srv.url, theirs, pending_approval(srv.url, theirs), 1)
+        assert (elsewhere.status_code, elsewhere.json()["status"]) == (200, "pending")
+        assert time.monotonic() - started >= 0.9  # it waited
+        # A decided approval answers over the cap: the poll has nothing to wait for.
+        approval_decide(team=team, approval_id=mine, decision="approve", note="",
+                        actor=users["operator"])
+        polls.join()
+    assert Counter(a[:2] for a in polls.answers) == Counter({(200, "approved"): 2,
+                                                             (200, "pending"): 1})
+    decided = poll(srv.url, first, mine, 20)
+    assert (decided.status_code, decided.json()["status"]) == (200, "approved")
+    # The slots are free again once the polls have answered.
+    again = poll(srv.url, third, pending_approval(srv.url, third), 1)
+    assert (again.status_code, again.json()["status"]) == (200, "pending")
+
+
 # --- Many waiting polls of one team --------------------------------------------------------
 
 POLLS = 500
@@ -347,57 +401,3 @@ def test_checks_of_both_teams_are_answered_while_500_long_polls_of_one_team_wait
     # The other polls answered pending at the end of their wait, none refused or failed.
     rest = Counter(a[:2] for a in polls.answers if a[3] != decided)
     assert rest == Counter({(200, "pending"): POLLS - POLLS // POLL_KEYS}), rest
-
-
-# --- The caps ------------------------------------------------------------------------------
-
-@pytest.fixture
-def capped(transactional_db: Any) -> Iterator[Server]:
-    # One worker: the caps count the polls waiting in one server process.
-    srv = start_server(workers=1, env=server_env(APPROVAL_WAITS_PER_KEY="2",
-                                                 APPROVAL_WAITS_PER_TEAM="3"))
-    yield srv
-    srv.stop()
-
-
-@pytest.mark.slow
-@pytest.mark.django_db(transaction=True)
-def test_waiting_polls_are_capped_per_key_and_per_team(capped, team, other_team, users):
-    srv = capped
-    approving(team)
-    approving(other_team)
-    first, second, third = (agent_key_create(team=team, name=f"key-{i}").token
-                            for i in range(3))
-    theirs = agent_key_create(team=other_team, name="theirs").token
-    mine = pending_approval(srv.url, first)
-    also_mine = pending_approval(srv.url, second)
-    with Polls(srv.url, [(first, mine), (first, mine), (second, also_mine)], 12) as polls:
-        assert polls.sent.wait(10)
-        time.sleep(1.5)  # the three are waiting
-        # The key's cap: its third wait is refused at once, in JSON, with when to retry.
-        over_key = poll(srv.url, first, mine, 20)
-        assert over_key.status_code == 429, over_key.text
-        assert over_key.json()["error"]["code"] == "too_many_waits"
-        assert float(over_key.headers["Retry-After"]) >= 1
-        assert over_key.elapsed.total_seconds() < DEADLINE_S
-        # The team's cap: a third key of the team with no wait of its own is refused too.
-        over_team = poll(srv.url, third, also_mine, 20)
-        assert over_team.status_code == 429, over_team.text
-        assert over_team.json()["error"]["code"] == "too_many_waits"
-        # Neither cap stops what needs no wait: a look (wait=0), another team's wait.
-        assert poll(srv.url, first, mine, 0).json()["status"] == "pending"
-        started = time.monotonic()
-        elsewhere = poll(srv.url, theirs, pending_approval(srv.url, theirs), 1)
-        assert (elsewhere.status_code, elsewhere.json()["status"]) == (200, "pending")
-        assert time.monotonic() - started >= 0.9  # it waited
-        # A decided approval answers over the cap: the poll has nothing to wait for.
-        approval_decide(team=team, approval_id=mine, decision="approve", note="",
-                        actor=users["operator"])
-        polls.join()
-    assert Counter(a[:2] for a in polls.answers) == Counter({(200, "approved"): 2,
-                                                             (200, "pending"): 1})
-    decided = poll(srv.url, first, mine, 20)
-    assert (decided.status_code, decided.json()["status"]) == (200, "approved")
-    # The slots are free again once the polls have answered.
-    again = poll(srv.url, third, pending_approval(srv.url, third), 1)
-    assert (again.status_code, again.json()["status"]) == (200, "pending")
