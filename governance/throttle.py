@@ -228,10 +228,19 @@ class Throttle:
         except DatabaseError:
             log.warning("could not count a sign-in attempt", exc_info=True)
             return Verdict(0, 0), None
-        return verdict, (None if verdict.refused else verdict.window_start)
+        # The window even when this count went over the limit: an attempt that turns out not
+        # to have failed (a right password) is given back whatever its verdict was.
+        return verdict, verdict.window_start
 
     def give_back(self, source: str, credential: str, window_start: float) -> None:
-        """Undo an attempt's count: its credential was never checked (an incomplete form)."""
+        """Undo an attempt's count: its credential was never checked (an incomplete form), or
+        was right. What this process remembers of the bucket goes too: the next attempt
+        counts again. Remembered, attempts that went over the limit together and then
+        succeeded kept an address past its bound with no failure counted (found by an
+        attacker: 25 right passwords at once, and the address's sign-ins paced for the rest
+        of the window)."""
+        with self._lock:
+            self._over.pop(self._bucket(source, credential), None)
         with connection.cursor() as cursor:
             cursor.execute(_GIVE_BACK_SQL, [self.kind, *self._bucket(source, credential),
                                             window_start])

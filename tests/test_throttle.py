@@ -331,6 +331,33 @@ def test_successes_and_unchecked_forms_do_not_use_up_the_address_bound(
 
 
 @pytest.mark.django_db
+def test_right_passwords_that_went_over_the_address_bound_together_leave_it_under(
+        monkeypatch, users):
+    """Found by an attacker: the attempts are counted before the passwords are checked, so
+    many sign-ins at once (25 people behind one NAT, over several servers) went over the
+    address's bound together; each was right and gave its count back, but the process
+    remembered the address past its bound for the rest of the window, and paced its
+    sign-ins (7 s each) with no failure counted. What an attempt counted is given back
+    whatever its verdict was, and so is the process's memory of it."""
+    from governance.middleware import ANY_USERNAME
+
+    monkeypatch.setattr(sign_in_address_throttle, "limit", 2)
+    office = "198.51.100.7"
+    windows = [sign_in_address_throttle.attempt(office, ANY_USERNAME) for _ in range(4)]
+    assert [verdict.refused for verdict, _ in windows] == [False, False, True, True]
+    assert sign_in_address_throttle.over(office, ANY_USERNAME)
+    # The fourth was answered from the memory, nothing counted; the others counted, the
+    # third over the limit: four right passwords give back what they counted.
+    assert [window is not None for _, window in windows] == [True, True, True, False]
+    for _, window in windows[:3]:
+        sign_in_address_throttle.give_back(office, ANY_USERNAME, window)
+    assert not sign_in_address_throttle.over(office, ANY_USERNAME)
+    assert not AuthFailure.objects.filter(kind="sign-in-address", failures__gt=0).exists()
+    # The address's next sign-ins are counted from there, and unknown usernames hashed.
+    assert not sign_in_address_throttle.attempt(office, ANY_USERNAME)[0].refused
+
+
+@pytest.mark.django_db
 def test_a_username_refused_by_its_own_bucket_does_not_count_for_the_address(
         monkeypatch, users):
     monkeypatch.setattr(sign_in_throttle, "limit", 1)
@@ -506,6 +533,10 @@ def test_an_address_past_its_bound_signs_in_at_its_pace_and_no_other_address_wai
         assert refused.status_code == 429, refused.text
         assert int(refused.headers["Retry-After"]) > 10
         assert "Too many sign-in attempts" in refused.text
+        # Made before Django's middleware, with the headers it gives every page.
+        assert refused.headers["X-Frame-Options"] == "DENY"
+        assert "default-src" in refused.headers["Content-Security-Policy"]
+        assert refused.headers["Cache-Control"] == "no-store"
         # It was never checked: the viewer's own bucket at that address counts nothing.
         assert not AuthFailure.objects.filter(kind="sign-in", credential="viewer").exists()
         # Another address is not paced, and signs in at once.
