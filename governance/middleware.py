@@ -29,7 +29,14 @@ from .deadlines import read_deadline, timed_out
 from .handlers import ApiChain
 from .pools import api_thread, pool, pool_name
 from .text import text_problem
-from .throttle import SIGN_IN_OUTCOME, SPARE_UNKNOWN_HASH, Throttle, Verdict, source_of
+from .throttle import (
+    SIGN_IN_OUTCOME,
+    SPARE_UNKNOWN_HASH,
+    Throttle,
+    Verdict,
+    counted_source,
+    source_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -502,7 +509,8 @@ def sign_in_past_address_bound(request: HttpRequest) -> str | None:
     if not SignInThrottleMiddleware.is_sign_in(request):
         return None
     source = source_of(request)
-    return source if sign_in_address_throttle.over(source, ANY_USERNAME) else None
+    return counted_source(source) if sign_in_address_throttle.over(source, ANY_USERNAME) \
+        else None
 
 
 def _sign_in_refused(request: HttpRequest, verdict: Verdict) -> HttpResponse:

@@ -118,6 +118,18 @@ def source_of(request: HttpRequest) -> str:
     return client
 
 
+def counted_source(source: str) -> str:
+    """The source a bucket counts: an IPv6 client by its /64 (one site's prefix, from which it
+    may send from any of 2**64 addresses: each a bucket of its own, found by an attacker's
+    reading), an IPv4-mapped IPv6 address as the IPv4 one; anything else as it is."""
+    address = _address(source)
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return source
+
+
 @dataclass(frozen=True)
 class Verdict:
     failures: int
@@ -140,7 +152,7 @@ class Throttle:
     @staticmethod
     def _bucket(source: str, credential: str) -> tuple[str, str]:
         # Column widths; a NUL cannot be stored by PostgreSQL (and names nobody).
-        return source[:64], credential.replace("\x00", "")[:150]
+        return counted_source(source)[:64], credential.replace("\x00", "")[:150]
 
     def _remembered(self, bucket: tuple[str, str], now: float) -> Verdict | None:
         with self._lock:

@@ -330,6 +330,27 @@ def test_successes_and_unchecked_forms_do_not_use_up_the_address_bound(
     assert sign_in(office, "viewer", "pw-viewer-123").status_code == 302
 
 
+def test_an_ipv6_client_is_counted_by_its_64_and_a_mapped_ipv4_as_itself():
+    """An attacker's reading: a client with an IPv6 /64 may send from any of its 2**64
+    addresses, each a bucket of its own (20 unknown-username hashes each, no bound)."""
+    from governance.throttle import counted_source
+
+    assert counted_source("2001:db8:1:2:aaaa::1") == counted_source("2001:db8:1:2:ffff::9")
+    assert counted_source("2001:db8:1:2::1") == "2001:db8:1:2::/64"
+    assert counted_source("2001:db8:1:3::1") != counted_source("2001:db8:1:2::1")
+    assert counted_source("::ffff:198.51.100.7") == "198.51.100.7"
+    assert counted_source("198.51.100.7") == "198.51.100.7"
+    assert counted_source("unknown") == "unknown"
+
+
+@pytest.mark.django_db
+def test_sign_ins_from_one_ipv6_64_share_the_address_bound(monkeypatch, users, hashes):
+    monkeypatch.setattr(sign_in_address_throttle, "limit", 2)
+    for n in range(6):  # a new address of the /64 each time
+        sign_in(Client(REMOTE_ADDR=f"2001:db8:1:2::{n + 1:x}"), f"nobody-{n}", "guess")
+    assert len(hashes) == 2
+
+
 @pytest.mark.django_db
 def test_right_passwords_that_went_over_the_address_bound_together_leave_it_under(
         monkeypatch, users):
