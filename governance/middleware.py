@@ -53,7 +53,15 @@ sign_in_address_throttle = Throttle(
     "sign-in-address", limit=settings.THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS,
     window=settings.THROTTLE_WINDOW_SECONDS,
 )
-# The address bucket's credential: the bucket is the address alone.
+# Every password checked from one address, right or wrong: a success gives the failures'
+# count back (people signing in must not use up their address's bound), so an account
+# signing in to itself over and over cost a hash each without limit (found by an attacker).
+# Never refused: past it the address's sign-ins are paced (governance/asgi.py).
+sign_in_checks_throttle = Throttle(
+    "sign-in-checks", limit=settings.THROTTLE_SIGN_IN_CHECKS_PER_ADDRESS,
+    window=settings.THROTTLE_WINDOW_SECONDS,
+)
+# The address buckets' credential: the bucket is the address alone.
 ANY_USERNAME = ""
 _ERROR_CODES = {400: "bad_request", 403: "forbidden", 404: "not_found",
                 405: "method_not_allowed", 500: "internal"}
@@ -406,8 +414,8 @@ def _password_change_outcome(request: HttpRequest, response: HttpResponse) -> st
 
 
 # What `SignInThrottleMiddleware.attempt` counted: (source, username, the username bucket's
-# window start, the address bucket's window start).
-_Attempt = tuple[str, str, float | None, float | None]
+# window start, the address bucket's, the address's checks bucket's).
+_Attempt = tuple[str, str, float | None, float | None, float | None]
 
 
 class SignInThrottleMiddleware(_SyncAndAsync):
@@ -469,7 +477,10 @@ class SignInThrottleMiddleware(_SyncAndAsync):
             verdict, window_start = sign_in_throttle.attempt(source, username)
             if verdict.refused:
                 return _sign_in_refused(request, verdict), None
-            return None, (source, username, window_start, None)
+            # The old password is checked whatever becomes of the new ones (a mismatch of
+            # them was a hash never counted): never given back.
+            sign_in_checks_throttle.attempt(source, ANY_USERNAME)
+            return None, (source, username, window_start, None, None)
         username = signed_in_name(request.POST.get("username") or "")
         if not username or not request.POST.get("password"):
             return None, None  # no credential to check: nothing to count
@@ -484,11 +495,12 @@ class SignInThrottleMiddleware(_SyncAndAsync):
             if address_window is not None:  # no password was checked: not the address's
                 sign_in_address_throttle.give_back(source, ANY_USERNAME, address_window)
             return _sign_in_refused(request, verdict), None
-        return None, (source, username, window_start, address_window)
+        _, checks_window = sign_in_checks_throttle.attempt(source, ANY_USERNAME)
+        return None, (source, username, window_start, address_window, checks_window)
 
     @staticmethod
     def settle(request: HttpRequest, attempt: _Attempt, response: HttpResponse) -> None:
-        source, username, window_start, address_window = attempt
+        source, username, window_start, address_window, checks_window = attempt
         outcome = getattr(request, SIGN_IN_OUTCOME, None) or _password_change_outcome(
             request, response)
         if outcome == "succeeded":
@@ -497,20 +509,25 @@ class SignInThrottleMiddleware(_SyncAndAsync):
             sign_in_throttle.give_back(source, username, window_start)
         if outcome != "failed" and address_window is not None:
             sign_in_address_throttle.give_back(source, ANY_USERNAME, address_window)
+        if outcome is None and checks_window is not None:  # no password was checked
+            sign_in_checks_throttle.give_back(source, ANY_USERNAME, checks_window)
 
 
 def sign_in_past_address_bound(request: HttpRequest) -> str | None:
     """The client address of a sign-in (or password change) sent from an address this process
-    saw go past ``THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS`` in a window not yet ended; else None.
-    No query: such sign-ins are paced before they reach a thread (governance/asgi.py
+    saw go past ``THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS`` failures, or
+    ``THROTTLE_SIGN_IN_CHECKS_PER_ADDRESS`` passwords checked, in a window not yet ended; else
+    None. No query: such sign-ins are paced before they reach a thread (governance/asgi.py
     `Application.page`), since past the bound each one naming a real account still costs a
     password hash (found by an attacker: usernames a team admin made, 10 failures a window
-    each, were 800 hashes a minute from one address)."""
+    each, were 800 hashes a minute from one address; and right passwords, never counted as
+    failures, any number)."""
     if not SignInThrottleMiddleware.is_sign_in(request):
         return None
     source = source_of(request)
-    return counted_source(source) if sign_in_address_throttle.over(source, ANY_USERNAME) \
-        else None
+    past = (sign_in_address_throttle.over(source, ANY_USERNAME)
+            or sign_in_checks_throttle.over(source, ANY_USERNAME))
+    return counted_source(source) if past else None
 
 
 def _sign_in_refused(request: HttpRequest, verdict: Verdict) -> HttpResponse:

@@ -407,6 +407,10 @@ THROTTLE_SIGN_IN_FAILURES = env_int("THROTTLE_SIGN_IN_FAILURES", 10)
 # Failed sign-ins from one address whatever the usernames (each costs a password hash, about
 # 0.46 s of CPU with the production hasher): 20 a window is 9 s of CPU a minute at most.
 THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS = env_int("THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS", 20)
+# Passwords checked from one address, right or wrong (a sign-in, a password change's old
+# password): past it the address's sign-ins are paced (WEB_SIGN_IN_SHARE), never refused, so
+# that signing in to one's own account over and over does not cost a hash without limit.
+THROTTLE_SIGN_IN_CHECKS_PER_ADDRESS = env_int("THROTTLE_SIGN_IN_CHECKS_PER_ADDRESS", 60)
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

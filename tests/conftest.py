@@ -355,10 +355,12 @@ def _fresh_throttles() -> Iterator[None]:
     from governance.middleware import (
         api_key_throttle,
         sign_in_address_throttle,
+        sign_in_checks_throttle,
         sign_in_throttle,
     )
 
-    for throttle in (api_key_throttle, sign_in_throttle, sign_in_address_throttle):
+    for throttle in (api_key_throttle, sign_in_throttle, sign_in_address_throttle,
+                     sign_in_checks_throttle):
         throttle.forget()
     # Rolled-back tests hand their ids out again on SQLite: a parsed policy cached by
     # version id in one test must not be another test's version of the same id.

@@ -18,7 +18,12 @@ import pytest
 from django.test import Client, RequestFactory
 
 from governance import throttle
-from governance.middleware import api_key_throttle, sign_in_address_throttle, sign_in_throttle
+from governance.middleware import (
+    api_key_throttle,
+    sign_in_address_throttle,
+    sign_in_checks_throttle,
+    sign_in_throttle,
+)
 from policies.models import AuthFailure
 from policies.services import agent_key_create, agent_key_revoke
 from tests.conftest import Server, server_env, start_server
@@ -349,6 +354,46 @@ def test_sign_ins_from_one_ipv6_64_share_the_address_bound(monkeypatch, users, h
     for n in range(6):  # a new address of the /64 each time
         sign_in(Client(REMOTE_ADDR=f"2001:db8:1:2::{n + 1:x}"), f"nobody-{n}", "guess")
     assert len(hashes) == 2
+
+
+@pytest.mark.django_db
+def test_passwords_checked_right_or_wrong_put_an_address_past_its_checks_bound(
+        monkeypatch, users, hashes):
+    """Found by an attacker: a right password is never a failure (a success gives its count
+    back), so an account signing in to itself over and over, or changing its password with
+    the right old one and new ones that differ, cost a hash each without limit. Every
+    password checked from an address counts in its checks bucket, never refused: past it,
+    the address's sign-ins are paced (governance/asgi.py), which no other address is."""
+    from django.test import RequestFactory
+
+    from governance.middleware import ANY_USERNAME, sign_in_past_address_bound
+
+    monkeypatch.setattr(sign_in_checks_throttle, "limit", 3)
+    office = "198.51.100.7"
+    browser = Client(REMOTE_ADDR=office)
+    for _ in range(2):
+        assert sign_in(browser, "viewer", "pw-viewer-123").status_code == 302
+        browser.logout()
+    for _ in range(3):  # no password: never checked, never counted
+        assert browser.post("/accounts/login/", {"username": "viewer"}).status_code == 200
+    assert not sign_in_checks_throttle.over(office, ANY_USERNAME)
+    browser.force_login(users["viewer"])
+    mismatch = browser.post("/accounts/password/", {
+        "old_password": "pw-viewer-123", "new_password1": "n3w-Passw0rd-long",
+        "new_password2": "n3w-Passw0rd-other"})
+    assert mismatch.status_code == 200  # the form again; the old password was checked
+    assert not sign_in_checks_throttle.over(office, ANY_USERNAME)
+    assert sign_in(Client(REMOTE_ADDR=office), "viewer", "pw-viewer-123").status_code == 302
+    assert sign_in_checks_throttle.over(office, ANY_USERNAME)  # the fourth check
+    # Nobody is refused for it, and the address's sign-ins are now the paced ones.
+    assert sign_in(Client(REMOTE_ADDR=office), "viewer", "pw-viewer-123").status_code == 302
+    login = RequestFactory().post("/accounts/login/", {"username": "x", "password": "y"},
+                                  REMOTE_ADDR=office)
+    assert sign_in_past_address_bound(login) == office
+    elsewhere = RequestFactory().post("/accounts/login/", REMOTE_ADDR="203.0.113.9")
+    assert sign_in_past_address_bound(elsewhere) is None
+    assert sign_in_past_address_bound(RequestFactory().get("/accounts/login/",
+                                                           REMOTE_ADDR=office)) is None
 
 
 @pytest.mark.django_db
