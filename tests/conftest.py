@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import socket
@@ -362,6 +363,11 @@ def _fresh_throttles() -> Iterator[None]:
     for throttle in (api_key_throttle, sign_in_throttle, sign_in_address_throttle,
                      sign_in_checks_throttle):
         throttle.forget()
+    from governance.logfilters import RefusalsWithoutTraceback
+
+    for refusals in logging.getLogger("django.request").filters:
+        if isinstance(refusals, RefusalsWithoutTraceback):
+            refusals.forget()
     # Rolled-back tests hand their ids out again on SQLite: a parsed policy cached by
     # version id in one test must not be another test's version of the same id.
     from runs.check.policy_cache import rules_for_version, version_label

@@ -214,3 +214,30 @@ def test_a_request_refused_for_its_host_is_one_line_on_the_console(caplog):
     printed.filters = console.filters
     printed.handle(record)
     assert "evil.example" in out.getvalue() and "Traceback" not in out.getvalue()
+
+
+def test_refusals_are_logged_at_most_so_many_a_minute_then_counted(monkeypatch):
+    """A client sending wrong keys as fast as it can wrote a log line per refusal (50 a
+    second under the benchmark's `bad_keys` attack); errors are never held back."""
+    from governance import logfilters
+
+    clock = [1000.0]
+    monkeypatch.setattr(logfilters.time, "monotonic", lambda: clock[0])
+    refusals = RefusalsWithoutTraceback()
+
+    def refused(status: int = 401) -> logging.LogRecord:
+        made = logging.LogRecord("django.request", logging.WARNING, __file__, 1, "%s: %s",
+                                 ("Unauthorized", "/api/v1/runs"), None)
+        made.status_code = status
+        return made
+
+    kept = [refusals.filter(refused()) for _ in range(logfilters.REFUSALS_PER_MINUTE + 40)]
+    assert kept.count(True) == logfilters.REFUSALS_PER_MINUTE
+    assert refusals.filter(refused(500))  # an error always
+    twice = refused()
+    assert refusals.filter(twice) is False and refusals.filter(twice) is False  # logger, handler
+    clock[0] += 61
+    first = refused()
+    assert refusals.filter(first) and refusals.filter(first)  # decided once, kept at both
+    assert first.getMessage() == ("Unauthorized: /api/v1/runs (and 41 more refusals not logged "
+                                  "in the minute before)")
