@@ -576,11 +576,12 @@ class Application(ResolvedOnce, ASGIHandler):
 
     async def sign_in_paced(self, request: ASGIRequest, executor: Any,
                             address: str) -> HttpResponseBase:
-        """A sign-in from an address past its failure bound, paced in that address's share
-        of the process's time (``SIGN_IN_SHARE``): past the bound an unknown username costs
-        no hash, but each real account's still does, limited only by its own (address,
-        username) bucket, so an address naming many accounts (a team admin can make them)
-        cost about 800 hashes a minute, 0.46 s of CPU each in production. Waiting holds no
+        """A sign-in from an address past its bound (of failures, or of passwords checked),
+        paced in that address's share of the process's time (``SIGN_IN_SHARE``): past the
+        failures' bound an unknown username costs no hash, but each real account's still
+        does, limited only by its own (address, username) bucket, so an address naming many
+        accounts (a team admin can make them) cost about 800 hashes a minute, 0.46 s of CPU
+        each in production; a right password, never a failure, any number. Waiting holds no
         thread; past ``SHARE_MOST_WAIT_S`` of it, the sign-in page's 429 with the wait. Any
         other address's sign-ins are never paced (docs/reliability.md)."""
         paced = await self.paced(request, executor, "sign-in", f"address:{address}",

@@ -457,8 +457,8 @@ AGENT_BULK_SHARE = env_float("WEB_AGENT_BULK_SHARE", 0.2)
 # the kill switch's own pool is never paced): as the agents' bulk calls, docs/serving.md.
 OPERATOR_SHARE = env_float("WEB_OPERATOR_SHARE", 0.2)
 # The most of a process's time one client address's sign-ins take once it is past
-# THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS (each a password hash for a real account): paced as
-# above, never refused by the address alone until a sign-in would wait over 10 s.
+# THROTTLE_SIGN_IN_FAILURES_PER_ADDRESS or THROTTLE_SIGN_IN_CHECKS_PER_ADDRESS (each a password
+# hash for a real account): paced as above; one that would wait over 10 s is answered 429.
 SIGN_IN_SHARE = env_float("WEB_SIGN_IN_SHARE", 0.1)
 # The operator API's own pool (SPEC 17, 21: an operator call never takes a check's thread).
 OPERATOR_THREADS = env_int("WEB_OPERATOR_THREADS", 2)
