@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import ipaddress
+import itertools
 import json
 import socket
 import subprocess
@@ -293,14 +294,23 @@ def _request(target: Target, method: str, path: str, token: str, body: bytes = b
 
 async def _get_again(target: Target, stop: asyncio.Event, stats: AttackStats, token: str,
                      path: str, timeout: float, what: str, cookie: str = "") -> None:
-    """One client sending GET `path` again as soon as each answer comes, on one kept-alive
-    connection (opened again when the server ends it); a refusal (429) backs off a second,
-    as the client does. `stop` ends a request in progress too (a long poll's 30 s). With
+    """One client sending GET `path` again as soon as each answer comes (`_send_again`). With
     `cookie`, a signed-in person's page instead of an API call."""
+    request = _request(target, "GET", path, token, cookie=cookie)
+    await _send_again(target, stop, stats, lambda: request, timeout, what)
+
+
+async def _send_again(target: Target, stop: asyncio.Event, stats: AttackStats,
+                      next_request: Callable[[], bytes], timeout: float, what: str,
+                      local_addr: tuple[str, int] | None = None) -> None:
+    """One client sending `next_request()` again as soon as each answer comes, on one
+    kept-alive connection (opened again when the server ends it; from `local_addr` if
+    given); a refusal (429) backs off a second, as the client does. `stop` ends a request in
+    progress too (a long poll's 30 s)."""
     while not stop.is_set():
         try:
-            reader, writer = await asyncio.open_connection(target.host, target.port,
-                                                           limit=2**20)
+            reader, writer = await asyncio.open_connection(
+                target.host, target.port, local_addr=local_addr, limit=2**20)
         except OSError as exc:
             stats.errors[f"connect: {type(exc).__name__}"] += 1
             if await _wait(stop, 0.5):
@@ -309,9 +319,7 @@ async def _get_again(target: Target, stop: asyncio.Event, stats: AttackStats, to
         stats.opening()
         try:
             while not stop.is_set():
-                ask = asyncio.ensure_future(_exchange(
-                    reader, writer, _request(target, "GET", path, token, cookie=cookie),
-                    timeout))
+                ask = asyncio.ensure_future(_exchange(reader, writer, next_request(), timeout))
                 stopping = asyncio.ensure_future(stop.wait())
                 done, _ = await asyncio.wait({ask, stopping},
                                              return_when=asyncio.FIRST_COMPLETED)
@@ -489,39 +497,19 @@ async def _guess_again(target: Target, stop: asyncio.Event, stats: AttackStats,
                        usernames: list[str]) -> None:
     # The CSRF check takes its cookie's secret sent back as the form's token (Django 4.1+).
     secret = "guess" * 6 + "xy"
-    turn = 0
-    while not stop.is_set():
-        try:
-            reader, writer = await asyncio.open_connection(
-                target.host, target.port, local_addr=(ACCOUNT_GUESS_SOURCE, 0), limit=2**20)
-        except OSError as exc:
-            stats.errors[f"connect: {type(exc).__name__}"] += 1
-            if await _wait(stop, 0.5):
-                return
-            continue
-        stats.opening()
-        try:
-            while not stop.is_set():
-                name = usernames[turn % len(usernames)]
-                turn += 1
-                body = (f"username={name}&password=wrong-{turn}"
-                        f"&csrfmiddlewaretoken={secret}").encode()
-                request = (f"POST /accounts/login/ HTTP/1.1\r\n"
-                           f"Host: {target.host}:{target.port}\r\nCookie: csrftoken={secret}\r\n"
-                           "Content-Type: application/x-www-form-urlencoded\r\n"
-                           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-                status, _ = await asyncio.wait_for(_exchange(reader, writer, request, 30), 60)
-                stats.answers[status] += 1
-                if " 200 " not in status and await _wait(stop, 1.0):
-                    return
-        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
-            stats.errors[f"sign-in: {type(exc).__name__}"] += 1
-            stats.closed_by_server += 1
-        finally:
-            stats.closing()
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+    turns = itertools.count()
+
+    def next_guess() -> bytes:
+        turn = next(turns)
+        body = (f"username={usernames[turn % len(usernames)]}&password=wrong-{turn + 1}"
+                f"&csrfmiddlewaretoken={secret}").encode()
+        return (f"POST /accounts/login/ HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
+                f"Cookie: csrftoken={secret}\r\n"
+                "Content-Type: application/x-www-form-urlencoded\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+    await _send_again(target, stop, stats, next_guess, 30, "sign-in",
+                      local_addr=(ACCOUNT_GUESS_SOURCE, 0))
 
 
 async def together(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
