@@ -152,17 +152,19 @@ def test_the_runs_list_pages_forward_and_back(page: Page, server: Server, team: 
     def agents() -> list[str]:
         return rows.locator("td:nth-child(2)").all_inner_texts()
 
+    first_agent = rows.first.locator("td:nth-child(2)")
     expect(rows).to_have_count(25)
     first = agents()
     expect(page.locator("[data-page=previous]")).to_have_count(0)
-    page.click("[data-page=next]")
+    # Read once the swap has come (the rows, not the address bar, which may change first).
+    click_until(page, "[data-page=next]",
+                lambda ms: expect(first_agent).to_have_text("pager-25", timeout=ms))
     expect(page).to_have_url(re.compile(r"after="))
     expect(page.locator("[data-page=previous]")).to_be_visible()
+    settled(page)
     second = agents()
-    assert second[0] == "pager-25" and not set(first) & set(second)
-    page.click("[data-page=next]")
-    expect(rows).to_have_count(10)
-    first_agent = rows.first.locator("td:nth-child(2)")
+    assert len(second) == 25 and not set(first) & set(second)
+    click_until(page, "[data-page=next]", lambda ms: expect(rows).to_have_count(10, timeout=ms))
     click_until(page, "[data-page=previous]",
                 lambda ms: expect(first_agent).to_have_text("pager-25", timeout=ms))
     expect(page).to_have_url(re.compile(r"before="))
