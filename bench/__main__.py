@@ -89,6 +89,7 @@ def main(argv: list[str]) -> int:
     default = set(PHASES) - (FULL_ONLY if quick else set())
     phases = set(args.only.split(",")) if args.only else default
     started = time.monotonic()
+    clock = PhaseClock()
 
     stack.fresh_database()
     stack.manage("migrate", "--noinput", "-v0")
@@ -115,11 +116,13 @@ def main(argv: list[str]) -> int:
         "points": [],
     }
     if "micro" in phases:
+        clock.start("micro")
         from . import micro
 
         results["micro"] = micro.measure(quick=quick)
         print(report.micro_line(results["micro"]), flush=True)
     if "backtest" in phases:
+        clock.start("backtest")
         from . import backtest
 
         results["backtest"] = backtest.measure(quick=quick)
@@ -129,6 +132,7 @@ def main(argv: list[str]) -> int:
     checks_only = [s for s in args.checks_only_scenarios.split(",") if s]
     with stack.Server(workers=args.workers, threads=threads) as server:
         if "points" in phases:
+            clock.start("points")
             minimal = None
             if sc.MINIMAL & set(scenarios + checks_only):
                 minimal = stack.MinimalServer(workers=args.workers, threads=threads).start()
@@ -142,6 +146,7 @@ def main(argv: list[str]) -> int:
                 if minimal is not None:
                     minimal.stop()
         if "ladder" in phases:
+            clock.start("ladder")
             from . import ladder
 
             # The real check against the minimal durable check served the fastest way, and
@@ -156,10 +161,12 @@ def main(argv: list[str]) -> int:
             for line in ladder.lines(results["ladder"]):
                 print(line, flush=True)
         if "soak" in phases:
+            clock.start("soak")
             results["soak"] = sc.soak(server, team, agents=32, seconds=soak_seconds,
                                       sample_every=max(1.0, soak_seconds / 30))
             print(report.soak_line(results["soak"]), flush=True)
         if "killswitch" in phases:
+            clock.start("killswitch")
             worker = stack.CeleryWorker().start()  # the fan-out, as in production
             try:
                 ks_team = sc.seed_team("bench-ks")
@@ -170,6 +177,7 @@ def main(argv: list[str]) -> int:
                 worker.stop()
             print(report.killswitch_line(results["killswitch"]), flush=True)
         if "fanout" in phases:
+            clock.start("fanout")
             worker = stack.CeleryWorker().start()
             try:
                 fan_team = sc.seed_team("bench-fanout", policy=sc.LONG_POLICY)
@@ -179,11 +187,13 @@ def main(argv: list[str]) -> int:
                 worker.stop()
             print(report.fanout_line(results["fanout"]), flush=True)
         if "longrun" in phases:
+            clock.start("longrun")
             results["longrun"] = sc.long_run(
                 server, sc.seed_team("bench-long", policy=sc.LONG_POLICY),
                 steps=args.longrun_steps or (400 if quick else 5050))
             print(report.longrun_line(results["longrun"]), flush=True)
         if "stream" in phases:
+            clock.start("stream")
             counts = [int(n) for n in args.stream_runs.split(",") if n] or (
                 [200] if quick else [200, 1000])
             results["stream"] = live_stream(server, team, quick=quick, counts=counts,
@@ -192,6 +202,7 @@ def main(argv: list[str]) -> int:
                                             nodes=args.stream_nodes)
             print(report.live_line(results["stream"]), flush=True)
         if "attacks" in phases:
+            clock.start("attacks")
             from .attacks import ATTACKS
 
             names = [a for a in args.attacks.split(",") if a] or list(ATTACKS)
@@ -204,21 +215,25 @@ def main(argv: list[str]) -> int:
             for line in report.attack_lines(results["attacks"]):
                 print(line, flush=True)
         if "ratelimit" in phases:
+            clock.start("ratelimit")
             from . import ratelimit
 
             results["ratelimit"] = ratelimit.measure(server, agents=8, seconds=seconds / rounds,
                                                      warmup=warmup, rounds=rounds)
             print(ratelimit.line(results["ratelimit"]), flush=True)
         if "growth" in phases:
+            clock.start("growth")
             from . import growth
 
             growth.phase(results, server, quick=quick)
 
     if "metrics" in phases:
+        clock.start("metrics")
         results["metrics"] = metrics_cost(team, args.workers, threads, seconds, warmup,
                                           rounds=1 if quick else 3)
         print(report.metrics_line(results["metrics"]), flush=True)
     if "tracing" in phases:
+        clock.start("tracing")
         from . import tracing
 
         results["tracing"] = tracing.measure(team, workers=args.workers, threads=threads,
@@ -228,11 +243,13 @@ def main(argv: list[str]) -> int:
         print(tracing.line(results["tracing"]), flush=True)
 
     if "retention" in phases:
+        clock.start("retention")
         from . import retention
 
         retention.phase(results, quick=quick)
 
     if "nodes" in phases:
+        clock.start("nodes")
         from . import nodes
 
         # The real check through HAProxy and PgBouncer to one node and three, beside one node
@@ -243,8 +260,31 @@ def main(argv: list[str]) -> int:
         for line in nodes.lines(results["nodes"]):
             print(line, flush=True)
 
+    clock.stop()
+    results["phase_seconds"] = clock.seconds
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     return 0 if report.finish(results, history=not args.no_history) else 1
+
+
+class PhaseClock:
+    """Each phase's wall time, printed as it ends and kept in the results: what to shorten
+    when the benchmark takes too long (CI runs it in quick mode). A phase ends where the
+    next starts; a server started between them counts in the next."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._current: tuple[str, float] | None = None
+
+    def start(self, phase: str) -> None:
+        self.stop()
+        self._current = (phase, time.monotonic())
+
+    def stop(self) -> None:
+        if self._current is not None:
+            phase, began = self._current
+            self.seconds[phase] = round(time.monotonic() - began, 1)
+            print(f"bench: the {phase} phase took {self.seconds[phase]:g} s", flush=True)
+            self._current = None
 
 
 def points_phase(results: dict[str, Any], server: stack.Server, team: sc.Team,
