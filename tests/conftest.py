@@ -238,7 +238,9 @@ def _start_on(port: int, *, workers: int, threads: int | None,
     raise RuntimeError(f"server did not become healthy in {START_SECONDS} s:\n{printed}")
 
 
-_TURNS = ROOT / "tmp"  # git-ignored; the lock files of this checkout's suites
+# The lock files of every suite on this machine, not of one checkout: an attack takes the
+# machine, and another checkout's suites (a second CI run, a clone being tried) load it too.
+_TURNS = Path(tempfile.gettempdir()) / "governance-test-turns"
 _holding_attack_turn = False
 
 
@@ -250,13 +252,13 @@ def attack_turn() -> Iterator[None]:
     suites measured the machine, not the server (a valid check took 2.3 s in 1 of 5 tries
     with one other suite; a run of four groups and other work missed the 2 s deadline once).
     So an attack module has the machine to itself: it takes the turn exclusively, and every
-    other test of every suite of this checkout takes it shared (`pytest_runtest_protocol`), so the
+    other test of every suite on this machine takes it shared (`pytest_runtest_protocol`), so the
     others finish the test at hand and wait meanwhile. The gate makes the attack's wait
     first in line: without it, shared holders that overlap could keep it waiting forever."""
     global _holding_attack_turn
     _TURNS.mkdir(exist_ok=True)
-    with open(_TURNS / "attack-tests.gate", "w") as gate, \
-            open(_TURNS / "attack-tests.lock", "w") as lock:  # closing releases the locks
+    with open(_TURNS / "attack-tests.gate", "a") as gate, \
+            open(_TURNS / "attack-tests.lock", "a") as lock:  # closing releases the locks
         fcntl.flock(gate, fcntl.LOCK_EX)  # no other test starts from now
         fcntl.flock(lock, fcntl.LOCK_EX)  # the ones running have ended
         _holding_attack_turn = True
@@ -275,8 +277,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         yield
         return
     _TURNS.mkdir(exist_ok=True)
-    with open(_TURNS / "attack-tests.lock", "w") as lock:
-        with open(_TURNS / "attack-tests.gate", "w") as gate:
+    with open(_TURNS / "attack-tests.lock", "a") as lock:
+        with open(_TURNS / "attack-tests.gate", "a") as gate:
             fcntl.flock(gate, fcntl.LOCK_EX)
             fcntl.flock(lock, fcntl.LOCK_SH)
         yield
