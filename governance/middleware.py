@@ -107,6 +107,11 @@ class _SyncAndAsync:
         if self.async_mode:
             markcoroutinefunction(self)
 
+    @staticmethod
+    async def _answer_async(response: HttpResponse) -> HttpResponse:
+        """An answer made without awaiting anything, as the async chain returns it."""
+        return response
+
 
 def _on_dashboard_pool(fn: Callable[..., Any]) -> Callable[..., Any]:
     # Blocking work of a dashboard request reached through the async chain: on the
@@ -135,6 +140,13 @@ class ProbeMiddleware(_SyncAndAsync):
         probe = self.probes.get(request.path)
         if probe is None:
             return self.get_response(request)
+        if request.method not in ("GET", "HEAD"):
+            # In the API's JSON envelope, as every other 405 (a newcomer's POST /healthz got
+            # Django's empty text/html one).
+            refused = error(405, "method_not_allowed",
+                            f"{request.path} takes GET and HEAD only.")
+            refused["Allow"] = "GET, HEAD"
+            return self._answer_async(refused) if self.async_mode else refused
         if self.async_mode:
             return sync_to_async(probe, thread_sensitive=False, executor=pool("api"))(request)
         return probe(request)
@@ -174,10 +186,6 @@ class ApiRouteMiddleware(_SyncAndAsync):
 
     async def _head_async(self, request: HttpRequest) -> HttpResponse:
         return _headless(await self.api(request))
-
-    @staticmethod
-    async def _answer_async(response: HttpResponse) -> HttpResponse:
-        return response
 
 
 _BAD_LENGTH = "Bad request: the Content-Length header is not a number."
