@@ -195,3 +195,15 @@ def test_an_agent_bound_keys_check_of_another_agents_run_is_404_on_the_server(ag
         allowed = bot1.post(f"/api/v1/runs/{own}/check", json={"action": {"name": "x"}})
         assert allowed.status_code == 200 and allowed.json()["decision"] == "allow"
     assert agent.check(bot2_run)["decision"] == "allow"  # the unbound key still may
+
+
+def test_an_agent_bound_keys_refused_start_names_its_agent_in_the_message(team):
+    """Found by a newcomer: an MCP client's model sees the message alone, which said only
+    "its agent", and the key's owner could not tell which agent the key was made for."""
+    refused = bound_client(team).post("/api/v1/runs", {"agent": "cursor"},
+                                      content_type="application/json")
+    assert refused.status_code == 422
+    error = refused.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["message"] == "This key may only start runs of its agent, 'bot1'."
+    assert error["fields"] == {"agent": "this key is limited to agent 'bot1'"}

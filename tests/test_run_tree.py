@@ -112,6 +112,9 @@ def test_the_parent_rules_of_a_start(api, team, other_team):
     post(api, f"/api/v1/runs/{done}/finish", {"status": "completed"})
     over = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": done})
     assert over["http"] == 409 and over["error"]["code"] == "parent_finished"
+    # Not "is completed (reason: completed)" (found by a newcomer).
+    assert over["error"]["message"] == ("The parent run is completed: no sub-agent may start "
+                                        "under it.")
 
 
 def test_an_external_id_hands_a_child_start_only_a_child_of_that_parent(api, team):

@@ -36,7 +36,10 @@ def run_start(
     ``parent_run_id``: the run this one is a sub-agent of (SPEC 20)."""
     team = key.team
     if key.agent and agent != key.agent:
-        raise ServiceError(422, "invalid_request", "This key may only start runs of its agent.",
+        # The agent is named in the message too: an MCP client's model, or a log line, shows
+        # the message alone (found by a newcomer whose gateway said only "its agent").
+        raise ServiceError(422, "invalid_request",
+                           f"This key may only start runs of its agent, {key.agent!r}.",
                            {"agent": f"this key is limited to agent {key.agent!r}"})
     if external_id is not None:
         existing = Run.objects.filter(team=team, external_id=external_id).first()
@@ -124,8 +127,11 @@ def _parent_of(key: AgentKey, parent_run_id: Any) -> Run:
 
 def _refuse_if_over(parent: Run) -> None:
     if parent.status != rules.RUNNING:
-        message = (f"The parent run is {parent.status} (reason: "
-                   f"{parent.stop_reason or parent.status}): no sub-agent may start under it.")
+        reason = parent.stop_reason or parent.status
+        # "is completed", not "is completed (reason: completed)": a finish's reason is its
+        # status (as the rules' parent_stopped says it).
+        why = f" (reason: {reason})" if reason != parent.status else ""
+        message = f"The parent run is {parent.status}{why}: no sub-agent may start under it."
         if parent.status in (rules.STOPPED, rules.KILLED):
             # Its stop in its own words, as every later check of the parent answers it: a
             # kill's switch, who engaged it and why; a limit and its value (found by an
