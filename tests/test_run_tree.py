@@ -650,3 +650,34 @@ def test_a_childs_check_waits_for_its_roots_turn_once_the_process_knows_the_tree
     assert lineages.turn_run(grandchild) == grandchild
     check(api, grandchild)  # ... until it has checked the run once
     assert lineages.turn_run(grandchild) == root
+
+
+@pytest.mark.parametrize("end", ["finish", "stop"])
+def test_a_retried_check_of_a_descendant_answers_the_parents_stop_not_its_first_allow(
+        api, team, end):
+    """SPEC 4.5 and 20: once an ancestor is over, a descendant's next check answers
+    `parent_stopped`, retries included. Found by an attacker: a check_id sent again after the
+    parent's finish answered its first allow, as often as it was sent, and the child went
+    on running (a kill switch over the parent already stopped the retry)."""
+    set_policy(team, step_limits={"max_repeat_action": 1})
+    parent = start(api)
+    child = start(api, "helper", parent_run_id=parent)
+    grandchild = start(api, "helper", parent_run_id=child)
+    sent = {"action": {"name": "pay.send", "args": {"amount": 100}}, "check_id": "X"}
+    firsts = {run: post(api, f"/api/v1/runs/{run}/check", sent) for run in (child, grandchild)}
+    assert {first["decision"] for first in firsts.values()} == {"allow"}
+    if end == "finish":
+        assert post(api, f"/api/v1/runs/{parent}/finish", {"status": "completed"})["http"] == 200
+    else:  # the parent's own limit: the same action again is a loop
+        assert post(api, f"/api/v1/runs/{parent}/check", sent)["decision"] == "allow"
+        again = {**sent, "check_id": "Y"}
+        assert post(api, f"/api/v1/runs/{parent}/check", again)["reason"] == "loop_detected"
+    for run in (child, grandchild):
+        retried = post(api, f"/api/v1/runs/{run}/check", sent)
+        assert (retried["decision"], retried["reason"]) == ("stop", "parent_stopped"), retried
+        assert retried["decision_id"] != firsts[run]["decision_id"]  # decided, and audited
+        assert Decision.objects.filter(run_id=run, pk=retried["decision_id"],
+                                       outcome="stop").exists()
+        assert Run.objects.get(pk=run).status == "stopped"
+        # Sent again, on a run that is now over: its stop (SPEC 4.5).
+        assert post(api, f"/api/v1/runs/{run}/check", sent)["decision"] == "stop"

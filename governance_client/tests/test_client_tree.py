@@ -40,6 +40,30 @@ def test_a_finished_parent_stops_its_children_and_refuses_new_ones() -> None:
         parent.start_child("other")
 
 
+def test_a_childs_retried_check_after_its_parents_finish_answers_the_stop() -> None:
+    """The service's answer (tests/test_run_tree.py): a check_id sent again once an ancestor
+    is over is a new `parent_stopped`, not its first allow (SPEC 4.5, 20)."""
+    import httpx
+
+    from governance_client.testing import BASE_URL
+
+    fake = FakeGovernance()
+    with httpx.Client(transport=fake.transport(), base_url=BASE_URL,
+                      headers={"Authorization": f"Bearer {fake.api_key}"}) as http:
+        parent = http.post("/api/v1/runs", json={"agent": "planner"}).json()["run_id"]
+        child = http.post("/api/v1/runs", json={"agent": "researcher",
+                                                 "parent_run_id": parent}).json()["run_id"]
+        sent = {"action": {"name": "pay.send", "args": {"amount": 100}}, "check_id": "X"}
+        first = http.post(f"/api/v1/runs/{child}/check", json=sent).json()
+        assert first["decision"] == "allow"
+        assert http.post(f"/api/v1/runs/{parent}/finish",
+                         json={"status": "completed"}).status_code == 200
+        retried = http.post(f"/api/v1/runs/{child}/check", json=sent).json()
+        assert (retried["decision"], retried["reason"]) == ("stop", rules.PARENT_STOPPED)
+        assert retried["decision_id"] != first["decision_id"]
+    assert fake.runs[child].status == rules.STOPPED
+
+
 def test_the_async_child_spends_the_roots_budget() -> None:
     fake = FakeGovernance(max_usd=0.25)
 

@@ -203,7 +203,11 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             # (found by an attacker: a descendant's check before the fan-out recorded an
             # empty rule, which every later answer replayed).
             switch, kill = over, cover.switch_in_words(over)
-        replayed, check = _replay_or_refuse(state, rows, first, policy, check, kill=kill)
+        # A run whose ancestor is over stops at this check, a replay's too (SPEC 20, 4.5).
+        ends_now = kill is not None or (
+            bool(family.tree) and rules.ended_ancestor(family.tree, now) is not None)
+        replayed, check = _replay_or_refuse(state, rows, first, policy, check, kill=kill,
+                                            ends_now=ends_now)
         if replayed is not None:
             return replayed
         windows = _windows(tx, read, state, kill=kill, now=now)
@@ -315,15 +319,16 @@ def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now:
 
 
 def _replay_or_refuse(state: rules.RunState, rows: list[DecisionRow], first: Any,
-                      policy: rules.Policy, check: rules.Check, *, kill: str | None
-                      ) -> tuple[dict[str, Any] | None, rules.Check]:
+                      policy: rules.Policy, check: rules.Check, *, kill: str | None,
+                      ends_now: bool) -> tuple[dict[str, Any] | None, rules.Check]:
     """A replay's answer (the earlier answer to this check_id, when it still holds), or
     the check to decide; raises the 409 of a run waiting for an approval and the 422 of a
-    check_id the policy requires."""
+    check_id the policy requires. ``ends_now``: a switch covers the run or an ancestor is
+    over (`rules.replay_allowed`)."""
     if first is not None:
         first_id, first_answer = first
         if not rows and rules.replay_allowed(state, first_answer.get("decision", ""),
-                                             covered=kill is not None):
+                                             ends_now=ends_now):
             return {**answers.ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}, check
         # The first answer was an allow and the run is over: answer the run's stop, as
         # a new audited decision (the retry must not leak an allow, SPEC 4.5).

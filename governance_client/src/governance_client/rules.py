@@ -1708,16 +1708,18 @@ def record_outcome(
 
 
 def replay_allowed(state: RunState, first: Decision | str | None, *,
-                   covered: bool = False) -> bool:
+                   ends_now: bool = False) -> bool:
     """A ``check_id`` replay returns the first answer only while the run is still running,
     or when that first answer was already a stop (SPEC 4.5): no allow leaks after a stop.
     ``first`` is the first decision, or the ``decision`` field of its stored answer.
-    ``covered``: an engaged kill switch covers the run, which then stops from the switch's
-    commit on, retries included, before its fan-out has marked the run killed."""
+    ``ends_now``: the run stops at this check, retries included, though its status does not
+    say so yet: an engaged kill switch covers it (before its fan-out has marked it killed),
+    or an ancestor is over (SPEC 20: its next check answers ``parent_stopped``; found by an
+    attacker: a retry after the parent's finish answered its first allow)."""
     if first is None:
         return False
     answer = first if isinstance(first, str) else first.answer
-    return answer == STOP or (state.status == RUNNING and not covered)
+    return answer == STOP or (state.status == RUNNING and not ends_now)
 
 
 class FinishError(Exception):

@@ -454,12 +454,17 @@ class FakeGovernance:
                                  cost_usd=body.get("cost_usd"), check_id=check_id)
         kill = self._kill_words()
         self._settle_due(run)
+        tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
+                for a in run.ancestors]
         first = run.answers.get(check_id) if check_id is not None else None
         if first is not None:
             if first["decision"] == rules.PENDING:
                 # What a resent pending check answers: its final answer once there is one.
                 first = self.approvals[first["approval"]["id"]].decision or first
-            if rules.replay_allowed(run.state, first["decision"], covered=kill is not None):
+            # A switch covers the run, or an ancestor is over: it stops at this check.
+            ends_now = kill is not None or (
+                bool(tree) and rules.ended_ancestor(tree, self.now()) is not None)
+            if rules.replay_allowed(run.state, first["decision"], ends_now=ends_now):
                 return httpx.Response(200, json=first)
             # The first answer was an allow and the run is over: its stop is decided anew.
             check = replace(check, check_id=None)
@@ -474,8 +479,6 @@ class FakeGovernance:
         now = self.now()
         windows = (self._windows(run, check.name, now)
                    if run.state.status == rules.RUNNING and kill is None else [])
-        tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
-                for a in run.ancestors]
         _explain_stop(run)
         before = run.state
         decision, run.state = rules.evaluate(self.policy, run.state, check, now=now, kill=kill,
