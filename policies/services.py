@@ -126,10 +126,16 @@ def policy_save(
 ) -> PolicyVersion | None:
     """Store one normalized policy; a new version only when something changed. ``note`` is
     the saver's reason, kept on the version and in the audit event."""
-    policy = Policy.objects.select_for_update().filter(team=team, name=document["name"]).first()
+    mine = Policy.objects.select_for_update().filter(team=team, name=document["name"])
+    policy = mine.first()
     if policy is None:
         # The team's row lock: two new policies cannot both pass the count.
         Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list("pk").first()
+        # Looked for again under it: a save of the same new name may have made it while this
+        # one waited (found by an attacker: concurrent PUTs of one new name broke the unique
+        # name, a 503 and a traceback). A new statement sees what committed meanwhile.
+        policy = mine.first()
+    if policy is None:
         _has_room(team)
         policy = Policy.objects.create(team=team, name=document["name"])
     if policy.current_id:
