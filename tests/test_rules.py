@@ -1190,6 +1190,17 @@ def test_a_shadow_would_stop_counts_as_an_allow_for_replays() -> None:
     assert not replay_allowed(fresh(status=KILLED, stop_reason="killed"), first)
 
 
+def test_a_run_ending_at_this_check_replays_only_its_stops_and_its_pending_request() -> None:
+    """A switch covers the run, or an ancestor is over (SPEC 4.5, 20): an allow is decided
+    again (the stop), a stop replays, a pending answer too while the run goes on (its
+    request is settled by a decision or the expiry, never by deciding the check again)."""
+    assert not replay_allowed(fresh(), _decision(ALLOW), ends_now=True)
+    assert replay_allowed(fresh(), _decision(STOP), ends_now=True)
+    assert replay_allowed(fresh(), "pending", ends_now=True)
+    assert not replay_allowed(fresh(status=KILLED, stop_reason="killed"), "pending",
+                              ends_now=True)
+
+
 def test_there_is_nothing_to_replay_without_a_first_answer() -> None:
     assert not replay_allowed(fresh(), None)
 

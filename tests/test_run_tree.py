@@ -681,3 +681,28 @@ def test_a_retried_check_of_a_descendant_answers_the_parents_stop_not_its_first_
         assert Run.objects.get(pk=run).status == "stopped"
         # Sent again, on a run that is now over: its stop (SPEC 4.5).
         assert post(api, f"/api/v1/runs/{run}/check", sent)["decision"] == "stop"
+
+
+def test_a_pending_check_of_a_child_sent_again_after_its_parents_finish_is_still_pending(
+        api, team):
+    """Its request is settled by the operator's decision (cancelled, the child stopped
+    `parent_stopped`: test_an_approval_is_no_allow_once_the_tree_cannot_take_it) or its
+    expiry, never by deciding the check again, which would answer it 409 approval_pending
+    ("resend that check")."""
+    from governance.errors import AppError
+    from runs.approvals.services import approval_decide
+
+    set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600})
+    parent = start(api)
+    child = start(api, "helper", parent_run_id=parent)
+    sent = {"action": {"name": "payments.refund", "args": {}, "type": "tool"}, "check_id": "r"}
+    asked = post(api, f"/api/v1/runs/{child}/check", sent)
+    assert asked["decision"] == "pending", asked
+    assert post(api, f"/api/v1/runs/{parent}/finish", {"status": "completed"})["http"] == 200
+    again = post(api, f"/api/v1/runs/{child}/check", sent)
+    assert (again["http"], again["decision"]) == (200, "pending"), again
+    with pytest.raises(AppError):
+        approval_decide(team=team, approval_id=asked["approval"]["id"], decision="approve",
+                        note="")
+    final = post(api, f"/api/v1/runs/{child}/check", sent)
+    assert (final["decision"], final["reason"]) == ("stop", "parent_stopped"), final

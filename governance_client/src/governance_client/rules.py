@@ -1715,11 +1715,14 @@ def replay_allowed(state: RunState, first: Decision | str | None, *,
     ``ends_now``: the run stops at this check, retries included, though its status does not
     say so yet: an engaged kill switch covers it (before its fan-out has marked it killed),
     or an ancestor is over (SPEC 20: its next check answers ``parent_stopped``; found by an
-    attacker: a retry after the parent's finish answered its first allow)."""
+    attacker: a retry after the parent's finish answered its first allow). A pending first
+    answer still replays: the request is the run's until it is settled (a kill switch's
+    cancels it before the replay; a decision after an ancestor's end cancels it and stops
+    the run), and deciding the check again would answer 409 ``approval_pending`` to it."""
     if first is None:
         return False
     answer = first if isinstance(first, str) else first.answer
-    return answer == STOP or (state.status == RUNNING and not ends_now)
+    return answer == STOP or (state.status == RUNNING and (not ends_now or answer == PENDING))
 
 
 class FinishError(Exception):
