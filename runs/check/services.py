@@ -204,8 +204,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
             # empty rule, which every later answer replayed).
             switch, kill = over, cover.switch_in_words(over)
         # A run whose ancestor is over stops at this check, a replay's too (SPEC 20, 4.5).
-        ends_now = kill is not None or (
-            bool(family.tree) and rules.ended_ancestor(family.tree, now) is not None)
+        ends_now = first is not None and rules.ends_at_this_check(
+            family.tree, now, covered=kill is not None)
         replayed, check = _replay_or_refuse(state, rows, first, policy, check, kill=kill,
                                             ends_now=ends_now)
         if replayed is not None:

@@ -461,9 +461,7 @@ class FakeGovernance:
             if first["decision"] == rules.PENDING:
                 # What a resent pending check answers: its final answer once there is one.
                 first = self.approvals[first["approval"]["id"]].decision or first
-            # A switch covers the run, or an ancestor is over: it stops at this check.
-            ends_now = kill is not None or (
-                bool(tree) and rules.ended_ancestor(tree, self.now()) is not None)
+            ends_now = rules.ends_at_this_check(tree, self.now(), covered=kill is not None)
             if rules.replay_allowed(run.state, first["decision"], ends_now=ends_now):
                 return httpx.Response(200, json=first)
             # The first answer was an allow and the run is over: its stop is decided anew.
