@@ -422,6 +422,32 @@ def test_arguments_that_are_not_json_are_refused_and_the_session_goes_on(
     assert [d["action"]["args"] for d in decisions] == [{"query": "x"}]  # nothing else checked
 
 
+def test_a_call_is_named_after_the_upstreams_declared_name_whatever_the_client_sends_first(
+        server: Server, agent: Agent, team: Team) -> None:
+    """Found by an attacker (over HTTP): a second initialize, which the upstream refused,
+    left the session's name unknown, and a call sent then was checked as `mcp.delete_all`:
+    the policy's `files.delete_*` did not match it, and the denied tool ran. A second
+    initialize is refused now, and no call is checked before the upstream's answer to the
+    first has named the session: here everything is sent before reading any answer."""
+    governed_policy(team)
+    with raw_gateway(server, agent.token) as process:
+        send(process, INITIALIZE)
+        send(process, {"jsonrpc": "2.0", "id": 2, "method": "initialize", "params": {}})
+        send(process, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        send(process, {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                       "params": {"name": "delete_all", "arguments": {}}})
+        answers = {message["id"]: message for message in (receive(process) for _ in range(3))}
+        assert answers[1]["result"]["serverInfo"]["name"] == "files"
+        assert answers[2]["error"]["code"] == -32600, answers[2]
+        assert "already received" in answers[2]["error"]["message"]
+        refused = answers[3]["result"]
+        assert refused["isError"] is True and "deleted" not in json.dumps(refused), refused
+    run = finished_run(agent)
+    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
+    assert [(d["action"]["name"], d["outcome"]) for d in decisions] == [
+        ("files.delete_all", "stop")]
+
+
 def test_ids_and_progress_tokens_that_are_not_strings_or_numbers_leave_the_session_alone(
         server: Server, agent: Agent) -> None:
     """MCP's request ids and progress tokens are strings or integers; the SDK leaves a

@@ -199,6 +199,15 @@ class GatewaySession:
         # Requests of the client forwarded upstream and not answered yet: id -> method.
         self._inflight: dict[Any, str] = {}
         self._init_id: Any = None
+        # Set once the upstream answered the session's initialize (or is gone): a call is
+        # named after the name it declares there (`action_name`), so no call is checked
+        # before it is known (found by an attacker: a call sent before that answer, or
+        # after a second initialize the upstream refused, was checked as `mcp.<tool>`, and
+        # a policy's `files.*` patterns did not match it: a denied tool ran).
+        self._named = anyio.Event()
+        if config.name is not None:
+            self._named.set()
+        self._init_refused: str | None = None
         self._lists: set[Any] = set()
         self._calls: dict[Any, str] = {}
         self._directives: dict[Any, str] = {}
@@ -265,6 +274,12 @@ class GatewaySession:
                                     "governance-mcp speaks the initialize handshake")
             return
         if method == "initialize":
+            if self._init_id is not None:
+                # One handshake a session (MCP): a second one would leave the session's
+                # name to an answer that may never come.
+                await self._reply_error(message.id, INVALID_REQUEST,
+                                        "initialize was already received on this session")
+                return
             self._init_id = message.id
             info = params.get("clientInfo")
             self.client_info = dict(info) if isinstance(info, Mapping) else {}
@@ -332,6 +347,9 @@ class GatewaySession:
         logger.warning("the upstream MCP server sent a malformed message: %s", exc)
         if request_id is not None and request_id in self._inflight:
             self._forget(request_id)
+            if request_id == self._init_id:
+                self._init_refused = "a malformed answer"
+                self._named.set()
             await self._reply_error(request_id, INTERNAL_ERROR,
                                     "the upstream MCP server sent a malformed answer")
 
@@ -352,12 +370,15 @@ class GatewaySession:
             self._metadata.pop(request_id, None)
             for token in [t for t, owner in self._progress.items() if owner == request_id]:
                 del self._progress[token]
-            if isinstance(message, JSONRPCResponse):
-                if request_id == self._init_id:
+            if request_id == self._init_id:
+                if isinstance(message, JSONRPCResponse):
                     self._initialized_by(message.result)
-                if request_id in self._lists:
-                    message = JSONRPCResponse(jsonrpc="2.0", id=request_id,
-                                              result=self._filtered(message.result))
+                else:
+                    self._init_refused = message.error.message
+                self._named.set()
+            if isinstance(message, JSONRPCResponse) and request_id in self._lists:
+                message = JSONRPCResponse(jsonrpc="2.0", id=request_id,
+                                          result=self._filtered(message.result))
             if request_id in self._calls:
                 message = self._called(request_id, message)
             self._lists.discard(request_id)
@@ -391,6 +412,7 @@ class GatewaySession:
         if self.upstream_gone is None:
             self.upstream_gone = why
             logger.warning("%s: the session ends", why)
+        self._named.set()  # no answer to the initialize is coming: calls are refused
         for request_id in list(self._inflight):
             self._forget(request_id)
             await self._reply_error(request_id, INTERNAL_ERROR, why)
@@ -568,6 +590,13 @@ class GatewaySession:
         run = await self.ensure_run()
         if run is None:
             return self.start_refusal
+        await self._named.wait()
+        if self.upstream_gone is not None:
+            return blocked("upstream_unavailable", self.upstream_gone)
+        if self.server_name is None and self._init_refused is not None:
+            return blocked("invalid_request", "The upstream MCP server refused this session's "
+                           f"initialize ({self._init_refused}): its tools have no name to "
+                           "check, so none is run.", "Start a new session.")
         if self.stop_text is not None:  # a local stop, and the run is still only local
             return self.stop_text
         try:
