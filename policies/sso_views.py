@@ -73,6 +73,14 @@ class SsoBackend(OIDCAuthenticationBackend):
     def authenticate(self, request: Any, **kwargs: Any) -> None:
         return None
 
+    def get_user(self, user_id: Any) -> Any:
+        """The session's account, as Django's own backend gives it: none once deactivated
+        (docs/sso.md: deactivating cuts the person off at once; found by an attacker: the
+        library's lookup did not look, and a deactivated operator's session still engaged a
+        kill switch)."""
+        user = super().get_user(user_id)
+        return user if user is not None and getattr(user, "is_active", True) else None
+
     def sign_in_with_code(self, request: HttpRequest, *, code: str, nonce: str,
                           code_verifier: str | None) -> Any:
         """Exchange the code, verify the ID token, then the account (policies/sso.py).

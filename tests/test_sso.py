@@ -26,6 +26,7 @@ from policies import oidc_provider
 from policies.models import Membership, OperatorEvent, Role, SsoIdentity
 from policies.services import membership_set, team_ensure
 from policies.sso_views import SsoBackend, forget_provider
+from runs.models import KillSwitch
 from tests.sso_provider import Provider, authorize, path_of, query_of, running_provider
 
 ROLE_MAP = [
@@ -103,6 +104,22 @@ def test_a_person_signs_in_with_their_groups_as_roles(sso: Provider):
     assert {(e.team.slug, e.detail["role"]) for e in events} == {
         ("support", "operator"), ("billing", "viewer")}
     assert all(e.actor_label == "sso" and e.detail["source"] == "sso" for e in events)
+
+
+def test_a_deactivated_accounts_sso_session_signs_in_nobody(sso: Provider):
+    """docs/sso.md: deactivating the account cuts its person off at once. Found by an
+    attacker: the SSO backend's session lookup (the library's) did not look at `is_active`,
+    so a deactivated operator still engaged a kill switch from the session they had."""
+    sso.set_user("alice-sub", preferred_username="alice", groups=["support-ops"])
+    client = Client()
+    assert sign_in(client, "alice-sub").status_code == 302
+    assert client.get("/teams/support/").status_code == 200
+    User.objects.filter(username="alice").update(is_active=False)
+    page = client.get("/teams/support/")
+    assert page.status_code == 302 and page["Location"].startswith("/accounts/login/")
+    engaged = client.post("/teams/support/killswitch/engage", {
+        "scope": "agent", "agent": "ghost-agent", "reason": "x", "confirmed": "1"})
+    assert engaged.status_code in (302, 403) and not KillSwitch.objects.exists()
 
 
 def test_the_next_sign_in_recomputes_and_leaves_hand_given_memberships(sso: Provider):
