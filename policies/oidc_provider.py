@@ -60,6 +60,10 @@ class ProviderUnreachable(Exception):
         self.retry_after = retry_after
 
 
+class AnswerTooLarge(ProviderUnreachable):
+    """An answer over ``MAX_BODY``."""
+
+
 @dataclass(frozen=True)
 class Provider:
     issuer: str
@@ -137,10 +141,13 @@ def _proxy(url: str) -> httpcore.Proxy | None:
 
 
 def call(method: str, url: str, *, headers: dict[str, str] | None = None,
-         form: dict[str, str] | None = None) -> Answer:
+         form: dict[str, str] | None = None, per_person: bool = False) -> Answer:
     """One request to the provider, ended by ``OIDC_TIMEOUT`` whatever it sends. Raises
     ProviderUnreachable at once while the provider is failing or ``MAX_CALLS`` are in
-    flight; a call that fails marks it failing. A 4xx is an answer (the caller judges it)."""
+    flight; a call that fails marks it failing. A 4xx is an answer (the caller judges it).
+    ``per_person``: an answer about one person (the token, the userinfo): one too large is
+    that sign-in's refusal, not the provider failing for everyone (found by an attacker:
+    one person whose groups filled 1 MiB refused everyone's sign-in for 30 s)."""
     issuer = settings.OIDC_ISSUER
     if (failing := _failing_now(issuer)) is not None:
         raise failing
@@ -154,6 +161,10 @@ def call(method: str, url: str, *, headers: dict[str, str] | None = None,
         raise _failed(issuer, f"it did not answer {urlsplit(url).path or '/'} "
                               f"within {settings.OIDC_TIMEOUT:g} s ({type(exc).__name__})"
                       ) from None
+    except AnswerTooLarge as exc:
+        if per_person:
+            raise
+        raise _failed(issuer, str(exc)) from None
     except ProviderUnreachable as exc:
         raise _failed(issuer, str(exc)) from None
     finally:
@@ -175,7 +186,7 @@ def _call(method: str, url: str, *, headers: dict[str, str],
         for chunk in response.iter_stream():
             body += chunk
             if len(body) > MAX_BODY:
-                raise ProviderUnreachable(f"it sent more than {MAX_BODY} bytes")
+                raise AnswerTooLarge(f"it sent more than {MAX_BODY} bytes")
         content_type = next((v.decode("latin-1") for k, v in response.headers
                              if k.lower() == b"content-type"), "")
     if response.status >= 500:

@@ -126,7 +126,7 @@ class SsoBackend(OIDCAuthenticationBackend):
     def get_token(self, payload: dict[str, str]) -> Any:
         """The library's code exchange, through the bounded call: a 4xx is this code refused
         (forged, used, expired), anything else not a 200 the provider failing."""
-        answer = call("POST", self.OIDC_OP_TOKEN_ENDPOINT, form=payload)
+        answer = call("POST", self.OIDC_OP_TOKEN_ENDPOINT, form=payload, per_person=True)
         if 400 <= answer.status < 500:
             raise Refused("The identity provider refused this sign-in's code: it was "
                           "forged, used already or has expired. Sign in again.")
@@ -137,7 +137,7 @@ class SsoBackend(OIDCAuthenticationBackend):
     def get_userinfo(self, access_token: str, id_token: Any, payload: Any) -> Any:
         """The library's userinfo request, through the bounded call."""
         answer = call("GET", self.OIDC_OP_USER_ENDPOINT,
-                      headers={"Authorization": f"Bearer {access_token}"})
+                      headers={"Authorization": f"Bearer {access_token}"}, per_person=True)
         if answer.status != 200:
             raise ProviderUnreachable(f"its userinfo endpoint answered {answer.status}")
         if answer.content_type.startswith("application/jwt"):

@@ -122,6 +122,19 @@ def test_a_deactivated_accounts_sso_session_signs_in_nobody(sso: Provider):
     assert engaged.status_code in (302, 403) and not KillSwitch.objects.exists()
 
 
+def test_one_persons_answer_too_large_refuses_their_sign_in_only(sso: Provider):
+    """Found by an attacker: a person whose groups filled the token answer past 1 MiB got the
+    503 page (right), and so did everyone's sign-in for the next 30 s, as if the provider
+    were down: an answer about one person is not the provider failing."""
+    sso.set_user("big-sub", preferred_username="big",
+                 groups=["support-ops", *(f"group-{i:06d}-" + "x" * 80 for i in range(12000))])
+    refused = sign_in(Client(), "big-sub")
+    assert refused.status_code == 503
+    assert b"more than 1048576 bytes" in refused.content
+    sso.set_user("alice-sub", preferred_username="alice", groups=["support-ops"])
+    assert sign_in(Client(), "alice-sub").status_code == 302
+
+
 def test_the_next_sign_in_recomputes_and_leaves_hand_given_memberships(sso: Provider):
     research = team_ensure(slug="research", name="Research")[0]
     sso.set_user("bob-sub", preferred_username="bob", groups=["support-leads", "support-ops"])
