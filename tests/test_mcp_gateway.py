@@ -798,6 +798,46 @@ def test_the_http_gateway_holds_at_most_max_sessions(server: Server, agent: Agen
         assert http.post(gateway, json=initialize).status_code == 200
 
 
+def test_the_http_gateway_bounds_what_a_body_costs_it(server: Server, agent: Agent) -> None:
+    """Found by an attacker: a request of a session was read whole by the SDK's transport (a
+    300 MB ping took the gateway to 1.26 GB and was forwarded upstream), and an opening body
+    nested past the parser's depth was a plain-text 500. Past 16 MiB a session's request is
+    a JSON 413, read no further; the nested body is a JSON-RPC parse error; the session and
+    the gateway go on."""
+    up_port, gw_port = free_port(), free_port()
+    accept = {"Accept": "application/json, text/event-stream"}
+    with process("-m", "tests.mcp_upstream", "http", str(up_port), port=up_port) as upstream, \
+            process(*gateway_args(server, agent.token), "--upstream-url", upstream,
+                    "--listen", f"127.0.0.1:{gw_port}", port=gw_port) as gateway, \
+            httpx.Client(timeout=60, headers=accept) as http:
+        nested = http.post(gateway, content=b"[" * 100_000,
+                           headers={"Content-Type": "application/json"})
+        assert nested.status_code == 400 and nested.json()["error"]["code"] == -32700
+        opened = http.post(gateway, json={**INITIALIZE, "params": {
+            **INITIALIZE["params"], "protocolVersion": "2025-06-18"}})
+        assert opened.status_code == 200, opened.text
+        session = {"Mcp-Session-Id": opened.headers["mcp-session-id"],
+                   "Mcp-Protocol-Version": "2025-06-18", "Content-Type": "application/json"}
+        http.post(gateway, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                  headers=session)
+
+        def chunks() -> Iterator[bytes]:  # a 40 MB ping, sent as it is made
+            yield b'{"jsonrpc": "2.0", "id": 2, "method": "ping", "params": {"pad": "'
+            for _ in range(40):
+                yield b"x" * (1024 * 1024)
+            yield b'"}}'
+
+        try:
+            huge = http.post(gateway, content=chunks(), headers=session)
+            assert huge.status_code == 413, huge.text
+            assert "too large" in huge.json()["error"]["message"]
+        except httpx.TransportError:
+            pass  # answered 413 before the rest was sent, and the connection closed
+        ping = http.post(gateway, json={"jsonrpc": "2.0", "id": 3, "method": "ping"},
+                         headers=session)
+        assert ping.status_code == 200 and '"id":3' in ping.text.replace(" ", ""), ping.text
+
+
 def test_a_sub_agents_gateway_session_runs_under_its_parent(server: Server, agent: Agent,
                                                             team: Team) -> None:
     """Found by a newcomer: a sub-agent that reaches its tools through its own gateway got a

@@ -19,7 +19,7 @@ import anyio
 from anyio.abc import TaskStatus
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.streamable_http import MCP_SESSION_ID_HEADER, StreamableHTTPServerTransport
-from mcp_types import INVALID_REQUEST, METHOD_NOT_FOUND
+from mcp_types import INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR
 from starlette.types import Message, Receive, Scope, Send
 
 from ..aio import AsyncGovernanceClient
@@ -31,6 +31,10 @@ logger = logging.getLogger("governance_client.mcp")
 IDLE_TIMEOUT = 30 * 60.0
 RETRY_AFTER_S = 30  # a refused initialize's (MAX_SESSIONS)
 MAX_OPENING_BODY = 4 * 1024 * 1024
+# A request of a session (a tool call's arguments may be a file's content): read here before
+# the SDK's transport, which reads any body whole (found by an attacker: a 300 MB ping took
+# the gateway from 83 MB to 1.26 GB, and the body was forwarded upstream).
+MAX_REQUEST_BODY = 16 * 1024 * 1024
 UPSTREAM_FAILED_LINGER_S = 0.5
 
 
@@ -45,19 +49,19 @@ async def _json_error(send: Send, status: int, code: int, text: str,
     await send({"type": "http.response.body", "body": body})
 
 
-def _replaying(body: bytes) -> Receive:
-    """A ``receive`` that hands the body already read to the transport."""
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the body already read to the transport, then the request's
+    own events (the client's disconnect)."""
     sent = False
 
-    async def receive() -> Message:
+    async def replay() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await anyio.sleep_forever()
-        raise AssertionError("unreachable")
+        return await receive()
 
-    return receive
+    return replay
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -115,6 +119,13 @@ class HttpGateway:
             if transport is None:
                 await _json_error(send, 404, INVALID_REQUEST, "Session not found")
                 return
+            if scope["method"] == "POST":
+                body = await self._read_body(receive, MAX_REQUEST_BODY)
+                if body is None:
+                    await _json_error(send, 413, INVALID_REQUEST, "Request body too large "
+                                      f"(over {MAX_REQUEST_BODY // (1024 * 1024)} MiB)")
+                    return
+                receive = _replaying(body, receive)
             await transport.handle_request(scope, receive, send)
             if transport.is_terminated:
                 self.sessions.pop(session_id, None)
@@ -122,14 +133,15 @@ class HttpGateway:
         if scope["method"] != "POST":
             await _json_error(send, 400, INVALID_REQUEST, "Bad Request: Missing session ID")
             return
-        body = await self._read_body(receive)
+        body = await self._read_body(receive, MAX_OPENING_BODY)
         if body is None:
             await _json_error(send, 413, INVALID_REQUEST, "Request body too large")
             return
         try:
             message = json.loads(body)
-        except ValueError:
-            message = None
+        except (ValueError, RecursionError):  # nested past the parser's depth: not JSON here
+            await _json_error(send, 400, PARSE_ERROR, "Parse error: the body is not JSON")
+            return
         request_id = message.get("id") if isinstance(message, dict) else None
         if not isinstance(message, dict) or message.get("method") != "initialize":
             # Only an initialize opens a session. server/discover (the per-request era) is
@@ -147,9 +159,10 @@ class HttpGateway:
                 "or try again later", request_id,
                 headers=((b"retry-after", str(RETRY_AFTER_S).encode()),))
             return
-        await self._open(scope, _replaying(body), send)
+        await self._open(scope, _replaying(body, receive), send)
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
+    async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
+        """The request's body, or None past ``limit`` bytes (what was read is dropped)."""
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -158,7 +171,7 @@ class HttpGateway:
                 break
             chunk = event.get("body", b"")
             size += len(chunk)
-            if size > MAX_OPENING_BODY:
+            if size > limit:
                 return None
             chunks.append(chunk)
             if not event.get("more_body"):
