@@ -331,10 +331,14 @@ def put_policy(request: HttpRequest, slug: str, name: str, payload: PolicyPutIn)
     except DocumentError as exc:  # the team's cap on policies
         raise AppError(422, "invalid_request", "The policy cannot be saved.", exc.errors) \
             from None
+    if version is not None:
+        # The version this save made, not the policy's current one read again after the
+        # commit: a PUT committed meanwhile made that one (found by an attacker: two of 16
+        # concurrent PUTs both answered version 5, and no answer named version 4).
+        return {**version_json(document["name"], version), "changed": True}
+    _read(request, team, "token.unchanged")
     policy = _policy(team, name)
-    if version is None:
-        _read(request, team, "token.unchanged")
-    return {**version_json(policy.name, policy.current), "changed": version is not None}
+    return {**version_json(policy.name, policy.current), "changed": False}
 
 
 def _would_save(request: HttpRequest, team: Team, document: dict[str, Any], note: str

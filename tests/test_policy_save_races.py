@@ -43,3 +43,36 @@ def test_saves_of_one_new_policy_at_once_make_it_once_and_each_change_a_version(
     # Every document differs from the one before it: each save made its own version.
     assert sorted(versions) == list(range(1, SAVES + 1)), versions  # type: ignore[type-var]
     assert PolicyVersion.objects.filter(policy__team=team, policy__name="burst").count() == SAVES
+
+
+def test_concurrent_puts_each_answer_the_version_they_made(team: Team,
+                                                           users: dict[str, Any]) -> None:
+    """The operator API's answer is the save's own version: read again after the commit,
+    two of 16 PUTs answered version 5 (another's) and none named version 4."""
+    from django.test import Client
+
+    from policies.tokens import operator_token_create
+
+    token = operator_token_create(user=users["admin"], name="ci", role="admin").secret
+    barrier = Barrier(SAVES)
+
+    def put(i: int) -> tuple[int, dict[str, Any]]:
+        body = {"note": f"n{i}", "confirm_stops": True,
+                "step_limits": {"max_steps": 100 + i, "max_repeat_action": 3,
+                                "no_progress_window": 4}}
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+            barrier.wait()
+            answer = client.put(f"/api/v1/teams/{team.slug}/policies/burst", body,
+                                content_type="application/json")
+            return i, {"status": answer.status_code, **answer.json()}
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(SAVES) as pool:
+        answers = list(pool.map(put, range(SAVES)))
+    assert all(answer["status"] == 200 for _, answer in answers), answers
+    assert sorted(answer["version"] for _, answer in answers) == list(range(1, SAVES + 1))
+    for i, answer in answers:  # each answer is the document its own PUT sent
+        assert answer["document"]["step_limits"]["max_steps"] == 100 + i, (i, answer)
+        assert answer["note"] == f"n{i}" and answer["changed"] is True
