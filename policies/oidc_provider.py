@@ -161,11 +161,9 @@ def call(method: str, url: str, *, headers: dict[str, str] | None = None,
         raise _failed(issuer, f"it did not answer {urlsplit(url).path or '/'} "
                               f"within {settings.OIDC_TIMEOUT:g} s ({type(exc).__name__})"
                       ) from None
-    except AnswerTooLarge as exc:
-        if per_person:
-            raise
-        raise _failed(issuer, str(exc)) from None
     except ProviderUnreachable as exc:
+        if per_person and isinstance(exc, AnswerTooLarge):
+            raise
         raise _failed(issuer, str(exc)) from None
     finally:
         _calls.release()

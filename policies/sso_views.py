@@ -20,6 +20,7 @@ from typing import Any
 import jwt
 from django.conf import settings
 from django.contrib import auth
+from django.contrib.auth.backends import ModelBackend
 from django.contrib.auth.forms import AuthenticationForm
 from django.contrib.auth.views import LoginView
 from django.core.exceptions import SuspiciousOperation, ValidationError
@@ -74,12 +75,11 @@ class SsoBackend(OIDCAuthenticationBackend):
         return None
 
     def get_user(self, user_id: Any) -> Any:
-        """The session's account, as Django's own backend gives it: none once deactivated
-        (docs/sso.md: deactivating cuts the person off at once; found by an attacker: the
-        library's lookup did not look, and a deactivated operator's session still engaged a
-        kill switch)."""
-        user = super().get_user(user_id)
-        return user if user is not None and getattr(user, "is_active", True) else None
+        """Django's own lookup (`ModelBackend`, which the library's backend extends and
+        overrides without `user_can_authenticate`): none once deactivated (docs/sso.md;
+        found by an attacker: a deactivated operator's session still engaged a kill
+        switch)."""
+        return ModelBackend.get_user(self, user_id)
 
     def sign_in_with_code(self, request: HttpRequest, *, code: str, nonce: str,
                           code_verifier: str | None) -> Any:

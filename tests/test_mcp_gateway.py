@@ -799,11 +799,11 @@ def test_the_http_gateway_holds_at_most_max_sessions(server: Server, agent: Agen
 
 
 def test_the_http_gateway_bounds_what_a_body_costs_it(server: Server, agent: Agent) -> None:
-    """Found by an attacker: a request of a session was read whole by the SDK's transport (a
-    300 MB ping took the gateway to 1.26 GB and was forwarded upstream), and an opening body
-    nested past the parser's depth was a plain-text 500. Past 16 MiB a session's request is
-    a JSON 413, read no further; the nested body is a JSON-RPC parse error; the session and
-    the gateway go on."""
+    """Found by an attacker: an opening body nested past the parser's depth was a plain-text
+    500. It is a JSON-RPC parse error, and the gateway goes on. (A session's request past
+    16 MiB, which the SDK's transport read whole, is refused unread past the bound:
+    governance_client/tests/test_mcp_http_bounds.py, in process, where the client's end of
+    an answered-early upload cannot race the answer.)"""
     up_port, gw_port = free_port(), free_port()
     accept = {"Accept": "application/json, text/event-stream"}
     with process("-m", "tests.mcp_upstream", "http", str(up_port), port=up_port) as upstream, \
@@ -820,19 +820,6 @@ def test_the_http_gateway_bounds_what_a_body_costs_it(server: Server, agent: Age
                    "Mcp-Protocol-Version": "2025-06-18", "Content-Type": "application/json"}
         http.post(gateway, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
                   headers=session)
-
-        def chunks() -> Iterator[bytes]:  # a 40 MB ping, sent as it is made
-            yield b'{"jsonrpc": "2.0", "id": 2, "method": "ping", "params": {"pad": "'
-            for _ in range(40):
-                yield b"x" * (1024 * 1024)
-            yield b'"}}'
-
-        try:
-            huge = http.post(gateway, content=chunks(), headers=session)
-            assert huge.status_code == 413, huge.text
-            assert "too large" in huge.json()["error"]["message"]
-        except httpx.TransportError:
-            pass  # answered 413 before the rest was sent, and the connection closed
         ping = http.post(gateway, json={"jsonrpc": "2.0", "id": 3, "method": "ping"},
                          headers=session)
         assert ping.status_code == 200 and '"id":3' in ping.text.replace(" ", ""), ping.text

@@ -1711,7 +1711,7 @@ def ends_at_this_check(tree: Sequence[Ancestor], now: datetime, *, covered: bool
     """Whether the run stops at this check though its status does not say so yet: a kill
     switch covers it (``covered``) or an ancestor is over (`ended_ancestor`): what
     `replay_allowed` calls ``ends_now``."""
-    return covered or (bool(tree) and ended_ancestor(tree, now) is not None)
+    return covered or ended_ancestor(tree, now) is not None
 
 
 def replay_allowed(state: RunState, first: Decision | str | None, *,
