@@ -32,7 +32,11 @@ class TimeShare:
     def wait_s(self, share: float) -> float:
         """How long the next piece of work must wait (0: it may start now), the bucket
         filled at `share` (a fraction of a second per second) since it was last asked."""
-        share = min(1.0, max(0.001, share))  # a setting of 0 would never refill
+        # A setting of 0 would never refill. The floor is low enough for a test to set a
+        # share at which any page owes more than the longest wait (1 ms at a ten-
+        # thousandth: at the old floor, a thousandth, a quiet machine's 8 ms page waited
+        # its turn and was served, and tests/test_dashboard_pacing.py failed in CI).
+        share = min(1.0, max(0.0001, share))
         now = time.monotonic()
         self._budget = min(self.burst_s, self._budget + (now - self._filled_at) * share)
         self._filled_at = now

@@ -34,7 +34,7 @@ def test_a_share_out_of_range_is_taken_as_its_nearest_bound(
     share = TimeShare(burst_s=0.0)
     share.spend(0.1)
     assert share.wait_s(5.0) == pytest.approx(0.1)  # at most all of the time
-    assert share.wait_s(0.0) == pytest.approx(100.0)  # at least a thousandth
+    assert share.wait_s(0.0) == pytest.approx(1000.0)  # at least a ten-thousandth
 
 
 def test_a_piece_owes_what_the_last_took_as_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
