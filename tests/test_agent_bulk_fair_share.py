@@ -161,8 +161,11 @@ def test_a_teams_calls_asked_for_together_start_one_after_another(
         server.stop()
     answers.sort(key=lambda ended: ended[0])
     said = [(round(at - answers[0][0], 3), answer.status_code) for at, answer in answers]
-    assert answers[0][1].status_code == 200, said
     served = [at for at, answer in answers if answer.status_code == 200]
+    # The first call is served; not necessarily the first answer to reach its thread: a
+    # refusal made as that call ends (it took over 0.1 s) can overtake it by a few ms (CI
+    # saw [(0.0, 429), (0.005, 200), (0.006, 429)]).
+    assert served, said
     for _, answer in answers:
         # Refused only with a wait past 10 s (a busy machine: a call over 0.1 s).
         assert answer.status_code == 200 or int(answer.headers["Retry-After"]) > 10, said
