@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,9 @@ def test_approvals_list_and_decide(server: Server, agent: Agent, team: Team, adm
     approval_id = answer["approval"]["id"]
     code, out, err = govctl(server, admin_token, "approvals", "list", "--team", "support")
     assert code == 0 and approval_id in out and "payments.refund" in out, err
+    # When it expires, to the second in UTC as a person reads it (the API's microseconds
+    # stay in --json).
+    assert re.search(r"expires \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ$", out.strip()), out
     code, out, err = govctl(server, admin_token, "approvals", "decide", approval_id, "approve",
                             "--note", "ok from chat")
     assert (code, out.strip()) == (0, f"{approval_id}: approved"), err
@@ -218,6 +222,8 @@ def test_runs_list(server: Server, agent: Agent, team: Team, admin_token: str):
     lines = out.splitlines()
     assert [line.split()[0] for line in lines] == [running, done]
     assert lines[0].split()[1] == "running" and lines[1].split()[1] == "completed"
+    assert all(re.search(r"started \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ$", line)
+               for line in lines), out
     code, out, err = govctl(server, admin_token, "runs", "list", "--team", "support",
                             "--status", "running", "--json")
     assert code == 0, err

@@ -32,6 +32,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -452,6 +453,18 @@ def policies_export(api: Api, args: argparse.Namespace, out: Any) -> None:
     out.write(_dump(document))
 
 
+def _when(stamp: str | None) -> str:
+    """An API timestamp as people read it in a table, to the second and in UTC (the API's
+    own, with microseconds, stays in --json)."""
+    try:
+        moment = datetime.fromisoformat(stamp or "")
+    except ValueError:
+        return str(stamp)
+    if moment.utcoffset() is None:
+        return str(stamp)
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
 def killswitch(api: Api, args: argparse.Namespace, out: Any) -> None:
     body = {"action": args.action, "scope": args.scope, "reason": args.reason,
             "team": args.team, "agent": args.agent, "run": args.run}
@@ -465,7 +478,7 @@ def killswitch(api: Api, args: argparse.Namespace, out: Any) -> None:
         elif switch.get("engaged_by") and not switch.get("released_at"):
             # Whose switch it is and why: this command's reason was not recorded.
             print(f"{what}: already engaged by {switch['engaged_by']} at "
-                  f"{switch.get('engaged_at')}: {switch.get('reason')}; nothing changed",
+                  f"{_when(switch.get('engaged_at'))}: {switch.get('reason')}; nothing changed",
                   file=out)
         else:
             print(f"{what}: {state.get('message') or 'already engaged'}", file=out)
@@ -487,7 +500,7 @@ def runs_list(api: Api, args: argparse.Namespace, out: Any) -> None:
         why = f" ({run['stop_reason']})" if run.get("stop_reason") else ""
         parent = f"  child of {run['parent_run_id']}" if run.get("parent_run_id") else ""
         print(f"{run['run_id']}  {run['status'] + why:<24} {run['agent']}  "
-              f"steps {run['steps']}  ${run['cost_usd']:g}  started {run['started_at']}"
+              f"steps {run['steps']}  ${run['cost_usd']:g}  started {_when(run['started_at'])}"
               f"{parent}", file=out)
 
 
@@ -537,7 +550,7 @@ def approvals_list(api: Api, args: argparse.Namespace, out: Any) -> None:
         action = approval["action"]
         print(f"{approval['id']}  {approval['status']:<9} run {approval['run_id'][:8]}  "
               f"{action['name']} {json.dumps(action['args'], sort_keys=True)}  "
-              f"expires {approval['expires_at']}", file=out)
+              f"expires {_when(approval['expires_at'])}", file=out)
 
 
 def approvals_decide(api: Api, args: argparse.Namespace, out: Any) -> None:
