@@ -58,15 +58,38 @@ class Outage(httpx.BaseTransport):
         self.inner.close()
 
 
-def hold_run_lock(run_id: str, seconds: float) -> None:
-    """Hold the lock every check of the run takes (PostgreSQL: the row; SQLite: the
-    database's write lock) for a while, so a check waits behind it."""
-    with transaction.atomic():
-        if connection.vendor == "postgresql":
-            list(Run.objects.select_for_update().filter(pk=run_id))
-        else:
-            Run.objects.filter(pk=run_id).update(steps=F("steps"))
-        time.sleep(seconds)
+class RunLock:
+    """Holds the lock every check of the run takes (PostgreSQL: the row; SQLite: the
+    database's write lock) from a thread of its own, so a check waits behind it: taken
+    when `__enter__` returns, released when the block ends. Events, not sleeps: on a loaded
+    machine the thread's new connection took longer than a fixed 0.3 s to lock the row, and
+    a fixed hold could end before a late check arrived."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.locked, self.release = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self.hold)
+
+    def hold(self) -> None:
+        try:
+            with transaction.atomic():
+                if connection.vendor == "postgresql":
+                    list(Run.objects.select_for_update().filter(pk=self.run_id))
+                else:
+                    Run.objects.filter(pk=self.run_id).update(steps=F("steps"))
+                self.locked.set()
+                self.release.wait(30)
+        finally:
+            connection.close()
+
+    def __enter__(self) -> RunLock:
+        self.thread.start()
+        assert self.locked.wait(30), "the run's lock was never taken"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.thread.join()
 
 
 def test_a_check_answered_after_its_deadline_is_audited_expired_and_counts_nothing(
@@ -79,18 +102,15 @@ def test_a_check_answered_after_its_deadline_is_audited_expired_and_counts_nothi
         with GovernanceClient(patient.url, agent.token, deadline=0.6) as client:
             run = client.start_run("support-bot")
             run_id = run.id
-            holder = threading.Thread(target=hold_run_lock, args=(run_id, 2.0))
-            holder.start()
-            time.sleep(0.3)  # the lock is taken
-            started = time.monotonic()
-            decision = run.check("refund.issue", {"order": 1})
-            elapsed = time.monotonic() - started
-        holder.join()
+            with RunLock(run_id):  # held until the client has given up
+                started = time.monotonic()
+                decision = run.check("refund.issue", {"order": 1})
+                elapsed = time.monotonic() - started
     finally:
         patient.stop()
 
     assert decision.reason == "governance_unavailable" and not decision.allowed
-    assert elapsed < 2.0
+    assert elapsed < 4.0  # its deadline (0.6 s), not the server's lock wait (5 s) or more
     wait_for(lambda: any(d["outcome"] == "expired" for d in decisions(agent, run_id)))
     audited = decisions(agent, run_id)
     assert {d["outcome"] for d in audited} == {"expired"}
@@ -112,19 +132,16 @@ def test_a_check_waits_for_its_runs_lock_a_bounded_time_then_answers_503(
     them held the API pool's threads, so another team's checks waited 3 to 5 s. Past
     CHECK_LOCK_WAIT_MS (1 s) the check answers 503 with Retry-After, nothing decided."""
     run_id = agent.start()["run_id"]
-    holder = threading.Thread(target=hold_run_lock, args=(run_id, 3.0))
-    holder.start()
-    time.sleep(0.3)  # the lock is taken
-    started = time.monotonic()
     body = {"action": {"name": "refund.issue", "args": {"order": 1}}, "check_id": "c-1",
             "deadline_ms": 10_000}
-    busy = agent.http.post(f"/api/v1/runs/{run_id}/check", json=body)
-    waited = time.monotonic() - started
-    holder.join()
+    with RunLock(run_id):  # held until the answer, at most 30 s
+        started = time.monotonic()
+        busy = agent.http.post(f"/api/v1/runs/{run_id}/check", json=body)
+        waited = time.monotonic() - started
     assert busy.status_code == 503 and busy.headers["Retry-After"] == "1", busy.text
     assert busy.json()["error"]["code"] == "unavailable"
     assert "busy" in busy.json()["error"]["message"]
-    assert waited < 2.5  # 1 s of lock wait, on a loaded machine
+    assert waited < 5  # 1 s of lock wait, on a loaded machine; not the lock's hold
     assert decisions(agent, run_id) == []
     # Sent again once the run is free, the same check is decided and counted once.
     answer = agent.check(run_id, "refund.issue", {"order": 1}, check_id="c-1")
@@ -218,7 +235,7 @@ def test_fail_open_decisions_made_during_an_outage_are_uploaded_marked_local(
     agent: Agent, server: Server
 ) -> None:
     network = Outage()
-    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=1,
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=10,
                           transport=network) as client, client.run("support-bot") as run:
         assert run.check("search.docs", {"q": "refunds"}, cost_usd=0.1).allowed
         run.report("page 1")
@@ -244,7 +261,7 @@ def test_a_local_stop_uploaded_at_finish_ends_the_run_with_its_reason(
 ) -> None:
     set_policy(team, step_limits={"max_repeat_action": 2})
     network = Outage()
-    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=1,
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=10,
                           transport=network) as client, client.run("support-bot") as run:
         run.check("edit_file", {"path": "a"})
         network.down = True
@@ -268,7 +285,7 @@ def test_an_action_that_needs_an_approval_is_not_allowed_during_an_outage(
     an outage they are refused locally and nothing of them is uploaded."""
     set_policy(team, approvals={"tools": ["refund.*"], "timeout_s": 60})
     network = Outage()
-    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=1,
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=10,
                           transport=network) as client, client.run("support-bot") as run:
         network.down = True
         refund = run.check("refund.issue", {"amount": 120})

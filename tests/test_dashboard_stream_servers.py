@@ -77,14 +77,16 @@ def test_the_production_server_streams_a_step_while_the_agent_checks(server, age
     ids, delay = read_step_while_checking(server, agent, run_id,
                                           last_event_id=earlier["decision_id"])
     assert str(earlier["decision_id"]) not in ids  # resumed after Last-Event-ID
-    assert len(ids) == 1 and delay < 3  # a wake-up (or one look) away, not the lifetime
+    # A wake-up (or one look of 2 s) away, not the stream's 60 s lifetime; 10 s: a loaded
+    # CI machine's stall is not what is tested.
+    assert len(ids) == 1 and delay < 10
 
 
 def test_the_production_server_streams_without_buffering(long_stream_server, agent, users):
     agent.http.base_url = long_stream_server.url
     run_id = agent.start()["run_id"]
     ids, delay = read_step_while_checking(long_stream_server, agent, run_id)
-    assert len(ids) == 1 and delay < 3  # the 20 s stream was not buffered to its end
+    assert len(ids) == 1 and delay < 10  # the 20 s stream was not buffered to its end
 
 
 def test_a_stream_keeps_working_without_redis_by_looking_at_the_database(agent, users):
@@ -96,7 +98,7 @@ def test_a_stream_keeps_working_without_redis_by_looking_at_the_database(agent, 
         agent.http.base_url = dead.url
         run_id = agent.start()["run_id"]
         ids, delay = read_step_while_checking(dead, agent, run_id)
-        assert len(ids) == 1 and delay < 3
+        assert len(ids) == 1 and delay < 10  # a look of 1 s away, not the 60 s lifetime
         ready = httpx.get(f"{dead.url}/readyz", timeout=10)
         assert ready.status_code == 200 and ready.json()["status"] == "degraded"
     finally:

@@ -30,7 +30,8 @@ def test_a_thread_is_always_left_to_another_caller() -> None:
         # In arrival order alone, b0 would wait for all ten; it takes the thread key-a may
         # not have, while key-a's first still holds the other.
         assert other.result(timeout=10) == "b0"
-        assert not flood[0].done() and started[:2] == ["a0", "b0"]
+        # a0 and b0, in either order: each on a thread of its own, which may start first.
+        assert not flood[0].done() and sorted(started[:2]) == ["a0", "b0"]
         release.set()
         assert [f.result(timeout=10) for f in flood] == [f"a{i}" for i in range(10)]
 

@@ -82,6 +82,7 @@ def pg_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgStack]:
 
 @pytest.mark.postgres
 @needs_pg
+@pytest.mark.usefixtures("attack_turn")  # a bound on every answer: the machine to itself
 def test_checks_answer_503_fast_while_postgresql_is_down_and_recover_when_it_returns(
         pg_stack: PgStack) -> None:
     pg, token = pg_stack.pg, pg_stack.token
@@ -139,6 +140,7 @@ def test_checks_answer_503_fast_while_postgresql_is_down_and_recover_when_it_ret
 
 @pytest.mark.postgres
 @needs_pg
+@pytest.mark.usefixtures("attack_turn")  # a bound on every answer: the machine to itself
 def test_a_postgresql_that_does_not_answer_costs_a_new_connection_its_connect_timeout(
         pg_stack: PgStack) -> None:
     """`connect_timeout` (2 s, settings) is what bounds a check when PostgreSQL accepts TCP

@@ -121,7 +121,9 @@ def timed_check(token: str, run_id: str, name: str) -> tuple[float, dict[str, An
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_a_check_with_50_rules_and_20000_actions_in_the_window_is_answered_in_time(
-        api: Any, team: Any, agent_token: str) -> None:
+        api: Any, team: Any, agent_token: str, attack_turn: None) -> None:
+    """SPEC 10's 2 s, timed with the machine to itself (`attack_turn`): CI's other groups
+    beside it could stall one of four concurrent checks past it alone."""
     set_policy(team, **LOOSE, rate_limits=RULES)
     run_id = start(api)
     more = [start(api) for _ in range(4)]
@@ -179,7 +181,8 @@ def test_a_held_rule_lock_makes_the_check_wait_briefly_instead_of_blocking(
             started = time.monotonic()
             answer = check(api, run_id, "http.get", i=2)
             elapsed = time.monotonic() - started
-            assert elapsed < 2.0, f"{elapsed:.2f} s"
+            # 0.3 s of lock wait; the unbounded wait this replaced ends at 5 s (the Timer).
+            assert elapsed < 4.0, f"{elapsed:.2f} s"
             assert (answer["decision"], answer["reason"]) == ("wait", "rate_limited")
             assert answer["retry_after_s"] == BUSY_RETRY_S
             assert "other checks are being counted against it" in answer["message"]

@@ -28,10 +28,13 @@ from policies.sso_views import forget_provider
 from tests.faults import hung_listener
 from tests.sso_provider import Provider, authorize, path_of, running_provider
 
-TIMEOUT_S = 1.0
+TIMEOUT_S = 2.0
 HEALTHY_TIMEOUT_S = 15.0
 # The page's answer: the deadline, and room for a loaded 2-core machine.
 BOUND_S = TIMEOUT_S + 1.5
+# "At once": well under the deadline that contacting the provider (or waiting for another
+# caller's contact) would cost, and well over a loaded machine's stall (0.5 s was not).
+AT_ONCE_S = TIMEOUT_S - 0.5
 DISCOVERY = "/.well-known/openid-configuration"
 
 
@@ -117,7 +120,7 @@ def test_a_hung_provider_is_answered_within_the_deadline_then_not_contacted_agai
         assert len(hung.held) == 1
         for _ in range(5):  # within the failure window: at once, nothing sent to it
             response, took = timed_login()
-            assert took < 0.5, took
+            assert took < AT_ONCE_S, took
             assert_unavailable(response)
         assert len(hung.held) == 1
 
@@ -131,7 +134,7 @@ def test_a_trickling_provider_is_cut_off_at_the_deadline(headers_done):
         assert took < BOUND_S, took
         assert_unavailable(response)
         response, took = timed_login()
-        assert took < 0.5 and len(accepted) == 1
+        assert took < AT_ONCE_S and len(accepted) == 1
         assert_unavailable(response)
 
 
@@ -159,7 +162,7 @@ def test_concurrent_sign_ins_wait_on_no_provider_call_but_one():
             took = sorted(pool.map(discover, range(12)))
         assert len(hung.held) == 1
         assert took[-1] < BOUND_S
-        assert took[-2] < 0.5, took
+        assert took[-2] < AT_ONCE_S, took
 
 
 def test_calls_in_flight_are_capped_per_process(monkeypatch):
@@ -169,13 +172,13 @@ def test_calls_in_flight_are_capped_per_process(monkeypatch):
     with hung_listener() as hung, sso_at(f"http://127.0.0.1:{hung.port}"):
         first = threading.Thread(target=_quiet_call, args=(hung.port,))
         first.start()
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + 10  # its connection accepted, on a loaded machine
         while not hung.held and time.monotonic() < deadline:
             time.sleep(0.01)
         started = time.monotonic()
         with pytest.raises(ProviderUnreachable, match="already waiting"):
             oidc_provider.call("GET", f"http://127.0.0.1:{hung.port}/other")
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < AT_ONCE_S
         first.join(BOUND_S)
         assert len(hung.held) == 1
 

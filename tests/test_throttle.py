@@ -505,7 +505,8 @@ def test_failures_are_still_counted_and_answered_fast_without_a_working_redis(re
                 started = time.monotonic()
                 answers.append((fresh(srv.url).status_code, time.monotonic() - started))
             assert [status for status, _ in answers] == [401] * 10 + [429] * 3
-            assert max(took for _, took in answers) < 2.0, answers
+            # Each would take the cache call's 5 s with Redis hung; "fast" is well under it.
+            assert max(took for _, took in answers) < 4.0, answers
             good = fresh(srv.url, agent_token)
             assert good.status_code == 200
         finally:
