@@ -93,3 +93,53 @@ def test_a_team_whose_receiver_is_slow_holds_one_webhook_process_not_all(
     finally:
         slow.stop()
         quick.stop()
+
+
+def queue_switches(team: Any, receiver: Receiver, count: int) -> None:
+    """`count` kill switches of `team`, each with its webhook delivery queued as the
+    service does."""
+    url = hook_of(team, receiver)
+    for n in range(count):
+        switch = KillSwitch.objects.create(scope="agent", team=team,
+                                           target=f"agent:{team.pk}:flood-{n}",
+                                           reason="flood", engaged_by_label="ops",
+                                           engaged_at=timezone.now())
+        delivery = WebhookDelivery.objects.create(switch=switch, team=team, url=url,
+                                                  payload={"event": "killswitch.engaged"})
+        webhooks.schedule_delivery(delivery.pk, 1, 0, urgent=True)
+
+
+def test_a_teams_kill_switches_hold_one_webhook_process_not_all(
+        team: Any, other_team: Any, workers: list[Any]) -> None:
+    """One kill-switch attempt of a team at a time too. Found by an attacker: 12 kill
+    switches of a team whose receiver never answered took both of the webhook worker's
+    processes, and another team's kill-switch webhook reached its receiver 29 s after its
+    engage (SPEC 10: no tenant delays any kill switch's fan-out). Here the hanging team's
+    receiver answers after 6 s (past the 5 s deadline): its first attempt holds one process,
+    the others wait for it, and the other team's delivery goes on the second process while
+    that first attempt is still the hanging team's only one."""
+    hanging = Receiver(secrets={other_team.slug: other_team.webhook_secret}, delay=6.0).start()
+    quick = Receiver(secrets={team.slug: team.webhook_secret}).start()
+    try:
+        workers.append(start_worker(pools={"webhooks": "webhooks"}, concurrency=2))
+        queue_switches(other_team, hanging, 4)
+        assert hanging.first_request.wait(30), "no kill-switch delivery was attempted"
+        switch = KillSwitch.objects.create(scope="team", team=team, target=f"team:{team.pk}",
+                                           reason="runaway", engaged_by_label="ops",
+                                           engaged_at=timezone.now())
+        kill = WebhookDelivery.objects.create(switch=switch, team=team,
+                                              url=hook_of(team, quick),
+                                              payload={"event": "killswitch.engaged"})
+        webhooks.schedule_delivery(kill.pk, 1, 0)
+        wait_for(lambda: quick.valid[team.slug] == 1, timeout=30,
+                 what="the other team's kill-switch delivery")
+        # Before: both processes took the hanging team's first two, and the delivery waited
+        # for the 5 s deadline of one of them (and then for the two queued before it).
+        started = sum(hanging.valid.values())
+        assert started == 1, hanging.valid
+        # The others are attempted in turn, one at a time, once the first is over.
+        wait_for(lambda: sum(hanging.valid.values()) >= 2, timeout=30,
+                 what="the hanging team's next delivery")
+    finally:
+        hanging.stop()
+        quick.stop()

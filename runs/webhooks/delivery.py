@@ -54,6 +54,11 @@ TIMEOUT_S = 5.0
 # How long a claimed attempt may stay in flight before another worker calls it lost: the
 # attempt's deadline plus slack for recording the outcome.
 LEASE_S = TIMEOUT_S + 2.0
+# How soon a kill switch's delivery waiting for its team's attempt in flight looks again: by
+# the time that attempt must have ended, and at least every URGENT_LOOK_S (a receiver that
+# answers at once keeps a team's switches apart by about that much, not the 5 s deadline;
+# a flood of N switches towards one that hangs costs N quick looks a second, not a process).
+URGENT_LOOK_S = 1.0
 # What operators see of a failed attempt: what happened, in fixed phrases that point at the
 # fix, and the status code; nothing the receiver (or whatever listens at that address) wrote.
 REFUSED = "refused: the host resolves to an address that is not public (see WEBHOOK_ALLOWED_HOSTS)"
@@ -243,12 +248,15 @@ def _claim(delivery_id: int, number: int) -> tuple[WebhookDelivery, WebhookAttem
                 return None
             delivery.url = current
             delivery.save(update_fields=["url"])
-        if delivery.switch_id is None and _team_busy(delivery, now):
-            # One routine attempt of a team at a time: a team whose receiver hangs holds one
-            # of the webhook worker's processes, not all of them (found by an attacker: 130
-            # approvals towards a receiver that never answered held every process, and every
-            # other team's notifications waited minutes). Look again once its lease is over.
-            return Next(number, LEASE_S)
+        if (wait := _team_busy(delivery, now)) is not None:
+            # One attempt of a team at a time of each kind (a kill switch's; an approval's or
+            # a test's): a team whose receiver hangs holds one of the webhook worker's
+            # processes, not all of them (found by attackers: 130 approvals towards a
+            # receiver that never answered held every process, and every other team's
+            # notifications waited minutes; 12 kill switches of one team did the same to
+            # another team's kill-switch webhook, 29 s). A kill switch's never waits for its
+            # team's approvals'. Look again once the attempt in flight is over.
+            return Next(number, wait)
         delivery.attempts = number
         delivery.save(update_fields=["attempts"])
         attempt = WebhookAttempt.objects.create(delivery=delivery, number=number, at=now,
@@ -256,12 +264,26 @@ def _claim(delivery_id: int, number: int) -> tuple[WebhookDelivery, WebhookAttem
     return delivery, attempt
 
 
-def _team_busy(delivery: WebhookDelivery, now: datetime) -> bool:
-    """Whether another routine delivery (an approval's, a test's) of the delivery's team has
-    an attempt in flight, within its lease."""
-    return WebhookAttempt.objects.filter(
-        delivery__team_id=delivery.team_id, delivery__switch__isnull=True, error=IN_FLIGHT,
-        at__gt=now - timedelta(seconds=LEASE_S)).exclude(delivery_id=delivery.pk).exists()
+def _team_busy(delivery: WebhookDelivery, now: datetime) -> float | None:
+    """None, or how long to wait before looking again: another delivery of the delivery's
+    team and of its kind (a kill switch's, or a routine one: an approval's, a test's) has an
+    attempt in flight, within its lease. A routine delivery looks again once that lease is
+    over; a kill switch's when the attempt must have ended (its deadline) or within
+    URGENT_LOOK_S, whichever comes first, so a team's own switches follow each other
+    closely."""
+    oldest = (WebhookAttempt.objects.filter(
+        delivery__team_id=delivery.team_id,
+        delivery__switch__isnull=delivery.switch_id is None, error=IN_FLIGHT,
+        at__gt=now - timedelta(seconds=LEASE_S)).exclude(delivery_id=delivery.pk)
+        .order_by("at").values_list("at", flat=True).first())
+    if oldest is None:
+        return None
+    if delivery.switch_id is None:
+        return LEASE_S
+    age = (now - oldest).total_seconds()
+    # Past its deadline and still in flight: its worker may be gone, which its lease settles.
+    ends_in = TIMEOUT_S - age if age < TIMEOUT_S else LEASE_S - age
+    return max(0.1, min(URGENT_LOOK_S, ends_in))
 
 
 @functools.cache
