@@ -23,7 +23,7 @@ from django.db.models import F
 from governance_client import AsyncGovernanceClient, GovernanceClient
 from policies.models import Team
 from runs.killswitch.services import killswitch_engage
-from runs.models import Decision, Run
+from runs.models import Approval, Decision, Run
 from tests.conftest import Agent, Server, server_env, set_policy, start_server
 
 
@@ -204,6 +204,26 @@ def test_a_check_read_after_its_deadline_at_expires_and_so_does_its_retry(agent:
     soon = (datetime.now(UTC) + timedelta(seconds=30)).replace(tzinfo=None).isoformat()
     answer = agent.check(run_id, "refund.issue", {"order": 1}, deadline_at=soon)
     assert (answer["decision"], answer["step"]) == ("allow", 1)
+
+
+def test_an_expired_checks_answer_is_what_its_audit_row_says(agent: Agent, team: Team) -> None:
+    """SPEC 4.5: the answer is the audited decision. Found by an attacker: an expired check's
+    answer kept what the rules had decided before it expired, a repeat count its audit row
+    did not have and an approval id that answered 404."""
+    set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600})
+    run_id = agent.start()["run_id"]
+    assert agent.check(run_id, "search.docs", {"q": 1})["decision"] == "allow"
+    past = (datetime.now(UTC) - timedelta(seconds=5)).isoformat()
+    repeat = agent.check(run_id, "search.docs", {"q": 1}, deadline_at=past)
+    pay = agent.check(run_id, "payments.refund", {"order": 1}, deadline_at=past, check_id="p1")
+    audited = decisions(agent, run_id)
+    assert [(d["outcome"], d["repeat_count"]) for d in audited] == [
+        ("allow", 1), ("expired", 1), ("expired", 0)]
+    assert (repeat["reason"], repeat["repeat_count"]) == ("deadline_expired", 1)
+    assert (pay["decision"], pay["reason"], pay["approval"], pay["retry_after_s"]) == (
+        "stop", "deadline_expired", None, None)
+    assert "deadline_at" in pay["message"]
+    assert not Approval.objects.filter(run_id=run_id).exists()
 
 
 @pytest.mark.parametrize("value", ["soon", True, {}, [1], "2026-13-01T00:00:00Z"])

@@ -176,13 +176,18 @@ def expired_answer(decided: dict[str, Any], state: rules.RunState, now: datetime
                    check_id: str | None, policy: rules.Policy | None = None
                    ) -> dict[str, Any]:
     """The answer of an expired check: the answer the rules ``decided``, told as a stop with
-    the state before the check (the rest of it, the repeat count and the limits among them,
-    stays as decided) and the check_id it was sent with."""
+    the state before the check and the check_id it was sent with, as `rules.expire` audits
+    it (SPEC 4.5: the answer is the audited decision). Of what was decided only the action's
+    key and the limits stay: its repeat count is the count before it, as this check counted
+    nothing, and an approval it would have opened or a wait it would have asked for were
+    never made (found by an attacker: an expired check named an approval id that answered
+    404, and a repeat count its audit row did not have)."""
     fired = rules.rule(DEADLINE_EXPIRED, {}, {"past_deadline": True})
     return {**decided, "decision": rules.STOP, "reason": DEADLINE_EXPIRED,
             "step": state.steps, "message": EXPIRED_MESSAGE, "next_action": EXPIRED_NEXT,
+            "repeat_count": state.repeat_counts.get(decided["repeat_key"], 0),
             "usage": state.usage(now), "directive": None, "shadow": None,
-            "check_id": check_id,
+            "approval": None, "retry_after_s": None, "check_id": check_id,
             "rule": rule_of(fired, policy=policy_ref(policy) if policy else None)}
 
 

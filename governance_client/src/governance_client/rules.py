@@ -1616,8 +1616,9 @@ def _stop_rule_again(state: RunState, reason: str) -> dict[str, Any]:
 
 # A check the agent no longer waited for (its deadline_ms passed before it was decided).
 DEADLINE_EXPIRED = "deadline_expired"
-EXPIRED_MESSAGE = ("The check arrived or waited past its deadline_ms: the agent no longer "
-                   "waited for the answer, so it was not decided and nothing was counted.")
+EXPIRED_MESSAGE = ("The check arrived or waited past its deadline (deadline_ms or "
+                   "deadline_at): the agent no longer waited for the answer, so it was not "
+                   "decided and nothing was counted.")
 EXPIRED_NEXT = "Check the action again if it is still wanted."
 
 
