@@ -11,6 +11,7 @@ SQLite only).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -22,7 +23,9 @@ from django.db import connection
 from governance_client.testing import BASE_URL, FakeGovernance
 
 from governance_client import rules
+from policies.document import parse_policy
 from policies.models import Team
+from policies.services import policy_save
 from runs.approvals.services import approval_decide
 from runs.check.policy_cache import rules_for_version
 from runs.killswitch.services import resolve_target
@@ -319,3 +322,28 @@ def unwaited(value: Any) -> Any:
     if isinstance(value, str):
         return SECONDS.sub("<wait> s", value)
     return value
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("warnings", [
+    None, {}, {"budget_fraction": 0.5}, {"repeat_action": 1}, {"no_progress": None}])
+def test_a_fake_from_a_policy_file_warns_as_the_server_saves_that_file(
+        warnings: dict[str, Any] | None, team: Team, tmp_path: Any) -> None:
+    """SPEC 3, 16: what a file omits takes the default, the warnings block's keys one by one
+    too. Found by an attacker: a block naming only budget_fraction turned the two other
+    warnings off in the fake, while the server warned."""
+    policy: dict[str, Any] = {
+        "name": "default", "step_limits": {"max_steps": 10, "max_repeat_action": 3,
+                                           "no_progress_window": 4},
+        "budgets": {"max_seconds": None, "max_usd": None}}
+    if warnings is not None:
+        policy["warnings"] = warnings
+    path = tmp_path / "policies.json"
+    path.write_text(json.dumps({"teams": [{"slug": team.slug, "policies": [policy]}]}))
+    # As the API's PUT and `govctl policies apply` save it: normalised first.
+    version = policy_save(team=team, document=parse_policy(policy), actor=None, source="test")
+    assert version is not None
+    served = rules_for_version(version.pk)
+    faked = FakeGovernance.from_policy_file(path, team=team.slug).policy
+    fields = ("warn_repeat_action", "warn_no_progress", "warn_budget_fraction")
+    assert [getattr(faked, f) for f in fields] == [getattr(served, f) for f in fields]

@@ -238,14 +238,18 @@ class FakeGovernance:
         if "max_idle_seconds" not in budgets:  # omitted in a file: the default (SPEC 3, 14)
             found = {**found, "budgets": {**budgets,
                                           "max_idle_seconds": rules.Policy().max_idle_seconds}}
-        if "warnings" not in found:  # omitted in a file: a new policy's (SPEC 16)
+        if "warnings" not in found or isinstance(found["warnings"], dict):
+            # Each one omitted in a file, or the whole block: a new policy's (SPEC 3, 16), as
+            # the server saves it (found by an attacker: a block naming only budget_fraction
+            # turned the other two off here, and the server warned).
             steps = found.get("step_limits") or {}
             found = {**found, "warnings": {
                 "repeat_action": rules.default_warning(
                     "repeat_action", steps.get("max_repeat_action") or 3),
                 "no_progress": rules.default_warning(
                     "no_progress", steps.get("no_progress_window") or 4),
-                "budget_fraction": rules.DEFAULT_WARNINGS["budget_fraction"]}}
+                "budget_fraction": rules.DEFAULT_WARNINGS["budget_fraction"],
+                **(found.get("warnings") or {})}}
         approvals = found.get("approvals") or {}
         kwargs.setdefault("approvals", tuple(approvals.get("tools") or ()))
         kwargs.setdefault("approval_timeout_s", approvals.get("timeout_s", 900))
