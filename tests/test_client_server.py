@@ -298,6 +298,25 @@ def test_a_local_stop_uploaded_at_finish_ends_the_run_with_its_reason(
     assert [d["outcome"] for d in decisions(agent, run.id)] == ["allow", "allow", "stop"]
 
 
+def test_a_local_decision_warns_as_the_server_would(agent: Agent, server: Server,
+                                                     team: Team) -> None:
+    """SPEC 16 during an outage: the run's policy as the start answers it carries the
+    warnings, so the client's own decisions warn before a stop as the server's do (found by
+    an attacker: the policy had no warnings block, and local allows never warned)."""
+    set_policy(team, step_limits={"max_repeat_action": 3})
+    network = Outage()
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=10,
+                          transport=network) as client, client.run("support-bot") as run:
+        online = run.check("edit_file", {"path": "a"})
+        network.down = True
+        local = run.check("edit_file", {"path": "a"})
+        network.down = False
+    assert online.directive is None and local.local
+    # The second of three identical calls: one more may run (the default warning, at 2).
+    assert local.directive is not None and local.directive["code"] == "repeat_action", local
+    assert [d["local"] for d in decisions(agent, run.id)] == [False, True]
+
+
 def test_an_action_that_needs_an_approval_is_not_allowed_during_an_outage(
     agent: Agent, server: Server, team: Team
 ) -> None:

@@ -38,6 +38,7 @@ def policy_json(version: PolicyVersion) -> dict[str, Any]:
         "repeat_key": doc.get("repeat_key"),
         "on_repeated_error": doc.get("on_repeated_error"),
         "approvals": doc.get("approvals"),
+        "warnings": doc.get("warnings"),
     }
 
 

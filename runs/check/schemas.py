@@ -295,6 +295,9 @@ class PolicyOut(Schema):
     repeat_key: dict[str, Any] | None = None
     on_repeated_error: dict[str, Any] | None = None
     approvals: dict[str, Any] | None = None
+    # SPEC 16's warnings, so a fail-open client's local decisions warn as the server's do
+    # (null: a version saved before warnings existed, which warns of nothing).
+    warnings: dict[str, Any] | None = None
 
 
 class RunStartOut(Schema):
