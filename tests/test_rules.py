@@ -1366,3 +1366,14 @@ def test_a_check_in_time_or_that_changed_nothing_is_not_expired() -> None:
     stop, same_state = evaluate(loose(), over, same(), now=T0)
     assert same_state is over
     assert rules.expire(over, stop, same_state, past_deadline=True) is None
+
+
+@pytest.mark.parametrize(("max_seconds", "written"), [
+    (45, "45"), (0.25, "0.25"), (31_536_000, "31536000"), (0.000001, "0.000001"),
+    (5e-324, "5e-324"), (1.5e-7, "1.5e-7")])
+def test_a_limit_is_written_as_people_write_it_however_small(max_seconds: float,
+                                                              written: str) -> None:
+    """Found by an attacker: a max_seconds of 5e-324 is a valid policy, and every stop's
+    message spelt out its 300-digit expansion."""
+    message = rules.out_of_time_message(rules.Policy(max_seconds=max_seconds))
+    assert f"(max_seconds={written})" in message and len(message) < 150

@@ -517,8 +517,13 @@ class Decision:
 
 
 def _plain(value: Decimal | float) -> str:
-    """A limit as people write it: ``45``, ``0.25``, ``31536000``, never ``3.1536e+07``."""
-    return f"{Decimal(str(value)).normalize():f}"
+    """A limit as people write it: ``45``, ``0.25``, ``31536000``, never ``3.1536e+07``; a
+    tiny one past a millionth as ``5e-324``, not the 300 digits of its expansion (found by an
+    attacker: a max_seconds of 5e-324 is valid, and every stop message spelt it out)."""
+    plain = Decimal(str(value)).normalize()
+    if plain and plain.adjusted() < -6:
+        return f"{plain:e}".replace("E", "e")
+    return f"{plain:f}"
 
 
 def _dollars(value: Decimal | float) -> str:
