@@ -88,7 +88,7 @@ def test_bulk_calls_take_turns_within_their_share_of_the_process(
                 # within the client's, so only then may it refuse; after the wait it named,
                 # the call is served.
                 assert first_took > 0.1, (first_took, second.text)
-                assert int(second.headers["Retry-After"]) > 10
+                assert int(second.headers["Retry-After"]) >= 10
                 time.sleep(int(second.headers["Retry-After"]))
                 assert http.get("/api/v1/runs").status_code == 200
             else:
@@ -103,7 +103,7 @@ def test_bulk_calls_take_turns_within_their_share_of_the_process(
             assert refused.status_code == 429, refused.text
             assert refused.json()["error"]["code"] == "too_many_requests"
             assert "share of this server process's time" in refused.json()["error"]["message"]
-            assert int(refused.headers["Retry-After"]) > 10
+            assert int(refused.headers["Retry-After"]) >= 10
             theirs = agent_key_create(team=other_team, name="billing-reader").token
             began = time.monotonic()
             listed = http.get("/api/v1/runs", headers={"Authorization": f"Bearer {theirs}"})
@@ -168,8 +168,10 @@ def test_a_teams_calls_asked_for_together_start_one_after_another(
     # saw [(0.0, 429), (0.005, 200), (0.006, 429)]).
     assert served, said
     for _, answer in answers:
-        # Refused only with a wait past 10 s (a busy machine: a call over 0.1 s).
-        assert answer.status_code == 200 or int(answer.headers["Retry-After"]) > 10, said
+        # Refused only with a wait of 10 s or more (a busy machine: a call over 0.1 s, or the
+        # one before it waiting out most of the 10 s its turn may take; CI saw [(0.0, 200),
+        # (9.796, 429), (9.802, 200)], a refusal after waiting 10 s for the turn).
+        assert answer.status_code == 200 or int(answer.headers["Retry-After"]) >= 10, said
     assert all(later - earlier >= 0.05 for earlier, later in itertools.pairwise(served)), said
 
 
@@ -181,7 +183,7 @@ def served_after_its_turn(http: httpx.Client, method: str, url: str,
     answer = http.request(method, url, **kwargs)
     if answer.status_code == 429:
         assert answer.json()["error"]["code"] == "too_many_requests", answer.text
-        assert int(answer.headers["Retry-After"]) > 10, answer.headers
+        assert int(answer.headers["Retry-After"]) >= 10, answer.headers
         time.sleep(int(answer.headers["Retry-After"]))
         answer = http.request(method, url, **kwargs)
     return answer

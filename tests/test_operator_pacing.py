@@ -56,7 +56,7 @@ def test_one_teams_operator_calls_take_turns_within_their_share_of_the_process(
             error = refused[0].json()["error"]
             assert error["code"] == "too_many_requests"
             assert "share of this server process's time" in error["message"]
-            assert int(refused[0].headers["Retry-After"]) > 10
+            assert int(refused[0].headers["Retry-After"]) >= 10
             # A running run to kill (the upload above ended its run: nothing to kill there).
             running = http.post("/api/v1/runs", json={"agent": "support-bot"},
                                 headers=auth(agent_token)).json()["run_id"]
