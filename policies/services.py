@@ -37,6 +37,7 @@ from .models import (
     Role,
     Team,
 )
+from .selectors import admins_besides
 
 KEY_PREFIX = "gov"
 
@@ -337,13 +338,36 @@ def agent_key_touch(key_id: int, last_used_at: datetime | None) -> None:
 
 # --- Memberships -----------------------------------------------------------------------------
 
+class LastAdmin(ValueError):
+    """The change would leave the team without an admin (only a superuser could manage it
+    again)."""
+
+
+def _keep_an_admin(team: Team, membership: Membership, role: str | None) -> None:
+    """Refuse (LastAdmin) a change of ``membership`` to ``role`` (None: its removal) that
+    leaves the team no admin. Under the team's row lock, the roles read again: two admins
+    demoting or removing each other at once both passed a count made before either wrote,
+    and the team was left with none (found by an attacker). An invited admin who has not
+    chosen a password yet manages nothing, so does not count."""
+    Team.objects.select_for_update(no_key=True).filter(pk=team.pk).values_list("pk").first()
+    current = Membership.objects.filter(pk=membership.pk).values_list("role", flat=True).first()
+    if current != Role.ADMIN or role == Role.ADMIN:
+        return
+    if not admins_besides(team, membership):
+        raise LastAdmin(f"The team's last admin cannot be {'demoted' if role else 'removed'}.")
+
+
+@transaction.atomic
 def membership_set(*, team: Team, user: AbstractBaseUser, role: str,
                    actor: AbstractBaseUser | None) -> Membership:
+    """Add ``user`` to the team with ``role``, or change their role; LastAdmin when that
+    would leave the team without an admin."""
     role = Role(role)
     membership, created = Membership.objects.get_or_create(
         team=team, user=user, defaults={"role": role}
     )
     if not created and membership.role != role:
+        _keep_an_admin(team, membership, role)
         before = membership.role
         membership.role = role
         # A role set by hand is the hand's from now on: SSO sign-ins leave it alone.
@@ -357,7 +381,10 @@ def membership_set(*, team: Team, user: AbstractBaseUser, role: str,
     return membership
 
 
+@transaction.atomic
 def membership_remove(*, membership: Membership, actor: AbstractBaseUser | None) -> None:
+    """Remove a member; LastAdmin when they are the team's last admin."""
+    _keep_an_admin(membership.team, membership, None)
     audit(actor=actor, action="member.remove", team=membership.team,
           target=membership.user.get_username(), detail={"role": membership.role})
     membership.delete()

@@ -47,6 +47,7 @@ from .forms import (
 )
 from .models import Invitation, Policy, Role
 from .services import (
+    LastAdmin,
     agent_key_create,
     agent_key_revoke,
     invitation_accept,
@@ -537,12 +538,6 @@ class InvitationView(PasswordResetConfirmView):
         return response
 
 
-def _would_orphan(request: HttpRequest, membership: Any, new_role: str | None) -> bool:
-    # A team must keep an admin: otherwise only a superuser could manage it again.
-    return (membership.role == Role.ADMIN and new_role != Role.ADMIN
-            and selectors.admins_besides(request.team, membership) == 0)
-
-
 @team_view(Role.ADMIN)
 @require_POST
 def member_role(request: HttpRequest, slug: str, membership_id: int) -> HttpResponse:
@@ -550,13 +545,15 @@ def member_role(request: HttpRequest, slug: str, membership_id: int) -> HttpResp
     form = MemberRoleForm(request.POST)
     if not form.is_valid():
         messages.error(request, "Choose viewer, operator or admin.")
-    elif _would_orphan(request, membership, form.cleaned_data["role"]):
-        messages.error(request, "The team's last admin cannot be demoted.")
     else:
-        membership_set(team=request.team, user=membership.user, role=form.cleaned_data["role"],
-                       actor=request.user)
-        messages.success(request, f"{membership.user.get_username()} is now "
-                                  f"{form.cleaned_data['role']}.")
+        try:
+            membership_set(team=request.team, user=membership.user,
+                           role=form.cleaned_data["role"], actor=request.user)
+        except LastAdmin as refused:
+            messages.error(request, str(refused))
+        else:
+            messages.success(request, f"{membership.user.get_username()} is now "
+                                      f"{form.cleaned_data['role']}.")
     return redirect("members", slug=slug)
 
 
@@ -575,10 +572,11 @@ def member_remove(request: HttpRequest, slug: str, membership_id: int) -> HttpRe
             "action": request.path, "button": f"Remove {name}",
             "cancel": reverse("members", args=[slug]),
         })
-    if _would_orphan(request, membership, None):
-        messages.error(request, "The team's last admin cannot be removed.")
-    else:
+    try:
         membership_remove(membership=membership, actor=request.user)
+    except LastAdmin as refused:
+        messages.error(request, str(refused))
+    else:
         messages.success(request, f"Removed {membership.user.get_username()}.")
     return redirect("members", slug=slug)
 
