@@ -505,6 +505,10 @@ def member_invite(*, team: Team, username: str, role: str,
     Raises ValueError for a member of this team or a waiting invitation, which the Members
     page shows anyway."""
     model = get_user_model()
+    # The name as the account would be made (NFKC): looked up raw, a fullwidth spelling of
+    # another team's account found nobody, and making it collided with that account, which
+    # was answered as a waiting invitation: its existence told (found by an attacker).
+    username = model.normalize_username(username)
     user = model.objects.filter(username=username).first()
     if user is not None and Invitation.objects.filter(team=team, user=user,
                                                       accepted_at__isnull=True).exists():

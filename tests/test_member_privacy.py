@@ -91,6 +91,24 @@ def invite(client: Client, team: Team, username: str, role: str = "operator") ->
     return response, page.content.decode()
 
 
+def test_a_fullwidth_spelling_of_another_teams_account_is_that_account(
+        team: Team, users: dict[str, Any]) -> None:
+    """Found by an attacker: "outsider" in fullwidth letters was looked up as typed, found
+    nobody, and making its account (NFKC: "outsider") collided with the existing one, which
+    was answered "an invitation for this username is waiting" where a new name was invited:
+    the account's existence told. It is the account's own name now, invited as any existing
+    account is."""
+    admin = signed_in(users["admin"])
+    existing, _ = invite(admin, team, "\uff4f\uff55\uff54\uff53\uff49\uff44\uff45\uff52")
+    new, _ = invite(admin, team, "\uff4e\uff45\uff57\uff50\uff45\uff52\uff53\uff4f\uff4e")
+    assert existing.status_code == new.status_code == 302
+    invited = Invitation.objects.filter(team=team).values_list("user__username", "new_account")
+    assert sorted(invited) == [("newperson", True), ("outsider", False)]
+    assert sorted(OperatorEvent.objects.filter(team=team, action="member.invite")
+                  .values_list("target", flat=True)) == ["newperson", "outsider"]
+    assert not Membership.objects.filter(team=team, user=users["outsider"]).exists()
+
+
 def test_inviting_an_account_of_another_team_answers_as_for_a_new_username(
         team: Team, users: dict[str, Any]) -> None:
     admin = signed_in(users["admin"])
