@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
+
 from governance_client import repeat_key
 from governance_client.history import (
     PinnedContext,
@@ -302,3 +304,41 @@ def test_the_service_stops_the_rename_loop_at_the_fourth_call() -> None:
     assert decisions[3].reason == "loop_detected"
     assert decisions[3].step == 4
     assert decisions[3].repeat_key == repeat_key("edit_file", EDIT)
+
+
+def _pairs_intact(messages: list[dict[str, Any]]) -> bool:
+    """Every tool result follows the assistant turn that called it (OpenAI refuses others)."""
+    called: set[str] = set()
+    for message in messages:
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            called = {call["id"] for call in message["tool_calls"]}
+        elif message.get("role") == "tool":
+            if message["tool_call_id"] not in called:
+                return False
+        else:
+            called = set()
+    return True
+
+
+def test_the_budget_pairs_each_result_with_its_own_call_when_ids_repeat() -> None:
+    """Some servers name every turn's call ``call_0``. Found by an attacker: each result was
+    tied to the last call of that id, so at some budget the first result stayed while its
+    call went. Every budget down to nothing now leaves every result after its call."""
+    def turn(n: int) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_0", "type": "function",
+                     "function": {"name": "read", "arguments": f'{{"n": {n}}}'}}]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "x" * 2000}]
+
+    history = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+               *turn(0), *turn(1), *turn(2), {"role": "user", "content": "more"},
+               *[{"role": "assistant", "content": "ok"}] * 5]
+    full = compact_with_budget(history, max_tokens=10**9).estimated_tokens
+    for budget in range(full, 0, -1):
+        assert _pairs_intact(compact_with_budget(history, max_tokens=budget)), budget
+
+
+def test_a_history_item_that_is_no_message_is_named() -> None:
+    for item in (("user", "hi"), "hi", None, 5):
+        with pytest.raises(TypeError, match=r"history\[1\] is a .*: each message must be"):
+            compact_with_budget([{"role": "user", "content": "u"}, item])

@@ -188,6 +188,12 @@ def compact_history(history: Sequence[Message], keep_full_last: int = 5) -> list
     is the old, already-acted-upon output that drowns the signal. Returns a new list; dicts are
     new dicts, message objects are copies where they change.
     """
+    for index, message in enumerate(history):
+        if not isinstance(message, Mapping) and not _is_object(message):
+            # Said plainly, not an AttributeError from deep inside (a LangChain ("user",
+            # "hi") tuple, a bare string, None).
+            raise TypeError(f"history[{index}] is a {type(message).__name__}: each message "
+                            "must be a dict or a message object with .content")
     split = max(len(history) - max(keep_full_last, 0), 0)
     return [
         _compact(message) if index < split and _is_tool_result(message) else _copy(message)
@@ -215,32 +221,48 @@ def estimate_tokens(message: Message) -> int:
 
 def _exchanges(history: Sequence[Message]) -> list[list[int]]:
     """Units of eviction, oldest first: a tool-calling message with every message that holds
-    one of its results, or a result whose call is not in the history, alone."""
-    owner: dict[str, int] = {}
-    units: dict[int, list[int]] = {}
+    one of its results, or a result whose call is not in the history, alone.
+
+    A result belongs to the nearest call before it with its id: some servers give every
+    turn's call the same id (``call_0``), and pairing each result with the last call of that
+    id left the earlier results without theirs (found by an attacker: a result evicted after
+    its call, which the model's API refuses). A result whose call comes only after it takes
+    that call. Units are joined in one pass (a union-find), so a history of thousands of
+    exchanges costs about as many steps, not their square (8,000 took 2.6 s before)."""
+    parent: dict[int, int] = {}
+
+    def root(index: int) -> int:
+        while parent[index] != index:
+            parent[index] = parent[parent[index]]
+            index = parent[index]
+        return index
+
+    def join(a: int, b: int) -> None:
+        first, second = root(a), root(b)
+        if first != second:
+            parent[max(first, second)] = min(first, second)
+
+    latest: dict[str, int] = {}  # a call id: the last message so far that made that call
+    early: dict[str, list[int]] = {}  # a call id: results seen before any call with it
     for index, message in enumerate(history):
-        for call in _call_ids(message):
-            owner[call] = index
-            units.setdefault(index, [index])
-    for index, message in enumerate(history):
-        if not _is_tool_result(message):
+        calls, is_result = _call_ids(message), _is_tool_result(message)
+        if not calls and not is_result:
             continue
-        calls = [owner[c] for c in _result_ids(message) if c in owner]
-        if calls:
-            for call_index in set(calls):
-                if index not in units[call_index]:
-                    units[call_index].append(index)
-        else:
-            units[index] = [index]
-    # A message holding the results of two calls ties their units together.
-    merged: list[set[int]] = []
-    for unit in sorted(units.values(), key=min):
-        group = set(unit)
-        for existing in [m for m in merged if m & group]:
-            group |= existing
-            merged.remove(existing)
-        merged.append(group)
-    return [sorted(group) for group in sorted(merged, key=min)]
+        parent[index] = index
+        if is_result:
+            for call in _result_ids(message):
+                if call in latest:
+                    join(latest[call], index)
+                else:
+                    early.setdefault(call, []).append(index)
+        for call in calls:
+            latest[call] = index
+            for result in early.pop(call, ()):
+                join(index, result)
+    units: dict[int, list[int]] = {}
+    for index in parent:  # in the history's order
+        units.setdefault(root(index), []).append(index)
+    return sorted(units.values(), key=lambda unit: unit[0])
 
 
 class Compacted(list[Message]):
@@ -294,7 +316,7 @@ def compact_with_budget(
     sizes = [estimate_tokens(m) for m in compact]
     total = sum(sizes)
     evicted: set[int] = set()
-    for unit in _exchanges(compact):  # oldest first
+    for unit in _exchanges(compact) if total > max_tokens else ():  # oldest first
         if total <= max_tokens:
             break
         if max(unit) >= split or any(is_pinned(compact[i]) for i in unit):
