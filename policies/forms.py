@@ -52,8 +52,10 @@ WARNING_FIELDS = {"warn_repeat_action": "repeat_action", "warn_no_progress": "no
                   "warn_budget_fraction": "budget_fraction"}
 OPTIONAL_NUMBERS = {"max_seconds", "max_usd", "max_tool_calls", "max_idle_seconds"}
 RATE_LINE = "match per max window_s, e.g. http.* agent 10 60"
-INT_RE = re.compile(r"^[+-]?\d+$")
-FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
+# ASCII digits only, as YAML reads them: `\d` took "٣" (Arabic-Indic 3), which int() reads,
+# so the form saved 3 where a file is refused (found by an attacker).
+INT_RE = re.compile(r"^[+-]?[0-9]+$", re.ASCII)
+FLOAT_RE = re.compile(r"^[+-]?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][+-]?[0-9]+)?$", re.ASCII)
 
 
 def _number(raw: str) -> Any:

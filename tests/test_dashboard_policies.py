@@ -90,6 +90,8 @@ def test_an_empty_budget_means_no_limit_and_an_unchecked_allow_list_means_all_to
     ("max_steps", "0", "step_limits.max_steps", 0),
     ("max_steps", "abc", "step_limits.max_steps", "abc"),
     ("max_steps", "2.5", "step_limits.max_steps", 2.5),
+    # An Arabic-Indic 3: a string in a file, and so in the form (it was saved as 3).
+    ("max_steps", "\u0663", "step_limits.max_steps", "\u0663"),
     ("max_usd", "0.1234567", "budgets.max_usd", 0.1234567),
     ("max_seconds", "-1", "budgets.max_seconds", -1),
     ("mode", "sideways", "mode", "sideways"),
