@@ -41,6 +41,17 @@ def queue_approvals(team: Any, receiver: Receiver, count: int) -> None:
         webhooks.schedule_delivery(approval.pk, 1, 0, urgent=False)
 
 
+def switch_delivery(team: Any, receiver: Receiver, *, scope: str = "team",
+                    target: str | None = None, reason: str = "runaway") -> WebhookDelivery:
+    """A kill switch of `team` engaged now, and its webhook delivery to `receiver` (not
+    scheduled yet)."""
+    switch = KillSwitch.objects.create(scope=scope, team=team, target=target or f"team:{team.pk}",
+                                       reason=reason, engaged_by_label="ops",
+                                       engaged_at=timezone.now())
+    return WebhookDelivery.objects.create(switch=switch, team=team, url=hook_of(team, receiver),
+                                          payload={"event": "killswitch.engaged"})
+
+
 def test_a_kill_switchs_delivery_goes_before_every_queued_approval_delivery(
         team: Any, other_team: Any, workers: list[Any]) -> None:
     slow = Receiver(secrets={other_team.slug: other_team.webhook_secret}, delay=1.5).start()
@@ -50,12 +61,7 @@ def test_a_kill_switchs_delivery_goes_before_every_queued_approval_delivery(
         workers.append(start_worker(pools={"webhooks": "webhooks"}))
         queue_approvals(other_team, slow, QUEUED)
         assert slow.first_request.wait(30), "no approval delivery was attempted"
-        switch = KillSwitch.objects.create(scope="team", team=team, target=f"team:{team.pk}",
-                                           reason="runaway", engaged_by_label="ops",
-                                           engaged_at=timezone.now())
-        kill = WebhookDelivery.objects.create(switch=switch, team=team,
-                                              url=hook_of(team, quick),
-                                              payload={"event": "killswitch.engaged"})
+        kill = switch_delivery(team, quick)
         webhooks.schedule_delivery(kill.pk, 1, 0)  # urgent: looked up, a switch's
         wait_for(lambda: quick.valid[team.slug] == 1, timeout=30,
                  what="the kill switch's delivery")
@@ -98,14 +104,9 @@ def test_a_team_whose_receiver_is_slow_holds_one_webhook_process_not_all(
 def queue_switches(team: Any, receiver: Receiver, count: int) -> None:
     """`count` kill switches of `team`, each with its webhook delivery queued as the
     service does."""
-    url = hook_of(team, receiver)
     for n in range(count):
-        switch = KillSwitch.objects.create(scope="agent", team=team,
-                                           target=f"agent:{team.pk}:flood-{n}",
-                                           reason="flood", engaged_by_label="ops",
-                                           engaged_at=timezone.now())
-        delivery = WebhookDelivery.objects.create(switch=switch, team=team, url=url,
-                                                  payload={"event": "killswitch.engaged"})
+        delivery = switch_delivery(team, receiver, scope="agent",
+                                   target=f"agent:{team.pk}:flood-{n}", reason="flood")
         webhooks.schedule_delivery(delivery.pk, 1, 0, urgent=True)
 
 
@@ -124,12 +125,7 @@ def test_a_teams_kill_switches_hold_one_webhook_process_not_all(
         workers.append(start_worker(pools={"webhooks": "webhooks"}, concurrency=2))
         queue_switches(other_team, hanging, 4)
         assert hanging.first_request.wait(30), "no kill-switch delivery was attempted"
-        switch = KillSwitch.objects.create(scope="team", team=team, target=f"team:{team.pk}",
-                                           reason="runaway", engaged_by_label="ops",
-                                           engaged_at=timezone.now())
-        kill = WebhookDelivery.objects.create(switch=switch, team=team,
-                                              url=hook_of(team, quick),
-                                              payload={"event": "killswitch.engaged"})
+        kill = switch_delivery(team, quick)
         webhooks.schedule_delivery(kill.pk, 1, 0)
         wait_for(lambda: quick.valid[team.slug] == 1, timeout=30,
                  what="the other team's kill-switch delivery")
