@@ -172,6 +172,12 @@ class ApiRouteMiddleware(_SyncAndAsync):
         refused = _bad_length(request)
         if refused is not None:
             return self._answer_async(refused) if self.async_mode else refused
+        if request.path == "/api":
+            # The API's namespace without its slash: a JSON 404 naming where the API is, not
+            # the pages' HTML 404 (found by a newcomer trying the bare prefix).
+            missing = error(404, "not_found", "No such endpoint: /api. The API is under "
+                            "/api/v1/ (its document: /api/v1/openapi.json).")
+            return self._answer_async(missing) if self.async_mode else missing
         if request.path.startswith(API_PREFIX):
             if request.method == "HEAD":
                 # HEAD is GET without the body (RFC 9110 9.3.2): the API's operations name

@@ -382,3 +382,11 @@ def test_a_path_missing_its_slash_is_a_json_404_not_an_html_redirect(client):
         assert answer.status_code == 404 and answer["Content-Type"] == "application/json"
         assert answer.json()["error"]["code"] == "not_found"
 
+
+def test_the_bare_api_prefix_is_a_json_404_naming_where_the_api_is(client):
+    """`/api` without its slash answered the pages' HTML 404."""
+    for method in (client.get, client.post, client.head):
+        answer = method("/api")
+        assert answer.status_code == 404 and answer["Content-Type"] == "application/json"
+    assert "/api/v1/" in client.get("/api").json()["error"]["message"]
+

@@ -128,6 +128,36 @@ def test_shadow_mode_warns_as_enforce_does() -> None:
     assert [d.directive for d in a] == [d.directive for d in b]
 
 
+def test_a_shadow_warning_past_its_limit_says_enforcing_would_have_stopped() -> None:
+    """A shadow policy runs past its limits, and each warning then said the stop was still
+    ahead ("the next identical call is not run")."""
+    shadow = Policy(**{**LOOSE, **OFF, "mode": "shadow", "max_repeat_action": 3,
+                       "warn_repeat_action": 2})
+    decisions, _ = drive(shadow, [SAME] * 5)
+    assert "the next identical call is not run" in decisions[2].directive["content"]
+    for past in decisions[3:]:
+        assert past.shadow["reason"] == "loop_detected"
+        assert "enforcing policy would have stopped this run at identical call 4; shadow " \
+            "mode runs it" in past.directive["content"]
+    same = replace(SAME, progress="p")
+    stalled, _ = drive(Policy(**{**LOOSE, **OFF, "mode": "shadow", "no_progress_window": 3,
+                                 "warn_no_progress": 2}),
+                       [replace(same, args={"i": i}) for i in range(5)])
+    assert "at 3 in a row (no_progress_window=3) the next action is not run" in \
+        stalled[2].directive["content"]
+    assert "3 steps in a row reported no new progress or result; an enforcing policy would " \
+        "have stopped this run at 3 in a row" in stalled[3].directive["content"]
+    # A budget warned only once it is passed: the warning turned on while the run was past.
+    quiet = Policy(**{**LOOSE, **OFF, "mode": "shadow", "max_steps": 2})
+    _, state = drive(quiet, [replace(SAME, args={"i": i}) for i in range(2)])
+    decision, _ = evaluate(replace(quiet, warn_budget_fraction=0.8), state,
+                           replace(SAME, args={"i": 2}), now=T0)
+    assert decision.shadow["reason"] == "max_steps"
+    assert decision.directive["content"].startswith(
+        "This run is at step 3, past max_steps=2: an enforcing policy would have stopped "
+        "this run;")
+
+
 @SEQUENCES
 @given(policy=policies, sequence=sequences,
        warn=st.tuples(st.none() | st.integers(1, 4), st.none() | st.integers(1, 4),

@@ -952,31 +952,44 @@ def _budget_warning(policy: Policy, state: RunState, now: datetime, budget: str,
     if budget == "max_steps":
         limit: Any = policy.max_steps
         observed: Any = state.steps
-        counter, words = "steps", (
+        past = observed > limit
+        counter, words, spent = "steps", (
             f"{who} is at step {observed} of max_steps={limit}: an action past step "
-            f"{limit} is not run and stops this run.")
+            f"{limit} is not run and stops this run."), f"at step {observed}"
     elif budget == "max_seconds":
         if policy.max_seconds is None:
             return None
         limit, observed = policy.max_seconds, round(state.elapsed_s(now), 3)
-        counter, words = "elapsed_s", (
+        past = observed > limit
+        counter, words, spent = "elapsed_s", (
             f"{who} has lasted {observed:.1f} s of max_seconds={_plain(limit)}: past "
-            f"{_plain(limit)} s {its} next action is not run and this run is stopped.")
+            f"{_plain(limit)} s {its} next action is not run and this run is stopped."), (
+            f"{observed:.1f} s long")
     elif budget == "max_usd":
         if policy.max_usd is None:
             return None
         limit, observed = float(policy.max_usd), float(state.cost_usd)
-        counter, words = "cost_usd", (
+        past = state.cost_usd >= policy.max_usd
+        counter, words, spent = "cost_usd", (
             f"{who} has spent {_dollars(state.cost_usd)} of max_usd="
             f"{_plain(policy.max_usd)}: once it reaches {_dollars(policy.max_usd)} {its} next "
-            "action is not run and this run is stopped.")
+            "action is not run and this run is stopped."), (
+            f"at {_dollars(state.cost_usd)} spent")
     else:
         if policy.max_tool_calls is None:
             return None
         limit, observed = policy.max_tool_calls, state.tool_calls
-        counter, words = "tool_calls", (
+        past = observed > limit
+        counter, words, spent = "tool_calls", (
             f"{who} has made {observed} tool calls of max_tool_calls={limit}: once it has "
-            f"made {limit}, {its} next tool call is not run and this run is stopped.")
+            f"made {limit}, {its} next tool call is not run and this run is stopped."), (
+            f"at {observed} tool calls")
+    if past and policy.mode == "shadow":
+        # Only a shadow policy lets a run go past its limit: "is not run" would describe a
+        # stop still ahead, where enforcing would have stopped the run already.
+        words = (f"{who} is {spent}, past {budget}={_plain(limit)}: an enforcing policy would "
+                 "have stopped this run; shadow mode runs its actions and reports each as a "
+                 "would-stop.")
     # Past the fraction, not at it (SPEC 16: "the first allow past this fraction"). Rounded:
     # 0.07 x 100 is 7.000000000000001 in floating point, which 7 steps would pass.
     if limit <= 0 or observed <= round(fraction * float(limit), 9):
@@ -1010,7 +1023,11 @@ def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: da
         left = limit - count
         then = (f"{left} more identical call{'s' if left != 1 else ''} may run, and the one "
                 "after is not run and stops this run" if left > 0 else
-                "the next identical call is not run and stops this run")
+                "the next identical call is not run and stops this run"
+                if left == 0 or policy.mode != "shadow" else
+                # Past the limit: only shadow mode runs such a call (see _budget_warning).
+                "an enforcing policy would have stopped this run at identical call "
+                f"{limit + 1}; shadow mode runs it")
         found.append(WarningFound(count / limit, _directive(REPEAT_ACTION, (
             f"{check.name} was called {_times(count)} with the same arguments; "
             f"max_repeat_action is {limit}: {then}. Use the result you have or change "
@@ -1020,12 +1037,15 @@ def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: da
                                 {"repeat_count": count})))
     streak, window = state.no_progress_streak, policy.no_progress_window
     if policy.warn_no_progress is not None and streak >= policy.warn_no_progress:
+        then = (f"at {window} in a row (no_progress_window={window}) the next action is not "
+                "run and this run is stopped" if streak < window or policy.mode != "shadow"
+                else f"an enforcing policy would have stopped this run at {window} in a row "
+                f"(no_progress_window={window}); shadow mode runs the action")
         found.append(WarningFound(streak / window, _directive(NO_PROGRESS, (
             # Words for the model: "informative" is the contract's term (a check that
             # reported progress or a result), not one a model or a user knows.
-            f"{streak} steps in a row reported no new progress or result; at {window} in a row "
-            f"(no_progress_window={window}) the next action is not run and this run is "
-            "stopped. Report new progress or change approach.")), rule(
+            f"{streak} steps in a row reported no new progress or result; {then}. Report new "
+            "progress or change approach.")), rule(
                 NO_PROGRESS, {"no_progress_window": window,
                               "warnings.no_progress": policy.warn_no_progress},
                 {"no_progress_streak": streak})))
