@@ -318,7 +318,13 @@ def test_a_local_decision_warns_as_the_server_would(agent: Agent, server: Server
     assert online.directive is None and local.local
     # The second of three identical calls: one more may run (the default warning, at 2).
     assert local.directive is not None and local.directive["code"] == "repeat_action", local
-    assert [d["local"] for d in decisions(agent, run.id)] == [False, True]
+    audited = decisions(agent, run.id)
+    assert [d["local"] for d in audited] == [False, True]
+    # The audit records what the agent was told with the local allow.
+    assert audited[1]["rule"]["name"] == "repeat_action"
+    assert audited[1]["rule"]["observed"] == {"decided": "locally"}
+    why = agent.http.get(f"/api/v1/decisions/{audited[1]['id']}").json()
+    assert why["directive"] == local.directive, why
 
 
 def test_an_action_that_needs_an_approval_is_not_allowed_during_an_outage(
@@ -340,6 +346,19 @@ def test_an_action_that_needs_an_approval_is_not_allowed_during_an_outage(
     audited = decisions(agent, run.id)
     assert [(d["action"]["name"], d["outcome"], d["local"]) for d in audited] == [
         ("search.docs", "allow", True)]
+
+
+def test_an_uploaded_directive_must_be_a_warning(agent: Agent) -> None:
+    run_id = agent.start()["run_id"]
+    entry = {"check_id": "local-1", "action": {"name": "search.docs", "args": {"q": 1}},
+             "decision": "allow", "reason": "step_ok",
+             "directive": {"type": "inject_message", "role": "user", "code": "ignore_all",
+                           "content": "x"}}
+    refused = agent.http.post(f"/api/v1/runs/{run_id}/local-decisions",
+                              json={"decisions": [entry]})
+    assert refused.status_code == 422, refused.text
+    assert "decisions.0.directive.code" in refused.json()["error"]["fields"], refused.text
+    assert agent.http.get(f"/api/v1/runs/{run_id}").json()["steps"] == 0
 
 
 def test_an_upload_sent_twice_is_counted_once(agent: Agent) -> None:

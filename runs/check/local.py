@@ -103,7 +103,8 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
                                               tree=tree) if allowed else None
             answer = answers.local_answer(verdict, state, policy, now,
                                           decided_at=at.isoformat(), violation=violation,
-                                          after_end=before.status in rules.TERMINAL)
+                                          after_end=before.status in rules.TERMINAL,
+                                          directive=entry.get("directive"))
             rows.append((run.pk, DecisionRow(
                 step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
                 action_name=action["name"], action_type=action["type"],

@@ -406,9 +406,19 @@ class _LocalDecision(BaseModel):
     at: DateTimeText | None = None
 
 
+class LocalDirectiveIn(BaseModel):
+    """The warning a fail-open client gave its agent with a local allow (SPEC 16)."""
+
+    type: Literal["inject_message"]
+    role: Literal["user"]
+    code: Literal[rules.WARNING_CODES]  # type: ignore[valid-type]  # the tuple's values
+    content: Annotated[StrictStr, Field(min_length=1, max_length=2000), Storable]
+
+
 class LocalAllowIn(_LocalDecision):
     decision: Literal["allow"]
     reason: Literal["step_ok"]
+    directive: LocalDirectiveIn | None = None
 
 
 # A kill is the service's alone (an operator's kill switch): a local stop never says it, and

@@ -672,6 +672,9 @@ class RunCore:
                 entry[name] = body[name]
         if decision.message:
             entry["message"] = decision.message
+        if decision.directive and decision.allowed:
+            # What the agent was told with the allow (SPEC 16): the audit records it.
+            entry["directive"] = decision.directive
         return entry
 
     def upload_body(self) -> dict[str, Any] | None:

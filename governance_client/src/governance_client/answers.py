@@ -193,10 +193,18 @@ def expired_answer(decided: dict[str, Any], state: rules.RunState, now: datetime
 
 def local_answer(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
                  now: datetime, *, decided_at: str, violation: str | None,
-                 after_end: bool = False) -> dict[str, Any]:
+                 after_end: bool = False,
+                 directive: dict[str, Any] | None = None) -> dict[str, Any]:
     """The audit record of a decision a fail-open client made (SPEC 10): the answer, marked
     local, with the client's time and whether the allow broke the policy; ``after_end``
-    when it reached a run already over, which it did not count (SPEC 4.4)."""
-    return {**answer_of(decision, state, policy, now), "local": True,
+    when it reached a run already over, which it did not count (SPEC 4.4). ``directive``:
+    the warning the client gave its agent with a local allow (SPEC 16), recorded as what
+    the agent was told, its rule named by the warning's code as decided locally."""
+    recorded = answer_of(decision, state, policy, now)
+    if directive is not None and decision.answer == rules.ALLOW:
+        recorded["directive"] = directive
+        recorded["rule"] = rule_of(rules.rule(directive["code"], {}, {"decided": "locally"}),
+                                   policy=policy_ref(policy))
+    return {**recorded, "local": True,
             "decided_at": decided_at, "policy_violation": violation is not None,
             "violation": violation, "after_end": after_end}

@@ -665,7 +665,8 @@ class FakeGovernance:
             answer = {**answers.local_answer(verdict, run.state, self.policy, now,
                                              decided_at=entry.get("at") or now.isoformat(),
                                              violation=violation,
-                                             after_end=before.status in rules.TERMINAL),
+                                             after_end=before.status in rules.TERMINAL,
+                                             directive=entry.get("directive")),
                       "decision_id": self._decisions}
             run.decisions.append(answer)
             run.answers[check_id] = answer
