@@ -322,7 +322,7 @@ def test_a_local_decision_warns_as_the_server_would(agent: Agent, server: Server
     assert [d["local"] for d in audited] == [False, True]
     # The audit records what the agent was told with the local allow.
     assert audited[1]["rule"]["name"] == "repeat_action"
-    assert audited[1]["rule"]["observed"] == {"decided": "locally"}
+    assert audited[1]["rule"]["observed"] == {"repeat_count": 2}
     why = agent.http.get(f"/api/v1/decisions/{audited[1]['id']}").json()
     assert why["directive"] == local.directive, why
 
@@ -346,6 +346,44 @@ def test_an_action_that_needs_an_approval_is_not_allowed_during_an_outage(
     audited = decisions(agent, run.id)
     assert [(d["action"]["name"], d["outcome"], d["local"]) for d in audited] == [
         ("search.docs", "allow", True)]
+
+
+def test_a_budget_is_warned_once_across_an_outage(agent: Agent, server: Server,
+                                                  team: Team) -> None:
+    """SPEC 16: a budget's warning once per run, whoever sent it. The service's warning
+    given before an outage is not given again by the client's own decisions, and the
+    client's given during one is not given again by the service after it."""
+    set_policy(team, step_limits={"max_steps": 20, "max_repeat_action": 10},
+               warnings={"budget_fraction": 0.1, "repeat_action": None, "no_progress": None})
+    network = Outage()
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=10,
+                          transport=network) as client, client.run("support-bot") as run:
+        online = [run.check("edit_file", {"path": str(i)}, progress=str(i)) for i in range(3)]
+        network.down = True
+        local = [run.check("edit_file", {"path": f"l{i}"}, progress=f"l{i}") for i in range(2)]
+        network.down = False
+        after = [run.check("edit_file", {"path": f"a{i}"}, progress=f"a{i}") for i in range(2)]
+    codes = [d.directive and d.directive["code"] for d in online + local + after]
+    # Steps past 2 of 20 (the fraction 0.1): the third check, once.
+    assert codes == [None, None, "budget", None, None, None, None], codes
+    assert all(d.local for d in local)
+
+    set_policy(team, step_limits={"max_steps": 20, "max_repeat_action": 10},
+               warnings={"budget_fraction": 0.2, "repeat_action": None, "no_progress": None})
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=10,
+                          transport=network) as client, client.run("support-bot") as run:
+        online = [run.check("edit_file", {"path": str(i)}, progress=str(i)) for i in range(3)]
+        network.down = True
+        local = [run.check("edit_file", {"path": f"l{i}"}, progress=f"l{i}") for i in range(2)]
+        network.down = False
+        after = [run.check("edit_file", {"path": f"a{i}"}, progress=f"a{i}") for i in range(2)]
+    codes = [d.directive and d.directive["code"] for d in online + local + after]
+    # Past 4 of 20: the fifth check, decided by the client during the outage.
+    assert codes == [None, None, None, None, "budget", None, None], codes
+    audited = decisions(agent, run.id)
+    assert audited[4]["local"] and audited[4]["rule"]["name"] == "budget"
+    assert audited[4]["rule"]["observed"] == {"steps": 5}, audited[4]["rule"]
+    assert [d["rule"] for d in audited[5:]] == [None, None]
 
 
 def test_an_uploaded_directive_must_be_a_warning(agent: Agent) -> None:

@@ -94,6 +94,14 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
             )
             if state.steps > before.steps:  # counted on every ancestor too (SPEC 20)
                 ancestors = lineage.counted_on(ancestors, verdict, check, now=now)
+            directive, warning = entry.get("directive") if allowed else None, None
+            if directive is not None and state.steps > before.steps:
+                # The warning the client gave, as the rules find it: a budget's is not sent
+                # again by the service (SPEC 16: once per budget per run).
+                warning = rules.local_warning(policy, state, check, directive["code"], now,
+                                              ancestors)
+                if warning is not None and warning.budget is not None:
+                    state.budget_warned = state.budget_warned | {warning.budget}
             at = entry.get("at") or now
             # The client's clock, kept within what the service can vouch for.
             at = min(max(at, run.started_at), now)
@@ -104,7 +112,7 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
             answer = answers.local_answer(verdict, state, policy, now,
                                           decided_at=at.isoformat(), violation=violation,
                                           after_end=before.status in rules.TERMINAL,
-                                          directive=entry.get("directive"))
+                                          directive=directive, warning=warning)
             rows.append((run.pk, DecisionRow(
                 step=verdict.step, outcome=verdict.outcome, reason=verdict.reason,
                 action_name=action["name"], action_type=action["type"],

@@ -193,18 +193,21 @@ def expired_answer(decided: dict[str, Any], state: rules.RunState, now: datetime
 
 def local_answer(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
                  now: datetime, *, decided_at: str, violation: str | None,
-                 after_end: bool = False,
-                 directive: dict[str, Any] | None = None) -> dict[str, Any]:
+                 after_end: bool = False, directive: dict[str, Any] | None = None,
+                 warning: rules.WarningFound | None = None) -> dict[str, Any]:
     """The audit record of a decision a fail-open client made (SPEC 10): the answer, marked
     local, with the client's time and whether the allow broke the policy; ``after_end``
     when it reached a run already over, which it did not count (SPEC 4.4). ``directive``:
     the warning the client gave its agent with a local allow (SPEC 16), recorded as what
-    the agent was told, its rule named by the warning's code as decided locally."""
+    the agent was told; its rule is ``warning``'s, the rules' own finding of it
+    (`rules.local_warning`), or, where they find none, the code's, decided locally."""
     recorded = answer_of(decision, state, policy, now)
     if directive is not None and decision.answer == rules.ALLOW:
         recorded["directive"] = directive
-        recorded["rule"] = rule_of(rules.rule(directive["code"], {}, {"decided": "locally"}),
-                                   policy=policy_ref(policy))
+        recorded["rule"] = rule_of(
+            rules.rule(directive["code"], {}, {"decided": "locally"}) if warning is None
+            else warning.rule, policy=policy_ref(policy),
+            scope=RUN_SCOPE if warning is None else warning.scope or RUN_SCOPE)
     return {**recorded, "local": True,
             "decided_at": decided_at, "policy_violation": violation is not None,
             "violation": violation, "after_end": after_end}

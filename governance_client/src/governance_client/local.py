@@ -106,6 +106,9 @@ class LocalLedger:
             self.policy, self.state, check, allowed=decision.allowed, reason=decision.reason,
             now=datetime.now(UTC),
         )
+        warned = rules.warned_budget(decision.rule)
+        if warned is not None:  # sent once per budget per run (SPEC 16), online or not
+            self.state.budget_warned = self.state.budget_warned | {warned}
         # The service is authoritative (other processes may check the same run).
         usage = decision.usage
         if isinstance(usage.get("steps"), int):

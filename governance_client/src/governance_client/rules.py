@@ -1074,6 +1074,31 @@ def choose_warning(found: Sequence[WarningFound]) -> WarningFound | None:
     return best
 
 
+def warned_budget(answered: Mapping[str, Any] | None) -> str | None:
+    """The budget an answer's ``rule`` (SPEC 16) warned about, as `budget_warned` remembers
+    it; None for any other rule. The client's copy of the state follows the service's
+    answers with it, so that it does not warn of a budget again during an outage."""
+    if not answered or answered.get("name") != BUDGET:
+        return None
+    budget = next((name for name in answered.get("limit") or {} if name in BUDGETS), None)
+    if budget is None:
+        return None
+    scope = answered.get("scope")
+    return _warned_key(budget, None if scope in (None, "run") else str(scope))
+
+
+def local_warning(policy: Policy, state: RunState, check: Check, code: str, now: datetime,
+                  tree: Sequence[Ancestor] = ()) -> WarningFound | None:
+    """The warning of ``code`` a fail-open client gave with a local allow, as these rules
+    find it on the run's state after that allow was counted (``tree``: the ancestors after
+    it too, `count_in_tree`): its rule for the audit, and the budget to remember as warned,
+    so that the service does not send a budget's warning a second time (SPEC 16). None
+    where the service's state shows no such warning (the client's copy was behind)."""
+    key = repeat_key(check.name, check.args, policy.ignore_args)
+    return choose_warning([found for found in warnings_of(policy, state, check, key, now, tree)
+                           if found.directive["code"] == code])
+
+
 # --- Rate limits (SPEC 12) ---------------------------------------------------------------------
 #
 # The store counts, for each rule that matches the action, the actions of the rule's scope
