@@ -576,6 +576,65 @@ def test_a_shadow_childs_own_would_stop_does_not_hide_its_enforcing_parents_limi
     assert costs[3]["reason"] == "max_usd" and costs[3]["rule"]["scope"] != "run"
 
 
+def test_a_shadow_parents_would_stop_leaves_an_enforcing_childs_own_rules_enforced(api, team):
+    """Found by an attacker: once a shadow parent passed its max_steps, an enforcing child's
+    every check was that would-stop, and the child's own rules were never read: a denied
+    tool, a loop, its budget, its rate limit and its approvals all answered allow (SPEC 20:
+    those rules stay per run)."""
+    set_policy(team, mode="shadow", step_limits={"max_steps": 2})
+    _second_policy(team, "strict", mode="enforce",
+                   step_limits={"max_steps": 1000, "max_repeat_action": 2},
+                   tools={"allow": ["*"], "deny": ["shell.*"]},
+                   rate_limits=[{"match": "fetch", "per": "run", "max": 1, "window_s": 5}],
+                   approvals={"tools": ["payments.*"], "timeout_s": 60},
+                   budgets={"max_usd": 1.0})
+    children = {}
+
+    def child() -> str:
+        parent = start(api)
+        run_id = start(api, "helper", parent_run_id=parent, policy="strict")
+        answers = [check(api, run_id) for _ in range(3)]
+        # Past the parent's max_steps: would-stops from here on.
+        assert answers[2]["shadow"]["reason"] == "max_steps", answers
+        children[run_id] = parent
+        return run_id
+
+    denied = check(api, child(), "shell.exec")
+    assert (denied["decision"], denied["reason"]) == ("stop", "tool_denied"), denied
+    looping = child()
+    same = {"action": {"name": "search", "args": {"q": "same"}}}
+    answers = [post(api, f"/api/v1/runs/{looping}/check", same) for _ in range(3)]
+    assert [a["decision"] for a in answers] == ["allow", "allow", "stop"], answers
+    assert answers[2]["reason"] == "loop_detected" and answers[2]["rule"]["scope"] == "run"
+    spending = child()
+    costs = [check(api, spending, cost_usd=0.4) for _ in range(3)]
+    assert [a["decision"] for a in costs] == ["allow", "allow", "stop"], costs
+    assert costs[2]["reason"] == "max_usd"
+    limited = child()
+    assert check(api, limited, "fetch")["decision"] == "allow"
+    waited = check(api, limited, "fetch")
+    assert (waited["decision"], waited["reason"]) == ("wait", "rate_limited"), waited
+    pending = check(api, child(), "payments.refund", check_id="refund-1")
+    assert (pending["decision"], pending["reason"]) == ("pending", "approval_required"), pending
+    # The allows still report the parent's would-stop, and no parent was stopped.
+    assert costs[1]["shadow"]["reason"] == "max_steps"
+    assert not Run.objects.filter(pk__in=children.values()).exclude(status="running").exists()
+
+
+def test_a_childs_local_allows_under_a_shadow_parent_break_nothing_of_the_parents(api, team):
+    """A shadow parent's passed limit is no violation of an uploaded local allow (SPEC 10:
+    a shadow policy enforces nothing, so breaks nothing)."""
+    set_policy(team, mode="shadow", step_limits={"max_steps": 2})
+    _second_policy(team, "big", mode="enforce", step_limits={"max_steps": 1000})
+    child = start(api, "helper", parent_run_id=start(api), policy="big")
+    body = post(api, f"/api/v1/runs/{child}/local-decisions", {"decisions": [
+        {"check_id": f"local-{i}", "action": {"name": "search", "args": {"i": i}},
+         "decision": "allow", "reason": "step_ok"} for i in range(4)]})
+    assert body["http"] == 200 and body["recorded"] == 4
+    flagged = [d.answer["policy_violation"] for d in Decision.objects.filter(run_id=child)]
+    assert flagged == [False] * 4
+
+
 def test_a_childs_check_is_no_activity_for_an_abandoned_parent(api, team, monkeypatch):
     """Found by a tester: a child's check found its parent abandoned (past its idle
     deadline, not yet ended by any look) and stopped, but it counted on the parent and

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -597,7 +597,9 @@ def local_violation(policy: Policy, state: RunState, check: Check, *, now: datet
     # finish was flagged parent_stopped).
     then = [replace(a, state=replace(a.state, status=RUNNING, stop_reason=None, ended_at=None))
             if a.state.ended_at is not None and a.state.ended_at > now else a for a in tree]
-    stop = _first_stop(policy, new, check, key, now, None, tree=in_tree(then, check))
+    # Only what is enforced was broken: a shadow ancestor's limit breaks nothing.
+    stop, _ = _first_stops(_stops(policy, new, check, key, now, None, tree=in_tree(then, check)),
+                           policy, then)
     if stop is None:
         return None
     reason, _, fired, scope = stop
@@ -739,33 +741,17 @@ def _tree_limit(name: str, policy: Policy, state: RunState, check: Check, now: d
     return None
 
 
-def _limit_in_tree(name: str, policy: Policy, state: RunState, check: Check, now: datetime,
-                   tree: Sequence[Ancestor]) -> Stop | None:
-    """Rule ``name`` for the run itself first, then for each ancestor from the root down
+def _limits_in_tree(name: str, policy: Policy, state: RunState, check: Check, now: datetime,
+                    tree: Sequence[Ancestor]) -> Iterator[Stop]:
+    """Rule ``name`` passed by the run itself first, then by each ancestor from the root down
     (SPEC 21): scope None for the run's own limit, else the ancestor's id."""
     own = _tree_limit(name, policy, state, check, now)
     if own is not None:
-        return name, own[0], own[1], None
+        yield name, own[0], own[1], None
     for ancestor in tree:
         passed = _tree_limit(name, ancestor.policy, ancestor.state, check, now)
         if passed is not None:
-            return _ancestors_stop(name, ancestor, passed)
-    return None
-
-
-def _enforced_in_tree(check: Check, now: datetime, tree: Sequence[Ancestor]) -> Stop | None:
-    """The first limit of an enforcing ancestor that this check passes, in the order of
-    SPEC 21 (rules 2, 4, 5, 6; for each, the ancestors from the root down), for a check
-    whose first stop was only a would-stop (a shadow policy's, the run's or an
-    ancestor's)."""
-    for name in BUDGETS:  # rules 2, 4, 5 and 6, in that order
-        for ancestor in tree:
-            if ancestor.policy.mode == "shadow":
-                continue
-            passed = _tree_limit(name, ancestor.policy, ancestor.state, check, now)
-            if passed is not None:
-                return _ancestors_stop(name, ancestor, passed)
-    return None
+            yield _ancestors_stop(name, ancestor, passed)
 
 
 def _ancestors_stop(name: str, ancestor: Ancestor, passed: tuple[str, dict[str, Any]]
@@ -798,34 +784,47 @@ def _enforced(stop: Stop, policy: Policy, tree: Sequence[Ancestor]) -> bool:
     return policy.mode != "shadow"
 
 
-def _first_stop(
+def _stops(
     policy: Policy, state: RunState, check: Check, key: str, now: datetime, kill: str | None,
     kill_rule: Mapping[str, Any] | None = None, tree: Sequence[Ancestor] = (),
-) -> Stop | None:
-    """The first rule of SPEC 4.4 (21 for a run with ancestors) that stops this check, as
-    (reason, message, rule, scope): scope None for the run's own rule, else the ancestor's
-    id. ``tree``: the ancestors as this check counts on them (`in_tree`), the root first."""
+) -> Iterator[Stop]:
+    """Every rule of SPEC 4.4 (21 for a run with ancestors) that stops this check, in that
+    order, as (reason, message, rule, scope): scope None for the run's own rule, else the
+    ancestor's id. ``tree``: the ancestors as this check counts on them (`in_tree`), the
+    root first. Lazy: the caller reads as far as the first one that is enforced."""
     if kill is not None:
-        return "killed", f"Stopped by a kill switch: {kill}.", rule(
+        yield "killed", f"Stopped by a kill switch: {kill}.", rule(
             "killed", (kill_rule or {}).get("limit", {}),
             (kill_rule or {}).get("observed", {})), None
     ended = ended_ancestor(tree, now)
     if ended is not None:
-        return _parent_stopped(*ended)
-    passed = _limit_in_tree("max_steps", policy, state, check, now, tree)
-    if passed is not None:
-        return passed
+        yield _parent_stopped(*ended)
+    yield from _limits_in_tree("max_steps", policy, state, check, now, tree)
     denied = _denied(policy, check.name)
     if denied:
-        return "tool_denied", (
+        yield "tool_denied", (
             f"Tool denied by the policy: {denied} The action was not run and the run is "
             "stopped."), _denied_rule(policy, check.name), None
     for name in ("max_seconds", "max_usd", "max_tool_calls"):
-        passed = _limit_in_tree(name, policy, state, check, now, tree)
-        if passed is not None:
-            return passed
+        yield from _limits_in_tree(name, policy, state, check, now, tree)
     stop = _own_stop(policy, state, check, key)
-    return (*stop, None) if stop is not None else None
+    if stop is not None:
+        yield (*stop, None)
+
+
+def _first_stops(stops: Iterable[Stop], policy: Policy, tree: Sequence[Ancestor]
+                 ) -> tuple[Stop | None, Stop | None]:
+    """The first of ``stops`` that is enforced, and the first would-stop before it (SPEC
+    4.4, 20): a would-stop is not the end of the rules. A shadow ancestor's passed limit
+    leaves the run's own rules and an enforcing ancestor's limits enforced (found by an
+    attacker: under a shadow parent past its max_steps, an enforcing child's denied tools,
+    loops, budgets, rate limits and approvals were all answered allow)."""
+    would = None
+    for stop in stops:
+        if _enforced(stop, policy, tree):
+            return stop, would
+        would = would or stop
+    return None, would
 
 
 def _own_stop(policy: Policy, state: RunState, check: Check, key: str
@@ -1316,12 +1315,10 @@ def evaluate(
     new.steps += 1
     _register(new, check)
     counted = in_tree(tree, check)
-    stop = _first_stop(policy, new, check, key, now, kill, kill_rule, counted)
-    if stop is not None and not _enforced(stop, policy, tree):
-        # A would-stop is not the end of the rules: an enforcing ancestor's limit still
-        # stops the check (found by a tester: a shadow child past its own max_steps ran on
-        # past its enforcing parent's, every rule after its own would-stop unread).
-        stop = _enforced_in_tree(check, now, counted) or stop
+    # `stop`: the first enforced stop; `would`: the first would-stop before it, which a check
+    # allowed reports (SPEC 4.4: "Shadow mode reports the first would-stop in this order").
+    stop, would = _first_stops(_stops(policy, new, check, key, now, kill, kill_rule, counted),
+                               policy, tree)
     if stop is None:
         if policy.mode == "shadow":
             # Nothing waits in shadow mode: a window the store could not read in time is no
@@ -1341,10 +1338,14 @@ def evaluate(
                 "per": window.rule.per, "max": window.rule.max,
                 "window_s": window.rule.window_s}, {"retry_after_s": wait})
             if past is not None:
-                stop = ("max_seconds", past, rule(
+                passed: Stop = ("max_seconds", past, rule(
                     "max_seconds", {"max_seconds": policy.max_seconds},
                     {"elapsed_s": round(state.elapsed_s(now), 3), "retry_after_s": wait}),
                     None)
+                if policy.mode != "shadow":
+                    stop = passed
+                else:
+                    would = would or passed
             elif policy.mode != "shadow":
                 # A wait registers nothing: the agent sends the same body again. It is
                 # activity all the same (SPEC 14).
@@ -1357,7 +1358,7 @@ def evaluate(
                     rule=limited_rule,
                 ), waited
             else:
-                stop = (RATE_LIMITED, message, limited_rule, None)
+                would = would or (RATE_LIMITED, message, limited_rule, None)
     if stop is None:
         pattern = approval_pattern(policy, check.name)
         if pattern is not None:
@@ -1366,11 +1367,11 @@ def evaluate(
                 new.idle_deadline = None
                 return _pending(policy, new, check, key, pattern, now, approval_id), new
             # Shadow mode makes no request: the would-be wait is reported and the action runs.
-            stop = (APPROVAL_REQUIRED, _approval_message(check.name, pattern, policy),
-                    _approval_rule(policy, check.name, pattern), None)
+            would = would or (APPROVAL_REQUIRED, _approval_message(check.name, pattern, policy),
+                              _approval_rule(policy, check.name, pattern), None)
     new.idle_deadline = next_deadline(policy, new, now)
 
-    if stop is not None and _enforced(stop, policy, tree):
+    if stop is not None:
         reason, message, fired, scope = stop
         _end(new, reason, now)
         decision = Decision(
@@ -1399,16 +1400,16 @@ def evaluate(
     if warning is not None and warning.budget is not None:
         new.budget_warned = new.budget_warned | {warning.budget}
     decision = Decision(
-        outcome=ALLOW if stop is None else WOULD_STOP,
+        outcome=ALLOW if would is None else WOULD_STOP,
         reason=STEP_OK,
         step=new.steps,
         repeat_key=key,
         repeat_count=new.repeat_counts[key],
         directive=None if warning is None else warning.directive,
-        shadow=None if stop is None else {"reason": stop[0], "message": stop[1]},
+        shadow=None if would is None else {"reason": would[0], "message": would[1]},
         # A shadow would-stop names the rule that would have stopped; else the warning's.
-        rule=stop[2] if stop is not None else None if warning is None else warning.rule,
-        scope=stop[3] if stop is not None else None if warning is None else warning.scope,
+        rule=would[2] if would is not None else None if warning is None else warning.rule,
+        scope=would[3] if would is not None else None if warning is None else warning.scope,
     )
     return decision, new
 
