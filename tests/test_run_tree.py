@@ -496,6 +496,34 @@ def test_an_approval_is_no_allow_once_the_tree_cannot_take_it(api, team):
     assert child_run.awaited_approval is None
 
 
+def test_a_childs_request_is_cancelled_once_its_parent_is_over(api, team):
+    """Found by an attacker: after the parent's finish a child's request stayed pending, the
+    retried check answered pending again, and the agent waited for the expiry to learn that
+    its tree was over. The next look (the check again, or the request's poll) cancels it
+    and stops the child with parent_stopped (SPEC 20)."""
+    set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600})
+    body = {"action": {"name": "payments.refund", "args": {}, "type": "tool"},
+            "check_id": "refund-1"}
+    root = start(api)
+    retried, polled = (start(api, "helper", parent_run_id=root) for _ in range(2))
+    asked = [post(api, f"/api/v1/runs/{run}/check", body) for run in (retried, polled)]
+    assert [a["decision"] for a in asked] == ["pending", "pending"], asked
+    finished = post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})
+    assert finished["http"] == 200, finished
+
+    again = post(api, f"/api/v1/runs/{retried}/check", body)
+    assert (again["decision"], again["reason"]) == ("stop", "parent_stopped"), again
+    assert again["approval"]["status"] == "cancelled" and again["rule"]["scope"] == root
+    poll = api.get(f"/api/v1/approvals/{asked[1]['approval']['id']}?wait=0").json()
+    assert poll["status"] == "cancelled", poll
+    assert (poll["decision"]["decision"], poll["decision"]["reason"]) == (
+        "stop", "parent_stopped"), poll
+    for run_id in (retried, polled):
+        run = Run.objects.get(pk=run_id)
+        assert (run.status, run.stop_reason) == ("stopped", "parent_stopped")
+        assert run.awaited_approval is None
+
+
 def test_an_ancestors_limit_names_the_ancestors_policy_and_version(api, team):
     from policies.document import parse_policy
     from policies.services import policy_save
@@ -742,12 +770,12 @@ def test_a_retried_check_of_a_descendant_answers_the_parents_stop_not_its_first_
         assert post(api, f"/api/v1/runs/{run}/check", sent)["decision"] == "stop"
 
 
-def test_a_pending_check_of_a_child_sent_again_after_its_parents_finish_is_still_pending(
+def test_a_pending_check_of_a_child_sent_again_after_its_parents_finish_is_its_stop(
         api, team):
-    """Its request is settled by the operator's decision (cancelled, the child stopped
-    `parent_stopped`: test_an_approval_is_no_allow_once_the_tree_cannot_take_it) or its
-    expiry, never by deciding the check again, which would answer it 409 approval_pending
-    ("resend that check")."""
+    """The check sent again settles its request (cancelled, the child stopped
+    `parent_stopped`) and answers that final answer: not the pending answer again, nor the
+    409 approval_pending ("resend that check") deciding it afresh would give. An operator's
+    decision after that is refused: the request is no longer pending."""
     from governance.errors import AppError
     from runs.approvals.services import approval_decide
 
@@ -759,9 +787,11 @@ def test_a_pending_check_of_a_child_sent_again_after_its_parents_finish_is_still
     assert asked["decision"] == "pending", asked
     assert post(api, f"/api/v1/runs/{parent}/finish", {"status": "completed"})["http"] == 200
     again = post(api, f"/api/v1/runs/{child}/check", sent)
-    assert (again["http"], again["decision"]) == (200, "pending"), again
-    with pytest.raises(AppError):
+    assert (again["http"], again["decision"], again["reason"]) == (
+        200, "stop", "parent_stopped"), again
+    with pytest.raises(AppError) as refused:
         approval_decide(team=team, approval_id=asked["approval"]["id"], decision="approve",
                         note="")
+    assert refused.value.status == 409
     final = post(api, f"/api/v1/runs/{child}/check", sent)
-    assert (final["decision"], final["reason"]) == ("stop", "parent_stopped"), final
+    assert final["decision_id"] == again["decision_id"], final

@@ -108,7 +108,8 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
     decision won)."""
     pending = state.pending
     assert pending is not None
-    if status == rules.CANCELLED and kill is None:
+    if status == rules.CANCELLED and kill is None and (
+            not tree or rules.ended_ancestor(tree, now) is None):
         # Finishing the run: the final answer is the finished run's stop.
         raise ValueError("use run_finish to cancel by finishing")
     # The answer names the approved key's count, which an approval also raises.
@@ -180,11 +181,13 @@ def settle_on_end(*, run: Any, before: rules.RunState, after: rules.RunState,
 
 
 def settle_due_locked(*, run: Any, state: rules.RunState, now: datetime,
-                      kill: str | None = None) -> rules.RunState:
+                      kill: str | None = None, tree: list[rules.Ancestor] | None = None
+                      ) -> rules.RunState:
     """What is due on a waiting run, settled by whoever holds its lock first (SPEC 11): the
     expiry once ``expires_at`` has passed, else, when a kill switch covers the run (``kill``
-    describes it), the cancellation. Returns the run's state after that. An ended run that
-    still names a request (left by an older version) is repaired instead."""
+    describes it) or one of its ancestors is over (``tree``, locked before the run, SPEC
+    20), the cancellation. Returns the run's state after that. An ended run that still
+    names a request (left by an older version) is repaired instead."""
     if state.status in rules.TERMINAL:
         settle_stale_locked(run=run, state=state, now=now)
         return _without_wait(state)
@@ -193,11 +196,12 @@ def settle_due_locked(*, run: Any, state: rules.RunState, now: datetime,
         return state
     if now >= pending.expires_at:
         status = rules.EXPIRED
-    elif kill is not None:
+    elif kill is not None or (tree and rules.ended_ancestor(tree, now) is not None):
         status = rules.CANCELLED
     else:
         return state
-    settled = settle_locked(run=run, state=state, status=status, now=now, kill=kill)
+    settled = settle_locked(run=run, state=state, status=status, now=now, kill=kill,
+                            tree=tree)
     return settled.state if settled is not None else state
 
 
@@ -309,16 +313,21 @@ def settle_if_due(approval: Approval, *, now: datetime | None = None) -> bool:
     the expiry once ``expires_at`` has passed, and the cancellation of a request whose run a
     kill switch covers: the fan-out cancels it too, but from the switch's commit on the run's
     answer is stop / killed (SPEC 4.5), and a look must not wait for a broker to say so. A
-    request still pending on a run that is over (left so by an older version) is cancelled.
-    True when this call settled it."""
+    request still pending on a run that is over (left so by an older version) is cancelled,
+    and so is one of a run whose ancestor is over (SPEC 20: it can never be an allow; its
+    run stops, parent_stopped). True when this call settled it."""
     now = now or timezone.now()
     if approval.status != ApprovalStatus.PENDING:
         return False
     ended = approval.run.status != rules.RUNNING
     expired = now >= approval.expires_at
-    if not ended and not expired and covering_kill(approval.run) is None:
+    if (not ended and not expired and covering_kill(approval.run) is None
+            and not _ancestor_over(approval.run)):
         return False
     with transaction.atomic():
+        # A child's ancestors first, the root first (the tree's lock order), then the run.
+        tree = lineage.lock_lineage(team_id=approval.run.team_id, run_id=approval.run_id) \
+            if approval.run.ancestors else []
         run, state = _locked(approval.run_id)
         if state.status in rules.TERMINAL:
             before = set(Approval.objects.filter(run_id=run.id, status=ApprovalStatus.PENDING)
@@ -331,11 +340,17 @@ def settle_if_due(approval: Approval, *, now: datetime | None = None) -> bool:
             settled = settle_locked(run=run, state=state, status=rules.EXPIRED, now=now)
         else:
             kill = covering_kill(run)  # again, under the run's lock: it may be released
-            if kill is None:
+            if kill is None and rules.ended_ancestor(tree, now) is None:
                 return False
             settled = settle_locked(run=run, state=state, status=rules.CANCELLED, now=now,
-                                    kill=kill)
+                                    kill=kill, tree=tree)
     return settled is not None
+
+
+def _ancestor_over(run: Run) -> bool:
+    """Whether one of the run's ancestors has ended (one query, for a child run only)."""
+    return bool(run.ancestors) and Run.objects.filter(
+        pk__in=run.ancestors).exclude(status=rules.RUNNING).exists()
 
 
 def settle_if_due_for_run(run: Run, *, now: datetime | None = None) -> bool:

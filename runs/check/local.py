@@ -79,7 +79,8 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
         now = timezone.now()
         # What is due first (an expiry comes before the upload that finds it), so that a
         # local stop of a waiting run then cancels its request (SPEC 10).
-        state = waited = approvals.settle_due_locked(run=run, state=state, now=now)
+        state = waited = approvals.settle_due_locked(run=run, state=state, now=now,
+                                                     tree=ancestors)
         rows = []
         for entry, check in zip(entries, checks, strict=True):
             if entry["check_id"] in seen:

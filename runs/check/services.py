@@ -196,7 +196,8 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
                 policy, loaded, read.locked.earlier_answer, check.name):
             raise _Portable()
         now = timezone.now()
-        state, rows, kill, first = _settle_first(read, policy, check, now=now)
+        state, rows, kill, first = _settle_first(read, policy, check, now=now,
+                                                 tree=family.tree)
         switch: cover.SwitchFields | None = read.locked.switch
         if kill is None and state.status == rules.RUNNING and (over := family.switch()):
             # An ancestor's switch: the stop's rule names it as the fan-out's kill does
@@ -294,10 +295,12 @@ def _lock_and_read(tx: CheckTransaction, *, claim: KeyClaim, run_id: uuid.UUID,
                  keyed=keyed, state=state)
 
 
-def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now: Any
+def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now: Any,
+                  tree: list[rules.Ancestor]
                   ) -> tuple[rules.RunState, list[DecisionRow], str | None, Any]:
     """What is due before the check is decided: an idle run is abandoned (its audit record
-    comes first), a waiting run's request expires or is cancelled by a kill switch. Returns
+    comes first), a waiting run's request expires or is cancelled by a kill switch or by an
+    ancestor that is over (``tree``, SPEC 20). Returns
     the run's state after that, the records written so far, the covering switch in words
     (None when none covers the run) and the earlier answer to this check_id."""
     run, state = read.run, read.state
@@ -313,7 +316,8 @@ def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now:
     first = read.locked.earlier_answer
     if state.pending is not None or (first is not None
                                      and first[1].get("decision") == rules.PENDING):
-        state, first = _settle_on_check(run, state, first, check, now=now, kill=kill)
+        state, first = _settle_on_check(run, state, first, check, now=now, kill=kill,
+                                        tree=tree)
     explain_stop(state, run.id)
     return state, rows, kill, first
 
@@ -423,12 +427,14 @@ def _after_commit(read: _Read, decision: rules.Decision, windows: list[rules.Rat
 
 
 def _settle_on_check(run: RunRow, state: rules.RunState, first: Any, check: rules.Check, *,
-                     now: Any, kill: str | None) -> tuple[rules.RunState, Any]:
+                     now: Any, kill: str | None, tree: list[rules.Ancestor]
+                     ) -> tuple[rules.RunState, Any]:
     """The run waits for an approval and a check arrives (SPEC 11, 15): past its expiry the
-    request expires, under a kill switch it is cancelled (whoever looks first settles).
+    request expires, under a kill switch or an ancestor that is over it is cancelled
+    (whoever looks first settles).
     Returns the run's state after that, and what a replay of the pending check answers: its
     final answer once there is one, else the pending answer."""
-    state = approvals.settle_due_locked(run=run, state=state, now=now, kill=kill)
+    state = approvals.settle_due_locked(run=run, state=state, now=now, kill=kill, tree=tree)
     if first is not None and first[1].get("decision") == rules.PENDING:
         final = (Approval.objects.filter(run_id=run.id, check_id=check.check_id)
                  .values_list("decision", flat=True).first())

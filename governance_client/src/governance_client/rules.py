@@ -1523,7 +1523,8 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
       request is ``cancelled`` and the run stopped with that reason;
     - ``denied``: stop / approval_denied, the run stopped, the operator's note in the message;
     - ``expired``: stop / approval_expired, the run stopped as of ``expires_at``;
-    - ``cancelled`` by a kill switch (``kill`` describes it): stop / killed, the run killed.
+    - ``cancelled`` by a kill switch (``kill`` describes it): stop / killed, the run killed;
+      else by an ancestor that is over (``tree``, SPEC 20): stop / parent_stopped.
 
     The wait ends: its seconds move to ``paused_s`` (they never count as active time). An
     approved run's idle deadline starts again from ``now`` when ``policy`` is given (time
@@ -1537,6 +1538,7 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
     new.pending = None
     new.paused_s += max(0.0, (end - pending.since).total_seconds())
     key = pending.repeat_key
+    scope: str | None = None  # whose stop ends the request: the run's own (None)
     stopped_by_tree = tree_stop_of_approval(tree, pending, now) if status == APPROVED else None
     if stopped_by_tree is not None:
         reason, message, fired, scope = stopped_by_tree
@@ -1593,6 +1595,11 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
         message = f"Stopped by a kill switch: {kill}."
         fired = rule(reason, (kill_rule or {}).get("limit", {}),
                      (kill_rule or {}).get("observed", {}))
+    elif status == CANCELLED and (ended := ended_ancestor(tree, now)) is not None:
+        # The tree is over: the request can never be an allow (found by an attacker: a
+        # child's request stayed pending after its parent's finish, and its agent waited
+        # for it to expire).
+        reason, message, fired, scope = _parent_stopped(*ended)
     else:
         raise ValueError(f"an approval cannot be settled as {status!r} here")
     _end(new, reason, end)
@@ -1600,6 +1607,7 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
         outcome=STOP, reason=reason, step=pending.step, repeat_key=key,
         repeat_count=new.repeat_counts.get(key, 0), message=message,
         next_action=NEXT_ACTION[reason], approval=pending.summary(status), rule=fired,
+        scope=scope,
     ), new
 
 
@@ -1775,9 +1783,9 @@ def replay_allowed(state: RunState, first: Decision | str | None, *,
     say so yet: an engaged kill switch covers it (before its fan-out has marked it killed),
     or an ancestor is over (SPEC 20: its next check answers ``parent_stopped``; found by an
     attacker: a retry after the parent's finish answered its first allow). A pending first
-    answer still replays: the request is the run's until it is settled (a kill switch's
-    cancels it before the replay; a decision after an ancestor's end cancels it and stops
-    the run), and deciding the check again would answer 409 ``approval_pending`` to it."""
+    answer still replays: the request is the run's until it is settled (a kill switch, or
+    an ancestor that is over, cancels it before the replay, which then answers the final
+    stop), and deciding the check again would answer 409 ``approval_pending`` to it."""
     if first is None:
         return False
     answer = first if isinstance(first, str) else first.answer
