@@ -180,6 +180,25 @@ def test_the_decision_endpoint_shows_the_decision_and_why(api: Client, team: Any
     assert first["last_result"] == {"status": "error", "digest": "d1"}
     assert (first["progress"], first["cost_usd"]) == ("p1", 0.01)
     assert first["usage"]["steps"] == 1 and first["rule"] is None
+    assert (first["local"], first["policy_violation"], first["violation"]) == (
+        False, False, None)
+
+
+def test_the_decision_endpoint_flags_a_local_allow_that_broke_the_policy(
+        api: Client, team: Any) -> None:
+    """Found by an attacker: the one-decision read showed a flagged local allow (the list
+    said `policy_violation: true`) as a plain allow."""
+    set_policy(team, tools={"allow": ["*"], "deny": ["shell.*"]})
+    rid = start(api)
+    uploaded = api.post(f"/api/v1/runs/{rid}/local-decisions", {"decisions": [
+        {"check_id": "l1", "action": {"name": "shell.exec", "args": {}}, "decision": "allow",
+         "reason": "step_ok"}]}, content_type="application/json")
+    assert uploaded.status_code == 200, uploaded.content
+    listed = api.get(f"/api/v1/runs/{rid}/decisions").json()["decisions"][0]
+    body = api.get(f"/api/v1/decisions/{listed['id']}").json()
+    assert (body["local"], body["policy_violation"]) == (True, True) == (
+        listed["local"], listed["policy_violation"])
+    assert body["violation"].startswith("tool_denied"), body
 
 
 def test_the_decision_endpoint_never_shows_another_teams_or_agents(

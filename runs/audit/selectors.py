@@ -241,6 +241,7 @@ def decision_detail_body(d: Decision) -> bytes:
     answer = d.answer if isinstance(d.answer, dict) else {}
     last = d.last_result if isinstance(d.last_result, dict) else None
     version = d.run.policy_version
+    violation = violation_of(d)
     return orjson.dumps({
         "decision_id": d.pk,
         "run_id": d.run_id,
@@ -261,6 +262,11 @@ def decision_detail_body(d: Decision) -> bytes:
         "usage": answer.get("usage"),
         "policy": {"name": version.policy.name, "version": version.version},
         "at": _ENCODER.default(d.at),
+        # As the run's decisions list says them (found by an attacker: the one-decision read,
+        # the "why" of a decision, showed a flagged local allow as a plain allow).
+        "local": bool(answer.get("local")),
+        "policy_violation": violation is not None,
+        "violation": violation,
     })
 
 

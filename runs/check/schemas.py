@@ -607,6 +607,11 @@ class DecisionDetailOut(Schema):
                                          "decision (steps, tool_calls, cost_usd, elapsed_s).")
     policy: DecisionPolicyOut
     at: datetime
+    local: bool = Field(default=False, description="Decided by a fail-open client during an "
+                        "outage and uploaded (SPEC 10).")
+    policy_violation: bool = Field(default=False, description="An uploaded local allow that "
+                                   "broke the run's policy (SPEC 10): kept, and flagged.")
+    violation: str | None = Field(default=None, description="What it broke, in words.")
 
 
 def _absent_if_empty(value: Any) -> Any:
