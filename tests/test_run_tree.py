@@ -115,6 +115,12 @@ def test_the_parent_rules_of_a_start(api, team, other_team):
     # Not "is completed (reason: completed)" (found by a newcomer).
     assert over["error"]["message"] == ("The parent run is completed: no sub-agent may start "
                                         "under it.")
+    # A parent whose own ancestor is over (the parent itself still reads running).
+    middle = start(api, "helper", parent_run_id=(root := start(api)))
+    post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})
+    dead = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": middle})
+    assert dead["http"] == 409 and dead["error"]["code"] == "parent_finished", dead
+    assert root in dead["error"]["message"]
 
 
 def test_an_external_id_hands_a_child_start_only_a_child_of_that_parent(api, team):

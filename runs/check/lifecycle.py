@@ -116,7 +116,16 @@ def _parent_of(key: AgentKey, parent_run_id: Any) -> Run:
                            {PARENT_FIELD: f"a run tree is at most {rules.MAX_DEPTH} levels "
                             "deep below its root; that run is at the deepest level"})
     lineage = [*(parent.ancestors or []), str(parent.pk)]
-    for ancestor in Run.objects.filter(pk__in=lineage).only("id", "team_id", "agent"):
+    for ancestor in Run.objects.filter(pk__in=lineage).only("id", "team_id", "agent",
+                                                             "status"):
+        if ancestor.status != rules.RUNNING:
+            # The parent still reads running until its next check, but its tree is over
+            # (found by an attacker: a grandchild started under a child whose root had
+            # finished, then stopped at its first check).
+            raise ServiceError(
+                409, "parent_finished", f"The parent run's ancestor {ancestor.pk} is "
+                f"{ancestor.status}: the tree is over, no sub-agent may start in it.",
+                {PARENT_FIELD: f"an ancestor of that run is {ancestor.status}"})
         switch = cover.covering_switch(team_id=ancestor.team_id, agent=ancestor.agent,
                                        run_id=ancestor.pk)
         if switch is not None:
