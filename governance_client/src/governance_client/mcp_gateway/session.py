@@ -32,6 +32,7 @@ from mcp_types import (
     JSONRPCRequest,
     JSONRPCResponse,
 )
+from mcp_types.methods import SPEC_CLIENT_NOTIFICATION_METHODS
 
 from .. import rules
 from .._core import result_digest
@@ -218,6 +219,7 @@ class GatewaySession:
         # The transport's metadata of each forwarded request (over HTTP: how to end its stream).
         self._metadata: dict[Any, Any] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        self._dropped_said = False
 
     # -- the relay ------------------------------------------------------------------------
 
@@ -248,6 +250,13 @@ class GatewaySession:
             if isinstance(message, JSONRPCRequest):
                 await self._client_request(item)
             elif isinstance(message, JSONRPCNotification):
+                if message.method not in SPEC_CLIENT_NOTIFICATION_METHODS:
+                    # Only the notifications an MCP client sends (initialized, cancelled,
+                    # progress, roots/list_changed) go on. A request sent without an id (or
+                    # with "id": null) reads as a notification, and a `tools/call` so sent
+                    # was forwarded: it ran with no check and no audit (found by a tester).
+                    self._drop(message)
+                    continue
                 if message.method == "notifications/cancelled":
                     cancelled = _id_or_token((message.params or {}).get("requestId"))
                     held = self._held.get(cancelled)
@@ -263,6 +272,17 @@ class GatewaySession:
                 await self._to_upstream(item)
             else:
                 await self._to_upstream(item)  # answers to the upstream's own requests
+
+    def _drop(self, message: JSONRPCNotification) -> None:
+        """A notification no MCP client sends: not forwarded (a notification has no answer, so
+        the client is told nothing). Said once a session, so that a client sending many
+        cannot flood the log."""
+        if not self._dropped_said:
+            self._dropped_said = True
+            logger.warning("session %s: a notification %.100r from the MCP client was dropped "
+                           "(not a client notification; a request needs an id); later ones "
+                           "are dropped without a word", self.session_id or "stdio",
+                           message.method)
 
     async def _client_request(self, item: SessionMessage) -> None:
         message: JSONRPCRequest = item.message  # type: ignore[assignment]
