@@ -825,6 +825,50 @@ def test_the_http_gateway_bounds_what_a_body_costs_it(server: Server, agent: Age
         assert ping.status_code == 200 and '"id":3' in ping.text.replace(" ", ""), ping.text
 
 
+def test_the_http_gateway_answers_only_the_names_it_is_reached_by(server: Server,
+                                                                  agent: Agent) -> None:
+    """Found by a tester (DNS rebinding): `Host: evil.example:PORT` with `Origin:
+    http://evil.example`, a web page whose name resolves to 127.0.0.1, opened a session and
+    ran a tools/call upstream with the gateway's key, where the SDK's own server answers 421.
+    A name or a page the gateway does not answer to is refused (421, 403) with a JSON-RPC
+    error: no session, no run, nothing forwarded; a name given with --allowed-host (a proxy's)
+    and a client without an Origin are answered."""
+    up_port, gw_port = free_port(), free_port()
+    accept = {"Accept": "application/json, text/event-stream"}
+    evil = {"Host": f"evil.example:{gw_port}", "Origin": "http://evil.example"}
+    opening = {**INITIALIZE, "params": {**INITIALIZE["params"], "protocolVersion": "2025-06-18"}}
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "counter", "arguments": {}}}
+    with process("-m", "tests.mcp_upstream", "http", str(up_port), port=up_port) as upstream, \
+            process(*gateway_args(server, agent.token), "--upstream-url", upstream,
+                    "--listen", f"127.0.0.1:{gw_port}", "--allowed-host",
+                    f"gw.example:{gw_port}", port=gw_port) as gateway, \
+            httpx.Client(timeout=30, headers=accept) as http:
+        refused = http.post(gateway, json=opening, headers=evil)
+        assert refused.status_code == 421, refused.text
+        assert refused.json()["error"]["code"] == -32600
+        assert "mcp-session-id" not in refused.headers
+        page = http.post(gateway, json=opening, headers={"Origin": "http://evil.example"})
+        assert page.status_code == 403 and "Invalid Origin" in page.json()["error"]["message"]
+        assert agent.http.get("/api/v1/runs", params={"agent": AGENT}).json()["runs"] == []
+
+        opened = http.post(gateway, json=opening)  # a client of its own: no Origin
+        assert opened.status_code == 200, opened.text
+        session = {"Mcp-Session-Id": opened.headers["mcp-session-id"],
+                   "Mcp-Protocol-Version": "2025-06-18"}
+        http.post(gateway, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                  headers=session)
+        # The page's call on that session: refused, not run (the next call is the first).
+        assert http.post(gateway, json=call, headers={**session, **evil}).status_code == 421
+        proxied = http.post(gateway, json=call,
+                            headers={**session, "Host": f"gw.example:{gw_port}"})
+        assert proxied.status_code == 200 and "call 1" in proxied.text, proxied.text
+
+    run = the_run(agent)
+    decisions = agent.http.get(f"/api/v1/runs/{run['run_id']}/decisions").json()["decisions"]
+    assert [d["action"]["name"] for d in decisions] == ["files.counter"]
+
+
 def test_a_sub_agents_gateway_session_runs_under_its_parent(server: Server, agent: Agent,
                                                             team: Team) -> None:
     """Found by a newcomer: a sub-agent that reaches its tools through its own gateway got a

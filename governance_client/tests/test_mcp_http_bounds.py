@@ -44,7 +44,8 @@ def post(gateway: HttpGateway, chunks: int) -> tuple[list[dict[str, Any]], int]:
     async def send(message: dict[str, Any]) -> None:
         answered.append(message)
 
-    scope = {"type": "http", "method": "POST", "headers": [(b"mcp-session-id", b"s")]}
+    scope = {"type": "http", "method": "POST",
+             "headers": [(b"host", b"127.0.0.1:8123"), (b"mcp-session-id", b"s")]}
     anyio.run(gateway, scope, receive, send)
     return answered, read
 

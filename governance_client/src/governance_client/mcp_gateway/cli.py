@@ -3,6 +3,7 @@
     governance-mcp --url URL --key KEY --agent NAME [--policy P] [--fail-open]
                    [--max-wait S] [--name SERVER] [--parent-run-id RUN] -- COMMAND [ARGS...]
     governance-mcp --url URL --key KEY --agent NAME --upstream-url URL --listen HOST:PORT
+                   [--allowed-host HOST:PORT]... [--allowed-origin ORIGIN]...
 
 The first form spawns the upstream MCP server COMMAND over stdio and serves the MCP client
 over its own stdio (what Claude Desktop, Claude Code, Cursor and the Agents SDK's
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -28,6 +30,12 @@ from .session import GatewayConfig, GatewaySession, make_client
 # gateway's memory for up to 30 minutes idle: without a cap, 300 initialize requests of 200
 # bytes took 270 MB and started 300 runs (found by an attacker).
 MAX_SESSIONS = 100
+
+# What a Host header (a name or an address, an IPv6 one in brackets, and a port or `*`) and an
+# Origin (its scheme too, no path) look like: a typo is said at the start, not found as every
+# request refused.
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:([0-9]{1,5}|\*))?")
+_ORIGIN = re.compile(rf"https?://{_HOST.pattern}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +69,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--upstream-url", help="the upstream MCP server's streamable HTTP URL")
     parser.add_argument("--listen", metavar="HOST:PORT",
                         help="serve streamable HTTP there (with --upstream-url)")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="HOST:PORT",
+                        help="with --listen: one more Host the gateway answers to, and its "
+                             "http:// and https:// origins (repeatable; HOST:* for any port), "
+                             "e.g. the name a proxy in front of it is reached by (default: "
+                             "the --listen address, and the loopback names of its port on a "
+                             "loopback or every-address bind)")
+    parser.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                        help="with --listen: one more Origin whose pages may use the gateway "
+                             "(repeatable; e.g. https://ide.example.com, http://localhost:*; "
+                             "default: the origins of the allowed hosts); a request "
+                             "without an Origin (not a browser's) is answered on its Host")
     parser.add_argument("--max-sessions", type=int, default=MAX_SESSIONS, metavar="N",
                         help="with --listen: the most MCP sessions open at once; past it an "
                              f"initialize is answered 503 (default {MAX_SESSIONS})")
@@ -94,6 +113,15 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Gatewa
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             parser.error("--listen must be HOST:PORT")
         args.host, args.port = host.strip("[]"), int(port)
+    elif args.allowed_host or args.allowed_origin:
+        parser.error("--allowed-host and --allowed-origin go with --listen")
+    for name in args.allowed_host:
+        if not _HOST.fullmatch(name):
+            parser.error(f"--allowed-host {name!r} is not HOST or HOST:PORT (or HOST:*)")
+    for origin in args.allowed_origin:
+        if not _ORIGIN.fullmatch(origin):
+            parser.error(f"--allowed-origin {origin!r} is not an origin: "
+                         "http[s]://HOST[:PORT] (or :*), no path")
     config = GatewayConfig(url=args.url, key=args.key, agent=args.agent, policy=args.policy,
                            fail_open=args.fail_open, max_wait=args.max_wait, name=args.name,
                            parent_run_id=args.parent_run_id)
@@ -157,11 +185,14 @@ async def _relay(session: GatewaySession, command: Sequence[str]) -> None:
 
 
 async def serve_http(config: GatewayConfig, upstream_url: str, host: str, port: int,
-                     max_sessions: int = MAX_SESSIONS) -> None:
-    from .http import HttpGateway
+                     max_sessions: int = MAX_SESSIONS, allowed_hosts: Sequence[str] = (),
+                     allowed_origins: Sequence[str] = ()) -> None:
+    from .http import HttpGateway, transport_security
 
-    await HttpGateway(config, make_client(config), upstream_url,
-                      max_sessions=max_sessions).serve(host, port)
+    security = transport_security(host, port, allowed_hosts=allowed_hosts,
+                                  allowed_origins=allowed_origins)
+    await HttpGateway(config, make_client(config), upstream_url, max_sessions=max_sessions,
+                      security=security).serve(host, port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         anyio.run(serve_http, config, args.upstream_url, args.host, args.port,
-                  args.max_sessions)
+                  args.max_sessions, args.allowed_host, args.allowed_origin)
     except ListenError as exc:
         print(f"governance-mcp: {exc}", file=sys.stderr)
         return 2

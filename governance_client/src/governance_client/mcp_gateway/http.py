@@ -8,10 +8,12 @@ seconds (then its id answers 404, as the SDK's own servers do), or when the upst
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 from uuid import uuid4
 
@@ -19,6 +21,7 @@ import anyio
 from anyio.abc import TaskStatus
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.streamable_http import MCP_SESSION_ID_HEADER, StreamableHTTPServerTransport
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp_types import INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR
 from starlette.types import Message, Receive, Scope, Send
 
@@ -71,6 +74,74 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
+# -- DNS rebinding ----------------------------------------------------------------------------
+# A web page the agent's user opens can reach a gateway on 127.0.0.1 by a name it controls
+# (resolved to 127.0.0.1 once the page is loaded): its requests then carry that name as Host
+# and the page's Origin, and every tool call they make runs with the gateway's agent key. The
+# gateway answered any Host and any Origin (found by a tester: `Host: evil.example:8123` with
+# `Origin: http://evil.example` opened a session and ran a tools/call upstream, where the
+# SDK's own server answers 421). It answers only the names it is reached by, as the SDK's
+# servers do (TransportSecuritySettings): a request without an Origin (not a browser's)
+# passes on its Host alone.
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+#: Distinct refused Host or Origin values logged (each once), so a flood is not a log flood.
+REFUSALS_LOGGED = 100
+
+
+def _host_form(host: str, port: int | None) -> str:
+    """``host`` as a Host header names it (an IPv6 address in brackets), with the port;
+    ``:*`` (any port) when ``port`` is None."""
+    name = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{name}:{'*' if port is None else port}"
+
+
+def _bind_kind(host: str) -> str:
+    """``loopback``, ``any`` (0.0.0.0 or ::) or ``other``."""
+    if host.lower() == "localhost":
+        return "loopback"
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return "other"
+    return "any" if address.is_unspecified else "loopback" if address.is_loopback else "other"
+
+
+def transport_security(host: str, port: int | None, *, allowed_hosts: Sequence[str] = (),
+                       allowed_origins: Sequence[str] = ()) -> TransportSecuritySettings:
+    """The Host and Origin values a gateway listening on ``host:port`` answers: the address it
+    listens on, and the loopback names of the port when that is a loopback address or every
+    address (0.0.0.0, ::), with their ``http://`` origins; the deployment's own hosts
+    (``--allowed-host``: behind a proxy, the name clients use), with their ``http://`` and
+    ``https://`` origins (a proxy may add TLS), since a page of the very name the gateway is
+    reached by is no other site's; and the deployment's own origins (``--allowed-origin``).
+    A pattern ending in ``:*`` matches any port."""
+    kind = _bind_kind(host)
+    hosts = [] if kind == "any" else [_host_form(host, port)]
+    if kind != "other":
+        hosts += [_host_form(name, port) for name in LOOPBACK_HOSTS]
+    hosts = list(dict.fromkeys(hosts))
+    origins = [f"http://{name}" for name in hosts]
+    origins += [f"{scheme}://{name}" for name in allowed_hosts for scheme in ("http", "https")]
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=[*hosts, *allowed_hosts],
+        allowed_origins=list(dict.fromkeys([*origins, *allowed_origins])))
+
+
+def _matches(value: str, allowed: Sequence[str]) -> bool:
+    """``value`` is one of ``allowed`` (names compared without case, as DNS does), or has the
+    form of one that ends in ``:*`` with a port."""
+    value = value.lower()
+    for pattern in (p.lower() for p in allowed):
+        if value == pattern:
+            return True
+        if pattern.endswith(":*") and value.startswith(pattern[:-1]) \
+                and value[len(pattern) - 1:].isdigit():
+            return True
+    return False
+
+
 class ListenError(Exception):
     """The address to listen on cannot be had (in use, not this host's)."""
 
@@ -96,8 +167,14 @@ class HttpGateway:
 
     def __init__(self, config: GatewayConfig, client: AsyncGovernanceClient, upstream_url: str,
                  *, idle_timeout: float | None = IDLE_TIMEOUT,
-                 max_sessions: int = MAX_SESSIONS) -> None:
+                 max_sessions: int = MAX_SESSIONS,
+                 security: TransportSecuritySettings | None = None) -> None:
         self.config = config
+        #: The Host and Origin values answered (``transport_security``; default: a loopback
+        #: address, any port). Checked here, before anything is read or made, rather than
+        #: by the SDK's transport, which would see a request only once its session exists.
+        self.security = security or transport_security("127.0.0.1", None)
+        self._refusals_logged: set[tuple[str, str]] = set()
         self.max_sessions = max_sessions
         self.client = client
         self.upstream_url = upstream_url
@@ -111,6 +188,8 @@ class HttpGateway:
             await self._lifespan(receive, send)
             return
         if scope["type"] != "http":
+            return
+        if await self._refused(scope, send):
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         session_id = headers.get(MCP_SESSION_ID_HEADER.lower())
@@ -161,6 +240,42 @@ class HttpGateway:
             return
         await self._open(scope, _replaying(body, receive), send)
 
+    async def _refused(self, scope: Scope, send: Send) -> bool:
+        """Answer a request whose Host or Origin this gateway does not answer to (421, 403,
+        a JSON-RPC error, nothing read or forwarded); False when it may go on."""
+        settings = self.security
+        if not settings.enable_dns_rebinding_protection:
+            return False
+        hosts = [v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"host"]
+        origins = [v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"origin"]
+        # One of each at most: with two, which one a proxy or the SDK reads is anyone's guess.
+        if len(hosts) != 1 or not _matches(hosts[0], settings.allowed_hosts):
+            self._log_refusal("Host", ", ".join(hosts) or "(none)")
+            await _json_error(send, 421, INVALID_REQUEST,
+                              "governance-mcp: Invalid Host header: this gateway does not "
+                              "answer to that name (DNS rebinding protection; a name it is "
+                              "reached by is given with --allowed-host)")
+            return True
+        if len(origins) > 1 or (origins and not _matches(origins[0],
+                                                         settings.allowed_origins)):
+            self._log_refusal("Origin", ", ".join(origins))
+            await _json_error(send, 403, INVALID_REQUEST,
+                              "governance-mcp: Invalid Origin header: pages of that origin "
+                              "may not use this gateway (DNS rebinding protection; an origin "
+                              "is allowed with --allowed-origin)")
+            return True
+        return False
+
+    def _log_refusal(self, header: str, value: str) -> None:
+        said = (header, value[:200])
+        if said in self._refusals_logged or len(self._refusals_logged) >= REFUSALS_LOGGED:
+            return
+        self._refusals_logged.add(said)
+        allowed = self.security.allowed_hosts if header == "Host" \
+            else self.security.allowed_origins
+        logger.warning("refused a request with %s %r (allowed: %s; more with --allowed-%s)",
+                       header, said[1], ", ".join(allowed), header.lower())
+
     async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
         """The request's body, or None past ``limit`` bytes (what was read is dropped)."""
         chunks: list[bytes] = []
@@ -196,6 +311,12 @@ class HttpGateway:
         # Said whatever the log level: the one line that tells the gateway is up, and where.
         print(f"governance-mcp: listening on http://{host}:{port}/ (any path), upstream "
               f"{self.upstream_url}, agent {self.config.agent}", file=sys.stderr, flush=True)
+        if _bind_kind(host) == "any" and all(
+                _bind_kind(name.rsplit(":", 1)[0]) == "loopback"
+                for name in self.security.allowed_hosts):
+            print("governance-mcp: on every address, but only requests addressed to "
+                  f"{', '.join(LOOPBACK_HOSTS)} are answered: name the others with "
+                  "--allowed-host HOST:PORT", file=sys.stderr, flush=True)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             try:
