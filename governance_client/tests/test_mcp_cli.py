@@ -66,3 +66,25 @@ def test_the_id_of_a_malformed_answer_is_read_when_it_can_be() -> None:
     with pytest.raises(ValidationError) as garbage:
         jsonrpc_message_adapter.validate_json("not json")
     assert _id_in(garbage.value) is None
+
+
+@pytest.mark.parametrize("from_env", [False, True])
+def test_a_key_with_a_space_at_its_end_is_refused_without_showing_it(
+        from_env: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a tester: such a key made every check fail as if the service were down, so
+    with --fail-open every call ran ungoverned, and the key was logged whole."""
+    key = "gov_0743ab12cd34_S3cr3tS3cr3tS3cr3t "
+    monkeypatch.setenv("GOVERNANCE_KEY", key)
+    argv = ["--url", "u", "--agent", "a", "--fail-open", "--", "cmd"]
+    with pytest.raises(SystemExit) as exited:
+        parse(argv if from_env else ["--key", key, *argv])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "the agent key has a space at its end" in error and "S3cr3t" not in error
+
+
+def test_the_config_never_shows_the_key() -> None:
+    _, config = parse(["--url", "u", "--key", "gov_0743ab12cd34_S3cr3t", "--agent", "a", "--",
+                       "cmd"])
+    assert "S3cr3t" not in repr(config)

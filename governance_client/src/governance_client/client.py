@@ -57,7 +57,14 @@ from ._core import (
 )
 from ._transport import Sleep, send_once, sync_sleep
 from .decision import DEADLINE_EXPIRED, Decision
-from .errors import ApiError, GovernanceError, GovernanceUnavailable, RunFinished
+from .errors import (
+    ApiError,
+    GovernanceError,
+    GovernanceUnavailable,
+    RunFinished,
+    agent_key_problem,
+    masked_key,
+)
 from .journal import Journal, default_folder
 from .local import LocalLimits
 
@@ -87,6 +94,10 @@ class GovernanceClient:
     to ``wait_budget`` seconds (``wait_for_rate_limits=False`` returns it at once); a check
     answered ``pending`` (an approval, SPEC 11) waits for the operator's decision until the
     approval expires, or ``approval_timeout`` seconds if set.
+
+    ``api_key`` is the agent key as it was issued: one with a space, a line break or another
+    character no HTTP header can carry is refused here (``ValueError`` naming the character
+    and where it is, never the key), not stripped.
     """
 
     def __init__(
@@ -116,6 +127,14 @@ class GovernanceClient:
             attempts = 3 if retries is None else retries + 1
         if timeout is not None and deadline == 2.0:
             deadline = timeout
+        problem = agent_key_problem(api_key)
+        if problem is not None:
+            # A key that no request can carry is this machine's mistake, not an outage: said
+            # now, once, rather than as "unreachable" at every check (fail-open then ran
+            # every action ungoverned).
+            raise ValueError(f"{problem}: give the key exactly as it was issued (agent keys "
+                             "are printable ASCII, gov_..., without spaces); the key is not "
+                             "shown here")
         self.settings = Settings(
             base_url=service_root(base_url), api_key=api_key, deadline=deadline,
             attempts=attempts, backoff=backoff, max_backoff=max_backoff, fail_mode=fail_mode,
@@ -267,6 +286,17 @@ class GovernanceClient:
                     params=params, headers=headers,
                 )
             except httpx.TransportError as exc:
+                key = self.settings.api_key
+                if key in str(exc):
+                    # httpx names a header it cannot send by its value, the Authorization
+                    # header's is the key: the text, and the chain a traceback prints, get
+                    # its masked form only.
+                    text = str(exc).replace(key, masked_key(key))
+                    try:
+                        clean = type(exc)(text)
+                    except TypeError:  # a transport's own error class, made otherwise
+                        clean = httpx.TransportError(text)
+                    raise classify_error(clean, replay_safe=replay_safe) from None
                 raise classify_error(exc, replay_safe=replay_safe) from exc
             failure = classify_response(response, replay_safe=replay_safe)
             if failure is not None:

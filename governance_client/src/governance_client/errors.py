@@ -3,7 +3,8 @@
 A *decision* is never an exception: a stop is a normal answer (``Decision.allowed`` is False).
 Exceptions are for requests the service refused (``ApiError`` and its subclasses, carrying the
 SPEC 5.3 error body) and for a service that could not be reached where no decision can stand in
-for an answer (``GovernanceUnavailable``).
+for an answer (``GovernanceUnavailable``). An agent key no request could carry is refused
+before anything is sent (``agent_key_problem``), and no message here repeats a key.
 """
 
 from __future__ import annotations
@@ -168,3 +169,48 @@ def api_error(status: int, body: Any) -> ApiError:
         str(error.get("message") or ""),
         fields if isinstance(fields, Mapping) else None,
     )
+
+
+# -- The agent key's form ------------------------------------------------------------------
+# A key copied with a trailing space or newline (a file read with its newline, a .env line, a
+# paste) used to reach httpx, which refused the header ("Illegal header value b'Bearer gov_...'",
+# the whole key in the text) on every attempt: the client took that for an outage, so a
+# fail-open agent ran every action ungoverned and logged the key (found by a tester). It is a
+# mistake on this machine, refused when the client is made, in words that never repeat the key.
+
+_NAMED = {" ": "a space", "\t": "a tab", "\n": "a line break", "\r": "a carriage return",
+          "\u00a0": "a no-break space"}
+
+
+def _named(char: str) -> str:
+    return _NAMED.get(char) or (f"a control character (U+{ord(char):04X})" if char.isascii()
+                                else f"a character that is not ASCII (U+{ord(char):04X})")
+
+
+def agent_key_problem(key: object) -> str | None:
+    """What makes ``key`` unusable as an agent key (which is sent as an HTTP header, so it is
+    printable ASCII without spaces: ``gov_<prefix>_<secret>``), or None. The words name the
+    character and where it is, never the key. Surrounding whitespace is refused rather than
+    stripped: a key that is not the one issued may be a wrong one, and a client that
+    silently edits secrets hides where they are mangled."""
+    if not isinstance(key, str):
+        return f"the agent key must be a string, not {type(key).__name__}"
+    if not key:
+        return "the agent key is empty"
+    for index, char in enumerate(key):
+        if "!" <= char <= "~":
+            continue
+        if index >= len(key.rstrip()) or index == len(key) - 1:
+            where = "at its end"
+        elif index < len(key) - len(key.lstrip()) or index == 0:
+            where = "at its start"
+        else:
+            where = f"inside it (character {index + 1} of {len(key)})"
+        return f"the agent key has {_named(char)} {where}"
+    return None
+
+
+def masked_key(key: str) -> str:
+    """The key as an error message or a log line may show it: its first characters
+    (``gov_0743…``, part of the public prefix the dashboard lists), never the secret."""
+    return f"{key[:8]}…" if len(key) >= 24 else "…"

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import anyio
 
+from ..errors import agent_key_problem
 from .session import GatewayConfig, GatewaySession, make_client
 
 # With --listen, each session holds an upstream session, a run and about 1 MB of the
@@ -97,6 +98,12 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Gatewa
     args.command = command
     if not args.url or not args.key:
         parser.error("--url and --key (or GOVERNANCE_URL and GOVERNANCE_KEY) are required")
+    problem = agent_key_problem(args.key)
+    if problem is not None:
+        # Before anything starts: sent as it is, no request could carry it, and the gateway
+        # took that for an outage (with --fail-open, every call ran ungoverned).
+        parser.error(f"--key (or GOVERNANCE_KEY): {problem}; give it exactly as it was "
+                     "issued (the key is not shown here)")
     if args.max_wait < 0:
         parser.error("--max-wait must be >= 0")
     if args.max_sessions < 1:

@@ -15,7 +15,7 @@ import json
 import logging
 import random
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -88,7 +88,7 @@ class GatewayConfig:
     """What ``governance-mcp`` was started with (see ``cli``)."""
 
     url: str
-    key: str
+    key: str = field(repr=False)  # a secret: never in a log line or a traceback
     agent: str
     policy: str | None = None
     fail_open: bool = False
