@@ -12,6 +12,9 @@
 ``--url`` and ``--token`` default to ``GOVERNANCE_URL`` and ``GOVERNANCE_OPERATOR_TOKEN``.
 Every refusal of the server (its SPEC 5.3 error: code, message, fields) is printed on stderr
 and ends the command with exit status 1; nothing else is ever retried or guessed.
+Texts of the server's (an agent's action names and reasons, a refusal's message) are printed
+with every control, format and bidi character escaped (``\x1b``, ``\u202e``): a terminal
+shows them and never acts on them; ``--json`` is the server's data, which JSON escapes.
 
 A policy file has the format of ``manage.py apply_policies`` and the dashboard's export
 (SPEC 3): ``apply`` saves every policy of the file's teams through
@@ -31,8 +34,10 @@ import os
 import re
 import sys
 import time
+import unicodedata
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from functools import cache
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -125,13 +130,90 @@ def _bounded(data: Any, path: str) -> None:
         pending.extend((item, depth + 1) for item in items)
 
 
+# What a terminal acts on, or draws other than as written, instead of showing it: C0 and C1
+# controls and DEL (ESC starts the sequences that move the cursor and erase), format
+# characters (the bidi overrides and isolates U+202A-U+202E and U+2066-U+2069, zero-width
+# ones), line and paragraph separators, and lone surrogates (which no encoding writes).
+# Found by a tester: an agent's action "pay.\x1b[4Dsearch.docs ..." was listed for approval
+# as "search.docs ...".
+_UNSHOWABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _unshowable(text: str) -> bool:
+    return not text.isprintable() and any(unicodedata.category(ch) in _UNSHOWABLE
+                                          for ch in text)
+
+
+def _shown(value: Any, *, keep: str = "") -> str:
+    """``value`` as text a terminal shows as written: each character of ``_UNSHOWABLE``
+    (but those in ``keep``) as its escape, ``\x1b``, ``\u202e``. A line break is one too
+    unless kept, so that a value stays within its line of a table."""
+    text = str(value)
+    if text.isprintable():  # nearly always: the walk below is for the rest
+        return text
+    return "".join(ch if ch in keep or unicodedata.category(ch) not in _UNSHOWABLE
+                   else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
+def _for_terminal(data: Any) -> Any:
+    """An answer with every text in it (keys too) ``_shown``: what tables and sentences are
+    made of. ``--json`` and policy documents keep the server's data (their encoders escape)."""
+    if isinstance(data, dict):
+        return {_for_terminal(k): _for_terminal(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_for_terminal(v) for v in data]
+    return _shown(data) if isinstance(data, str) else data
+
+
+class _Terminal:
+    """Where govctl prints (stdout, stderr): every text ``_shown`` with its line breaks kept,
+    the net under the tables' own escaping (a server's message, an httpx error, a YAML
+    dump). JSON and the YAML dumper's output hold nothing it changes."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return int(self.stream.write(_shown(text, keep="\n")))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@cache
+def _dumper(yaml: Any) -> Any:
+    """PyYAML's safe dumper, a scalar holding a character of ``_UNSHOWABLE`` written double
+    quoted with it escaped (``"a\u202Eb"``): it reads back the same, and shows what it is.
+    PyYAML's own writes bidi and zero-width characters as they are."""
+
+    class Dumper(yaml.SafeDumper):  # type: ignore[misc,name-defined]
+        def analyze_scalar(self, scalar: str) -> Any:
+            analysis = super().analyze_scalar(scalar)
+            if _unshowable(scalar):
+                analysis.allow_flow_plain = analysis.allow_block_plain = False
+                analysis.allow_single_quoted = analysis.allow_block = False
+            return analysis
+
+        def write_double_quoted(self, text: str, split: bool = True) -> None:
+            # allow_unicode off escapes every character past ASCII, these scalars' only.
+            allow = self.allow_unicode
+            self.allow_unicode = allow and not _unshowable(text)
+            try:
+                super().write_double_quoted(text, split)
+            finally:
+                self.allow_unicode = allow
+
+    return Dumper
+
+
 def _dump(data: Any, *, sort_keys: bool = False) -> str:
     try:
         yaml = _yaml()
     except Refused:
-        return json.dumps(data, indent=2, ensure_ascii=False, sort_keys=sort_keys) + "\n"
-    return str(yaml.safe_dump(data, sort_keys=sort_keys, default_flow_style=False,
-                              allow_unicode=True))
+        return json.dumps(data, indent=2, sort_keys=sort_keys) + "\n"  # ASCII: escaped
+    return str(yaml.dump(data, Dumper=_dumper(yaml), sort_keys=sort_keys,
+                         default_flow_style=False, allow_unicode=True))
 
 
 # What may stand in a path segment of the API: a team's slug, a policy's name, an
@@ -200,6 +282,7 @@ class Api:
 
 
 def _reason(status: int, data: Any) -> str:
+    data = _for_terminal(data)  # a server's words, on one line each
     error = data.get("error") if isinstance(data, dict) else None
     if not isinstance(error, dict):
         return f"HTTP {status}"
@@ -357,7 +440,7 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
         _, saved = api.call("PUT", f"/teams/{slug}/policies/{name}", body)
         if saved["changed"]:
             changed += 1
-            print(f"policy {slug}/{name}: version {saved['version']}", file=out)
+            print(f"policy {slug}/{name}: version {_shown(saved['version'])}", file=out)
             if _denies_every_tool(saved.get("document")):
                 print(DENIES_EVERY_TOOL, file=out)
     if not changed:
@@ -425,8 +508,9 @@ def _show_change(api: Api, out: Any, slug: str, name: str, body: dict[str, Any],
     _, report = api.call("POST", f"/teams/{slug}/policies/{name}/backtest",
                          {**policy, "since": BACKTEST_SINCE, "limit": BACKTEST_LIMIT},
                          timeout=BACKTEST_TIMEOUT_S)
-    print(f"policy {label}: would change (version {current['version']} -> "
-          f"{would['version']})", file=out)
+    report = _for_terminal(report)
+    print(f"policy {label}: would change (version {_shown(current['version'])} -> "
+          f"{_shown(would['version'])})", file=out)
     print(_diff(current["document"], would["document"], label=label), file=out)
     if _denies_every_tool(would["document"]):
         print(DENIES_EVERY_TOOL, file=out)
@@ -469,6 +553,7 @@ def killswitch(api: Api, args: argparse.Namespace, out: Any) -> None:
     body = {"action": args.action, "scope": args.scope, "reason": args.reason,
             "team": args.team, "agent": args.agent, "run": args.run}
     _, state = api.call("POST", "/killswitch", {k: v for k, v in body.items() if v is not None})
+    state = _for_terminal(state)
     where = " ".join(f"{k} {state[k]}" for k in ("team", "agent", "run") if state.get(k))
     what = f"{state['scope']} kill switch" + (f" ({where})" if where else "")
     if args.action == "engage":
@@ -494,9 +579,10 @@ def runs_list(api: Api, args: argparse.Namespace, out: Any) -> None:
     if args.json:
         print(json.dumps(data["runs"], indent=2), file=out)
         return
-    if not data["runs"]:
+    runs = _for_terminal(data["runs"])
+    if not runs:
         print("no runs", file=out)
-    for run in data["runs"]:
+    for run in runs:
         why = f" ({run['stop_reason']})" if run.get("stop_reason") else ""
         parent = f"  child of {run['parent_run_id']}" if run.get("parent_run_id") else ""
         print(f"{run['run_id']}  {run['status'] + why:<24} {run['agent']}  "
@@ -528,9 +614,10 @@ def runs_decisions(api: Api, args: argparse.Namespace, out: Any) -> None:
     if args.json:
         print(json.dumps(data["decisions"], indent=2), file=out)
         return
-    if not data["decisions"]:
+    decisions = _for_terminal(data["decisions"])
+    if not decisions:
         print("no decisions" + (f" after {args.after}" if args.after else ""), file=out)
-    for decision in data["decisions"]:
+    for decision in decisions:
         action = decision["action"]["name"] if decision.get("action") else "-"
         print(f"{decision['id']}  step {decision['step']:<4} {decision['outcome']:<10} "
               f"{decision['reason']:<18} {action}{_why(decision.get('rule'))}", file=out)
@@ -546,16 +633,19 @@ def approvals_list(api: Api, args: argparse.Namespace, out: Any) -> None:
     if not data["approvals"]:
         print(f"no {args.status if args.status != 'all' else ''} approvals".replace("  ", " "),
               file=out)
-    for approval in data["approvals"]:
-        action = approval["action"]
+    for raw in data["approvals"]:
+        # The arguments as JSON, which escapes every control character (ensure_ascii).
+        args_json = json.dumps(raw["action"]["args"], sort_keys=True)
+        approval = _for_terminal(raw)
         print(f"{approval['id']}  {approval['status']:<9} run {approval['run_id'][:8]}  "
-              f"{action['name']} {json.dumps(action['args'], sort_keys=True)}  "
+              f"{approval['action']['name']} {args_json}  "
               f"expires {_when(approval['expires_at'])}", file=out)
 
 
 def approvals_decide(api: Api, args: argparse.Namespace, out: Any) -> None:
     _, approval = api.call("POST", f"/approvals/{_segment(args.id, 'the approval id')}/decide",
                            {"decision": args.decision, "note": args.note or ""})
+    approval = _for_terminal(approval)
     print(f"{approval['id']}: {approval['status']}", file=out)
 
 
@@ -632,7 +722,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, *, out: Any = None,
          transport: httpx.BaseTransport | None = None) -> int:
     args = parser().parse_args(argv)
-    out = out or sys.stdout
+    out = _Terminal(out or sys.stdout)
     if not args.url or not args.token:
         return _fail("--url and --token (or GOVERNANCE_URL and GOVERNANCE_OPERATOR_TOKEN) "
                      "are required")
@@ -644,7 +734,7 @@ def main(argv: Sequence[str] | None = None, *, out: Any = None,
 
 
 def _fail(reason: str) -> int:
-    print(f"govctl: {reason}", file=sys.stderr)
+    print(f"govctl: {reason}", file=_Terminal(sys.stderr))
     return 1
 
 

@@ -1,0 +1,197 @@
+"""`govctl` reading answers it must not trust (SPEC 17): texts an agent wrote (action names,
+reasons, notes) and a server's error messages shown as text a terminal cannot act on, and
+answers that are not the operator API's said so in one line, never a traceback. A small
+HTTP server on 127.0.0.1 answers as each test says, through the real transport."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import threading
+import unicodedata
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from governance_client.govctl import main
+
+TOKEN = "gov_op_3f9c0a1b2c4d_s3cr3t-s3cr3t-s3cr3t"
+# What a terminal acts on or draws other than as written: C0, DEL, C1, format characters
+# (bidi overrides and isolates among them), line and paragraph separators, lone surrogates.
+UNSAFE = {"Cc", "Cf", "Cs", "Zl", "Zp"}
+ESC = "\x1b"
+
+
+def unsafe_in(text: str) -> list[str]:
+    return [ch for ch in text if ch != "\n" and unicodedata.category(ch) in UNSAFE]
+
+
+Answer = tuple[int, Any, dict[str, str]]  # status, body (bytes, or data sent as JSON), headers
+
+
+class Fake:
+    """Answers each (method, path) as set in ``answers``; any other call is a 404 of the
+    operator API's form. ``sent``: each call's method, path and JSON body."""
+
+    def __init__(self) -> None:
+        self.answers: dict[tuple[str, str], Answer] = {}
+        self.sent: list[tuple[str, str, Any]] = []
+        self.url = ""
+
+    def answer(self, method: str, path: str, body: Any, status: int = 200,
+               **headers: str) -> None:
+        self.answers[(method, "/api/v1" + path)] = (status, body, headers)
+
+
+@pytest.fixture
+def fake() -> Iterator[Fake]:
+    state = Fake()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            path = self.path.split("?")[0]
+            state.sent.append((self.command, path, json.loads(raw) if raw else None))
+            status, body, headers = state.answers.get((self.command, path), (404, {"error": {
+                "code": "not_found", "message": "Not found.", "fields": {}}}, {}))
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            self.send_response(status)
+            headers = {"Content-Type": "application/json", **headers}
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = _answer
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def govctl(fake: Fake, *args: str, token: str = TOKEN) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["--url", fake.url, "--token", token, *args], out=out)
+    return code, out.getvalue(), err.getvalue()
+
+
+# An agent's action named to read as another on a terminal: ESC [4D moves the cursor four
+# columns back, so "pay." is written over and the line reads "search.docs".
+DISGUISED = "pay.\x1b[4Dsearch.docs"
+APPROVAL = {"id": "7b0e", "status": "pending", "run_id": "3f2a9c01-aaaa",
+            "action": {"name": DISGUISED, "args": {"to": "evil\u202eknab", "amount": 900}},
+            "expires_at": "2026-12-06T14:40:12.123456+00:00"}
+
+
+def test_an_approvals_action_name_is_shown_escaped_not_obeyed(fake: Fake) -> None:
+    fake.answer("GET", "/teams/support/approvals", {"approvals": [
+        APPROVAL, {**APPROVAL, "id": "8c1f\n8c1f  approved", "status": "pending\x9b2K"}]})
+    code, out, err = govctl(fake, "approvals", "list", "--team", "support")
+    assert code == 0, err
+    assert unsafe_in(out) == [], out
+    assert "pay.\\x1b[4Dsearch.docs" in out
+    assert '"evil\\u202eknab"' in out
+    # One line per approval: a line break in a value cannot make a row of its own.
+    assert len(out.splitlines()) == 2 and "8c1f\\n8c1f  approved" in out
+    assert "pending\\x9b2K" in out
+
+
+def test_json_stays_the_servers_exact_data_and_holds_no_control_character(fake: Fake) -> None:
+    fake.answer("GET", "/teams/support/approvals", {"approvals": [APPROVAL]})
+    code, out, _ = govctl(fake, "approvals", "list", "--team", "support", "--json")
+    assert code == 0
+    assert unsafe_in(out) == [] and json.loads(out) == [APPROVAL]
+
+
+def test_a_runs_decisions_rules_and_reasons_are_shown_escaped(fake: Fake) -> None:
+    decision = {"id": 41, "step": 3, "outcome": "allow", "reason": "step_ok\u2066",
+                "action": {"name": "search\u200b.docs\r"},
+                "rule": {"name": "max_steps\x1b]0;t\x07", "scope": "run",
+                         "limit": {"max\x1bsteps": "2\u2028"}, "observed": {"steps": 3}}}
+    fake.answer("GET", "/teams/support/runs/r1/decisions", {"decisions": [decision]})
+    code, out, err = govctl(fake, "runs", "decisions", "r1", "--team", "support")
+    assert code == 0, err
+    assert unsafe_in(out) == [] and len(out.splitlines()) == 1, out
+    assert "search\\u200b.docs\\r" in out and "max_steps\\x1b]0;t\\x07" in out
+    assert "step_ok\\u2066" in out and "max\\x1bsteps=2\\u2028" in out
+
+
+def test_a_runs_agent_and_a_kill_switchs_reason_are_shown_escaped(fake: Fake) -> None:
+    fake.answer("GET", "/teams/support/runs", {"runs": [{
+        "run_id": "r1", "status": "stopped", "stop_reason": "max\x1b[2Jsteps",
+        "agent": "bot\u202e", "steps": 3, "cost_usd": 0.5,
+        "started_at": "2026-12-06T14:40:12+00:00", "parent_run_id": None}]})
+    code, out, _ = govctl(fake, "runs", "list", "--team", "support")
+    assert code == 0 and unsafe_in(out) == [] and "max\\x1b[2Jsteps" in out and "bot\\u202e" in out
+    fake.answer("POST", "/killswitch", {
+        "scope": "team", "team": "support", "agent": None, "run": None, "engaged": True,
+        "changed": False, "message": "", "switch": {
+            "engaged_by": "mallory\x1b[1A", "engaged_at": "2026-12-06T14:40:12+00:00",
+            "released_at": None, "reason": "fine\nteam kill switch: released"}})
+    code, out, _ = govctl(fake, "killswitch", "engage", "--scope", "team", "--team", "support",
+                          "--reason", "x")
+    assert code == 0 and unsafe_in(out) == [] and len(out.splitlines()) == 1, out
+    assert "mallory\\x1b[1A" in out and "fine\\nteam kill switch" in out
+
+
+def test_a_servers_refusal_is_shown_escaped_on_stderr(fake: Fake) -> None:
+    fake.answer("POST", "/approvals/7b0e/decide", {"error": {
+        "code": "approval_decided\x1b[2K", "message": "Already approved.\u202e\nby: admin",
+        "fields": {"note\x1b": "too long\x07"}}}, status=409)
+    code, _, err = govctl(fake, "approvals", "decide", "7b0e", "deny", "--note", "no")
+    assert code == 1
+    assert unsafe_in(err) == [], err
+    assert "approval_decided\\x1b[2K (409): Already approved.\\u202e\\nby: admin" in err
+    assert "note\\x1b: too long\\x07" in err
+
+
+POLICY = {"name": "default", "mode": "enforce",
+          "step_limits": {"max_steps": 5, "max_repeat_action": 3, "no_progress_window": 4},
+          "tools": {"allow": None, "deny": [DISGUISED, "a\u202eb", "tab\there", "line\nbreak"]}}
+
+
+def test_an_export_is_terminal_safe_and_reads_back_as_the_servers_data(fake: Fake) -> None:
+    yaml = pytest.importorskip("yaml")
+    team = {"slug": "support", "name": "Support \u00e9quipe", "webhook_url": None}
+    fake.answer("GET", "/teams/support/policies", {"team": team, "policies": [
+        {"name": "default", "version": 2, "document": POLICY}]})
+    code, out, err = govctl(fake, "policies", "export", "--team", "support")
+    assert code == 0, err
+    assert unsafe_in(out) == [], out
+    assert yaml.safe_load(out) == {"teams": [{**team, "policies": [POLICY]}]}
+    # Escaped in the scalars that need it only: a team's name with an accent reads as written.
+    assert '- "a\\u202Eb"' in out and "name: Support \u00e9quipe" in out, out
+
+
+def test_a_dry_runs_diff_and_backtest_are_terminal_safe(fake: Fake, tmp_path: Any) -> None:
+    pytest.importorskip("yaml")
+    fake.answer("PUT", "/teams/support/policies/default", {
+        "changed": True, "version": 3, "document": POLICY})
+    fake.answer("GET", "/teams/support/policies/default", {
+        "version": 2, "document": {**POLICY, "tools": {"allow": None, "deny": []}}})
+    fake.answer("POST", "/teams/support/policies/default/backtest", {
+        "runs": 4, "changed": 1, "by_reason": {"tool_denied\x1b[1A": 1},
+        "summary": "fine\x1b[2K\u202e"})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"teams": [{"slug": "support", "policies": [POLICY]}]}))
+    code, out, err = govctl(fake, "policies", "apply", str(path), "--dry-run")
+    assert code == 0, err
+    assert unsafe_in(out) == [], out
+    assert "+  - \"pay.\\e[4Dsearch.docs\"" in out, out
+    assert "stopped by tool_denied\\x1b[1A 1" in out and "backtest: fine\\x1b[2K\\u202e" in out
