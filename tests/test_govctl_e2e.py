@@ -15,6 +15,7 @@ import pytest
 from django.conf import settings
 from governance_client.govctl import main
 
+from policies.document import DocumentError, load_yaml, parse_document
 from policies.models import OperatorEvent, PolicyVersion, Team
 from policies.tokens import operator_token_create
 from runs.models import KillSwitch
@@ -136,6 +137,26 @@ def test_a_file_with_one_refused_policy_saves_none_of_it(server: Server, team: T
     assert "policy support/strict: invalid_request (422)" in err
     assert PolicyVersion.objects.filter(policy__team=team, policy__name="default").count() \
         == before
+
+
+@pytest.mark.parametrize("extra", ["dry_run: true", "note: from the file",
+                                   "confirm_stops: true"])
+def test_a_policys_request_key_is_an_unknown_field_as_apply_policies_says(
+        server: Server, team: Team, admin_token: str, tmp_path: Path, extra: str):
+    """Found by a tester: a policy's `dry_run: true` made govctl's save a dry run, and it
+    printed "version 1" of a policy the server saved nowhere. Refused as `manage.py
+    apply_policies` refuses the file, in its words, and nothing sent."""
+    path = tmp_path / "p.yaml"
+    path.write_text(FILE.replace("      - name: strict\n",
+                                 f"        {extra}\n      - name: strict\n"))
+    with pytest.raises(DocumentError) as refused:
+        parse_document(load_yaml(path.read_text()))
+    (said,) = [f"{field}: {problem}" for field, problem in refused.value.errors.items()]
+    before = PolicyVersion.objects.count()
+    code, out, err = govctl(server, admin_token, "policies", "apply", str(path))
+    assert code == 1 and f"govctl: {said}" in err, err
+    assert "version" not in out and PolicyVersion.objects.count() == before
+    assert not OperatorEvent.objects.filter(action="token.dry_run").exists()
 
 
 def test_a_change_to_confirm_names_the_flag_and_a_dry_run_fails_on_it(

@@ -89,6 +89,20 @@ def test_a_good_file_is_sent_to_its_policys_path(tmp_path):
     # A tab says so (found by a newcomer: PyYAML's words do not).
     (GOOD.replace("    policies:", "\tpolicies:"), "YAML indents with spaces, never tabs"),
     (GOOD + "#" * (256 * 1024), "is over 256 KiB"),
+    # Unknown keys are errors (SPEC 3), the request's own above all: a policy's
+    # `dry_run: true` made the save a dry run, and govctl said "version 1" of what was not
+    # saved (found by a tester); `note` or `confirm_stops` would have stood for the flags.
+    (GOOD + "        dry_run: true\n", "teams[0].policies[0].dry_run: unknown field"),
+    (GOOD + "        note: from the file\n", "teams[0].policies[0].note: unknown field"),
+    (GOOD + "        confirm_stops: true\n",
+     "teams[0].policies[0].confirm_stops: unknown field"),
+    (GOOD + "        since: 1d\n", "teams[0].policies[0].since: unknown field"),
+    (GOOD + "        limit: 1\n", "teams[0].policies[0].limit: unknown field"),
+    # A team's and the document's keys are govctl's alone to read: an unknown one was
+    # passed over without a word.
+    (GOOD.replace("    policies:", "    dry_run: true\n    policies:"),
+     "teams[0].dry_run: unknown field"),
+    ("dry_run: true\n" + GOOD, "dry_run: unknown field"),
 ])
 def test_a_bad_file_exits_1_with_the_reason_and_sends_nothing(tmp_path, content, says):
     code, err, sent = govctl(tmp_path, content)

@@ -336,7 +336,35 @@ def _teams_of(document: Any) -> list[dict[str, Any]]:
                 raise Refused(f"teams[{i}].policies[{j}].name {policy['name']!r}: policy "
                               "names must be unique in a team")
             names.add(policy["name"])
+    unknown = _unknown_keys(document, teams)
+    if unknown:
+        raise Refused("\n".join(unknown))
     return teams
+
+
+# A document's and a team's keys (SPEC 3; policies/document.py's Document and TeamDoc) are
+# govctl's to read, so it refuses any other, as `manage.py apply_policies` does. A policy's are
+# the server's to check (the dry run's PUT names each unknown one, nothing saved), all but the
+# keys govctl sends beside them, which the server reads as the request's (operator_api's
+# PolicyPutIn and BacktestIn): found by a tester, a policy's `dry_run: true` made the save a
+# dry run, and govctl printed "version 1" of a policy saved nowhere.
+DOCUMENT_KEYS = frozenset({"teams"})
+TEAM_KEYS = frozenset({"slug", "name", "webhook_url", "policies"})
+REQUEST_KEYS = frozenset({"note", "confirm_stops", "dry_run", "since", "limit"})
+FLAGS = {"note": "--note", "confirm_stops": "--confirm-stops", "dry_run": "--dry-run"}
+
+
+def _unknown_keys(document: dict[Any, Any], teams: list[dict[str, Any]]) -> list[str]:
+    """Each unknown key's path and why, as the server names one (SPEC 3)."""
+    found = [(str(key), key) for key in document if key not in DOCUMENT_KEYS]
+    for i, team in enumerate(teams):
+        found += [(f"teams[{i}].{key}", key) for key in team if key not in TEAM_KEYS]
+        for j, policy in enumerate(team.get("policies", [])):
+            found += [(f"teams[{i}].policies[{j}].{key}", key) for key in policy
+                      if key in REQUEST_KEYS]
+    return [f"{path}: unknown field" + (f" (it is govctl's {FLAGS[key]}, given on its "
+                                        "command line)" if key in FLAGS else "")
+            for path, key in found]
 
 
 def _note_team_fields(api: Api, out: Any, team: dict[str, Any]) -> None:
@@ -502,7 +530,7 @@ def _show_change(api: Api, out: Any, slug: str, name: str, body: dict[str, Any],
             print(DENIES_EVERY_TOOL, file=out)
         return
     _, current = api.call("GET", f"/teams/{slug}/policies/{name}")
-    policy = {k: v for k, v in body.items() if k not in ("note", "confirm_stops")}
+    policy = {k: v for k, v in body.items() if k not in REQUEST_KEYS}
     # The window and bound the line below names, sent rather than left to the server's
     # defaults, so that what it says the count is of is what was asked.
     _, report = api.call("POST", f"/teams/{slug}/policies/{name}/backtest",
