@@ -195,3 +195,36 @@ def test_a_dry_runs_diff_and_backtest_are_terminal_safe(fake: Fake, tmp_path: An
     assert unsafe_in(out) == [], out
     assert "+  - \"pay.\\e[4Dsearch.docs\"" in out, out
     assert "stopped by tool_denied\\x1b[1A 1" in out and "backtest: fine\\x1b[2K\\u202e" in out
+
+
+@pytest.mark.parametrize(("token", "said"), [
+    # Found by a tester: httpx's "Illegal header value b'Bearer gov_op_...'" was the reason,
+    # the whole token in it.
+    (TOKEN + " ", "the token has a space at its end"),
+    (TOKEN + "\n", "the token has a line break at its end"),
+    ("\t" + TOKEN, "the token has a tab at its start"),
+    (TOKEN[:20] + " " + TOKEN[20:], "the token has a space inside it"),
+    (TOKEN[:20] + "\x00" + TOKEN[20:], "the token has a control character (\\x00) inside it"),
+    ("Bearer " + TOKEN, "give the token alone"),
+    ("gov_0a1b2c3d4e5f_" + TOKEN[20:], "is not an operator token"),
+])
+def test_a_token_of_the_wrong_form_is_refused_without_showing_it(
+        fake: Fake, token: str, said: str) -> None:
+    code, out, err = govctl(fake, "approvals", "list", "--team", "support", token=token)
+    assert code == 1 and said in err, err
+    assert "copy it again" in err or "Bearer" in token or "gov_0" in token, err
+    assert TOKEN[20:] not in err + out and fake.sent == []
+
+
+def test_a_token_a_server_answers_with_is_masked(fake: Fake) -> None:
+    # A proxy, or a server at a wrong --url, quoting the header back: into a CI job's log.
+    fake.answer("GET", "/teams/support/approvals", {"error": {
+        "code": "unauthorized", "message": f"bad header: Bearer {TOKEN}", "fields": {}}},
+        status=401)
+    code, out, err = govctl(fake, "approvals", "list", "--team", "support")
+    assert code == 1 and TOKEN not in err and TOKEN[20:] not in err, err
+    assert "bad header: Bearer gov_op_3f9c0a1b2c4d_..." in err, err
+    fake.answer("GET", "/teams/support/approvals", {"approvals": [
+        {**APPROVAL, "action": {"name": TOKEN, "args": {"t": TOKEN}}}]})
+    code, out, err = govctl(fake, "approvals", "list", "--team", "support")
+    assert code == 0 and TOKEN[20:] not in out, out

@@ -169,12 +169,16 @@ def _for_terminal(data: Any) -> Any:
 class _Terminal:
     """Where govctl prints (stdout, stderr): every text ``_shown`` with its line breaks kept,
     the net under the tables' own escaping (a server's message, an httpx error, a YAML
-    dump). JSON and the YAML dumper's output hold nothing it changes."""
+    dump), and the token ``_masked`` (a server quoting it back, into a CI job's log). JSON
+    and the YAML dumper's output hold nothing it changes."""
 
-    def __init__(self, stream: Any):
+    def __init__(self, stream: Any, *, token: str | None = None):
         self.stream = stream
+        self.token = token
 
     def write(self, text: str) -> int:
+        if self.token:
+            text = _masked(text, self.token)
         return int(self.stream.write(_shown(text, keep="\n")))
 
     def flush(self) -> None:
@@ -231,6 +235,42 @@ def _segment(value: str, what: str) -> str:
     return value
 
 
+TOKEN_START = "gov_op_"  # policies/tokens.py: gov_op_<12 hex>_<URL-safe base64>
+_TOKEN_PREFIX = re.compile(r"gov_op_[0-9a-f]{12}_")
+_NAMED = {" ": "a space", "\t": "a tab", "\n": "a line break", "\r": "a line break (\\r)"}
+
+
+def _token_problem(token: str) -> str | None:
+    """What makes ``token`` no operator token, said without showing it; None when it may be
+    one. Refused, not stripped: a space or line break around a token is a copy gone wrong in
+    the secret store or variable it came from, which every other program reading it gets
+    wrong too (found by a tester: httpx's "Illegal header value b'Bearer gov_op_...'" was
+    printed as the reason, the whole token in it)."""
+    if token.lower().startswith("bearer "):
+        return "the token is given with 'Bearer ' before it: give the token alone"
+    bad = next((i for i, ch in enumerate(token) if not "!" <= ch <= "~"), None)
+    if bad is not None:  # an HTTP header's value is visible ASCII, and so is every token
+        ch = token[bad]
+        what = _NAMED.get(ch) or (f"a control character ({_shown(ch)})" if ch.isascii()
+                                  else "a character that is not ASCII")
+        where = "at its start" if bad == 0 else "at its end" if bad == len(token) - 1 \
+            else "inside it"
+        return (f"the token has {what} {where}: an operator token is gov_op_ then letters, "
+                "digits, '_' and '-'; copy it again without it")
+    if not token.startswith(TOKEN_START) or token == TOKEN_START:
+        return ("the token is not an operator token: one starts gov_op_ (an agent's key "
+                "gov_... is refused by the operator API); its owner makes one on the Tokens "
+                "page, or an administrator with `manage.py create_operator_token`")
+    return None
+
+
+def _masked(text: str, token: str) -> str:
+    """``text`` with ``token`` shown as its part that is no secret, the prefix the Tokens page
+    and the audit log show (gov_op_3f9c0a1b2c4d_...)."""
+    public = _TOKEN_PREFIX.match(token)
+    return text.replace(token, (public.group() if public else TOKEN_START) + "...")
+
+
 API_PREFIX = "/api/v1"
 # A 429 is sent again this many times at most, after its Retry-After if that is this short.
 RETRIES_429 = 3
@@ -246,9 +286,9 @@ class Api:
             base = base[:-len(API_PREFIX)]
         # A reason, not a traceback, for what no server could be asked with (found by an
         # attacker: an unclosed IPv6 bracket; a token pasted with a non-ASCII character).
-        if not (token.isascii() and token.isprintable()):
-            raise Refused("the token holds characters no operator token has (tokens are "
-                          "printable ASCII, gov_op_...): copy it again")
+        problem = _token_problem(token)
+        if problem:
+            raise Refused(problem)
         try:
             self.http = httpx.Client(base_url=base, timeout=TIMEOUT_S,
                                      headers={"Authorization": f"Bearer {token}"},
@@ -750,19 +790,25 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, *, out: Any = None,
          transport: httpx.BaseTransport | None = None) -> int:
     args = parser().parse_args(argv)
-    out = _Terminal(out or sys.stdout)
     if not args.url or not args.token:
         return _fail("--url and --token (or GOVERNANCE_URL and GOVERNANCE_OPERATOR_TOKEN) "
                      "are required")
     try:
-        args.handler(Api(args.url, args.token, transport=transport), args, out)
+        api = Api(args.url, args.token, transport=transport)
     except Refused as refused:
         return _fail(str(refused))
+    # A token of the right form from here, masked wherever it would be printed.
+    out = _Terminal(out or sys.stdout, token=args.token)
+    err = _Terminal(sys.stderr, token=args.token)
+    try:
+        args.handler(api, args, out)
+    except Refused as refused:
+        return _fail(str(refused), err)
     return 0
 
 
-def _fail(reason: str) -> int:
-    print(f"govctl: {reason}", file=_Terminal(sys.stderr))
+def _fail(reason: str, err: _Terminal | None = None) -> int:
+    print(f"govctl: {reason}", file=err or _Terminal(sys.stderr))
     return 1
 
 
