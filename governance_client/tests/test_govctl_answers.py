@@ -73,7 +73,8 @@ def fake() -> Iterator[Fake]:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # A short poll: shutdown() waits for one (0.5 s by default, at every test).
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     state.url = f"http://127.0.0.1:{server.server_port}"
     try:
@@ -228,3 +229,82 @@ def test_a_token_a_server_answers_with_is_masked(fake: Fake) -> None:
         {**APPROVAL, "action": {"name": TOKEN, "args": {"t": TOKEN}}}]})
     code, out, err = govctl(fake, "approvals", "list", "--team", "support")
     assert code == 0 and TOKEN[20:] not in out, out
+
+
+def not_the_api(fake: Fake, status: int, kind: str) -> str:
+    return (f"govctl: the server at {fake.url} answered something that is not the operator "
+            f"API (HTTP {status}, {kind}): is --url right?\n")
+
+
+@pytest.mark.parametrize(("status", "body", "headers", "kind"), [
+    # Found by a tester, each a traceback: a proxy's login page (TypeError), an object
+    # without the listing (KeyError 'runs'), a list (TypeError).
+    (200, b"<html><form>Sign in</form></html>", {"Content-Type": "text/html"}, "text/html"),
+    (200, {}, {}, "application/json"),
+    (200, [1, 2], {}, "application/json"),
+    (200, b"", {"Content-Type": "text/plain; charset=utf-8"}, "text/plain"),
+    # The listing's rows not of its form, and JSON nested past Python's stack.
+    (200, {"runs": [1]}, {}, "application/json"),
+    (200, {"runs": [{"run_id": "r1"}]}, {}, "application/json"),
+    (200, {"runs": [{"run_id": "r1", "status": "running", "agent": "a", "steps": 1,
+                     "cost_usd": "free", "started_at": None}]}, {}, "application/json"),
+    (200, b"[" * 100_000 + b"]" * 100_000, {}, "application/json"),
+    # A refusal that is not the API's: a gateway's page.
+    (502, b"<html>Bad Gateway</html>", {"Content-Type": "text/html"}, "text/html"),
+    (404, {"detail": "Not Found"}, {}, "application/json"),
+])
+def test_an_answer_that_is_not_the_operator_apis_is_said_in_one_line(
+        fake: Fake, status: int, body: Any, headers: dict[str, str], kind: str) -> None:
+    fake.answer("GET", "/teams/support/runs", body, status, **headers)
+    code, out, err = govctl(fake, "runs", "list", "--team", "support")
+    assert (code, out, err) == (1, "", not_the_api(fake, status, kind))
+
+
+@pytest.mark.parametrize("args", [
+    ("approvals", "list", "--team", "support"),
+    ("approvals", "decide", "7b0e", "approve"),
+    ("killswitch", "engage", "--scope", "team", "--team", "support", "--reason", "x"),
+    ("runs", "decisions", "r1", "--team", "support"),
+    ("runs", "show", "r1", "--team", "support"),
+    ("policies", "export", "--team", "support"),
+])
+def test_every_command_says_so_of_an_empty_object(fake: Fake, args: tuple[str, ...]) -> None:
+    for method, path in [("GET", "/teams/support/approvals"), ("POST", "/approvals/7b0e/decide"),
+                         ("POST", "/killswitch"), ("GET", "/teams/support/runs/r1/decisions"),
+                         ("GET", "/teams/support/policies")]:
+        fake.answer(method, path, {"x": [1]})
+    fake.answer("GET", "/teams/support/runs/r1", b"<html></html>", 200,
+                **{"Content-Type": "text/html"})
+    code, out, err = govctl(fake, *args)
+    assert (code, out) == (1, "") and len(err.splitlines()) == 1, err
+    assert "is not the operator API" in err, err
+
+
+def test_an_apply_says_so_of_an_answer_without_its_fields(fake: Fake, tmp_path: Any) -> None:
+    fake.answer("PUT", "/teams/support/policies/default", {"version": "x"})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"teams": [{"slug": "support", "policies": [POLICY]}]}))
+    code, out, err = govctl(fake, "policies", "apply", str(path))
+    assert (code, out, err) == (1, "", not_the_api(fake, 200, "application/json"))
+
+
+def test_a_refusals_fields_as_a_list_are_listed(fake: Fake) -> None:
+    # Found by a tester: `fields` a list, not the API's object, was an AttributeError.
+    fake.answer("GET", "/teams/support/runs", {"error": {
+        "code": "invalid_request", "message": "Bad.", "fields": ["limit", {"a": 1}],
+        "impacts": [1, "x"]}}, 422)
+    code, out, err = govctl(fake, "runs", "list", "--team", "support")
+    assert (code, out) == (1, "")
+    assert err == "govctl: invalid_request (422): Bad.\n  limit\n  {'a': 1}\n", err
+
+
+@pytest.mark.parametrize("retry_after", ["\u00b2", "1.5", "-1", "", "99999999999999999999"])
+def test_a_429s_retry_after_that_is_not_seconds_is_not_waited_for(
+        fake: Fake, retry_after: str) -> None:
+    # Found by a tester: Retry-After "²" ("²".isdigit() is True) was int()'s ValueError.
+    fake.answer("GET", "/teams/support/runs", {"error": {
+        "code": "too_many_requests", "message": "Busy.", "fields": {}}}, 429,
+        **{"Retry-After": retry_after})
+    code, out, err = govctl(fake, "runs", "list", "--team", "support")
+    assert (code, out, err) == (1, "", "govctl: too_many_requests (429): Busy.\n")
+    assert len(fake.sent) == 1

@@ -11,7 +11,10 @@
 
 ``--url`` and ``--token`` default to ``GOVERNANCE_URL`` and ``GOVERNANCE_OPERATOR_TOKEN``.
 Every refusal of the server (its SPEC 5.3 error: code, message, fields) is printed on stderr
-and ends the command with exit status 1; nothing else is ever retried or guessed.
+and ends the command with exit status 1, as does an answer that is not the operator API's (a
+proxy's sign-in page, an object without the fields read), said in one line; a usage error
+is argparse's exit status 2. Only a busy server's 429 is sent again (after its Retry-After,
+a few times); nothing else is retried or guessed.
 Texts of the server's (an agent's action names and reasons, a refusal's message) are printed
 with every control, format and bidi character escaped (``\x1b``, ``\u202e``): a terminal
 shows them and never acts on them; ``--json`` is the server's data, which JSON escapes.
@@ -295,6 +298,7 @@ class Api:
                                      transport=transport)
         except httpx.InvalidURL as exc:
             raise Refused(f"the server's URL {url!r} is not a URL: {exc}") from None
+        self.last: httpx.Response | None = None  # the last answer read
 
     def call(self, method: str, path: str, body: Any = None, *, params: Any = None,
              allow: Sequence[int] = (), timeout: float = TIMEOUT_S) -> tuple[int, Any]:
@@ -307,18 +311,35 @@ class Api:
             # A busy server's 429 (a team's share of its time, a token's calls in progress:
             # docs/serving.md) says when to come back; nothing was done, so the call is sent
             # again, as the agents' client does.
+            # ASCII digits only: "²".isdigit() is true, and int() refuses it (found by a
+            # tester, a traceback).
             wait = response.headers.get("Retry-After", "")
-            if (response.status_code != 429 or attempt == RETRIES_429 or not wait.isdigit()
-                    or int(wait) > MOST_RETRY_AFTER_S):
+            if (response.status_code != 429 or attempt == RETRIES_429
+                    or not re.fullmatch(r"[0-9]{1,4}", wait) or int(wait) > MOST_RETRY_AFTER_S):
                 break
             time.sleep(int(wait))
+        self.last = response
         try:
             data = response.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
             data = None
-        if response.status_code < 300 or response.status_code in allow:
+        answered = response.status_code < 300 or response.status_code in allow
+        # Every answer of the operator API is an object, and every refusal holds its
+        # "error" (SPEC 5.3): anything else is another server's, a proxy's login page or a
+        # gateway's error (found by a tester: tracebacks).
+        if not isinstance(data, dict) or not (answered or isinstance(data.get("error"), dict)):
+            raise Refused(self.not_the_api())
+        if answered:
             return response.status_code, data
         raise Refused(_reason(response.status_code, data), status=response.status_code)
+
+    def not_the_api(self) -> str:
+        """The last answer read, said to be none of the operator API's."""
+        assert self.last is not None
+        kind = self.last.headers.get("Content-Type", "").partition(";")[0].strip()
+        return (f"the server at {self.http.base_url} answered something that is not the "
+                f"operator API (HTTP {self.last.status_code}, {kind[:80] or 'no Content-Type'})"
+                ": is --url right?")
 
 
 def _reason(status: int, data: Any) -> str:
@@ -331,12 +352,19 @@ def _reason(status: int, data: Any) -> str:
         # The API's own instruction names its JSON field; govctl's flag is said below.
         message = message.replace(' Send it again with "confirm_stops": true to save it.', "")
     text = f"{error.get('code', 'error')} ({status}): {message}"
-    for field, problem in (error.get("fields") or {}).items():
-        text += f"\n  {field}: {problem}"
+    fields = error.get("fields") or {}
+    # Listed as they come when not the API's object (found by a tester: a list of them was
+    # an AttributeError).
+    for problem in (f"{k}: {v}" for k, v in fields.items()) if isinstance(fields, dict) \
+            else fields if isinstance(fields, list) else [fields]:
+        text += f"\n  {problem}"
     # The impacts are the message's own numbers (`policies.impact.Impact.sentence`): listed
     # only when a server sends no message (found by a newcomer: each count printed twice, in
     # other words, read as yet another count).
-    for item in (error.get("impacts") or []) if not message.strip() else []:
+    impacts = error.get("impacts") if not message.strip() else None
+    for item in impacts if isinstance(impacts, list) else []:
+        if not isinstance(item, dict):
+            continue
         reasons = item.get("by_reason") or {}
         listed = ", ".join(f"{k} {v}" for k, v in reasons.items()) \
             if isinstance(reasons, dict) else str(reasons)
@@ -804,7 +832,20 @@ def main(argv: Sequence[str] | None = None, *, out: Any = None,
         args.handler(api, args, out)
     except Refused as refused:
         return _fail(str(refused), err)
+    except ANSWER_MISREAD:
+        # An object without a field the command reads, or with one of another type: not
+        # the operator API's answer, whatever its status. Before any answer was read, the
+        # mistake is govctl's own, and its traceback is the report.
+        if api.last is None:
+            raise
+        return _fail(api.not_the_api(), err)
     return 0
+
+
+# What reading an answer of another form raises: a field missing (KeyError), of another
+# type (TypeError, AttributeError, ValueError of a format), nested past Python's stack.
+ANSWER_MISREAD = (KeyError, TypeError, AttributeError, ValueError, IndexError,
+                  RecursionError)
 
 
 def _fail(reason: str, err: _Terminal | None = None) -> int:
