@@ -308,3 +308,20 @@ def test_a_429s_retry_after_that_is_not_seconds_is_not_waited_for(
     code, out, err = govctl(fake, "runs", "list", "--team", "support")
     assert (code, out, err) == (1, "", "govctl: too_many_requests (429): Busy.\n")
     assert len(fake.sent) == 1
+
+
+def test_an_apply_to_a_login_page_says_so_once_and_stops(fake: Fake, tmp_path: Any) -> None:
+    # Not one refusal per policy, then "nothing saved: 2 of 2 policies refused": the server
+    # is not the operator API, and that is the one thing to say.
+    page = (b"<html>Sign in</html>", 200, {"Content-Type": "text/html"})
+    for path in ("/teams/support/policies", "/teams/support/policies/default",
+                 "/teams/support/policies/other"):
+        for method in ("GET", "PUT"):
+            fake.answer(method, path, page[0], page[1], **page[2])
+    document = {"teams": [{"slug": "support", "name": "Support", "policies": [
+        POLICY, {**POLICY, "name": "other"}]}]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(document))
+    code, out, err = govctl(fake, "policies", "apply", str(path))
+    assert (code, out, err) == (1, "", not_the_api(fake, 200, "text/html"))
+    assert [path for _, path, _ in fake.sent] == ["/api/v1/teams/support/policies"]

@@ -68,6 +68,11 @@ class Refused(Exception):
         self.status = status
 
 
+class NotTheApi(Refused):
+    """An answer none of the operator API's: the server at --url is another one, and that
+    ends the command, whatever else it would have gone on to ask."""
+
+
 def _yaml() -> Any:
     try:
         import yaml
@@ -328,7 +333,7 @@ class Api:
         # "error" (SPEC 5.3): anything else is another server's, a proxy's login page or a
         # gateway's error (found by a tester: tracebacks).
         if not isinstance(data, dict) or not (answered or isinstance(data.get("error"), dict)):
-            raise Refused(self.not_the_api())
+            raise NotTheApi(self.not_the_api())
         if answered:
             return response.status_code, data
         raise Refused(_reason(response.status_code, data), status=response.status_code)
@@ -445,6 +450,8 @@ def _note_team_fields(api: Api, out: Any, team: dict[str, Any]) -> None:
         return
     try:
         _, listing = api.call("GET", f"/teams/{team['slug']}/policies")
+    except NotTheApi:
+        raise
     except Refused:
         return  # the policies' own calls say why
     current = listing.get("team") or {}
@@ -506,6 +513,8 @@ def policies_apply(api: Api, args: argparse.Namespace, out: Any) -> None:
                             refusal += SAVES_OWN_COUNT
                     refusals.append(f"policy {slug}/{name}: {refusal}")
                     continue
+            except NotTheApi:
+                raise
             except Refused as refused:
                 refusal = f"policy {slug}/{name}: {refused}"
                 if refused.status == 404:
