@@ -16,7 +16,7 @@ proxy's sign-in page, an object without the fields read), said in one line; a us
 is argparse's exit status 2. Only a busy server's 429 is sent again (after its Retry-After,
 a few times); nothing else is retried or guessed.
 Texts of the server's (an agent's action names and reasons, a refusal's message) are printed
-with every control, format and bidi character escaped (``\x1b``, ``\u202e``): a terminal
+with every control, format and bidi character escaped (``\\x1b``, ``\\u202e``): a terminal
 shows them and never acts on them; ``--json`` is the server's data, which JSON escapes.
 
 A policy file has the format of ``manage.py apply_policies`` and the dashboard's export
@@ -154,7 +154,7 @@ def _unshowable(text: str) -> bool:
 
 def _shown(value: Any, *, keep: str = "") -> str:
     """``value`` as text a terminal shows as written: each character of ``_UNSHOWABLE``
-    (but those in ``keep``) as its escape, ``\x1b``, ``\u202e``. A line break is one too
+    (but those in ``keep``) as its escape, ``\\x1b``, ``\\u202e``. A line break is one too
     unless kept, so that a value stays within its line of a table."""
     text = str(value)
     if text.isprintable():  # nearly always: the walk below is for the rest
@@ -196,10 +196,12 @@ class _Terminal:
 @cache
 def _dumper(yaml: Any) -> Any:
     """PyYAML's safe dumper, a scalar holding a character of ``_UNSHOWABLE`` written double
-    quoted with it escaped (``"a\u202Eb"``): it reads back the same, and shows what it is.
+    quoted with it escaped (``"a\\u202Eb"``): it reads back the same, and shows what it is.
     PyYAML's own writes bidi and zero-width characters as they are."""
 
-    class Dumper(yaml.SafeDumper):  # type: ignore[misc,name-defined]
+    class Dumper(yaml.SafeDumper):  # type: ignore[misc]
+        allow_unicode: bool  # the emitter's, set by dump()
+
         def analyze_scalar(self, scalar: str) -> Any:
             analysis = super().analyze_scalar(scalar)
             if _unshowable(scalar):
@@ -209,7 +211,7 @@ def _dumper(yaml: Any) -> Any:
 
         def write_double_quoted(self, text: str, split: bool = True) -> None:
             # allow_unicode off escapes every character past ASCII, these scalars' only.
-            allow = self.allow_unicode
+            allow: bool = self.allow_unicode
             self.allow_unicode = allow and not _unshowable(text)
             try:
                 super().write_double_quoted(text, split)
