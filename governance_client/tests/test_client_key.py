@@ -70,3 +70,10 @@ def test_no_error_or_log_line_repeats_the_key(caplog: pytest.LogCaptureFixture) 
     assert run.local and decision.local
     assert caplog.records and "S3cr3t" not in caplog.text
     assert "S3cr3t" not in repr(decision)
+
+
+def test_a_clients_settings_never_print_the_key() -> None:
+    from governance_client._core import Settings
+
+    settings = Settings(base_url="http://127.0.0.1:9", api_key="gov_0743_secretpart")
+    assert "secretpart" not in repr(settings) and "secretpart" not in str(settings)

@@ -92,7 +92,8 @@ class Settings:
     """A client's configuration, validated once (see ``GovernanceClient`` for the meaning)."""
 
     base_url: str
-    api_key: str
+    # Not in the printed form: a settings object in a log or a traceback must not show it.
+    api_key: str = field(repr=False)
     deadline: float = 2.0
     attempts: int = 3
     backoff: float = 0.1
