@@ -79,6 +79,20 @@ def test_redacted_args_stay_redacted_on_screen(api, approving, users):
     assert "k-123" not in html and "[redacted]" in html
 
 
+def test_a_request_whose_args_came_as_a_digest_says_it_cannot_show_them(api, approving,
+                                                                        users):
+    """Found by an attacker: a payment's args padded past 64 KiB reached the approver as the
+    client's digest only, the card reading like any other."""
+    digest = {"oversize_args": {"sha256": "ab" * 32, "bytes": 70052,
+                                "keys": ["amount_eur", "iban", "note"]}}
+    check(api, start(api), {"name": "payments.refund", "args": digest}, check_id="big")
+    check(api, start(api), PAY, check_id="small")
+    html = signed_in(users["viewer"]).get(reverse("runs:approvals", args=[approving.slug])
+                                          ).content.decode()
+    assert html.count("approval__hidden") == 1
+    assert "at 70052 bytes they were too large for a check" in html
+
+
 def test_the_navigation_counts_pending_requests(api, approving, users):
     waiting(api)
     url = reverse("runs:runs", args=[approving.slug])

@@ -449,6 +449,18 @@ class ApprovalCard:
     decided_by: str
     note: str
     final_message: str
+    # The args were too large for a check body: the client sent their digest instead
+    # (governance_client's `oversize_args`), in bytes; None when the args are all here.
+    args_hidden_bytes: int | None = None
+
+
+def _hidden_bytes(args: Any) -> int | None:
+    """The size of args the client sent as a digest only (SPEC 5.2's 64 KiB check body):
+    an approver then cannot see what the call would do, and the card says so (found by an
+    attacker: padding a payment's args past 64 KiB made its request show only a digest)."""
+    digest = args.get("oversize_args") if isinstance(args, dict) and len(args) == 1 else None
+    size = digest.get("bytes") if isinstance(digest, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def approval_card(approval: Any, now: datetime | None = None) -> ApprovalCard:
@@ -469,6 +481,7 @@ def approval_card(approval: Any, now: datetime | None = None) -> ApprovalCard:
         seconds_left=max(0, int((approval.expires_at - now).total_seconds())),
         decided_at=approval.decided_at, decided_by=approval.decided_by_label,
         note=approval.note, final_message=final.get("message") or "",
+        args_hidden_bytes=_hidden_bytes(approval.args),
     )
 
 
