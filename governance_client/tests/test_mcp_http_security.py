@@ -166,6 +166,24 @@ def test_the_hosts_of_each_kind_of_bind() -> None:
                                    "https://gw.lan:80"]
 
 
+def test_on_port_80_a_host_and_origin_without_the_port_are_its_own() -> None:
+    """Clients leave a scheme's default port out (httpx, so the SDK's client, sends `Host:
+    127.0.0.1`): found by an attacker, a gateway on port 80 refused every client."""
+    made = HttpGateway(GatewayConfig(url="http://gov", key="k", agent="a"),
+                       client=None, upstream_url="http://up/mcp",  # type: ignore[arg-type]
+                       security=transport_security("0.0.0.0", 80,
+                                                   allowed_hosts=["gw.example:*"]))
+    transport = Transport()
+    made.sessions["s"] = transport  # type: ignore[assignment]
+    for headers in ({"host": "127.0.0.1"}, {"host": "localhost:80"},
+                    {"host": "localhost", "origin": "http://localhost"},
+                    {"host": "gw.example"}, {"host": "gw.example", "origin": "https://gw.example"}):
+        assert request(made, headers).status == 202, headers
+    assert request(made, {"host": "127.0.0.1:8080"}).status == 421
+    assert request(made, {"host": "127.0.0.1", "origin": "http://localhost:8080"}).status == 403
+    assert request(made, {"host": "gw.example:\u0663"}).status == 421  # an Arabic-Indic 3
+
+
 def test_the_command_line_takes_more_hosts_and_origins() -> None:
     base = ["--url", "u", "--key", "k", "--agent", "a", "--upstream-url", "http://up/mcp",
             "--listen", "127.0.0.1:9000"]

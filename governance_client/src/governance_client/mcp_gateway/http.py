@@ -130,16 +130,28 @@ def transport_security(host: str, port: int | None, *, allowed_hosts: Sequence[s
 
 
 def _matches(value: str, allowed: Sequence[str]) -> bool:
-    """``value`` is one of ``allowed`` (names compared without case, as DNS does), or has the
-    form of one that ends in ``:*`` with a port."""
-    value = value.lower()
+    """``value`` is one of ``allowed`` (names compared without case, as DNS does, and a
+    scheme's default port the same as none), or has the form of one that ends in ``:*``
+    with a port or none."""
+    value = _without_default_port(value.lower())
     for pattern in (p.lower() for p in allowed):
-        if value == pattern:
-            return True
-        if pattern.endswith(":*") and value.startswith(pattern[:-1]) \
-                and value[len(pattern) - 1:].isdigit():
+        if pattern.endswith(":*"):
+            port = value[len(pattern) - 1:]
+            if value == pattern[:-2] or (value.startswith(pattern[:-1]) and port.isascii()
+                                         and port.isdigit()):
+                return True
+        elif value == _without_default_port(pattern):
             return True
     return False
+
+
+def _without_default_port(value: str) -> str:
+    """A Host or Origin with its scheme's default port left out, as clients send it (httpx,
+    and so the MCP SDK's client, and browsers send `Host: name` for port 80: found by an
+    attacker, a gateway listening on port 80 refused every client)."""
+    if value.startswith("https://"):
+        return value.removesuffix(":443")
+    return value.removesuffix(":80")
 
 
 class ListenError(Exception):
