@@ -386,6 +386,28 @@ def test_a_budget_is_warned_once_across_an_outage(agent: Agent, server: Server,
     assert [d["rule"] for d in audited[5:]] == [None, None]
 
 
+def test_a_budget_warned_beside_a_shadow_would_stop_is_not_warned_again_locally(
+        agent: Agent, server: Server, team: Team) -> None:
+    """The answer's rule is the would-stop's, the directive the budget's warning: the
+    client's copy learns the warned budget all the same (found by an attacker: it sent the
+    warning again during an outage)."""
+    set_policy(team, mode="shadow", step_limits={"max_steps": 10, "max_repeat_action": 1},
+               warnings={"budget_fraction": 0.5, "repeat_action": None, "no_progress": None})
+    network = Outage()
+    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=10,
+                          transport=network) as client, client.run("support-bot") as run:
+        for i in range(4):
+            run.check(f"tool_{i}", {"i": i}, progress=str(i))
+        run.check("same", {}, progress="a")
+        both = run.check("same", {}, progress="b")
+        network.down = True
+        local = run.check("other", {}, progress="c")
+        network.down = False
+    assert both.shadow and both.shadow["reason"] == "loop_detected", both
+    assert both.directive and both.directive["code"] == "budget", both
+    assert local.local and local.directive is None, local
+
+
 def test_an_uploaded_directive_must_be_a_warning(agent: Agent) -> None:
     run_id = agent.start()["run_id"]
     entry = {"check_id": "local-1", "action": {"name": "search.docs", "args": {"q": 1}},

@@ -107,6 +107,13 @@ class LocalLedger:
             now=datetime.now(UTC),
         )
         warned = rules.warned_budget(decision.rule)
+        if warned is None and decision.allowed and (decision.directive or {}).get(
+                "code") == rules.BUDGET:
+            # A shadow would-stop's answer names the would-stop's rule, not the warning's
+            # (found by an attacker: the budget was warned of again during an outage).
+            found = rules.local_warning(self.policy, self.state, check, rules.BUDGET,
+                                        datetime.now(UTC))
+            warned = found.budget if found is not None else None
         if warned is not None:  # sent once per budget per run (SPEC 16), online or not
             self.state.budget_warned = self.state.budget_warned | {warned}
         # The service is authoritative (other processes may check the same run).
