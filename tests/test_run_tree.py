@@ -510,10 +510,13 @@ def test_a_childs_request_is_cancelled_once_its_parent_is_over(api, team):
     set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600})
     body = {"action": {"name": "payments.refund", "args": {}, "type": "tool"},
             "check_id": "refund-1"}
+    from runs.approvals.services import settle_due_for_team
+    from runs.models import Approval
+
     root = start(api)
-    retried, polled = (start(api, "helper", parent_run_id=root) for _ in range(2))
-    asked = [post(api, f"/api/v1/runs/{run}/check", body) for run in (retried, polled)]
-    assert [a["decision"] for a in asked] == ["pending", "pending"], asked
+    retried, polled, listed = (start(api, "helper", parent_run_id=root) for _ in range(3))
+    asked = [post(api, f"/api/v1/runs/{run}/check", body) for run in (retried, polled, listed)]
+    assert [a["decision"] for a in asked] == ["pending"] * 3, asked
     finished = post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})
     assert finished["http"] == 200, finished
 
@@ -528,6 +531,11 @@ def test_a_childs_request_is_cancelled_once_its_parent_is_over(api, team):
         run = Run.objects.get(pk=run_id)
         assert (run.status, run.stop_reason) == ("stopped", "parent_stopped")
         assert run.awaited_approval is None
+    # A look at the team's requests (its approvals list, the beat's sweep) settles them too.
+    assert Approval.objects.get(pk=asked[2]["approval"]["id"]).status == "pending"
+    assert settle_due_for_team(team) == 1
+    assert Approval.objects.get(pk=asked[2]["approval"]["id"]).status == "cancelled"
+    assert Run.objects.get(pk=listed).stop_reason == "parent_stopped"
 
 
 def test_an_ancestors_limit_names_the_ancestors_policy_and_version(api, team):
@@ -667,6 +675,69 @@ def test_a_childs_local_allows_under_a_shadow_parent_break_nothing_of_the_parent
     assert body["http"] == 200 and body["recorded"] == 4
     flagged = [d.answer["policy_violation"] for d in Decision.objects.filter(run_id=child)]
     assert flagged == [False] * 4
+
+
+def test_a_shadow_childs_local_allow_past_its_enforcing_parents_limit_is_flagged(api, team):
+    """Found by an attacker: the service's check stops a shadow child at its enforcing
+    parent's max_steps, but the same action uploaded as a local allow was not flagged."""
+    set_policy(team, step_limits={"max_steps": 3})
+    _second_policy(team, "observe", mode="shadow", step_limits={"max_steps": 1000})
+    root = start(api)
+    for _ in range(3):
+        assert check(api, root)["decision"] == "allow"
+    child = start(api, "helper", parent_run_id=root, policy="observe")
+    body = post(api, f"/api/v1/runs/{child}/local-decisions", {"decisions": [
+        {"check_id": "local-1", "action": {"name": "search", "args": {}},
+         "decision": "allow", "reason": "step_ok"}]})
+    assert body["http"] == 200 and body["recorded"] == 1
+    answer = Decision.objects.get(run_id=child).answer
+    assert answer["policy_violation"] and answer["violation"].startswith("max_steps: "), answer
+
+
+def test_a_childs_uploaded_budget_warning_is_its_own_budgets(api, team):
+    """A fail-open client decides without the tree, so the budget warning it uploads is of
+    the run's own budgets (found by an attacker: the parent's budget, nearer its limit, was
+    taken as warned; the child's own warning was sent again, the parent's never)."""
+    set_policy(team, step_limits={"max_steps": 14})
+    _second_policy(team, "cw", step_limits={"max_steps": 10})
+    root = start(api)
+    for _ in range(4):
+        check(api, root)
+    child = start(api, "helper", parent_run_id=root, policy="cw")
+    warned = {"type": "inject_message", "role": "user", "code": "budget",
+              "content": "This run is at step 9 of max_steps=10."}
+    body = post(api, f"/api/v1/runs/{child}/local-decisions", {"decisions": [
+        {"check_id": f"local-{i}", "action": {"name": "search", "args": {"i": i}},
+         "decision": "allow", "reason": "step_ok", **({"directive": warned} if i == 8 else {})}
+        for i in range(9)]})
+    assert body["http"] == 200 and body["recorded"] == 9
+    last = Decision.objects.filter(run_id=child).order_by("-step").first()
+    assert (last.answer["rule"]["limit"]["max_steps"], last.answer["rule"]["scope"]) == (
+        10, "run"), last.answer["rule"]
+    # The next check: the parent's budget (tree step 14 of 14) is warned of, not the child's.
+    answer = check(api, child)
+    assert answer["directive"]["code"] == "budget", answer
+    assert answer["rule"]["scope"] == root, answer["rule"]
+
+
+def test_no_sub_agent_starts_under_a_run_whose_ancestor_went_idle(api, team, monkeypatch):
+    """Found by an attacker: the root past its idle deadline (ended by no look yet), its
+    child still running on a patient policy: a grandchild started, then stopped at its
+    first check with parent_stopped."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    set_policy(team, budgets={"max_idle_seconds": 60, "max_seconds": 3600})
+    _second_policy(team, "patient", budgets={"max_idle_seconds": 3600, "max_seconds": 3600})
+    now = timezone.now()
+    monkeypatch.setattr("django.utils.timezone.now", lambda: now)
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root, policy="patient")
+    now += timedelta(seconds=61)
+    refused = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": child})
+    assert (refused["http"], refused["error"]["code"]) == (409, "parent_finished"), refused
+    assert "(reason: abandoned)" in refused["error"]["message"]
 
 
 def test_a_childs_check_is_no_activity_for_an_abandoned_parent(api, team, monkeypatch):

@@ -348,9 +348,10 @@ def settle_if_due(approval: Approval, *, now: datetime | None = None) -> bool:
 
 
 def _ancestor_over(run: Run) -> bool:
-    """Whether one of the run's ancestors has ended (one query, for a child run only)."""
-    return bool(run.ancestors) and Run.objects.filter(
-        pk__in=run.ancestors).exclude(status=rules.RUNNING).exists()
+    """Whether one of the run's ancestors is over: ended, or past its idle deadline (one
+    query, for a child run only)."""
+    return bool(run.ancestors) and rules.ended_ancestor(
+        lineage.read_lineage(run.ancestors), timezone.now()) is not None
 
 
 def settle_if_due_for_run(run: Run, *, now: datetime | None = None) -> bool:
@@ -389,22 +390,39 @@ def expire_due(*, now: datetime | None = None, limit: int = 500) -> int:
     that is over). Returns how many it settled."""
     now = now or timezone.now()
     pending = Approval.objects.filter(status=ApprovalStatus.PENDING).select_related("run")
-    return _settle_each(list(_due(pending, now).order_by("expires_at")[:limit]), now)
+    due = list(_due(pending, now).order_by("expires_at")[:limit])
+    return _settle_each(due + _in_ended_trees(pending, now, limit), now)
+
+
+def _in_ended_trees(pending: QuerySet[Approval], now: datetime, limit: int) -> list[Approval]:
+    """Requests of child runs whose tree ended while they waited (SPEC 20): at most
+    ``limit``, in two reads (the requests of running child runs, then which of their
+    ancestors are over), so that a list does not show pending what can never be an allow
+    (found by an attacker: `govctl approvals list` showed one until its expiry)."""
+    children = list(pending.filter(expires_at__gt=now, run__status=rules.RUNNING)
+                    .exclude(run__ancestors=[]).order_by("expires_at")[:limit])
+    if not children:
+        return []
+    over = {str(pk) for pk in Run.objects.filter(
+        pk__in={a for approval in children for a in approval.run.ancestors}).exclude(
+        status=rules.RUNNING).values_list("pk", flat=True)}
+    return [approval for approval in children if over.intersection(approval.run.ancestors)]
 
 
 def settle_due_for_team(team: Team, *, now: datetime | None = None, limit: int = 500) -> int:
     """A look (runs/first_look.py): it settles the team's requests past their expiry first
     (and any left pending on a run that is over), and, while a kill switch is engaged over
     any of the team's runs, the requests of the runs it covers (its fan-out may not have got
-    there yet). At most ``limit`` of each, soonest expiry first: the beat's `expire_due` and
-    the fan-out do the rest. Without an engaged switch that is one indexed read more."""
+    there yet), and those of child runs whose tree ended (`_in_ended_trees`). At most
+    ``limit`` of each, soonest expiry first: the beat's `expire_due` and the fan-out do the
+    rest. Without an engaged switch and a child run waiting that is two indexed reads."""
     now = now or timezone.now()
     pending = (Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
                .select_related("run").order_by("expires_at"))
     due = list(_due(pending, now)[:limit])
     if cover.engaged_over_team_ids(team.pk):
         due += list(pending.filter(expires_at__gt=now, run__status=rules.RUNNING)[:limit])
-    return _settle_each(due, now)
+    return _settle_each(due + _in_ended_trees(pending, now, limit), now)
 
 
 def _clean_note(note: str | None, *, required: bool) -> str:

@@ -17,7 +17,7 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import AgentKey, Policy, Team
 from runs.approvals import services as approvals
-from runs.check import lineages, records, states, tree
+from runs.check import lineage, lineages, records, states, tree
 from runs.check.abandon import abandon_if_idle
 from runs.check.policy_cache import rules_for_version
 from runs.check.services import ServiceError, locked_run_of_key, remember_run
@@ -115,17 +115,19 @@ def _parent_of(key: AgentKey, parent_run_id: Any) -> Run:
         raise ServiceError(422, "invalid_request", "The request is not valid.",
                            {PARENT_FIELD: f"a run tree is at most {rules.MAX_DEPTH} levels "
                             "deep below its root; that run is at the deepest level"})
-    lineage = [*(parent.ancestors or []), str(parent.pk)]
-    for ancestor in Run.objects.filter(pk__in=lineage).only("id", "team_id", "agent",
-                                                             "status"):
-        if ancestor.status != rules.RUNNING:
-            # The parent still reads running until its next check, but its tree is over
-            # (found by an attacker: a grandchild started under a child whose root had
-            # finished, then stopped at its first check).
-            raise ServiceError(
-                409, "parent_finished", f"The parent run's ancestor {ancestor.pk} is "
-                f"{ancestor.status}: the tree is over, no sub-agent may start in it.",
-                {PARENT_FIELD: f"an ancestor of that run is {ancestor.status}"})
+    # The parent still reads running until its next check, but its tree is over when one
+    # of its ancestors is: ended, or past its idle deadline, as the rules read the tree
+    # (found by an attacker: a grandchild started under a child whose root had finished,
+    # or gone idle, then stopped at its first check).
+    ended = rules.ended_ancestor(lineage.read_lineage(parent.ancestors or []), timezone.now())
+    if ended is not None:
+        over, reason = ended
+        raise ServiceError(
+            409, "parent_finished", f"The parent run's ancestor {over.run_id} is over "
+            f"(reason: {reason}): the tree is over, no sub-agent may start in it.",
+            {PARENT_FIELD: f"an ancestor of that run is over ({reason})"})
+    family = [*(parent.ancestors or []), str(parent.pk)]
+    for ancestor in Run.objects.filter(pk__in=family).only("id", "team_id", "agent"):
         switch = cover.covering_switch(team_id=ancestor.team_id, agent=ancestor.agent,
                                        run_id=ancestor.pk)
         if switch is not None:

@@ -32,6 +32,17 @@ def lock_lineage(*, team_id: int, run_id: Any) -> list[rules.Ancestor]:
     return found
 
 
+def read_lineage(ancestor_ids: list[str]) -> list[rules.Ancestor]:
+    """A run's ancestors (``ancestor_ids``, the root first) as the rules read them, without
+    locks: for a question asked before any lock is taken (is the tree over?), which the
+    answer under the locks settles."""
+    rows = {str(row.pk): row for row in Run.objects.filter(pk__in=ancestor_ids)
+            .only(*RUN_COLUMNS)}
+    return [rules.Ancestor(run_id=run_id, policy=rules_for_version(row.policy_version_id),
+                           state=state_of(row))
+            for run_id in ancestor_ids if (row := rows.get(run_id)) is not None]
+
+
 def counted_on(tree: list[rules.Ancestor], decision: rules.Decision, check: rules.Check,
                *, now: datetime) -> list[rules.Ancestor]:
     """The ancestors after one more decision of their descendant (`rules.count_in_tree`)."""

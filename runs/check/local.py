@@ -98,9 +98,10 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
             directive, warning = entry.get("directive") if allowed else None, None
             if directive is not None and state.steps > before.steps:
                 # The warning the client gave, as the rules find it: a budget's is not sent
-                # again by the service (SPEC 16: once per budget per run).
-                warning = rules.local_warning(policy, state, check, directive["code"], now,
-                                              ancestors)
+                # again by the service (SPEC 16: once per budget per run). The run's own: a
+                # client decides without the tree, so it warns of no ancestor's budget (found
+                # by an attacker: the parent's budget was taken as warned).
+                warning = rules.local_warning(policy, state, check, directive["code"], now)
                 if warning is not None and warning.budget is not None:
                     state.budget_warned = state.budget_warned | {warning.budget}
             at = entry.get("at") or now

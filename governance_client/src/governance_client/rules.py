@@ -580,11 +580,15 @@ def local_violation(policy: Policy, state: RunState, check: Check, *, now: datet
     the run's limits, or its ancestors' (SPEC 4.4, 21), that the service would have stopped
     it by: a client whose local rules were looser than the policy (an old policy, or none)
     ran 40 steps of a run whose max_steps is 18, and nothing said so (found by an attacker).
-    None when it broke nothing; a shadow policy enforces nothing, so breaks nothing."""
+    None when it broke nothing. A shadow policy's own rules enforce nothing, so break
+    nothing; an enforcing ancestor's limits bind a shadow run all the same (found by an
+    attacker: a shadow child's upload past its enforcing parent's max_steps was not
+    flagged, where the service's check stopped it)."""
     broke = policy_violation(policy, check.name)
-    if broke is not None or policy.mode == "shadow":
+    if broke is not None:
         return broke
-    if state.status in TERMINAL and state.ended_at is not None and state.ended_at <= now:
+    if (policy.mode != "shadow" and state.status in TERMINAL and state.ended_at is not None
+            and state.ended_at <= now):
         # Decided after the run had ended: the service would have answered its stop.
         return (f"{state.stop_reason or RUN_FINISHED}: the run was already {state.status} "
                 "when this action was allowed, but it ran")
@@ -1086,15 +1090,15 @@ def warned_budget(answered: Mapping[str, Any] | None) -> str | None:
     return _warned_key(budget, None if scope in (None, "run") else str(scope))
 
 
-def local_warning(policy: Policy, state: RunState, check: Check, code: str, now: datetime,
-                  tree: Sequence[Ancestor] = ()) -> WarningFound | None:
-    """The warning of ``code`` a fail-open client gave with a local allow, as these rules
-    find it on the run's state after that allow was counted (``tree``: the ancestors after
-    it too, `count_in_tree`): its rule for the audit, and the budget to remember as warned,
-    so that the service does not send a budget's warning a second time (SPEC 16). None
-    where the service's state shows no such warning (the client's copy was behind)."""
+def local_warning(policy: Policy, state: RunState, check: Check, code: str, now: datetime
+                  ) -> WarningFound | None:
+    """The warning of ``code`` a client gave with an allow, as these rules find it on the
+    run's state after that allow was counted: its rule for the audit, and the budget to
+    remember as warned, so that neither the service nor the client sends a budget's warning
+    a second time (SPEC 16). The run's own warnings only: a client decides without the
+    run's tree. None where this state shows no such warning (the copy was behind)."""
     key = repeat_key(check.name, check.args, policy.ignore_args)
-    return choose_warning([found for found in warnings_of(policy, state, check, key, now, tree)
+    return choose_warning([found for found in warnings_of(policy, state, check, key, now)
                            if found.directive["code"] == code])
 
 
