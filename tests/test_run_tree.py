@@ -740,6 +740,33 @@ def test_no_sub_agent_starts_under_a_run_whose_ancestor_went_idle(api, team, mon
     assert "(reason: abandoned)" in refused["error"]["message"]
 
 
+def test_a_child_waiting_for_an_operator_keeps_its_parent_from_idling(api, team, monkeypatch):
+    """SPEC 14: time waiting for an approval is not idle, a descendant's wait included.
+    Found by an attacker: a parent idle for 60 s was abandoned while its child waited for a
+    600 s approval, which cancelled the request. Its idle time starts at the wait's end at
+    the latest (the request's expiry)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    set_policy(team, budgets={"max_idle_seconds": 60, "max_seconds": 36000})
+    _second_policy(team, "asks", budgets={"max_idle_seconds": 3600, "max_seconds": 36000},
+                   approvals={"tools": ["payments.*"], "timeout_s": 600})
+    now = timezone.now()
+    monkeypatch.setattr("django.utils.timezone.now", lambda: now)
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root, policy="asks")
+    asked = check(api, child, "payments.refund", check_id="refund-1")
+    assert asked["decision"] == "pending", asked
+    now += timedelta(seconds=61)
+    assert api.get(f"/api/v1/runs/{root}").json()["status"] == "running"
+    poll = api.get(f"/api/v1/approvals/{asked['approval']['id']}").json()
+    assert poll["status"] == "pending", poll
+    now += timedelta(seconds=600)  # the request expired, and the parent's 60 s passed since
+    parent = api.get(f"/api/v1/runs/{root}").json()
+    assert (parent["status"], parent["stop_reason"]) == ("stopped", "abandoned"), parent
+
+
 def test_a_childs_check_is_no_activity_for_an_abandoned_parent(api, team, monkeypatch):
     """Found by a tester: a child's check found its parent abandoned (past its idle
     deadline, not yet ended by any look) and stopped, but it counted on the parent and

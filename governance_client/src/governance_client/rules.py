@@ -1433,6 +1433,13 @@ def count_in_tree(tree: Sequence[Ancestor], decision: Decision, check: Check, *,
     if decision.outcome == WAIT or not tree:
         return [ancestor.state for ancestor in tree]
     runs_action = decision.outcome in (ALLOW, WOULD_STOP)
+    # A descendant waiting for an operator is no idleness of its ancestors either (SPEC 14):
+    # their idle time starts from the end of its wait at the latest, the request's expiry
+    # (found by an attacker: a parent idle for 60 s was abandoned while its child waited for
+    # an approval of 600 s, which cancelled the request). Its next check moves them again.
+    active_at = now
+    if decision.outcome == PENDING and decision.approval is not None:
+        active_at = max(now, datetime.fromisoformat(decision.approval["expires_at"]))
     counted = []
     for ancestor in tree:
         state = ancestor.state
@@ -1446,7 +1453,7 @@ def count_in_tree(tree: Sequence[Ancestor], decision: Decision, check: Check, *,
         new = replace(state, steps=state.steps + 1, cost_usd=state.cost_usd + check.cost_usd,
                       tool_calls=state.tool_calls + (1 if runs_action and check.type == "tool"
                                                      else 0))
-        new.idle_deadline = next_deadline(ancestor.policy, new, now) \
+        new.idle_deadline = next_deadline(ancestor.policy, new, active_at) \
             if new.pending is None else new.idle_deadline
         counted.append(new)
     return counted
