@@ -205,7 +205,9 @@ def test_a_dry_runs_diff_and_backtest_are_terminal_safe(fake: Fake, tmp_path: An
     (TOKEN + "\n", "the token has a line break at its end"),
     ("\t" + TOKEN, "the token has a tab at its start"),
     (TOKEN[:20] + " " + TOKEN[20:], "the token has a space inside it"),
-    (TOKEN[:20] + "\x00" + TOKEN[20:], "the token has a control character (\\x00) inside it"),
+    (TOKEN[:20] + "\x00" + TOKEN[20:], "the token has a control character (U+0000) inside it"),
+    (TOKEN + " \n", "the token has a space at its end"),
+    (TOKEN + "\r\n", "the token has a carriage return at its end"),
     ("Bearer " + TOKEN, "give the token alone"),
     ("gov_0a1b2c3d4e5f_" + TOKEN[20:], "is not an operator token"),
 ])

@@ -197,16 +197,23 @@ def agent_key_problem(key: object) -> str | None:
         return f"the agent key must be a string, not {type(key).__name__}"
     if not key:
         return "the agent key is empty"
-    for index, char in enumerate(key):
+    return secret_form_problem(key, "the agent key")
+
+
+def secret_form_problem(secret: str, what: str) -> str | None:
+    """What character makes ``secret`` no HTTP header value (visible ASCII, as every key and
+    token is), and where, in words that never show it: ``what`` names it ("the agent key",
+    "the token"); None when there is none. One place for the client and `govctl`."""
+    for index, char in enumerate(secret):
         if "!" <= char <= "~":
             continue
-        if index >= len(key.rstrip()) or index == len(key) - 1:
+        if index >= len(secret.rstrip()) or index == len(secret) - 1:
             where = "at its end"
-        elif index < len(key) - len(key.lstrip()) or index == 0:
+        elif index < len(secret) - len(secret.lstrip()) or index == 0:
             where = "at its start"
         else:
-            where = f"inside it (character {index + 1} of {len(key)})"
-        return f"the agent key has {_named(char)} {where}"
+            where = f"inside it (character {index + 1} of {len(secret)})"
+        return f"{what} has {_named(char)} {where}"
     return None
 
 

@@ -46,6 +46,8 @@ from typing import Any, NoReturn
 
 import httpx
 
+from governance_client.errors import secret_form_problem
+
 TIMEOUT_S = 30.0
 # A backtest's request waits for a worker's replay, up to the server's
 # BACKTEST_API_WAIT_SECONDS (120 by default; then it answers 503 saying so): longer than that.
@@ -247,7 +249,6 @@ def _segment(value: str, what: str) -> str:
 
 TOKEN_START = "gov_op_"  # policies/tokens.py: gov_op_<12 hex>_<URL-safe base64>
 _TOKEN_PREFIX = re.compile(r"gov_op_[0-9a-f]{12}_")
-_NAMED = {" ": "a space", "\t": "a tab", "\n": "a line break", "\r": "a line break (\\r)"}
 
 
 def _token_problem(token: str) -> str | None:
@@ -258,15 +259,10 @@ def _token_problem(token: str) -> str | None:
     printed as the reason, the whole token in it)."""
     if token.lower().startswith("bearer "):
         return "the token is given with 'Bearer ' before it: give the token alone"
-    bad = next((i for i, ch in enumerate(token) if not "!" <= ch <= "~"), None)
+    bad = secret_form_problem(token, "the token")
     if bad is not None:  # an HTTP header's value is visible ASCII, and so is every token
-        ch = token[bad]
-        what = _NAMED.get(ch) or (f"a control character ({_shown(ch)})" if ch.isascii()
-                                  else "a character that is not ASCII")
-        where = "at its start" if bad == 0 else "at its end" if bad == len(token) - 1 \
-            else "inside it"
-        return (f"the token has {what} {where}: an operator token is gov_op_ then letters, "
-                "digits, '_' and '-'; copy it again without it")
+        return (f"{bad}: an operator token is gov_op_ then letters, digits, '_' and '-'; "
+                "copy it again without it")
     if not token.startswith(TOKEN_START) or token == TOKEN_START:
         return ("the token is not an operator token: one starts gov_op_ (an agent's key "
                 "gov_... is refused by the operator API); its owner makes one on the Tokens "
