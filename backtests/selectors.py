@@ -124,7 +124,7 @@ _STOP_ONLY = {"stop_scope": Case(When(outcome=rules.STOP, then=KT("answer__rule_
                                  default=Value(None)),
               "stop_message": Case(When(outcome=rules.STOP, then=KT("answer__message")),
                                    default=Value(None))}
-# The words of a stop by an ancestor's limit (governance_client.rules `_limit_in_tree`).
+# The words of a stop by an ancestor's limit (governance_client.rules `_ancestors_stop`).
 _ANCESTOR = re.compile(r"^Ancestor run ([0-9a-f-]{36})'s limit")
 
 

@@ -177,6 +177,8 @@ class ApiRouteMiddleware(_SyncAndAsync):
             # the pages' HTML 404 (found by a newcomer trying the bare prefix).
             missing = error(404, "not_found", "No such endpoint: /api. The API is under "
                             "/api/v1/ (its document: /api/v1/openapi.json).")
+            if request.method == "HEAD":
+                missing = _headless(missing)
             return self._answer_async(missing) if self.async_mode else missing
         if request.path.startswith(API_PREFIX):
             if request.method == "HEAD":
