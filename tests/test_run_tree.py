@@ -766,6 +766,20 @@ def test_a_child_waiting_for_an_operator_keeps_its_parent_from_idling(api, team,
     parent = api.get(f"/api/v1/runs/{root}").json()
     assert (parent["status"], parent["stop_reason"]) == ("stopped", "abandoned"), parent
 
+    # Decided before its expiry, the wait no longer holds the parent: its 60 s count from
+    # the decision, not from the request's expiry.
+    from runs.approvals.services import approval_decide
+
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root, policy="asks")
+    asked = check(api, child, "payments.refund", check_id="refund-2")
+    now += timedelta(seconds=10)
+    approval_decide(team=team, approval_id=asked["approval"]["id"], decision="approve",
+                    note="")
+    now += timedelta(seconds=61)
+    parent = api.get(f"/api/v1/runs/{root}").json()
+    assert (parent["status"], parent["stop_reason"]) == ("stopped", "abandoned"), parent
+
 
 def test_a_childs_check_is_no_activity_for_an_abandoned_parent(api, team, monkeypatch):
     """Found by a tester: a child's check found its parent abandoned (past its idle

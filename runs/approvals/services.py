@@ -38,7 +38,7 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Q, QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from governance.errors import AppError
@@ -136,6 +136,16 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
             [replace(ancestor, state=after) for ancestor, after
              in zip(tree, rules.approved_in_tree(tree, pending), strict=True)],
             ("tool_calls",))
+    if status in (rules.APPROVED, rules.DENIED) and tree:
+        # The wait is over before its expiry, to which it had moved the ancestors' idle
+        # deadline (`rules.count_in_tree`): their idle time counts from now again, not a
+        # whole timeout later.
+        lineage.write_counters(
+            [replace(ancestor, state=replace(ancestor.state, idle_deadline=rules.next_deadline(
+                ancestor.policy, ancestor.state, now)))
+             for ancestor in tree
+             if ancestor.state.status == rules.RUNNING and ancestor.state.pending is None],
+            ("idle_deadline",))
     run_memory.save(run.id, state, new)
     answer = final_of(run, pending, decision, new, now, label)
     _record_final(run, pending, answer, now, decision)
@@ -322,12 +332,13 @@ def settle_if_due(approval: Approval, *, now: datetime | None = None) -> bool:
     ended = approval.run.status != rules.RUNNING
     expired = now >= approval.expires_at
     if (not ended and not expired and covering_kill(approval.run) is None
-            and not _ancestor_over(approval.run)):
+            and not _ancestor_over(approval.run, now)):
         return False
     with transaction.atomic():
-        # A child's ancestors first, the root first (the tree's lock order), then the run.
+        # A child's ancestors first, the root first (the tree's lock order), then the run:
+        # only to cancel by an ancestor's end; an expiry or a kill writes no ancestor.
         tree = lineage.lock_lineage(team_id=approval.run.team_id, run_id=approval.run_id) \
-            if approval.run.ancestors else []
+            if approval.run.ancestors and not ended and not expired else []
         run, state = _locked(approval.run_id)
         if state.status in rules.TERMINAL:
             before = set(Approval.objects.filter(run_id=run.id, status=ApprovalStatus.PENDING)
@@ -347,11 +358,11 @@ def settle_if_due(approval: Approval, *, now: datetime | None = None) -> bool:
     return settled is not None
 
 
-def _ancestor_over(run: Run) -> bool:
+def _ancestor_over(run: Run, now: datetime) -> bool:
     """Whether one of the run's ancestors is over: ended, or past its idle deadline (one
     query, for a child run only)."""
     return bool(run.ancestors) and rules.ended_ancestor(
-        lineage.read_lineage(run.ancestors), timezone.now()) is not None
+        lineage.read_lineage(run.ancestors), now) is not None
 
 
 def settle_if_due_for_run(run: Run, *, now: datetime | None = None) -> bool:
@@ -395,18 +406,25 @@ def expire_due(*, now: datetime | None = None, limit: int = 500) -> int:
 
 
 def _in_ended_trees(pending: QuerySet[Approval], now: datetime, limit: int) -> list[Approval]:
-    """Requests of child runs whose tree ended while they waited (SPEC 20): at most
-    ``limit``, in two reads (the requests of running child runs, then which of their
-    ancestors are over), so that a list does not show pending what can never be an allow
-    (found by an attacker: `govctl approvals list` showed one until its expiry)."""
-    children = list(pending.filter(expires_at__gt=now, run__status=rules.RUNNING)
-                    .exclude(run__ancestors=[]).order_by("expires_at")[:limit])
-    if not children:
-        return []
+    """Requests of child runs whose tree ended while they waited (SPEC 20), so that a list
+    does not show pending what can never be an allow (found by an attacker: `govctl
+    approvals list` showed one until its expiry): at most ``limit`` whose parent has ended
+    (chosen by the database, however many requests of live trees wait), then, of the
+    ``limit`` child requests expiring first, those whose farther ancestor has ended. Two
+    indexed reads, three when grandchildren wait; an ancestor only past its idle deadline
+    is the other looks' (the poll's, the check's)."""
+    waiting = pending.filter(expires_at__gt=now, run__status=rules.RUNNING).exclude(
+        run__ancestors=[])
+    parent_over = Exists(Run.objects.filter(pk=OuterRef("run__parent_run_id")).exclude(
+        status=rules.RUNNING))
+    found = list(waiting.filter(parent_over).order_by("expires_at")[:limit])
+    children = [a for a in waiting.order_by("expires_at")[:limit] if len(a.run.ancestors) > 1]
     over = {str(pk) for pk in Run.objects.filter(
         pk__in={a for approval in children for a in approval.run.ancestors}).exclude(
-        status=rules.RUNNING).values_list("pk", flat=True)}
-    return [approval for approval in children if over.intersection(approval.run.ancestors)]
+        status=rules.RUNNING).values_list("pk", flat=True)} if children else set()
+    seen = {approval.pk for approval in found}
+    return found + [approval for approval in children
+                    if approval.pk not in seen and over.intersection(approval.run.ancestors)]
 
 
 def settle_due_for_team(team: Team, *, now: datetime | None = None, limit: int = 500) -> int:
@@ -415,7 +433,8 @@ def settle_due_for_team(team: Team, *, now: datetime | None = None, limit: int =
     any of the team's runs, the requests of the runs it covers (its fan-out may not have got
     there yet), and those of child runs whose tree ended (`_in_ended_trees`). At most
     ``limit`` of each, soonest expiry first: the beat's `expire_due` and the fan-out do the
-    rest. Without an engaged switch and a child run waiting that is two indexed reads."""
+    rest. Without an engaged switch that is three indexed reads, four when grandchildren
+    wait."""
     now = now or timezone.now()
     pending = (Approval.objects.filter(team=team, status=ApprovalStatus.PENDING)
                .select_related("run").order_by("expires_at"))

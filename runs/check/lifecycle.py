@@ -122,10 +122,13 @@ def _parent_of(key: AgentKey, parent_run_id: Any) -> Run:
     ended = rules.ended_ancestor(lineage.read_lineage(parent.ancestors or []), timezone.now())
     if ended is not None:
         over, reason = ended
+        status = over.state.status if over.state.status != rules.RUNNING else "over"
+        # "is completed", not "is completed (reason: completed)", as `_refuse_if_over`.
+        why = f" (reason: {reason})" if reason != status else ""
         raise ServiceError(
-            409, "parent_finished", f"The parent run's ancestor {over.run_id} is over "
-            f"(reason: {reason}): the tree is over, no sub-agent may start in it.",
-            {PARENT_FIELD: f"an ancestor of that run is over ({reason})"})
+            409, "parent_finished", f"The parent run's ancestor {over.run_id} is "
+            f"{status}{why}: the tree is over, no sub-agent may start in it.",
+            {PARENT_FIELD: f"an ancestor of that run is {status}{why}"})
     family = [*(parent.ancestors or []), str(parent.pk)]
     for ancestor in Run.objects.filter(pk__in=family).only("id", "team_id", "agent"):
         switch = cover.covering_switch(team_id=ancestor.team_id, agent=ancestor.agent,

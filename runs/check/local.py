@@ -95,18 +95,14 @@ def _record(*, team: Team, run_id: Any, entries: list[dict[str, Any]], key_agent
             )
             if state.steps > before.steps:  # counted on every ancestor too (SPEC 20)
                 ancestors = lineage.counted_on(ancestors, verdict, check, now=now)
-            directive, warning = entry.get("directive") if allowed else None, None
-            if directive is not None and state.steps > before.steps:
-                # The warning the client gave, as the rules find it: a budget's is not sent
-                # again by the service (SPEC 16: once per budget per run). The run's own: a
-                # client decides without the tree, so it warns of no ancestor's budget (found
-                # by an attacker: the parent's budget was taken as warned).
-                warning = rules.local_warning(policy, state, check, directive["code"], now)
-                if warning is not None and warning.budget is not None:
-                    state.budget_warned = state.budget_warned | {warning.budget}
             at = entry.get("at") or now
             # The client's clock, kept within what the service can vouch for.
             at = min(max(at, run.started_at), now)
+            directive = entry.get("directive") if allowed else None
+            # The warning the client gave, as the rules find it when it decided: a budget's
+            # is not sent again by the service (SPEC 16).
+            warning = rules.remember_warning(policy, state, check, directive, at) \
+                if directive is not None and state.steps > before.steps else None
             # Kept (the action ran), but an allow the policy forbids is flagged (SPEC 10),
             # its time limits judged at the moment the client says it decided.
             violation = rules.local_violation(policy, before, check, now=at,

@@ -102,20 +102,11 @@ class LocalLedger:
         """Account for a final decision the service made."""
         if decision.decision not in ("allow", "stop") or self.state.status != rules.RUNNING:
             return
+        now = datetime.now(UTC)
         _, self.state = rules.record_outcome(
             self.policy, self.state, check, allowed=decision.allowed, reason=decision.reason,
-            now=datetime.now(UTC),
+            now=now,
         )
-        warned = rules.warned_budget(decision.rule)
-        if warned is None and decision.allowed and (decision.directive or {}).get(
-                "code") == rules.BUDGET:
-            # A shadow would-stop's answer names the would-stop's rule, not the warning's
-            # (found by an attacker: the budget was warned of again during an outage).
-            found = rules.local_warning(self.policy, self.state, check, rules.BUDGET,
-                                        datetime.now(UTC))
-            warned = found.budget if found is not None else None
-        if warned is not None:  # sent once per budget per run (SPEC 16), online or not
-            self.state.budget_warned = self.state.budget_warned | {warned}
         # The service is authoritative (other processes may check the same run).
         usage = decision.usage
         if isinstance(usage.get("steps"), int):
@@ -124,6 +115,15 @@ class LocalLedger:
             self.state.tool_calls = max(self.state.tool_calls, usage["tool_calls"])
         if isinstance(usage.get("cost_usd"), int | float):
             self.state.cost_usd = max(self.state.cost_usd, Decimal(str(usage["cost_usd"])))
+        # A budget the service warned of is not warned of again here (SPEC 16: once per
+        # run), during an outage either: its rule names it, or, beside a shadow would-stop
+        # whose rule the answer names, the rules find it on the counters just agreed.
+        warned = rules.warned_budget(decision.rule)
+        if warned is not None:
+            self.state.budget_warned = self.state.budget_warned | {warned}
+        elif decision.allowed and (decision.directive or {}).get("code") == rules.BUDGET:
+            rules.remember_warning(self.policy, self.state, check, decision.directive or {},
+                                   now)
 
     def decide(self, check: rules.Check) -> Decision | None:
         """Decide one check with the server's rules. A local stop is final for the run: the

@@ -587,9 +587,9 @@ def local_violation(policy: Policy, state: RunState, check: Check, *, now: datet
     broke = policy_violation(policy, check.name)
     if broke is not None:
         return broke
-    if (policy.mode != "shadow" and state.status in TERMINAL and state.ended_at is not None
-            and state.ended_at <= now):
-        # Decided after the run had ended: the service would have answered its stop.
+    if state.status in TERMINAL and state.ended_at is not None and state.ended_at <= now:
+        # Decided after the run had ended: the service would have answered its stop, in
+        # any mode (a terminal run answers its stop; a kill is enforced in shadow mode).
         return (f"{state.stop_reason or RUN_FINISHED}: the run was already {state.status} "
                 "when this action was allowed, but it ran")
     new = state.copy()
@@ -1088,6 +1088,19 @@ def warned_budget(answered: Mapping[str, Any] | None) -> str | None:
         return None
     scope = answered.get("scope")
     return _warned_key(budget, None if scope in (None, "run") else str(scope))
+
+
+def remember_warning(policy: Policy, state: RunState, check: Check,
+                     directive: Mapping[str, Any], now: datetime) -> WarningFound | None:
+    """The warning ``directive`` a client gave with an allow decided at ``now``, found by
+    `local_warning`; a budget's is remembered in ``state`` (the caller's fresh copy, which
+    this mutates), so that it is not sent a second time. The run's own budgets only: a
+    client decides without the tree (found by an attacker: a parent's budget, nearer its
+    limit, was taken as warned, and the child's own warning sent again)."""
+    found = local_warning(policy, state, check, str(directive.get("code")), now)
+    if found is not None and found.budget is not None:
+        state.budget_warned = state.budget_warned | {found.budget}
+    return found
 
 
 def local_warning(policy: Policy, state: RunState, check: Check, code: str, now: datetime

@@ -661,13 +661,10 @@ class FakeGovernance:
             # As on the service: kept, and flagged when it broke the policy (SPEC 10).
             violation = rules.local_violation(self.policy, before, check,
                                               now=now) if allowed else None
-            directive, warning = entry.get("directive") if allowed else None, None
-            if directive is not None and run.state.steps > before.steps:
-                # As on the service: the warning's rule, and a budget's remembered.
-                warning = rules.local_warning(self.policy, run.state, check,
-                                              directive["code"], now)
-                if warning is not None and warning.budget is not None:
-                    run.state.budget_warned = run.state.budget_warned | {warning.budget}
+            directive = entry.get("directive") if allowed else None
+            # As on the service: the warning's rule, and a budget's remembered.
+            warning = rules.remember_warning(self.policy, run.state, check, directive, now) \
+                if directive is not None and run.state.steps > before.steps else None
             self._decisions += 1
             answer = {**answers.local_answer(verdict, run.state, self.policy, now,
                                              decided_at=entry.get("at") or now.isoformat(),
