@@ -538,6 +538,29 @@ def test_a_childs_request_is_cancelled_once_its_parent_is_over(api, team):
     assert Run.objects.get(pk=listed).stop_reason == "parent_stopped"
 
 
+def test_a_teams_look_finds_an_ended_trees_request_behind_many_waiting_ones(api, team):
+    """A look settles a bounded share: the requests whose parent ended are chosen by the
+    database, not among the ones expiring first (found by a reviewer: behind 20 requests of
+    live trees, an ended tree's was never looked at)."""
+    from runs.approvals.services import settle_due_for_team
+    from runs.models import Approval
+
+    set_policy(team, approvals={"tools": ["payments.*"], "timeout_s": 600})
+    body = {"action": {"name": "payments.refund", "args": {}, "type": "tool"},
+            "check_id": "refund"}
+    live = start(api)
+    for _ in range(5):
+        asked = post(api, f"/api/v1/runs/{start(api, 'helper', parent_run_id=live)}/check",
+                     body)
+        assert asked["decision"] == "pending", asked
+    ended = start(api)
+    late = post(api, f"/api/v1/runs/{start(api, 'helper', parent_run_id=ended)}/check", body)
+    assert post(api, f"/api/v1/runs/{ended}/finish", {"status": "completed"})["http"] == 200
+    assert settle_due_for_team(team, limit=2) == 1
+    assert Approval.objects.get(pk=late["approval"]["id"]).status == "cancelled"
+    assert Approval.objects.filter(status="pending").count() == 5
+
+
 def test_an_ancestors_limit_names_the_ancestors_policy_and_version(api, team):
     from policies.document import parse_policy
     from policies.services import policy_save
