@@ -35,6 +35,7 @@ from .errors import (
     InvalidRequest,
     RunClosed,
     api_error,
+    masked_key,
 )
 from .keys import canonical_args, normalize_text
 from .local import LocalLedger, LocalLimits, make_check
@@ -196,8 +197,25 @@ def retry_after_s(response: httpx.Response) -> float | None:
     return max(0.0, (when - datetime.now(UTC)).total_seconds())
 
 
-def classify_error(exc: httpx.TransportError, *, replay_safe: bool) -> Exception:
-    """The exception an attempt ends with for a transport error."""
+def classify_error(exc: httpx.TransportError, *, replay_safe: bool, secret: str) -> Exception:
+    """The exception an attempt ends with for a transport error, to raise as it is: its
+    cause is ``exc``, unless ``exc`` names ``secret`` (the agent key: httpx names a header it
+    cannot send by its value), whose text and chain then show the masked key only."""
+    if secret and secret in str(exc):
+        text = str(exc).replace(secret, masked_key(secret))
+        try:
+            clean = type(exc)(text)
+        except TypeError:  # a transport's own error class, made otherwise
+            clean = httpx.TransportError(text)
+        failure = _classified(clean, replay_safe=replay_safe)
+        failure.__suppress_context__ = True  # as `raise ... from None`
+        return failure
+    failure = _classified(exc, replay_safe=replay_safe)
+    failure.__cause__ = exc  # as `raise ... from exc`
+    return failure
+
+
+def _classified(exc: httpx.TransportError, *, replay_safe: bool) -> Exception:
     failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     # Never sent: no connection, or none free in time (the pool).
     not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)

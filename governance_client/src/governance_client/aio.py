@@ -62,7 +62,6 @@ from .errors import (
     GovernanceUnavailable,
     RunFinished,
     agent_key_problem,
-    masked_key,
 )
 from .journal import Journal, default_folder
 from .local import LocalLimits
@@ -285,18 +284,10 @@ class AsyncGovernanceClient:
                     params=params, headers=headers,
                 )
             except httpx.TransportError as exc:
-                key = self.settings.api_key
-                if key in str(exc):
-                    # httpx names a header it cannot send by its value, the Authorization
-                    # header's is the key: the text, and the chain a traceback prints, get
-                    # its masked form only.
-                    text = str(exc).replace(key, masked_key(key))
-                    try:
-                        clean = type(exc)(text)
-                    except TypeError:  # a transport's own error class, made otherwise
-                        clean = httpx.TransportError(text)
-                    raise classify_error(clean, replay_safe=replay_safe) from None
-                raise classify_error(exc, replay_safe=replay_safe) from exc
+                lost = classify_error(exc, replay_safe=replay_safe,
+                                      secret=self.settings.api_key)
+                # Its chain is set: the error, or none where the error names the key.
+                raise lost  # noqa: B904
             failure = classify_response(response, replay_safe=replay_safe)
             if failure is not None:
                 raise failure
