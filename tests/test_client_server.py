@@ -353,34 +353,33 @@ def test_a_budget_is_warned_once_across_an_outage(agent: Agent, server: Server,
     """SPEC 16: a budget's warning once per run, whoever sent it. The service's warning
     given before an outage is not given again by the client's own decisions, and the
     client's given during one is not given again by the service after it."""
-    set_policy(team, step_limits={"max_steps": 20, "max_repeat_action": 10},
-               warnings={"budget_fraction": 0.1, "repeat_action": None, "no_progress": None})
     network = Outage()
-    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=10,
-                          transport=network) as client, client.run("support-bot") as run:
-        online = [run.check("edit_file", {"path": str(i)}, progress=str(i)) for i in range(3)]
-        network.down = True
-        local = [run.check("edit_file", {"path": f"l{i}"}, progress=f"l{i}") for i in range(2)]
-        network.down = False
-        after = [run.check("edit_file", {"path": f"a{i}"}, progress=f"a{i}") for i in range(2)]
-    codes = [d.directive and d.directive["code"] for d in online + local + after]
-    # Steps past 2 of 20 (the fraction 0.1): the third check, once.
-    assert codes == [None, None, "budget", None, None, None, None], codes
-    assert all(d.local for d in local)
 
-    set_policy(team, step_limits={"max_steps": 20, "max_repeat_action": 10},
-               warnings={"budget_fraction": 0.2, "repeat_action": None, "no_progress": None})
-    with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=10,
-                          transport=network) as client, client.run("support-bot") as run:
-        online = [run.check("edit_file", {"path": str(i)}, progress=str(i)) for i in range(3)]
-        network.down = True
-        local = [run.check("edit_file", {"path": f"l{i}"}, progress=f"l{i}") for i in range(2)]
-        network.down = False
-        after = [run.check("edit_file", {"path": f"a{i}"}, progress=f"a{i}") for i in range(2)]
-    codes = [d.directive and d.directive["code"] for d in online + local + after]
+    def warned(fraction: float) -> tuple[list[Any], str]:
+        """The warnings' codes of 3 checks, then 2 during an outage and 2 after it."""
+        set_policy(team, step_limits={"max_steps": 20, "max_repeat_action": 10},
+                   warnings={"budget_fraction": fraction, "repeat_action": None,
+                             "no_progress": None})
+        with GovernanceClient(server.url, agent.token, fail_mode="open", deadline=10,
+                              transport=network) as client, client.run("support-bot") as run:
+            online = [run.check("edit_file", {"path": str(i)}, progress=str(i))
+                      for i in range(3)]
+            network.down = True
+            local = [run.check("edit_file", {"path": f"l{i}"}, progress=f"l{i}")
+                     for i in range(2)]
+            network.down = False
+            after = [run.check("edit_file", {"path": f"a{i}"}, progress=f"a{i}")
+                     for i in range(2)]
+        assert all(d.local for d in local)
+        return [d.directive and d.directive["code"] for d in online + local + after], run.id
+
+    # Steps past 2 of 20 (the fraction 0.1): the third check, once.
+    codes, _ = warned(0.1)
+    assert codes == [None, None, "budget", None, None, None, None], codes
     # Past 4 of 20: the fifth check, decided by the client during the outage.
+    codes, run_id = warned(0.2)
     assert codes == [None, None, None, None, "budget", None, None], codes
-    audited = decisions(agent, run.id)
+    audited = decisions(agent, run_id)
     assert audited[4]["local"] and audited[4]["rule"]["name"] == "budget"
     assert audited[4]["rule"]["observed"] == {"steps": 5}, audited[4]["rule"]
     assert [d["rule"] for d in audited[5:]] == [None, None]

@@ -743,21 +743,37 @@ def test_a_childs_uploaded_budget_warning_is_its_own_budgets(api, team):
     assert answer["rule"]["scope"] == root, answer["rule"]
 
 
+class _Clock:
+    """The server's clock (`timezone.now`) held still, moved on by the test."""
+
+    def __init__(self, monkeypatch) -> None:
+        from django.utils import timezone
+
+        self.now = timezone.now()
+        monkeypatch.setattr("django.utils.timezone.now", lambda: self.now)
+
+    def advance(self, seconds: float) -> None:
+        from datetime import timedelta
+
+        self.now += timedelta(seconds=seconds)
+
+
+def _idle_root_with_patient_child(api, team, monkeypatch) -> tuple[str, str, _Clock]:
+    """A root abandoned after 60 s idle, and its child on a policy of an hour's, started on
+    a clock held still."""
+    set_policy(team, budgets={"max_idle_seconds": 60, "max_seconds": 3600})
+    _second_policy(team, "patient", budgets={"max_idle_seconds": 3600, "max_seconds": 3600})
+    clock = _Clock(monkeypatch)
+    root = start(api)
+    return root, start(api, "helper", parent_run_id=root, policy="patient"), clock
+
+
 def test_no_sub_agent_starts_under_a_run_whose_ancestor_went_idle(api, team, monkeypatch):
     """Found by an attacker: the root past its idle deadline (ended by no look yet), its
     child still running on a patient policy: a grandchild started, then stopped at its
     first check with parent_stopped."""
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    set_policy(team, budgets={"max_idle_seconds": 60, "max_seconds": 3600})
-    _second_policy(team, "patient", budgets={"max_idle_seconds": 3600, "max_seconds": 3600})
-    now = timezone.now()
-    monkeypatch.setattr("django.utils.timezone.now", lambda: now)
-    root = start(api)
-    child = start(api, "helper", parent_run_id=root, policy="patient")
-    now += timedelta(seconds=61)
+    _, child, clock = _idle_root_with_patient_child(api, team, monkeypatch)
+    clock.advance(61)
     refused = post(api, "/api/v1/runs", {"agent": "bot", "parent_run_id": child})
     assert (refused["http"], refused["error"]["code"]) == (409, "parent_finished"), refused
     assert "(reason: abandoned)" in refused["error"]["message"]
@@ -768,24 +784,19 @@ def test_a_child_waiting_for_an_operator_keeps_its_parent_from_idling(api, team,
     Found by an attacker: a parent idle for 60 s was abandoned while its child waited for a
     600 s approval, which cancelled the request. Its idle time starts at the wait's end at
     the latest (the request's expiry)."""
-    from datetime import timedelta
-
-    from django.utils import timezone
-
     set_policy(team, budgets={"max_idle_seconds": 60, "max_seconds": 36000})
     _second_policy(team, "asks", budgets={"max_idle_seconds": 3600, "max_seconds": 36000},
                    approvals={"tools": ["payments.*"], "timeout_s": 600})
-    now = timezone.now()
-    monkeypatch.setattr("django.utils.timezone.now", lambda: now)
+    clock = _Clock(monkeypatch)
     root = start(api)
     child = start(api, "helper", parent_run_id=root, policy="asks")
     asked = check(api, child, "payments.refund", check_id="refund-1")
     assert asked["decision"] == "pending", asked
-    now += timedelta(seconds=61)
+    clock.advance(61)
     assert api.get(f"/api/v1/runs/{root}").json()["status"] == "running"
     poll = api.get(f"/api/v1/approvals/{asked['approval']['id']}").json()
     assert poll["status"] == "pending", poll
-    now += timedelta(seconds=600)  # the request expired, and the parent's 60 s passed since
+    clock.advance(600)  # the request expired, and the parent's 60 s passed since
     parent = api.get(f"/api/v1/runs/{root}").json()
     assert (parent["status"], parent["stop_reason"]) == ("stopped", "abandoned"), parent
 
@@ -796,10 +807,10 @@ def test_a_child_waiting_for_an_operator_keeps_its_parent_from_idling(api, team,
     root = start(api)
     child = start(api, "helper", parent_run_id=root, policy="asks")
     asked = check(api, child, "payments.refund", check_id="refund-2")
-    now += timedelta(seconds=10)
+    clock.advance(10)
     approval_decide(team=team, approval_id=asked["approval"]["id"], decision="approve",
                     note="")
-    now += timedelta(seconds=61)
+    clock.advance(61)
     parent = api.get(f"/api/v1/runs/{root}").json()
     assert (parent["status"], parent["stop_reason"]) == ("stopped", "abandoned"), parent
 
@@ -808,19 +819,10 @@ def test_a_childs_check_is_no_activity_for_an_abandoned_parent(api, team, monkey
     """Found by a tester: a child's check found its parent abandoned (past its idle
     deadline, not yet ended by any look) and stopped, but it counted on the parent and
     moved its idle deadline, and the parent's next check was allowed."""
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    set_policy(team, budgets={"max_idle_seconds": 60, "max_seconds": 3600})
-    _second_policy(team, "patient", budgets={"max_idle_seconds": 3600, "max_seconds": 3600})
-    now = timezone.now()
-    monkeypatch.setattr("django.utils.timezone.now", lambda: now)
-    root = start(api)
-    child = start(api, "helper", parent_run_id=root, policy="patient")
+    root, child, clock = _idle_root_with_patient_child(api, team, monkeypatch)
     assert check(api, child)["decision"] == "allow"
     deadline = Run.objects.get(pk=root).idle_deadline
-    now += timedelta(seconds=61)
+    clock.advance(61)
     stopped = check(api, child)
     assert (stopped["decision"], stopped["reason"]) == ("stop", "parent_stopped")
     assert stopped["rule"]["observed"]["reason"] == "abandoned"
