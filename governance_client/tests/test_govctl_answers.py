@@ -120,6 +120,21 @@ def test_json_stays_the_servers_exact_data_and_holds_no_control_character(fake: 
     assert unsafe_in(out) == [] and json.loads(out) == [APPROVAL]
 
 
+def test_a_runs_json_is_shown_as_written_but_what_a_terminal_acts_on(fake: Fake) -> None:
+    # Found by a tester: `runs show` printed an agent "café-bot" as "caf\\u00e9-bot".
+    run = {"run_id": "3f2a9c01", "agent": "café-bot 🧑‍💻 日本", "output": "done\x1b[2J\u202e",
+           "metadata": {"tag": "x\U000e0041y", "note": "line\nbreak"}}
+    fake.answer("GET", "/teams/support/runs/3f2a9c01", run)
+    fake.answer("GET", "/teams/support/runs", {"runs": [run]})
+    for args in (("runs", "show", "3f2a9c01"), ("runs", "list", "--json")):
+        code, out, err = govctl(fake, *args, "--team", "support")
+        assert code == 0, err
+        assert "café-bot" in out and "日本" in out, out
+        assert unsafe_in(out) == [], out
+        assert "\\u001b[2J\\u202e" in out and "\\udb40\\udc41" in out
+        assert json.loads(out) in (run, [run])  # still the server's exact data
+
+
 def test_a_runs_decisions_rules_and_reasons_are_shown_escaped(fake: Fake) -> None:
     decision = {"id": 41, "step": 3, "outcome": "allow", "reason": "step_ok\u2066",
                 "action": {"name": "search\u200b.docs\r"},
@@ -235,7 +250,8 @@ def test_a_token_a_server_answers_with_is_masked(fake: Fake) -> None:
 
 def not_the_api(fake: Fake, status: int, kind: str) -> str:
     return (f"govctl: the server at {fake.url} answered something that is not the operator "
-            f"API (HTTP {status}, {kind}): is --url right?\n")
+            f"API (HTTP {status}, {kind}): is --url right? (GOVCTL_DEBUG=1 shows where "
+            "govctl stopped reading it)\n")
 
 
 @pytest.mark.parametrize(("status", "body", "headers", "kind"), [
@@ -260,6 +276,16 @@ def test_an_answer_that_is_not_the_operator_apis_is_said_in_one_line(
     fake.answer("GET", "/teams/support/runs", body, status, **headers)
     code, out, err = govctl(fake, "runs", "list", "--team", "support")
     assert (code, out, err) == (1, "", not_the_api(fake, status, kind))
+
+
+def test_govctl_debug_shows_where_the_reading_stopped(
+        fake: Fake, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A misread answer is said in one line; one of govctl's own mistakes reading the API's
+    # answer would be said the same way, so GOVCTL_DEBUG=1 gives its traceback instead.
+    fake.answer("GET", "/teams/support/runs", {"runs": [{"run_id": "r1"}]})
+    monkeypatch.setenv("GOVCTL_DEBUG", "1")
+    with pytest.raises(KeyError):
+        govctl(fake, "runs", "list", "--team", "support")
 
 
 @pytest.mark.parametrize("args", [

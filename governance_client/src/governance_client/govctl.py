@@ -223,11 +223,29 @@ def _dumper(yaml: Any) -> Any:
     return Dumper
 
 
+def _json(data: Any, **options: Any) -> str:
+    """``data`` as JSON a person reads: accents, scripts and emoji as written (a run's
+    agent "café-bot", not "caf\\u00e9-bot"), every character of ``_UNSHOWABLE`` as its JSON
+    escape, so the text stays valid JSON that a terminal shows as written (the terminal's
+    own net would write ``\\x1b``, which no JSON reader takes)."""
+    text = json.dumps(data, ensure_ascii=False, **options)
+    return "".join(_json_escape(ch) if ch != "\n" and unicodedata.category(ch) in _UNSHOWABLE
+                   else ch for ch in text)
+
+
+def _json_escape(ch: str) -> str:
+    code = ord(ch)
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # past the first plane (a tag character): as a surrogate pair
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
 def _dump(data: Any, *, sort_keys: bool = False) -> str:
     try:
         yaml = _yaml()
     except Refused:
-        return json.dumps(data, indent=2, sort_keys=sort_keys) + "\n"  # ASCII: escaped
+        return _json(data, indent=2, sort_keys=sort_keys) + "\n"
     return str(yaml.dump(data, Dumper=_dumper(yaml), sort_keys=sort_keys,
                          default_flow_style=False, allow_unicode=True))
 
@@ -342,7 +360,7 @@ class Api:
         kind = self.last.headers.get("Content-Type", "").partition(";")[0].strip()
         return (f"the server at {self.http.base_url} answered something that is not the "
                 f"operator API (HTTP {self.last.status_code}, {kind[:80] or 'no Content-Type'})"
-                ": is --url right?")
+                ": is --url right? (GOVCTL_DEBUG=1 shows where govctl stopped reading it)")
 
 
 def _reason(status: int, data: Any) -> str:
@@ -680,7 +698,7 @@ def runs_list(api: Api, args: argparse.Namespace, out: Any) -> None:
                                 ("limit", args.limit)) if v is not None}
     _, data = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs", params=params)
     if args.json:
-        print(json.dumps(data["runs"], indent=2), file=out)
+        print(_json(data["runs"], indent=2), file=out)
         return
     runs = _for_terminal(data["runs"])
     if not runs:
@@ -696,7 +714,7 @@ def runs_list(api: Api, args: argparse.Namespace, out: Any) -> None:
 def runs_show(api: Api, args: argparse.Namespace, out: Any) -> None:
     _, run = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs/"
                       f"{_segment(args.run, 'the run id')}")
-    print(json.dumps(run, indent=2), file=out)
+    print(_json(run, indent=2), file=out)
 
 
 def _why(rule: dict[str, Any] | None) -> str:
@@ -715,7 +733,7 @@ def runs_decisions(api: Api, args: argparse.Namespace, out: Any) -> None:
     _, data = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs/"
                        f"{_segment(args.run, 'the run id')}/decisions", params=params)
     if args.json:
-        print(json.dumps(data["decisions"], indent=2), file=out)
+        print(_json(data["decisions"], indent=2), file=out)
         return
     decisions = _for_terminal(data["decisions"])
     if not decisions:
@@ -731,14 +749,14 @@ def approvals_list(api: Api, args: argparse.Namespace, out: Any) -> None:
     _, data = api.call("GET", f"/teams/{_segment(args.team, '--team')}/approvals",
                        params=params)
     if args.json:
-        print(json.dumps(data["approvals"], indent=2), file=out)
+        print(_json(data["approvals"], indent=2), file=out)
         return
     if not data["approvals"]:
         print(f"no {args.status if args.status != 'all' else ''} approvals".replace("  ", " "),
               file=out)
     for raw in data["approvals"]:
-        # The arguments as JSON, which escapes every control character (ensure_ascii).
-        args_json = json.dumps(raw["action"]["args"], sort_keys=True)
+        # The arguments as JSON, every character a terminal would act on escaped.
+        args_json = _json(raw["action"]["args"], sort_keys=True)
         approval = _for_terminal(raw)
         print(f"{approval['id']}  {approval['status']:<9} run {approval['run_id'][:8]}  "
               f"{approval['action']['name']} {args_json}  "
@@ -843,7 +861,9 @@ def main(argv: Sequence[str] | None = None, *, out: Any = None,
         # An object without a field the command reads, or with one of another type: not
         # the operator API's answer, whatever its status. Before any answer was read, the
         # mistake is govctl's own, and its traceback is the report.
-        if api.last is None:
+        # GOVCTL_DEBUG=1 tells the two apart after one: an answer of another form, or a
+        # mistake of govctl's reading of the API's own answer (the traceback says which).
+        if api.last is None or os.environ.get("GOVCTL_DEBUG"):
             raise
         return _fail(api.not_the_api(), err)
     return 0
