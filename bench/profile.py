@@ -289,6 +289,7 @@ def report(stats: pstats.Stats, checks: int, *, top: int) -> None:
         print(f"    {label:56s} {value * per:8.0f} us  {value / whole:4.0%}")
     if top:
         stats.sort_stats("cumulative").print_stats(top)
+        stats.sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":
