@@ -199,6 +199,40 @@ def test_an_ancestor_that_ends_stops_its_descendants(api, team):
     assert Decision.objects.filter(run_id=grandchild, reason="parent_stopped").count() == 1
 
 
+@pytest.mark.parametrize("finished_as", ["completed", "failed", "stopped"])
+def test_a_descendant_finished_after_its_tree_ended_ends_stopped_with_it(
+        api, team, finished_as):
+    """Found by a review: a child finished `completed` under a root that was over, where its
+    next check would have stopped it (SPEC 20: a stop of an ancestor stops the tree). Its
+    finish now finds it stopped `parent_stopped`, audited like a kill (no action, the step
+    unchanged), and stores the output as any stopped run's finish does (SPEC 5.1)."""
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    grandchild = start(api, "helper", parent_run_id=child)
+    assert check(api, grandchild)["decision"] == "allow"
+    post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})
+    done = post(api, f"/api/v1/runs/{grandchild}/finish",
+                {"status": finished_as, "output": "partial"})
+    assert done["http"] == 200, done
+    assert (done["status"], done["stop_reason"]) == ("stopped", "parent_stopped"), done
+    run = Run.objects.get(pk=grandchild)
+    assert (run.status, run.stop_reason, run.output, run.steps) == (
+        "stopped", "parent_stopped", "partial", 1)
+    stop = Decision.objects.get(run_id=grandchild, reason="parent_stopped")
+    assert (stop.outcome, stop.step, stop.action_name) == ("stop", 1, "")
+    assert stop.answer["rule"]["scope"] == root and root in stop.answer["message"]
+    assert "the action was not run" not in stop.answer["message"]
+    # Its later check answers that stop; a second finish is a second finish.
+    again = check(api, grandchild)
+    assert (again["decision"], again["reason"]) == ("stop", "parent_stopped")
+    assert post(api, f"/api/v1/runs/{grandchild}/finish",
+                {"status": "completed"})["http"] == 409
+    # A child of a running tree finishes as it says.
+    other = start(api, "helper", parent_run_id=start(api))
+    assert post(api, f"/api/v1/runs/{other}/finish", {"status": finished_as})["status"] == \
+        finished_as
+
+
 def test_a_kill_switch_over_the_parent_covers_its_children(api, team, users):
     from unittest import mock
 

@@ -40,6 +40,21 @@ def test_a_finished_parent_stops_its_children_and_refuses_new_ones() -> None:
         parent.start_child("other")
 
 
+def test_a_child_finished_after_its_parent_ends_stopped_with_it() -> None:
+    """The service's answer (tests/test_run_tree.py): a descendant finished once its tree is
+    over is stopped `parent_stopped`, whatever status its finish gave (SPEC 20)."""
+    fake = FakeGovernance()
+    client = fake.client()
+    parent = client.start_run("planner")
+    sub = parent.start_child("researcher")
+    assert sub.check("search", {"n": 1}).allowed
+    parent.finish("completed")
+    sub.finish("completed", output="partial")
+    run = fake.runs[sub.id]
+    assert (run.status, run.state.stop_reason, run.output) == (
+        rules.STOPPED, rules.PARENT_STOPPED, "partial")
+
+
 def test_a_childs_retried_check_after_its_parents_finish_answers_the_stop() -> None:
     """The service's answer (tests/test_run_tree.py): a check_id sent again once an ancestor
     is over is a new `parent_stopped`, not its first allow (SPEC 4.5, 20)."""

@@ -252,10 +252,10 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
         run = runs.first()
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
-        if run.awaited_approval is not None:
+        now = timezone.now()
+        if run.awaited_approval is not None or _tree_over(run, now):
             return _finish_locked(team=team, run_id=run.pk, status=status, output=output,
                                   key_agent=key_agent)
-        now = timezone.now()
         # A finish after the idle deadline finds the run abandoned (SPEC 14): it then keeps
         # that status and reason and stores the output, like any stopped run.
         run = abandon_if_idle(run, now=now)
@@ -291,20 +291,36 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
                           key_agent=key_agent)
 
 
+def _tree_over(run: Run, now: Any) -> bool:
+    """Whether a running sub-agent's tree is over (SPEC 20), read without locks (one query,
+    for a child run only): its finish then goes under the locks, which decide."""
+    return (run.status == rules.RUNNING and bool(run.ancestors)
+            and rules.ended_ancestor(lineage.read_lineage(run.ancestors), now) is not None)
+
+
 def _finish_locked(*, team: Team, run_id: Any, status: str, output: str | None,
                    key_agent: str = "") -> Run:
     """Finish a run under its lock: one that waits for an approval (SPEC 11), whose request
     expires if it is past its expiry, else finishing cancels it, and one whose checks kept
     changing it under `run_finish`'s reads; then the run is finished as usual (a stopped run
     keeps its status and reason). The end's time is read under the lock, after every check
-    that committed before it."""
+    that committed before it. A sub-agent whose tree is over is stopped `parent_stopped`
+    first (SPEC 20: a stop of an ancestor stops the tree), its ancestors locked before it
+    (the tree's lock order, runs/check/tree.py)."""
     with transaction.atomic():
+        ancestors = lineage.lock_lineage(team_id=team.pk, run_id=run_id)
         run = locked_run_of_key(team=team, run_id=run_id, key_agent=key_agent)
         if run.finished_at is not None:
             raise ServiceError(409, "run_finished", "This run was already finished.")
         fanout.kill_locked_if_covered(run)  # a covered run is killed, then finished
         now = timezone.now()
-        state = approvals.settle_due_locked(run=run, state=state_of(run), now=now)
+        state = approvals.settle_due_locked(run=run, state=state_of(run), now=now,
+                                            tree=ancestors)
+        stopped = rules.stopped_by_tree(state, ancestors, now)
+        if stopped is not None:
+            decision, state = stopped
+            records.insert(run.pk, [records.tree_stop_row(
+                decision, state, rules_for_version(run.policy_version_id), now)])
         new_state = rules.finish(state, status, already_finished=False, now=now)
         approvals.settle_on_end(run=run, before=state, after=new_state, now=now)
         states.set_columns(run, states.columns_of(new_state, (*states.ENDED, "memory")))

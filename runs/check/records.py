@@ -110,6 +110,14 @@ def abandon_row(state: rules.RunState, policy: rules.Policy, now: datetime) -> D
                       answers.abandon_answer(state, policy, now), now, state.elapsed_s(now))
 
 
+def tree_stop_row(decision: rules.Decision, state: rules.RunState, policy: rules.Policy,
+                  now: datetime) -> DecisionRow:
+    """A descendant stopped by its tree's end as it finishes (SPEC 20,
+    `rules.stopped_by_tree`), audited like a kill: ``state`` the run after the stop."""
+    return _no_action(decision, answers.answer_of(decision, state, policy, now), now,
+                      state.elapsed_s(now))
+
+
 def kill_row(switch_id: int, words: str, state: rules.RunState, limits: dict[str, Any],
              now: datetime, *, fired: dict[str, Any] | None = None,
              policy: tuple[str, int] | None = None) -> DecisionRow:

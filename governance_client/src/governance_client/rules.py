@@ -698,15 +698,16 @@ def ended_ancestor(tree: Sequence[Ancestor], now: datetime) -> tuple[Ancestor, s
     return None
 
 
-def _parent_stopped(ancestor: Ancestor, reason: str) -> Stop:
+def _parent_stopped(ancestor: Ancestor, reason: str, *,
+                    then: str = "; the action was not run") -> Stop:
     status = ancestor.state.status
     # "is completed", not "is completed (reason: completed)": a finish's reason is its status.
     why = f" (reason: {reason})" if reason != status else ""
     message = (f"Ancestor run {ancestor.run_id} is {status}{why}: this run "
-               "stops with it; the action was not run."
+               f"stops with it{then}."
                if status != RUNNING else
                f"Ancestor run {ancestor.run_id} is over (reason: {reason}): this run stops "
-               "with it; the action was not run.")
+               f"with it{then}.")
     return PARENT_STOPPED, message, rule(PARENT_STOPPED, {"ancestor": ancestor.run_id},
                                          {"status": status, "reason": reason}), \
         ancestor.run_id
@@ -1832,6 +1833,26 @@ def finish(state: RunState, status: str, *, already_finished: bool, now: datetim
         # Finishing cancels the approval it waited for (SPEC 11): the wait ends now.
         end_wait(new, now)
     return new
+
+
+def stopped_by_tree(state: RunState, tree: Sequence[Ancestor], now: datetime
+                    ) -> tuple[Decision, RunState] | None:
+    """A running descendant whose tree is over (SPEC 20), met by its finish rather than its
+    next check: it ends ``stopped`` / ``parent_stopped`` now, audited like a kill (stop, no
+    action, the step unchanged), and the finish then keeps that status and reason as it
+    does any stopped run's. None when the run is over already or its tree is not. (Found
+    by a review: a child finished `completed` under a root that had been stopped.)"""
+    if state.status != RUNNING:
+        return None
+    ended = ended_ancestor(tree, now)
+    if ended is None:
+        return None
+    reason, message, fired, scope = _parent_stopped(*ended, then="")
+    new = state.copy()
+    _end(new, reason, now)
+    return Decision(outcome=STOP, reason=reason, step=state.steps, repeat_key="",
+                    repeat_count=0, message=message, next_action=NEXT_ACTION[reason],
+                    rule=fired, scope=scope), new
 
 
 def kill(state: RunState, *, now: datetime) -> RunState | None:

@@ -689,7 +689,12 @@ class FakeGovernance:
         if run.finished:
             return _error(409, "run_finished", "The run is already finished.")
         self._settle_due(run, ask=False)  # an expiry that is due comes first (SPEC 11)
+        tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
+                for a in run.ancestors]
+        stopped = rules.stopped_by_tree(run.state, tree, self.now())
         waiting = run.state.pending
+        if stopped is not None:  # SPEC 20: its tree is over, it ends stopped with it
+            run.state = stopped[1]
         run.state = rules.finish(run.state, status, already_finished=False, now=self.now())
         self._cancel_on_end(run, waiting)
         run.finished = True
