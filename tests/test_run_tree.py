@@ -421,6 +421,28 @@ def test_a_backtest_replays_a_tree_stop_as_recorded(api, team, tmp_path):
     assert changes[child] == {"status": "stopped", "stop_reason": "max_steps", "step": 2}
 
 
+def test_a_backtest_replays_a_stop_by_the_trees_end_at_a_finish_as_recorded(
+        api, team, tmp_path):
+    # The record of a finish that found the tree over has no action: it ends the replayed
+    # run at its step, as a kill's record does, and is no check for the draft to decide.
+    from tests.test_backtest import backtest, draft_file
+    set_policy(team, step_limits={"max_steps": 5},
+               budgets={"max_seconds": None, "max_usd": None, "max_tool_calls": None})
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    for run in (root, child, child):
+        assert check(api, run)["decision"] == "allow"
+    post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})
+    assert post(api, f"/api/v1/runs/{child}/finish", {"status": "completed"})[
+        "stop_reason"] == "parent_stopped"
+    same = backtest(team, "--file", draft_file(tmp_path, team, step_limits={"max_steps": 5}))
+    assert (same["runs"], same["changed"]) == (2, 0), same
+    # A draft of 1 step stops the child at its 2nd: the finish's record is no check.
+    tight = backtest(team, "--file", draft_file(tmp_path, team, step_limits={"max_steps": 1}))
+    changes = {c["run_id"]: c["draft"] for c in tight["changes"]}
+    assert changes[child] == {"status": "stopped", "stop_reason": "max_steps", "step": 2}
+
+
 def test_a_childs_uploaded_local_decisions_count_on_its_ancestors(api, team):
     root = start(api)
     child = start(api, "helper", parent_run_id=root)

@@ -210,9 +210,10 @@ def replay(draft: Policy, steps: Iterable[Recorded], *, started_at: datetime,
             break
         if rec.outcome == STOP and (
                 (rec.reason in AS_RECORDED and not (rec.reason == "killed" and rec.name))
-                or (rec.reason == OUT_OF_TIME and not rec.name)):
-            # A fan-out kill, an abandonment, the sweep's end of a run out of time, an
-            # approval outcome seen on its own: no check was decided, the step does not move.
+                or (rec.reason in (OUT_OF_TIME, PARENT_STOPPED) and not rec.name)):
+            # A fan-out kill, an abandonment, the sweep's end of a run out of time, a
+            # finish's end of a sub-agent whose tree was over, an approval outcome seen on
+            # its own: no check was decided, the step does not move.
             # Its step is the run's count as recorded, its sub-agents' checks since its own
             # last one included (SPEC 20), as the replay counts them before a check.
             return ended(KILLED if rec.reason == "killed" else STOPPED, rec.reason,
