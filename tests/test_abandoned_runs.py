@@ -139,6 +139,23 @@ def test_a_check_after_the_deadline_answers_stop_abandoned(api: Any, team: Any,
 
 
 @pytest.mark.django_db
+def test_the_check_that_finds_the_run_abandoned_names_the_limit(api: Any, team: Any) -> None:
+    # SPEC 4.4 and 16: every stop names the limit and its value. The check that ends the run
+    # answered "The run is already stopped (reason: abandoned)." with the rule
+    # {"status": "running"}, while every later check named max_idle_seconds.
+    set_policy(team, budgets={"max_idle_seconds": 120, "max_seconds": 600})
+    rid = start(api)
+    check(api, rid)
+    overdue(rid)
+    first = check(api, rid, "other.tool")
+    later = check(api, rid, "third.tool")
+    assert "max_idle_seconds=120" in first["message"]
+    assert first["rule"]["name"] == "abandoned"
+    assert first["rule"]["limit"] == {"max_idle_seconds": 120}
+    assert (first["message"], first["rule"]) == (later["message"], later["rule"])
+
+
+@pytest.mark.django_db
 def test_a_finish_after_the_deadline_finds_the_run_abandoned(api: Any, team: Any) -> None:
     rid = start(api)
     deadline = overdue(rid)

@@ -318,7 +318,15 @@ def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now:
                                      and first[1].get("decision") == rules.PENDING):
         state, first = _settle_on_check(run, state, first, check, now=now, kill=kill,
                                         tree=tree)
-    explain_stop(state, run.id)
+    if abandoned is not None and state.stop_reason == rules.ABANDONED:
+        # The abandonment's record is written with this check's, so the audit log cannot
+        # tell its words yet: they are the row's (SPEC 4.4, 16: the check that finds the
+        # run abandoned names max_idle_seconds, as every later check does).
+        state.stop_detail = rows[0].answer.get("message") or None
+        fired = rows[0].answer.get("rule")
+        state.stop_rule = fired if isinstance(fired, dict) else None
+    else:
+        explain_stop(state, run.id)
     return state, rows, kill, first
 
 
