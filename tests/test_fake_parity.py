@@ -120,6 +120,13 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[tuple[str, Any]]]] = {
         check(args={"q": 1}), check(args={"q": 1}), check("files.read", {"path": "a"}),
         ("finish", "completed")]),
     "warnings_off": ({"warnings": None}, [check(args={"q": 1}), check(args={"q": 1})]),
+    # SPEC 14: the check that finds the run idle ends it `abandoned` and names the limit,
+    # as every later one does; a finish after the deadline finds it so.
+    "abandoned": ({"budgets": {"max_seconds": None, "max_idle_seconds": 60}}, [
+        check(args={"q": 1}, check_id="a"), wait(61), check(args={"q": 1}, check_id="a"),
+        check(args={"q": 2}), ("finish", "completed")]),
+    "abandoned_then_finished": ({"budgets": {"max_seconds": None, "max_idle_seconds": 60}}, [
+        check(args={"q": 1}), wait(61), ("finish", "completed"), check(args={"q": 2})]),
     "replay": ({"step_limits": {"max_steps": 1}}, [
         check(args={"q": 1}, check_id="a"), check(args={"q": 1}, check_id="a"),
         check(args={"q": 2}, check_id="b"), check(args={"q": 1}, check_id="a")]),

@@ -347,6 +347,7 @@ class FakeGovernance:
         if run is None:
             return _error(404, "not_found", "No such run.")
         if len(parts) == 4 and request.method == "GET":
+            self._abandon_if_idle(run)  # a read after the deadline finds it ended (SPEC 14)
             return httpx.Response(200, json=run.as_json())
         if len(parts) == 5 and request.method == "POST":
             if parts[4] == "check":
@@ -458,10 +459,11 @@ class FakeGovernance:
                                  cost_usd=body.get("cost_usd"), check_id=check_id)
         kill = self._kill_words()
         self._settle_due(run)
+        abandoned = self._abandon_if_idle(run)
         tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
                 for a in run.ancestors]
         first = run.answers.get(check_id) if check_id is not None else None
-        if first is not None:
+        if first is not None and not abandoned:
             if first["decision"] == rules.PENDING:
                 # What a resent pending check answers: its final answer once there is one.
                 first = self.approvals[first["approval"]["id"]].decision or first
@@ -508,6 +510,20 @@ class FakeGovernance:
         if check.check_id is not None and decision.outcome != rules.WAIT:
             run.answers[check.check_id] = answer
         return httpx.Response(200, json=answer)
+
+    def _abandon_if_idle(self, run: FakeRun) -> bool:
+        """As the service (SPEC 14): a run past its idle deadline is ended `abandoned` by
+        the check or finish that finds it so, its record first, whose words and rule that
+        check and every later one answer."""
+        now = self.now()
+        abandoned = rules.abandon(run.state, now=now, policy=self.policy)
+        if abandoned is None:
+            return False
+        run.state = abandoned
+        self._decisions += 1
+        run.decisions.append({**answers.abandon_answer(abandoned, self.policy, now),
+                              "decision_id": self._decisions})
+        return True
 
     def _windows(self, run: FakeRun, name: str, now: datetime) -> list[rules.RateWindow]:
         """The rate-limit windows of the action (SPEC 12), from the actions counted in each
@@ -689,6 +705,7 @@ class FakeGovernance:
         if run.finished:
             return _error(409, "run_finished", "The run is already finished.")
         self._settle_due(run, ask=False)  # an expiry that is due comes first (SPEC 11)
+        self._abandon_if_idle(run)  # then a deadline passed: it keeps that end (SPEC 14)
         tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
                 for a in run.ancestors]
         stopped = rules.stopped_by_tree(run.state, tree, self.now())
