@@ -196,7 +196,7 @@ def test_engage_and_release_need_a_reason(team, reason):
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"scope": "team"}, "needs the team"),
-    ({"scope": "agent", "agent": "x"}, "needs the team"),
+    ({"scope": "agent", "agent": "x"}, "^An agent switch needs the team"),
     ({"scope": "agent", "team": True}, "needs the agent name"),
     ({"scope": "agent", "team": True, "agent": "no spaces"}, "needs the agent name"),
     ({"scope": "run"}, "needs the run"),

@@ -95,10 +95,12 @@ def resolve_target(*, scope: str, team: Team | None = None, agent: str = "",
         if team is not None and team.pk != run.team_id:
             raise KillSwitchError("This run belongs to another team.", "run")
         return Target(kind, run.team, "", run)
+    # "An agent switch", not "A agent switch" (found by a reviewer of the operator API).
+    article = "An" if kind.value[0] in "aeiou" else "A"
     if team is None:
-        raise KillSwitchError(f"A {kind.value} switch needs the team.", "team")
+        raise KillSwitchError(f"{article} {kind.value} switch needs the team.", "team")
     if run is not None:
-        raise KillSwitchError(f"A {kind.value} switch takes no run.", "run")
+        raise KillSwitchError(f"{article} {kind.value} switch takes no run.", "run")
     if kind == Scope.TEAM:
         if agent:
             raise KillSwitchError("A team switch takes no agent: use the agent scope.",
