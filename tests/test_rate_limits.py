@@ -412,3 +412,24 @@ def as_rule(r: dict[str, Any]) -> Any:
     from governance_client.rules import RateLimit
 
     return RateLimit(match=r["match"], per=r["per"], max=r["max"], window_s=r["window_s"])
+
+
+def test_a_run_of_stars_is_one_star_in_sql() -> None:
+    assert glob_regex("a**b") == "^a.*b$"
+    assert glob_regex("*" * 195 + "q") == "^.*q$"
+    assert glob_regex("*?*") == "^.*..*$"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_teams_rules_of_star_runs_cost_postgresql_no_seconds() -> None:
+    # Found by an attacker: 200 rules whose patterns were 195 stars and a suffix (each valid,
+    # SPEC 12's 200 characters) made every check of the team match 200 runs of 195 ".*":
+    # 6 s of PostgreSQL's CPU a check, 40 s with six at once.
+    regexes = [glob_regex("*" * 195 + f"q{i:04d}") for i in range(200)]
+    started = time.monotonic()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM unnest(%s::text[]) r WHERE %s ~ r",
+                       [regexes, "z" * 200])
+        assert cursor.fetchone()[0] == 0
+    assert time.monotonic() - started < 2.0

@@ -83,7 +83,8 @@ def glob_regex(pattern: str) -> str:
     The bracket handling is CPython's `fnmatch.translate`, step for step (a set without its
     closing bracket is a literal "[", descending ranges are dropped, an emptied set matches
     nothing), with ARE escaping: a backslash before every character that is not a letter or
-    a digit, which in an ARE means that character itself, inside brackets too.
+    a digit, which in an ARE means that character itself, inside brackets too; a run of
+    stars is one ".*".
     """
     out = ["^"]
     i, n = 0, len(pattern)
@@ -91,7 +92,12 @@ def glob_regex(pattern: str) -> str:
         c = pattern[i]
         i += 1
         if c == "*":
-            out.append(".*")
+            # A run of stars is one star (as fnmatch.translate has it): PostgreSQL's engine
+            # takes about 30 ms to match a pattern of 190 ".*" in a row, and a team's 200
+            # rules of them made each of its checks' writes take 6 s, 40 s under concurrency
+            # (found by an attacker).
+            if out[-1] != ".*":
+                out.append(".*")
         elif c == "?":
             out.append(".")
         elif c == "[":
