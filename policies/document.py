@@ -114,6 +114,13 @@ MAX_POLICIES_PER_TEAM = 100
 # by an attacker: 40 policies of 50 rules made the team's checks take 1 to 5 s and another
 # team's p99 rise 15x). 50 a policy times 100 policies was 5,000.
 MAX_RATE_RULES_PER_TEAM = 200
+# ...and the patterns' text, all lists of a policy together (tools.allow, tools.deny,
+# approvals.tools, rate_limits[].match): a process compiles a policy's patterns at its first
+# check of each version it keeps (rules.Policy.matches), 3 to 8 us a character, so this
+# bounds that first check's work at about 50 to 130 ms where 768 patterns of 200 characters
+# took 1.3 s (found by an attacker, with versions enough to push them out of every cache).
+# Sixteen times a policy of a few dozen tool names.
+MAX_PATTERN_CHARS = 16_384
 
 
 class Tools(_Strict):
@@ -171,6 +178,17 @@ class PolicyDoc(_Strict):
     warnings: Warnings | None = Warnings()
 
     @model_validator(mode="after")
+    def _patterns_bounded(self) -> PolicyDoc:
+        total = pattern_chars(self.tools.allow or [], self.tools.deny, self.approvals.tools,
+                              [rule.match for rule in self.rate_limits])
+        if total > MAX_PATTERN_CHARS:
+            raise _FieldErrors({"tools": (
+                f"the policy's patterns (tools.allow, tools.deny, approvals.tools and "
+                f"rate_limits[].match together) are {total:,} characters; at most "
+                f"{MAX_PATTERN_CHARS:,}: a check compiles them")})
+        return self
+
+    @model_validator(mode="after")
     def _warn_below_limits(self) -> PolicyDoc:
         """A warning at or past its limit would never come before the stop: refused, naming
         the warning's field (SPEC 16)."""
@@ -191,6 +209,11 @@ class PolicyDoc(_Strict):
 
 
 _GLOB = re.compile(r"[*?\[]")
+
+
+def pattern_chars(*lists: list[str]) -> int:
+    """The characters of a policy's patterns, every list together (`MAX_PATTERN_CHARS`)."""
+    return sum(len(pattern) for patterns in lists for pattern in patterns)
 
 
 def denies_every_tool(allow: list[str] | None, deny: list[str]) -> str | None:

@@ -319,6 +319,29 @@ def test_a_pattern_list_is_capped(team):
                                         "deny": [f"t{i}" for i in range(MAX_PATTERNS)]}})
 
 
+def test_a_policys_patterns_are_bounded_in_characters_across_its_lists(team):
+    # Found by an attacker: 768 patterns of 200 characters a version, in versions enough to
+    # push them out of every cache, made each check compile them (1.3 s) again.
+    from policies.document import MAX_PATTERN_CHARS, parse_policy
+    from policies.document import default_policy as default
+
+    document = default("big")
+    long = [f"{'x' * 190}{i:04d}*" for i in range(MAX_PATTERN_CHARS // 195 + 1)]
+    third = len(long) // 3
+    spread = {**document, "tools": {"allow": long[:third], "deny": long[third:2 * third]},
+              "approvals": {**document["approvals"], "tools": long[2 * third:]}}
+    with pytest.raises(DocumentError) as refused:
+        parse_policy(spread)
+    assert "tools:" in str(refused.value) and f"at most {MAX_PATTERN_CHARS:,}" in str(
+        refused.value)
+    rules = [{"match": "y" * 200, "per": "run", "max": 1, "window_s": 1}] * 40
+    with pytest.raises(DocumentError):
+        parse_policy({**document, "tools": {"allow": None, "deny": long[:45]},
+                      "rate_limits": rules})
+    parse_policy({**document, "tools": {"allow": None, "deny": long[:third]},
+                  "rate_limits": rules[:20]})
+
+
 def test_a_team_has_a_bounded_number_of_policies(team, users, settings, monkeypatch):
     from policies import services
     from policies.document import default_policy as default

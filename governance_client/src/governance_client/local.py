@@ -10,7 +10,7 @@ makes are queued and uploaded, marked local, once the service answers again.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -64,16 +64,12 @@ class LocalLimits:
             changes["max_usd"] = Decimal(str(self.max_usd))
         if self.approvals is not None:
             changes["approval_tools"] = tuple(self.approvals)
-        return rules.Policy(**{**_fields(base), **changes})
+        return replace(base, **changes)  # a new policy: its patterns compiled anew
 
     @classmethod
     def from_policy(cls, policy: Mapping[str, Any] | None) -> LocalLimits:
         """Kept for callers of the first version: the run's policy, no override."""
         return cls()
-
-
-def _fields(policy: rules.Policy) -> dict[str, Any]:
-    return {name: getattr(policy, name) for name in rules.Policy.__slots__}
 
 
 def policy_from_json(policy: Mapping[str, Any] | None) -> rules.Policy:

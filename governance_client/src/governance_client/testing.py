@@ -140,7 +140,7 @@ class _Failure:
     processed: bool
 
 
-_POLICY_FIELDS = {f.name for f in fields(rules.Policy)}
+_POLICY_FIELDS = {f.name for f in fields(rules.Policy) if f.init}
 
 
 class FakeGovernance:
