@@ -13,6 +13,7 @@ library's raises, a 400 or a 500); and the accounts (policies/sso.py): identity 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -125,9 +126,24 @@ class SsoBackend(OIDCAuthenticationBackend):
 
     def get_token(self, payload: dict[str, str]) -> Any:
         """The library's code exchange, through the bounded call: a 4xx is this code refused
-        (forged, used, expired), anything else not a 200 the provider failing."""
+        (forged, used, expired), or this server's client refused (below); anything else not
+        a 200 the provider failing."""
         answer = call("POST", self.OIDC_OP_TOKEN_ENDPOINT, form=payload, per_person=True)
         if 400 <= answer.status < 500:
+            error = _oauth_error(answer)
+            if answer.status == 401 or error in CLIENT_ERRORS:
+                # The server's configuration, not the person's code: a wrong
+                # OIDC_CLIENT_SECRET read "forged, used already or has expired. Sign in
+                # again", and everyone signed in again and again (found by a newcomer).
+                log.error("SSO: the identity provider refused this server's client at its "
+                          "token endpoint (HTTP %s, %s): check OIDC_CLIENT_ID and "
+                          "OIDC_CLIENT_SECRET against the client registered there.",
+                          answer.status, error or "no error code")
+                raise Refused(
+                    "The identity provider did not accept this server's client credentials "
+                    f"({error or f'HTTP {answer.status}'}): OIDC_CLIENT_ID or "
+                    "OIDC_CLIENT_SECRET does not match the client registered there. Signing "
+                    "in again will not help: ask an administrator to correct them.", 503)
             raise Refused("The identity provider refused this sign-in's code: it was "
                           "forged, used already or has expired. Sign in again.")
         if answer.status != 200:
@@ -235,6 +251,21 @@ class SsoBackend(OIDCAuthenticationBackend):
                           "provider's keys: none of them has its key id.") from None
         except (KeyError, TypeError, AttributeError, jwt.PyJWTError):
             raise Refused("The ID token or the provider's keys are malformed.") from None
+
+
+# OAuth 2.0's token-endpoint errors about the client itself (RFC 6749 5.2), not the code.
+CLIENT_ERRORS = frozenset({"invalid_client", "unauthorized_client"})
+
+
+def _oauth_error(answer: Any) -> str | None:
+    """The ``error`` code of a token endpoint's refusal, if it sent one (RFC 6749 5.2)."""
+    try:
+        body = json.loads(answer.body)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, str) and error.isascii() and error.isprintable() \
+        and len(error) <= 64 else None
 
 
 def refusal_page(request: HttpRequest, message: str, status: int) -> HttpResponse:

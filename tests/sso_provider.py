@@ -52,10 +52,14 @@ class _Wrapper:
 
 
 @contextmanager
-def running_provider(*, token_max_age: timedelta = timedelta(hours=1)) -> Iterator[Provider]:
+def running_provider(*, token_max_age: timedelta = timedelta(hours=1),
+                     require_client_registration: bool = False) -> Iterator[Provider]:
+    """``require_client_registration``: only a client registered at ``/oauth2/clients``,
+    with its secret, may exchange a code (as a real provider's)."""
     os.environ["AUTHLIB_INSECURE_TRANSPORT"] = "1"  # the provider on plain http, loopback
     provider = Provider()
-    app = oidc_provider_mock.app(require_nonce=True, access_token_max_age=token_max_age)
+    app = oidc_provider_mock.app(require_nonce=True, access_token_max_age=token_max_age,
+                                 require_client_registration=require_client_registration)
     server = werkzeug.serving.make_server("127.0.0.1", 0, _Wrapper(app, provider), threaded=True)
     provider.issuer = f"http://127.0.0.1:{server.server_port}"
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},

@@ -18,6 +18,7 @@ from typing import Any
 
 import jwt
 import pytest
+import requests
 from cryptography.hazmat.primitives.asymmetric import rsa
 from django.contrib.auth.models import User
 from django.test import Client, override_settings
@@ -327,6 +328,33 @@ def test_an_issuer_mismatch_is_refused(sso: Provider):
     sso.set_user("eve-sub", preferred_username="eve", groups=["staff"])
     sso.token_host = "impostor.example"  # its ID tokens now name http://impostor.example
     refused(sign_in(Client(), "eve-sub"), 400, b"another issuer")
+
+
+def test_a_wrong_client_secret_says_so_not_that_the_code_was_forged(db: Any, caplog: Any):
+    """A provider refusing this server's client (RFC 6749 5.2 ``invalid_client``) is the
+    configuration's fault: the page and the log name the settings, and never tell the
+    person to sign in again (found by a newcomer: "forged, used already or has expired")."""
+    team_ensure(slug="support", name="Support")
+    with running_provider(require_client_registration=True) as strict:
+        client = requests.post(
+            f"{strict.issuer}/oauth2/clients", timeout=5,
+            json={"redirect_uris": ["http://testserver/accounts/sso/callback/"],
+                  "token_endpoint_auth_method": "client_secret_post"}).json()
+        strict.set_user("eve-sub", preferred_username="eve", groups=["staff"])
+        forget_provider()
+        with sso_settings(strict, OIDC_CLIENT_ID=client["client_id"],
+                          OIDC_CLIENT_SECRET="not-its-secret"):
+            response = sign_in(Client(), "eve-sub")
+            refused(response, 503, b"did not accept this server&#x27;s client credentials")
+            assert b"OIDC_CLIENT_SECRET" in response.content
+            assert b"Sign in again" not in response.content
+            assert b"forged" not in response.content
+            assert "check OIDC_CLIENT_ID and OIDC_CLIENT_SECRET" in caplog.text
+        forget_provider()
+        with sso_settings(strict, OIDC_CLIENT_ID=client["client_id"],
+                          OIDC_CLIENT_SECRET=client["client_secret"]):
+            assert sign_in(Client(), "eve-sub").status_code == 302  # the right one signs in
+    forget_provider()
 
 
 def test_an_unreachable_provider_is_a_page_not_a_500(db: Any):
