@@ -171,6 +171,23 @@ def test_a_taken_port_is_said_first_and_nothing_is_created(tmp_path):
     assert AgentKey.objects.count() == keys and not (tmp_path / "key").exists()
 
 
+def test_with_sso_on_the_printout_does_not_send_the_password_accounts_to_sso():
+    """Under SSO the demo's operator and viewer cannot sign in at all (password accounts,
+    and SSO never finds an account by its name): the printout said they "sign in with SSO",
+    and a newcomer who did was refused for having no mapped group."""
+    from runs.management.commands.demo import demo_logins
+
+    base = "http://127.0.0.1:8000"
+    plain = " ".join(demo_logins(base, "all"))
+    assert "operator / demo-operator, or viewer / demo-viewer" in plain
+    for mode in ("superusers", "off"):
+        text = " ".join(" ".join(demo_logins(base, mode)).split())
+        assert "admin / demo-admin" in text and "demo-operator" not in text
+        assert "sign in with SSO." not in text  # the old advice, which was refused
+        assert "operator and viewer (password accounts) cannot sign in" in text
+        assert "OIDC_ROLE_MAP" in text and "OIDC_PASSWORD_LOGIN=all" in text
+
+
 def record(line: str, status: int) -> logging.LogRecord:
     rec = logging.LogRecord("django.server", logging.INFO, __file__, 1, '"%s" %s %s',
                             (line, str(status), "12"), None)

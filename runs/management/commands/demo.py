@@ -172,6 +172,28 @@ class QuietAgentTraffic(logging.Filter):
         return status >= 400 or not routine
 
 
+def demo_logins(base: str, password_login: str) -> list[str]:
+    """The printout's sign-in lines, for ``OIDC_PASSWORD_LOGIN`` (``all`` without SSO)."""
+    logins = [
+        f"Dashboard: {base}/  sign in as admin / demo-admin (superuser),",
+        "           operator / demo-operator, or viewer / demo-viewer.",
+    ]
+    if password_login != "all":
+        # With SSO on, the password form signs in superusers only (docs/sso.md): the other
+        # two logins would be refused (found by a newcomer). Nor can they sign in with SSO:
+        # they are password accounts, and SSO finds people by (issuer, sub), never by name;
+        # "so operator and viewer sign in with SSO" sent a newcomer to the provider as
+        # `operator`, who was refused for having no mapped group (found by a newcomer too).
+        logins[1:] = [
+            "           SSO is on: password sign-in is "
+            f"{password_login} (OIDC_PASSWORD_LOGIN), so the demo's",
+            "           operator and viewer (password accounts) cannot sign in: sign in with "
+            "SSO as",
+            "           someone whose groups OIDC_ROLE_MAP maps, or start again with "
+            "OIDC_PASSWORD_LOGIN=all."]
+    return logins
+
+
 class Command(BaseCommand):
     help = ("The embedded-default demo: the database migrated, a team, policies, users and an "
             "agent key (only those missing), then the web server with simulated agents "
@@ -201,16 +223,7 @@ class Command(BaseCommand):
         token = setup.token
         run_id = "python3 -c 'import json,sys; print(json.load(sys.stdin)[\"run_id\"])'"
         check = '{"action": {"name": "search.docs", "args": {"query": "refund policy"}}}'
-        logins = [
-            f"Dashboard: {base}/  sign in as admin / demo-admin (superuser),",
-            "           operator / demo-operator, or viewer / demo-viewer.",
-        ]
-        if settings.OIDC_PASSWORD_LOGIN != "all":
-            # With SSO on, the password form signs in superusers only (docs/sso.md): the
-            # other two logins would be refused (found by a newcomer).
-            logins[1:] = [f"           SSO is on: password sign-in is "
-                          f"{settings.OIDC_PASSWORD_LOGIN} (OIDC_PASSWORD_LOGIN), so operator "
-                          "and viewer sign in with SSO."]
+        logins = demo_logins(base, settings.OIDC_PASSWORD_LOGIN)
         if setup.kept_passwords:
             logins.append("           (" + ", ".join(setup.kept_passwords) + " already "
                           "existed: their passwords were left as they are.)")
