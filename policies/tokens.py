@@ -125,17 +125,26 @@ NEW_TOKEN = ("Its owner makes a new one on the Tokens page (/accounts/tokens/), 
 
 def operator_token_authenticate(secret: str) -> OperatorToken:
     """The live token for a bearer secret, its owner loaded; else 401: ``unauthorized``
-    (unknown, malformed, or an owner no longer active), ``token_revoked``, ``token_expired``
-    (said only to whoever holds the whole secret: the hash matched)."""
+    (unknown, malformed, or an owner no longer active: the last said so), ``token_revoked``,
+    ``token_expired`` (what is said of a token's state is said only to whoever holds the
+    whole secret: the hash matched)."""
     prefix = token_prefix(secret)
     token = None
     if prefix is not None:
         token = (OperatorToken.objects.select_related("user", "team")
                  .filter(prefix=prefix).first())
-    if token is None or not hmac.compare_digest(token.token_hash, _hash(secret)) \
-            or not token.user.is_active:
+    if token is None or not hmac.compare_digest(token.token_hash, _hash(secret)):
         raise AppError(401, "unauthorized",
                        "A valid operator token is required (Authorization: Bearer gov_op_...).")
+    if not token.user.is_active:
+        # Said, like a revocation, only to whoever holds the whole secret: "a valid operator
+        # token is required" sent a newcomer looking for a typo in a token just made for a
+        # deactivated account (found by a newcomer).
+        raise AppError(401, "unauthorized",
+                       f"The operator token {token.name!r} belongs to a deactivated account "
+                       f"({token.user.get_username()}): it works again only once an "
+                       "administrator reactivates the account; an active person's token is "
+                       "needed meanwhile.")
     if token.revoked_at is not None:
         raise AppError(401, "token_revoked",
                        f"The operator token {token.name!r} was revoked. {NEW_TOKEN}")

@@ -522,6 +522,31 @@ def test_a_dead_token_is_told_where_to_get_a_new_one(world, who):
     assert "/accounts/tokens/" in message and "create_operator_token" in message, message
 
 
+def test_a_token_of_a_deactivated_account_is_said_so_when_made_and_when_used(world, users):
+    """A token made for a deactivated account never works: the command said nothing and the
+    API answered "A valid operator token is required", as for a mistyped one."""
+    owner = users["operator"]
+    owner.is_active = False
+    owner.save(update_fields=["is_active"])
+    out, err = io.StringIO(), io.StringIO()
+    call_command("create_operator_token", "--user", "operator", "--team", "support",
+                 "--role", "operator", stdout=out, stderr=err)
+    assert "operator's account is deactivated" in err.getvalue(), err.getvalue()
+    token = out.getvalue().strip().splitlines()[-1]
+    answer = Client(HTTP_AUTHORIZATION=f"Bearer {token}").get("/api/v1/teams")
+    assert answer.status_code == 401
+    assert answer.json()["error"]["code"] == "unauthorized"
+    assert "deactivated account" in answer.json()["error"]["message"], answer.content
+    # Someone without the whole secret learns nothing of the account.
+    wrong = token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")
+    answer = Client(HTTP_AUTHORIZATION=f"Bearer {wrong}").get("/api/v1/teams")
+    assert answer.status_code == 401
+    assert "deactivated" not in answer.json()["error"]["message"]
+    owner.is_active = True
+    owner.save(update_fields=["is_active"])
+    assert Client(HTTP_AUTHORIZATION=f"Bearer {token}").get("/api/v1/teams").status_code == 200
+
+
 def test_a_superusers_token_for_every_team_says_what_it_may_do(world, users):
     """A superuser is a member of no team: "every team of the owner" read as none. The
     command says every team, and whether the token is a superuser's (the global switch)."""

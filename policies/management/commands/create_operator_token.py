@@ -52,7 +52,12 @@ class Command(BaseCommand):
         # The token acts with the lesser of the two roles: say so now, not at the first 403
         # of the automation it was made for (for every team of the owner too: found by a
         # newcomer, whose token for every team said nothing).
-        if team_row is not None:
+        if not owner.is_active:
+            # A token that can never work, made without a word (found by a newcomer, whose
+            # govctl then answered "A valid operator token is required").
+            self.stderr.write(f"Note: {user}'s account is deactivated, so this token is "
+                              "refused (401) until an administrator reactivates it.")
+        elif team_row is not None:
             acts = token_role(new.token, team_row)
             if acts != role:
                 self.stderr.write(
