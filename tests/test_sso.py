@@ -107,6 +107,21 @@ def test_a_person_signs_in_with_their_groups_as_roles(sso: Provider):
     assert all(e.actor_label == "sso" and e.detail["source"] == "sso" for e in events)
 
 
+def test_an_sso_accounts_password_page_says_it_has_none_instead_of_a_form(sso: Provider):
+    """The top bar hides "Password" from an SSO account (it has none), but its address gave
+    a form asking for an old password nobody has, which refused every try."""
+    sso.set_user("ivy-sub", preferred_username="ivy", groups=["staff"])
+    client = Client()
+    assert sign_in(client, "ivy-sub").status_code == 302
+    page = client.get("/accounts/password/")
+    assert page.status_code == 200
+    assert b"signs in with single sign-on" in page.content
+    assert b'name="old_password"' not in page.content
+    password_account = User.objects.create_user("june", password="a-long-passw0rd")
+    client.force_login(password_account)
+    assert b'name="old_password"' in client.get("/accounts/password/").content
+
+
 def test_a_deactivated_accounts_sso_session_signs_in_nobody(sso: Provider):
     """docs/sso.md: deactivating the account cuts its person off at once. Found by an
     attacker: the SSO backend's session lookup (the library's) did not look at `is_active`,
