@@ -23,6 +23,7 @@ TOKEN = "gov_op_3f9c0a1b2c4d_s3cr3t-s3cr3t-s3cr3t"
 # (bidi overrides and isolates among them), line and paragraph separators, lone surrogates.
 UNSAFE = {"Cc", "Cf", "Cs", "Zl", "Zp"}
 ESC = "\x1b"
+RUN_ID = "3f2a9c01-5d7e-4c1b-9a0e-2b6f8d4c1a77"
 
 
 def unsafe_in(text: str) -> list[str]:
@@ -122,11 +123,11 @@ def test_json_stays_the_servers_exact_data_and_holds_no_control_character(fake: 
 
 def test_a_runs_json_is_shown_as_written_but_what_a_terminal_acts_on(fake: Fake) -> None:
     # Found by a tester: `runs show` printed an agent "café-bot" as "caf\\u00e9-bot".
-    run = {"run_id": "3f2a9c01", "agent": "café-bot 🧑‍💻 日本", "output": "done\x1b[2J\u202e",
+    run = {"run_id": RUN_ID, "agent": "café-bot 🧑‍💻 日本", "output": "done\x1b[2J\u202e",
            "metadata": {"tag": "x\U000e0041y", "note": "line\nbreak"}}
-    fake.answer("GET", "/teams/support/runs/3f2a9c01", run)
+    fake.answer("GET", f"/teams/support/runs/{RUN_ID}", run)
     fake.answer("GET", "/teams/support/runs", {"runs": [run]})
-    for args in (("runs", "show", "3f2a9c01"), ("runs", "list", "--json")):
+    for args in (("runs", "show", RUN_ID), ("runs", "list", "--json")):
         code, out, err = govctl(fake, *args, "--team", "support")
         assert code == 0, err
         assert "café-bot" in out and "日本" in out, out
@@ -276,6 +277,24 @@ def test_an_answer_that_is_not_the_operator_apis_is_said_in_one_line(
     fake.answer("GET", "/teams/support/runs", body, status, **headers)
     code, out, err = govctl(fake, "runs", "list", "--team", "support")
     assert (code, out, err) == (1, "", not_the_api(fake, status, kind))
+
+
+@pytest.mark.parametrize("command", ["show", "decisions"])
+def test_a_runs_first_8_characters_are_refused_saying_to_give_the_whole_id(
+        fake: Fake, command: str) -> None:
+    # Found by a newcomer: the dashboard shows 8 characters, and the API answered "No such
+    # run." to them.
+    code, out, err = govctl(fake, "runs", command, "3f2a9c01", "--team", "support")
+    assert (code, out) == (1, "") and "give the whole id" in err
+    assert fake.sent == []
+
+
+def test_an_https_url_on_a_plain_http_server_says_to_try_http(fake: Fake) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["--url", fake.url.replace("http://", "https://"), "--token", TOKEN,
+                     "runs", "list", "--team", "support"], out=out)
+    assert code == 1 and "try --url http://" in err.getvalue(), err.getvalue()
 
 
 def test_govctl_debug_shows_where_the_reading_stopped(

@@ -258,6 +258,15 @@ _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _SLUG = re.compile(r"[a-z0-9-]{1,50}")  # a team's slug (SPEC 3), as policies/document.py
 
 
+def _run_id(value: str) -> str:
+    """A run's whole id: the dashboard and `approvals list` show its first 8 characters,
+    which the API does not take (found by a newcomer: "No such run.")."""
+    if re.fullmatch(r"[0-9a-fA-F]{1,35}", value):
+        raise Refused(f"the run id {value!r} is part of one: give the whole id (36 "
+                      "characters, 8-4-4-4-12), as `govctl runs list` prints it")
+    return _segment(value, "the run id")
+
+
 def _segment(value: str, what: str) -> str:
     if not _SEGMENT.fullmatch(value):
         raise Refused(f"{what} {value!r} is not a name the API has (letters, digits, "
@@ -328,7 +337,11 @@ class Api:
                 response = self.http.request(method, f"{API_PREFIX}{path}", json=body,
                                              params=params, timeout=timeout)
             except httpx.HTTPError as exc:
-                raise Refused(f"cannot reach {self.http.base_url}: {exc}") from None
+                # An https URL on a port that speaks http answers TLS with plain HTTP: the
+                # SSL error's words alone did not say so (found by a newcomer).
+                hint = (": is the server plain http? (try --url http://...)"
+                        if "WRONG_VERSION_NUMBER" in str(exc) else "")
+                raise Refused(f"cannot reach {self.http.base_url}: {exc}{hint}") from None
             # A busy server's 429 (a team's share of its time, a token's calls in progress:
             # docs/serving.md) says when to come back; nothing was done, so the call is sent
             # again, as the agents' client does.
@@ -713,7 +726,7 @@ def runs_list(api: Api, args: argparse.Namespace, out: Any) -> None:
 
 def runs_show(api: Api, args: argparse.Namespace, out: Any) -> None:
     _, run = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs/"
-                      f"{_segment(args.run, 'the run id')}")
+                      f"{_run_id(args.run)}")
     print(_json(run, indent=2), file=out)
 
 
@@ -731,7 +744,7 @@ def _why(rule: dict[str, Any] | None) -> str:
 def runs_decisions(api: Api, args: argparse.Namespace, out: Any) -> None:
     params = {k: v for k, v in (("after", args.after), ("limit", args.limit)) if v is not None}
     _, data = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs/"
-                       f"{_segment(args.run, 'the run id')}/decisions", params=params)
+                       f"{_run_id(args.run)}/decisions", params=params)
     if args.json:
         print(_json(data["decisions"], indent=2), file=out)
         return
