@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from governance_client.rules import DEFAULT_REDACT, default_warning
+from governance_client.rules import DEFAULT_REDACT, default_warning, glob_set_span
 from governance_client.yaml_keys import unique_keys, yaml_problem
 from pydantic import (
     AfterValidator,
@@ -121,6 +121,13 @@ MAX_RATE_RULES_PER_TEAM = 200
 # took 1.3 s (found by an attacker, with versions enough to push them out of every cache).
 # Sixteen times a policy of a few dozen tool names.
 MAX_PATTERN_CHARS = 16_384
+# ...and the code points their sets' ranges span, all lists together: compiling a range costs
+# each of its code points, whatever its length (`rules.glob_set_span`), so 16,384 characters
+# of sets like "[\u0100-\uffff\u0101-\uffff...]" made a version's first check in a process
+# compile for 15 to 20 s, past the database's idle-transaction timeout, and another team's
+# p99 rise 8 to 10 times (found by an attacker, a new version per save). 65,536 is one whole
+# [\u0000-\uffff], about 5 ms; "[a-z]" spans 26.
+MAX_SET_SPAN = 65_536
 
 
 class Tools(_Strict):
@@ -179,13 +186,20 @@ class PolicyDoc(_Strict):
 
     @model_validator(mode="after")
     def _patterns_bounded(self) -> PolicyDoc:
-        total = pattern_chars(self.tools.allow or [], self.tools.deny, self.approvals.tools,
-                              [rule.match for rule in self.rate_limits])
+        lists = (self.tools.allow or [], self.tools.deny, self.approvals.tools,
+                 [rule.match for rule in self.rate_limits])
+        total = pattern_chars(*lists)
         if total > MAX_PATTERN_CHARS:
             raise _FieldErrors({"tools": (
                 f"the policy's patterns (tools.allow, tools.deny, approvals.tools and "
                 f"rate_limits[].match together) are {total:,} characters; at most "
                 f"{MAX_PATTERN_CHARS:,}: a check compiles them")})
+        spans = sum(glob_set_span(pattern) for patterns in lists for pattern in patterns)
+        if spans > MAX_SET_SPAN:
+            raise _FieldErrors({"tools": (
+                f"the ranges of the policy's sets ([a-z] in tools.allow, tools.deny, "
+                f"approvals.tools and rate_limits[].match together) span {spans:,} "
+                f"characters; at most {MAX_SET_SPAN:,}: a check compiles each of them")})
         return self
 
     @model_validator(mode="after")

@@ -402,3 +402,29 @@ def test_a_teams_policies_have_a_bounded_number_of_rate_limit_rules(team, users,
     response = admin.post(f"/teams/{team.slug}/policies-new", data)
     assert response.status_code == 422
     assert b"distinct rate-limit rules" in response.content
+
+
+def test_a_policys_set_ranges_are_bounded_in_the_code_points_they_span():
+    # Found by an attacker: 81 deny patterns of 66 distinct ranges up to U+FFFF (16,200
+    # characters, under the character bound) took 15 to 20 s to compile at a version's first
+    # check in each process, past the database's idle-transaction timeout, and another
+    # team's p99 rose 8 to 10 times.
+    from policies.document import MAX_SET_SPAN
+    from policies.document import default_policy as default
+
+    def wide(seed: int) -> str:
+        return "[" + "".join(chr(0x100 + seed * 66 + k) + "-\uffff" for k in range(66)) + "]"
+
+    document = default("wide")
+    for field in ({"tools": {"allow": None, "deny": [wide(0)]}},
+                  {"approvals": {**document["approvals"], "tools": [wide(1)]}},
+                  {"rate_limits": [{"match": wide(2), "per": "run", "max": 1,
+                                    "window_s": 1}]}):
+        with pytest.raises(DocumentError) as refused:
+            parse_policy({**document, **field})
+        assert "tools:" in str(refused.value) and f"at most {MAX_SET_SPAN:,}" in str(
+            refused.value)
+    # What names are made of, many times over, and one whole plane, are fine.
+    parse_policy({**document, "tools": {"allow": None,
+                                        "deny": ["[a-z][0-9A-Z]*" for _ in range(256)]}})
+    parse_policy({**document, "tools": {"allow": None, "deny": ["[\u0001-\uffff]x"]}})

@@ -48,3 +48,42 @@ def test_a_policys_patterns_stay_out_of_fnmatchs_process_wide_cache() -> None:
     assert fnmatch._compile_pattern.cache_info().currsize == 0
     # Compiled once each, kept with the policy.
     assert set(policy._globs) == {"search.*", "files.*", "files.rm*", "pay.*"}
+
+
+def _parsed_span(pattern: str) -> int:
+    """The code points below U+10000 that `re` visits compiling ``pattern``'s ranges, read
+    from its own parse of fnmatch's translation (which merges a set's repeated ranges)."""
+    from re import _parser  # type: ignore[attr-defined]
+
+    def walk(items) -> int:  # type: ignore[no-untyped-def]
+        total = 0
+        for op, av in items:
+            if op == _parser.IN:
+                total += sum(max(0, min(hi, 0xFFFF) - lo + 1)
+                             for kind, value in av if kind == _parser.RANGE
+                             for lo, hi in [value])
+            elif op == _parser.SUBPATTERN:
+                total += walk(av[-1])
+            elif op in (_parser.ATOMIC_GROUP,):
+                total += walk(av)
+        return total
+
+    return walk(_parser.parse(fnmatch.translate(pattern)))
+
+
+@given(st.text(alphabet="az!-[]*\u0100\uffff\U0001f600", max_size=16))
+def test_a_patterns_set_span_is_at_least_what_re_visits_compiling_it(pattern: str) -> None:
+    assert rules.glob_set_span(pattern) >= _parsed_span(pattern)
+
+
+def test_a_patterns_set_span_counts_its_ranges_code_points() -> None:
+    assert rules.glob_set_span("tool.[a-z]*") == 26
+    assert rules.glob_set_span("[!a-c]x[0-9]") == 13
+    assert rules.glob_set_span("[z-a]") == 0  # descending: dropped, as fnmatch drops it
+    assert rules.glob_set_span("[a-z") == 0  # no closing bracket: a literal "["
+    assert rules.glob_set_span("a-z*") == 0
+    # A range past U+FFFF is visited up to it only (re keeps the rest apart).
+    assert rules.glob_set_span("[\u0100-\U0010ffff]") == 0x10000 - 0x100
+    # Found by an attacker: 200 characters of distinct wide ranges, 260 ms to compile.
+    wide = "[" + "".join(chr(0x100 + k) + "-\uffff" for k in range(66)) + "]"
+    assert rules.glob_set_span(wide) == _parsed_span(wide) > 4_000_000
