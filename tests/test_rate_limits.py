@@ -433,3 +433,22 @@ def test_a_teams_rules_of_star_runs_cost_postgresql_no_seconds() -> None:
                        [regexes, "z" * 200])
         assert cursor.fetchone()[0] == 0
     assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.django_db
+def test_the_hourly_registration_repairs_a_rule_left_in_an_older_sql_form(team) -> None:
+    # A process of the previous release, during an upgrade, may register a rule after
+    # runs/0021 rewrote the others, in the form PostgreSQL took seconds to match; a check's
+    # registration never writes a known rule (it takes no row lock), so the beat's does.
+    from django.utils import timezone
+
+    from runs.check import rate_limits
+    from runs.models import RateRule
+
+    rule = {"match": "**http.*", "per": "run", "max": 5, "window_s": 60}
+    set_policy(team, rate_limits=[rule])
+    key = rate_limits.rule_key(as_rule(rule), team_id=team.pk)
+    RateRule.objects.filter(key=key).update(regex="^.*.*http\\..*$")
+    rate_limits._kept_at = None
+    rate_limits.keep_current_rules(now=timezone.now())
+    assert RateRule.objects.get(key=key).regex == glob_regex("**http.*") == "^.*http\\..*$"

@@ -96,3 +96,20 @@ def test_a_set_past_latin1_counts_at_least_its_table() -> None:
     assert rules.glob_set_span("[éà]x[ĀĂ]") == rules.SET_PAST_LATIN1
     assert rules.glob_set_span("[\u0100-\uffff]") == 0xFFFF - 0x100 + 1
     assert rules.glob_set_span("Ā*") == 0  # a character outside a set is no table
+
+
+def test_the_compiled_patterns_a_process_keeps_are_bounded_in_characters() -> None:
+    # Found by a review: each policy version kept its compiled patterns for as long as the
+    # store kept the version, 4,096 of them, about 2 GB at the document's pattern bounds.
+    kept = rules._KeptGlobs(budget=30)
+    first, second, third = (rules.Policy(deny=(n * 10 + "*",)) for n in "abc")  # 11 each
+    for policy in (first, second):
+        assert kept.compiled(policy, policy.deny[0]).match(policy.deny[0][0] * 12)
+    assert len(first._globs) == len(second._globs) == 1 and kept._total == 22
+    kept.compiled(third, third.deny[0])  # 33: the first compiled loses its own
+    assert (first._globs, len(second._globs), len(third._globs)) == ({}, 1, 1)
+    assert kept._total == 22
+    # Compiled again at its next use, matching as before; the oldest then goes.
+    assert kept.compiled(first, first.deny[0]).match("a" * 10) is not None
+    assert (len(first._globs), second._globs, len(third._globs)) == (1, {}, 1)
+    assert kept._total == 22

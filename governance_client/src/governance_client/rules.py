@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -122,6 +123,48 @@ def compile_glob(pattern: str) -> re.Pattern[str]:
     return re.compile(translate(pattern))
 
 
+class _KeptGlobs:
+    """The patterns compiled in this process, every policy's and rule's together, bounded in
+    characters: each holder (a `Policy`, a `RateLimit`) keeps its own compiled patterns, and
+    the holders that compiled first lose theirs once the total passes ``budget`` (they
+    compile them again at their next use). A compiled pattern takes about 30 bytes a
+    character, and a store keeps thousands of policy versions, which a team can make at will
+    (found by a review: 4,096 versions at the pattern bounds would have kept 2 GB a process).
+    First in, first out: a holder is registered at its first compile only, so the lock is
+    taken when compiling, never when matching, and another team's rotation of versions makes
+    a policy compile its patterns again once per ``budget`` characters compiled, not at
+    every check."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._held: dict[int, tuple[Any, int]] = {}  # id(holder): (holder, its characters)
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def compiled(self, holder: Any, pattern: str) -> re.Pattern[str]:
+        glob: re.Pattern[str] | None = holder._globs.get(pattern)
+        if glob is None:
+            glob = holder._globs[pattern] = compile_glob(pattern)
+            self._keep(holder, len(pattern))
+        return glob
+
+    def _keep(self, holder: Any, chars: int) -> None:
+        with self._lock:
+            _, before = self._held.pop(id(holder), (holder, 0))
+            self._held[id(holder)] = (holder, before + chars)  # kept alive: its id stays its
+            self._total += chars
+            while self._total > self.budget and len(self._held) > 1:
+                oldest = next(iter(self._held))
+                gone, its = self._held.pop(oldest)
+                gone._globs.clear()
+                self._total -= its
+
+
+# About 30 MB of compiled patterns a process: 60 policies at the document's bounds, a
+# thousand of a few dozen tool names.
+KEPT_GLOBS = _KeptGlobs(budget=1_000_000)
+
+
 # What a set holding a character past U+00FF counts in `glob_set_span`: about the code
 # points its table costs to build.
 SET_PAST_LATIN1 = 2_048
@@ -190,14 +233,13 @@ class RateLimit:
     per: str  # run | agent | team
     max: int
     window_s: int
-    # Compiled with the rule, kept with it (`compile_glob`).
-    _glob: re.Pattern[str] = field(init=False, repr=False, compare=False, hash=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_glob", compile_glob(self.match))
+    # Its pattern compiled at its first use and kept with it (`KEPT_GLOBS`), not in fnmatch's
+    # process-wide cache, which one team's patterns could fill for every team.
+    _globs: dict[str, re.Pattern[str]] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def matches(self, name: str) -> bool:
-        return self._glob.match(name) is not None
+        return KEPT_GLOBS.compiled(self, self.match).match(name) is not None
 
     def describe(self) -> str:
         return (f"rate_limits rule match='{self.match}' per={self.per} max={self.max} "
@@ -234,8 +276,9 @@ class Policy:
     # The policy's identity, for the `rule` of an answer (SPEC 16): its name and version.
     name: str = "default"
     version: int = 0
-    # The patterns of its lists compiled, each at its first use, kept as long as the policy
-    # (a store keeps one per version): not fnmatch's process-wide cache of 32,768 patterns,
+    # The patterns of its lists compiled, each at its first use, kept with the policy (a
+    # store keeps one per version) within the process's bound (`KEPT_GLOBS`): not
+    # fnmatch's process-wide cache of 32,768 patterns,
     # which one team's versions could fill, so that every team's checks compiled their
     # patterns again at every check (found by an attacker: 45 versions of 768 patterns made
     # that team's checks take 2.7 s and another team's p99 40 times longer, SPEC 10).
@@ -244,10 +287,7 @@ class Policy:
 
     def matches(self, name: str, pattern: str) -> bool:
         """Whether the action ``name`` matches ``pattern``, one of this policy's own."""
-        glob = self._globs.get(pattern)
-        if glob is None:
-            glob = self._globs[pattern] = compile_glob(pattern)
-        return glob.match(name) is not None
+        return KEPT_GLOBS.compiled(self, pattern).match(name) is not None
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Policy:
