@@ -824,6 +824,27 @@ def _idle_root_with_patient_child(api, team, monkeypatch) -> tuple[str, str, _Cl
     return root, start(api, "helper", parent_run_id=root, policy="patient"), clock
 
 
+def test_an_idle_child_finished_after_its_tree_ended_is_found_abandoned(
+        api, team, monkeypatch):
+    """Found by a review: the finish asked whether the tree was over before whether the run
+    was past its idle deadline, and ended an idle child `parent_stopped` at the finish's time,
+    where SPEC 14 and 21 put the deadline first: abandoned, ended at its deadline."""
+    set_policy(team, budgets={"max_idle_seconds": 60, "max_seconds": 3600})
+    _second_policy(team, "patient", budgets={"max_idle_seconds": 3600, "max_seconds": 3600})
+    clock = _Clock(monkeypatch)
+    root = start(api, policy="patient")
+    child = start(api, "helper", parent_run_id=root, policy="default")  # 60 s idle
+    deadline = Run.objects.get(pk=child).idle_deadline
+    clock.advance(30)
+    assert post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})["http"] == 200
+    clock.advance(60)
+    done = post(api, f"/api/v1/runs/{child}/finish", {"status": "completed"})
+    assert (done["status"], done["stop_reason"]) == ("stopped", "abandoned"), done
+    assert Run.objects.get(pk=child).ended_at == deadline
+    assert list(Decision.objects.filter(run_id=child).values_list("reason", flat=True)) == [
+        "abandoned"]
+
+
 def test_no_sub_agent_starts_under_a_run_whose_ancestor_went_idle(api, team, monkeypatch):
     """Found by an attacker: the root past its idle deadline (ended by no look yet), its
     child still running on a patient policy: a grandchild started, then stopped at its

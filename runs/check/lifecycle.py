@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
+from datetime import datetime
 from typing import Any
 
 from django.db import IntegrityError, connection, transaction
@@ -253,12 +254,14 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
         if run is None:
             raise ServiceError(404, "not_found", "No such run.")
         now = timezone.now()
+        # A finish after the idle deadline finds the run abandoned (SPEC 14): it then keeps
+        # that status and reason and stores the output, like any stopped run. First, as in a
+        # check (SPEC 21): an idle sub-agent under an ended tree is abandoned, not
+        # parent_stopped (found by a review). A run waiting for an operator has no deadline.
+        run = abandon_if_idle(run, now=now)
         if run.awaited_approval is not None or _tree_over(run, now):
             return _finish_locked(team=team, run_id=run.pk, status=status, output=output,
                                   key_agent=key_agent)
-        # A finish after the idle deadline finds the run abandoned (SPEC 14): it then keeps
-        # that status and reason and stores the output, like any stopped run.
-        run = abandon_if_idle(run, now=now)
         try:
             new_state = rules.finish(state_of(run), status,
                                      already_finished=run.finished_at is not None, now=now)
@@ -291,7 +294,7 @@ def run_finish(*, team: Team, run_id: Any, status: str, output: str | None,
                           key_agent=key_agent)
 
 
-def _tree_over(run: Run, now: Any) -> bool:
+def _tree_over(run: Run, now: datetime) -> bool:
     """Whether a running sub-agent's tree is over (SPEC 20), read without locks (one query,
     for a child run only): its finish then goes under the locks, which decide."""
     return (run.status == rules.RUNNING and bool(run.ancestors)

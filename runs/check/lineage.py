@@ -18,7 +18,7 @@ from runs.models import Run
 def lock_lineage(*, team_id: int, run_id: Any) -> list[rules.Ancestor]:
     """A child run's ancestors locked root first, by the ORM, inside the caller's
     transaction, before the caller locks the run (the tree's lock order), as the rules read
-    them. For a writer other than the check (an upload of local decisions)."""
+    them. For a writer other than the check (an upload of local decisions, a finish)."""
     ids = (Run.objects.filter(team_id=team_id, pk=run_id)
            .values_list("ancestors", flat=True).first()) or []
     found = []
