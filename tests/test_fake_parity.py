@@ -127,6 +127,9 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[tuple[str, Any]]]] = {
         check(args={"q": 2}), ("finish", "completed")]),
     "abandoned_then_finished": ({"budgets": {"max_seconds": None, "max_idle_seconds": 60}}, [
         check(args={"q": 1}), wait(61), ("finish", "completed"), check(args={"q": 2})]),
+    # A finish after the time budget ran out with no check finds it stopped max_seconds.
+    "out_of_time_then_finished": ({"budgets": {"max_seconds": 10}}, [
+        check(args={"q": 1}), wait(20), ("finish", "completed"), check(args={"q": 2})]),
     "replay": ({"step_limits": {"max_steps": 1}}, [
         check(args={"q": 1}, check_id="a"), check(args={"q": 1}, check_id="a"),
         check(args={"q": 2}, check_id="b"), check(args={"q": 1}, check_id="a")]),

@@ -53,6 +53,18 @@ def test_a_child_finished_after_its_parent_ends_stopped_with_it() -> None:
     run = fake.runs[sub.id]
     assert (run.status, run.state.stop_reason, run.output) == (
         rules.STOPPED, rules.PARENT_STOPPED, "partial")
+    # Audited as the service audits it, so a later check answers that stop in its words.
+    assert [d["reason"] for d in run.decisions] == ["step_ok", rules.PARENT_STOPPED]
+    import httpx
+
+    from governance_client.testing import BASE_URL
+
+    with httpx.Client(transport=fake.transport(), base_url=BASE_URL,
+                      headers={"Authorization": f"Bearer {fake.api_key}"}) as http:
+        later = http.post(f"/api/v1/runs/{sub.id}/check",
+                          json={"action": {"name": "search", "args": {"n": 2}}}).json()
+    assert later["reason"] == rules.PARENT_STOPPED and parent.id in later["message"]
+    assert later["rule"]["scope"] == parent.id, later
 
 
 def test_a_childs_retried_check_after_its_parents_finish_answers_the_stop() -> None:

@@ -347,7 +347,8 @@ class FakeGovernance:
         if run is None:
             return _error(404, "not_found", "No such run.")
         if len(parts) == 4 and request.method == "GET":
-            self._abandon_if_idle(run)  # a read after the deadline finds it ended (SPEC 14)
+            # A read after the deadline finds it ended (SPEC 14).
+            self._abandon_if_idle(run, out_of_time=True)
             return httpx.Response(200, json=run.as_json())
         if len(parts) == 5 and request.method == "POST":
             if parts[4] == "check":
@@ -511,19 +512,25 @@ class FakeGovernance:
             run.answers[check.check_id] = answer
         return httpx.Response(200, json=answer)
 
-    def _abandon_if_idle(self, run: FakeRun) -> bool:
+    def _abandon_if_idle(self, run: FakeRun, *, out_of_time: bool = False) -> bool:
         """As the service (SPEC 14): a run past its idle deadline is ended `abandoned` by
-        the check or finish that finds it so, its record first, whose words and rule that
-        check and every later one answer."""
+        the check, finish or read that finds it so, its record first, whose words and rule
+        that check and every later one answer. A finish or a read (``out_of_time``) also
+        ends a run whose time budget ran out with no check, `max_seconds` (`rules.overdue`,
+        as the service's `abandon_if_idle`); a check's rule 4 stops that one itself."""
         now = self.now()
-        abandoned = rules.abandon(run.state, now=now, policy=self.policy)
-        if abandoned is None:
+        ended = (rules.overdue(run.state, self.policy, now=now) if out_of_time
+                 else rules.abandon(run.state, now=now, policy=self.policy))
+        if ended is None:
             return False
-        run.state = abandoned
-        self._decisions += 1
-        run.decisions.append({**answers.abandon_answer(abandoned, self.policy, now),
-                              "decision_id": self._decisions})
+        run.state = ended
+        self._record(run, answers.abandon_answer(ended, self.policy, now))
         return True
+
+    def _record(self, run: FakeRun, answer: dict[str, Any]) -> None:
+        """An audit record no check answered (an abandonment, a finish's tree stop)."""
+        self._decisions += 1
+        run.decisions.append({**answer, "decision_id": self._decisions})
 
     def _windows(self, run: FakeRun, name: str, now: datetime) -> list[rules.RateWindow]:
         """The rate-limit windows of the action (SPEC 12), from the actions counted in each
@@ -705,13 +712,15 @@ class FakeGovernance:
         if run.finished:
             return _error(409, "run_finished", "The run is already finished.")
         self._settle_due(run, ask=False)  # an expiry that is due comes first (SPEC 11)
-        self._abandon_if_idle(run)  # then a deadline passed: it keeps that end (SPEC 14)
+        self._abandon_if_idle(run, out_of_time=True)  # then a deadline passed (SPEC 14)
         tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
                 for a in run.ancestors]
-        stopped = rules.stopped_by_tree(run.state, tree, self.now())
+        now = self.now()
+        stopped = rules.stopped_by_tree(run.state, tree, now)
         waiting = run.state.pending
         if stopped is not None:  # SPEC 20: its tree is over, it ends stopped with it
-            run.state = stopped[1]
+            decision, run.state = stopped
+            self._record(run, answers.answer_of(decision, run.state, self.policy, now))
         run.state = rules.finish(run.state, status, already_finished=False, now=self.now())
         self._cancel_on_end(run, waiting)
         run.finished = True
