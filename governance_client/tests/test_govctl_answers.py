@@ -287,6 +287,9 @@ def test_a_runs_first_8_characters_are_refused_saying_to_give_the_whole_id(
     code, out, err = govctl(fake, "runs", command, "3f2a9c01", "--team", "support")
     assert (code, out) == (1, "") and "give the whole id" in err
     assert fake.sent == []
+    # The whole id without its hyphens is one the API takes (found by a review).
+    govctl(fake, "runs", command, RUN_ID.replace("-", ""), "--team", "support")
+    assert len(fake.sent) == 1
 
 
 def test_an_https_url_on_a_plain_http_server_says_to_try_http(fake: Fake) -> None:
@@ -302,6 +305,8 @@ def test_govctl_debug_shows_where_the_reading_stopped(
     # A misread answer is said in one line; one of govctl's own mistakes reading the API's
     # answer would be said the same way, so GOVCTL_DEBUG=1 gives its traceback instead.
     fake.answer("GET", "/teams/support/runs", {"runs": [{"run_id": "r1"}]})
+    monkeypatch.setenv("GOVCTL_DEBUG", "0")
+    assert govctl(fake, "runs", "list", "--team", "support")[0] == 1
     monkeypatch.setenv("GOVCTL_DEBUG", "1")
     with pytest.raises(KeyError):
         govctl(fake, "runs", "list", "--team", "support")

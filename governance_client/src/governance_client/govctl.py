@@ -261,7 +261,7 @@ _SLUG = re.compile(r"[a-z0-9-]{1,50}")  # a team's slug (SPEC 3), as policies/do
 def _run_id(value: str) -> str:
     """A run's whole id: the dashboard and `approvals list` show its first 8 characters,
     which the API does not take (found by a newcomer: "No such run.")."""
-    if re.fullmatch(r"[0-9a-fA-F]{1,35}", value):
+    if re.fullmatch(r"[0-9a-fA-F]{1,31}", value):  # 32 digits is a whole id too
         raise Refused(f"the run id {value!r} is part of one: give the whole id (36 "
                       "characters, 8-4-4-4-12), as `govctl runs list` prints it")
     return _segment(value, "the run id")
@@ -876,7 +876,7 @@ def main(argv: Sequence[str] | None = None, *, out: Any = None,
         # mistake is govctl's own, and its traceback is the report.
         # GOVCTL_DEBUG=1 tells the two apart after one: an answer of another form, or a
         # mistake of govctl's reading of the API's own answer (the traceback says which).
-        if api.last is None or os.environ.get("GOVCTL_DEBUG"):
+        if api.last is None or os.environ.get("GOVCTL_DEBUG", "") not in ("", "0"):
             raise
         return _fail(api.not_the_api(), err)
     return 0
