@@ -178,6 +178,15 @@ def demo_logins(base: str, password_login: str) -> list[str]:
         f"Dashboard: {base}/  sign in as admin / demo-admin (superuser),",
         "           operator / demo-operator, or viewer / demo-viewer.",
     ]
+    if password_login == "off":
+        # No password form at all: admin signs in with SSO too, as anyone the role map
+        # covers (found by a review: the printout still offered admin / demo-admin).
+        return [f"Dashboard: {base}/  SSO is on and password sign-in is off "
+                "(OIDC_PASSWORD_LOGIN=off): the demo's",
+                "           admin, operator and viewer (password accounts) cannot sign in: "
+                "sign in with SSO as",
+                "           someone whose groups OIDC_ROLE_MAP maps, or start again with "
+                "OIDC_PASSWORD_LOGIN=all."]
     if password_login != "all":
         # With SSO on, the password form signs in superusers only (docs/sso.md): the other
         # two logins would be refused (found by a newcomer). Nor can they sign in with SSO:
