@@ -167,7 +167,11 @@ def stop_detail(run_id: Any, reason: str | None) -> tuple[str | None, dict[str, 
     None for a run its agent ended (no stop of that reason)."""
     first = (Decision.objects.of_run(run_id).filter(outcome=rules.STOP)
              .values_list("reason", "answer").first())
-    answer = first[1] if first is not None and first[0] == reason else None
+    return stop_words(first[1] if first is not None and first[0] == reason else None)
+
+
+def stop_words(answer: Any) -> tuple[str | None, dict[str, Any] | None]:
+    """A stop's record's answer as (its words, its rule), None for what it lacks."""
     if not isinstance(answer, dict):
         return None, None
     fired = answer.get("rule")

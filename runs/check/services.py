@@ -322,9 +322,7 @@ def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now:
         # The abandonment's record is written with this check's, so the audit log cannot
         # tell its words yet: they are the row's (SPEC 4.4, 16: the check that finds the
         # run abandoned names max_idle_seconds, as every later check does).
-        state.stop_detail = rows[0].answer.get("message") or None
-        fired = rows[0].answer.get("rule")
-        state.stop_rule = fired if isinstance(fired, dict) else None
+        state.stop_detail, state.stop_rule = records.stop_words(rows[0].answer)
     else:
         explain_stop(state, run.id)
     return state, rows, kill, first
