@@ -170,20 +170,23 @@ KEPT_GLOBS = _KeptGlobs(budget=1_000_000)
 SET_PAST_LATIN1 = 2_048
 
 
-def glob_set_span(pattern: str) -> int:
-    """How many code points the ranges of ``pattern``'s sets (``[a-z]``) span, below U+10000,
-    with its sets split into ranges as `fnmatch.translate` splits them (its bracket handling,
-    step for step). Compiling a range makes Python's `re` visit each of those code points one
-    at a time, about 65 ns each, whatever the pattern's length: a set of 66 ranges from
-    U+0100 to U+FFFF, 200 characters, took 260 ms to compile, so this span, not the length,
-    is the cost of compiling a pattern's sets (policies/document.py bounds it). A set holding
-    a character past U+00FF counts `SET_PAST_LATIN1` more."""
-    span = 0
+def glob_tokens(pattern: str) -> Iterator[tuple[str, Any]]:
+    """``pattern`` read as `fnmatch.translate` reads it, step for step: ("*", None),
+    ("?", None), ("char", c), and ("set", (negate, chunks)) for a set, its body split at
+    the hyphens that make ranges, a descending range dropped (so a range joins the last
+    character of a chunk to the first of the next), the "!" of a negated set taken off. A
+    "[" without its closing bracket is a "char". One reading for the SQL form of a rate-limit
+    rule (runs/check/rate_limits.py) and for what compiling a pattern costs
+    (`glob_set_span`)."""
     i, n = 0, len(pattern)
     while i < n:
         c = pattern[i]
         i += 1
+        if c in "*?":
+            yield c, None
+            continue
         if c != "[":
+            yield "char", c
             continue
         j = i
         if j < n and pattern[j] == "!":
@@ -192,35 +195,57 @@ def glob_set_span(pattern: str) -> int:
             j += 1
         while j < n and pattern[j] != "]":
             j += 1
-        if j >= n:  # no closing bracket: a literal "["
+        if j >= n:
+            yield "char", "["
             continue
-        ranges = 0
-        if "-" in pattern[i:j]:
-            chunks = []
-            start, k = i, (i + 2 if pattern[i] == "!" else i + 1)
-            while True:
-                k = pattern.find("-", k, j)
-                if k < 0:
-                    break
-                chunks.append(pattern[start:k])
-                start, k = k + 1, k + 3
-            chunk = pattern[start:j]
-            if chunk:
-                chunks.append(chunk)
-            else:
-                chunks[-1] += "-"
-            for k in range(len(chunks) - 1, 0, -1):
-                if chunks[k - 1][-1] > chunks[k][0]:  # a descending range: dropped
-                    chunks[k - 1] = chunks[k - 1][:-1] + chunks[k][1:]
-                    del chunks[k]
-            for low, high in pairwise(chunks):
-                ranges += max(0, min(ord(high[0]), 0xFFFF) - ord(low[-1]) + 1)
-        if any(ord(ch) > 0xFF for ch in pattern[i:j]):
+        negate = pattern[i] == "!"
+        yield "set", (negate, _set_chunks(pattern, i, j, negate))
+        i = j + 1
+
+
+def _set_chunks(pattern: str, i: int, j: int, negate: bool) -> list[str]:
+    chunks: list[str] = []
+    k = i + 2 if negate else i + 1
+    while True:
+        k = pattern.find("-", k, j)
+        if k < 0:
+            break
+        chunks.append(pattern[i:k])
+        i = k + 1
+        k = k + 3
+    chunk = pattern[i:j]
+    if chunk:
+        chunks.append(chunk)
+    elif chunks:
+        chunks[-1] += "-"
+    for k in range(len(chunks) - 1, 0, -1):
+        if chunks[k - 1][-1] > chunks[k][0]:  # a descending range: dropped
+            chunks[k - 1] = chunks[k - 1][:-1] + chunks[k][1:]
+            del chunks[k]
+    if negate:
+        chunks[0] = chunks[0][1:]
+    return chunks
+
+
+def glob_set_span(pattern: str) -> int:
+    """How many code points the ranges of ``pattern``'s sets (``[a-z]``) span, below U+10000.
+    Compiling a range makes Python's `re` visit each of those code points one at a time,
+    about 65 ns each, whatever the pattern's length: a set of 66 ranges from U+0100 to
+    U+FFFF, 200 characters, took 260 ms to compile, so this span, not the length, is the
+    cost of compiling a pattern's sets (policies/document.py bounds it). A set holding a
+    character past U+00FF counts at least `SET_PAST_LATIN1`."""
+    span = 0
+    for kind, value in glob_tokens(pattern):
+        if kind != "set":
+            continue
+        chunks = value[1]
+        ranges = sum(max(0, min(ord(high[0]), 0xFFFF) - ord(low[-1]) + 1)
+                     for low, high in pairwise(chunks))
+        if any(ord(ch) > 0xFF for chunk in chunks for ch in chunk):
             # Past Latin-1, re builds a table for the set, 0.1 to 0.2 ms whatever its size
             # (found by an attacker: 3,240 sets of 3 such characters, 0.35 s a version).
             ranges = max(ranges, SET_PAST_LATIN1)
         span += ranges
-        i = j + 1
     return span
 
 
