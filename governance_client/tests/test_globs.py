@@ -113,3 +113,32 @@ def test_the_compiled_patterns_a_process_keeps_are_bounded_in_characters() -> No
     assert kept.compiled(first, first.deny[0]).match("a" * 10) is not None
     assert (len(first._globs), second._globs, len(third._globs)) == (1, {}, 1)
     assert kept._total == 22
+
+
+def test_threads_compiling_at_once_match_right_and_stay_near_the_bound() -> None:
+    # No lock (the rules take none): threads compiling at once may count a pattern twice;
+    # every match is still made with a compiled pattern, and the next eviction counts the
+    # total again from what is held.
+    import threading
+
+    kept = rules._KeptGlobs(budget=2_000)
+    policies = [rules.Policy(deny=tuple(f"p{n}.t{k}.*" for k in range(8))) for n in range(60)]
+    failures: list[str] = []
+
+    def work(offset: int) -> None:
+        for round_ in range(30):
+            policy = policies[(offset * 7 + round_) % len(policies)]
+            for pattern in policy.deny:
+                if kept.compiled(policy, pattern).match(pattern[:-1] + "x") is None:
+                    failures.append(pattern)
+                if kept.compiled(policy, pattern).match("other") is not None:
+                    failures.append("other " + pattern)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    held = sum(its for _, its in kept._held.values())
+    assert held <= 2_000 + 8 * 8 * 12  # the bound, give or take one policy a thread

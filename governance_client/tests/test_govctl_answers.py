@@ -300,6 +300,18 @@ def test_an_https_url_on_a_plain_http_server_says_to_try_http(fake: Fake) -> Non
     assert code == 1 and "try --url http://" in err.getvalue(), err.getvalue()
 
 
+def test_a_stream_that_cannot_write_a_character_gets_its_escape(fake: Fake) -> None:
+    # A pipe in a legacy code page (found by a review: JSON with emoji as written raised
+    # UnicodeEncodeError there).
+    fake.answer("GET", f"/teams/support/runs/{RUN_ID}", {"run_id": RUN_ID, "agent": "bot 🤖"})
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="cp1252")
+    code = main(["--url", fake.url, "--token", TOKEN, "runs", "show", RUN_ID, "--team",
+                 "support"], out=out)
+    out.flush()
+    assert code == 0 and b"bot \\U0001f916" in raw.getvalue(), raw.getvalue()
+
+
 def test_govctl_debug_shows_where_the_reading_stopped(
         fake: Fake, monkeypatch: pytest.MonkeyPatch) -> None:
     # A misread answer is said in one line; one of govctl's own mistakes reading the API's

@@ -189,7 +189,15 @@ class _Terminal:
     def write(self, text: str) -> int:
         if self.token:
             text = _masked(text, self.token)
-        return int(self.stream.write(_shown(text, keep="\n")))
+        text = _shown(text, keep="\n")
+        try:
+            return int(self.stream.write(text))
+        except UnicodeEncodeError:
+            # A stream that cannot write every character (a pipe in a legacy code page):
+            # those characters as escapes, not a traceback.
+            encoding = getattr(self.stream, "encoding", None) or "ascii"
+            return int(self.stream.write(
+                text.encode(encoding, "backslashreplace").decode(encoding)))
 
     def flush(self) -> None:
         self.stream.flush()

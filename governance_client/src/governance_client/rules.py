@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -130,16 +129,19 @@ class _KeptGlobs:
     compile them again at their next use). A compiled pattern takes about 30 bytes a
     character, and a store keeps thousands of policy versions, which a team can make at will
     (found by a review: 4,096 versions at the pattern bounds would have kept 2 GB a process).
-    First in, first out: a holder is registered at its first compile only, so the lock is
-    taken when compiling, never when matching, and another team's rotation of versions makes
-    a policy compile its patterns again once per ``budget`` characters compiled, not at
-    every check."""
+    First in, first out: a holder is registered when it compiles, never when it matches, so
+    another team's rotation of versions makes a policy compile its patterns again once per
+    ``budget`` characters compiled, not at every check.
+
+    No lock (the rules take none, an import contract): the threads of a process that compile
+    at once may count a pattern twice or evict a holder twice, which only makes the bound
+    approximate; the total is counted again from the holders before any eviction, so an
+    error never lasts, and a match is always made with a compiled pattern."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self._held: dict[int, tuple[Any, int]] = {}  # id(holder): (holder, its characters)
         self._total = 0
-        self._lock = threading.Lock()
 
     def compiled(self, holder: Any, pattern: str) -> re.Pattern[str]:
         glob: re.Pattern[str] | None = holder._globs.get(pattern)
@@ -149,15 +151,19 @@ class _KeptGlobs:
         return glob
 
     def _keep(self, holder: Any, chars: int) -> None:
-        with self._lock:
-            _, before = self._held.pop(id(holder), (holder, 0))
-            self._held[id(holder)] = (holder, before + chars)  # kept alive: its id stays its
-            self._total += chars
-            while self._total > self.budget and len(self._held) > 1:
-                oldest = next(iter(self._held))
-                gone, its = self._held.pop(oldest)
-                gone._globs.clear()
-                self._total -= its
+        _, before = self._held.pop(id(holder), (holder, 0))
+        self._held[id(holder)] = (holder, before + chars)  # kept alive: its id stays its own
+        self._total += chars
+        if self._total <= self.budget:
+            return
+        self._total = sum(its for _, its in list(self._held.values()))
+        while self._total > self.budget and len(self._held) > 1:
+            try:
+                gone, its = self._held.pop(next(iter(self._held)))
+            except (StopIteration, KeyError, RuntimeError):  # another thread evicts
+                return
+            gone._globs.clear()
+            self._total -= its
 
 
 # About 30 MB of compiled patterns a process: 60 policies at the document's bounds, a
