@@ -46,7 +46,7 @@ def test_a_persons_events_without_a_team_stay_off_every_teams_page(team, other_t
 
 def test_a_large_policy_version_is_summarised_with_a_link_to_its_diff(team, users):
     document = {**team.policies.get(name="default").current.document}
-    document["tools"] = {"allow": None, "deny": [f"tool.{'x' * 150}{i}" for i in range(256)]}
+    document["repeat_key"] = {"ignore_args": [f"arg.{'x' * 150}{i}" for i in range(256)]}
     policy_save(team=team, document=parse_policy(document), actor=users["admin"],
                 source="test")
     small = {**document, "tools": {"allow": None, "deny": ["files.delete_*"]}}

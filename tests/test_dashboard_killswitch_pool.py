@@ -42,12 +42,14 @@ def test_the_kill_switch_forms_have_a_pool_of_their_own() -> None:
 
 
 def big_policy() -> dict[str, Any]:
+    # As large as a document may be: its tool patterns up to their 16,384 characters
+    # (policies/document.py MAX_PATTERN_CHARS), its lists of argument names of 256 long ones.
     def patterns(count: int) -> list[str]:
         return [f"{secrets.token_hex(90)}.*" for _ in range(count)]
     return {**default_policy("big"),
-            "tools": {"allow": ["*", *patterns(255)], "deny": patterns(256)},
-            "repeat_key": {"ignore_args": [f"a{i}" for i in range(256)]},
-            "redact_args": [f"r{i}" for i in range(256)]}
+            "tools": {"allow": ["*", *patterns(44)], "deny": patterns(45)},
+            "repeat_key": {"ignore_args": [secrets.token_hex(99) for _ in range(256)]},
+            "redact_args": [secrets.token_hex(99) for _ in range(256)]}
 
 
 def test_another_teams_pages_never_delay_a_dashboard_kill_switch(
