@@ -134,14 +134,17 @@ class _KeptGlobs:
     ``budget`` characters compiled, not at every check.
 
     No lock (the rules take none, an import contract): the threads of a process that compile
-    at once may count a pattern twice or evict a holder twice, which only makes the bound
-    approximate; the total is counted again from the holders before any eviction, so an
-    error never lasts, and a match is always made with a compiled pattern."""
+    at once may miscount a pattern or evict a holder twice, which only makes the bound
+    approximate; the total is counted again from the holders every ``RECOUNT`` compiles, so
+    an error never lasts, and a match is always made with a compiled pattern."""
+
+    RECOUNT = 4096  # compiles between two counts of the total from the holders
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self._held: dict[int, tuple[Any, int]] = {}  # id(holder): (holder, its characters)
         self._total = 0
+        self._compiles = 0
 
     def compiled(self, holder: Any, pattern: str) -> re.Pattern[str]:
         glob: re.Pattern[str] | None = holder._globs.get(pattern)
@@ -154,9 +157,9 @@ class _KeptGlobs:
         _, before = self._held.pop(id(holder), (holder, 0))
         self._held[id(holder)] = (holder, before + chars)  # kept alive: its id stays its own
         self._total += chars
-        if self._total <= self.budget:
-            return
-        self._total = sum(its for _, its in list(self._held.values()))
+        self._compiles += 1
+        if self._compiles % self.RECOUNT == 0:  # not at every compile: thousands of holders
+            self._total = sum(its for _, its in list(self._held.values()))
         while self._total > self.budget and len(self._held) > 1:
             try:
                 gone, its = self._held.pop(next(iter(self._held)))
@@ -308,11 +311,11 @@ class Policy:
     name: str = "default"
     version: int = 0
     # The patterns of its lists compiled, each at its first use, kept with the policy (a
-    # store keeps one per version) within the process's bound (`KEPT_GLOBS`): not
-    # fnmatch's process-wide cache of 32,768 patterns,
-    # which one team's versions could fill, so that every team's checks compiled their
-    # patterns again at every check (found by an attacker: 45 versions of 768 patterns made
-    # that team's checks take 2.7 s and another team's p99 40 times longer, SPEC 10).
+    # store keeps one per version) within the process's bound (`KEPT_GLOBS`): not fnmatch's
+    # process-wide cache of 32,768 patterns, which one team's versions could fill, so that
+    # every team's checks compiled their patterns again at every check (found by an
+    # attacker: 45 versions of 768 patterns made that team's checks take 2.7 s and another
+    # team's p99 40 times longer, SPEC 10).
     _globs: dict[str, re.Pattern[str]] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
