@@ -66,7 +66,12 @@ from runs.audit import selectors as run_reads
 from runs.check.edge import bearer_token
 from runs.check.schemas import DecisionsFilter, ErrorOut, RunsFilter
 from runs.killswitch import selectors as switches
-from runs.killswitch.services import killswitch_engage, killswitch_release, resolve_target
+from runs.killswitch.services import (
+    a_switch,
+    killswitch_engage,
+    killswitch_release,
+    resolve_target,
+)
 from runs.models import Approval, ApprovalStatus, KillSwitch, Run, Scope
 
 # --- Authentication ----------------------------------------------------------------------------
@@ -469,12 +474,12 @@ def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
         run = found
     else:
         if not payload.team:
-            raise AppError(422, "invalid_request", f"A {payload.scope} switch needs the team.",
+            raise AppError(422, "invalid_request", f"{a_switch(payload.scope)} needs the team.",
                            {"team": f"required for the {payload.scope} scope"})
         if payload.run:
             # Never dropped without a word: a run meant for a run switch would otherwise
             # engage the switch of its whole team (or agent).
-            raise AppError(422, "invalid_request", f"A {payload.scope} switch takes no run.",
+            raise AppError(422, "invalid_request", f"{a_switch(payload.scope)} takes no run.",
                            {"run": f"not taken by the {payload.scope} scope: use the run "
                                    "scope to stop one run"})
         team, role = _team(request, payload.team, Role.OPERATOR)

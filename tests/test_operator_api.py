@@ -369,7 +369,14 @@ def test_a_run_given_to_a_team_or_agent_switch_is_refused_not_dropped(world):
                         "run": world["run_id"], "reason": "this run loops", **extra})
         assert refused.status_code == 422, refused.content
         assert "run" in refused.json()["error"]["fields"]
+        article = "An" if scope == "agent" else "A"
+        assert refused.json()["error"]["message"].startswith(f"{article} {scope} switch ")
     assert not KillSwitch.objects.exists()
+    # "An agent switch", not "A agent switch" (found by a reviewer).
+    refused = call(world, "operator", "POST", "/api/v1/killswitch",
+                   {"action": "engage", "scope": "agent", "agent": "support-bot",
+                    "reason": "x"})
+    assert refused.json()["error"]["message"] == "An agent switch needs the team."
 
 
 @pytest.mark.parametrize("path", [

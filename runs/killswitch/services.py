@@ -72,6 +72,13 @@ class Target:
                                   agent=self.agent, run_id=self.run.pk if self.run else None)
 
 
+def a_switch(scope: str) -> str:
+    """The switch of ``scope`` as a refusal starts with it: "An agent switch", "A team
+    switch" (found by a reviewer: "A agent switch")."""
+    name = str(getattr(scope, "value", scope))
+    return f"{'An' if name[0] in 'aeiou' else 'A'} {name} switch"
+
+
 def resolve_target(*, scope: str, team: Team | None = None, agent: str = "",
                    run: Run | None = None) -> Target:
     """Check that the options fit the scope; a run switch takes its team from the run."""
@@ -95,12 +102,10 @@ def resolve_target(*, scope: str, team: Team | None = None, agent: str = "",
         if team is not None and team.pk != run.team_id:
             raise KillSwitchError("This run belongs to another team.", "run")
         return Target(kind, run.team, "", run)
-    # "An agent switch", not "A agent switch" (found by a reviewer of the operator API).
-    article = "An" if kind.value[0] in "aeiou" else "A"
     if team is None:
-        raise KillSwitchError(f"{article} {kind.value} switch needs the team.", "team")
+        raise KillSwitchError(f"{a_switch(kind)} needs the team.", "team")
     if run is not None:
-        raise KillSwitchError(f"{article} {kind.value} switch takes no run.", "run")
+        raise KillSwitchError(f"{a_switch(kind)} takes no run.", "run")
     if kind == Scope.TEAM:
         if agent:
             raise KillSwitchError("A team switch takes no agent: use the agent scope.",
