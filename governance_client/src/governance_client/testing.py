@@ -461,8 +461,7 @@ class FakeGovernance:
         kill = self._kill_words()
         self._settle_due(run)
         abandoned = self._abandon_if_idle(run)
-        tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
-                for a in run.ancestors]
+        tree = self._tree(run)
         first = run.answers.get(check_id) if check_id is not None else None
         if first is not None and not abandoned:
             if first["decision"] == rules.PENDING:
@@ -527,6 +526,11 @@ class FakeGovernance:
         self._record(run, answers.abandon_answer(ended, self.policy, now))
         return True
 
+    def _tree(self, run: FakeRun) -> list[rules.Ancestor]:
+        """The run's ancestors as the rules read them, the root first (SPEC 20)."""
+        return [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
+                for a in run.ancestors]
+
     def _record(self, run: FakeRun, answer: dict[str, Any]) -> None:
         """An audit record no check answered (an abandonment, a finish's tree stop)."""
         self._decisions += 1
@@ -590,8 +594,7 @@ class FakeGovernance:
                                            kill=self._kill_words(), policy=self.policy,
                                            kill_rule=self._kill_rule())
         if status == rules.APPROVED and pending is not None:  # the tool call, up the tree too
-            tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
-                    for a in run.ancestors]
+            tree = self._tree(run)
             for ancestor, state in zip(tree, rules.approved_in_tree(tree, pending),
                                        strict=True):
                 self.runs[ancestor.run_id].state = state
@@ -713,15 +716,13 @@ class FakeGovernance:
             return _error(409, "run_finished", "The run is already finished.")
         self._settle_due(run, ask=False)  # an expiry that is due comes first (SPEC 11)
         self._abandon_if_idle(run, out_of_time=True)  # then a deadline passed (SPEC 14)
-        tree = [rules.Ancestor(run_id=a, policy=self.policy, state=self.runs[a].state)
-                for a in run.ancestors]
         now = self.now()
-        stopped = rules.stopped_by_tree(run.state, tree, now)
+        stopped = rules.stopped_by_tree(run.state, self._tree(run), now)
         waiting = run.state.pending
         if stopped is not None:  # SPEC 20: its tree is over, it ends stopped with it
             decision, run.state = stopped
             self._record(run, answers.answer_of(decision, run.state, self.policy, now))
-        run.state = rules.finish(run.state, status, already_finished=False, now=self.now())
+        run.state = rules.finish(run.state, status, already_finished=False, now=now)
         self._cancel_on_end(run, waiting)
         run.finished = True
         run.output = body.get("output")
