@@ -48,7 +48,7 @@ from policies import selectors as policy_reads
 from policies.access import can
 from policies.document import POLICY_NAME, SLUG, DocumentError, parse_policy
 from policies.egress import masked_url
-from policies.models import Policy, PolicyVersion, Role, Team
+from policies.models import OperatorRelease, Policy, PolicyVersion, Role, Team
 from policies.services import agent_key_claim, audit, policy_save, policy_would_save
 from policies.tokens import (
     acting_token,
@@ -443,6 +443,19 @@ def _switch_json(switch: KillSwitch | None) -> dict[str, Any] | None:
         "release_reason": switch.release_reason or None}
 
 
+def _switch_team(request: HttpRequest, slug: str, action: str) -> tuple[Team, Role]:
+    """The team of a team, agent or run switch and the token's role in it, refused below
+    what the action needs: engaging needs an operator; releasing an admin, or an operator
+    where the team's `operator_release` lets operators release (SPEC 7), so a viewer is told
+    the role that would release here, not the engaging one."""
+    team, role = _team(request, slug)
+    if can(role, Role.OPERATOR):
+        return team, role
+    if action == "release" and team.operator_release == OperatorRelease.NONE:
+        raise _forbidden(Role.ADMIN.label)
+    raise _forbidden(Role.OPERATOR.label)
+
+
 @router.post("/killswitch", response={200: KillSwitchOut, **ERRORS},
              summary="Engage or release a kill switch (SPEC 6)",
              operation_id="operator_killswitch")
@@ -470,7 +483,7 @@ def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
         if found is None or token_role(token, found.team) is None or (
                 payload.team and payload.team != found.team.slug):
             raise AppError(404, "not_found", "No such run.")
-        team, role = _team(request, found.team.slug, Role.OPERATOR)
+        team, role = _switch_team(request, found.team.slug, payload.action)
         run = found
     else:
         if not payload.team:
@@ -482,7 +495,7 @@ def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
             raise AppError(422, "invalid_request", f"{a_switch(payload.scope)} takes no run.",
                            {"run": f"not taken by the {payload.scope} scope: use the run "
                                    "scope to stop one run"})
-        team, role = _team(request, payload.team, Role.OPERATOR)
+        team, role = _switch_team(request, payload.team, payload.action)
     target = resolve_target(scope=payload.scope, team=None if run else team,
                             agent=payload.agent or "", run=run)
     label = token_label(token)

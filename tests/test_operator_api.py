@@ -348,6 +348,24 @@ def test_killswitch_engage_release_and_who_may_release(world):
     assert unknown.status_code == 422 and "action" in unknown.json()["error"]["fields"]
 
 
+def test_a_viewer_refused_a_release_is_told_the_role_that_releases_here(world):
+    # A viewer was told "This needs the Operator role." of a release only admins may make.
+    engage = {"action": "engage", "scope": "team", "team": "support", "reason": "incident"}
+    assert call(world, "admin", "POST", "/api/v1/killswitch", engage).status_code == 200
+    release = {**engage, "action": "release", "reason": "over"}
+    refused = call(world, "viewer", "POST", "/api/v1/killswitch", release)
+    assert refused.status_code == 403
+    assert refused.json()["error"]["message"] == "This needs the Admin role."
+    engaging = call(world, "viewer", "POST", "/api/v1/killswitch",
+                    {**engage, "scope": "agent", "agent": "support-bot"})
+    assert engaging.json()["error"]["message"] == "This needs the Operator role."
+    # Where the team lets operators release, an operator would: that is the role named.
+    Team.objects.filter(slug="support").update(operator_release="any")
+    refused = call(world, "viewer", "POST", "/api/v1/killswitch", release)
+    assert refused.json()["error"]["message"] == "This needs the Operator role."
+    assert KillSwitch.objects.get(scope="team").released_at is None
+
+
 def test_a_switch_missing_an_option_names_it_in_fields(world):
     for body, field in [
         ({"scope": "agent", "team": "support"}, "agent"),
