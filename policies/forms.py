@@ -159,7 +159,16 @@ class PolicyForm(forms.Form):
         warnings = document.get("warnings") or {}
 
         def text(value: Any) -> str:
-            return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+            if value is None:
+                return ""
+            if isinstance(value, float):
+                # The shortest text that reads back as this very number: ":g" kept six
+                # significant digits, so a save from the editor turned a file's max_usd of
+                # 12.345678 into 12.3457 and max_seconds 1234567.5 into 1234570 (SPEC 3: the
+                # file and the browser make the same versions). "45.0" is shown as "45".
+                shown = repr(value)
+                return shown.removesuffix(".0")
+            return str(value)
 
         return {
             "name": document["name"],

@@ -1,0 +1,60 @@
+"""SPEC 3: a policy applied from YAML and then saved from the browser editor, untouched, is
+the same policy. The editor shows each number as it is stored, so a save changes nothing it
+was not asked to change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from policies.forms import PolicyForm
+from policies.models import Policy, Team
+from policies.services import policy_apply
+
+pytestmark = pytest.mark.django_db
+
+PRECISE = {
+    "name": "precise",
+    "step_limits": {"max_steps": 5, "max_repeat_action": 3, "no_progress_window": 4},
+    "budgets": {"max_usd": 12.345678, "max_seconds": 1234567.5, "max_idle_seconds": 86400.25},
+    "warnings": {"repeat_action": 2, "no_progress": 3, "budget_fraction": 0.1234567},
+}
+
+
+@pytest.fixture
+def admin(users: dict[str, Any]) -> Client:
+    client = Client()
+    client.force_login(users["admin"])
+    return client
+
+
+def form_post(document: dict[str, Any]) -> dict[str, str]:
+    """What a browser sends back from the editor opened on this document, with a note."""
+    initial = PolicyForm.initial_from(document)
+    data = {k: v for k, v in initial.items() if not isinstance(v, bool)}
+    data.update({k: "on" for k, v in initial.items() if v is True})
+    data["note"] = "only a note"
+    return data
+
+
+def test_the_editor_shows_every_number_as_stored(team: Team, admin: Client) -> None:
+    policy_apply(data={"teams": [{"slug": team.slug, "policies": [PRECISE]}]})
+    page = admin.get(reverse("policy", kwargs={"slug": team.slug, "name": "precise"}))
+    text = page.content.decode()
+    for shown in ("12.345678", "1234567.5", "86400.25", "0.1234567"):
+        assert f'value="{shown}"' in text
+
+
+def test_saving_the_editor_untouched_makes_no_version(team: Team, admin: Client) -> None:
+    policy_apply(data={"teams": [{"slug": team.slug, "policies": [PRECISE]}]})
+    policy = Policy.objects.get(team=team, name="precise")
+    before = policy.current.document
+    response = admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "precise"}),
+                          form_post(before))
+    assert response.status_code == 302
+    policy.refresh_from_db()
+    assert policy.current.version == 1
+    assert policy.current.document == before
