@@ -216,7 +216,12 @@ def policy_apply(
             version = policy_save(team=team, document=policy, actor=actor, source=source)
             if version is not None:
                 changes.append(f"policy {team.slug}/{policy['name']}: version {version.version}")
+        # A team the file gives no `default` gets one with the defaults (SPEC 3): a change
+        # like any other, so it is said too (SPEC 8, "prints what changed").
+        had_default = Policy.objects.filter(team=team, name="default").exists()
         team_ensure(slug=team.slug, actor=actor)
+        if not had_default:
+            changes.append(f"policy {team.slug}/default: version 1 (the defaults)")
     return changes
 
 

@@ -58,3 +58,22 @@ def test_saving_the_editor_untouched_makes_no_version(team: Team, admin: Client)
     policy.refresh_from_db()
     assert policy.current.version == 1
     assert policy.current.document == before
+
+
+def test_apply_policies_says_it_made_the_default_policy(db: Any, tmp_path: Any) -> None:
+    """SPEC 8: apply_policies prints what changed; a new team's `default`, made with the
+    defaults because the file names none (SPEC 3), is one of the changes."""
+    import io
+
+    from django.core.management import call_command
+
+    path = tmp_path / "one.yaml"
+    path.write_text("teams:\n  - slug: fresh\n    policies:\n      - name: strict\n"
+                    "        step_limits: {max_steps: 5, max_repeat_action: 2,"
+                    " no_progress_window: 3}\n", encoding="utf-8")
+    out = io.StringIO()
+    call_command("apply_policies", str(path), stdout=out)
+    lines = out.getvalue().splitlines()
+    assert Policy.objects.filter(team__slug="fresh", name="default").exists()
+    assert "team fresh: created" in lines and "policy fresh/strict: version 1" in lines
+    assert any(line.startswith("policy fresh/default: version 1") for line in lines)
