@@ -69,8 +69,40 @@ def _number(raw: str) -> Any:
     return text
 
 
+def _top_level_commas(pattern: str) -> list[int]:
+    """Where ``pattern`` has a comma outside a glob's set: a comma inside one (`db.[a,b]*`)
+    is a member of the set, as fnmatch reads it."""
+    found, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "[" and (end := rules.glob_set_end(pattern, i + 1)) >= 0:
+            i = end + 1
+            continue
+        if pattern[i] == ",":
+            found.append(i)
+        i += 1
+    return found
+
+
 def _lines(raw: str) -> list[str]:
-    return [line.strip() for line in raw.replace(",", "\n").splitlines() if line.strip()]
+    """A list box's items: one per line, or several on a line apart by commas, save a comma
+    in a glob's set (a save of `db.[a,b]*` kept it as two patterns, `db.[a` and `b]*`)."""
+    items = []
+    for line in raw.splitlines():
+        start = 0
+        for comma in [*_top_level_commas(line), len(line)]:
+            if item := line[start:comma].strip():
+                items.append(item)
+            start = comma + 1
+    return items
+
+
+def _glob_lines(patterns: list[str]) -> str:
+    """Glob patterns for a list box, one per line, a comma outside a set written as the set
+    `[,]` (the same names match) so that `_lines` reads each back as one pattern."""
+    def kept(pattern: str) -> str:
+        commas = set(_top_level_commas(pattern))
+        return "".join("[,]" if i in commas else c for i, c in enumerate(pattern))
+    return "\n".join(kept(p) for p in patterns)
 
 
 def _rate_rules(raw: str) -> tuple[list[dict[str, Any]], list[str]]:
@@ -181,8 +213,8 @@ class PolicyForm(forms.Form):
             "max_tool_calls": text(budgets["max_tool_calls"]),
             "restrict_tools": tools["allow"] is not None,
             "deny_every_tool": denies_every_tool(tools["allow"], tools["deny"]) is not None,
-            "tools_allow": "\n".join(tools["allow"] or []),
-            "tools_deny": "\n".join(tools["deny"]),
+            "tools_allow": _glob_lines(tools["allow"] or []),
+            "tools_deny": _glob_lines(tools["deny"]),
             "ignore_args": "\n".join(document["repeat_key"]["ignore_args"]),
             "error_threshold": text(document["on_repeated_error"]["threshold"]),
             "error_action": document["on_repeated_error"]["action"],
@@ -190,7 +222,7 @@ class PolicyForm(forms.Form):
             "max_idle_seconds": text(budgets.get("max_idle_seconds")),
             "rate_limits": "\n".join(rate_rule_line(r) for r in document.get("rate_limits", [])),
             # Versions saved before approvals existed have no block: they require none.
-            "approval_tools": "\n".join(approvals.get("tools", [])),
+            "approval_tools": _glob_lines(approvals.get("tools", [])),
             "approval_timeout_s": text(approvals.get("timeout_s", 900)),
             **{field: text(warnings.get(key)) for field, key in WARNING_FIELDS.items()},
         }

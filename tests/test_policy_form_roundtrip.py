@@ -77,3 +77,38 @@ def test_apply_policies_says_it_made_the_default_policy(db: Any, tmp_path: Any) 
     assert Policy.objects.filter(team__slug="fresh", name="default").exists()
     assert "team fresh: created" in lines and "policy fresh/strict: version 1" in lines
     assert any(line.startswith("policy fresh/default: version 1") for line in lines)
+
+
+COMMAS = {
+    "name": "commas",
+    "step_limits": {"max_steps": 5, "max_repeat_action": 3, "no_progress_window": 4},
+    "tools": {"allow": ["db.[a,b]*", "x.[!,]*", "odd,name"], "deny": ["db.[a,b]*"]},
+    "approvals": {"tools": ["pay.[,;]*"], "timeout_s": 60},
+}
+
+
+def test_a_comma_in_a_globs_set_survives_a_save(team: Team, admin: Client) -> None:
+    # A save of the editor untouched split `db.[a,b]*` into `db.[a` and `b]*`: a deny rule
+    # that no longer matched what it did.
+    policy_apply(data={"teams": [{"slug": team.slug, "policies": [COMMAS]}]})
+    policy = Policy.objects.get(team=team, name="commas")
+    before = policy.current.document
+    response = admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "commas"}),
+                          form_post(before))
+    assert response.status_code == 302
+    policy.refresh_from_db()
+    # A tool name with a comma of its own is shown as the set `[,]`: the same names match.
+    assert policy.current.document["tools"]["deny"] == ["db.[a,b]*"]
+    assert policy.current.document["tools"]["allow"] == ["db.[a,b]*", "x.[!,]*", "odd[,]name"]
+    assert policy.current.document["approvals"]["tools"] == ["pay.[,;]*"]
+
+
+def test_commas_outside_a_set_still_separate_patterns(team: Team, admin: Client) -> None:
+    data = form_post(Policy.objects.get(team=team, name="default").current.document)
+    data.update({"tools_deny": "shell.*, db.[a,b]*\nfs.delete,, [unclosed,x",
+                 "note": "typed"})
+    response = admin.post(reverse("policy_save", kwargs={"slug": team.slug, "name": "default"}),
+                          data)
+    assert response.status_code == 302
+    document = Policy.objects.get(team=team, name="default").current.document
+    assert document["tools"]["deny"] == ["shell.*", "db.[a,b]*", "fs.delete", "[unclosed", "x"]

@@ -197,19 +197,25 @@ def glob_tokens(pattern: str) -> Iterator[tuple[str, Any]]:
         if c != "[":
             yield "char", c
             continue
-        j = i
-        if j < n and pattern[j] == "!":
-            j += 1
-        if j < n and pattern[j] == "]":
-            j += 1
-        while j < n and pattern[j] != "]":
-            j += 1
-        if j >= n:
+        j = glob_set_end(pattern, i)
+        if j < 0:
             yield "char", "["
             continue
         negate = pattern[i] == "!"
         yield "set", (negate, _set_chunks(pattern, i, j, negate))
         i = j + 1
+
+
+def glob_set_end(pattern: str, i: int) -> int:
+    """Where the set whose "[" is just before ``pattern[i]`` closes, as fnmatch finds it (a
+    "]" first, or after the "!", is a member), or -1: that "[" is then a character."""
+    j, n = i, len(pattern)
+    if j < n and pattern[j] == "!":
+        j += 1
+    if j < n and pattern[j] == "]":
+        j += 1
+    j = pattern.find("]", j)
+    return j
 
 
 def _set_chunks(pattern: str, i: int, j: int, negate: bool) -> list[str]:
