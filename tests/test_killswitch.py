@@ -87,6 +87,30 @@ def test_a_check_after_the_engage_returned_is_stopped_killed(api, team, commit):
     assert answer["next_action"]
 
 
+def test_a_retry_stopped_by_a_switch_before_its_fanout_counts_nothing_again(api, team):
+    # SPEC 5.2: a check_id the run has seen is not counted again. A retry of an allowed
+    # check, sent after the engage and before the fan-out marked the run killed, was
+    # decided as a new check: the run ended at step 4 of 3 checks.
+    run_id = start(api)
+    for n in (1, 2, 3):
+        body = {"action": {"name": "search.docs", "args": {"q": n}}, "check_id": f"c{n}"}
+        assert api.post(f"/api/v1/runs/{run_id}/check", body,
+                        content_type="application/json").json()["decision"] == "allow"
+    killswitch_engage(scope="run", run=Run.objects.get(pk=run_id), reason="loops")  # no fan-out
+    answer = api.post(f"/api/v1/runs/{run_id}/check", body,
+                      content_type="application/json").json()
+    assert (answer["decision"], answer["reason"], answer["step"]) == ("stop", "killed", 3)
+    run = Run.objects.get(pk=run_id)
+    assert (run.status, run.steps) == ("killed", 3)
+    row = Decision.objects.filter(run_id=run_id).order_by("-id").first()
+    assert (row.outcome, row.reason, row.step, row.check_id) == ("stop", "killed", 3, None)
+    # Sent once more, the run is over: its stop again, nothing counted.
+    again = api.post(f"/api/v1/runs/{run_id}/check", body,
+                     content_type="application/json").json()
+    assert (again["decision"], again["step"]) == ("stop", 3)
+    assert Run.objects.get(pk=run_id).steps == 3
+
+
 def test_the_fanout_kills_every_running_covered_run_with_one_audit_record(api, team, commit):
     runs = [start(api) for _ in range(3)]
     check(api, runs[0], q=1)

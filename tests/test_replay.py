@@ -136,6 +136,15 @@ def test_a_kill_answered_to_a_check_counts_that_check():
     assert (outcome.status, outcome.step) == ("killed", 2)
 
 
+def test_a_retry_stopped_by_a_kill_counts_nothing_again():
+    # A check_id sent again after the engage, before the fan-out: its stop is recorded at
+    # the step its first answer counted (SPEC 5.2), and the replay keeps it there.
+    steps = [call(1), call(2), call(2, outcome="stop", reason="killed")]
+    outcome = replay(LOOSE, steps, started_at=T0, recorded=LOOSE)
+    assert (outcome.status, outcome.stop_reason, outcome.step) == ("killed", "killed", 2)
+    assert not changed(recorded_stop(steps), outcome)
+
+
 def test_a_shadow_draft_only_keeps_the_kill():
     steps = [call(i, args={"q": "same"}) for i in range(1, 6)]
     steps.append(call(6, outcome="stop", reason="killed", args={"q": "same"}))

@@ -979,9 +979,13 @@ def test_a_retried_check_of_a_descendant_answers_the_parents_stop_not_its_first_
         assert post(api, f"/api/v1/runs/{parent}/check", sent)["decision"] == "allow"
         again = {**sent, "check_id": "Y"}
         assert post(api, f"/api/v1/runs/{parent}/check", again)["reason"] == "loop_detected"
+    steps = {run: Run.objects.get(pk=run).steps for run in (parent, child, grandchild)}
     for run in (child, grandchild):
         retried = post(api, f"/api/v1/runs/{run}/check", sent)
         assert (retried["decision"], retried["reason"]) == ("stop", "parent_stopped"), retried
+        # A check_id seen already counts nothing again (SPEC 5.2), here or on the ancestors.
+        assert retried["step"] == steps[run]
+        assert {r: Run.objects.get(pk=r).steps for r in steps} == steps
         assert retried["decision_id"] != firsts[run]["decision_id"]  # decided, and audited
         assert Decision.objects.filter(run_id=run, pk=retried["decision_id"],
                                        outcome="stop").exists()

@@ -207,16 +207,18 @@ def _check_once(*, claim: KeyClaim, run_id: uuid.UUID, check: rules.Check,
         # A run whose ancestor is over stops at this check, a replay's too (SPEC 20, 4.5).
         ends_now = first is not None and rules.ends_at_this_check(
             family.tree, now, covered=kill is not None)
-        replayed, check = _replay_or_refuse(state, rows, first, policy, check, kill=kill,
+        replayed, retry = _replay_or_refuse(state, rows, first, policy, check, kill=kill,
                                             ends_now=ends_now)
         if replayed is not None:
             return replayed
+        if retry:
+            check = replace(check, check_id=None)
         windows = _windows(tx, read, state, kill=kill, now=now)
         kill_rule = cover.switch_rule(switch, team=read.locked.team_slug) \
             if switch is not None else None
         decision, new_state, answer, check_id = _decide(
             policy, state, check, kill=kill, windows=windows, key=read.keyed.key, now=now,
-            deadline=deadline, kill_rule=kill_rule, tree=family.tree)
+            deadline=deadline, kill_rule=kill_rule, tree=family.tree, retry=retry)
         if trace_id is not None:  # the audit record keeps the trace its decision is in
             answer = {**answer, "trace_id": trace_id}
         args = rules.redact(check.args, policy.redact_args)
@@ -330,19 +332,20 @@ def _settle_first(read: _Read, policy: rules.Policy, check: rules.Check, *, now:
 
 def _replay_or_refuse(state: rules.RunState, rows: list[DecisionRow], first: Any,
                       policy: rules.Policy, check: rules.Check, *, kill: str | None,
-                      ends_now: bool) -> tuple[dict[str, Any] | None, rules.Check]:
+                      ends_now: bool) -> tuple[dict[str, Any] | None, bool]:
     """A replay's answer (the earlier answer to this check_id, when it still holds), or
-    the check to decide; raises the 409 of a run waiting for an approval and the 422 of a
-    check_id the policy requires. ``ends_now``: a switch covers the run or an ancestor is
-    over (`rules.replay_allowed`)."""
+    None and whether the check is a retry to decide again (`rules.evaluate`'s ``retry``:
+    recorded without its check_id, counting nothing again); raises the 409 of a run waiting
+    for an approval and the 422 of a check_id the policy requires. ``ends_now``: a switch
+    covers the run or an ancestor is over (`rules.replay_allowed`)."""
     if first is not None:
         first_id, first_answer = first
         if not rows and rules.replay_allowed(state, first_answer.get("decision", ""),
                                              ends_now=ends_now):
-            return {**answers.ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}, check
-        # The first answer was an allow and the run is over: answer the run's stop, as
-        # a new audited decision (the retry must not leak an allow, SPEC 4.5).
-        check = replace(check, check_id=None)
+            return {**answers.ANSWER_DEFAULTS, **first_answer, "decision_id": first_id}, False
+    # Else the first answer was an allow and the run is over: the run's stop is answered as
+    # a new audited decision (the retry must not leak an allow, SPEC 4.5).
+    retry = first is not None
     if state.status == rules.RUNNING and state.pending is not None:
         message, fields = rules.approval_pending(state.pending)
         raise ServiceError(409, "approval_pending", message, fields)
@@ -350,7 +353,7 @@ def _replay_or_refuse(state: rules.RunState, rows: list[DecisionRow], first: Any
     if missing is not None:
         raise ServiceError(422, "invalid_request", "The request is not valid.",
                            {"check_id": missing})
-    return None, check
+    return None, retry
 
 
 def _windows(tx: CheckTransaction, read: _Read, state: rules.RunState, *, kill: str | None,
@@ -370,15 +373,16 @@ def _windows(tx: CheckTransaction, read: _Read, state: rules.RunState, *, kill: 
 def _decide(policy: rules.Policy, state: rules.RunState, check: rules.Check, *,
             kill: str | None, windows: list[rules.RateWindow], key: str, now: Any,
             deadline: float | None, kill_rule: dict[str, Any] | None = None,
-            tree: list[rules.Ancestor] | None = None
+            tree: list[rules.Ancestor] | None = None, retry: bool = False
             ) -> tuple[rules.Decision, rules.RunState, dict[str, Any], str | None]:
     """The rules' decision, the run's new state, the answer and the check_id to record.
-    ``tree``: a child run's ancestors, the root first (SPEC 20)."""
+    ``tree``: a child run's ancestors, the root first (SPEC 20); ``retry``: a check_id
+    counted already, decided again (`rules.evaluate`)."""
     check_id = check.check_id
     decision, new_state = rules.evaluate(policy, state, check, now=now, kill=kill,
                                          rate=windows, key=key,
                                          approval_id=str(uuid.uuid4()), kill_rule=kill_rule,
-                                         tree=tree or ())
+                                         tree=tree or (), retry=retry)
     answer = answers.answer_of(decision, new_state, policy, now)
     # The agent may have given up on this check (its deadline_ms passed while the check
     # waited, for the run's lock usually): the rules say what then stands.

@@ -228,6 +228,9 @@ def replay(draft: Policy, steps: Iterable[Recorded], *, started_at: datetime,
         decision, state = evaluate(
             draft, state, check, now=started_at + timedelta(seconds=rec.elapsed_s),
             kill=kill, key=keys(rec),
+            # A retry of a check_id the run had counted, stopped by a switch or its tree
+            # (its step did not move): it counts nothing again here either.
+            retry=rec.outcome == STOP and 0 < rec.step <= state.steps,
         )
         if trace:
             decided.append((rec, decision))

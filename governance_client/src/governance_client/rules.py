@@ -1475,7 +1475,7 @@ def evaluate(
     policy: Policy, state: RunState, check: Check, *, now: datetime, kill: str | None = None,
     rate: Sequence[RateWindow] = (), key: str | None = None,
     approval_id: str = "", kill_rule: Mapping[str, Any] | None = None,
-    tree: Sequence[Ancestor] = (),
+    tree: Sequence[Ancestor] = (), retry: bool = False,
 ) -> tuple[Decision, RunState]:
     """Decide one check. ``kill`` describes an engaged kill switch covering the run, if any;
     ``rate`` holds the windows of `rate_limits_matching(policy, check.name)`, read by the
@@ -1495,6 +1495,12 @@ def evaluate(
     killed ancestor is the caller's ``kill``; an ended one stops the run (``parent_stopped``,
     enforced in shadow mode too, like a kill); their step, time, cost and tool-call limits
     bound the run after its own (SPEC 21). What the check counts on them is `count_in_tree`.
+
+    ``retry``: the check repeats a ``check_id`` the run has counted, decided again because
+    its first answer no longer holds (`replay_allowed`: a kill switch or an ended ancestor
+    stops the run at this check): its stop counts nothing again (SPEC 5.2: a check_id seen
+    already is not counted again; found by a reviewer: a retry after a switch was engaged,
+    before its fan-out, stopped the run at step 4 of 3 checks).
     """
     if key is None:
         key = repeat_key(check.name, check.args, policy.ignore_args)
@@ -1566,6 +1572,8 @@ def evaluate(
 
     if stop is not None:
         reason, message, fired, scope = stop
+        if retry:
+            new = state.copy()  # the first answer counted the step, its cost and its result
         _end(new, reason, now)
         decision = Decision(
             outcome=STOP,

@@ -463,6 +463,7 @@ class FakeGovernance:
         abandoned = self._abandon_if_idle(run)
         tree = self._tree(run)
         first = run.answers.get(check_id) if check_id is not None else None
+        retry = False
         if first is not None and not abandoned:
             if first["decision"] == rules.PENDING:
                 # What a resent pending check answers: its final answer once there is one.
@@ -470,8 +471,9 @@ class FakeGovernance:
             ends_now = rules.ends_at_this_check(tree, self.now(), covered=kill is not None)
             if rules.replay_allowed(run.state, first["decision"], ends_now=ends_now):
                 return httpx.Response(200, json=first)
-            # The first answer was an allow and the run is over: its stop is decided anew.
-            check = replace(check, check_id=None)
+            # The first answer was an allow and the run is over: its stop is decided anew,
+            # counting nothing again.
+            check, retry = replace(check, check_id=None), True
         pending = run.state.pending
         if run.state.status == rules.RUNNING and pending is not None:
             message, fields_ = rules.approval_pending(pending)
@@ -487,7 +489,8 @@ class FakeGovernance:
         before = run.state
         decision, run.state = rules.evaluate(self.policy, run.state, check, now=now, kill=kill,
                                              rate=windows, approval_id=str(uuid.uuid4()),
-                                             kill_rule=self._kill_rule(), tree=tree)
+                                             kill_rule=self._kill_rule(), tree=tree,
+                                             retry=retry)
         if run.state.steps > before.steps:  # counted on every ancestor too (SPEC 20)
             for ancestor, state in zip(tree, rules.count_in_tree(tree, decision, check,
                                                                  now=now), strict=True):
