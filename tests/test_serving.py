@@ -24,6 +24,15 @@ def test_healthz_and_readyz_answer_json(client):
     assert ready.json()["checks"]["database"] == "ok"
 
 
+def test_readyz_says_redis_is_not_configured_on_the_embedded_default(client, settings):
+    # SPEC 9: Redis's state is in the body; without REDIS_URL it was left out.
+    settings.REDIS_URL = ""
+    ready = client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ok",
+                            "checks": {"database": "ok", "redis": "not configured"}}
+
+
 def test_the_openapi_document_is_public_and_names_every_endpoint(client):
     doc = client.get("/api/v1/openapi.json").json()
     assert doc["openapi"].startswith("3.")
