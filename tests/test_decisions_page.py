@@ -48,6 +48,7 @@ def _as_read(decision: Decision) -> dict[str, Any]:
                        "args": decision.args} if decision.action_name else None,
             "repeat_key": decision.repeat_key, "repeat_count": decision.repeat_count,
             "progress": decision.progress, "local": False, "policy_violation": False,
+            "violation": None,
             "rule": decision.rule}
 
 

@@ -65,6 +65,11 @@ def test_allows_of_a_denied_tool_and_of_an_action_needing_approval_are_flagged(a
     assert (run.steps, run.tool_calls, run.status) == (4, 3, "stopped")
     answer = Decision.objects.get(run_id=run_id, check_id="l-2").answer
     assert answer["policy_violation"] is True and "shell.*" in answer["violation"]
+    # What it broke, in words, in the list as in the one-decision read (SPEC 16).
+    listed = api.get(f"/api/v1/runs/{run_id}/decisions").json()["decisions"]
+    assert "shell.*" in listed[1]["violation"] and listed[0]["violation"] is None
+    one = api.get(f"/api/v1/decisions/{listed[1]['id']}").json()
+    assert one["violation"] == listed[1]["violation"]
 
 
 def test_decisions_the_service_made_are_never_flagged(api, strict):
@@ -117,6 +122,7 @@ def test_the_openapi_document_says_so(client):
     decision = document["components"]["schemas"]["DecisionOut"]["properties"]
     assert decision["policy_violation"]["type"] == "boolean"
     assert "policy" in decision["policy_violation"]["description"]
+    assert "violation" in decision
     check = document["components"]["schemas"]["CheckOut"]["properties"]
     assert "policy_violation" in check
 

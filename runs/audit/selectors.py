@@ -180,6 +180,7 @@ def _stored(text: str | None) -> orjson.Fragment | None:
 
 
 def _decision_doc(d: Decision, *, args: Any, progress: Any) -> dict[str, Any]:
+    violation = violation_of(d)
     return {
         "id": d.pk,
         "step": d.step,
@@ -193,7 +194,9 @@ def _decision_doc(d: Decision, *, args: Any, progress: Any) -> dict[str, Any]:
         # As the API's other times (ninja's encoder): milliseconds, "Z" for UTC.
         "at": _ENCODER.default(d.at),
         "local": bool((d.answer or {}).get("local")),
-        "policy_violation": violation_of(d) is not None,
+        "policy_violation": violation is not None,
+        # What it broke, in words, as the one-decision read says it (found by a newcomer).
+        "violation": violation,
         # SPEC 16: every audit record carries its rule, here too (found by a newcomer: an
         # operator's only way to the rule was the agent API's one-decision read).
         "rule": rule_of(d),

@@ -571,6 +571,7 @@ class DecisionOut(Schema):
         default=False, description="An uploaded local decision that broke the run's policy "
         "(SPEC 10): the client allowed a denied tool, or an action needing approval. Kept, "
         "since the action ran, and flagged.")
+    violation: str | None = Field(default=None, description="What it broke, in words.")
     rule: RuleOut | None = Field(default=None, description="The rule that decided (SPEC 16), "
                                  "null for a plain allow; the same as the decision's own read.")
 
