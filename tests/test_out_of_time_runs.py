@@ -197,8 +197,13 @@ def test_a_rate_limit_wait_longer_than_the_time_left_is_a_stop(api: Any, team: T
     message = answer["message"]
     assert "would have to wait 60.000 s" in message or "would have to wait 59." in message
     assert "s left of the run's time budget (max_seconds=45)" in message
+    # Not "the run's time budget is spent": a second of it was used (found by a newcomer).
+    assert "wait" in answer["next_action"] and "spent" not in answer["next_action"]
     run = Run.objects.get(pk=rid)
     assert (run.status, run.stop_reason) == ("stopped", "max_seconds")
+    # A later check is told the same.
+    later = check(api, rid, name="search")
+    assert (later["decision"], later["next_action"]) == ("stop", answer["next_action"])
 
 
 @pytest.mark.django_db
