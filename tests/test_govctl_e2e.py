@@ -69,7 +69,7 @@ def test_apply_twice_and_a_dry_run_with_its_backtest(server: Server, agent: Agen
     assert "policy support/default: would change" in out
     assert "+  max_steps: 2" in out or "max_steps: 2" in out
     assert ("backtest: 2 of the 2 ended runs of support/default started within 30 days (the "
-            "newest 1,000 at most), replayed whole, would change (stopped by max_steps 2).") \
+            "newest 1,000 at most), replayed whole, would change (2 stopped by max_steps).") \
         in out
     assert "policy support/strict: new" in out
     assert not PolicyVersion.objects.filter(policy__name="strict").exists()

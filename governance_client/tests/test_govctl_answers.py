@@ -149,6 +149,23 @@ def test_a_runs_decisions_rules_and_reasons_are_shown_escaped(fake: Fake) -> Non
     assert "step_ok\\u2066" in out and "max\\x1bsteps=2\\u2028" in out
 
 
+def test_a_run_with_no_decisions_of_its_own_names_its_sub_agents(fake: Fake) -> None:
+    # Found by a newcomer: "no decisions" of a root whose steps were all its sub-agents'.
+    fake.answer("GET", "/teams/support/runs/r1/decisions", {"decisions": []})
+    fake.answer("GET", "/teams/support/runs/r1", {"run_id": "r1", "steps": 4,
+                                                  "children": ["c1", "c2\x1b[2J"]})
+    code, out, err = govctl(fake, "runs", "decisions", "r1", "--team", "support")
+    assert code == 0, err
+    assert out.splitlines() == [
+        "no decisions",
+        "its steps (4) are its sub-agents' checks; their runs: c1, c2\\x1b[2J "
+        "(govctl runs decisions --team support RUN)"], out
+    fake.answer("GET", "/teams/support/runs/r2/decisions", {"decisions": []})
+    fake.answer("GET", "/teams/support/runs/r2", {"run_id": "r2", "steps": 0, "children": []})
+    code, out, _ = govctl(fake, "runs", "decisions", "r2", "--team", "support")
+    assert (code, out) == (0, "no decisions\n")
+
+
 def test_a_runs_agent_and_a_kill_switchs_reason_are_shown_escaped(fake: Fake) -> None:
     fake.answer("GET", "/teams/support/runs", {"runs": [{
         "run_id": "r1", "status": "stopped", "stop_reason": "max\x1b[2Jsteps",
@@ -211,7 +228,7 @@ def test_a_dry_runs_diff_and_backtest_are_terminal_safe(fake: Fake, tmp_path: An
     assert code == 0, err
     assert unsafe_in(out) == [], out
     assert "+  - \"pay.\\e[4Dsearch.docs\"" in out, out
-    assert "stopped by tool_denied\\x1b[1A 1" in out and "backtest: fine\\x1b[2K\\u202e" in out
+    assert "1 stopped by tool_denied\\x1b[1A" in out and "backtest: fine\\x1b[2K\\u202e" in out
 
 
 @pytest.mark.parametrize(("token", "said"), [

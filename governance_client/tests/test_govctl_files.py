@@ -150,8 +150,8 @@ def test_a_dry_run_says_in_words_which_runs_the_draft_stops_and_which_it_no_long
                 transport=httpx.MockTransport(answer))
     assert code == 0
     assert ("5 of the 9 ended runs of support/default started within 30 days (the newest "
-            "1,000 at most), replayed whole, would change (stopped by max_steps 2, no longer "
-            "stopped 3).") in out.getvalue()
+            "1,000 at most), replayed whole, would change (2 stopped by max_steps, 3 no "
+            "longer stopped).") in out.getvalue()
 
 
 @pytest.mark.parametrize("url", ["http://governance.test", "http://governance.test/",
@@ -279,8 +279,8 @@ def test_a_dry_runs_counts_each_say_what_they_are_of(tmp_path):
     code, out, err, sent = dry_run_to_confirm(tmp_path, GOOD)
     assert code == 1
     assert ("backtest: 148 of the 148 ended runs of support/default started within 30 days "
-            "(the newest 1,000 at most), replayed whole, would change (stopped by tool_denied "
-            "148).") in out, out
+            "(the newest 1,000 at most), replayed whole, would change (148 stopped by "
+            "tool_denied).") in out, out
     # The window and bound said are the ones asked for.
     (backtest,) = [body for method, path, body in sent if path.endswith("/backtest")]
     assert (backtest["since"], backtest["limit"]) == ("30d", 1000)

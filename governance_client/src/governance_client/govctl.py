@@ -658,7 +658,8 @@ def _show_change(api: Api, out: Any, slug: str, name: str, body: dict[str, Any],
         print(DENIES_EVERY_TOOL, file=out)
     # by_reason counts the changed runs by the draft's stop; `none`: the draft does not stop
     # them (SPEC 15), said in words here (a newcomer read "(none 3)" as nothing).
-    reasons = ", ".join(f"{'no longer stopped' if k == 'none' else 'stopped by ' + k} {v}"
+    # The count first: "stopped by max_steps 18" read as the limit's value (a newcomer).
+    reasons = ", ".join(f"{v} {'no longer stopped' if k == 'none' else 'stopped by ' + k}"
                         for k, v in report.get("by_reason", {}).items())
     # What the count is of, said (found by a newcomer: three lines, three run counts).
     # The summary's "N of M runs" is of the same M runs; its parts add up to the changes.
@@ -749,6 +750,21 @@ def _why(rule: dict[str, Any] | None) -> str:
     return f"  [{rule['name']}{where}: limit {parts[0] or '-'}; observed {parts[1] or '-'}]"
 
 
+def _sub_agents_hint(api: Api, args: argparse.Namespace, out: Any) -> None:
+    """Where a run with no decisions of its own had its steps: its sub-agents' checks count
+    on it (SPEC 20) but are their runs' decisions (found by a newcomer: "no decisions" of a
+    root whose four steps were all its sub-agents')."""
+    _, run = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs/"
+                      f"{_run_id(args.run)}")
+    run = _for_terminal(run)
+    children = [str(c) for c in run.get("children") or []]
+    if children:
+        print(f"its steps ({run.get('steps', 0)}) are its sub-agents' checks; their runs: "
+              f"{', '.join(children[:5])}" + (f" and {len(children) - 5} more"
+                                               if len(children) > 5 else "")
+              + f" (govctl runs decisions --team {args.team} RUN)", file=out)
+
+
 def runs_decisions(api: Api, args: argparse.Namespace, out: Any) -> None:
     params = {k: v for k, v in (("after", args.after), ("limit", args.limit)) if v is not None}
     _, data = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs/"
@@ -759,6 +775,8 @@ def runs_decisions(api: Api, args: argparse.Namespace, out: Any) -> None:
     decisions = _for_terminal(data["decisions"])
     if not decisions:
         print("no decisions" + (f" after {args.after}" if args.after else ""), file=out)
+        if not args.after:
+            _sub_agents_hint(api, args, out)
     for decision in decisions:
         action = decision["action"]["name"] if decision.get("action") else "-"
         print(f"{decision['id']}  step {decision['step']:<4} {decision['outcome']:<10} "
