@@ -81,6 +81,23 @@ class ClientGone(Exception):
     pass
 
 
+class BodyTooFragmented(Exception):
+    pass
+
+
+# A body's pieces (one ASGI message each: granian hands over every chunk of a chunked body,
+# and every read of a body trickled in small TCP segments, as a message of its own) cost the
+# event loop about 30 us each whatever their size, so their number, not only the body's
+# bytes, bounds the work of reading it (SPEC 10, bounded work per request). A body sent in
+# chunks of one byte made each 64 KiB check 1.5 s of CPU, and a 1 MiB upload (or a page's
+# form) kept a core busy for the whole REQUEST_BODY_SECONDS, with no key at all: three such
+# connections made another team's checks take up to 3 s (found by an attacker). Any number
+# of pieces is read up to BODY_PIECES_FREE; past that, a body must average at least
+# BODY_BYTES_PER_PIECE a piece, far below what any HTTP client or network delivers.
+BODY_PIECES_FREE = 256
+BODY_BYTES_PER_PIECE = 1024
+
+
 def body_limit(path: str) -> int:
     """The most a body may be, by route: the API's own limit (runs/check/edge.py), and for
     the dashboard Django's upload limit plus room for a policy file upload."""
@@ -93,10 +110,14 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     """The whole request body, refusing it past `limit` bytes without reading further."""
     parts: list[bytes] = []
     size = 0
+    pieces = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
+        pieces += 1
+        if pieces > BODY_PIECES_FREE and pieces * BODY_BYTES_PER_PIECE > size:
+            raise BodyTooFragmented
         chunk = message.get("body", b"")
         if chunk:
             size += len(chunk)
@@ -365,6 +386,12 @@ class Application(ResolvedOnce, ASGIHandler):
                 body = await read_body(receive, limit)
         except BodyTooLarge:
             await self.refuse(send, path, 413)
+            return
+        except BodyTooFragmented:
+            await self.refuse(send, path, 400, (
+                f"The request body came in too many pieces (over {BODY_PIECES_FREE:,}, "
+                f"under {BODY_BYTES_PER_PIECE:,} bytes each on average): send it in "
+                f"fewer, larger chunks."))
             return
         except TimeoutError:
             await self.refuse(send, path, 408)
