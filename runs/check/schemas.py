@@ -10,6 +10,7 @@ import json
 import math
 import re
 from datetime import datetime
+from decimal import Decimal
 from typing import Annotated, Any, Literal, Union
 from uuid import UUID
 
@@ -45,9 +46,31 @@ def no_nul() -> dict[str, Any]:
     return {"not": {"pattern": NUL_PATTERN}}
 
 
-def _json_problem(value: Any, containers: int = 1) -> str | None:
+# PostgreSQL keeps a JSON number as a numeric and writes it back in full, never with an
+# exponent: 5e-324 (6 bytes sent) is read back as 325 characters, 1e308 as 309. So a 64 KiB
+# check of 9,000 such numbers was a decision of 2.9 MB every read sends (the run's decisions,
+# its timeline, an approval, an audit export), and one read of a run's 300 decisions was
+# 885 MB, leaving its worker at 2 GB (found by an attacker; 1,000 of them, 3 GB). The
+# characters a body's numbers gain that way, all of them together, are bounded: far above
+# any real arguments (a float between 1e-6 and 1e16 gains nothing).
+NUMBERS_WRITTEN_OUT_MAX = 16 * 1024
+
+
+def _written_out(number: float) -> int:
+    """The characters PostgreSQL writes ``number`` with beyond its JSON text (repr)."""
+    if number == 0 or 1e-6 <= abs(number) < 1e16:
+        return 0
+    text = repr(number)
+    return max(0, len(format(Decimal(text), "f")) - len(text))
+
+
+def _json_problem(value: Any, containers: int = 1, grown: list[int] | None = None
+                  ) -> str | None:
     """Why a parsed JSON object cannot be stored as given (too deep, unstorable text, a
-    number too large to be finite), or None. One walk, bounded by MAX_DEPTH."""
+    number too large to be finite, numbers that would be stored many times their size), or
+    None. One walk, bounded by MAX_DEPTH."""
+    if grown is None:
+        grown = [0]
     if containers > MAX_DEPTH:
         return f"must not nest deeper than {MAX_DEPTH} levels"
     items: Any
@@ -65,8 +88,14 @@ def _json_problem(value: Any, containers: int = 1) -> str | None:
         elif isinstance(item, float):
             # 1e400 parses to inf, which no JSON column accepts.
             problem = None if math.isfinite(item) else "must contain finite numbers only"
+            if problem is None:
+                grown[0] += _written_out(item)
+                if grown[0] > NUMBERS_WRITTEN_OUT_MAX:
+                    problem = (f"must not hold numbers that, written out in full as the "
+                               f"database stores them (5e-324 is 325 characters), grow by "
+                               f"more than {NUMBERS_WRITTEN_OUT_MAX:,} characters")
         elif isinstance(item, dict | list):
-            problem = _json_problem(item, containers + 1)
+            problem = _json_problem(item, containers + 1, grown)
         else:
             problem = None
         if problem is not None:
