@@ -22,7 +22,7 @@ def test_tiny_and_huge_floats_are_counted_as_written_out() -> None:
 
 
 def test_a_body_of_numbers_stored_many_times_their_size_is_refused() -> None:
-    body = '{"action": {"name": "x", "args": {"a": [%s]}}}' % ",".join(["5e-324"] * 9000)
+    body = '{"action": {"name": "x", "args": {"a": [' + ",".join(["5e-324"] * 9000) + "]}}}"
     assert len(body) < 64 * 1024
     with pytest.raises(ValueError, match="written out in full"):
         CheckIn.model_validate(json.loads(body))
@@ -41,7 +41,7 @@ def test_ordinary_numbers_are_taken(args: dict) -> None:
 def test_the_api_answers_422_naming_the_args(api) -> None:
     started = api.post("/api/v1/runs", {"agent": "amp-bot"}, content_type="application/json")
     run_id = started.json()["run_id"]
-    body = '{"action": {"name": "x", "args": {"a": [%s]}}}' % ",".join(["1e308"] * 9000)
+    body = '{"action": {"name": "x", "args": {"a": [' + ",".join(["1e308"] * 9000) + "]}}}"
     answer = api.post(f"/api/v1/runs/{run_id}/check", body, content_type="application/json")
     assert answer.status_code == 422, answer.content
     assert "action.args" in answer.json()["error"]["fields"]
