@@ -83,6 +83,11 @@ def _json_problem(value: Any, containers: int = 1, grown: list[int] | None = Non
     else:
         items = value
     for item in items:
+        kind = type(item)
+        if kind is int or kind is bool or item is None:
+            # JSON's plain values, told apart by their exact type first: the generic tests
+            # of each of a check's 30,000 numbers took 9 ms of CPU (SPEC 10).
+            continue
         if isinstance(item, str):
             problem = text_problem(item)
         elif isinstance(item, float):

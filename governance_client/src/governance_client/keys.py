@@ -20,11 +20,39 @@ def normalize_text(text: str) -> str:
     return " ".join(text.split())
 
 
+# Values canonical already, by exact type: a list of them is walked without a call each.
+_AS_IS = frozenset({int, bool, type(None)})
+
+
+def _by_key(item: tuple[Any, Any]) -> str:
+    return str(item[0])
+
+
 def canonical(value: Any) -> Any:
     """The value with equivalent spellings made identical: sorted keys, folded strings,
-    integral floats as ints (``1 == 1.0``) while booleans stay booleans (``true != 1``)."""
+    integral floats as ints (``1 == 1.0``) while booleans stay booleans (``true != 1``).
+
+    JSON's own types are told apart by their exact type first: a check's args of 30,000
+    numbers took 25 ms here through the generic tests (an ABC's isinstance per value), CPU
+    that one team's checks took from another's (SPEC 10, found by an attacker). Any other
+    type takes the generic path, with the same result."""
+    kind = type(value)
+    if kind is dict:
+        return {str(k): canonical(v) for k, v in sorted(value.items(), key=_by_key)}
+    if kind is list:
+        return [v if type(v) in _AS_IS else canonical(v) for v in value]
+    if kind is str:
+        return normalize_text(value)
+    if kind in _AS_IS:
+        return value
+    if kind is float:
+        return int(value) if value.is_integer() else value
+    return _canonical_any(value)
+
+
+def _canonical_any(value: Any) -> Any:
     if isinstance(value, Mapping):
-        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        return {str(k): canonical(v) for k, v in sorted(value.items(), key=_by_key)}
     if isinstance(value, list | tuple):
         return [canonical(v) for v in value]
     if isinstance(value, str):
