@@ -432,3 +432,50 @@ def test_a_finished_runs_banner_says_it_ended_without_a_response(team, users):
     page = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug,
                                                           "run_id": stopped.pk}))
     assert "finished the run without a response" not in page.content.decode()
+
+
+def test_a_check_after_the_agents_finish_leaves_the_banner_saying_the_agent_stopped_it(
+        team, users):
+    """Found by a newcomer: a client's timed-out check reaching the server after the agent
+    finished the run as stopped replaced the banner's words with that late refusal's: "The
+    rule agent_stopped of policy default v5 stopped this run: status stopped, stop_reason
+    agent_stopped reached status running." The banner says what ended the run (the agent's
+    finish), and the late check's row that the run was already over."""
+    run = start(team, "finish-bot")
+    check(team, run)
+    run_finish(run, "stopped", "partial")
+    late = check(team, run)
+    assert (late["decision"], late["reason"]) == ("stop", "agent_stopped")
+    html = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug,
+                                                          "run_id": run.pk})).content.decode()
+    assert "Stopped: agent_stopped" in html
+    assert "Its agent ended this run: it finished it as stopped." in html
+    assert "reached status running" not in html and "data-rule" not in html
+    # The late refusal's own words are its row's, not the banner's.
+    assert "The agent was told" not in html
+    assert "agent_stopped: the run was already stopped by its agent" in html
+
+
+def test_a_check_after_a_completed_run_says_the_run_was_already_completed(team, users):
+    run = start(team, "finish-bot")
+    check(team, run)
+    run_finish(run, "completed", "done")
+    assert check(team, run)["reason"] == "run_finished"
+    html = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug,
+                                                          "run_id": run.pk})).content.decode()
+    assert "run_finished: the run was already completed" in html
+    assert "None reached" not in html
+    assert "reached status running" not in html
+
+
+def test_a_check_after_a_limit_stop_leaves_the_banner_on_that_stop(team, users):
+    set_policy(team, step_limits={"max_steps": 1})
+    run = start(team)
+    check(team, run)
+    check(team, run)  # step 2 > max_steps 1
+    run_finish(run, "stopped", "partial")
+    check(team, run)  # late: answered the stop again
+    html = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug,
+                                                          "run_id": run.pk})).content.decode()
+    assert ("The rule max_steps of policy default v2 stopped this run: steps 2 past "
+            "max_steps 1.") in html

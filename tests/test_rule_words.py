@@ -74,3 +74,38 @@ def test_each_kind_of_rule_reads_as_what_happened(rule, why, sentence) -> None:
     assert rule_in_words(rule) == why
     if sentence is not None:
         assert rule_sentence(rule, rule["name"]) == sentence
+
+
+# A check that arrives after its run ended is answered the run's end (SPEC 4.4); when no
+# stop of the run is on record (its agent finished it), the rule's limit is the status a
+# check needs, `{"status": "running"}`, not a number (found by a newcomer: "status stopped,
+# stop_reason agent_stopped reached status running", "stop_reason None reached status
+# running"). Such a row says the run was already over, and names no policy: none stopped it.
+AFTER_THE_END = [
+    ("agent_stopped", {"status": "stopped", "stop_reason": "agent_stopped"},
+     "agent_stopped: the run was already stopped by its agent",
+     "The run was already stopped by its agent."),
+    ("run_finished", {"status": "completed", "stop_reason": None},
+     "run_finished: the run was already completed", "The run was already completed."),
+    ("run_finished", {"status": "failed", "stop_reason": None},
+     "run_finished: the run was already failed", "The run was already failed."),
+    ("max_steps", {"status": "stopped", "stop_reason": "max_steps"},
+     "max_steps: the run was already stopped (max_steps)",
+     "The run was already stopped (max_steps)."),
+    ("killed", {"status": "killed", "stop_reason": "killed"},
+     "killed: the run was already killed by a kill switch",
+     "The run was already killed by a kill switch."),
+    ("abandoned", {"status": "stopped", "stop_reason": "abandoned"},
+     "abandoned: the run was already abandoned (no activity for its max_idle_seconds)",
+     "The run was already abandoned (no activity for its max_idle_seconds)."),
+]
+
+
+@pytest.mark.parametrize(("name", "observed", "why", "sentence"), AFTER_THE_END)
+def test_a_check_after_the_run_ended_says_the_run_was_already_over(
+        name, observed, why, sentence) -> None:
+    late = {"name": name, "policy": "default", "version": 5, "limit": {"status": "running"},
+            "observed": observed, "scope": "run"}
+    assert rule_in_words(late) == why
+    assert rule_sentence(late, name) == sentence
+

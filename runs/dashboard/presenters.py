@@ -86,6 +86,31 @@ def _pairs(values: Any) -> str:
 PAST_RULES = ("max_steps", "max_seconds")
 
 
+def _ended(status: Any, reason: Any) -> str:
+    """How a run ended, in words: "completed", "stopped by its agent", "killed by a kill
+    switch", "stopped (max_steps)"... ``reason`` is its stop reason (None for a finish)."""
+    if reason == rules.AGENT_STOPPED:
+        return "stopped by its agent"
+    if reason == rules.ABANDONED:
+        return "abandoned (no activity for its max_idle_seconds)"
+    if status == rules.KILLED or reason == rules.KILLED:
+        return "killed by a kill switch"
+    if status in (rules.COMPLETED, rules.FAILED):
+        return str(status)
+    if reason and reason not in (status, rules.RUN_FINISHED):
+        return f"stopped ({reason})"
+    return str(status) if status and status != rules.RUNNING else "over"
+
+
+def after_the_end(rule: Any) -> bool:
+    """Whether ``rule`` is a check's answered after its run had ended with no stop on record
+    to repeat (the agent's finish): its limit is the status a check needs, ``{"status":
+    "running"}``, not a value of the policy (SPEC 4.4: a check on a terminal run answers
+    the run's stop). It stopped nothing: the run was over already."""
+    limit = rule.get("limit") if isinstance(rule, dict) else None
+    return isinstance(limit, dict) and set(limit) == {"status"}
+
+
 def _detail(rule: dict[str, Any]) -> str:
     """What a rule observed against its limit, in words that fit its kind: a limit is
     "reached", a pattern "matched", a switch "engaged", an approval "denied" or "not decided"
@@ -94,6 +119,10 @@ def _detail(rule: dict[str, Any]) -> str:
     name = rule["name"]
     limit = rule.get("limit") if isinstance(rule.get("limit"), dict) else {}
     observed = rule.get("observed") if isinstance(rule.get("observed"), dict) else {}
+    if after_the_end(rule):
+        # Found by a newcomer: "status completed, stop_reason None reached status running".
+        return ("the run was already "
+                + _ended(observed.get("status"), observed.get("stop_reason")))
     if name == rules.KILLED:
         where = _pairs({k: v for k, v in limit.items() if k != "scope"})
         scope = limit.get("scope")
@@ -142,7 +171,8 @@ def rule_in_words(rule: Any) -> str:
     kind = f"{name} warning" if name in rules.WARNING_CODES else name
     text = f"{kind}: {detail}" if detail else kind
     where = ""
-    if rule.get("policy") and name != "killed":  # a switch is no rule of the policy
+    # A switch is no rule of the policy, and neither is a run being over already.
+    if rule.get("policy") and name != "killed" and not after_the_end(rule):
         where = f" (policy {rule['policy']} v{rule.get('version')}"
         scope = rule.get("scope")
         where += ")" if scope in (None, "run") else f", the limit of run {scope})"
@@ -155,6 +185,8 @@ def rule_sentence(rule: Any, reason: str) -> str:
     if not isinstance(rule, dict) or not rule.get("name"):
         return ""
     detail = _detail(rule)
+    if after_the_end(rule):
+        return detail[0].upper() + detail[1:] + "."
     if rule["name"] == "killed":
         # A switch, not a rule of the run's policy (found by a newcomer: "The rule killed of
         # policy default v2 stopped this run").
@@ -278,16 +310,20 @@ def banner(run: Run) -> Banner | None:
     if run.status == RunStatus.RUNNING:
         return None
     message = next_action = sentence = ""
-    if run.stop_reason:
+    # A run its agent finished as stopped was ended by no decision: any stop on record is a
+    # late check's, answered the run's end (found by a newcomer: a client's timed-out check
+    # arriving after the finish put its refusal's words in the banner).
+    if run.stop_reason and run.stop_reason != rules.AGENT_STOPPED:
         # The run's first stop ended it (`decision_run_stop`: one probe, however many checks
-        # of the ended run were answered since).
+        # of the ended run were answered since), unless it repeats the run's end itself.
         stop = (Decision.objects.of_run(run.pk).filter(outcome=rules.STOP)
                 .only("reason", "answer", "rule").first())
-        if stop is not None and stop.reason == run.stop_reason:
+        fired = None if stop is None else (
+            stop.rule if stop.rule is not None else stop.answer.get("rule"))
+        if stop is not None and stop.reason == run.stop_reason and not after_the_end(fired):
             message = stop.answer.get("message") or ""
             next_action = stop.answer.get("next_action") or ""
-            sentence = rule_sentence(stop.rule if stop.rule is not None
-                                     else stop.answer.get("rule"), stop.reason)
+            sentence = rule_sentence(fired, stop.reason)
             if run.status == RunStatus.KILLED and sentence:
                 # A kill's message names the switch, who engaged it and why: the rule's
                 # sentence says the same (found by a newcomer: the banner said it twice).
