@@ -109,3 +109,35 @@ def test_a_check_after_the_run_ended_says_the_run_was_already_over(
     assert rule_in_words(late) == why
     assert rule_sentence(late, name) == sentence
 
+
+
+ANCESTOR = "8d3c6f9e-0000-4000-8000-000000000002"
+
+# `parent_stopped` is no limit of the ancestor (docs/subagents.md): its ancestor ended, for
+# whatever reason (found by a newcomer: "The rule parent_stopped of policy default v1 (the
+# limit of ancestor run X, counted over its tree) stopped this run: its ancestor run X is
+# completed (completed)."). An ancestor found past its idle deadline is still `running` in
+# the rule: it had ended all the same.
+PARENT_ENDS = [
+    ({"status": "completed", "reason": "completed"}, "completed"),
+    ({"status": "failed", "reason": "failed"}, "failed"),
+    ({"status": "stopped", "reason": "agent_stopped"}, "stopped by its agent"),
+    ({"status": "stopped", "reason": "max_steps"}, "stopped (max_steps)"),
+    ({"status": "killed", "reason": "killed"}, "killed by a kill switch"),
+    ({"status": "stopped", "reason": "abandoned"},
+     "abandoned (no activity for its max_idle_seconds)"),
+    ({"status": "running", "reason": "abandoned"},
+     "abandoned (no activity for its max_idle_seconds)"),
+    ({"status": "running", "reason": "max_seconds"}, "stopped (max_seconds)"),
+]
+
+
+@pytest.mark.parametrize(("observed", "ended"), PARENT_ENDS)
+def test_a_sub_agent_stopped_by_its_trees_end_is_told_its_ancestor_ended(observed, ended
+                                                                         ) -> None:
+    stop = {"name": "parent_stopped", "policy": "default", "version": 1,
+            "limit": {"ancestor": ANCESTOR}, "observed": observed, "scope": ANCESTOR}
+    assert rule_sentence(stop, "parent_stopped") == (
+        f"Stopped because its ancestor run {ANCESTOR} had ended ({ended}).")
+    assert rule_in_words(stop) == (
+        f"parent_stopped: its ancestor run {ANCESTOR} had ended ({ended})")

@@ -1019,3 +1019,21 @@ def test_a_pending_check_of_a_child_sent_again_after_its_parents_finish_is_its_s
     assert refused.value.status == 409
     final = post(api, f"/api/v1/runs/{child}/check", sent)
     assert final["decision_id"] == again["decision_id"], final
+
+
+def test_a_childs_banner_says_its_ancestor_ended_not_that_a_limit_stopped_it(api, team, users):
+    """Found by a newcomer: "The rule parent_stopped of policy default v1 (the limit of
+    ancestor run X, counted over its tree) stopped this run: its ancestor run X is completed
+    (completed)." No limit fired: the ancestor ended (docs/subagents.md)."""
+    from django.urls import reverse
+    root = start(api)
+    child = start(api, "helper", parent_run_id=root)
+    check(api, child)
+    post(api, f"/api/v1/runs/{root}/finish", {"status": "completed"})
+    assert check(api, child)["reason"] == "parent_stopped"
+    page = Client()
+    page.force_login(users["viewer"])
+    html = page.get(reverse("runs:run", args=[team.slug, child])).content.decode()
+    assert f"Stopped because its ancestor run {root} had ended (completed)." in html
+    assert f"parent_stopped: its ancestor run {root} had ended (completed)" in html
+    assert "counted over its tree" not in html and f"the limit of run {root}" not in html

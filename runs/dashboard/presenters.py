@@ -139,8 +139,10 @@ def _detail(rule: dict[str, Any]) -> str:
                 f"{_value(limit.get('timeout_s'))} s (it expired at "
                 f"{observed.get('expires_at')})")
     if name == rules.PARENT_STOPPED:
-        return (f"its ancestor run {limit.get('ancestor')} is {observed.get('status')} "
-                f"({observed.get('reason')})")
+        # No limit: the ancestor ended, for any reason (SPEC 20). One found past its idle
+        # deadline is still "running" in the rule, and had ended all the same.
+        return (f"its ancestor run {limit.get('ancestor')} had ended "
+                f"({_ended(observed.get('status'), observed.get('reason'))})")
     action = observed.get("action")
     if action is not None and name in ("tool_denied", rules.APPROVAL_REQUIRED):
         pattern = _pairs({k: v for k, v in limit.items() if k != "timeout_s"})
@@ -171,8 +173,10 @@ def rule_in_words(rule: Any) -> str:
     kind = f"{name} warning" if name in rules.WARNING_CODES else name
     text = f"{kind}: {detail}" if detail else kind
     where = ""
-    # A switch is no rule of the policy, and neither is a run being over already.
-    if rule.get("policy") and name != "killed" and not after_the_end(rule):
+    # A switch is no rule of the policy, nor is a run being over already, nor an ancestor's
+    # end (found by a newcomer: parent_stopped read "the limit of run <ancestor>").
+    if (rule.get("policy") and name not in (rules.KILLED, rules.PARENT_STOPPED)
+            and not after_the_end(rule)):
         where = f" (policy {rule['policy']} v{rule.get('version')}"
         scope = rule.get("scope")
         where += ")" if scope in (None, "run") else f", the limit of run {scope})"
@@ -187,6 +191,10 @@ def rule_sentence(rule: Any, reason: str) -> str:
     detail = _detail(rule)
     if after_the_end(rule):
         return detail[0].upper() + detail[1:] + "."
+    if rule["name"] == rules.PARENT_STOPPED:
+        # Not "the limit of ancestor run X, counted over its tree": no limit fired (found by
+        # a newcomer).
+        return f"Stopped because {detail}."
     if rule["name"] == "killed":
         # A switch, not a rule of the run's policy (found by a newcomer: "The rule killed of
         # policy default v2 stopped this run").
