@@ -180,6 +180,33 @@ def test_an_agent_never_seen_is_accepted_with_a_warning(team, users):
     assert KillSwitch.objects.filter(team=team, agent="bot-typo", active=True).exists()
 
 
+
+def test_the_kill_confirmation_promises_a_webhook_only_to_a_team_that_has_one(team, users):
+    """Found by a newcomer: after killing a run the page said "...the runs are being marked
+    killed and the team's webhook notified" for a team with no webhook URL."""
+    operator = as_user(users, "operator")
+
+    def kill(run: Any) -> str:
+        return operator.post(reverse("runs:killswitch-run", kwargs={
+            "slug": team.slug, "run_id": run.pk}), {"confirmed": "1", "reason": "stuck"},
+            HTTP_HX_REQUEST="true").content.decode()
+
+    assert not team.webhook_url
+    html = kill(start(team))
+    assert "Kill switch engaged" in html and "webhook notified" not in html
+    assert "being marked killed" in html
+    assert "The team has no webhook URL: no one is notified." in html
+    team.webhook_url = "https://hooks.example.com/governance"
+    team.save(update_fields=["webhook_url"])
+    html = kill(start(team))
+    assert "being marked killed and the team's webhook notified" in html
+    assert "no webhook URL" not in html
+    # The global switch notifies each team that has a webhook URL.
+    html = as_user(users, "superuser").post(
+        reverse("runs:killswitch-global-engage"), {"confirmed": "1", "reason": "outage"},
+        HTTP_HX_REQUEST="true").content.decode()
+    assert "every team's webhook, where one is set, notified" in html
+
 # --- Policy history ----------------------------------------------------------------------------
 
 def test_a_form_save_does_not_show_a_spurious_money_change(team, users):

@@ -63,6 +63,15 @@ def _run_page(run: Run) -> str:
     return reverse("runs:run", args=[run.team.slug, run.pk])
 
 
+def _webhook(switch: Any) -> str:
+    """Who the switch's fan-out notifies (SPEC 6: the team's ``webhook_url``): "team" when
+    its team has one, "none" when it has none, "every" for the global switch (each team
+    that has one)."""
+    if switch.scope == Scope.GLOBAL:
+        return "every"
+    return "team" if switch.team is not None and switch.team.webhook_url else "none"
+
+
 def _render(request: HttpRequest, full: str, fragment: str, context: dict[str, Any]
             ) -> HttpResponse:
     return page(request, fragment if request.htmx else full, context)
@@ -90,7 +99,8 @@ def _engage_flow(request: HttpRequest, target: Target, *, action: str, cancel: s
             if request.htmx:
                 response = page(request, "runs/_killswitch_done.html",
                                 {"switch": switch, "already": already, "message": text,
-                                 "target": target, "done_url": done})
+                                 "target": target, "done_url": done,
+                                 "webhook": _webhook(switch)})
                 response["HX-Trigger"] = "killswitch-changed"
                 return response
             (messages.info if already else messages.success)(request, text)
