@@ -141,3 +141,26 @@ def test_a_sub_agent_stopped_by_its_trees_end_is_told_its_ancestor_ended(observe
         f"Stopped because its ancestor run {ANCESTOR} had ended ({ended}).")
     assert rule_in_words(stop) == (
         f"parent_stopped: its ancestor run {ANCESTOR} had ended ({ended})")
+
+
+def test_an_expired_check_and_a_rate_limit_wait_read_as_what_happened() -> None:
+    expired = {"name": "deadline_expired", "policy": "default", "version": 1, "limit": {},
+               "observed": {"past_deadline": True}, "scope": "run"}
+    assert rule_in_words(expired) == (
+        "deadline_expired: the agent no longer waited for the answer (its deadline had "
+        "passed), so nothing was decided or counted")
+    limited = {"name": "rate_limited", "policy": "default", "version": 1,
+               "limit": {"index": 0, "match": "search.*", "per": "run", "max": 5,
+                         "window_s": 60},
+               "observed": {"retry_after_s": 2.5}, "scope": "run"}
+    assert rule_in_words(limited) == (
+        "rate_limited: rate_limits[0] (search.* at most 5 per run in 60 s): retry after 2.5 s "
+        "(policy default v1)")
+    # A wait the run's time cannot cover is a max_seconds stop: its elapsed time is not past
+    # the limit, the wait would take it there.
+    waited = {"name": "max_seconds", "policy": "default", "version": 1,
+              "limit": {"max_seconds": 45}, "observed": {"elapsed_s": 40.0, "retry_after_s": 30},
+              "scope": "run"}
+    assert rule_in_words(waited) == (
+        "max_seconds: elapsed_s 40 and a rate-limit wait of 30 s would pass max_seconds 45 "
+        "(policy default v1)")

@@ -143,6 +143,23 @@ def _detail(rule: dict[str, Any]) -> str:
         # deadline is still "running" in the rule, and had ended all the same.
         return (f"its ancestor run {limit.get('ancestor')} had ended "
                 f"({_ended(observed.get('status'), observed.get('reason'))})")
+    if name == rules.DEADLINE_EXPIRED:
+        # Found checking every kind after a newcomer's report: "past_deadline True".
+        return ("the agent no longer waited for the answer (its deadline had passed), so "
+                "nothing was decided or counted")
+    if name == rules.RATE_LIMITED and "retry_after_s" in observed:
+        # Not "retry_after_s 2.5 reached index 0, match search.*, per run, max 5, ...".
+        index = limit.get("index")
+        which = f"rate_limits[{index}]" if isinstance(index, int) else "a rate limit"
+        return (f"{which} ({limit.get('match')} at most {_value(limit.get('max'))} per "
+                f"{limit.get('per')} in {_value(limit.get('window_s'))} s): retry after "
+                f"{_value(observed['retry_after_s'])} s")
+    if name == "max_seconds" and "retry_after_s" in observed and "elapsed_s" in observed:
+        # A rate-limit wait the run's time cannot cover (SPEC 12): the elapsed time is not
+        # past the limit yet, the wait would take it there.
+        return (f"elapsed_s {_value(observed['elapsed_s'])} and a rate-limit wait of "
+                f"{_value(observed['retry_after_s'])} s would pass max_seconds "
+                f"{_value(limit.get('max_seconds'))}")
     action = observed.get("action")
     if action is not None and name in ("tool_denied", rules.APPROVAL_REQUIRED):
         pattern = _pairs({k: v for k, v in limit.items() if k != "timeout_s"})
@@ -173,9 +190,11 @@ def rule_in_words(rule: Any) -> str:
     kind = f"{name} warning" if name in rules.WARNING_CODES else name
     text = f"{kind}: {detail}" if detail else kind
     where = ""
-    # A switch is no rule of the policy, nor is a run being over already, nor an ancestor's
-    # end (found by a newcomer: parent_stopped read "the limit of run <ancestor>").
-    if (rule.get("policy") and name not in (rules.KILLED, rules.PARENT_STOPPED)
+    # A switch is no rule of the policy, nor is a run being over already, an ancestor's end
+    # (found by a newcomer: parent_stopped read "the limit of run <ancestor>") or a check
+    # the agent gave up on.
+    if (rule.get("policy")
+            and name not in (rules.KILLED, rules.PARENT_STOPPED, rules.DEADLINE_EXPIRED)
             and not after_the_end(rule)):
         where = f" (policy {rule['policy']} v{rule.get('version')}"
         scope = rule.get("scope")
