@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -92,6 +93,21 @@ def _size(name: str) -> int:
                               "dashboard": "DASHBOARD_THREADS"}[name])
 
 
+# A caller whose jobs each take more than this much CPU, on a recent average, holds one of a
+# pool's threads at a time (`FairPool`). Threads share the process's one interpreter lock:
+# three threads of one team walking checks of 60 KiB of small JSON values (10 to 70 ms of
+# CPU each) made another team's check wait for the lock after each of its round trips, p99
+# 7 to 40x its own (found by an attacker, SPEC 10), though a thread was left to it. A check
+# takes about 1 ms of its thread's CPU; the agents' bulk calls and pages have pools of
+# their own.
+HEAVY_CPU_S = 0.005
+# The weight of a job's CPU in its caller's running average (the rest is the average's).
+CPU_WEIGHT = 0.3
+# Callers whose average is kept: the table is emptied when full (a caller unknown again is
+# light until its next job says otherwise).
+CPU_CALLERS_MAX = 10_000
+
+
 class FairPool:
     """A pool's threads, in arrival order, but no caller holding more than ``share`` of them:
     at most ``size`` jobs at work on ``executor``; when one ends, the job that arrived first
@@ -113,6 +129,8 @@ class FairPool:
         # Each caller's jobs in arrival order, numbered in the pool's arrival order.
         self._waiting: dict[Hashable, deque[tuple[int, Future[Any], Callable[[], Any]]]] = {}
         self._held: dict[Hashable, int] = {}
+        # Each caller's CPU a job, a running average (HEAVY_CPU_S).
+        self._cpu: dict[Hashable, float] = {}
         self._arrived = 0
         self._running = 0
 
@@ -128,7 +146,7 @@ class FairPool:
         while self._running < self.size:
             # The first to arrive among the callers under their share (few wait at once).
             ready = [caller for caller in self._waiting
-                     if self._held.get(caller, 0) < self.share]
+                     if self._held.get(caller, 0) < self.share_of(caller)]
             if not ready:
                 return
             caller = min(ready, key=lambda c: self._waiting[c][0][0])
@@ -141,13 +159,33 @@ class FairPool:
                 self._held[caller] = self._held.get(caller, 0) + 1
                 self.executor.submit(self._run, caller, future, job)
 
+    def heavy(self, caller: Hashable) -> bool:
+        """Whether ``caller``'s jobs take more than HEAVY_CPU_S of CPU each, of late."""
+        return self._cpu.get(caller, 0.0) > HEAVY_CPU_S
+
+    def share_of(self, caller: Hashable) -> int:
+        """The threads ``caller`` may hold at once: one while its jobs are heavy."""
+        return 1 if self.heavy(caller) else self.share
+
     def _run(self, caller: Hashable, future: Future[Any], job: Callable[[], Any]) -> None:
+        started = time.thread_time()
         try:
-            future.set_result(job())
+            result = job()
         except BaseException as exc:  # the caller's to handle, as the executor's would be
+            future.cpu_s = time.thread_time() - started  # type: ignore[attr-defined]
             future.set_exception(exc)
+        else:
+            # What the job took of its thread's CPU, for the caller's pacing (the event loop
+            # reads it once the future is done).
+            future.cpu_s = time.thread_time() - started  # type: ignore[attr-defined]
+            future.set_result(result)
         finally:
+            cpu = time.thread_time() - started
             with self._lock:
+                if caller not in self._cpu and len(self._cpu) >= CPU_CALLERS_MAX:
+                    self._cpu.clear()
+                average = self._cpu.get(caller, cpu)
+                self._cpu[caller] = average + CPU_WEIGHT * (cpu - average)
                 self._running -= 1
                 left = self._held.pop(caller) - 1
                 if left:
