@@ -348,6 +348,29 @@ def test_a_decision_is_frozen_and_its_allowed_flag_follows_the_outcome() -> None
         decision.reason = "other"  # type: ignore[misc]
 
 
+def test_a_decision_keeps_the_trace_id_of_the_answer() -> None:
+    # Found by a newcomer: every check answer carries trace_id (SPEC 18), and Decision
+    # dropped it, so the agent could not link a decision to its trace.
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/runs":
+            return httpx.Response(201, json={"run_id": "r1", "status": "running"})
+        return httpx.Response(200, json={"decision": "allow", "reason": "step_ok",
+                                         "trace_id": trace_id})
+
+    run = GovernanceClient("http://x", "k", transport=httpx.MockTransport(handler),
+                           journal=False).start_run("bot")
+
+    decision = run.check("search.docs")
+
+    assert decision.trace_id == trace_id
+    assert Decision.from_state(decision.to_state()) == decision
+    # Tracing off (null), or a service that predates it (absent): None.
+    assert Decision.from_response({"decision": "allow", "trace_id": None}).trace_id is None
+    assert FakeGovernance().client().start_run("bot").check("a").trace_id is None
+
+
 def test_a_malformed_answer_is_a_stop_never_an_allow() -> None:
     assert not Decision.from_response({"decision": "maybe"}).allowed
 

@@ -66,6 +66,10 @@ class Decision:
     #: SPEC 16: the rule that decided ({"name", "policy", "version", "limit", "observed",
     #: "scope"}); None for a plain allow and for an answer from a service without it.
     rule: dict[str, Any] | None = None
+    #: SPEC 18: the OpenTelemetry trace the service recorded this check in (32 hex digits),
+    #: to find its span in your tracing backend; None while the service's tracing is off, for
+    #: a decision the client made itself (``local``) and from a service without it.
+    trace_id: str | None = None
 
     @property
     def allowed(self) -> bool:
@@ -99,6 +103,7 @@ class Decision:
             check_id=check_id,
             call_id=call_id,
             rule=body.get("rule") if isinstance(body.get("rule"), dict) else None,
+            trace_id=body.get("trace_id") if isinstance(body.get("trace_id"), str) else None,
         )
 
     def to_state(self) -> dict[str, Any]:
