@@ -65,3 +65,24 @@ def test_the_readme_program_passes_mypy_strict(framework: str, mypy_strict: dict
                                                ) -> None:
     pytest.importorskip(FRAMEWORKS[framework][1])
     assert mypy_strict[framework] == ""
+
+
+def test_the_history_snippet_checks_over_budget_on_what_has_it() -> None:
+    # Found by a newcomer: the snippet kept only pinned.inject(compact_with_budget(...)), a
+    # plain list, and the text then said to check `messages.over_budget`: an AttributeError.
+    text = README.read_text()
+    section = text[text.index("## History helpers"):text.index("## `govctl`")]
+    snippet = readme_program("## History helpers")
+    checked = re.findall(r"check `(\w+)\.over_budget`", section)
+    assert checked, "the section no longer says what to check"
+    long_result = "x" * 4000
+    history: list[dict[str, object]] = [{"role": "system", "content": "Rename user_id."}]
+    for i in range(8):
+        history += [{"role": "assistant", "tool_calls": [{"id": f"c{i}", "type": "function",
+                     "function": {"name": "grep", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": f"c{i}", "content": long_result}]
+    names: dict[str, object] = {"history": history, "error_text_or_None": None}
+    exec(compile(snippet[len(PRELUDE):], "README history snippet", "exec"), names)
+    for name in checked:
+        assert isinstance(names[name].over_budget, bool), name  # type: ignore[attr-defined]
+    assert isinstance(names["messages"], list)
