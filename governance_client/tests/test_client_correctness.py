@@ -29,7 +29,13 @@ from governance_client import (
     RunClosed,
     repeat_key,
 )
-from governance_client._core import BODY_LIMIT, OVERSIZE_KEY, attempt_timeout
+from governance_client._core import (
+    BODY_LIMIT,
+    OVERSIZE_KEY,
+    POLL_MARGIN_S,
+    attempt_timeout,
+    poll_deadline,
+)
 from governance_client.testing import FakeGovernance, RateLimit
 
 EDIT = {"path": "auth.py", "old": "user_id", "new": "account_id"}
@@ -421,6 +427,56 @@ def test_a_long_polls_attempts_last_as_long_as_the_service_holds_them() -> None:
     # more than what is left (tests/test_client_waits_e2e.py has the poll against the server).
     assert attempt_timeout(62.0, 3, hold=60) == pytest.approx(60 + 2 / 3)
     assert attempt_timeout(30.0, 2, hold=60) == 30.0
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_poll_answered_too_late_is_polled_again_and_the_approval_kept(kind: str) -> None:
+    # Found by a newcomer: on a loaded machine a long poll's answer came after the poll's
+    # deadline; the wait ended as an outage, the run's block finished the run, and that
+    # cancelled the approval the operator was about to give. A slow service is polled again
+    # until the approval's own timeout.
+    polls = 0
+    fake = FakeGovernance(approvals=["refund.*"])
+
+    def operator(_approval: Any) -> Any:
+        nonlocal polls
+        polls += 1
+        if polls == 1:  # the next poll gets no answer in time, at every attempt
+            fake.fail_next(httpx.ReadTimeout, httpx.ReadTimeout, httpx.ReadTimeout)
+        return "approve" if polls >= 3 else None
+
+    fake.operator = operator
+
+    def scenario_sync() -> Any:
+        with fake.client() as client, client.run("bot") as run:
+            return run.check("refund.issue", {"order": 7})
+
+    async def scenario_async() -> Any:
+        async with fake.async_client() as client, client.run("bot") as run:
+            return await run.check("refund.issue", {"order": 7})
+
+    decision = scenario_sync() if kind == "sync" else asyncio.run(scenario_async())
+
+    assert (decision.allowed, decision.reason) == (True, "step_ok")
+    (approval,) = fake.approvals.values()
+    assert approval.status == "approved" and polls == 3
+    (run,) = fake.runs.values()
+    assert (run.status, run.tool_calls) == ("completed", 1)
+
+
+def test_a_long_poll_may_answer_later_than_a_checks_deadline() -> None:
+    # The service holds the poll `wait` seconds on purpose; a loaded one answers it a few
+    # seconds late. The default 2 s deadline left each attempt 0.67 s of that.
+    fake = FakeGovernance(approvals=["refund.*"], operator=lambda _a: "approve")
+    run = fake.client().start_run("bot")
+
+    assert run.check("refund.issue", {"order": 7}).allowed
+
+    (poll,) = [r for r in fake.requests if "/approvals/" in r.url.path]
+    wait = int(poll.url.params["wait"])
+    assert poll.extensions["timeout"]["read"] > wait + 3  # 60.67 before
+    assert poll_deadline(fake.client().settings, 60) == 60 + POLL_MARGIN_S
+    assert poll_deadline(fake.client(deadline=30).settings, 60) == 90
 
 
 def test_a_rate_limited_check_sleeps_and_retries_by_itself() -> None:

@@ -90,6 +90,47 @@ def test_a_check_that_failed_with_a_timeout_tells_the_developer_alone() -> None:
     assert "ReadTimeout" in (decision.detail or "")
 
 
+def test_a_check_the_service_did_not_answer_in_time_says_so_not_unreachable() -> None:
+    # Found by a newcomer: a check that took over the 2 s deadline on a loaded machine was
+    # told "The governance service is unreachable", which sends one looking for a network
+    # fault; the fix is a longer deadline. Same stop, same fail mode, other words.
+    fake = FakeGovernance()
+    run = fake.client(attempts=1).start_run("bot")
+    fake.fail_next(httpx.ReadTimeout)
+
+    slow = run.check("search", {"q": 1})
+
+    assert (slow.allowed, slow.reason, slow.local) == (False, "governance_unavailable", True)
+    assert slow.message == ("The governance service did not answer within 2 s, so this "
+                            "action was not run.")
+    assert "unreachable" not in slow.user_notice()
+    assert_for_a_user(slow.user_notice())
+    assert "did not answer within the deadline (2 s; raise GovernanceClient(deadline=...)" \
+        in (slow.detail or "")
+
+    fake.down = True  # a refused connection: that one is unreachable
+    gone = run.check("search", {"q": 2})
+    assert gone.reason == "governance_unavailable"
+    assert "unreachable" in (gone.message or "") and "deadline" not in (gone.detail or "")
+
+
+def test_a_start_the_service_did_not_answer_in_time_says_so() -> None:
+    from governance_client import GovernanceUnavailable
+
+    fake = FakeGovernance()
+    fake.fail_next(httpx.ReadTimeout, httpx.ReadTimeout, httpx.ReadTimeout)
+    with pytest.raises(GovernanceUnavailable) as raised:
+        fake.client().start_run("bot")
+    assert raised.value.timed_out and raised.value.deadline == 2.0
+    assert "did not answer in time" in raised.value.user_notice()
+    assert "deadline of 2 s" in str(raised.value)
+
+    fake.down = True
+    with pytest.raises(GovernanceUnavailable) as refused:
+        fake.client().start_run("bot")
+    assert not refused.value.timed_out and "unreachable" in refused.value.user_notice()
+
+
 @pytest.mark.parametrize(("status", "code", "again"), [
     (422, "invalid_request", False), (401, "unauthorized", False), (403, "forbidden", False),
     # A run or a parent that is over stays over; an external_id stays another run's.

@@ -66,6 +66,10 @@ UPLOAD_MAX_ENTRIES = 1000
 UPLOAD_MAX_BYTES = 768 * 1024
 OVERSIZE_KEY = "oversize_args"
 MAX_POLL_S = 60  # SPEC 11: ?wait is at most 60 s
+#: The least time a long poll's answer may take past its ``wait``: a loaded service answers
+#: a poll it held for 60 s a few seconds late, which is no outage (found by a newcomer: with
+#: the 2 s of the default deadline, such a poll read as one, and the approval was lost).
+POLL_MARGIN_S = 10.0
 
 #: The prefix of the external_id the client makes for a start that has none of its own.
 AUTO_EXTERNAL_ID = "client-"
@@ -79,6 +83,14 @@ UNAVAILABLE_NEXT_ACTION = (
 UNAVAILABLE_MESSAGE = "The governance service is unreachable, so this action was not run."
 UNAVAILABLE_APPROVAL = ("{name} needs an operator's approval, which cannot be asked for while "
                         "the governance service is unreachable, so it was not run.")
+# The same outage when the service was reached but did not answer within the deadline: it is
+# slow, not gone, and the developer's fix is another (``deadline``), so it is said apart.
+LATE_MESSAGE = ("The governance service did not answer within {seconds} s, so this action was "
+                "not run.")
+LATE_APPROVAL = ("{name} needs an operator's approval, which could not be asked for: the "
+                 "governance service did not answer within {seconds} s, so it was not run.")
+LATE_NEXT_ACTION = ("Do not run this action: return the partial response and try again later, "
+                    "once the governance service answers in time.")
 APPROVAL_GIVEN_UP = ("{name} needs an operator's approval, and none was given within "
                      "{seconds} s, so it was not run.")
 APPROVAL_GIVEN_UP_NEXT = "Try again once an operator has approved it."
@@ -142,10 +154,13 @@ def traced_headers(headers: dict[str, str]) -> dict[str, str]:
 class Retryable(Exception):
     """One attempt failed in a way another attempt may fix."""
 
-    def __init__(self, failure: str, retry_after: float | None = None) -> None:
+    def __init__(self, failure: str, retry_after: float | None = None,
+                 *, timed_out: bool = False) -> None:
         super().__init__(failure)
         self.failure = failure
         self.retry_after = retry_after
+        #: The service was reached and did not answer in time (not a refused connection).
+        self.timed_out = timed_out
 
 
 class _WaitRetryAfterOrFullJitter(tenacity.wait.wait_base):
@@ -219,9 +234,12 @@ def _classified(exc: httpx.TransportError, *, replay_safe: bool) -> Exception:
     failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     # Never sent: no connection, or none free in time (the pool).
     not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+    # A timeout is a service too slow for the deadline; a refused connection, an unknown
+    # host, a reset, one that is not there.
+    timed_out = isinstance(exc, httpx.TimeoutException)
     if replay_safe or not_sent:
-        return Retryable(failure)
-    return GovernanceUnavailable(failure)
+        return Retryable(failure, timed_out=timed_out)
+    return GovernanceUnavailable(failure, timed_out=timed_out)
 
 
 def classify_response(response: httpx.Response, *, replay_safe: bool) -> Exception | None:
@@ -237,9 +255,24 @@ def classify_response(response: httpx.Response, *, replay_safe: bool) -> Excepti
     return None
 
 
-def gave_up(method: str, path: str, exc: BaseException, attempts: int) -> GovernanceUnavailable:
+def gave_up(method: str, path: str, exc: BaseException, attempts: int,
+            deadline: float) -> GovernanceUnavailable:
     detail = exc.failure if isinstance(exc, Retryable) else str(exc)
-    return GovernanceUnavailable(f"{method} {path} failed after {attempts} attempt(s): {detail}")
+    timed_out = bool(getattr(exc, "timed_out", False))
+    if timed_out:
+        return GovernanceUnavailable(
+            f"{method} {path} failed after {attempts} attempt(s): {detail}: no answer within "
+            f"the deadline of {_seconds(deadline)} s (a slow service, not a refused "
+            "connection: raise GovernanceClient(deadline=...) if it is often this slow)",
+            timed_out=True, deadline=deadline)
+    return GovernanceUnavailable(f"{method} {path} failed after {attempts} attempt(s): {detail}",
+                                 deadline=deadline)
+
+
+def poll_deadline(settings: Settings, wait: float) -> float:
+    """The deadline of a long poll that the service holds ``wait`` seconds: that, plus the
+    client's deadline, and never less than ``POLL_MARGIN_S`` on top."""
+    return wait + max(settings.deadline, POLL_MARGIN_S)
 
 
 def attempt_timeout(remaining: float, attempts_left: int, hold: float = 0.0) -> float:
@@ -607,13 +640,25 @@ class RunCore:
                        detail=_joined(wait))
 
     def local_decision(self, prepared: PreparedCheck, detail: str,
-                       *, allow_local: bool = True) -> Decision:
+                       *, allow_local: bool = True, timed_out: bool = False) -> Decision:
         """The decision when the service could not be reached. ``detail`` (the failure) is
-        the developer's: logged and kept in ``Decision.detail``, never in the user's text."""
+        the developer's: logged and kept in ``Decision.detail``, never in the user's text.
+        ``timed_out``: it was reached but did not answer within the deadline (slow, not
+        gone): the same decision, in words that say so."""
         why = "fail_mode='closed' stops every action until it answers again."
-        message = UNAVAILABLE_MESSAGE
+        seconds = _seconds(self.settings.deadline)
+        if timed_out:
+            outage = f"did not answer within {seconds} s"
+            told = (f"The governance service did not answer within the deadline ({seconds} s; "
+                    f"raise GovernanceClient(deadline=...) if it is this slow under load) "
+                    f"({detail})")
+        else:
+            outage = "unreachable"
+            told = f"The governance service is unreachable ({detail})"
+        message = LATE_MESSAGE.format(seconds=seconds) if timed_out else UNAVAILABLE_MESSAGE
+        approval = LATE_APPROVAL if timed_out else UNAVAILABLE_APPROVAL
         if self.settings.fail_mode == "open" and allow_local:
-            logger.warning("governance unreachable, deciding %s locally: %s", prepared.name,
+            logger.warning("governance %s, deciding %s locally: %s", outage, prepared.name,
                            detail)
             # A run the service had already ended answers its end again: nothing to upload.
             running = self.ledger.stop is None and self.ledger.state.status == rules.RUNNING
@@ -626,19 +671,19 @@ class RunCore:
             why = (f"{prepared.name} needs an operator's approval (the policy's "
                    "approvals.tools), which is never given locally; the next check asks the "
                    "service again.")
-            message = UNAVAILABLE_APPROVAL.format(name=prepared.name)
+            message = approval.format(name=prepared.name, seconds=seconds)
         elif not allow_local:
-            message = UNAVAILABLE_APPROVAL.format(name=prepared.name)
-        logger.warning("governance unreachable, %s not run: %s", prepared.name, detail)
+            message = approval.format(name=prepared.name, seconds=seconds)
+        logger.warning("governance %s, %s not run: %s", outage, prepared.name, detail)
         return self.remember(Decision(
             decision="stop",
             reason=GOVERNANCE_UNAVAILABLE,
             message=message,
-            next_action=UNAVAILABLE_NEXT_ACTION,
+            next_action=LATE_NEXT_ACTION if timed_out else UNAVAILABLE_NEXT_ACTION,
             local=True,
             check_id=prepared.check_id,
             call_id=prepared.call_id,
-            detail=f"The governance service is unreachable ({detail}); {why}",
+            detail=f"{told}; {why}",
         ))
 
     def decide_offline(self, prepared: PreparedCheck) -> Decision | None:

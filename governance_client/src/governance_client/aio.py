@@ -47,6 +47,7 @@ from ._core import (
     expect,
     gave_up,
     local_start,
+    poll_deadline,
     result_digest,
     retry_policy,
     service_root,
@@ -275,7 +276,7 @@ class AsyncGovernanceClient:
             attempts += 1
             remaining = ends - time.monotonic()
             if remaining <= 0:
-                raise GovernanceUnavailable("deadline spent")
+                raise GovernanceUnavailable("deadline spent", timed_out=True)
             timeout = attempt_timeout(remaining, self.settings.attempts - attempts + 1, hold)
             try:
                 response = await asend_once(
@@ -298,7 +299,7 @@ class AsyncGovernanceClient:
                 sleep=self._sleep, **retry_policy(self.settings, budget)
             )(attempt)
         except (Retryable, GovernanceUnavailable) as exc:
-            raise gave_up(method, path, exc, attempts) from exc
+            raise gave_up(method, path, exc, attempts, budget) from exc
 
 
 class AsyncRun:
@@ -407,12 +408,13 @@ class AsyncRun:
             try:
                 response = await client._send("POST", path, prepared.with_deadline)
             except GovernanceUnavailable as exc:
-                return core.local_decision(prepared, str(exc))
+                return core.local_decision(prepared, str(exc), timed_out=exc.timed_out)
             decision = Decision.from_response(expect(response, 200), check_id=prepared.check_id,
                                               call_id=prepared.call_id)
             if decision.reason == DEADLINE_EXPIRED:
                 # The service saw the deadline pass and decided nothing (audited expired).
-                return core.local_decision(prepared, "the service answered after the deadline")
+                return core.local_decision(prepared, "the service answered after the deadline",
+                                           timed_out=True)
             if decision.decision == "wait" and client.settings.wait_for_rate_limits:
                 delay = max(decision.retry_after_s or 0.0, 0.001)
                 if waited + delay <= client.settings.wait_budget:
@@ -442,11 +444,20 @@ class AsyncRun:
             try:
                 response = await client._send(
                     "GET", f"/api/v1/approvals/{approval_id}", params={"wait": wait},
-                    deadline=wait + client.settings.deadline, hold=wait,
+                    deadline=poll_deadline(client.settings, wait), hold=wait,
                 )
                 body = expect(response, 200)
             except GovernanceUnavailable as exc:
-                # An action waiting for a person is never allowed locally.
+                if exc.timed_out:
+                    # Slow, not gone: the service took the poll and did not answer in time.
+                    # The approval's own timeout bounds the wait, not one late read (found
+                    # by a newcomer: such a read ended the wait, the run's block finished
+                    # the run, and that cancelled the approval the operator was deciding).
+                    logger.info("approval %s: a poll got no answer in time, polling again: %s",
+                                approval_id, exc)
+                    polled += wait or min(left, 1.0)
+                    continue
+                # Unreachable: an action waiting for a person is never allowed locally.
                 self._core.gave_up_waiting(prepared)
                 return self._core.local_decision(prepared, str(exc), allow_local=False)
             final = approval_final(body, prepared)

@@ -29,11 +29,27 @@ class GovernanceError(Exception):
 
 
 class GovernanceUnavailable(GovernanceError):
-    """The service could not be reached (network error, timeout or 5xx) after the retries."""
+    """The service could not be reached (network error, timeout or 5xx) after the retries.
+
+    ``timed_out`` says which: True when the service was reached but did not answer within
+    the request's ``deadline`` (seconds), so it is slow (a loaded machine, a long queue)
+    rather than unreachable (a refused connection, an unknown host, a 5xx). Both are the
+    same outage for the fail modes; only the words differ (found by a newcomer: a check that
+    took 2.1 s under load said "unreachable", which sent them looking for a network fault
+    instead of raising ``deadline``)."""
 
     reason = "governance_unavailable"
     user_message = "The governance service is unreachable, so the agent did not run."
     user_next = "Try again in a few minutes."
+
+    def __init__(self, message: str = "", *, timed_out: bool = False,
+                 deadline: float | None = None) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+        self.deadline = deadline
+        if timed_out:
+            self.user_message = ("The governance service did not answer in time, so the agent "
+                                 "did not run.")
 
 
 # Answers that a retry would get again: a bad or revoked key, a key not allowed this, a run
