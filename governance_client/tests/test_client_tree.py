@@ -28,6 +28,38 @@ def test_a_child_counts_on_its_parent_and_the_parents_limit_stops_it() -> None:
     assert runs[sub.id].as_json()["parent_run_id"] == parent.id
 
 
+def test_a_sub_agents_stop_the_agent_ends_with_finishes_the_parent_stopped() -> None:
+    # What the integrations say when a handoff's receiver or a subgraph stopped and the
+    # agent ends there: the parent is not stopped on the service (SPEC 20), but its block
+    # finishes it stopped, with the notice, rather than completed with no output.
+    fake = FakeGovernance(max_repeat_action=2)
+    with fake.client().run("planner") as parent:
+        with parent.child(agent="researcher") as sub:
+            sub.check("search", {"q": 1})
+            sub.check("search", {"q": 1})
+            stop = sub.check("search", {"q": 1})
+        assert parent.exit_status() == "completed"
+        parent.subagent_stopped(stop, "Done so far: nothing.\n\n" + stop.user_notice())
+        assert parent.exit_status() == "stopped" and parent.subagent_stop == stop
+    stored = fake.runs[parent.id]
+    assert (stored.status, stored.stop_reason) == (rules.STOPPED, "agent_stopped")
+    assert stored.output == "Done so far: nothing.\n\n" + stop.user_notice()
+    assert stop.reason == "loop_detected" and fake.runs[sub.id].status == rules.STOPPED
+
+
+def test_a_parent_that_goes_on_after_a_sub_agents_stop_completes() -> None:
+    fake = FakeGovernance(max_repeat_action=2)
+    with fake.client().run("planner") as parent:
+        with parent.child(agent="researcher") as sub:
+            sub.check("search", {"q": 1})
+            sub.check("search", {"q": 1})
+            stop = sub.check("search", {"q": 1})
+        parent.subagent_stopped(stop)
+        assert parent.check("answer", {}).allowed  # the agent went on: forgotten
+        assert parent.subagent_stop is None
+    assert fake.runs[parent.id].status == rules.COMPLETED
+
+
 def test_a_finished_parent_stops_its_children_and_refuses_new_ones() -> None:
     fake = FakeGovernance()
     client = fake.client()

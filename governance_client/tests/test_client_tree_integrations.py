@@ -266,3 +266,173 @@ def test_a_sub_agents_spend_stops_the_tree_at_the_roots_max_usd() -> None:
     assert len(ran) == 2 and child.stop_reason == "max_usd"
     assert root.id in (child.decisions[-1].get("message") or "")
     assert root.cost_usd == pytest.approx(0.4) and "max_usd" in output
+
+
+# Found by a newcomer: a sub-agent's stop that ended the whole agent showed the user
+# "Stopped by governance (loop_detected): ..." while the root run was finished completed,
+# with no stop and no output; only the child run said what happened.
+
+def _looping_researcher() -> Any:
+    from agents import Agent, function_tool
+
+    @function_tool
+    def search(query: str) -> str:
+        """Search."""
+        return "nothing new"
+
+    return Agent(name="researcher", tools=[search], model=_scripted(
+        [[_text("Looking."), _call("search", {"query": "refunds"}, i)] for i in range(10)]))
+
+
+def test_a_handoffs_stop_that_ends_the_agent_ends_the_root_run_stopped() -> None:
+    from agents import Agent, RunConfig, Runner
+
+    from governance_client.integrations.openai_agents import govern_agent
+
+    fake = FakeGovernance(max_repeat_action=3)
+    triage = Agent(name="triage", handoffs=[_looping_researcher()],
+                   model=_scripted([[_call("transfer_to_researcher", {}, 0)]]))
+
+    async def main() -> tuple[str, Any]:
+        async with fake.async_client() as client, client.run("triage") as run:
+            result = await Runner.run(govern_agent(triage, run), "refunds?", max_turns=50,
+                                      run_config=RunConfig(tracing_disabled=True))
+            return str(result.final_output), run
+
+    output, run = asyncio.run(main())
+    assert "Stopped by governance (loop_detected): " in output
+    root = fake.runs[run.id]
+    (child,) = [r for r in fake.runs.values() if r.ancestors == (root.id,)]
+    assert (child.status, child.stop_reason) == (rules.STOPPED, "loop_detected")
+    # The child's stop does not stop the root on the service (SPEC 20); the agent ended
+    # on it, so the root is finished stopped, with what the user read.
+    assert (root.status, root.stop_reason, root.output) == (
+        rules.STOPPED, "agent_stopped", output)
+    assert run.subagent_stop is not None and run.subagent_stop.reason == "loop_detected"
+
+
+def test_an_agents_sdk_run_stores_its_final_output() -> None:
+    # The README's example never set run.output: a completed run was stored without it.
+    from agents import Agent, RunConfig, Runner
+
+    from governance_client.integrations.openai_agents import govern_agent
+
+    fake = FakeGovernance()
+    answer = Agent(name="answer", model=_scripted([[_text("Refunds take 5 days.")]]))
+    triage = Agent(name="triage", handoffs=[answer],
+                   model=_scripted([[_call("transfer_to_answer", {}, 0)]]))
+
+    async def main() -> str:
+        async with fake.async_client() as client, client.run("triage") as run:
+            await Runner.run(govern_agent(triage, run), "refunds?",
+                             run_config=RunConfig(tracing_disabled=True))
+            return run.id
+
+    root = fake.runs[asyncio.run(main())]
+    (child,) = [r for r in fake.runs.values() if r.ancestors == (root.id,)]
+    assert (root.status, root.output) == (rules.COMPLETED, "Refunds take 5 days.")
+    assert (child.status, child.output) == (rules.COMPLETED, "Refunds take 5 days.")
+
+
+def test_an_agent_as_tools_stop_does_not_stop_the_agent_that_goes_on() -> None:
+    from agents import Agent, RunConfig, Runner
+
+    from governance_client.integrations.openai_agents import govern_agent
+
+    fake = FakeGovernance(max_repeat_action=3)
+    planner = Agent(name="planner", tools=[_looping_researcher().as_tool("ask", "Research.")],
+                    model=_scripted([[_call("ask", {"input": "refunds"}, 0)],
+                                     [_text("I could not find it.")]]))
+
+    async def main() -> str:
+        async with fake.async_client() as client, client.run("planner") as run:
+            await Runner.run(govern_agent(planner, run), "plan", max_turns=50,
+                             run_config=RunConfig(tracing_disabled=True))
+            return run.id
+
+    root = fake.runs[asyncio.run(main())]
+    (child,) = [r for r in fake.runs.values() if r.ancestors == (root.id,)]
+    assert child.stop_reason == "loop_detected"
+    assert (root.status, root.output) == (rules.COMPLETED, "I could not find it.")
+
+
+def _langgraph_main(after: str | None) -> tuple[Any, Any]:
+    """A graph whose subgraph loops, then ends (``after`` None) or goes on to ``after``;
+    and the question to ask it."""
+    pytest.importorskip("langgraph")
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    @tool
+    def search(query: str) -> str:
+        """Search the documents."""
+        return "nothing new"
+
+    class Scripted(GenericFakeChatModel):
+        def bind_tools(self, tools: Any, **kwargs: Any) -> Scripted:
+            return self
+
+    model = Scripted(messages=iter([AIMessage(content="Looking.", tool_calls=[
+        {"name": "search", "args": {"query": "refunds"}, "id": f"call_{i}"}])
+        for i in range(8)]))
+    sub = StateGraph(MessagesState)
+    sub.add_node("agent", lambda s: {"messages": [model.invoke(s["messages"])]})
+    sub.add_node("tools", ToolNode([search]))
+    sub.add_edge(START, "agent")
+    sub.add_conditional_edges("agent", tools_condition)
+    sub.add_edge("tools", "agent")
+    main = StateGraph(MessagesState)
+    main.add_node("research", sub.compile())
+    main.add_edge(START, "research")
+    if after is None:
+        main.add_edge("research", END)
+    else:
+        main.add_node(after, lambda s: {"messages": [AIMessage(content="Summary: none.")]})
+        main.add_edge("research", after)
+        main.add_edge(after, END)
+    return main, HumanMessage("research refunds")
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_subgraphs_stop_that_ends_the_graph_ends_the_root_run_stopped(kind: str) -> None:
+    from governance_client.integrations.langgraph import govern_graph, stop_in
+
+    main, question = _langgraph_main(after=None)
+    fake = FakeGovernance(max_repeat_action=3)
+
+    def scenario_sync() -> tuple[Any, Any, Any]:
+        with fake.client().run("planner") as run:
+            state = govern_graph(main, run).compile().invoke({"messages": [question]})
+            return state, stop_in(state, run), run
+
+    async def scenario_async() -> tuple[Any, Any, Any]:
+        async with fake.async_client() as client, client.run("planner") as run:
+            state = await govern_graph(main, run).compile().ainvoke({"messages": [question]})
+            return state, stop_in(state, run), run
+
+    state, stop, run = scenario_sync() if kind == "sync" else asyncio.run(scenario_async())
+    last = str(state["messages"][-1].content)
+    assert "Stopped by governance (loop_detected): " in last
+    assert stop is not None and stop.reason == "loop_detected"
+    root = fake.runs[run.id]
+    (child,) = [r for r in fake.runs.values() if r.ancestors == (root.id,)]
+    assert (child.status, child.stop_reason) == (rules.STOPPED, "loop_detected")
+    assert (root.status, root.stop_reason, root.output) == (
+        rules.STOPPED, "agent_stopped", last)
+
+
+def test_a_subgraphs_stop_the_graph_goes_on_from_leaves_the_root_run_completed() -> None:
+    from governance_client.integrations.langgraph import govern_graph
+
+    main, question = _langgraph_main(after="summarize")
+    fake = FakeGovernance(max_repeat_action=3)
+    with fake.client().run("planner") as run:
+        state = govern_graph(main, run).compile().invoke({"messages": [question]})
+        run.output = str(state["messages"][-1].content)
+    root = fake.runs[run.id]
+    (child,) = [r for r in fake.runs.values() if r.ancestors == (root.id,)]
+    assert child.stop_reason == "loop_detected"
+    assert (root.status, root.output) == (rules.COMPLETED, "Summary: none.")

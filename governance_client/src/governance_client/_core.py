@@ -539,6 +539,14 @@ class RunCore:
         # that request (SPEC 11: the same check_id answers the same thing) instead of being
         # refused 409 approval_pending as another check.
         self.awaiting: tuple[str, str] | None = None
+        # A sub-agent's stop that this run's agent ended with (an integration says so: a
+        # handoff's receiver stopped, a subgraph's stop ended the graph), and the notice the
+        # user got. A child's stop does not stop its parent on the service (SPEC 20), but
+        # the agent is over all the same: the run is finished stopped with that notice, not
+        # completed with no output (found by a newcomer). A later check of this run or a new
+        # sub-agent (its agent went on after all) forgets it.
+        self.subagent_stop: Decision | None = None
+        self.subagent_notice: str | None = None
         # Checks of one run are serialized, as on the server (the ledger is one sequence): by
         # this lock in threads (report takes it too), by ``alock`` in a coroutine.
         self.lock = threading.RLock()
@@ -564,6 +572,7 @@ class RunCore:
         call_id: str | None,
     ) -> PreparedCheck:
         self.ensure_open()
+        self.went_on()
         plain = _fit_args(name, args)
         progress = _fit_progress(progress)
         cost_usd = _fit_cost(cost_usd)
@@ -603,6 +612,16 @@ class RunCore:
             self.awaiting = None  # the request was settled
         self.ledger.record(prepared.check, decision)
         return self.remember(decision)
+
+    def subagent_stopped(self, decision: Decision, notice: str | None) -> None:
+        """This run's agent ends with ``decision``, a sub-agent's stop (``subagent_stopped``)."""
+        self.subagent_stop = decision
+        self.subagent_notice = notice
+
+    def went_on(self) -> None:
+        """The run's agent acts again (a check, a new sub-agent): a sub-agent's stop it met
+        earlier did not end it."""
+        self.subagent_stop = self.subagent_notice = None
 
     def _action_of(self, check: rules.Check) -> str:
         return f"{check.type}:{self.ledger.key(check.name, check.args)}"
@@ -837,8 +856,9 @@ class RunCore:
 
     def exit_status(self, *, failed: bool) -> FinishStatus:
         # The last check not allowed (a stop, or a wait for an operator or a rate limit the
-        # client gave up on): the agent stopped there, its work is not complete.
-        if self.stop_decision is not None or (
+        # client gave up on), or a sub-agent's stop the agent ended with: the agent stopped
+        # there, its work is not complete.
+        if self.stop_decision is not None or self.subagent_stop is not None or (
             self.last_decision is not None and not self.last_decision.allowed
         ):
             return "stopped"
@@ -850,7 +870,9 @@ class RunCore:
         if self.output is None and status == "stopped":
             # The author set no output: the run still says why it stopped, in the user's words.
             last = self.stop_decision or self.last_decision
-            if last is not None and not last.allowed:
+            if self.stop_decision is None and self.subagent_stop is not None:
+                self.output = self.subagent_notice or self.subagent_stop.user_notice()
+            elif last is not None and not last.allowed:
                 self.output = last.user_notice()
         body: dict[str, Any] = {"status": status}
         if self.output is not None:

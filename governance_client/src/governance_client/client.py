@@ -344,6 +344,27 @@ class Run:
         return self._core.last_decision
 
     @property
+    def subagent_stop(self) -> Decision | None:
+        """The sub-agent's stop this run's agent ended with, if any (``subagent_stopped``)."""
+        return self._core.subagent_stop
+
+    def subagent_stopped(self, decision: Decision, notice: str | None = None) -> None:
+        """Say that this run's agent ends with a sub-agent's stop (``decision``, a child
+        run's): what the shipped integrations call when a handoff's receiver or a subgraph
+        was stopped and the agent ends there. The child's stop does not stop this run on the
+        service (SPEC 20), but its agent is over: this run is then finished ``stopped``
+        (the service records ``agent_stopped``), with ``notice`` (what the user was shown;
+        default the stop's ``user_notice()``) as its output unless you set one. A later
+        check of this run, or a new child, means the agent went on: it is forgotten."""
+        self._core.subagent_stopped(decision, notice)
+
+    def exit_status(self, *, failed: bool = False) -> FinishStatus:
+        """The status this run's block finishes it with: ``stopped`` if a decision stopped
+        it, its last check was not allowed or a sub-agent's stop ended its agent; else
+        ``failed`` when ``failed``, else ``completed``."""
+        return self._core.exit_status(failed=failed)
+
+    @property
     def finished(self) -> bool:
         return self._core.finished
 
@@ -564,6 +585,7 @@ class Run:
         """Start a sub-agent's run under this one (SPEC 20): its checks count on this run
         too, and this run's limits bound it. Its policy defaults to this run's. A run that
         started locally (the service unreachable) starts its children locally too."""
+        self._core.went_on()
         if self.local:
             return Run(self._client, local_start(agent), local=True)
         return self._client.start_run(agent, task=task, policy=policy,

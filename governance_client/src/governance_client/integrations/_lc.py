@@ -40,7 +40,7 @@ def last_ai_text(state: Any) -> str | None:
     return None
 
 
-def _recorded(message: BaseMessage) -> Decision | None:
+def recorded_stop(message: BaseMessage) -> Decision | None:
     """The stop a message records: a stopped call's ToolMessage (``artifact``), or the final
     message a stop ended the agent with (``response_metadata``, which no provider is sent)."""
     if isinstance(message, ToolMessage):
@@ -61,7 +61,7 @@ def stop_in(state: Any, run: GovernedRun | None = None) -> Decision | None:
     thread must end at once rather than call the model again."""
     for message in reversed(messages_of(state)):
         if isinstance(message, ToolMessage | AIMessage):
-            recorded = _recorded(message)
+            recorded = recorded_stop(message)
             if recorded is not None:
                 return recorded
             if isinstance(message, ToolMessage):
@@ -81,7 +81,7 @@ def run_stop(run: GovernedRun, state: Any = None) -> Decision | None:
     if run.status not in ("stopped", "killed"):
         return None
     for message in reversed(messages_of(state)):
-        recorded = _recorded(message)
+        recorded = recorded_stop(message)
         if recorded is not None:
             return recorded
     reason = str(run.data.get("stop_reason") or run.status)
@@ -103,7 +103,7 @@ def final_message(decision: Decision, state: Any, partial: PartialResponse | Non
                      response_metadata={STOP_ARTIFACT: decision.to_state()})
 
 
-def _text(content: Any) -> str:
+def text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -153,7 +153,7 @@ class ToolCallGovernor:
     def report(self, call: dict[str, Any], result: Any) -> Any:
         call_id = call.get("id")
         if isinstance(result, ToolMessage):
-            text = _text(result.content)
+            text = text_of(result.content)
             if result.status == "error":
                 self.run.report(error=text or "tool error", call_id=call_id)
             else:
@@ -169,7 +169,7 @@ class ToolCallGovernor:
         if self.nudge_in_result and isinstance(result, ToolMessage):
             # Appended to this call's own result: a message of its own between the results
             # of parallel calls would break the pairing providers require.
-            content = _text(result.content) + "\n\n" + str(decision.directive.get("content"))
+            content = text_of(result.content) + "\n\n" + str(decision.directive.get("content"))
             return result.model_copy(update={"content": content})
         self.directives.append(decision.directive)
         return result

@@ -17,7 +17,10 @@ sub_builder.compile())``) runs as a sub-agent under a child run of the graph's r
 the node runs, a child run starts (its agent: the node's name), the subgraph's ``ToolNode``s
 are governed by it (its checks count on the graph's run too, whose limits bound it), and it
 is finished when the subgraph returns. A child's stop ends the subgraph with its notice; the
-parent graph goes on (a child's stop does not stop its parent). A compiled graph whose
+parent graph goes on (a child's stop does not stop its parent on the service). When the
+graph ends there (the subgraph's node has no plain edge to another node), the graph's run
+ends with that stop: finished ``stopped``, the notice as its output
+(``Run.subagent_stopped``). A compiled graph whose
 builder governance cannot reach, or a subgraph invoked from inside a node's own function,
 is not seen: the first is refused (``ValueError`` saying how to wrap it), the second is the
 author's to wrap (``with run.child(agent=...) as child:`` and ``govern_graph(sub, child)``).
@@ -50,8 +53,11 @@ from ._lc import (
     PartialResponse,
     ToolCallGovernor,
     final_message,
+    messages_of,
+    recorded_stop,
     run_stop,
     stop_in,
+    text_of,
 )
 
 __all__ = ["STOP_ARTIFACT", "STOP_NAME", "STOP_NODE", "GovernedToolNode", "govern_graph",
@@ -113,7 +119,8 @@ def govern_graph(
     current = _GOVERNED[builder] = _Current(run)
     for name, sub in subgraphs.items():
         builder.nodes[name] = dataclasses.replace(
-            builder.nodes[name], runnable=_subgraph_node(name, sub, current, partial_response))
+            builder.nodes[name], runnable=_subgraph_node(name, sub, current, partial_response,
+                                                         ends=_ends_graph(builder, name)))
 
     def stop(state: Any) -> dict[str, Any]:
         decision = stop_in(state, current.run)
@@ -174,6 +181,12 @@ def _subgraphs(builder: StateGraph[Any]) -> dict[str, Pregel[Any, Any]]:
     return found
 
 
+def _ends_graph(builder: StateGraph[Any], name: str) -> bool:
+    """Whether the graph may end after the node ``name``: no plain edge out of it to
+    another node (its plain edges go to END, or it has none, or it routes itself)."""
+    return all(dst == END for src, dst in builder.edges if src == name)
+
+
 def _governable(builder: StateGraph[Any]) -> bool:
     """Whether a subgraph runs tools, itself or in a subgraph of its own."""
     return any(isinstance(spec.runnable, ToolNode)
@@ -184,9 +197,11 @@ def _governable(builder: StateGraph[Any]) -> bool:
 
 
 def _subgraph_node(name: str, sub: Pregel[Any, Any], current: _Current,
-                   partial_response: PartialResponse | None) -> RunnableLambda[Any, Any]:
+                   partial_response: PartialResponse | None, *, ends: bool
+                   ) -> RunnableLambda[Any, Any]:
     """The subgraph ``sub`` as a node: each time it runs, under a new child run of the
-    graph's run (SPEC 20), finished when it returns."""
+    graph's run (SPEC 20), finished when it returns. ``ends``: the graph may end after it;
+    a stop of the subgraph then tells the graph's run that its agent may end with it."""
     sub_builder: StateGraph[Any] = sub.builder  # type: ignore[attr-defined]
     agent = _AGENT_CHARS.sub("-", name)[:100] or "subgraph"
     checkpointer = getattr(sub, "checkpointer", None)
@@ -200,7 +215,21 @@ def _subgraph_node(name: str, sub: Pregel[Any, Any], current: _Current,
                             partial_response=partial_response).compile(checkpointer=checkpointer)
 
     def finish(child: GovernedRun) -> FinishStatus:
-        return "stopped" if child.stop_decision is not None else "completed"
+        return child.exit_status()
+
+    def stopped(parent: GovernedRun, child: GovernedRun, result: Any) -> None:
+        # The subgraph ended on its stop, and nothing of the graph follows it: the graph's
+        # run ends with that stop (found by a newcomer: it was finished completed, output
+        # empty, while the user read the stop). If the graph goes on after all (a route of
+        # its own back to the model), the parent's next check or sub-agent forgets it.
+        stop = child.stop_decision
+        if not ends or stop is None:
+            return
+        messages = messages_of(result)
+        notice = None
+        if messages and recorded_stop(messages[-1]) is not None:
+            notice = text_of(messages[-1].content)
+        parent.subagent_stopped(stop, notice)
 
     def invoke(state: Any, config: RunnableConfig) -> Any:
         parent = current.run
@@ -208,7 +237,9 @@ def _subgraph_node(name: str, sub: Pregel[Any, Any], current: _Current,
             raise TypeError("a graph governed by an AsyncRun runs with ainvoke / astream")
         child = parent.start_subagent(agent)
         try:
-            return compiled(child).invoke(state, config)
+            result = compiled(child).invoke(state, config)
+            stopped(parent, child, result)
+            return result
         finally:
             child.finish(finish(child))
 
@@ -219,7 +250,9 @@ def _subgraph_node(name: str, sub: Pregel[Any, Any], current: _Current,
         else:
             child = await asyncio.to_thread(parent.start_subagent, agent)
         try:
-            return await compiled(child).ainvoke(state, config)
+            result = await compiled(child).ainvoke(state, config)
+            stopped(parent, child, result)
+            return result
         finally:
             if isinstance(child, AsyncRun):
                 await child.finish(finish(child))

@@ -15,7 +15,8 @@ On a stop the call is not run, and by default the run ends cleanly: the SDK's
 words) followed by the stop's reason and next step; no exception. With ``raise_on_stop=True``
 the guardrail raises instead (``ToolInputGuardrailTripwireTriggered``, the decision in
 ``.output.output_info``). The repeated-error directive is appended to the result the model
-reads for that call. ``run.output`` is set to the final output.
+reads for that call. ``run.output`` is set to the final output (``str()`` of a structured
+one), the stop notice included.
 
 Works with a ``Run`` (sync client, called in a thread) or an ``AsyncRun``.
 
@@ -26,7 +27,10 @@ limits with a fresh budget:
   type ``other``); allowed, the receiving agent is governed by a new child run of ``run``
   (its checks count on ``run`` too, and ``run``'s limits bound it), finished when that agent
   ends or hands off again. A stopped handoff ends the run cleanly with the stop's notice (or
-  raises with ``raise_on_stop=True``): a handoff loop stops at the policy's step;
+  raises with ``raise_on_stop=True``): a handoff loop stops at the policy's step. A stop of
+  the receiving agent (or of a handoff it makes) ends the whole agent: ``run`` gets its
+  notice as output and is finished ``stopped`` (``Run.subagent_stopped``), though the stop
+  was its child's;
 - an **agent used as a tool** (``Agent.as_tool``) is checked as the tool call it is, then
   runs governed by a child run of the calling agent's run, finished when the tool returns.
   Only the tool's name and description are carried over to the governed copy (not an
@@ -90,6 +94,9 @@ class GovernanceState:
     child: bool = False
     #: The run whose children the handoffs start (the run given to govern_agent).
     root: Run | AsyncRun | None = None
+    #: A handoff's receiver: the run whose agent ends with this agent's final output (the
+    #: run given to govern_agent, or an agent-as-tool call's child run). None: ``run``.
+    owner: Run | AsyncRun | None = None
     #: What a model call costs (``llm_cost``), and the spend not yet sent with a check.
     llm_cost: Callable[[Any], float] | None = None
     unbilled: float = 0.0
@@ -111,12 +118,23 @@ class GovernanceState:
             return await self.run.start_subagent(agent)
         return await asyncio.to_thread(self.run.start_subagent, agent)
 
+    def ended(self, output: str, stop: Decision | None = None) -> None:
+        """This agent produced the run's final output (``stop``: a governance stop's notice).
+        It is the output of this state's run and, for a handoff's receiver, of the run whose
+        agent ends with it, which a sub-agent's stop then leaves ``stopped`` rather than
+        ``completed`` with no output (found by a newcomer)."""
+        self.run.output = output
+        if self.owner is not None:
+            self.owner.output = output
+            if stop is not None:
+                self.owner.subagent_stopped(stop, output)
+
     async def finish_child(self) -> None:
-        """End this state's child run: stopped if a decision stopped it, else completed."""
+        """End this state's child run as its block would: stopped if a decision stopped it
+        (or a sub-agent's stop ended it), else completed."""
         if not self.child or self.run.finished:
             return
-        status: FinishStatus = "stopped" if self.run.stop_decision is not None \
-            else "completed"
+        status: FinishStatus = self.run.exit_status()
         if isinstance(self.run, AsyncRun):
             await self.run.finish(status)
         else:
@@ -155,7 +173,10 @@ class _Hooks(AgentHooks[Any]):
             await self.inner.on_llm_end(context, agent, response)
 
     async def on_end(self, context: Any, agent: Any, output: Any) -> None:
-        # The agent produced the final output: its child run, if it has one, is over.
+        # The agent produced the final output: it is the run's output (the README's promise
+        # that a run stores its final response), and its child run, if it has one, is over.
+        if output is not None:
+            self.state.ended(output if isinstance(output, str) else str(output))
         await self.state.finish_child()
         if self.inner is not None:
             await self.inner.on_end(context, agent, output)
@@ -202,6 +223,10 @@ def _govern(agent: Agent[Any], state: GovernanceState, *, raise_on_stop: bool,
         if state.stop is None:
             state.stop = decision
         if raise_on_stop:
+            # The agent ends here too, by an exception: said as use_behavior says it.
+            stop = run.stop_decision or decision
+            partial = (partial_response or (lambda s: s.last_text))(state)
+            state.ended(stop.user_notice(partial), stop)
             return ToolGuardrailFunctionOutput.raise_exception(output_info=decision)
         # The run's first stop explains; parallel calls checked after it only hear "over".
         shown = run.stop_decision or decision
@@ -229,8 +254,9 @@ def _govern(agent: Agent[Any], state: GovernanceState, *, raise_on_stop: bool,
                            ) -> ToolsToFinalOutputResult:
         if state.stop is not None:
             partial = (partial_response or (lambda s: s.last_text))(state)
-            output = (run.stop_decision or state.stop).user_notice(partial)
-            run.output = output
+            stop = run.stop_decision or state.stop
+            output = stop.user_notice(partial)
+            state.ended(output, stop)
             return ToolsToFinalOutputResult(is_final_output=True, final_output=output)
         return await _delegate(behaviour, context, results)
 
@@ -269,7 +295,7 @@ def _governed_handoff(item: Agent[Any] | Handoff[Any, Any], state: GovernanceSta
             state.stop = state.stop or decision
             stop = state.run.stop_decision or decision
             notice = stop.user_notice(state.last_text)
-            state.run.output = notice
+            state.ended(notice, stop)
             await state.finish_child()
             if options["raise_on_stop"]:
                 # Its user_notice() is the stop's (a GovernanceError's own told the user the
@@ -281,7 +307,8 @@ def _governed_handoff(item: Agent[Any] | Handoff[Any, Any], state: GovernanceSta
         await state.finish_child()  # control moves on: the handing-off agent is done
         root = state.root if state.root is not None else state.run
         child = await GovernanceState(root).start_child(receiving.name)
-        sub = GovernanceState(child, child=True, root=root, llm_cost=state.llm_cost)
+        sub = GovernanceState(child, child=True, root=root, llm_cost=state.llm_cost,
+                              owner=state.owner or state.run)
         return _govern(receiving, sub, **options)
 
     return dataclasses.replace(target, on_invoke_handoff=governed)
