@@ -42,7 +42,10 @@ from .local import LocalLedger, LocalLimits, make_check
 
 logger = logging.getLogger("governance_client")
 
-try:  # optional (the `otel` extra): without it, no trace context is sent
+# Optional (the `otel` extra): without it, no trace context is sent. Typed Any: mypy reads
+# the module's type where the package is installed, and None would not fit it.
+_otel_propagate: Any
+try:
     from opentelemetry import propagate as _otel_propagate
 except ImportError:  # pragma: no cover - exercised where opentelemetry-api is absent
     _otel_propagate = None
