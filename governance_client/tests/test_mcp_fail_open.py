@@ -154,3 +154,33 @@ def test_a_session_that_ends_during_the_outage_sends_nothing() -> None:
 
     assert in_session(fake, scenario) == "completed"
     assert not fake.runs
+
+
+@pytest.mark.parametrize(("failure", "told"), [
+    ("slow", "The governance service did not answer in time, so this tool was not run."),
+    ("down", "The governance service is unreachable, so this tool was not run."),
+])
+def test_a_closed_session_says_whether_the_service_was_slow_or_unreachable(
+    failure: str, told: str
+) -> None:
+    # Found by a newcomer: a start that got no answer within the deadline on a loaded
+    # machine was told "unreachable", which sent them looking for a network fault.
+    import httpx
+
+    fake = FakeGovernance()
+
+    async def main() -> str | None:
+        config = GatewayConfig(url="http://governance.test", key=fake.api_key,
+                               agent="mcp-agent", name="files")
+        async with fake.async_client() as client:
+            session = GatewaySession(config, client)
+            if failure == "slow":
+                fake.fail_next(httpx.ReadTimeout, httpx.ReadTimeout, httpx.ReadTimeout)
+            else:
+                fake.down = True
+            await session._start()
+            return session.start_refusal
+
+    refusal = anyio.run(main)
+    assert refusal is not None
+    assert refusal.startswith(f"Blocked by governance (governance_unavailable): {told}")

@@ -500,10 +500,14 @@ class GatewaySession:
                 self.start_refusal = blocked("killed", exc.message or exc.user_message,
                                              exc.user_next)
             except GovernanceUnavailable as exc:
-                logger.warning("governance unreachable, the run is not started: %s", exc)
+                # A slow service (no answer within the deadline) is told apart from an
+                # unreachable one, as the client's checks tell them.
+                outage = "did not answer in time" if exc.timed_out else "is unreachable"
+                logger.warning("governance %s, the run is not started: %s", outage, exc)
                 self.start_refusal = blocked(
-                    GOVERNANCE_UNAVAILABLE, "The governance service is unreachable, so this "
-                    "tool was not run.", "Try again once it is reachable.")
+                    GOVERNANCE_UNAVAILABLE, f"The governance service {outage}, so this "
+                    "tool was not run.", "Try again once it answers." if exc.timed_out
+                    else "Try again once it is reachable.")
             except ApiError as exc:
                 logger.error("the run could not be started: %s", exc)
                 self.start_refusal = blocked(exc.code, exc.message)
