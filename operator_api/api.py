@@ -594,13 +594,13 @@ def decide_approval(request: HttpRequest, approval_id: str, payload: DecideIn
 
 @router.get("/teams/{slug}/runs", response={200: dict, **ERRORS}, summary="A team's runs",
             operation_id="operator_list_runs")
-def list_runs(request: HttpRequest, slug: str, filters: Query[RunsFilter]) -> dict[str, Any]:
+def list_runs(request: HttpRequest, slug: str, filters: Query[RunsFilter]) -> HttpResponse:
     team, _ = _team(request, slug)
     first_look.look(team)  # whoever looks first settles (SPEC 11, 14)
-    runs = run_reads.runs_for_team(team, status=filters.status, agent=filters.agent,
-                                   limit=filters.limit)
+    page = run_reads.runs_page(team, status=filters.status, agent=filters.agent,
+                               limit=filters.limit, after=filters.after)
     _read(request, team)
-    return {"runs": run_reads.runs_json(runs)}
+    return HttpResponse(page, content_type="application/json; charset=utf-8")
 
 
 def _run(team: Team, run_id: str) -> Run:

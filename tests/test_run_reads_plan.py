@@ -27,7 +27,7 @@ from django.utils import timezone
 from governance_client import rules
 from policies.models import Team
 from policies.services import agent_key_create
-from runs.audit.selectors import decisions_of, runs_for_team
+from runs.audit.selectors import decisions_of, runs_page
 from runs.check.records import stop_detail
 from runs.dashboard import presenters
 from runs.dashboard.selectors import (
@@ -186,9 +186,9 @@ def test_an_agents_runs_are_read_newest_first_from_the_index(team: Team) -> None
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE runs_run")
     listing = 'ORDER BY "runs_run"."started_at" DESC'
-    assert most_examined(lambda: list(runs_for_team(team, agent="old-bot", limit=50)),
+    assert most_examined(lambda: runs_page(team, agent="old-bot", limit=50),
                          "runs_run", listing) <= 50
-    assert most_examined(lambda: list(runs_for_team(team, key_agent="old-bot", limit=50)),
+    assert most_examined(lambda: runs_page(team, key_agent="old-bot", limit=50),
                          "runs_run", listing) <= 50
 
 
@@ -206,7 +206,7 @@ def test_sqlite_searches_the_same_indexes(team: Team) -> None:
         stop_detail(run.pk, "killed")
         presenters.banner(run)
         presenters.shadow_summary(run)
-        list(runs_for_team(team, agent="bot"))
+        runs_page(team, agent="bot")
     plans = []
     for query in queries.captured_queries:
         if '"runs_decision"' in query["sql"] or '"runs_run"."agent" =' in query["sql"]:
@@ -215,7 +215,10 @@ def test_sqlite_searches_the_same_indexes(team: Team) -> None:
                 plans.append([row[3] for row in cursor.fetchall()])
     assert len(plans) >= 8
     for plan in plans:
-        assert not any("TEMP B-TREE" in step or step.startswith("SCAN") for step in plan), plan
+        # The runs list's order is (started, id), the index's (started): only runs that
+        # started in the same microsecond are sorted, a page's worth at most.
+        assert not any(("TEMP B-TREE" in step and "RIGHT PART" not in step)
+                       or step.startswith("SCAN") for step in plan), plan
         searches = [step for step in plan if step.startswith("SEARCH")]
         assert all(" INDEX decision_run" in step or " INDEX run_team_agent_recent" in step
                    or "PRIMARY KEY" in step for step in searches), plan

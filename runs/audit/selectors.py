@@ -4,22 +4,25 @@ and the rows still due are shown as they will be (runs/due.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Iterable
+import uuid
 from datetime import datetime
 from typing import Any
 
 import orjson
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db.models import QuerySet, TextField
+from django.db.models import Func, IntegerField, Q, QuerySet, TextField
 from django.db.models.functions import Cast
 from django.http import Http404
 from django.utils import timezone
 
+from governance.errors import AppError
 from governance_client import rules
 from policies.models import PolicyVersion, Team
 from runs import due
 from runs.check.policy_cache import rules_for_version
+from runs.check.schemas import PolicyOut
 from runs.models import Decision, Run
 from runs.sweep import one_by_one
 
@@ -116,22 +119,12 @@ def run_tree_json(run: Run, now: datetime | None = None, *, key_agent: str = ""
             "tree_usage": tree_usage(run)}
 
 
-def runs_json(runs: Iterable[Run], now: datetime | None = None) -> list[dict[str, Any]]:
-    """A list's runs as JSON; a run that cannot be shown is logged and left out, so one bad
-    row never makes the list answer 500 (SPEC 10)."""
-    now = now or timezone.now()
-    return one_by_one(runs, lambda run: run_json(run, now), what="run")
-
-
-def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = None,
-                  limit: int = 50, key_agent: str = "", now: datetime | None = None
-                  ) -> list[Run]:
-    """The team's newest runs, as they will be once what is due on them is settled
-    (runs/first_look.py: the caller looks first). ``key_agent``: the agent an agent-bound
-    key is limited to (SPEC 10); it sees only that agent's runs, as if the others were
-    another team's."""
-    now = now or timezone.now()
-    runs = Run.objects.filter(team=team).select_related("policy_version")
+def _team_runs(team: Team, *, status: str | None, agent: str | None, key_agent: str,
+               now: datetime) -> QuerySet[Run]:
+    """The team's runs a list shows, newest first (the run id breaks ties, so a page's
+    boundary is exact). ``key_agent``: the agent an agent-bound key is limited to (SPEC 10);
+    it sees only that agent's runs, as if the others were another team's."""
+    runs = Run.objects.filter(team=team)
     if key_agent:
         runs = runs.filter(agent=key_agent)
     if status:
@@ -140,7 +133,115 @@ def runs_for_team(team: Team, *, status: str | None = None, agent: str | None = 
             runs = runs.filter(due.still_running(now))  # over, however unsaid
     if agent:
         runs = runs.filter(agent=agent)
-    return due.as_it_will_be(runs.order_by("-started_at")[:limit], now=now)
+    return runs.order_by("-started_at", "-pk")
+
+
+# A page of the runs list (`GET /api/v1/runs`, the operator API's `.../runs`) stops adding
+# runs once its JSON would pass this many bytes, and says where the next page starts
+# (`next_after`). A run's task and output may be 10,000 and 100,000 characters, so 500 of
+# them were 660 MB of JSON, 7 s and over a GB of the worker's memory for one read (found by
+# an attacker); a page is now at most this, whatever was recorded (SPEC 10).
+RUNS_PAGE_BYTES = 4 * 1024 * 1024
+
+
+class _StoredBytes(Func):
+    """A text column's size in bytes as the database keeps it (UTF-8). PostgreSQL reads it
+    from the value's header, without reading the text out of TOAST."""
+
+    function = "OCTET_LENGTH"
+    output_field = IntegerField()
+
+    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return self.as_sql(compiler, connection,
+                           template="LENGTH(CAST(%(expressions)s AS BLOB))", **extra)
+
+
+def runs_page(team: Team, *, status: str | None = None, agent: str | None = None,
+              limit: int = 50, after: uuid.UUID | None = None, key_agent: str = "",
+              now: datetime | None = None) -> bytes:
+    """A page of the team's runs, newest first, as its JSON body: `{"runs": [...],
+    "next_after": run id | null}`. It holds at most ``limit`` runs, and fewer when they
+    would pass RUNS_PAGE_BYTES (never none: a first run bigger than that is sent alone);
+    ``next_after`` is the last one's id when more runs follow, for the next page's
+    ``after``. The rows are read in two steps, so that the read's memory is bounded by the
+    page and not by ``limit`` runs of the longest texts: first the ids and the stored size
+    of each run's texts, then the texts of the runs that can fit (a run's JSON is never
+    smaller than its stored texts). Each run as `run_json` makes it, through the answer's
+    schema as before, written with orjson: text beyond ASCII as UTF-8, not 12-byte escapes.
+    The rows are shown as they will be once what is due on them is settled (the caller
+    looks first, runs/first_look.py)."""
+    now = now or timezone.now()
+    runs = _team_runs(team, status=status, agent=agent, key_agent=key_agent, now=now)
+    if after is not None:
+        runs = runs.filter(_after(team, after, key_agent=key_agent))
+    listed = [(pk, size or 0) for pk, size in
+              runs.annotate(size=_StoredBytes("task") + _StoredBytes("output"))
+              .values_list("pk", "size")[:limit + 1]]
+    more, listed = len(listed) > limit, listed[:limit]
+    parts: list[bytes] = []
+    used, last, full, start = _PAGE_FRAME, None, False, 0
+    policies: dict[int, dict[str, Any]] = {}
+    while start < len(listed) and not full:
+        # The next runs whose stored texts fit in what the page has left (at least one).
+        end, room = start + 1, RUNS_PAGE_BYTES - used - listed[start][1]
+        while end < len(listed) and listed[end][1] <= room:
+            room -= listed[end][1]
+            end += 1
+        ids = [pk for pk, _ in listed[start:end]]
+        rows = Run.objects.filter(team=team, pk__in=ids).select_related("policy_version")
+        found = {run.pk: run for run in due.as_it_will_be(rows, now=now)}
+        for pk in ids:
+            # Nothing for a run deleted since (retention) or one that cannot be shown.
+            body = b"".join(one_by_one([found[pk]] if pk in found else [],
+                                       lambda run: _listed_run(run, now, policies), what="run"))
+            if body and parts and used + len(body) + 1 > RUNS_PAGE_BYTES:
+                more = full = True
+                break
+            if body:
+                parts.append(body)
+                used += len(body) + 1
+            last = pk
+        start = end
+    return b"".join([b'{"runs":[', b",".join(parts), b'],"next_after":',
+                     orjson.dumps(str(last) if more and last is not None else None), b"}"])
+
+
+# What a page's JSON holds besides its runs.
+_PAGE_FRAME = len(b'{"runs":[],"next_after":"00000000-0000-0000-0000-000000000000"}')
+
+
+def _after(team: Team, after: uuid.UUID, *, key_agent: str) -> Q:
+    """The runs listed after this run of the team's (the previous page's last): older, or
+    as old with a smaller id. 404 naming `after` for a run the caller cannot see (another
+    team's, another agent's for an agent-bound key, or one deleted since), as for a
+    `parent_run_id` (SPEC 20)."""
+    runs = Run.objects.filter(team=team, pk=after)
+    if key_agent:
+        runs = runs.filter(agent=key_agent)
+    started = runs.values_list("started_at", flat=True).first()
+    if started is None:
+        raise AppError(404, "not_found", "`after` is no run of this list.",
+                       {"after": "no run of yours has this id (deleted since?): start again "
+                                 "from the first page"})
+    # "started <= s AND (started < s OR id < after)": the first half is a plain range of
+    # the (team, started) index, walked in order (as runs/dashboard/selectors.py `_after`).
+    return Q(started_at__lte=started) & (Q(started_at__lt=started) | Q(pk__lt=after))
+
+
+def _listed_run(run: Run, now: datetime, policies: dict[int, dict[str, Any]]) -> bytes:
+    """One run of a list as JSON, the values the answer's schema made before (a policy's
+    numbers as its fields' types, the one-run fields null, ninja's times): the small
+    fields through the schema, once per policy version; the texts as they are."""
+    doc = run_json(run, now)
+    if run.policy_version_id not in policies:
+        policies[run.policy_version_id] = PolicyOut.model_validate(doc["policy"]).model_dump()
+    doc.update(policy=policies[run.policy_version_id], children=None, children_more=None,
+               tree_usage=None, started_at=_ENCODER.default(run.started_at),
+               ended_at=_ENCODER.default(run.ended_at) if run.ended_at else None)
+    try:
+        return orjson.dumps(doc)
+    except orjson.JSONEncodeError:  # what orjson refuses and the standard library writes
+        return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def run_for_team(team: Team, run_id: Any, *, key_agent: str = "") -> Run:

@@ -278,13 +278,12 @@ def start_run(request: HttpRequest, payload: s.RunStartIn) -> Status:
 
 @api.get("/runs", response={200: s.RunsOut, **ERRORS}, summary="List runs",
          operation_id="list_runs")
-def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> dict[str, Any]:
+def list_runs(request: HttpRequest, filters: Query[s.RunsFilter]) -> HttpResponse:
     first_look.look(request.auth.team)  # whoever looks first settles (SPEC 11, 14), a share
-    runs = selectors.runs_for_team(
+    return HttpResponse(selectors.runs_page(
         request.auth.team, status=filters.status, agent=filters.agent, limit=filters.limit,
-        key_agent=request.auth.agent,
-    )
-    return {"runs": selectors.runs_json(runs)}
+        after=filters.after, key_agent=request.auth.agent,
+    ), content_type="application/json; charset=utf-8")
 
 
 @api.get("/runs/{run_id}", response={200: s.RunOut, **ERRORS}, summary="Get a run",
