@@ -207,7 +207,10 @@ def page_rows(team: Team, filters: RunFilters, *, now: datetime | None = None,
         rows = rows.filter(after)
     order = [f"-{column}", "-pk"] if descending else [column, "pk"]
     # prefetch, not a join: the page query stays on runs_run alone, whose index gives the order.
-    return (rows.prefetch_related("policy_version__policy").annotate(
+    # Not the output nor the metadata, which the list does not show: a run's output may be
+    # 100,000 characters, 400 KB of emoji (the agents' list is bounded for the same reason,
+    # runs/audit/selectors.py `runs_page`).
+    return (rows.defer("output", "metadata").prefetch_related("policy_version__policy").annotate(
         shadow_step=Subquery(_first_would_stop().values("step")[:1]),
         shadow_reason=Subquery(_first_would_stop().values("answer__shadow__reason")[:1]),
     ).order_by(*order))
@@ -283,7 +286,7 @@ def running_runs(team: Team, *, limit: int = 10, now: datetime | None = None
     running = Run.objects.filter(due.still_running(now), team=team,
                                  status=RunStatus.RUNNING).select_related(
         "policy_version__policy"
-    )
+    ).defer("task", "output", "metadata")  # not shown: up to 400 KB a run
     return list(running.order_by("-started_at")[:limit]), running.count()
 
 
