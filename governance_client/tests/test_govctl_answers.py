@@ -136,6 +136,23 @@ def test_a_runs_json_is_shown_as_written_but_what_a_terminal_acts_on(fake: Fake)
         assert json.loads(out) in (run, [run])  # still the server's exact data
 
 
+def test_a_runs_list_says_where_the_next_page_starts(fake: Fake) -> None:
+    """A page stops at --limit runs or at about 4 MB of JSON; the server names the next
+    page's `after` (`next_after`), which `runs list` passes on as --after."""
+    run = {"run_id": RUN_ID, "agent": "bot", "status": "completed", "stop_reason": None,
+           "steps": 1, "cost_usd": 0.0, "started_at": "2026-12-06T14:40:12.123Z"}
+    fake.answer("GET", "/teams/support/runs", {"runs": [run], "next_after": RUN_ID})
+    code, out, err = govctl(fake, "runs", "list", "--team", "support", "--after", RUN_ID)
+    assert code == 0, err
+    assert out.splitlines()[-1] == f"more runs follow: add --after {RUN_ID}"
+    code, out, err = govctl(fake, "runs", "list", "--team", "support", "--json")
+    assert code == 0 and json.loads(out) == [run]
+    assert f"more runs follow: add --after {RUN_ID}" in err
+    fake.answer("GET", "/teams/support/runs", {"runs": [run], "next_after": None})
+    code, out, err = govctl(fake, "runs", "list", "--team", "support")
+    assert code == 0 and "more runs" not in out + err
+
+
 def test_a_runs_decisions_rules_and_reasons_are_shown_escaped(fake: Fake) -> None:
     decision = {"id": 41, "step": 3, "outcome": "allow", "reason": "step_ok\u2066",
                 "action": {"name": "search\u200b.docs\r"},

@@ -5,7 +5,8 @@
     govctl policies export --team SLUG
     govctl killswitch engage|release --scope global|team|agent|run [--team SLUG]
                                      [--agent NAME] [--run UUID] --reason TEXT
-    govctl runs list --team SLUG [--status running] [--agent NAME] [--limit N] [--json]
+    govctl runs list --team SLUG [--status running] [--agent NAME] [--limit N] [--after RUN]
+                     [--json]
     govctl approvals list --team SLUG [--status pending]
     govctl approvals decide ID approve|deny [--note TEXT]
 
@@ -717,10 +718,17 @@ def killswitch(api: Api, args: argparse.Namespace, out: Any) -> None:
 
 def runs_list(api: Api, args: argparse.Namespace, out: Any) -> None:
     params = {k: v for k, v in (("status", args.status), ("agent", args.agent),
-                                ("limit", args.limit)) if v is not None}
+                                ("limit", args.limit), ("after", args.after)) if v is not None}
     _, data = api.call("GET", f"/teams/{_segment(args.team, '--team')}/runs", params=params)
+    # A page stops at --limit runs or at about 4 MB of JSON (long outputs): the server names
+    # where the next one starts. On stderr with --json, whose stdout stays the runs alone.
+    following = data.get("next_after")
+    more = (f"more runs follow: add --after {_for_terminal(str(following))}"
+            if following else None)
     if args.json:
         print(_json(data["runs"], indent=2), file=out)
+        if more:
+            print(more, file=sys.stderr)
         return
     runs = _for_terminal(data["runs"])
     if not runs:
@@ -731,6 +739,8 @@ def runs_list(api: Api, args: argparse.Namespace, out: Any) -> None:
         print(f"{run['run_id']}  {run['status'] + why:<24} {run['agent']}  "
               f"steps {run['steps']}  ${run['cost_usd']:g}  started {_when(run['started_at'])}"
               f"{parent}", file=out)
+    if more:
+        print(more, file=out)
 
 
 def runs_show(api: Api, args: argparse.Namespace, out: Any) -> None:
@@ -848,6 +858,8 @@ def parser() -> argparse.ArgumentParser:
     runs_listing.add_argument("--agent")
     runs_listing.add_argument("--limit", type=int, help="at most this many (default 50, "
                               "at most 500)")
+    runs_listing.add_argument("--after", help="only runs after this one (the run id a page "
+                              "says more follow after)")
     runs_listing.add_argument("--json", action="store_true")
     runs_listing.set_defaults(handler=runs_list)
     show = runs.add_parser("show", help="one run: its counters, parent, children and tree usage")
