@@ -188,7 +188,8 @@ def runs_page(team: Team, *, status: str | None = None, agent: str | None = None
             room -= listed[end][1]
             end += 1
         ids = [pk for pk, _ in listed[start:end]]
-        rows = Run.objects.filter(team=team, pk__in=ids).select_related("policy_version")
+        rows = (Run.objects.filter(team=team, pk__in=ids).select_related("policy_version")
+                .order_by())  # by their ids (the primary key), put in order below
         found = {run.pk: run for run in due.as_it_will_be(rows, now=now)}
         for pk in ids:
             # Nothing for a run deleted since (retention) or one that cannot be shown.
