@@ -380,9 +380,10 @@ class RunOut(Schema):
 
 class RunsOut(Schema):
     runs: list[RunOut]
-    # Set when more runs follow this page: the `after` of the next one (its last run's id).
-    # A page stops at `limit` runs or at about 4 MB of JSON, whichever comes first.
-    next_after: UUID | None = None
+    next_after: UUID | None = Field(None, description=(
+        "Set when more runs follow this page: the `after` of the next one (this page's last "
+        "run's id); null on the last page. A page stops at `limit` runs or at 4 MiB of JSON, "
+        "whichever comes first (a run bigger than that alone)."))
 
 
 # The check's input models are plain pydantic models: ninja's Schema wraps every nested object
@@ -668,8 +669,9 @@ class RunsFilter(Schema):
     # The agent-name pattern, not only a length: a NUL would reach the database as a 503.
     agent: Annotated[Annotated[str, Field(pattern=AGENT_PATTERN)] | None, EmptyIsAbsent] = None
     limit: Annotated[int, Field(ge=1, le=500), EmptyIsAbsent] = 50
-    # The runs after this one (the previous page's `next_after`): older ones, newest first.
-    after: Annotated[UUID | None, EmptyIsAbsent] = None
+    after: Annotated[UUID | None, EmptyIsAbsent, Field(description=(
+        "Only the runs listed after this one (a page's `next_after`): older ones, newest "
+        "first. A run the key does not see: 404 naming `after`."))] = None
 
 
 class DecisionsFilter(Schema):
