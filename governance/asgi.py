@@ -64,6 +64,7 @@ from . import connections, pools  # noqa: E402
 from .handlers import Answer, ResolvedOnce, TextCharsetASGIRequest  # noqa: E402
 from .pools import pool_name  # noqa: E402
 from .shares import TimeShare  # noqa: E402
+from .sources import source_of  # noqa: E402
 
 if TYPE_CHECKING:
     from .direct import DirectApi
@@ -472,10 +473,6 @@ class Application(ResolvedOnce, ASGIHandler):
         other team's operator calls for seconds; one team's agent key did the same to the
         bulk calls). Past either, 429 at once, before any thread or query. Each pool counts
         apart: a token's slow read never makes its own kill switch wait or refused."""
-        # Imported here: the benchmark's minimal server serves this module without the apps
-        # whose models the throttle's module reads.
-        from .throttle import source_of
-
         credential = _credential(scope)
         held: tuple[str, ...] = (f"{pool}:{credential}", f"{pool}:address:{source_of(request)}")
         per_credential, per_address, share, calls = SHARED_POOLS[pool]

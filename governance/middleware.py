@@ -28,15 +28,9 @@ from runs.check.edge import bearer_token, body_limit, error, too_large
 from .deadlines import read_deadline, timed_out
 from .handlers import ApiChain
 from .pools import api_thread, pool, pool_name
+from .sources import counted_source, source_of
 from .text import text_problem
-from .throttle import (
-    SIGN_IN_OUTCOME,
-    SPARE_UNKNOWN_HASH,
-    Throttle,
-    Verdict,
-    counted_source,
-    source_of,
-)
+from .throttle import SIGN_IN_OUTCOME, SPARE_UNKNOWN_HASH, Throttle, Verdict
 
 log = logging.getLogger(__name__)
 
