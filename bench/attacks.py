@@ -19,11 +19,13 @@ import dataclasses
 import ipaddress
 import itertools
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,6 +45,10 @@ HEAVY_READERS = 4  # another team's keys each reading its run's largest decision
 HEAVY_PAGE_VIEWERS = 4  # another team's signed-in viewers each loading its heaviest page
 ACCOUNT_GUESSERS = 4  # clients of one address guessing the passwords of another team's people
 ACCOUNT_GUESS_SOURCE = "127.0.0.77"  # their address: not the agents' own
+# One client flooding cheap requests (bad keys, probes, unknown runs) on kept-alive
+# connections, each sending its next request as soon as its answer comes.
+FLOOD_CONNECTIONS = 8
+FLOOD_SOURCE = "127.0.0.88"  # its address: not the agents' own
 
 
 @dataclass
@@ -302,11 +308,12 @@ async def _get_again(target: Target, stop: asyncio.Event, stats: AttackStats, to
 
 async def _send_again(target: Target, stop: asyncio.Event, stats: AttackStats,
                       next_request: Callable[[], bytes], timeout: float, what: str,
-                      local_addr: tuple[str, int] | None = None) -> None:
+                      local_addr: tuple[str, int] | None = None, back_off: bool = True
+                      ) -> None:
     """One client sending `next_request()` again as soon as each answer comes, on one
     kept-alive connection (opened again when the server ends it; from `local_addr` if
-    given); a refusal (429) backs off a second, as the client does. `stop` ends a request in
-    progress too (a long poll's 30 s)."""
+    given); a refusal (429) backs off a second, as the client does, unless not `back_off`
+    (a flood). `stop` ends a request in progress too (a long poll's 30 s)."""
     while not stop.is_set():
         try:
             reader, writer = await asyncio.open_connection(
@@ -329,7 +336,7 @@ async def _send_again(target: Target, stop: asyncio.Event, stats: AttackStats,
                     return
                 status, _ = ask.result()
                 stats.answers[status] += 1
-                if " 200 " not in status and await _wait(stop, 1.0):
+                if back_off and " 200 " not in status and await _wait(stop, 1.0):
                     return
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             stats.errors[f"{what}: {type(exc).__name__}"] += 1
@@ -512,6 +519,50 @@ async def _guess_again(target: Target, stop: asyncio.Event, stats: AttackStats,
                       local_addr=(ACCOUNT_GUESS_SOURCE, 0))
 
 
+async def _flood(target: Target, stop: asyncio.Event, stats: AttackStats,
+                 next_request: Callable[[], bytes], what: str) -> None:
+    """FLOOD_CONNECTIONS kept-alive connections from FLOOD_SOURCE, each sending
+    `next_request()` as soon as its last answer came, whatever it was (no back-off)."""
+    await asyncio.gather(*(_send_again(target, stop, stats, next_request, 30, what,
+                                       local_addr=(FLOOD_SOURCE, 0), back_off=False)
+                           for _ in range(FLOOD_CONNECTIONS)))
+
+
+def _unknown_run_check(target: Target, token: str) -> bytes:
+    """A check of a run that does not exist (a new id each time) with bearer `token`."""
+    return _request(target, "POST", f"/api/v1/runs/{uuid.uuid4()}/check", token,
+                    b'{"action": {"name": "search.docs", "args": {}}}')
+
+
+async def bad_key_flood(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
+    """Checks with a new random key each (a key's shape, found by nobody: 401), from one
+    address on a few kept-alive connections, as fast as they are answered (SPEC 10: failed
+    authentications from one address never slow another team's checks)."""
+    await _flood(target, stop, stats, lambda: _unknown_run_check(
+        target, f"gov_{os.urandom(6).hex()}_{os.urandom(16).hex()}"), "bad key")
+
+
+async def repeated_key_flood(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
+    """`bad_key_flood` with one bad key over and over: 401, then 429 too_many_failures."""
+    key = f"gov_{os.urandom(6).hex()}_{os.urandom(16).hex()}"
+    await _flood(target, stop, stats, lambda: _unknown_run_check(target, key), "repeated key")
+
+
+async def unknown_run_flood(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
+    """Another team's valid key checking runs that do not exist (404), as `bad_key_flood`."""
+    if not target.other_tokens:
+        raise ValueError("unknown_run_flood needs another team's key")
+    token = target.other_tokens[0]
+    await _flood(target, stop, stats, lambda: _unknown_run_check(target, token), "unknown run")
+
+
+async def probe_flood(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
+    """`GET /healthz` without a credential, as `bad_key_flood`."""
+    request = (f"GET /healthz HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
+               "\r\n").encode()
+    await _flood(target, stop, stats, lambda: request, "probe")
+
+
 async def together(target: Target, stop: asyncio.Event, stats: AttackStats) -> None:
     """Every attack above at once."""
     await asyncio.gather(slow_bodies(target, stop, stats),
@@ -538,6 +589,10 @@ ATTACKS: dict[str, Attack] = {
     "heavy_reads": heavy_reads,
     "heavy_pages": heavy_pages,
     "account_guesses": account_guesses,
+    "bad_key_flood": bad_key_flood,
+    "repeated_key_flood": repeated_key_flood,
+    "unknown_run_flood": unknown_run_flood,
+    "probe_flood": probe_flood,
     "redis_refused": _no_clients,
     "redis_hung": _no_clients,
 }

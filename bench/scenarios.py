@@ -733,6 +733,8 @@ def neighbour_state(server: Server, name: str) -> dict[str, Any]:
         return _heavy_page_state()
     if name == "account_guesses":
         return _account_guess_state()
+    if name == "unknown_run_flood":
+        return {"other_tokens": [seed_team("bench-unknown-runs").token]}
     if name != "long_polls":
         return {}
     neighbour = seed_team("bench-polls", policy={
