@@ -489,6 +489,12 @@ REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
 # headers unfinished, keep-alive between requests); beyond it the longest silent are closed
 # (governance/connections.py). TRUSTED_PROXIES are exempt: a proxy carries many clients.
 MAX_IDLE_CONNECTIONS_PER_ADDRESS = env_int("MAX_IDLE_CONNECTIONS_PER_ADDRESS", 100)
+# Cheap answers (a failed authentication, a 404 under /api/, a health probe, an API call with
+# no credential) one client address (TRUSTED_PROXIES applied) gets from one server process a
+# second, after a burst of twice as many; the others are sent once their turn comes, waiting
+# on the event loop (at most 10 s each), never refused (governance/pacing.py). A valid key's
+# work is never paced.
+CHEAP_ANSWERS_PER_ADDRESS = env_int("WEB_CHEAP_ANSWERS_PER_ADDRESS", 20)
 # A check's `deadline_at` is the agent's clock: it may be this far behind the server's before
 # its checks expire early (README "Deadlines"). Larger trusts poorly synced clocks more, and
 # lets a check read that much past the agent's deadline still be decided.
@@ -520,7 +526,7 @@ if (REQUEST_BODY_SECONDS < 1 or API_THREADS < 1 or DASHBOARD_THREADS < 1
         or AGENT_BULK_THREADS < 1 or AGENT_BULK_THREADS_PER_CREDENTIAL < 1
         or AGENT_BULK_CALLS_PER_ADDRESS < 1
         or BACKTEST_API_WAIT_SECONDS < 1
-        or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1):
+        or MAX_IDLE_CONNECTIONS_PER_ADDRESS < 1 or CHEAP_ANSWERS_PER_ADDRESS < 1):
     raise ImproperlyConfigured(
         "REQUEST_BODY_SECONDS, the WEB_..._THREADS and WEB_..._PER_... settings, "
         "BACKTEST_API_WAIT_SECONDS and MAX_IDLE_CONNECTIONS_PER_ADDRESS must be at least 1")
