@@ -1,5 +1,5 @@
-"""Cheap answers paced per client address (SPEC 10; docs/serving.md "Cheap answers are paced
-per address").
+"""Cheap answers paced per client address (SPEC 10; docs/serving.md, "Cheap answers are paced
+per client address").
 
 A request that does no valid key's work (a failed authentication, a 404, a health probe, an
 API call with no credential) costs little on its own, but the event loop and the interpreter

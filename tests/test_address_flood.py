@@ -1,5 +1,5 @@
 """SPEC 10: a flood of cheap requests from one address (bad keys, health probes) does not slow
-another team's checks (docs/serving.md "Cheap answers are paced per address").
+another team's checks (docs/serving.md, "Cheap answers are paced per client address").
 
 Against the real server (`manage.py serve`, 2 workers), loopback only, bounded in time: one
 client at FLOOD_SOURCE sends on a few kept-alive connections its next request as soon as the
