@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True),
               pytest.mark.usefixtures("attack_turn")]
 
 DEADLINE_S = 2.0
-QUIET_S = 3.0
+QUIET_S = 2.5
 FLOOD_S = 5.0
 AGENTS = 2
 EVERY_S = 0.02
@@ -38,8 +38,9 @@ EVERY_S = 0.02
 @pytest.fixture(scope="module")
 def flooded(attack_turn: None, django_db_setup: Any, django_db_blocker: Any
             ) -> Iterator[Server]:
-    # The failed-key throttle as in production (the suites' servers raise it).
-    srv = start_server(workers=2, env=server_env(THROTTLE_API_KEY_FAILURES="30"))
+    # The failed-key throttle as in production (the suites' servers raise it), and the pace.
+    srv = start_server(workers=2, env=server_env(THROTTLE_API_KEY_FAILURES="30",
+                                                 WEB_CHEAP_ANSWERS_PER_ADDRESS="20"))
     yield srv
     srv.stop()
 
@@ -104,19 +105,28 @@ def test_a_flood_of_cheap_requests_from_one_address_does_not_slow_another_teams_
                       headers={"Authorization": f"Bearer {token}"}) as http:
         run_ids = [http.post("/api/v1/runs", json={"agent": f"steady-{i}"}).json()["run_id"]
                    for i in range(AGENTS)]
-    quiet = checks_of(flooded.url, token, run_ids, QUIET_S)
+    before = checks_of(flooded.url, token, run_ids, QUIET_S)
     target = attacks.Target(port=int(flooded.url.rsplit(":", 1)[1]))
     with attacks.running(flood, target) as stats:
         loud = checks_of(flooded.url, token, run_ids, FLOOD_S)
+    after = checks_of(flooded.url, token, run_ids, QUIET_S)
+    # The quieter of the slices before and after: one hiccup of this shared machine in a
+    # quiet slice made its p99 5x, and the flood's p99 passed for that.
+    quiet = min(before, after, key=p99)
     sent = sum(stats.answers.values())
     figures = {"quiet_p99_ms": round(p99(quiet) * 1000, 1),
                "flood_p99_ms": round(p99(loud) * 1000, 1),
                "flood_slowest_ms": round(max(loud) * 1000, 1), "checks": len(loud),
-               "flood_per_s": round(sent / FLOOD_S), "answers": dict(stats.answers)}
+               "answers": dict(stats.answers)}
     print(figures)  # shown with -s: the figures docs/serving.md quotes
     # The flood really ran, and the checks went on meanwhile.
     assert sent >= 50, stats.dump()
     assert len(loud) >= FLOOD_S / EVERY_S / 4
+    # Its answers were paced: about WEB_CHEAP_ANSWERS_PER_ADDRESS (20) a second from each of
+    # the 2 processes, after a burst of 40 each, over the attack's second of settling and the
+    # slice (unpaced: 2,500 to 3,300 here).
+    assert sent <= 2 * (20 * (1 + FLOOD_S + 1) + 40), stats.dump()
     # SPEC 10 asks for 2x of the p99 without it, measured by the benchmark; here, on a shared
-    # machine, a generous bound that the unpaced flood broke (5 to 20x).
+    # machine, a generous bound, which the unpaced bad keys broke on SQLite (p99 5 to 20x),
+    # not always on PostgreSQL (3 to 4x, under the floor).
     assert p99(loud) < max(3 * p99(quiet), 0.1), figures
