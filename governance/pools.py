@@ -169,28 +169,29 @@ class FairPool:
 
     def _run(self, caller: Hashable, future: Future[Any], job: Callable[[], Any]) -> None:
         started = time.thread_time()
+        error: BaseException | None = None
         try:
             result = job()
         except BaseException as exc:  # the caller's to handle, as the executor's would be
-            future.cpu_s = time.thread_time() - started  # type: ignore[attr-defined]
-            future.set_exception(exc)
-        else:
-            # What the job took of its thread's CPU, for the caller's pacing (the event loop
-            # reads it once the future is done).
-            future.cpu_s = time.thread_time() - started  # type: ignore[attr-defined]
+            error = exc
+        cpu = time.thread_time() - started
+        # What the job took of its thread's CPU, for the caller's pacing: set before the
+        # future is done, when the event loop reads it.
+        future.cpu_s = cpu  # type: ignore[attr-defined]
+        if error is None:
             future.set_result(result)
-        finally:
-            cpu = time.thread_time() - started
-            with self._lock:
-                if caller not in self._cpu and len(self._cpu) >= CPU_CALLERS_MAX:
-                    self._cpu.clear()
-                average = self._cpu.get(caller, cpu)
-                self._cpu[caller] = average + CPU_WEIGHT * (cpu - average)
-                self._running -= 1
-                left = self._held.pop(caller) - 1
-                if left:
-                    self._held[caller] = left
-                self._start_locked()
+        else:
+            future.set_exception(error)
+        with self._lock:
+            if caller not in self._cpu and len(self._cpu) >= CPU_CALLERS_MAX:
+                self._cpu.clear()
+            average = self._cpu.get(caller, cpu)
+            self._cpu[caller] = average + CPU_WEIGHT * (cpu - average)
+            self._running -= 1
+            left = self._held.pop(caller) - 1
+            if left:
+                self._held[caller] = left
+            self._start_locked()
 
 
 def fair(name: str) -> FairPool:

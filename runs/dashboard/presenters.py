@@ -154,7 +154,7 @@ def _detail(rule: dict[str, Any]) -> str:
         return (f"{which} ({limit.get('match')} at most {_value(limit.get('max'))} per "
                 f"{limit.get('per')} in {_value(limit.get('window_s'))} s): retry after "
                 f"{_value(observed['retry_after_s'])} s")
-    if name == "max_seconds" and "retry_after_s" in observed and "elapsed_s" in observed:
+    if rules.waited_past_budget(rule) and "elapsed_s" in observed:
         # A rate-limit wait the run's time cannot cover (SPEC 12): the elapsed time is not
         # past the limit yet, the wait would take it there.
         return (f"elapsed_s {_value(observed['elapsed_s'])} and a rate-limit wait of "

@@ -1845,9 +1845,18 @@ WAIT_PAST_BUDGET_NEXT = ("Return the partial response: the rate limit's wait (re
                          "Relaunch once the wait is over, or with a larger time budget.")
 
 
+def waited_past_budget(fired: Mapping[str, Any] | None) -> bool:
+    """Whether the rule ``fired`` is a max_seconds stop made of a rate limit's wait that the
+    run's time left could not cover (`wait_past_budget`: its observed values carry the
+    wait), not of the time spent."""
+    observed = fired.get("observed") if isinstance(fired, Mapping) else None
+    return isinstance(observed, Mapping) and "retry_after_s" in observed \
+        and fired.get("name") == "max_seconds"  # type: ignore[union-attr]
+
+
 def next_action_of(reason: str, fired: Mapping[str, Any] | None) -> str:
     """What the agent should do after a stop for ``reason`` by the rule ``fired``."""
-    if reason == "max_seconds" and "retry_after_s" in ((fired or {}).get("observed") or {}):
+    if reason == "max_seconds" and waited_past_budget(fired):
         return WAIT_PAST_BUDGET_NEXT
     return NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED])
 
@@ -1963,7 +1972,7 @@ def record_outcome(
             outcome=ALLOW if allowed else STOP, reason=STEP_OK if allowed else reason,
             step=state.steps, repeat_key=key, repeat_count=state.repeat_counts.get(key, 0),
             message=message,
-            next_action=None if allowed else NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED]),
+            next_action=None if allowed else next_action_of(reason, None),
             rule=None if allowed else rule(reason, {}, {"decided": "locally"}),
         ), state.copy()
     new = state.copy()
@@ -1985,7 +1994,7 @@ def record_outcome(
         repeat_key=key,
         repeat_count=new.repeat_counts.get(key, 0),
         message=message,
-        next_action=None if allowed else NEXT_ACTION.get(reason, NEXT_ACTION[RUN_FINISHED]),
+        next_action=None if allowed else next_action_of(reason, None),
         rule=None if allowed else rule(reason, {}, {"decided": "locally"}),
     )
     return decision, new
