@@ -41,6 +41,7 @@ LONG_POLL_WAIT_S = 30
 IDLE_CONNECTIONS = 2000  # from IDLE_SOURCES loopback addresses, 100 each
 IDLE_SOURCES = 20
 HEAVY_RATE_AGENTS = 8  # another team's agents checking under 50 rate-limit rules
+HEAVY_ARGS_AGENTS = 4  # another team's agents whose every check carries 60 KiB of small values
 HEAVY_READERS = 4  # another team's keys each reading its run's largest decisions, in turn
 HEAVY_PAGE_VIEWERS = 4  # another team's signed-in viewers each loading its heaviest page
 ACCOUNT_GUESSERS = 4  # clients of one address guessing the passwords of another team's people
@@ -408,8 +409,21 @@ async def idle_connections(target: Target, stop: asyncio.Event, stats: AttackSta
                            for i in range(connections)))
 
 
+def _small_args(step: int) -> dict[str, Any]:
+    return {"n": step}
+
+
+def _nested_args(step: int) -> dict[str, Any]:
+    """About 60 KiB of the dearest JSON a check may carry to parse and walk: 1,000 arrays
+    nested 30 deep, new at each step (no loop stop)."""
+    leaf: Any = step
+    for _ in range(30):
+        leaf = [leaf]
+    return {"n": step, "deep": [leaf] * 1000}
+
+
 async def _heavy_agent(target: Target, stop: asyncio.Event, stats: AttackStats, token: str,
-                       n: int) -> None:
+                       n: int, args: Callable[[int], dict[str, Any]] = _small_args) -> None:
     """One agent of the other team: a run, checks with new args each time (no loop stop)
     until the run stops, then another run; on one kept-alive connection."""
     try:
@@ -433,7 +447,8 @@ async def _heavy_agent(target: Target, stop: asyncio.Event, stats: AttackStats, 
             while not stop.is_set():
                 step += 1
                 check = json.dumps({"action": {"name": f"tool{step % 50}.call",
-                                               "args": {"n": step}}}).encode()
+                                               "args": args(step)}},
+                                   separators=(",", ":")).encode()
                 status, body = await _exchange(reader, writer, _request(
                     target, "POST", f"/api/v1/runs/{run}/check", token, check), 10)
                 stats.answers[status] += 1
@@ -456,6 +471,18 @@ async def heavy_rate_limits(target: Target, stop: asyncio.Event, stats: AttackSt
     if not target.other_tokens:
         raise ValueError("heavy_rate_limits needs another team's key")
     await asyncio.gather(*(_heavy_agent(target, stop, stats, target.other_tokens[0], n)
+                           for n in range(agents)))
+
+
+async def heavy_args(target: Target, stop: asyncio.Event, stats: AttackStats,
+                     agents: int = HEAVY_ARGS_AGENTS) -> None:
+    """Another team's agents checking as fast as they are answered, each check's args 1,000
+    arrays nested 30 deep (60 KiB: tens of ms to parse and walk where a check takes one;
+    SPEC 10: no tenant's checks raise another team's check p99 beyond 2x)."""
+    if not target.other_tokens:
+        raise ValueError("heavy_args needs another team's key")
+    await asyncio.gather(*(_heavy_agent(target, stop, stats, target.other_tokens[0], n,
+                                        _nested_args)
                            for n in range(agents)))
 
 
@@ -586,6 +613,7 @@ ATTACKS: dict[str, Attack] = {
     "long_polls": long_polls,
     "idle_connections": idle_connections,
     "heavy_rate_limits": heavy_rate_limits,
+    "heavy_args": heavy_args,
     "heavy_reads": heavy_reads,
     "heavy_pages": heavy_pages,
     "account_guesses": account_guesses,

@@ -702,6 +702,11 @@ HEAVY_RATE_POLICY: dict[str, Any] = {
     "rate_limits": [{"match": "*" if i % 2 else f"tool{i}.*", "per": ("agent", "team")[i % 2],
                      "max": 100_000, "window_s": 3600} for i in range(50)],
 }
+# `heavy_args`: the other team's policy, so that its heavy checks go on being allowed.
+HEAVY_ARGS_POLICY: dict[str, Any] = {
+    "step_limits": {"max_steps": 10000, "max_repeat_action": 3, "no_progress_window": 1000},
+    "budgets": {"max_seconds": 3600, "max_usd": None, "max_tool_calls": None},
+}
 POLLED_APPROVALS = 50
 # `heavy_reads`: the other team's run of 1,000 decisions (the most a page gives), each with
 # about 60 KB of arguments (a check's body may be 64 KiB), uploaded as local decisions.
@@ -727,6 +732,8 @@ def neighbour_state(server: Server, name: str) -> dict[str, Any]:
 
     if name == "heavy_rate_limits":
         return {"other_tokens": [seed_team("bench-heavy-rl", policy=HEAVY_RATE_POLICY).token]}
+    if name == "heavy_args":
+        return {"other_tokens": [seed_team("bench-heavy-args", policy=HEAVY_ARGS_POLICY).token]}
     if name == "heavy_reads":
         return _heavy_read_state(server)
     if name == "heavy_pages":
