@@ -148,8 +148,6 @@ SHARED_POOLS = {
 SHARE_MOST_WAIT_S = 10.0
 # What a quiet caller may spend at once on a paced pool before its calls start to wait.
 SHARE_BURST_S = 0.25
-# The share of a process's time a caller's heavy checks may take (`check_in_share`).
-HEAVY_CHECKS_SHARE = 0.25
 # Callers whose paced turns a process keeps at most (beyond it, those owing nothing go).
 PACED_CALLERS_MAX = 10_000
 
@@ -593,7 +591,7 @@ class Application(ResolvedOnce, ASGIHandler):
         """A check on its pool's threads (`pools.FairPool`); a caller whose checks are heavy
         (`FairPool.heavy`: each takes more than a few ms of CPU, such as 60 KiB of small JSON
         values to walk) waits on the event loop, holding no thread, until what its last ones
-        took is paid back at HEAVY_CHECKS_SHARE of the process's time (governance/shares.py).
+        took is paid back at `WEB_HEAVY_CHECKS_SHARE` of the process's time (governance/shares.py).
         A thread apiece was not enough: a team's heavy checks on one thread per process
         still took the cores and the interpreter's lock from another team's (found by an
         attacker: p99 7 to 40x, SPEC 10). Such a check is delayed, never refused; a light
@@ -603,7 +601,7 @@ class Application(ResolvedOnce, ASGIHandler):
         begun: float | None = None
         if fair.heavy(caller):
             _, bucket = self.pace_of("heavy-checks", caller)
-            while (wait := bucket.wait_s(HEAVY_CHECKS_SHARE)) > 0:
+            while (wait := bucket.wait_s(settings.HEAVY_CHECKS_SHARE)) > 0:
                 await asyncio.sleep(wait)
             begun = bucket.begin()
         future = fair.submit(caller, job)

@@ -453,6 +453,11 @@ AGENT_BULK_CALLS_PER_ADDRESS = env_int("WEB_AGENT_BULK_CALLS_PER_ADDRESS", 8)
 # shares.py): past it the next one waits its turn (at most 10 s, else 429 with Retry-After),
 # so one team's heavy reads leave the checks their CPU.
 AGENT_BULK_SHARE = env_float("WEB_AGENT_BULK_SHARE", 0.2)
+# The most of a process's time one caller's heavy checks take (each more than a few ms of CPU,
+# such as 60 KiB of small JSON values to walk; governance/asgi.py `check_in_share`): delayed,
+# never refused. 0.25 left another team's check p99 2 to 2.8x under the benchmark's
+# `heavy_args` attack, 0.1 1.5 to 1.6x (docs/serving.md).
+HEAVY_CHECKS_SHARE = env_float("WEB_HEAVY_CHECKS_SHARE", 0.1)
 # The most of a process's time one team's operator API calls take (the team their path names;
 # the kill switch's own pool is never paced): as the agents' bulk calls, docs/serving.md.
 OPERATOR_SHARE = env_float("WEB_OPERATOR_SHARE", 0.2)
@@ -516,6 +521,8 @@ if not 0 < DASHBOARD_STREAM_SHARE <= 1:
     raise ImproperlyConfigured("DASHBOARD_STREAM_SHARE must be in (0, 1]")
 if not 0 < AGENT_BULK_SHARE <= 1:
     raise ImproperlyConfigured("WEB_AGENT_BULK_SHARE must be in (0, 1]")
+if not 0 < HEAVY_CHECKS_SHARE <= 1:
+    raise ImproperlyConfigured("WEB_HEAVY_CHECKS_SHARE must be in (0, 1]")
 if not 0 < OPERATOR_SHARE <= 1:
     raise ImproperlyConfigured("WEB_OPERATOR_SHARE must be in (0, 1]")
 if not 0 < SIGN_IN_SHARE <= 1:
