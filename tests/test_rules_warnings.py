@@ -266,3 +266,21 @@ def test_a_budget_fraction_is_passed_exactly_whatever_its_floating_point() -> No
     policy = Policy(**{**LOOSE, **OFF, "max_steps": 10, "warn_budget_fraction": 0.3})
     decisions, _ = drive(policy, [replace(SAME, args={"i": i}) for i in range(5)])
     assert [d.directive is not None for d in decisions] == [False] * 3 + [True, False]
+
+
+def test_a_tie_of_nearness_goes_to_the_warning_lowest_in_the_docs_table() -> None:
+    # docs/policies.md: "on a tie the order of the table from the bottom up (repeated_error
+    # first)": repeated_error, then budget, then no_progress, then repeat_action.
+    policy = Policy(**{**LOOSE, **OFF, "max_repeat_action": 4, "warn_repeat_action": 2,
+                       "no_progress_window": 4, "warn_no_progress": 2})
+    # The progress "p" is new at the first check, then seen twice: a streak of 2 of 4 (0.5)
+    # at the third check, where search.docs is called the 2nd time of 4 (0.5).
+    checks = [replace(SAME, name="other", progress="p"), replace(SAME, progress="p"),
+              replace(SAME, progress="p")]
+    decisions, _ = drive(policy, checks)
+    assert decisions[2].rule["observed"] == {"no_progress_streak": 2}
+    # Steps 9 of 10 (0.9) against search.docs called the 9th time of 10 (0.9): the budget.
+    policy = Policy(**{**LOOSE, **OFF, "max_steps": 10, "max_repeat_action": 10,
+                       "warn_repeat_action": 9, "warn_budget_fraction": 0.85})
+    decisions, _ = drive(policy, [SAME] * 9)
+    assert decisions[8].rule["observed"] == {"steps": 9}

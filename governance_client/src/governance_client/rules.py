@@ -1185,8 +1185,9 @@ def _budget_warning(policy: Policy, state: RunState, now: datetime, budget: str,
 def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: datetime,
                 tree: Sequence[Ancestor] = ()) -> list[WarningFound]:
     """Every warning that applies to an allowed check, ``state`` the run's state after it
-    was counted (SPEC 16), in the order that breaks a tie of nearness. ``tree``: the
-    ancestors as this allow counts on them (`in_tree`, and its tool call), the root first:
+    was counted (SPEC 16), in the order that breaks a tie of nearness: docs/policies.md's
+    table from the bottom up (repeated_error, budget, no_progress, repeat_action). ``tree``:
+    the ancestors as this allow counts on them (`in_tree`, and its tool call), the root first:
     their budgets bound the run (SPEC 20), each under its own policy's fraction."""
     found: list[WarningFound] = []
     error = check.last_result.error_text if check.last_result else None
@@ -1196,6 +1197,33 @@ def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: da
             found.append(WarningFound(count / policy.error_threshold, nudge(error, count), rule(
                 REPEATED_ERROR, {"on_repeated_error.threshold": policy.error_threshold},
                 {"error_count": count})))
+    # The run's own budgets, then each running ancestor's (whose counters are its tree's).
+    budgeted = [(None, policy, state), *((a.run_id, a.policy, a.state) for a in tree
+                                          if a.state.status == RUNNING)]
+    for ancestor, owner, counters in budgeted:
+        if owner.warn_budget_fraction is None:
+            continue
+        for budget in BUDGETS:
+            if _warned_key(budget, ancestor) in state.budget_warned:
+                continue
+            warned = _budget_warning(owner, counters, now, budget,
+                                     float(owner.warn_budget_fraction), ancestor=ancestor)
+            if warned is not None:
+                found.append(warned)
+    streak, window = state.no_progress_streak, policy.no_progress_window
+    if policy.warn_no_progress is not None and streak >= policy.warn_no_progress:
+        then = (f"at {window} in a row (no_progress_window={window}) the next action is not "
+                "run and this run is stopped" if streak < window or policy.mode != "shadow"
+                else f"an enforcing policy would have stopped this run at {window} in a row "
+                f"(no_progress_window={window}); shadow mode runs the action")
+        found.append(WarningFound(streak / window, _directive(NO_PROGRESS, (
+            # Words for the model: "informative" is the contract's term (a check that
+            # reported progress or a result), not one a model or a user knows.
+            f"{streak} steps in a row reported no new progress or result; {then}. Report new "
+            "progress or change approach.")), rule(
+                NO_PROGRESS, {"no_progress_window": window,
+                              "warnings.no_progress": policy.warn_no_progress},
+                {"no_progress_streak": streak})))
     count = state.repeat_counts.get(key, 0)
     limit = policy.max_repeat_action
     if policy.warn_repeat_action is not None and count >= policy.warn_repeat_action:
@@ -1214,33 +1242,6 @@ def warnings_of(policy: Policy, state: RunState, check: Check, key: str, now: da
                                                 "warnings.repeat_action":
                                                     policy.warn_repeat_action},
                                 {"repeat_count": count})))
-    streak, window = state.no_progress_streak, policy.no_progress_window
-    if policy.warn_no_progress is not None and streak >= policy.warn_no_progress:
-        then = (f"at {window} in a row (no_progress_window={window}) the next action is not "
-                "run and this run is stopped" if streak < window or policy.mode != "shadow"
-                else f"an enforcing policy would have stopped this run at {window} in a row "
-                f"(no_progress_window={window}); shadow mode runs the action")
-        found.append(WarningFound(streak / window, _directive(NO_PROGRESS, (
-            # Words for the model: "informative" is the contract's term (a check that
-            # reported progress or a result), not one a model or a user knows.
-            f"{streak} steps in a row reported no new progress or result; {then}. Report new "
-            "progress or change approach.")), rule(
-                NO_PROGRESS, {"no_progress_window": window,
-                              "warnings.no_progress": policy.warn_no_progress},
-                {"no_progress_streak": streak})))
-    # The run's own budgets, then each running ancestor's (whose counters are its tree's).
-    budgeted = [(None, policy, state), *((a.run_id, a.policy, a.state) for a in tree
-                                          if a.state.status == RUNNING)]
-    for ancestor, owner, counters in budgeted:
-        if owner.warn_budget_fraction is None:
-            continue
-        for budget in BUDGETS:
-            if _warned_key(budget, ancestor) in state.budget_warned:
-                continue
-            warned = _budget_warning(owner, counters, now, budget,
-                                     float(owner.warn_budget_fraction), ancestor=ancestor)
-            if warned is not None:
-                found.append(warned)
     return found
 
 
