@@ -127,7 +127,7 @@ def _approval_as_it_will_be(approval: Approval, now: datetime) -> Approval:
         if pending is None or pending.approval_id != str(approval.pk):
             return approval  # not what the run waits for: its settling changes nothing
         # As settle_locked does: the answer names the repeat key's count.
-        state = run_memory.load(state.copy(), run.id, [(rules.REPEAT, pending.repeat_key)])
+        state = run_memory.load(state.copy(), run.id, list(rules.settle_reads(pending)))
         decision, new = rules.settle(state, rules.EXPIRED, now=now)
         answer = final_of(run, pending, decision, new, now, "")
     except Exception:

@@ -139,6 +139,31 @@ def test_approval_moves_the_repeat_count_and_tool_calls_then(api, approving, use
     assert nxt["decision"] == "pending" and nxt["step"] == 2
 
 
+def test_an_approved_check_whose_error_reached_its_threshold_carries_the_nudge(
+        api, approving, users):
+    # SPEC 4.4: an allow of a check whose reported error reached on_repeated_error.threshold
+    # (3, nudge) carries the directive; an approved check's allow is that check's allow.
+    run_id = start(api)
+    boom = {"status": "error", "error": "Gateway  timeout"}
+    for i in range(2):
+        assert check(api, run_id, {"name": f"lookup.{i}"}, last_result=boom)["directive"] is None
+    first = check(api, run_id, PAY, check_id="pay-1", last_result=boom)
+    assert first["decision"] == "pending"
+
+    approval_decide(team=approving, approval_id=first["approval"]["id"], decision="approve",
+                    note="", actor=users["operator"])
+
+    final = get_approval(api, first["approval"]["id"])["decision"]
+    assert final["decision"] == "allow"
+    assert final["directive"] == {
+        "type": "inject_message", "role": "user", "code": "repeated_error",
+        "content": "The error 'Gateway timeout' occurred 3 times. Change approach radically "
+                   "or abandon this subtask."}
+    assert final["rule"]["name"] == "repeated_error"
+    assert final["rule"]["observed"] == {"error_count": 3}
+    assert check(api, run_id, PAY, check_id="pay-1") == final
+
+
 # --- Deny ---------------------------------------------------------------------------------
 
 def test_a_denial_needs_a_note_and_changes_nothing_without_one(api, approving, users):

@@ -310,3 +310,24 @@ def test_every_life_keeps_the_counters_and_the_clock_honest(events: list[Any],
         assert 0 <= active <= wall + 1e-6
         if state.pending is None:
             assert abs(active - (wall - waited)) < 1e-6
+
+
+def test_an_approved_allow_carries_the_nudge_of_the_error_its_check_reported() -> None:
+    # SPEC 4.4 and 16: the approved allow is the check's allow; its reported error, now seen
+    # `threshold` times, is nudged there as on any allow. The request keeps the error text.
+    from governance_client.rules import LastResult, Pending
+
+    boom = LastResult(status="error", error="  Rate  limit ")
+    p = policy(error_threshold=2, error_action="nudge")
+    _, state = evaluate(p, RunState(started_at=T0), Check(name="a", last_result=boom),
+                        now=at(1))
+    decision, state = evaluate(p, state, pay(last_result=boom), now=at(2), approval_id="a-1")
+    assert decision.outcome == PENDING and state.pending is not None
+    assert state.pending.error == "Rate limit"
+    assert Pending.from_json(state.pending.to_json()) == state.pending
+
+    final, _ = settle(state, APPROVED, now=at(3), by="op", policy=p)
+
+    assert final.outcome == ALLOW
+    assert final.directive is not None and final.directive["code"] == "repeated_error"
+    assert "'Rate limit' occurred 2 times" in final.directive["content"]

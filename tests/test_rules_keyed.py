@@ -39,6 +39,7 @@ from governance_client.rules import (
     progress_token,
     record_outcome,
     settle,
+    settle_reads,
     terminal_decision,
 )
 from hypothesis import given, settings
@@ -124,9 +125,8 @@ def test_every_rule_answers_the_same_from_the_entries_the_check_names(
             (status,) = params
             if state.pending is None or state.status != RUNNING:
                 continue
-            key = state.pending.repeat_key
             _, state = same_from_both(
-                state, ((REPEAT, key),),
+                state, settle_reads(state.pending),
                 lambda s, status=status, now=now: settle(
                     s, status, now=now, by="alice", note="n", kill="k", policy=policy))
         elif kind == "local":

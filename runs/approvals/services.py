@@ -112,8 +112,9 @@ def settle_locked(*, run: Any, state: rules.RunState, status: str, now: datetime
             not tree or rules.ended_ancestor(tree, now) is None):
         # Finishing the run: the final answer is the finished run's stop.
         raise ValueError("use run_finish to cancel by finishing")
-    # The answer names the approved key's count, which an approval also raises.
-    state = run_memory.load(state.copy(), run.id, [(rules.REPEAT, pending.repeat_key)])
+    # The answer names the approved key's count, which an approval also raises, and its
+    # warnings read the count of the error the check reported (its repeated-error nudge).
+    state = run_memory.load(state.copy(), run.id, list(rules.settle_reads(pending)))
     # The policy restarts an approved run's idle deadline: time pending is not idle (SPEC 14).
     decision, new = rules.settle(state, status, now=now, by=label or None, note=note, kill=kill,
                                  policy=rules_for_version(run.policy_version_id),

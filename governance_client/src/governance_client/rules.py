@@ -480,12 +480,16 @@ class Pending:
     repeat_key: str
     since: datetime
     expires_at: datetime
+    # The normalized error text the check reported (its last_result, status error), if any:
+    # the approved allow is that check's allow, and carries its repeated-error nudge (SPEC
+    # 4.4, 16). None for a request stored before it was kept.
+    error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"approval_id": self.approval_id, "check_id": self.check_id, "step": self.step,
                 "action_name": self.action_name, "action_type": self.action_type,
                 "repeat_key": self.repeat_key, "since": self.since.isoformat(),
-                "expires_at": self.expires_at.isoformat()}
+                "expires_at": self.expires_at.isoformat(), "error": self.error}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Pending:
@@ -493,7 +497,14 @@ class Pending:
                    step=int(data["step"]), action_name=data["action_name"],
                    action_type=data["action_type"], repeat_key=data["repeat_key"],
                    since=datetime.fromisoformat(data["since"]),
-                   expires_at=datetime.fromisoformat(data["expires_at"]))
+                   expires_at=datetime.fromisoformat(data["expires_at"]),
+                   error=data.get("error"))
+
+    def check(self) -> Check:
+        """The check the request holds, as its approved allow's warnings read it."""
+        return Check(name=self.action_name, type=self.action_type,
+                     last_result=None if self.error is None else LastResult(
+                         status="error", error=self.error))
 
     def summary(self, status: str = PENDING) -> dict[str, str]:
         """The ``approval`` field of a check answer."""
@@ -541,6 +552,16 @@ def keyed_reads(check: Check, key: str) -> tuple[Entry, ...]:
         error = check.last_result.error_text
         if error is not None:
             entries.append((ERROR, error))
+    return tuple(entries)
+
+
+def settle_reads(pending: Pending) -> tuple[Entry, ...]:
+    """The entries of the keyed memory that settling ``pending`` reads or writes (`settle`):
+    its repeat key, and the count of the error its check reported (the approved allow's
+    repeated-error nudge)."""
+    entries: list[Entry] = [(REPEAT, pending.repeat_key)]
+    if pending.error is not None:
+        entries.append((ERROR, pending.error))
     return tuple(entries)
 
 
@@ -1682,6 +1703,7 @@ def _pending(policy: Policy, new: RunState, check: Check, key: str, pattern: str
         approval_id=approval_id, check_id=check.check_id or "", step=new.steps,
         action_name=check.name, action_type=check.type, repeat_key=key, since=now,
         expires_at=now + timedelta(seconds=policy.approval_timeout_s),
+        error=check.last_result.error_text if check.last_result else None,
     )
     return Decision(
         outcome=PENDING,
@@ -1771,9 +1793,8 @@ def settle(state: RunState, status: str, *, now: datetime, by: str | None = None
             # warning, then stopped as a loop). The ancestors as the tool call counts on them.
             counted = [replace(ancestor, state=after) for ancestor, after
                        in zip(tree, approved_in_tree(tree, pending), strict=True)]
-            warning = choose_warning(warnings_of(
-                policy, new, Check(name=pending.action_name, type=pending.action_type), key,
-                now, counted))
+            warning = choose_warning(warnings_of(policy, new, pending.check(), key, now,
+                                                 counted))
             if warning is not None and warning.budget is not None:
                 new.budget_warned = new.budget_warned | {warning.budget}
         return Decision(
