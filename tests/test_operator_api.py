@@ -224,6 +224,32 @@ def test_put_validates_saves_and_says_when_nothing_changed(world, users):
     assert call(world, "admin", "GET", path + "/../nope").status_code == 404
 
 
+def test_a_422_names_the_requests_and_the_policys_bad_fields_together(world):
+    """SPEC 17: a PUT is "422 naming each bad field": a body without its note and with a bad
+    limit named the note alone, and the limit only at the next try."""
+    path = "/api/v1/teams/support/policies/default"
+    bad = call(world, "admin", "PUT", path, {"step_limits": {"max_steps": 0,
+                                                             "max_repeat_action": 3},
+                                             "confirm_stops": "maybe", "bogus": 1})
+    assert bad.status_code == 422
+    fields = bad.json()["error"]["fields"]
+    assert {"note", "confirm_stops", "step_limits.max_steps",
+            "step_limits.no_progress_window", "bogus"} <= set(fields), fields
+    assert fields["bogus"] == "unknown field"
+    # A backtest's draft too, with its own bad field; without a draft the current version
+    # is replayed, so only the request's own field is named.
+    tested = call(world, "viewer", "POST", path + "/backtest",
+                  {"limit": 0, "step_limits": {"max_steps": 0, "max_repeat_action": 3,
+                                               "no_progress_window": 4}})
+    assert tested.status_code == 422
+    assert set(tested.json()["error"]["fields"]) == {"limit", "step_limits.max_steps"}
+    alone = call(world, "viewer", "POST", path + "/backtest", {"limit": 0})
+    assert alone.json()["error"]["fields"] == {
+        "limit": "Input should be greater than or equal to 1"}
+    assert not OperatorEvent.objects.filter(action="policy.version", detail__source="api"
+                                            ).exists()
+
+
 def test_a_dry_run_put_answers_what_the_save_would_and_saves_nothing(world):
     path = "/api/v1/teams/support/policies/default"
     current = call(world, "admin", "GET", path).json()
