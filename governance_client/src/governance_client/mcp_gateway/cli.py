@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import anyio
 
+from ..aio import AsyncGovernanceClient
 from ..errors import agent_key_problem
 from .session import GatewayConfig, GatewaySession, make_client
 
@@ -141,9 +142,9 @@ async def serve_stdio(config: GatewayConfig, command: Sequence[str]) -> str | No
     session = GatewaySession(config, client)
     try:
         async with anyio.create_task_group() as tg:
-            # SIGTERM (a client's shutdown after its grace period) or SIGINT: the run is
-            # finished all the same, in the finally below.
-            tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+            # SIGTERM (a client's shutdown after its grace period) or SIGINT: the session
+            # ends there, its run finished (`_end_on_signal`).
+            tg.start_soon(_end_on_signal, session, client)
             await _relay(session, command)
             tg.cancel_scope.cancel()
     finally:
@@ -153,11 +154,21 @@ async def serve_stdio(config: GatewayConfig, command: Sequence[str]) -> str | No
     return session.status
 
 
-async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
+async def _end_on_signal(session: GatewaySession, client: AsyncGovernanceClient) -> None:
+    """SIGTERM or SIGINT ends the session: its run is finished (`completed`, or `stopped`
+    after a stop), then the process exits. Not by cancelling the relay: the SDK's stdio
+    transport reads stdin in a thread that only the client's EOF ends, so a client that
+    signals without closing stdin (a supervisor, Ctrl-C in a terminal) waited on a process
+    that neither exited nor finished its run, left `running` until abandoned (found by a
+    review)."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
-            scope.cancel()
-            return
+            break
+    with anyio.CancelScope(shield=True):
+        await session.finish()
+        await client.aclose()
+    logging.shutdown()
+    os._exit(1 if session.status == "failed" else 0)
 
 
 async def _relay(session: GatewaySession, command: Sequence[str]) -> None:
