@@ -1,9 +1,12 @@
-"""SPEC 19: the stdio gateway's session ends when its client stops it with a signal.
+"""SPEC 19: a gateway stopped with a signal finishes its sessions' runs.
 
-A client that ends the gateway with SIGTERM (or a person with Ctrl-C, SIGINT) without closing
-its stdin first: the gateway finishes the session's run (`completed`) and exits. Before, the
-SDK's stdio transport kept reading stdin in a thread that only the client's EOF ends: the
-process neither exited nor finished its run, left `running` until abandoned.
+Over stdio: a client that ends the gateway with SIGTERM (or a person with Ctrl-C, SIGINT)
+without closing its stdin first: the gateway finishes the session's run (`completed`) and
+exits. Before, the SDK's stdio transport kept reading stdin in a thread that only the
+client's EOF ends: the process neither exited nor finished its run, left `running` until
+abandoned. With `--listen`: a SIGTERM finishes every open session's run before the process
+exits. Before, uvicorn raised the signal again as it returned, which killed the process
+before the runs were finished.
 
 The gateway runs as a real process against the client's fake service served over HTTP on a
 thread (no database needed), relaying to the tests' small upstream (tests/mcp_upstream.py).
@@ -22,11 +25,13 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from governance_client.testing import FakeGovernance
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
+from tests.workers import wait_for
 
 pytest.importorskip("mcp")
 
@@ -77,12 +82,16 @@ def _answer(gateway: subprocess.Popen[bytes]) -> dict[str, Any]:
     return json.loads(gateway.stdout.readline())
 
 
+def _env(journal: Any) -> dict[str, str]:
+    return {**os.environ, "GOVERNANCE_JOURNAL_DIR": str(journal),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "governance_client" / "src"),
+                                           os.environ.get("PYTHONPATH", "")])}
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_finishes_the_sessions_run_and_ends_the_gateway(service, tmp_path, signum):
     fake, url = service
-    env = {**os.environ, "GOVERNANCE_JOURNAL_DIR": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "governance_client" / "src"),
-                                          os.environ.get("PYTHONPATH", "")])}
+    env = _env(tmp_path)
     gateway = subprocess.Popen(
         [sys.executable, "-m", "governance_client.mcp_gateway", "--url", url, "--key", KEY,
          "--agent", "desktop", "--", sys.executable, "-m", "tests.mcp_upstream"],
@@ -108,3 +117,55 @@ def test_a_signal_finishes_the_sessions_run_and_ends_the_gateway(service, tmp_pa
         if gateway.poll() is None:
             gateway.kill()
             gateway.wait()
+
+
+def test_a_sigterm_finishes_the_open_sessions_runs_of_the_http_gateway(service, tmp_path):
+    from mcp.client.client import Client
+
+    fake, url = service
+    env = _env(tmp_path)
+    up_port, gw_port = free_port(), free_port()
+    upstream = subprocess.Popen([sys.executable, "-m", "tests.mcp_upstream", "http",
+                                 str(up_port)], env=env, cwd=str(ROOT),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "governance_client.mcp_gateway", "--url", url, "--key", KEY,
+         "--agent", "cursor", "--upstream-url", f"http://127.0.0.1:{up_port}/mcp",
+         "--listen", f"127.0.0.1:{gw_port}"],
+        env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def listening(port: int) -> bool:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/mcp", timeout=1)
+        except httpx.TransportError:
+            return False
+        return True
+
+    try:
+        wait_for(lambda: listening(up_port) and listening(gw_port), timeout=30,
+                 what="the upstream and the gateway")
+        exited: list[int] = []
+
+        async def session() -> None:
+            async with Client(f"http://127.0.0.1:{gw_port}/mcp") as client:
+                result = await client.call_tool("search", {"query": "refunds"})
+                assert result.content[0].text == "no match"
+                [run] = fake.runs.values()
+                assert run.status == "running"
+                gateway.send_signal(signal.SIGTERM)  # the session still open
+                exited.append(await anyio.to_thread.run_sync(
+                    lambda: gateway.wait(timeout=15)))
+
+        anyio.run(session)  # its end's DELETE finds no gateway: the SDK logs it
+        assert exited == [0]
+        [run] = fake.runs.values()
+        assert run.status == "completed", run.status
+    finally:
+        for proc in (gateway, upstream):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

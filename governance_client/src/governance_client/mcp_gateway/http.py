@@ -8,12 +8,13 @@ seconds (then its id answers 404, as the SDK's own servers do), or when the upst
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 from uuid import uuid4
 
@@ -317,9 +318,22 @@ class HttpGateway:
     async def serve(self, host: str, port: int) -> None:
         import uvicorn
 
+        class Server(uvicorn.Server):
+            """uvicorn's server, but a SIGTERM or SIGINT it shut down on is not raised again
+            as it returns: that killed the process before the `finally` below finished the
+            open sessions' runs, left `running` until abandoned (found by a review)."""
+
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                with super().capture_signals():
+                    try:
+                        yield
+                    finally:
+                        getattr(self, "_captured_signals", []).clear()
+
         sock = listening_socket(host, port)
-        server = uvicorn.Server(uvicorn.Config(self, host=host, port=port, log_level="warning",
-                                               lifespan="on"))
+        server = Server(uvicorn.Config(self, host=host, port=port, log_level="warning",
+                                       lifespan="on"))
         # Said whatever the log level: the one line that tells the gateway is up, and where.
         print(f"governance-mcp: listening on http://{host}:{port}/ (any path), upstream "
               f"{self.upstream_url}, agent {self.config.agent}", file=sys.stderr, flush=True)
