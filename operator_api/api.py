@@ -153,6 +153,10 @@ def _team(request: HttpRequest, slug: str, needed: Role = Role.VIEWER) -> tuple[
     role = token_role(token, team) if team is not None else None
     if team is None or role is None:
         raise AppError(404, "not_found", "No such team.")
+    # Said to the server's pacing (governance/asgi.py `shared_request`), as `team_view` says
+    # it of a page: this call found the token the team's; one that did not (its token dead,
+    # its owner no longer a member) is no longer paced as the team's.
+    request.role = role  # type: ignore[attr-defined]
     if not can(role, needed):
         raise _forbidden(needed.label)
     return team, role

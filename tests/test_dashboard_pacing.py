@@ -161,3 +161,33 @@ def test_the_wait_for_the_turn_counts_in_the_longest_wait(monkeypatch: Any) -> N
     assert outcomes[0] == ("served", 0.3)
     refused = [o for o in outcomes if isinstance(o, float)]
     assert refused and all(wait >= 0.5 for wait in refused), outcomes
+
+
+@pytest.mark.parametrize("gone", ["revoked", "removed"])
+def test_a_dead_or_outside_tokens_calls_are_no_longer_the_teams(
+        stingy, team: Team, users: dict[str, Any], gone: str) -> None:
+    """Found by an attacker: a token found to see a team was the team's for good in the
+    process, as sessions were before (above), so a revoked token, or a removed member's, was
+    still paced with the team: its refused calls took the team's turns and time, and the
+    team's own operator API calls waited (a median of 12 ms became 830 ms, 1.5 s at worst,
+    from one revoked token's loop). Its next call after the one that found it no longer the
+    team's is looked up again: its own refusal, never the team's wait."""
+    from policies.models import Membership
+    from policies.tokens import operator_token_revoke
+
+    made = operator_token_create(user=users["viewer"], name="script", role="viewer", team=team)
+    url = f"{stingy.url}/api/v1/teams/{team.slug}/runs"
+
+    def call() -> httpx.Response:
+        return httpx.get(url, timeout=30, headers={"Authorization": f"Bearer {made.secret}"})
+
+    assert call().status_code == 200  # found the team's, and served (the team's first call)
+    if gone == "revoked":
+        operator_token_revoke(token=made.token, actor=None)
+    else:
+        Membership.objects.filter(user=users["viewer"], team=team).delete()
+    still = call()  # still known: refused with the team's wait
+    assert still.status_code == 429, still.text
+    answer = call()  # looked up again: no longer the team's, so its own answer
+    expected = (401, "token_revoked") if gone == "revoked" else (404, "not_found")
+    assert (answer.status_code, answer.json()["error"]["code"]) == expected, answer.text
