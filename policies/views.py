@@ -732,9 +732,10 @@ def operator_tokens(request: HttpRequest) -> HttpResponse:
             request.session[NEW_OPERATOR_TOKEN_SESSION_KEY] = {"token": new.secret,
                                                                "name": new.token.name}
             return redirect("operator_tokens")
+    listed, left_out = tokens.tokens_of(request.user)
     return page(request, "policies/operator_tokens.html", {
         "form": form,
-        "tokens": tokens.tokens_of(request.user),
+        "tokens": listed, "left_out": left_out, "max_live": tokens.MAX_LIVE_TOKENS,
         "new_token": request.session.pop(NEW_OPERATOR_TOKEN_SESSION_KEY, None),
     }, status=422 if request.method == "POST" else 200)
 

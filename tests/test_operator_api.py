@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
@@ -509,6 +509,54 @@ def test_the_account_page_creates_shows_once_lists_and_revokes(world, users):
     browser.post(f"/accounts/tokens/{token.pk}/revoke")
     token.refresh_from_db()
     assert token.revoked_at is not None
+
+
+def test_a_person_has_a_bounded_number_of_live_tokens_and_their_page_is_bounded(
+        team, users, django_assert_max_num_queries):
+    """Found by an attacker: any signed-in person (a viewer) could make tokens without end
+    (100 a second at the form), and the account page, of no team and so paced with none,
+    listed every one with a query each: 10,000 tokens made it 6.6 MB and 10 s, and four tabs
+    of it held every dashboard thread and slowed another team's checks 30x. A person has at
+    most MAX_LIVE_TOKENS live tokens; the page lists them and the latest ended ones, in a
+    bounded number of queries."""
+    from policies import tokens
+
+    viewer = users["viewer"]
+    for i in range(tokens.MAX_LIVE_TOKENS):
+        operator_token_create(user=viewer, name=f"t{i}", role="viewer",
+                              team=team if i % 2 else None)
+    browser = Client()
+    browser.force_login(viewer)
+    refused = browser.post("/accounts/tokens/", {"name": "one-more", "role": "viewer"})
+    assert refused.status_code == 422
+    assert "as many as a person may" in refused.content.decode()
+    assert not OperatorToken.objects.filter(name="one-more").exists()
+    # An ended token (revoked, expired) is not a live one: making one is possible again.
+    first = OperatorToken.objects.get(user=viewer, name="t0")
+    operator_token_revoke(token=first, actor=None)
+    OperatorToken.objects.filter(user=viewer, name="t1").update(
+        expires_at=timezone.now() - timedelta(seconds=1))
+    assert browser.post("/accounts/tokens/", {"name": "again", "role": "viewer"}
+                        ).status_code == 302
+    # Ended tokens pile up (made and revoked over years): the page lists the latest only.
+    now = timezone.now()
+    OperatorToken.objects.bulk_create([
+        OperatorToken(user=viewer, name=f"old{i}", team=team, role="viewer",
+                      prefix=f"{i:012x}", token_hash="0" * 64, revoked_at=now)
+        for i in range(300)])
+    with django_assert_max_num_queries(12):
+        page = browser.get("/accounts/tokens/")
+    text = page.content.decode()
+    assert page.status_code == 200
+    live = tokens.MAX_LIVE_TOKENS - 1  # two ended, one made again
+    assert text.count("<code>gov_op_") == live + tokens.ENDED_TOKENS_SHOWN
+    left_out = 302 - tokens.ENDED_TOKENS_SHOWN  # t0, t1 and the 300 old ones ended
+    assert f'data-left-out="{left_out}"' in text
+    # The command line keeps the bound too.
+    operator_token_create(user=viewer, name="the-last", role="viewer")
+    with pytest.raises(CommandError, match="as many as a person may"):
+        call_command("create_operator_token", "--user", "viewer", "--role", "viewer",
+                     stdout=io.StringIO())
 
 
 def test_the_operator_api_is_in_the_openapi_document_with_its_own_scheme(client):
