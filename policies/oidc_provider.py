@@ -64,6 +64,10 @@ class AnswerTooLarge(ProviderUnreachable):
     """An answer over ``MAX_BODY``."""
 
 
+class AnswerFailed(ProviderUnreachable):
+    """An answer with a 5xx status."""
+
+
 @dataclass(frozen=True)
 class Provider:
     issuer: str
@@ -145,9 +149,11 @@ def call(method: str, url: str, *, headers: dict[str, str] | None = None,
     """One request to the provider, ended by ``OIDC_TIMEOUT`` whatever it sends. Raises
     ProviderUnreachable at once while the provider is failing or ``MAX_CALLS`` are in
     flight; a call that fails marks it failing. A 4xx is an answer (the caller judges it).
-    ``per_person``: an answer about one person (the token, the userinfo): one too large is
-    that sign-in's refusal, not the provider failing for everyone (found by an attacker:
-    one person whose groups filled 1 MiB refused everyone's sign-in for 30 s)."""
+    ``per_person``: an answer about one person (the token, the userinfo): one too large, or
+    a 5xx, is that sign-in's refusal, not the provider failing for everyone (found by an
+    attacker: one person whose groups filled 1 MiB refused everyone's sign-in for 30 s; then
+    one whose claims the provider could not issue, its token endpoint answering 500 for them
+    alone, did the same at each try). A provider that does not answer in time still is."""
     issuer = settings.OIDC_ISSUER
     if (failing := _failing_now(issuer)) is not None:
         raise failing
@@ -162,7 +168,7 @@ def call(method: str, url: str, *, headers: dict[str, str] | None = None,
                               f"within {settings.OIDC_TIMEOUT:g} s ({type(exc).__name__})"
                       ) from None
     except ProviderUnreachable as exc:
-        if per_person and isinstance(exc, AnswerTooLarge):
+        if per_person and isinstance(exc, AnswerTooLarge | AnswerFailed):
             raise
         raise _failed(issuer, str(exc)) from None
     finally:
@@ -188,7 +194,7 @@ def _call(method: str, url: str, *, headers: dict[str, str],
         content_type = next((v.decode("latin-1") for k, v in response.headers
                              if k.lower() == b"content-type"), "")
     if response.status >= 500:
-        raise ProviderUnreachable(f"{urlsplit(url).path or '/'} answered {response.status}")
+        raise AnswerFailed(f"{urlsplit(url).path or '/'} answered {response.status}")
     return Answer(response.status, content_type.lower(), bytes(body))
 
 

@@ -151,6 +151,20 @@ def test_one_persons_answer_too_large_refuses_their_sign_in_only(sso: Provider):
     assert sign_in(Client(), "alice-sub").status_code == 302
 
 
+def test_one_persons_failing_token_answer_refuses_their_sign_in_only(sso: Provider):
+    """Found by an attacker: a person whose claims the provider cannot issue (here a lone
+    surrogate in their e-mail: the provider's token endpoint answers 500 for them alone) got
+    the 503 page, and so did everyone's sign-in for the next 30 s, again at each of their
+    tries: an answer about one person, even a 5xx, is not the provider failing."""
+    sso.set_user("broken-sub", preferred_username="broken", email="\ud800@example.com",
+                 groups=["support-ops"])
+    refused = sign_in(Client(), "broken-sub")
+    assert refused.status_code == 503, refused.content
+    assert b"answered 500" in refused.content
+    sso.set_user("alice-sub", preferred_username="alice", groups=["support-ops"])
+    assert sign_in(Client(), "alice-sub").status_code == 302
+
+
 def test_the_next_sign_in_recomputes_and_leaves_hand_given_memberships(sso: Provider):
     research = team_ensure(slug="research", name="Research")[0]
     sso.set_user("bob-sub", preferred_username="bob", groups=["support-leads", "support-ops"])
