@@ -229,3 +229,43 @@ def test_a_form_save_does_not_show_a_spurious_money_change(team, users):
     assert any("max_steps: 7" in line for line in changed)
     assert not any("max_usd" in line for line in changed)
     assert "</span>\n<span" not in html  # one line per span, not double-spaced
+
+
+# --- Who the stream still sends to -----------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["removed", "signed_out", "deactivated"])
+def test_an_open_stream_ends_once_its_viewer_no_longer_sees_the_team(
+        team, users, settings, monkeypatch, how):
+    """Found by an attacker: a member removed from the team (or signed out, or deactivated)
+    kept receiving the run's new steps, args included, on the stream opened before, until its
+    lifetime's end (60 s), while every page already answered 403. Its next look asks again
+    (at most every VIEWER_LOOK_S) and ends the stream; the browser's reconnect is refused."""
+    import time
+
+    from policies.models import Membership
+    from runs.dashboard import stream as live
+
+    settings.DASHBOARD_STREAM_SECONDS = 10
+    monkeypatch.setattr(live, "VIEWER_LOOK_S", 0.0, raising=False)
+    run = start(team)
+    check(team, run)
+    viewer = as_user(users, "viewer")
+    response = viewer.get(reverse("runs:run_stream", kwargs={"slug": team.slug,
+                                                             "run_id": run.pk}))
+    chunks = iter(response.streaming_content)
+    next(chunks)
+    assert "run-header" in next(chunks).decode()  # the first look: the viewer's to see
+    if how == "removed":
+        Membership.objects.filter(user=users["viewer"], team=team).delete()
+    elif how == "signed_out":
+        viewer.logout()
+    else:
+        users["viewer"].is_active = False
+        users["viewer"].save(update_fields=["is_active"])
+    check(team, run, "secret.tool", {"q": "confidential"})
+    began = time.monotonic()
+    rest = b"".join(chunks).decode()
+    assert "confidential" not in rest and "secret.tool" not in rest
+    assert time.monotonic() - began < 5  # at its next look, not at its lifetime's end
+    assert viewer.get(reverse("runs:run", kwargs={"slug": team.slug, "run_id": run.pk})
+                      ).status_code in (302, 403)

@@ -45,7 +45,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from governance.deadlines import read_deadline
-from policies.access import controls
+from policies.access import controls, session_sees_team
 from policies.models import Team
 from runs import first_look
 from runs.approvals.selectors import approvals_shown_key, pending_count
@@ -75,6 +75,12 @@ log = logging.getLogger(__name__)
 
 RETRY_MS = 1000
 KEEPALIVE_S = 5.0
+# How often at most a stream's look asks again whether its viewer still sees the team (the
+# session still signed in, the account active, a member): a stream opened by a member went
+# on sending the team's steps, args included, until its lifetime's end after the member was
+# removed, signed out or deactivated (found by an attacker: 60 s). Ended, the browser's
+# reconnect meets the page's own refusal.
+VIEWER_LOOK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -124,8 +130,31 @@ class Source(ABC):
     page_path: str  # the page the stream serves: where the banner's forms come back to
     partials: Partials
 
+    #: Set by a look that found the viewer no longer sees the team: the stream ends.
+    shut: bool = False
+    _viewer_looked_at: float | None = None
+
     @abstractmethod
     def frames(self) -> list[Frame]: ...
+
+    def viewer_still_sees(self) -> bool:
+        """Whether the stream's viewer still sees the team, asked again at most every
+        VIEWER_LOOK_S (its page asked when the stream opened): the session still signed in
+        as an active member of the team, as `session_sees_team` asks for the pacing. A
+        request without a session (a test's) is not asked."""
+        now = time.monotonic()
+        if self._viewer_looked_at is None or now - self._viewer_looked_at < VIEWER_LOOK_S:
+            if self._viewer_looked_at is None:
+                self._viewer_looked_at = now
+            return True
+        self._viewer_looked_at = now
+        session = getattr(self.request, "session", None)
+        key = getattr(session, "session_key", None)
+        if key is None:
+            return True
+        if not session_sees_team(key, self.team.slug):
+            self.shut = True
+        return not self.shut
 
     def layout(self) -> dict[str, Any]:
         """What the page layout gives every template: the team and what the role may do."""
@@ -199,7 +228,7 @@ def _loop(source: Source) -> Generator[str | _Look | _Wake, str | bool | None, N
     look_every = settings.DASHBOARD_STREAM_LOOK_S
     yield f"retry: {RETRY_MS}\n\n"
     chunk = yield LOOK
-    if chunk is None:
+    if chunk is None or getattr(source, "shut", False):
         return
     last_look = last_write = time.monotonic()
     if chunk:
@@ -211,7 +240,7 @@ def _loop(source: Source) -> Generator[str | _Look | _Wake, str | bool | None, N
         now = time.monotonic()
         if concerned or now - last_look >= look_every:
             chunk = yield LOOK
-            if chunk is None:
+            if chunk is None or getattr(source, "shut", False):
                 return
             last_look = now = time.monotonic()
             if chunk:
@@ -257,6 +286,8 @@ def _look(source: Source, frames: Callable[[], list[Frame]] | None = None) -> st
         # Within the dashboard's read deadline (governance/deadlines.py): on the look lane
         # it is the lane's; under WSGI, this thread's.
         with read_deadline():
+            if not source.viewer_still_sees():
+                return ""  # nothing more of the team: the stream ends (`_loop`)
             text = "".join(encode(f) for f in (frames or source.frames)())
     except DatabaseError:
         # The database blinked, or a read took longer than its deadline: keep the stream,
