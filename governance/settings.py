@@ -317,6 +317,9 @@ CELERY_BEAT_SCHEDULE = {
                    "schedule": float(env_int("IDLE_SWEEP_SECONDS", 60))},
     # Settles approvals past their expiry that nobody looked at (SPEC 11).
     "approvals-expire": {"task": "runs.tasks.approvals_expire", "schedule": 10.0},
+    # Deletes expired sign-in sessions (a visitor's unfinished SSO sign-in lives 10 minutes).
+    "clear-sessions": {"task": "policies.tasks.clear_sessions",
+                       "schedule": float(env_int("SESSION_PURGE_SECONDS", 600))},
 }
 AUDIT_EXPORT_DIR = Path(os.environ.get("AUDIT_EXPORT_DIR") or DATA_DIR / "exports")
 # The longest a check waits for its rate-limit rules' locks (SPEC 10, 12); past it the check

@@ -303,7 +303,19 @@ class SsoLoginView(OIDCAuthenticationRequestView):
             self.OIDC_OP_AUTH_ENDPOINT = provider().authorization_endpoint
         except ProviderUnreachable as exc:
             return _unreachable(request, exc)
+        if not request.user.is_authenticated:
+            # A visitor's session holds this sign-in's state, good for STATE_MAX_AGE_S: it is
+            # kept no longer (a sign-in gives it the full age again, `full_session`). Every
+            # anonymous press of the button made a session row kept two weeks, and nothing
+            # removed expired ones (found by an attacker: a row per request, for ever).
+            request.session.set_expiry(STATE_MAX_AGE_S)
         return super().get(request)
+
+
+def full_session(request: HttpRequest) -> None:
+    """A signed-in session's age is the configured one (SESSION_COOKIE_AGE), whatever a
+    sign-in started as a visitor set (`SsoLoginView.get`)."""
+    request.session.set_expiry(None)
 
 
 def sso_callback(request: HttpRequest) -> HttpResponse:
@@ -346,6 +358,7 @@ def sso_callback(request: HttpRequest) -> HttpResponse:
         return _unreachable(request, exc)
     next_url = request.session.pop("oidc_login_next", None)  # made safe when it was stored
     auth.login(request, user, backend=BACKEND)
+    full_session(request)
     return HttpResponseRedirect(next_url or resolve_url(settings.LOGIN_REDIRECT_URL))
 
 
@@ -380,6 +393,11 @@ class PasswordSignInForm(AuthenticationForm):
 class SignInView(LoginView):
     authentication_form = PasswordSignInForm
     redirect_authenticated_user = True
+
+    def form_valid(self, form: Any) -> HttpResponse:
+        response = super().form_valid(form)
+        full_session(self.request)
+        return response
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)

@@ -165,6 +165,50 @@ def test_one_persons_failing_token_answer_refuses_their_sign_in_only(sso: Provid
     assert sign_in(Client(), "alice-sub").status_code == 302
 
 
+def test_a_visitors_unfinished_sign_in_keeps_no_session_and_expired_ones_are_purged(
+        sso: Provider, settings: Any):
+    """Found by an attacker: every anonymous press of "Sign in with SSO" made a session row
+    (to hold the sign-in's state) kept two weeks, and nothing ever deleted an expired one: a
+    row per request, for good. A visitor's session now lives as long as the sign-in's state
+    (10 minutes), a sign-in gives it the full age, and beat purges expired sessions."""
+    from django.contrib.sessions.models import Session
+    from django.utils import timezone
+
+    from policies.sso_views import STATE_MAX_AGE_S
+
+    visitor = Client()
+    start(visitor)
+    row = Session.objects.get(session_key=visitor.session.session_key)
+    assert row.expire_date <= timezone.now() + timedelta(seconds=STATE_MAX_AGE_S + 5)
+    # A finished sign-in is a session of the full age.
+    sso.set_user("alice-sub", preferred_username="alice", groups=["support-ops"])
+    person = Client()
+    assert sign_in(person, "alice-sub").status_code == 302
+    signed_in = Session.objects.get(session_key=person.session.session_key)
+    assert signed_in.expire_date >= timezone.now() + timedelta(
+        seconds=settings.SESSION_COOKIE_AGE - 60)
+    # So is a password sign-in from a session that started an SSO sign-in first.
+    User.objects.create_superuser("root", "root@example.com", "pw-root-123")
+    start(visitor)
+    assert visitor.post("/accounts/login/", {"username": "root", "password": "pw-root-123"}
+                        ).status_code == 302
+    again = Session.objects.get(session_key=visitor.session.session_key)
+    assert again.expire_date >= timezone.now() + timedelta(
+        seconds=settings.SESSION_COOKIE_AGE - 60)
+    # Expired sessions are deleted by the beat's task; live ones stay.
+    idle = Client()
+    start(idle)
+    row = Session.objects.get(session_key=idle.session.session_key)
+    assert Session.objects.filter(pk=row.pk).update(
+        expire_date=timezone.now() - timedelta(seconds=1)) == 1
+    assert "clear-sessions" in settings.CELERY_BEAT_SCHEDULE
+    from policies.tasks import clear_sessions
+
+    clear_sessions()
+    assert not Session.objects.filter(pk=row.pk).exists()
+    assert Session.objects.filter(pk=signed_in.pk).exists()
+
+
 def test_the_next_sign_in_recomputes_and_leaves_hand_given_memberships(sso: Provider):
     research = team_ensure(slug="research", name="Research")[0]
     sso.set_user("bob-sub", preferred_username="bob", groups=["support-leads", "support-ops"])
