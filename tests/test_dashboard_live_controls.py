@@ -269,3 +269,24 @@ def test_an_open_stream_ends_once_its_viewer_no_longer_sees_the_team(
     assert time.monotonic() - began < 5  # at its next look, not at its lifetime's end
     assert viewer.get(reverse("runs:run", kwargs={"slug": team.slug, "run_id": run.pk})
                       ).status_code in (302, 403)
+
+
+def test_a_viewers_streams_ask_once_per_look_interval_whether_it_still_sees_the_team(
+        monkeypatch):
+    """Asked by each stream, the question was 3 to 4 queries per open page every 5 s (1,000
+    pages: 800 queries a second on the look lane, whose batched looks make 7 per 100 pages).
+    A viewer's streams share one answer for VIEWER_LOOK_S."""
+    from runs.dashboard import stream as live
+
+    asked: list[tuple[str, str]] = []
+    monkeypatch.setattr(live, "session_sees_team", lambda key, slug: asked.append((key, slug))
+                        or True)
+    monkeypatch.setattr(live, "_viewers_seen", {})
+    monkeypatch.setattr(live, "VIEWER_LOOK_S", 60.0)
+    for _ in range(10):  # ten pages of one viewer, then another team's page of it
+        assert live._viewer_sees("k" * 32, "alpha")
+    assert live._viewer_sees("k" * 32, "bravo")
+    assert asked == [("k" * 32, "alpha"), ("k" * 32, "bravo")]
+    monkeypatch.setattr(live, "VIEWER_LOOK_S", 0.0)  # the answer is now older than that
+    assert live._viewer_sees("k" * 32, "alpha")
+    assert len(asked) == 3

@@ -81,6 +81,26 @@ KEEPALIVE_S = 5.0
 # removed, signed out or deactivated (found by an attacker: 60 s). Ended, the browser's
 # reconnect meets the page's own refusal.
 VIEWER_LOOK_S = 5.0
+# (session key, team slug) -> (when this process last asked, the answer): asked once per
+# viewer and team every VIEWER_LOOK_S, whatever the number of that viewer's open streams.
+# Asked by each stream, it was 3 to 4 queries per page every 5 s: 1,000 open pages, 800
+# queries a second on the look lane whose batched step looks make 7 for 100 pages
+# (docs/performance.md, "Live pages at scale"). Emptied when it holds VIEWERS_KEPT.
+_viewers_seen: dict[tuple[str, str], tuple[float, bool]] = {}
+VIEWERS_KEPT = 10_000
+
+
+def _viewer_sees(session_key: str, slug: str) -> bool:
+    """`session_sees_team`, its answer kept VIEWER_LOOK_S for every stream of the viewer."""
+    now = time.monotonic()
+    seen = _viewers_seen.get((session_key, slug))
+    if seen is not None and now - seen[0] < VIEWER_LOOK_S:
+        return seen[1]
+    sees = session_sees_team(session_key, slug)
+    if len(_viewers_seen) >= VIEWERS_KEPT:
+        _viewers_seen.clear()
+    _viewers_seen[(session_key, slug)] = (now, sees)
+    return sees
 
 
 @dataclass(frozen=True)
@@ -132,27 +152,18 @@ class Source(ABC):
 
     #: Set by a look that found the viewer no longer sees the team: the stream ends.
     shut: bool = False
-    _viewer_looked_at: float | None = None
 
     @abstractmethod
     def frames(self) -> list[Frame]: ...
 
     def viewer_still_sees(self) -> bool:
         """Whether the stream's viewer still sees the team, asked again at most every
-        VIEWER_LOOK_S (its page asked when the stream opened): the session still signed in
-        as an active member of the team, as `session_sees_team` asks for the pacing. A
-        request without a session (a test's) is not asked."""
-        now = time.monotonic()
-        if self._viewer_looked_at is None or now - self._viewer_looked_at < VIEWER_LOOK_S:
-            if self._viewer_looked_at is None:
-                self._viewer_looked_at = now
-            return True
-        self._viewer_looked_at = now
+        VIEWER_LOOK_S for all of that viewer's streams (`_viewer_sees`): the session still
+        signed in as an active member of the team, as `session_sees_team` asks for the
+        pacing. A request without a session (a test's) is not asked."""
         session = getattr(self.request, "session", None)
         key = getattr(session, "session_key", None)
-        if key is None:
-            return True
-        if not session_sees_team(key, self.team.slug):
+        if key is not None and not self.shut and not _viewer_sees(key, self.team.slug):
             self.shut = True
         return not self.shut
 
