@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -416,7 +417,8 @@ def test_elapsed_time_counts_against_max_seconds(team, users):
     Run.objects.filter(pk=run.pk).update(started_at=timezone.now() - timedelta(seconds=40))
     html = as_user(users).get(reverse("runs:run", kwargs={"slug": team.slug, "run_id": run.pk})
                               ).content.decode()
-    assert "40 s / 45 s" in html and "level-warn" in html
+    # 40 s, or a few more on a loaded machine (the page counts to when it is made).
+    assert re.search(r"\b4[0-4] s / 45 s", html) and "level-warn" in html
 
 
 def test_a_finished_runs_banner_says_it_ended_without_a_response(team, users):
