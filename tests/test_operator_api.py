@@ -544,7 +544,8 @@ def test_a_person_has_a_bounded_number_of_live_tokens_and_their_page_is_bounded(
         OperatorToken(user=viewer, name=f"old{i}", team=team, role="viewer",
                       prefix=f"{i:012x}", token_hash="0" * 64, revoked_at=now)
         for i in range(300)])
-    with django_assert_max_num_queries(12):
+    # A few queries whatever the tokens (12 on SQLite, 13 on PostgreSQL), not one a token.
+    with django_assert_max_num_queries(16):
         page = browser.get("/accounts/tokens/")
     text = page.content.decode()
     assert page.status_code == 200
