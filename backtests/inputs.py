@@ -26,8 +26,8 @@ def parse_since(text: str, *, name: str = "--since") -> timedelta:
     what the refusal calls it: the command's option, or the API's field (``since``)."""
     match = SINCE_RE.match(text.strip())
     if not match or int(match.group(1)) == 0:
-        raise InputError(f"{name} must be a positive number and a unit of s, m, h, d or w "
-                         f"(e.g. 7d, 12h), not {text!r}")
+        raise InputError(f"{name} must be a whole number from 1 to 999999 and a unit of s, "
+                         f"m, h, d or w (e.g. 7d, 12h), not {text!r}")
     window = timedelta(seconds=int(match.group(1)) * SINCE_UNITS[match.group(2)])
     if window > MAX_SINCE:
         raise InputError(f"{name} may reach back at most {MAX_SINCE.days} days, not {text!r}")

@@ -312,7 +312,13 @@ def test_backtest_answers_the_output_of_section_13(world):
                {"since": "forever"})
     assert bad.status_code == 422 and "since" in bad.json()["error"]["fields"]
     # The API's field, not the command line's option (the message said "--since must be").
-    assert bad.json()["error"]["message"].startswith("since must be a positive number")
+    assert bad.json()["error"]["message"].startswith("since must be a whole number from 1")
+    # A count past the form's six digits, or not whole, is told so, not "positive".
+    for since in ("1.5d", "9999999d"):
+        told = call(world, "viewer", "POST",
+                    "/api/v1/teams/support/policies/default/backtest", {"since": since})
+        assert told.status_code == 422, told.content
+        assert "whole number from 1 to 999999" in told.json()["error"]["message"]
     assert "--" not in bad.json()["error"]["fields"]["since"]
     # No body at all (`curl -X POST`), like {}: the current version, which changes nothing
     # it recorded. (An empty body sent as JSON is not JSON: 400 invalid_json.)
