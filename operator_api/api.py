@@ -562,9 +562,12 @@ def killswitch(request: HttpRequest, payload: KillSwitchIn) -> dict[str, Any]:
                                      role=role):
             raise AppError(403, "forbidden",
                            switches.release_refusal(engaged_now, team=target.team))
+        # Asked again under the switch's lock: another may have been engaged meanwhile.
+        may = switches.release_check(team=target.team, user=token.user, role=role) \
+            if target.scope != Scope.GLOBAL else None
         switch = killswitch_release(scope=target.scope, team=target.team, agent=target.agent,
                                     run=target.run, reason=payload.reason, actor=token.user,
-                                    actor_label=label)
+                                    actor_label=label, may=may)
         engaged, changed = False, switch is not None
     if not changed:
         _read(request, target.team, "token.unchanged")

@@ -5,6 +5,7 @@ here, never repeated."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,19 @@ def may_release(switch: KillSwitch, *, team: Team, user: Any, role: Role | None)
         return True
     return (team.operator_release == OperatorRelease.OWN and switch.engaged_by_id is not None
             and switch.engaged_by_id == getattr(user, "pk", None))
+
+
+def release_check(*, team: Team, user: Any, role: Role | None
+                  ) -> Callable[[KillSwitch], str | None]:
+    """`killswitch_release`'s ``may`` for this person: why they may not release a switch
+    (`release_refusal`), or None when they may (`may_release`)."""
+    def refusal(switch: KillSwitch) -> str | None:
+        if may_release(switch, team=team, user=user, role=role):
+            return None
+        if switch.scope == Scope.GLOBAL:
+            return "Only a superuser may release the global kill switch."
+        return release_refusal(switch, team=team)
+    return refusal
 
 
 def release_refusal(switch: KillSwitch, *, team: Team) -> str:

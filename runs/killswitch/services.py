@@ -12,6 +12,7 @@ restarts what an outage left behind (runs/killswitch/sweep.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -45,6 +46,15 @@ class KillSwitchError(AppError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(422, "invalid_request", message,
                          {field: message} if field is not None else None)
+
+
+class ReleaseRefused(AppError):
+    """The switch engaged at the moment of the release, read under its lock, is not one this
+    person may release (`killswitch_release`'s ``may``): 403, saying why and whom to ask."""
+
+    def __init__(self, switch: KillSwitch, message: str) -> None:
+        super().__init__(403, "forbidden", message)
+        self.switch = switch
 
 
 @dataclass(frozen=True)
@@ -249,9 +259,15 @@ def killswitch_engage(
 def killswitch_release(
     *, scope: str, team: Team | None = None, agent: str = "", run: Run | None = None,
     reason: str, actor: AbstractBaseUser | None = None, actor_label: str | None = None,
+    may: Callable[[KillSwitch], str | None] | None = None,
 ) -> KillSwitch | None:
     """Release the engaged switch of a target. Returns it, or None when the target was not
-    engaged (nothing changes, and that is a success). Killed runs stay killed."""
+    engaged (nothing changes, and that is a success). Killed runs stay killed.
+
+    ``may`` says why the actor may not release the switch it is given (None: they may),
+    asked of the engaged switch under its lock: asked before, an operator allowed to release
+    the switches they engaged could release one an admin engaged in between, after another
+    release (found by an attacker; `ReleaseRefused`, nothing changed)."""
     target = resolve_target(scope=scope, team=team, agent=agent, run=run)
     reason = _clean_reason(reason)
     label = _label(actor, actor_label)
@@ -260,6 +276,9 @@ def killswitch_release(
                   .filter(target=target.key, active=True).first())
         if switch is None:
             return None
+        refusal = may(switch) if may is not None else None
+        if refusal is not None:
+            raise ReleaseRefused(switch, refusal)
         now = timezone.now()
         switch.active = False
         switch.released_by, switch.released_by_label = actor, label

@@ -33,6 +33,7 @@ from runs.killswitch import selectors as switches
 from runs.killswitch.services import (
     MAX_REASON,
     KillSwitchError,
+    ReleaseRefused,
     Target,
     killswitch_engage,
     killswitch_release,
@@ -139,11 +140,18 @@ def _release_flow(request: HttpRequest, target: Target, *, action: str, done: st
         raise PermissionDenied(switches.release_refusal(engaged, team=team))
     form = ReasonForm(request.POST if request.method == "POST" else None)
     if request.method == "POST" and form.is_valid():
-        switch = killswitch_release(
-            scope=target.scope, team=target.team,
-            agent=target.agent, run=target.run, reason=form.cleaned_data["reason"],
-            actor=request.user,
-        )
+        # Asked again under the switch's lock: another may have been engaged meanwhile.
+        may = switches.release_check(team=team, user=request.user,
+                                     role=getattr(request, "role", None)) \
+            if team is not None else None
+        try:
+            switch = killswitch_release(
+                scope=target.scope, team=target.team,
+                agent=target.agent, run=target.run, reason=form.cleaned_data["reason"],
+                actor=request.user, may=may,
+            )
+        except ReleaseRefused as refused:
+            raise PermissionDenied(refused.message) from None
         if switch is None:
             messages.info(request, f"Not engaged: {target.describe()}. Nothing to release.")
         else:
