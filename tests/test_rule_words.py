@@ -164,3 +164,57 @@ def test_an_expired_check_and_a_rate_limit_wait_read_as_what_happened() -> None:
     assert rule_in_words(waited) == (
         "max_seconds: elapsed_s 40 and a rate-limit wait of 30 s would pass max_seconds 45 "
         "(policy default v1)")
+
+
+# `no_progress` and `repeated_error` name a warning and a stop both (for repeated_error with
+# the very same limit and observed value): a stop of either is no warning, and its count
+# reached the limit (found by a newcomer: a no_progress stop's row read "why: no_progress
+# warning: no_progress_streak 4 of no_progress_window 4", its banner "...stopped this run:
+# no_progress_streak 4 of no_progress_window 4.").
+NO_PROGRESS_STOP = {"name": "no_progress", "policy": "default", "version": 1,
+                    "limit": {"no_progress_window": 4},
+                    "observed": {"no_progress_streak": 4}, "scope": "run"}
+NO_PROGRESS_WARNING = {"name": "no_progress", "policy": "default", "version": 1,
+                       "limit": {"no_progress_window": 4, "warnings.no_progress": 3},
+                       "observed": {"no_progress_streak": 3}, "scope": "run"}
+ERROR_RULE = {"name": "repeated_error", "policy": "default", "version": 1,
+              "limit": {"on_repeated_error.threshold": 3}, "observed": {"error_count": 3},
+              "scope": "run"}
+
+
+def _row(outcome: str, rule: dict, directive_code: str | None):
+    from datetime import UTC, datetime
+
+    from runs.dashboard.presenters import step_row
+    from runs.models import Decision
+
+    answer = {"rule": rule, "directive": None if directive_code is None else {
+        "type": "inject_message", "role": "user", "code": directive_code, "content": "..."}}
+    return step_row(Decision(step=5, outcome=outcome, reason="step_ok" if outcome == "allow"
+                             else rule["name"], action_name="search.web", action_type="tool",
+                             args={}, answer=answer, rule=rule, at=datetime.now(UTC)))
+
+
+def test_a_no_progress_stop_reads_as_a_stop_not_a_warning() -> None:
+    assert rule_sentence(NO_PROGRESS_STOP, "no_progress") == (
+        "The rule no_progress of policy default v1 stopped this run: no_progress_streak 4 "
+        "reached no_progress_window 4.")
+    assert rule_in_words(NO_PROGRESS_STOP) == (
+        "no_progress: no_progress_streak 4 reached no_progress_window 4 (policy default v1)")
+    assert _row("stop", NO_PROGRESS_STOP, None).why == (
+        "no_progress: no_progress_streak 4 reached no_progress_window 4 (policy default v1)")
+    assert _row("allow", NO_PROGRESS_WARNING, "no_progress").why == (
+        "no_progress warning: no_progress_streak 3 of no_progress_window 4, "
+        "warnings.no_progress 3 (policy default v1)")
+
+
+def test_a_repeated_error_stop_and_its_nudge_read_apart() -> None:
+    assert _row("stop", ERROR_RULE, None).why == (
+        "repeated_error: error_count 3 reached on_repeated_error.threshold 3 "
+        "(policy default v1)")
+    assert _row("allow", ERROR_RULE, "repeated_error").why == (
+        "repeated_error warning: error_count 3 of on_repeated_error.threshold 3 "
+        "(policy default v1)")
+    assert rule_sentence(ERROR_RULE, "repeated_error") == (
+        "The rule repeated_error of policy default v1 stopped this run: error_count 3 "
+        "reached on_repeated_error.threshold 3.")

@@ -111,11 +111,23 @@ def after_the_end(rule: Any) -> bool:
     return isinstance(limit, dict) and set(limit) == {"status"}
 
 
-def _detail(rule: dict[str, Any]) -> str:
+def _is_warning(rule: dict[str, Any], warning: bool | None) -> bool:
+    """Whether ``rule`` is a warning's (SPEC 16) rather than a stop's. ``no_progress`` and
+    ``repeated_error`` name both a warning and a stop, with the same limit and observed
+    value for ``repeated_error``: only the decision tells them apart, so the caller says
+    (``warning``); None guesses from the name alone, a warning for a name that is no stop
+    reason (found by a newcomer: a no_progress stop read "no_progress warning: ... 4 of
+    no_progress_window 4")."""
+    if warning is not None:
+        return warning and rule["name"] in rules.WARNING_CODES
+    return rule["name"] in rules.WARNING_CODES and rule["name"] not in rules.REASONS
+
+
+def _detail(rule: dict[str, Any], warning: bool | None = False) -> str:
     """What a rule observed against its limit, in words that fit its kind: a limit is
     "reached", a pattern "matched", a switch "engaged", an approval "denied" or "not decided"
     (found by a newcomer: every kind read "{observed} reached {limit}", e.g. "decided_by
-    operator, note ... reached approvals required")."""
+    operator, note ... reached approvals required"). ``warning``: see ``_is_warning``."""
     name = rule["name"]
     limit = rule.get("limit") if isinstance(rule.get("limit"), dict) else {}
     observed = rule.get("observed") if isinstance(rule.get("observed"), dict) else {}
@@ -168,7 +180,7 @@ def _detail(rule: dict[str, Any]) -> str:
         return f"action {action} matches {pattern}"
     text_observed, text_limit = _pairs(observed), _pairs(limit)
     if text_observed and text_limit:
-        if name in rules.WARNING_CODES:
+        if _is_warning(rule, warning):
             # A warning's counter has not reached the limit (found by a newcomer: "steps 15
             # reached max_steps 18"): it is on its way, past the warning's own threshold.
             return f"{text_observed} of {text_limit}"
@@ -180,14 +192,16 @@ def _detail(rule: dict[str, Any]) -> str:
     return text_observed or text_limit
 
 
-def rule_in_words(rule: Any) -> str:
+def rule_in_words(rule: Any, *, warning: bool | None = None) -> str:
     """A decision's rule (SPEC 16), readable: "loop_detected: repeat_count 3 reached
-    max_repeat_action 3 (policy default v4)". The same JSON the API's decision shows."""
+    max_repeat_action 3 (policy default v4)". The same JSON the API's decision shows.
+    ``warning``: whether the decision carried the rule's warning (an allow's directive) rather
+    than stopped by it; None guesses from the rule's name (``_is_warning``)."""
     if not isinstance(rule, dict) or not rule.get("name"):
         return ""
     name = rule["name"]
-    detail = _detail(rule)
-    kind = f"{name} warning" if name in rules.WARNING_CODES else name
+    detail = _detail(rule, warning)
+    kind = f"{name} warning" if _is_warning(rule, warning) else name
     text = f"{kind}: {detail}" if detail else kind
     where = ""
     # A switch is no rule of the policy, nor is a run being over already, an ancestor's end
@@ -266,7 +280,10 @@ def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
         local=answer.get("local") is True,
         violation=violation_of(d) or "",
         retry_after_s=answer.get("retry_after_s"),
-        why=rule_in_words(rule),
+        # The row's rule is its warning's when the answer carried that warning: a stop of
+        # no_progress or repeated_error has a rule of the same name, and is no warning.
+        why=rule_in_words(rule, warning=isinstance(directive, dict) and isinstance(rule, dict)
+                          and directive.get("code") == rule.get("name")),
         warning=(directive.get("code") or "") if isinstance(directive, dict) else "",
     )
 
