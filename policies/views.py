@@ -501,6 +501,10 @@ class InvitationView(PasswordResetConfirmView):
         context = super().get_context_data(**kwargs)
         context["sign_in"] = f"{reverse('login')}?{urlencode({'next': self.request.path})}"
         context["sso_only"] = _sso_only()
+        # Whom and what the link is for, the same words for both kinds of invitation: the
+        # holder is the invitee (found by a newcomer: the page asked for a password and the
+        # next one said "sign in with your username", which no page had named).
+        context["invitation"] = self.invitation if context.get("validlink") else None
         return context
 
     def get(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:

@@ -102,3 +102,17 @@ def test_under_sso_an_invitation_never_sets_a_password_that_cannot_sign_in(
                                 "new_password2": "a-long-new-passphrase-42"})
     assert refused.status_code == 200 and "single sign-on" in refused.content.decode()
     assert not User.objects.get(username="newcomer").has_usable_password()
+
+
+def test_the_invitation_page_names_the_username_the_team_and_the_role(team, users):
+    """Found by a newcomer: the link's page asked for a password and the next one said "Sign
+    in with your username and this password", and no page had said which username."""
+    admin = as_user(users, "admin")
+    response = admin.post(reverse("member_invite", kwargs={"slug": team.slug}),
+                          {"username": "newcomer", "role": "operator"})
+    page = admin.get(response["Location"]).content.decode()
+    link = page.split('id="invitation-link" data-invitation>')[1].split("<")[0]
+    form = Client().get("/" + link.split("/", 3)[3], follow=True).content.decode()
+    assert "Choose a password" in form
+    assert "<strong data-username>newcomer</strong>" in form
+    assert f"join <strong>{team.name}</strong> as operator" in form
