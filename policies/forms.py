@@ -142,35 +142,53 @@ class PolicyForm(forms.Form):
     """One policy. Every field is text on purpose: converting happens in `document()` and
     judging in `parse_policy`, never in Django's field classes, so messages match the YAML's."""
 
-    name = forms.CharField(required=False, max_length=100)
-    mode = forms.ChoiceField(choices=[("enforce", "enforce"), ("shadow", "shadow")],
+    name = forms.CharField(label="Name", required=False, max_length=100)
+    mode = forms.ChoiceField(label="Mode", choices=[("enforce", "enforce"), ("shadow", "shadow")],
                              required=False)
-    max_steps = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    max_repeat_action = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    no_progress_window = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    max_seconds = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    max_usd = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    max_tool_calls = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    restrict_tools = forms.BooleanField(required=False)
+    max_steps = forms.CharField(label="Max steps", required=False, max_length=MAX_NUMBER_CHARS)
+    max_repeat_action = forms.CharField(label="Max repeat action",
+                                        required=False, max_length=MAX_NUMBER_CHARS)
+    no_progress_window = forms.CharField(label="No-progress window",
+                                         required=False, max_length=MAX_NUMBER_CHARS)
+    max_seconds = forms.CharField(label="Max seconds", required=False, max_length=MAX_NUMBER_CHARS)
+    max_usd = forms.CharField(label="Max USD", required=False, max_length=MAX_NUMBER_CHARS)
+    max_tool_calls = forms.CharField(label="Max tool calls",
+                                     required=False, max_length=MAX_NUMBER_CHARS)
+    restrict_tools = forms.BooleanField(label="Only allow the tools listed", required=False)
     # An empty allow list denies every tool of every run: said out loud, never by omission.
-    deny_every_tool = forms.BooleanField(required=False)
-    tools_allow = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
-    tools_deny = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
-    ignore_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
-    error_threshold = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    error_action = forms.ChoiceField(choices=[("nudge", "nudge"), ("stop", "stop")],
+    deny_every_tool = forms.BooleanField(label="Deny every tool", required=False)
+    tools_allow = forms.CharField(label="Allow",
+                                  required=False, widget=forms.Textarea(attrs={"rows": 3}))
+    tools_deny = forms.CharField(label="Deny",
+                                 required=False, widget=forms.Textarea(attrs={"rows": 3}))
+    ignore_args = forms.CharField(label="Args ignored in the repeat key",
+                                  required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    error_threshold = forms.CharField(label="Repeated error threshold",
+                                      required=False, max_length=MAX_NUMBER_CHARS)
+    error_action = forms.ChoiceField(label="On repeated error",
+                                     choices=[("nudge", "nudge"), ("stop", "stop")],
                                      required=False)
-    redact_args = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
-    max_idle_seconds = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    rate_limits = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}))
-    approval_tools = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
-    approval_timeout_s = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    warn_repeat_action = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    warn_no_progress = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
-    warn_budget_fraction = forms.CharField(required=False, max_length=MAX_NUMBER_CHARS)
+    redact_args = forms.CharField(label="Redacted args",
+                                  required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    max_idle_seconds = forms.CharField(label="Max idle seconds",
+                                       required=False, max_length=MAX_NUMBER_CHARS)
+    rate_limits = forms.CharField(label="Rules",
+                                  required=False, widget=forms.Textarea(attrs={"rows": 3}))
+    approval_tools = forms.CharField(label="Actions needing approval",
+                                     required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    approval_timeout_s = forms.CharField(label="Approval timeout (seconds)",
+                                         required=False, max_length=MAX_NUMBER_CHARS)
+    warn_repeat_action = forms.CharField(label="Warn at repeat count",
+                                         required=False, max_length=MAX_NUMBER_CHARS)
+    warn_no_progress = forms.CharField(label="Warn at no-progress streak",
+                                       required=False, max_length=MAX_NUMBER_CHARS)
+    warn_budget_fraction = forms.CharField(label="Warn at budget fraction",
+                                           required=False, max_length=MAX_NUMBER_CHARS)
     # Not part of the policy: why it changed, kept on the version (required by the save view).
-    note = forms.CharField(required=False, max_length=500, strip=True, widget=forms.TextInput(
-        attrs={"placeholder": "what changed and why (shown in the history)", "maxlength": 500}))
+    note = forms.CharField(label="Change note", required=False, max_length=500, strip=True,
+                           widget=forms.TextInput(attrs={
+                               "placeholder": "what changed and why (shown in the history)",
+                               "maxlength": 500}))
 
     def __init__(self, *args: Any, fixed_name: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)

@@ -114,3 +114,18 @@ def test_a_refused_save_says_so_at_the_top_and_links_each_field(team, users):
     assert "Not saved." in top and "the 2 fields marked below" in top
     assert 'href="#err-max_steps"' in top and 'href="#err-max_repeat_action"' in top
     assert 'id="err-max_steps"' in html and 'id="err-max_repeat_action"' in html
+
+
+def test_the_refused_saves_summary_names_each_field_as_the_form_labels_it(team, users):
+    """Found by a newcomer: the summary said "Fix the field marked below: Max usd." beside a
+    box labelled "Max USD" (and "Tools deny" for "Deny", "Note" for "Change note"): Django's
+    names of the fields, not the page's."""
+    admin = Client()
+    admin.force_login(users["admin"])
+    for changes, name, label in [({"max_usd": "-5"}, "max_usd", "Max USD"),
+                                 ({"tools_deny": "*"}, "tools_deny", "Deny"),
+                                 ({"max_steps": "19", "note": ""}, "note", "Change note")]:
+        html = save(admin, team, **changes).content.decode()
+        top = html[html.index('id="form-status"'):html.index('class="form-grid"')]
+        assert re.findall(r'<a href="#err-(\w+)">([^<]+)</a>', top) == [(name, label)]
+        assert re.search(rf'<label for="id_{name}">{re.escape(label)}[< ]', html)
