@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from typing import Any
 
 import httpx
@@ -334,7 +335,7 @@ def test_a_refused_check_raises_with_the_error_code_and_fields() -> None:
     run = client.start_run("bot")
 
     with pytest.raises(InvalidRequest) as raised:
-        run.check("a", cost_usd=-1)
+        run.check("a", cost_usd=0.5)
 
     assert raised.value.status == 422
     assert raised.value.fields == {"cost_usd": ">= 0"}
@@ -389,3 +390,16 @@ def test_user_notice_shows_the_partial_response_reason_and_next_action() -> None
         "arguments (max_repeat_action=3).\n"
         "Next: Return the partial response."
     )
+
+
+@pytest.mark.parametrize("cost", [-1, -0.01, 1_000_001, Decimal("-0.5")])
+def test_a_cost_the_service_would_refuse_is_refused_before_anything_is_sent(cost) -> None:
+    """Found by a new agent author: the service answers 422 for a negative cost_usd (SPEC
+    5.2: a number >= 0), but FakeGovernance took it (its run's cost went down, -4.1 USD), and
+    so did a fail-open run deciding locally, where a negative spend kept it under max_usd."""
+    fake = FakeGovernance(max_usd=1.0)
+    with fake.client() as client, client.run("bot") as run:
+        with pytest.raises(ValueError, match="cost_usd is the spend since the previous check"):
+            run.check("a", cost_usd=cost)
+        assert fake.runs[run.id].checks == []
+        assert run.check("a", cost_usd=0).allowed

@@ -495,6 +495,10 @@ def _fit_args(name: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
     return plain
 
 
+#: The most one check may add to a run's cost, as the service takes it (runs/check/schemas.py).
+MAX_COST_USD = 1_000_000
+
+
 def _fit_cost(cost_usd: Any) -> int | float | None:
     # A JSON number (SPEC 5.2). Money is often a Decimal: sent as the number it is.
     if cost_usd is None:
@@ -506,6 +510,12 @@ def _fit_cost(cost_usd: Any) -> int | float | None:
     value: int | float = number if type(number) in (int, float) else float(number)
     if not math.isfinite(value):
         raise ValueError(f"cost_usd must be a finite number, not {cost_usd}")
+    if not 0 <= value <= MAX_COST_USD:
+        # The service refuses it (422, SPEC 5.2: a number >= 0), but the fake took it, and a
+        # fail-open run decided locally with it: a negative spend took the run's cost down,
+        # under max_usd (found by a new agent author).
+        raise ValueError(f"cost_usd is the spend since the previous check, from 0 to "
+                         f"{MAX_COST_USD:,}: not {cost_usd}")
     return value
 
 
