@@ -204,3 +204,25 @@ def test_an_ancestor_that_ended_after_the_client_decided_did_not_stop_it(api, te
     assert [flag for _, _, flag in flags(api, child)] == [False, True]
     later = Decision.objects.get(run_id=child, check_id="later")
     assert later.answer["violation"].startswith("parent_stopped: ")
+
+
+def test_the_timeline_shows_when_the_client_decided_not_when_it_uploaded(api, strict, users):
+    """Found by a newcomer: the actions of an outage all read as run at the upload's second,
+    "+0 ms" apart; the client's `at` was kept only in the answer's `decided_at`."""
+    import re
+    from datetime import timedelta
+
+    run_id = start(api)
+    now = timezone.now()
+    Run.objects.filter(pk=run_id).update(started_at=now - timedelta(seconds=120))
+    first, second = now - timedelta(seconds=90), now - timedelta(seconds=50)
+    upload(api, run_id, {**entry("l-1", "search.docs"), "at": first.isoformat()},
+           {**entry("l-2", "search.web"), "at": second.isoformat()})
+    viewer = Client()
+    viewer.force_login(users["viewer"])
+    page = viewer.get(f"/teams/{strict.slug}/runs/{run_id}/").content.decode()
+    rows = page.split("<tbody", 1)[1]
+    shown = re.findall(r'<time datetime="[^"]+" title="decided by the client at [^"]+"'
+                       r' data-uploaded-at="[^"]+">([0-9:]+)</time>', rows)
+    assert shown == [first.strftime("%H:%M:%S"), second.strftime("%H:%M:%S")]
+    assert "+0 ms" not in rows

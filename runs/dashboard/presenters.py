@@ -65,6 +65,22 @@ class StepRow:
     retry_after_s: float | None = None
     why: str = ""  # SPEC 16: the rule that decided, in words ("" for a plain allow)
     warning: str = ""  # the directive's code, when the row carries a warning
+    # A local row's upload (its `at` is when the client decided): None for any other row.
+    uploaded_at: datetime | None = None
+
+
+def _decided_at(d: Decision) -> datetime | None:
+    """When a fail-open client decided a local decision it uploaded later (the answer's
+    ``decided_at``, kept within the run's start and the upload by the service), or None."""
+    answer = d.answer or {}
+    text = answer.get("decided_at") if answer.get("local") is True else None
+    if not isinstance(text, str):
+        return None
+    try:
+        decided = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return decided if decided.tzinfo is not None else None
 
 
 def _value(value: Any) -> str:
@@ -254,6 +270,10 @@ def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
     if not isinstance(approval, dict):
         approval = {}
     rule = d.rule if d.rule is not None else answer.get("rule")
+    # A local decision shows when the client decided it, not when it was uploaded (found by a
+    # newcomer: every action of an outage read as run at the upload's second, "+0 ms"
+    # apart); its time since the previous check is not known from the rows, so it is left out.
+    decided = _decided_at(d)
     return StepRow(
         id=d.pk,
         step=d.step,
@@ -268,12 +288,12 @@ def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
         result_summary=_cut(summary, SUMMARY_CHARS),
         result_full=summary if len(summary) > SUMMARY_CHARS else "",
         cost=d.cost_usd,
-        at=d.at,
+        at=decided or d.at,
         message=answer.get("message") or "",
         directive=directive.get("content", "") if isinstance(directive, dict) else "",
         shadow_reason=shadow.get("reason", "") if isinstance(shadow, dict) else "",
         progress="" if d.progress is None else json.dumps(d.progress, ensure_ascii=False),
-        duration_s=_since(d.at, getattr(d, "prev_at", None) or run_started),
+        duration_s=None if decided else _since(d.at, getattr(d, "prev_at", None) or run_started),
         kill=not d.action_name,
         approval_status=approval.get("status", ""),
         approval_by=approval.get("decided_by") or "",
@@ -285,6 +305,7 @@ def step_row(d: Decision, run_started: datetime | None = None) -> StepRow:
         why=rule_in_words(rule, warning=isinstance(directive, dict) and isinstance(rule, dict)
                           and directive.get("code") == rule.get("name")),
         warning=(directive.get("code") or "") if isinstance(directive, dict) else "",
+        uploaded_at=d.at if decided else None,
     )
 
 
