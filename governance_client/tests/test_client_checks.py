@@ -403,3 +403,24 @@ def test_a_cost_the_service_would_refuse_is_refused_before_anything_is_sent(cost
             run.check("a", cost_usd=cost)
         assert fake.runs[run.id].checks == []
         assert run.check("a", cost_usd=0).allowed
+
+
+def test_a_check_that_waits_says_so_in_the_log(caplog) -> None:
+    """Found by a new agent author: a check slept for a rate limit, or blocked for minutes on
+    an operator's approval, and nothing said why the agent seemed to hang."""
+    import logging
+
+    from governance_client.testing import RateLimit
+
+    fake = FakeGovernance(rate_limits=[RateLimit(match="http.*", max=1, window_s=5)],
+                          approvals=["payments.*"], operator=lambda approval: "approve")
+    with caplog.at_level(logging.INFO, logger="governance_client"), fake.client() as client, \
+            client.run("bot") as run:
+        assert run.check("http.get", {"n": 1}).allowed
+        assert run.check("http.get", {"n": 2}).allowed  # after a wait
+        assert run.check("payments.refund", {"order": 42}).allowed  # after an approval
+    said = [r.getMessage() for r in caplog.records if r.name == "governance_client"]
+    assert any(m.startswith(f"http.get is rate limited (run {run.id}): checking it again in ")
+               for m in said), said
+    assert any(m.startswith("payments.refund waits for an operator's approval ")
+               and f"(run {run.id}, expires at " in m for m in said), said

@@ -440,6 +440,10 @@ class AsyncRun:
                 delay = max(decision.retry_after_s or 0.0, 0.001)
                 if waited + delay <= client.settings.wait_budget:
                     waited += delay
+                    # Said, so an agent that seems to hang is explained (found by a new agent
+                    # author: a check slept, and nothing said why).
+                    logger.info("%s is rate limited (run %s): checking it again in %.3g s",
+                                prepared.name, self.id, delay)
                     await client._sleep(delay)
                     continue  # SPEC 12: the same body again; a wait is decided again
             if decision.decision == "wait":
@@ -455,6 +459,10 @@ class AsyncRun:
         if not approval_id:
             return pending
         self._core.awaiting_approval(prepared)
+        # A check may wait here for minutes: said once, with what it waits for.
+        logger.info("%s waits for an operator's approval %s (run %s, expires at %s): the "
+                    "check returns once it is decided", prepared.name, approval_id, self.id,
+                    (pending.approval or {}).get("expires_at"))
         started = time.monotonic()
         limit = approval_limit(client.settings, pending, started) - started
         # Time spent, by the clock or by the polls that came back still pending (a fake
