@@ -299,6 +299,10 @@ class PolicyForm(forms.Form):
             self.document_errors = exc.errors
             for path, message in exc.errors.items():
                 field = field_for_path(path)
+                if field in STEP_LIMITS and not (cleaned.get(field) or "").strip():
+                    # Not "Input should be a valid integer" for a box left empty (found by a
+                    # newcomer): a budget's empty box is "no limit", a step limit's is refused.
+                    message = STEP_LIMIT_EMPTY
                 if field == "rate_limits" and path != "rate_limits":
                     # rate_limits[1].max -> the line people typed, and the value at fault.
                     index, _, key = path.removeprefix("rate_limits[").partition("]")
@@ -319,6 +323,9 @@ class PolicyForm(forms.Form):
         return cleaned
 
 
+STEP_LIMITS = ("max_steps", "max_repeat_action", "no_progress_window")
+STEP_LIMIT_EMPTY = ("Required: a step limit cannot be empty (only a budget's empty box means "
+                    "no limit).")
 DENY_ALL_WITH_TOOLS = ("\"Deny every tool\" is ticked: empty this list, or untick it to allow "
                        "only the tools listed.")
 DENY_ALL_BY_PATTERNS = ("Every tool of every run would be denied: {why}. Change the patterns, "

@@ -129,3 +129,17 @@ def test_the_refused_saves_summary_names_each_field_as_the_form_labels_it(team, 
         top = html[html.index('id="form-status"'):html.index('class="form-grid"')]
         assert re.findall(r'<a href="#err-(\w+)">([^<]+)</a>', top) == [(name, label)]
         assert re.search(rf'<label for="id_{name}">{re.escape(label)}[< ]', html)
+
+
+def test_an_emptied_box_says_what_empty_means(team, users):
+    """Found by a newcomer: an emptied step limit answered "Input should be a valid
+    integer", while an emptied budget means no limit; an emptied error threshold or approval
+    timeout silently came back as 3 and 900."""
+    admin = Client()
+    admin.force_login(users["admin"])
+    html = save(admin, team, max_steps="", max_usd="").content.decode()
+    error = html.split('id="err-max_steps"', 1)[1].split("</div>", 1)[0]
+    assert "Required: a step limit cannot be empty" in error
+    assert 'id="err-max_usd" aria-live="polite"></div>' in html
+    page = admin.get(reverse("policy", args=[team.slug, "default"])).content.decode()
+    assert "1..1000; empty = 3" in page and "1..86400, empty = 900" in page
