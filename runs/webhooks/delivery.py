@@ -16,6 +16,7 @@ timestamps older than a few minutes (see ``verify`` and docs/killswitch.md).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import hmac
@@ -375,6 +376,14 @@ def attempt_delivery(*, delivery_id: int, number: int) -> Next | None:
     return Next(attempt.number + 1, backoff(attempt.number))
 
 
+# The embedded default's first attempts under way on this process's threads, which
+# `flush_first_attempts` waits for at exit.
+_first_attempts: set[threading.Thread] = set()
+_first_attempts_lock = threading.Lock()
+#: How long a process's exit waits for its first attempts: one attempt's deadline, and a margin.
+FLUSH_S = TIMEOUT_S + 1.0
+
+
 def _deliver_in_thread(delivery_id: int, number: int) -> None:
     try:
         step = attempt_delivery(delivery_id=delivery_id, number=number)
@@ -384,6 +393,23 @@ def _deliver_in_thread(delivery_id: int, number: int) -> None:
         log.exception("webhook delivery %s failed in the background thread", delivery_id)
     finally:
         connections.close_all()  # this thread's own connections
+        with _first_attempts_lock:
+            _first_attempts.discard(threading.current_thread())
+
+
+def flush_first_attempts(timeout: float = FLUSH_S) -> bool:
+    """Wait until the first attempt of every delivery this process started on a thread (the
+    embedded default) is made, or ``timeout``; False on timeout. Called at exit, so that a
+    command that exits at once (`manage.py killswitch engage`, `manage.py approvals
+    decide`) still sends its webhook (found by a newcomer: on `make demo` their deliveries
+    stayed "pending, no worker has taken it yet", 0 attempts, for good). Retries the
+    process does not live to make are still lost."""
+    deadline = time.monotonic() + timeout
+    with _first_attempts_lock:
+        threads = list(_first_attempts)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in threads)
 
 
 def _task(delivery_id: int, urgent: bool | None) -> Any:
@@ -409,6 +435,9 @@ def schedule_delivery(delivery_id: int, number: int, delay: float, *,
     if webhook_deliver_task.app.conf.task_always_eager:
         timer = threading.Timer(delay, _deliver_in_thread, args=(delivery_id, number))
         timer.daemon = True
+        if number == 1:
+            with _first_attempts_lock:
+                _first_attempts.add(timer)
         timer.start()
         return
     _task(delivery_id, urgent).apply_async((delivery_id, number), countdown=delay)
@@ -425,3 +454,6 @@ def start_delivery(delivery_id: int, *, urgent: bool | None = None) -> None:
         schedule_delivery(delivery_id, 1, 0)
         return
     publisher.submit(_task(delivery_id, urgent).name, delivery_id, 1)
+
+
+atexit.register(flush_first_attempts)
