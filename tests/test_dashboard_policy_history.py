@@ -133,3 +133,14 @@ def test_a_long_history_lists_its_newest_versions_and_compares_any(
     rest = client.get(path, {"limit": 4, "before": 4}, **auth).json()
     assert [v["version"] for v in rest["versions"]] == [3, 2, 1] and rest["more"] is False
     assert client.get(path, {"limit": 201}, **auth).status_code == 422
+
+
+def test_a_version_nobody_saved_reads_as_from_its_source_not_by_it(team, users):
+    """Found by a newcomer: the demo's policy read "saved 1 minute ago by demo" on its page,
+    "from demo" on the list and "—" (by) beside source "demo" in the history: "demo" is how
+    it was made, not who made it."""
+    viewer = as_user(users, "viewer")
+    page = viewer.get(reverse("policy", args=[team.slug, "default"])).content.decode()
+    version = Policy.objects.get(team=team, name="default").current
+    assert version.created_by is None
+    assert f"from {version.source}." in page and f"by {version.source}" not in page
