@@ -184,3 +184,25 @@ def test_the_runs_filters_list_each_agent_once(page: Page, server: Server, agent
     page.goto(f"{server.url}/teams/{team.slug}/runs/")
     options = page.locator("select[name=agent] option").all_text_contents()
     assert options == ["any", "bot-a", "bot-b"]
+
+
+def test_a_half_typed_release_reason_outlives_the_banners_live_updates(
+        page: Page, server: Server, team: Team, users: Any):
+    """Found by a newcomer: the stream sends the banner again whenever it changes ("just
+    now" becomes "1 minute ago", another switch is engaged), and the swap emptied the
+    release reason being typed."""
+    sign_in(page, server, "admin", "pw-admin-123")
+    kill(scope=Scope.AGENT, team=team, agent="bot-a")
+    page.goto(f"{server.url}/teams/{team.slug}/policies/")
+    page.evaluate("window.__noReload = true")
+    expect(page.locator("#killswitch-banner [data-switch]")).to_have_count(1)
+    page.wait_for_timeout(1000)  # the layout's stream connects and sends the banner
+    reason = page.locator("#killswitch-banner input[name=reason]")
+    reason.fill("the receiver is back, checked by")
+
+    kill(scope=Scope.AGENT, team=team, agent="bot-b")  # the banner changes: a second line
+
+    expect(page.locator("#killswitch-banner [data-switch]")).to_have_count(2, timeout=15_000)
+    expect(page.locator("#killswitch-banner input[name=reason]").first).to_have_value(
+        "the receiver is back, checked by")
+    assert page.evaluate("window.__noReload") is True
