@@ -206,3 +206,31 @@ def test_a_half_typed_release_reason_outlives_the_banners_live_updates(
     expect(page.locator("#killswitch-banner input[name=reason]").first).to_have_value(
         "the receiver is back, checked by")
     assert page.evaluate("window.__noReload") is True
+
+
+def test_what_is_typed_in_the_engage_forms_outlives_the_pages_live_updates(
+        page: Page, server: Server, agent: Agent, team: Team, users: Any):
+    """Found by a newcomer on the demo: the engage card is live (its count of running runs),
+    and each swap emptied the reason and the agent being typed, within seconds while agents
+    ran."""
+    sign_in(page, server, "operator", "pw-operator-123")
+    page.goto(f"{server.url}/teams/{team.slug}/killswitch/")
+    page.evaluate("window.__noReload = true")
+    expect(page.locator("[data-live-status]")).to_have_text("Live")
+    expect(page.locator("#killswitch-engage [data-running]")).to_have_attribute(
+        "data-running", "0")
+    team_reason = page.locator("#killswitch-engage form.engage-team [name=reason]")
+    agent_name = page.locator("#killswitch-engage form.engage-agent [name=agent]")
+    agent_reason = page.locator("#killswitch-engage form.engage-agent [name=reason]")
+    team_reason.fill("refunds looping, INC-7")
+    agent_name.fill("bot-a")
+    agent_reason.fill("bot-a only")
+
+    agent.start()  # the card changes: 1 run running
+
+    expect(page.locator("#killswitch-engage [data-running]")).to_have_attribute(
+        "data-running", "1", timeout=15_000)
+    expect(team_reason).to_have_value("refunds looping, INC-7")
+    expect(agent_name).to_have_value("bot-a")
+    expect(agent_reason).to_have_value("bot-a only")
+    assert page.evaluate("window.__noReload") is True
