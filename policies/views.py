@@ -604,7 +604,12 @@ def team_settings(request: HttpRequest, slug: str) -> HttpResponse:
         changed = team_update_webhook(team=request.team,
                                       webhook_url=form.cleaned_data["webhook_url"],
                                       actor=request.user)
-        messages.success(request, "Webhook saved." if changed else "Nothing changed.")
+        saved = form.cleaned_data["webhook_url"]
+        typed = (request.POST.get("webhook_url") or "").strip()
+        # Said when what was saved is not what was typed (found by a newcomer:
+        # "example.com/hook" was saved as https://example.com/hook without a word).
+        messages.success(request, "Nothing changed." if not changed else (
+            f"Webhook saved as {saved}." if saved and saved != typed else "Webhook saved."))
         return redirect("team_settings", slug=slug)
     return page(request, "policies/settings.html", {
         "form": form,

@@ -146,3 +146,14 @@ def test_the_members_page_says_what_operators_may_release_as_the_team_is_set(
     team.save(update_fields=["operator_release"])
     page = admin.get(reverse("members", args=[team.slug])).content.decode()
     assert said in page and not_said not in page
+
+
+def test_a_webhook_url_saved_otherwise_than_typed_says_how(team, admin):
+    """Found by a newcomer: "hooks.example.com/gov" (no scheme) was saved as
+    https://hooks.example.com/gov with only "Webhook saved." to say so."""
+    url = reverse("team_settings", kwargs={"slug": team.slug})
+    page = admin.post(url, {"webhook_url": "hooks.example.com/gov"}, follow=True)
+    assert "Webhook saved as https://hooks.example.com/gov." in page.content.decode()
+    page = admin.post(url, {"webhook_url": "https://hooks.example.com/other"}, follow=True)
+    assert "Webhook saved." in page.content.decode()
+    assert "Webhook saved as" not in page.content.decode()
