@@ -107,7 +107,8 @@ def _glob_lines(patterns: list[str]) -> str:
 
 def _rate_rules(raw: str) -> tuple[list[dict[str, Any]], list[str]]:
     """One rule per line, `match per max window_s` (the pattern may contain spaces: the last
-    three words are the others). Returns the rules and the lines that are not rules."""
+    three words are the others), apart by spaces or commas. Returns the rules and the lines
+    that are not rules."""
     found, bad = [], []
     for number, line in enumerate(raw.splitlines(), start=1):
         words = line.split()
@@ -122,7 +123,10 @@ def _rate_rules(raw: str) -> tuple[list[dict[str, Any]], list[str]]:
                 if len(words) > 1 and words[1] not in rules.SCOPES else ""
             bad.append(f"line {number}: {missing} missing{per}: write a rule as {RATE_LINE}")
             continue
-        match, per, most, window = line.strip().rsplit(None, 3)
+        # Commas between the parts, as the list boxes take them ("http.*, agent, 10, 60"),
+        # are separators too (found by a newcomer: per "agent," and max "10," were refused).
+        match, per, most, window = (part.rstrip(",").rstrip()
+                                    for part in line.strip().rstrip(",").rsplit(None, 3))
         if max(len(most), len(window)) > MAX_NUMBER_CHARS:
             # Read as a number, the text's digits would cost quadratic time (and Python
             # refuses past 4,300 of them): refused here, like the other number boxes' length.

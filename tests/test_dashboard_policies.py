@@ -336,3 +336,17 @@ def test_the_diff_shows_a_new_rate_limit(team, admin):
     assert "+rate_limits:" in text
     # The key order of a stored document is the database's (jsonb sorts keys by length).
     assert re.search(r'class="diff-add">\+[ -]*match: http\.\*<', text), text
+
+
+def test_a_rate_limit_line_may_have_commas_between_its_parts(team, admin):
+    """Found by a newcomer: "http.*, agent, 10, 60", written as the list boxes take their
+    items, was refused ("per: Input should be 'run', 'agent' or 'team'", "max: Input should
+    be a valid integer"). A comma inside a glob's set stays the pattern's."""
+    url = reverse("policy_save", kwargs={"slug": team.slug, "name": "default"})
+    response = admin.post(url, form_data(rate_limits="http.*, agent, 10, 60,\n"
+                                                     "db.[a,b]* run 5 30"))
+    assert response.status_code == 302, html.unescape(response.content.decode())[:2000]
+    assert current(team)["rate_limits"] == [
+        {"match": "http.*", "per": "agent", "max": 10, "window_s": 60},
+        {"match": "db.[a,b]*", "per": "run", "max": 5, "window_s": 30},
+    ]
