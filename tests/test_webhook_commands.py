@@ -44,3 +44,32 @@ def test_manage_py_killswitch_engage_delivers_its_webhook_before_it_exits(team, 
     assert (delivery.event, delivery.status, delivery.attempts) == (
         "killswitch.engaged", "delivered", 1)
     assert receiver.valid[team.slug] == 1
+
+
+@pytest.mark.django_db
+def test_a_pending_delivery_whose_next_attempt_never_came_says_so(team, users):
+    """What a command's failed first attempt leaves on the embedded default (its retries die
+    with the process): the page said "pending" beside "retried with backoff" for good."""
+    from datetime import timedelta
+
+    from django.test import Client
+    from django.utils import timezone
+
+    from runs.models import WebhookAttempt
+
+    team.webhook_url = "https://hooks.example.com/gov"
+    team.save()
+    long_ago = timezone.now() - timedelta(minutes=5)
+    stuck = WebhookDelivery.objects.create(team=team, event="webhook.test", url=team.webhook_url,
+                                           payload={}, attempts=1)
+    WebhookAttempt.objects.create(delivery=stuck, number=1, at=long_ago, status_code=500)
+    fresh = WebhookDelivery.objects.create(team=team, event="webhook.test", url=team.webhook_url,
+                                           payload={}, attempts=1)
+    WebhookAttempt.objects.create(delivery=fresh, number=1, at=timezone.now(), status_code=500)
+    viewer = Client()
+    viewer.force_login(users["viewer"])
+    page = viewer.get(f"/teams/{team.slug}/killswitch/").content.decode()
+    rows = {pk: page.split(f'data-delivery="{pk}"', 1)[1].split("</tr>", 1)[0]
+            for pk in (stuck.pk, fresh.pk)}
+    assert "its next attempt never came" in rows[stuck.pk]
+    assert "its next attempt never came" not in rows[fresh.pk]

@@ -183,6 +183,7 @@ def killswitch_page(request: HttpRequest, slug: str) -> HttpResponse:
         "history": switches.history_for_team(team),
         "deliveries": recent,
         "overdue": {d.pk for d in recent if deliveries.overdue(d)},
+        "stalled": {d.pk for d in recent if deliveries.stalled(d)},
         # The deliveries region looks again every few seconds while one is still pending.
         "polling": any(d.status == webhooks.PENDING for d in recent),
         "max_attempts": webhooks.MAX_ATTEMPTS,
