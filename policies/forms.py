@@ -418,7 +418,10 @@ class OperatorTokenForm(forms.Form):
     name = forms.CharField(max_length=100)
     role = forms.ChoiceField(choices=Role.choices, initial=Role.VIEWER,
                              help_text="It acts with the lesser of your role and this one.")
-    team = forms.ChoiceField(required=False, help_text="Empty: every team you are in.")
+    # Not "Empty: ...": the box is a list whose first choice reads "every team" (found by a
+    # newcomer, who looked for an empty one).
+    team = forms.ChoiceField(required=False, help_text="\"every team\": each team you are a "
+                             "member of, with your role there.")
     expires_days = forms.IntegerField(required=False, min_value=1, max_value=3650,
                                       label="Expires after (days)",
                                       help_text="Empty: never (revoke it when done).")

@@ -9,6 +9,7 @@ what each endpoint does: the same services and audit events as the pages, the sa
 from __future__ import annotations
 
 import io
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -709,3 +710,14 @@ def test_a_backtest_start_never_publishes_on_the_request_thread(world, settings,
     assert submitted == [(backtest_run_task.name, str(job.pk))]
     # The queued job holds the team's one slot until it runs or grows stale.
     assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_backtests"
+
+
+def test_the_token_forms_team_hint_names_the_choice_it_has(world, users):
+    """Found by a newcomer: the hint said "Empty: every team you are in." beside a list with
+    no empty choice, whose first one reads "every team"."""
+    browser = Client()
+    browser.force_login(users["operator"])
+    page = browser.get("/accounts/tokens/").content.decode()
+    assert re.search(r'<option value=""[^>]*>\s*every team</option>', page)
+    assert "Empty: every team" not in page
+    assert "&quot;every team&quot;: each team you are a member of" in page
