@@ -160,8 +160,8 @@ class Source(ABC):
         """Whether the stream's viewer still sees the team, asked again at most every
         VIEWER_LOOK_S for all of that viewer's streams (`_viewer_sees`): the session still
         signed in as an active member of the team, as `session_sees_team` asks for the
-        pacing. A request without a session (a test's) is not asked."""
-        session = getattr(self.request, "session", None)
+        pacing. A source without a request or a session (a test's) is not asked."""
+        session = getattr(getattr(self, "request", None), "session", None)
         key = getattr(session, "session_key", None)
         if key is not None and not self.shut and not _viewer_sees(key, self.team.slug):
             self.shut = True
