@@ -459,7 +459,7 @@ AGENT_BULK_SHARE = env_float("WEB_AGENT_BULK_SHARE", 0.2)
 # The most of a process's time one caller's heavy checks take (each more than a few ms of CPU,
 # such as 60 KiB of small JSON values to walk; governance/asgi.py `check_in_share`): delayed,
 # never refused. 0.25 left another team's check p99 2 to 2.8x under the benchmark's
-# `heavy_args` attack, 0.1 1.5 to 1.6x (docs/serving.md).
+# `heavy_args` attack, 0.1 1.5 to 1.9x, 0.05 about 1x (docs/serving.md).
 HEAVY_CHECKS_SHARE = env_float("WEB_HEAVY_CHECKS_SHARE", 0.1)
 # The most of a process's time one team's operator API calls take (the team their path names;
 # the kill switch's own pool is never paced): as the agents' bulk calls, docs/serving.md.
