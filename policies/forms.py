@@ -142,6 +142,17 @@ def rate_rule_line(rule: dict[str, Any]) -> str:
     return f"{rule['match']} {rule['per']} {rule['max']} {rule['window_s']}"
 
 
+def _number_box(label: str) -> forms.CharField:
+    """A number's box: text, converted and judged by `document()` and `parse_policy`."""
+    return forms.CharField(label=label, required=False, max_length=MAX_NUMBER_CHARS)
+
+
+def _lines_box(label: str, *, rows: int) -> forms.CharField:
+    """A box of lines (a list, or the rate limits' rules)."""
+    return forms.CharField(label=label, required=False,
+                           widget=forms.Textarea(attrs={"rows": rows}))
+
+
 class PolicyForm(forms.Form):
     """One policy. Every field is text on purpose: converting happens in `document()` and
     judging in `parse_policy`, never in Django's field classes, so messages match the YAML's."""
@@ -149,45 +160,30 @@ class PolicyForm(forms.Form):
     name = forms.CharField(label="Name", required=False, max_length=100)
     mode = forms.ChoiceField(label="Mode", choices=[("enforce", "enforce"), ("shadow", "shadow")],
                              required=False)
-    max_steps = forms.CharField(label="Max steps", required=False, max_length=MAX_NUMBER_CHARS)
-    max_repeat_action = forms.CharField(label="Max repeat action",
-                                        required=False, max_length=MAX_NUMBER_CHARS)
-    no_progress_window = forms.CharField(label="No-progress window",
-                                         required=False, max_length=MAX_NUMBER_CHARS)
-    max_seconds = forms.CharField(label="Max seconds", required=False, max_length=MAX_NUMBER_CHARS)
-    max_usd = forms.CharField(label="Max USD", required=False, max_length=MAX_NUMBER_CHARS)
-    max_tool_calls = forms.CharField(label="Max tool calls",
-                                     required=False, max_length=MAX_NUMBER_CHARS)
+    max_steps = _number_box("Max steps")
+    max_repeat_action = _number_box("Max repeat action")
+    no_progress_window = _number_box("No-progress window")
+    max_seconds = _number_box("Max seconds")
+    max_usd = _number_box("Max USD")
+    max_tool_calls = _number_box("Max tool calls")
     restrict_tools = forms.BooleanField(label="Only allow the tools listed", required=False)
     # An empty allow list denies every tool of every run: said out loud, never by omission.
     deny_every_tool = forms.BooleanField(label="Deny every tool", required=False)
-    tools_allow = forms.CharField(label="Allow",
-                                  required=False, widget=forms.Textarea(attrs={"rows": 3}))
-    tools_deny = forms.CharField(label="Deny",
-                                 required=False, widget=forms.Textarea(attrs={"rows": 3}))
-    ignore_args = forms.CharField(label="Args ignored in the repeat key",
-                                  required=False, widget=forms.Textarea(attrs={"rows": 2}))
-    error_threshold = forms.CharField(label="Repeated error threshold",
-                                      required=False, max_length=MAX_NUMBER_CHARS)
+    tools_allow = _lines_box("Allow", rows=3)
+    tools_deny = _lines_box("Deny", rows=3)
+    ignore_args = _lines_box("Args ignored in the repeat key", rows=2)
+    error_threshold = _number_box("Repeated error threshold")
     error_action = forms.ChoiceField(label="On repeated error",
                                      choices=[("nudge", "nudge"), ("stop", "stop")],
                                      required=False)
-    redact_args = forms.CharField(label="Redacted args",
-                                  required=False, widget=forms.Textarea(attrs={"rows": 2}))
-    max_idle_seconds = forms.CharField(label="Max idle seconds",
-                                       required=False, max_length=MAX_NUMBER_CHARS)
-    rate_limits = forms.CharField(label="Rules",
-                                  required=False, widget=forms.Textarea(attrs={"rows": 3}))
-    approval_tools = forms.CharField(label="Actions needing approval",
-                                     required=False, widget=forms.Textarea(attrs={"rows": 2}))
-    approval_timeout_s = forms.CharField(label="Approval timeout (seconds)",
-                                         required=False, max_length=MAX_NUMBER_CHARS)
-    warn_repeat_action = forms.CharField(label="Warn at repeat count",
-                                         required=False, max_length=MAX_NUMBER_CHARS)
-    warn_no_progress = forms.CharField(label="Warn at no-progress streak",
-                                       required=False, max_length=MAX_NUMBER_CHARS)
-    warn_budget_fraction = forms.CharField(label="Warn at budget fraction",
-                                           required=False, max_length=MAX_NUMBER_CHARS)
+    redact_args = _lines_box("Redacted args", rows=2)
+    max_idle_seconds = _number_box("Max idle seconds")
+    rate_limits = _lines_box("Rules", rows=3)
+    approval_tools = _lines_box("Actions needing approval", rows=2)
+    approval_timeout_s = _number_box("Approval timeout (seconds)")
+    warn_repeat_action = _number_box("Warn at repeat count")
+    warn_no_progress = _number_box("Warn at no-progress streak")
+    warn_budget_fraction = _number_box("Warn at budget fraction")
     # Not part of the policy: why it changed, kept on the version (required by the save view).
     note = forms.CharField(label="Change note", required=False, max_length=500, strip=True,
                            widget=forms.TextInput(attrs={
