@@ -158,6 +158,24 @@ def test_a_refused_release_says_why_and_whom_to_ask(team, users, setting):
     assert engaged()
 
 
+def _admin_engaged_in_between(team: Any, users: Any, monkeypatch: Any) -> KillSwitch:
+    """The race: a team whose operators release the switches they engaged; the operator's
+    switch, which an admin released and replaced with their own after the operator's request
+    read it (what `engaged_switch` still answers). Returns the admin's switch."""
+    from runs.killswitch import selectors
+    from runs.killswitch.services import killswitch_release
+
+    team.operator_release = "own"
+    team.save()
+    theirs = killswitch_engage(scope="team", team=team, reason="incident",
+                               actor=users["operator"])
+    killswitch_release(scope="team", team=team, reason="mine now", actor=users["admin"])
+    admins = killswitch_engage(scope="team", team=team, reason="a worse one",
+                               actor=users["admin"])
+    monkeypatch.setattr(selectors, "engaged_switch", lambda target: theirs)
+    return admins
+
+
 def test_an_operator_cannot_release_a_switch_an_admin_engaged_after_their_check(
         team, users, monkeypatch):
     """Found by an attacker: who may release was asked of the switch engaged before the
@@ -165,18 +183,7 @@ def test_an_operator_cannot_release_a_switch_an_admin_engaged_after_their_check(
     moment. Between the two an admin released the operator's switch and engaged one of
     their own: the operator's release (allowed for the switches they engaged) released the
     admin's. It is asked again of the switch under its lock."""
-    from runs.killswitch import selectors
-    from runs.killswitch.services import killswitch_release
-
-    team.operator_release = "own"
-    team.save()
-    theirs = killswitch_engage(scope="team", team=team, reason="incident",
-                               actor=users["operator"])
-    killswitch_release(scope="team", team=team, reason="mine now", actor=users["admin"])
-    admins = killswitch_engage(scope="team", team=team, reason="a worse one",
-                               actor=users["admin"])
-    # What the operator's request read before the admin's release and engage.
-    monkeypatch.setattr(selectors, "engaged_switch", lambda target: theirs)
+    admins = _admin_engaged_in_between(team, users, monkeypatch)
     assert release(users["operator"]) == 403
     assert KillSwitch.objects.get(pk=admins.pk).active
 
@@ -184,18 +191,9 @@ def test_an_operator_cannot_release_a_switch_an_admin_engaged_after_their_check(
 def test_the_operator_api_asks_again_under_the_lock_too(team, users, monkeypatch):
     """The same race through `POST /api/v1/killswitch` with an operator's token."""
     from policies.tokens import operator_token_create
-    from runs.killswitch import selectors
-    from runs.killswitch.services import killswitch_release
 
-    team.operator_release = "own"
-    team.save()
     token = operator_token_create(user=users["operator"], name="oncall", role="operator").secret
-    theirs = killswitch_engage(scope="team", team=team, reason="incident",
-                               actor=users["operator"])
-    killswitch_release(scope="team", team=team, reason="mine now", actor=users["admin"])
-    admins = killswitch_engage(scope="team", team=team, reason="a worse one",
-                               actor=users["admin"])
-    monkeypatch.setattr(selectors, "engaged_switch", lambda target: theirs)
+    admins = _admin_engaged_in_between(team, users, monkeypatch)
     answer = Client(HTTP_AUTHORIZATION=f"Bearer {token}").post(
         "/api/v1/killswitch", {"action": "release", "scope": "team", "team": team.slug,
                                "reason": "all clear"}, content_type="application/json")
