@@ -38,7 +38,7 @@ from runs.killswitch.services import killswitch_engage
 from runs.models import Approval, Run
 from runs.models import Decision as AuditRecord
 from tests.conftest import ROOT, Agent, Server, free_port, set_policy
-from tests.workers import wait_for
+from tests.workers import terminate, wait_for
 
 # Processes and a real server: once, on the PostgreSQL stack (the gateway is the same on both).
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -654,12 +654,7 @@ def process(*args: str, port: int) -> Iterator[str]:
         wait_for(up, timeout=30, what=f"{args[1]} on port {port}")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
 
 def test_over_streamable_http_both_sides(server: Server, agent: Agent, team: Team) -> None:

@@ -31,7 +31,7 @@ import pytest
 from governance_client.testing import FakeGovernance
 
 from tests.conftest import ROOT, free_port
-from tests.workers import wait_for
+from tests.workers import terminate, wait_for
 
 pytest.importorskip("mcp")
 
@@ -163,9 +163,4 @@ def test_a_sigterm_finishes_the_open_sessions_runs_of_the_http_gateway(service, 
     finally:
         for proc in (gateway, upstream):
             if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                terminate(proc)

@@ -153,6 +153,16 @@ def new_worker(workers: list[Worker], *, visibility_timeout: int = 5,
     return worker
 
 
+def terminate(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within ``timeout``; waited for either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_for(predicate: Any, *, timeout: float, interval: float = 0.1, what: str = "") -> Any:
     deadline = time.monotonic() + timeout
     while True:
