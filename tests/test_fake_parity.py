@@ -31,6 +31,7 @@ from runs.check.policy_cache import rules_for_version
 from runs.killswitch.services import resolve_target
 from runs.models import KillSwitch
 from tests.conftest import set_policy
+from tests.on_this_thread import keeps_the_test_connection
 
 RATE = {"rate_limits": [{"match": "http.*", "per": "run", "max": 1, "window_s": 60}]}
 APPROVALS = {"approvals": {"tools": ["refund.*"], "timeout_s": 900}}
@@ -255,23 +256,12 @@ class ServerSide(Side):
 
 @pytest.fixture
 def wsgi(agent_token: str) -> Iterator[httpx.Client]:
-    from django.core.signals import request_finished, request_started
-    from django.db import close_old_connections
-
     from governance.wsgi import application
 
-    # As Django's test client does: the test's transaction is on this thread's connection,
-    # which the request signals would close.
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
-    try:
-        with httpx.Client(transport=httpx.WSGITransport(app=application),
-                          base_url="http://127.0.0.1",
-                          headers={"Authorization": f"Bearer {agent_token}"}) as http:
-            yield http
-    finally:
-        request_started.connect(close_old_connections)
-        request_finished.connect(close_old_connections)
+    with keeps_the_test_connection(), httpx.Client(
+            transport=httpx.WSGITransport(app=application), base_url="http://127.0.0.1",
+            headers={"Authorization": f"Bearer {agent_token}"}) as http:
+        yield http
 
 
 @pytest.mark.django_db

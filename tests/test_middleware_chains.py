@@ -14,6 +14,7 @@ import pytest
 from django.test import Client
 
 from policies.models import AgentKey
+from tests.on_this_thread import keeps_the_test_connection
 
 LOGIN = "/accounts/login/"
 
@@ -78,22 +79,11 @@ def api_needs_no_session(http: httpx.Client, agent_token: str) -> None:
 
 @pytest.fixture
 def wsgi() -> Iterator[httpx.Client]:
-    from django.core.signals import request_finished, request_started
-    from django.db import close_old_connections
-
     from governance.wsgi import application
 
-    # As Django's test client does: the test's transaction is on this thread's connection,
-    # which the request signals would close.
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
-    try:
-        with httpx.Client(transport=httpx.WSGITransport(app=application),
-                          base_url="http://127.0.0.1") as http:
-            yield http
-    finally:
-        request_started.connect(close_old_connections)
-        request_finished.connect(close_old_connections)
+    with keeps_the_test_connection(), httpx.Client(
+            transport=httpx.WSGITransport(app=application), base_url="http://127.0.0.1") as http:
+        yield http
 
 
 @pytest.mark.django_db

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.on_this_thread import keeps_the_test_connection
+
 pytestmark = pytest.mark.django_db
 
 NO_TEXT = ["\x00", "rot13", "base64", "undefined", "idna", "punycode"]
@@ -38,9 +40,6 @@ def test_a_text_charset_is_one(name: str) -> None:
 def _wsgi(method: str, path: str, content_type: str, body: bytes = b"",
           headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     """The answer of the project's WSGI application (what `runserver` serves)."""
-    from django.core.signals import request_finished, request_started
-    from django.db import close_old_connections
-
     from governance.wsgi import application
 
     route, _, query = path.partition("?")
@@ -52,16 +51,10 @@ def _wsgi(method: str, path: str, content_type: str, body: bytes = b"",
     environ.update({"HTTP_" + k.upper().replace("-", "_"): v
                     for k, v in (headers or {}).items()})
     started: list[Any] = []
-    # As Django's test client does: the test's transaction is on this thread's connection.
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
-    try:
+    with keeps_the_test_connection():
         chunks = application(environ, lambda status, hs, *_: started.append((status, hs)))
         body_out = b"".join(chunks)
         chunks.close()
-    finally:
-        request_started.connect(close_old_connections)
-        request_finished.connect(close_old_connections)
     status, hs = started[0]
     return int(status.split()[0]), dict(hs), body_out
 
