@@ -25,7 +25,11 @@ UPDATE ... RETURNING, the repeat-count upsert and the audit INSERT, one round tr
 Beside the ladder, not a layer of it (`--rungs` names it): `wsgi-2trips`, the floor's
 statement in two round trips as the real check makes them (`BEGIN` and a locking read of
 the run, then the write and `COMMIT`, each one pipelined message), on the wsgi-min server:
-what the second round trip alone costs, served the fastest way.
+what the second round trip alone costs, served the fastest way. And `wsgi-rules`, on the same
+server: the floor's one statement with the decision made before it by the product's own rules,
+from the run's state the process keeps (bench/minimal/fast.py `durable_decided`): the most a
+check that decides by those rules in one round trip could serve, everything else of the real
+check left out.
 
 The rungs are measured in alternating slices, runs already started (checks only), at 32
 agents and one agent, with the old baseline (`min-durable`, three statements under the
@@ -52,7 +56,8 @@ RUNGS = ("wsgi-min", "asgi-min", "asgi-pool", "django-cycle", "api-middleware", 
 OLD = "min-durable"
 # Measured when named in `--rungs`, beside the ladder: not a layer between two rungs.
 TWO_TRIPS = "wsgi-2trips"
-EXTRA = (TWO_TRIPS,)
+DECIDED = "wsgi-rules"
+EXTRA = (TWO_TRIPS, DECIDED)
 WARMUP_S = 1.0
 # `--other`: the real check served by another checkout (the tree before a change), measured
 # in the same alternating rounds as this tree's: a change's before and after beside the floor.
@@ -69,9 +74,9 @@ def measure(team: sc.Team, *, workers: int, threads: int, agents: list[int], rou
     with contextlib.ExitStack() as stack_:
         product = server or stack_.enter_context(stack.Server(**shape))
         servers: dict[str, stack.Server] = {}
-        if {"wsgi-min", TWO_TRIPS} & set(rungs):
-            servers["wsgi-min"] = servers[TWO_TRIPS] = stack_.enter_context(
-                stack.RawServer(interface="wsgi", **shape))
+        if {"wsgi-min", *EXTRA} & set(rungs):
+            servers["wsgi-min"] = servers[TWO_TRIPS] = servers[DECIDED] = \
+                stack_.enter_context(stack.RawServer(interface="wsgi", **shape))
         if {"asgi-min", "asgi-pool"} & set(rungs):
             raw_asgi = stack_.enter_context(stack.RawServer(interface="asgi", **shape))
             servers["asgi-min"] = servers["asgi-pool"] = raw_asgi
@@ -161,6 +166,12 @@ def headline(points: list[dict[str, Any]]) -> dict[str, Any]:
                                                         / fastest["checks_per_s"], 2)
             out[f"real_over_two_trips_{n}"] = round(real["checks_per_s"]
                                                     / two["checks_per_s"], 2)
+        decided = _at(points, DECIDED, n)
+        if decided and fastest:
+            out[f"rules_over_wsgi_min_{n}"] = round(decided["checks_per_s"]
+                                                    / fastest["checks_per_s"], 2)
+            out[f"p50_rules_over_wsgi_min_{n}"] = round(decided["p50_ms"]
+                                                        / fastest["p50_ms"], 2)
         before = _at(points, OTHER, n)
         if before and fastest:
             out[f"other_over_wsgi_min_{n}"] = round(before["checks_per_s"]

@@ -41,6 +41,7 @@ CHECK_PATHS: dict[str, ag.CheckPath] = {
 LADDER_PATHS: dict[str, ag.CheckPath] = {
     "wsgi-min": lambda run_id: f"/runs/{run_id}/durable",
     "wsgi-2trips": lambda run_id: f"/runs/{run_id}/durable2",
+    "wsgi-rules": lambda run_id: f"/runs/{run_id}/decided",
     "asgi-min": lambda run_id: f"/runs/{run_id}/inline",
     "asgi-pool": lambda run_id: f"/runs/{run_id}/pool",
     "django-cycle": lambda run_id: f"/runs/{run_id}/fast",

@@ -23,10 +23,12 @@ def application(environ: dict[str, Any], start_response: Any) -> list[bytes]:
     # Where a slow body would hold this thread, if granian handed the request over before
     # its body had arrived (bench/ladder.py `interface_attacks` measures whether it does).
     body = environ["wsgi.input"].read(length)
-    if len(parts) != 4 or parts[1] != "runs" or parts[3] not in ("durable", "durable2"):
+    if len(parts) != 4 or parts[1] != "runs" or parts[3] not in ("durable", "durable2", "decided"):
         status, answer = 404, _NO_SUCH
     elif parts[3] == "durable2":  # the ladder's wsgi-2trips rung
         status, answer = fast.durable_two_trips(fast.thread_connection(), parts[2], body)
+    elif parts[3] == "decided":  # the ladder's wsgi-rules rung
+        status, answer = fast.durable_decided(fast.thread_connection(), parts[2], body)
     else:
         status, answer = fast.durable(fast.thread_connection(), parts[2], body)
     start_response(_STATUS[status], [*_HEADERS, ("content-length", str(len(answer)))])
