@@ -414,6 +414,48 @@ def test_the_worker_node_killed_mid_fanout_and_restarted_kills_every_run_once(
         receiver.stop()
 
 
+def test_one_address_holding_connections_does_not_keep_others_out(
+        stack: Stack, team: Any, agent_token: str) -> None:
+    """SPEC 10: one client address opens more silent connections than HAProxy's `maxconn`
+    (4,096) and holds them; an agent elsewhere still starts a run and checks it on new
+    connections, each answered within 2 s. The nodes' cap on idle connections per address
+    does not apply to the proxy's connections, so the proxy caps them per client address
+    (deploy/haproxy.cfg). Without it, the new connections waited in the kernel's backlog
+    until HAProxy closed the first silent ones at `timeout http-request` (10 s)."""
+    import resource
+    import socket
+
+    held = 4300
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < held + 500:
+        pytest.skip(f"the open files limit ({hard}) is below {held + 500}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, held + 500), hard))
+    set_policy(team, **LOOSE)
+    silent: list[socket.socket] = []
+    try:
+        for _ in range(held):
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.bind(("127.0.0.77", 0))
+            sock.connect_ex(("127.0.0.1", stack.http_port))
+            silent.append(sock)
+        time.sleep(1)
+        for _ in range(3):
+            # A new connection each time (the client's own), as a new agent would open.
+            with client(stack.url, agent_token) as http:
+                http.timeout = httpx.Timeout(2)
+                started = time.monotonic()
+                run_id = start_run(http)
+                response = check(http, run_id)
+                assert response.status_code == 200, response.text
+                assert response.json()["decision"] == "allow"
+                assert time.monotonic() - started < 4
+    finally:
+        for sock in silent:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_web_node_killed_mid_load_loses_no_decided_check(
         stack: Stack, team: Any, agent_token: str) -> None:
     """SIGKILL a web node while agents send checks through HAProxy: HAProxy takes it out;
