@@ -87,3 +87,43 @@ def test_a_child_runs_checks_count_on_its_parent_through_the_pooler(
                for i, run_id in enumerate([first, first, second, second])]
     assert [a["decision"] for a in answers] == ["allow", "allow", "allow", "stop"], answers
     assert answers[-1]["reason"] == "max_steps" and parent in answers[-1]["message"]
+
+
+def test_a_pages_slow_read_is_cancelled_at_its_deadline_through_the_pooler(
+        pgbouncer: PgBouncer, team: Any, users: dict[str, Any], agent: Any) -> None:
+    """SPEC 10, "Bounded work per request", behind the pooler: a page's search over a team's
+    recorded runs is cancelled at DASHBOARD_STATEMENT_TIMEOUT_MS (a 503 page saying so), as it
+    is on PostgreSQL directly. The deadline was off behind a pooler in transaction mode: the
+    search held a server connection, shared with every team's checks, as long as it took (7 to
+    25 s over 300,000 runs). The server's checks are not cut short."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO runs_run (id, agent, status, steps, tool_calls, cost_usd, started_at,"
+            " task, metadata, output, memory, policy_version_id, team_id, ancestors, depth)"
+            " SELECT gen_random_uuid(), 'bulk', 'completed', 1, 1, 0, now(),"
+            " repeat(md5(i::text), 32), '{}', '', '{}', %s, %s, '[]', 0"
+            " FROM generate_series(1, 40000) i",
+            [team.policies.get(name="default").current.pk, team.pk])
+    srv = start_server(workers=1, env=server_env(
+        DATABASE_URL=pgbouncer.url, DATABASE_POOLER="transaction",
+        DASHBOARD_STATEMENT_TIMEOUT_MS="5"))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30, follow_redirects=False) as http:
+            page = http.get("/accounts/login/")
+            token = page.text.split('name="csrfmiddlewaretoken" value="')[1].split('"')[0]
+            assert http.post("/accounts/login/", data={
+                "username": "viewer", "password": "pw-viewer-123",
+                "csrfmiddlewaretoken": token}).status_code == 302
+            found = http.get(f"/teams/{team.slug}/runs/", params={"q": "no such task"})
+            assert found.status_code == 503, found.text[:300]
+            assert "took too long to read" in found.text
+        with httpx.Client(base_url=srv.url, timeout=30,
+                          headers={"Authorization": f"Bearer {agent.token}"}) as api:
+            run_id = api.post("/api/v1/runs", json={"agent": "support-bot"}).json()["run_id"]
+            answer = api.post(f"/api/v1/runs/{run_id}/check",
+                              json={"action": {"name": "search.docs", "args": {}}})
+            assert answer.status_code == 200 and answer.json()["decision"] == "allow"
+    finally:
+        srv.stop()

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, transaction
 from django.http import HttpRequest, HttpResponse
 from django.test import RequestFactory
 
@@ -57,6 +57,28 @@ def test_a_page_whose_read_takes_too_long_answers_503_saying_so(
     assert took < SLEEP_S - 1, f"the page waited for its read: {took:.1f} s"
     # The connection's next request (a form, say) has its own timeout again.
     assert statement_timeout() == before
+    monkeypatch.undo()
+    assert client.get(f"/teams/{team.slug}/").status_code == 200
+
+
+def test_behind_a_pooler_in_transaction_mode_each_read_has_the_deadline_in_its_transaction(
+        client: Any, team: Any, users: dict[str, Any], deadline: int, settings: Any,
+        monkeypatch: Any) -> None:
+    """DATABASE_POOLER=transaction: no session to set the deadline in, so each statement of
+    the page gets it in its own transaction (the pooler may give the next statement another
+    server connection). It once was off there: the page waited for its read."""
+    settings.DATABASE_POOLER = "transaction"
+    client.force_login(users["viewer"])
+    before = statement_timeout()
+    monkeypatch.setattr(dashboard, "would_stop_count", sleep_in_the_database)
+    started = time.monotonic()
+    page = client.get(f"/teams/{team.slug}/")
+    assert page.status_code == 503, page.content[:300]
+    assert time.monotonic() - started < SLEEP_S - 1
+    assert statement_timeout() == before  # nothing was set on the session
+    # Inside a transaction of the block's own, as outside one.
+    with read_deadline(), pytest.raises(OperationalError), transaction.atomic():
+        sleep_in_the_database()
     monkeypatch.undo()
     assert client.get(f"/teams/{team.slug}/").status_code == 200
 
@@ -115,10 +137,14 @@ def test_a_look_on_the_lane_is_cancelled_at_the_deadline(deadline: int) -> None:
 def test_behind_a_pooler_in_transaction_mode_the_deadline_sets_nothing_in_the_session(
         settings: Any) -> None:
     """A session SET would stay on whichever server connection ran it, for another client's
-    statements (docs/deploy.md, "PgBouncer"): there the deadline is off."""
+    statements (docs/deploy.md, "PgBouncer"): there each statement has the deadline in its
+    own transaction, and the session keeps its own."""
     settings.DATABASE_POOLER = "transaction"
     settings.DASHBOARD_STATEMENT_TIMEOUT_MS = 300
     before = statement_timeout()
     with read_deadline():
-        assert statement_timeout() == before
+        assert statement_timeout() == "300ms"
+        with connection.cursor() as cursor:  # the session, past the block's wrapper
+            cursor.cursor.execute("SHOW statement_timeout")
+            assert cursor.cursor.fetchone()[0] == before
     assert statement_timeout() == before
