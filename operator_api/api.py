@@ -122,8 +122,10 @@ def _own_context(view: Callable[..., Any]) -> Callable[..., Any]:
 router = Router(auth=OperatorTokenAuth(), tags=["operator"])
 router.add_decorator(_own_context, mode="view")
 
+# 413: the API's middleware refuses a body over the upload limit before any view runs
+# (governance/middleware.py `JsonApiErrorsMiddleware`), an operator call's too.
 ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut,
-          422: ErrorOut, 429: ErrorOut, 503: ErrorOut}
+          413: ErrorOut, 422: ErrorOut, 429: ErrorOut, 503: ErrorOut}
 
 
 def _storable(value: str | None) -> str | None:

@@ -316,3 +316,33 @@ def test_an_unknown_policys_422_is_documented(schema: Any, auth: dict[str, str])
     assert response.status_code == 422
     assert response.json()["error"]["fields"] == {
         "policy": "no policy named 'no-such-policy' in this team"}
+
+
+# --- A body over the upload limit: 413 on every operation that takes one ----------------------
+
+OPERATOR_WRITES = [
+    ("PUT", "/api/v1/teams/{slug}/policies/{name}", {"slug": "support", "name": "default"}),
+    ("POST", "/api/v1/teams/{slug}/policies/{name}/backtest",
+     {"slug": "support", "name": "default"}),
+    ("POST", "/api/v1/killswitch", {}),
+    ("POST", "/api/v1/approvals/{approval_id}/decide",
+     {"approval_id": "00000000-0000-0000-0000-000000000000"}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "path_parameters"), OPERATOR_WRITES)
+def test_an_operator_body_over_the_upload_limit_is_a_documented_413(
+        schema: Any, users: Any, method: str, path: str, path_parameters: dict[str, str]) -> None:
+    """The API's middleware refuses any body over Django's upload limit (1 MiB) with 413
+    before a view runs (SPEC 5.3), the operator API's too: the document says so for its
+    operations as it does for the agent API's."""
+    from django.conf import settings as django_settings
+
+    from policies.tokens import operator_token_create
+
+    token = operator_token_create(user=users["admin"], name="big", role="admin").secret
+    body = {"note": "x" * django_settings.DATA_UPLOAD_MAX_MEMORY_SIZE}
+    response = call(schema, {"Authorization": f"Bearer {token}"}, method, path, body,
+                    **path_parameters)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "payload_too_large"
