@@ -143,44 +143,36 @@ def layers(points: list[dict[str, Any]], rungs: tuple[str, ...] = RUNGS
     return out
 
 
+def _ratio(a: dict[str, Any], b: dict[str, Any], field: str = "checks_per_s") -> float:
+    return round(a[field] / b[field], 2)
+
+
 def headline(points: list[dict[str, Any]]) -> dict[str, Any]:
     """The targets of issue 33: real / wsgi-min at 32 agents (>= 0.7 this round), its p99
     within 1.5x, one agent alone within 1.3x of the minimal's p50; and the old ratio."""
     out: dict[str, Any] = {}
     for n in sorted({p["agents"] for p in points}):
-        real, fastest, old = _at(points, "real", n), _at(points, "wsgi-min", n), \
-            _at(points, OLD, n)
+        real, fastest, old, two, decided, before = (
+            _at(points, rung, n) for rung in ("real", "wsgi-min", OLD, TWO_TRIPS, DECIDED, OTHER))
         if real is None:
             continue
         if fastest:
-            out[f"real_over_wsgi_min_{n}"] = round(real["checks_per_s"]
-                                                   / fastest["checks_per_s"], 2)
-            out[f"p99_real_over_wsgi_min_{n}"] = round(real["p99_ms"] / fastest["p99_ms"], 2)
-            out[f"p50_real_over_wsgi_min_{n}"] = round(real["p50_ms"] / fastest["p50_ms"], 2)
+            out[f"real_over_wsgi_min_{n}"] = _ratio(real, fastest)
+            out[f"p99_real_over_wsgi_min_{n}"] = _ratio(real, fastest, "p99_ms")
+            out[f"p50_real_over_wsgi_min_{n}"] = _ratio(real, fastest, "p50_ms")
         if old:
-            out[f"real_over_min_durable_{n}"] = round(real["checks_per_s"]
-                                                      / old["checks_per_s"], 2)
-        two = _at(points, TWO_TRIPS, n)
+            out[f"real_over_min_durable_{n}"] = _ratio(real, old)
         if two and fastest:
-            out[f"two_trips_over_wsgi_min_{n}"] = round(two["checks_per_s"]
-                                                        / fastest["checks_per_s"], 2)
-            out[f"real_over_two_trips_{n}"] = round(real["checks_per_s"]
-                                                    / two["checks_per_s"], 2)
-        decided = _at(points, DECIDED, n)
+            out[f"two_trips_over_wsgi_min_{n}"] = _ratio(two, fastest)
+            out[f"real_over_two_trips_{n}"] = _ratio(real, two)
         if decided and fastest:
-            out[f"rules_over_wsgi_min_{n}"] = round(decided["checks_per_s"]
-                                                    / fastest["checks_per_s"], 2)
-            out[f"p50_rules_over_wsgi_min_{n}"] = round(decided["p50_ms"]
-                                                        / fastest["p50_ms"], 2)
-        before = _at(points, OTHER, n)
+            out[f"rules_over_wsgi_min_{n}"] = _ratio(decided, fastest)
+            out[f"p50_rules_over_wsgi_min_{n}"] = _ratio(decided, fastest, "p50_ms")
         if before and fastest:
-            out[f"other_over_wsgi_min_{n}"] = round(before["checks_per_s"]
-                                                    / fastest["checks_per_s"], 2)
-            out[f"p50_other_over_wsgi_min_{n}"] = round(before["p50_ms"] / fastest["p50_ms"],
-                                                        2)
+            out[f"other_over_wsgi_min_{n}"] = _ratio(before, fastest)
+            out[f"p50_other_over_wsgi_min_{n}"] = _ratio(before, fastest, "p50_ms")
         if before:
-            out[f"real_over_other_{n}"] = round(real["checks_per_s"]
-                                                / before["checks_per_s"], 2)
+            out[f"real_over_other_{n}"] = _ratio(real, before)
     return out
 
 
